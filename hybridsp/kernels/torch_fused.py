@@ -1,0 +1,94 @@
+"""PyTorch's fused flash-attention kernels that expose the log-sum-exp.
+
+CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (fp32,
+bf16, fp16; native GQA). CUDA: ``aten._scaled_dot_product_flash_attention`` and its
+``_backward`` (fp16/bf16 only; K/V heads are expanded for GQA and their gradients summed).
+Both take the layout [B, H, S, D]; this module converts from and to [B, S, H, D].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridsp.kernels.base import check_qkv, lse_for_backward
+from hybridsp.kernels.reference import _expand_kv_heads, _reduce_kv_heads
+
+_aten = torch.ops.aten
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> [B, H, S, D] (a view)."""
+    return x.transpose(1, 2)  # [B, H, S, D]
+
+
+def _seq_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, D] -> [B, S, H, D] (a view)."""
+    return x.transpose(1, 2)  # [B, S, H, D]
+
+
+def _no_key_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
+    """The CUDA flash kernel reports a row that saw no key as lse +inf; make it -inf.
+
+    (The CPU kernel would say 0, but only for rows masked by an explicit mask, which this
+    module never passes; empty key blocks are answered by :func:`_empty_key_result`.)
+    """
+    return torch.where(torch.isposinf(lse), torch.full_like(lse, -torch.inf), lse)
+
+
+class TorchFusedKernel:
+    """Fused PyTorch flash kernels (see :mod:`hybridsp.kernels.base` for the protocol)."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, *, causal: bool, softmax_scale: float):
+        check_qkv(q, k, v, causal=causal)
+        if k.shape[1] == 0:
+            return _empty_key_result(q)
+        if q.is_cuda:
+            return _cuda_forward(q, k, v, causal, softmax_scale)
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=softmax_scale
+        )
+        return _seq_first(out), lse.float()
+
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
+        check_qkv(q, k, v, causal=causal)
+        lse = lse_for_backward(lse.float())
+        if q.is_cuda:
+            return _cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v),
+            _heads_first(out), lse, 0.0, causal, scale=softmax_scale,
+        )
+        return _seq_first(dq), _seq_first(dk), _seq_first(dv)
+
+
+def _empty_key_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out = 0 [B, Sq, H, D] and lse = -inf [B, H, Sq] for a call with no keys at all."""
+    b, s, h, _ = q.shape
+    return torch.zeros_like(q), torch.full((b, h, s), -torch.inf, device=q.device)
+
+
+def _cuda_forward(q, k, v, causal, scale):
+    """aten CUDA flash forward; K/V heads expanded to the query heads first."""
+    h = q.shape[2]
+    k, v = _expand_kv_heads(k, h), _expand_kv_heads(v, h)
+    result = _aten._scaled_dot_product_flash_attention(
+        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, False, scale=scale
+    )
+    out, lse = result[0], result[1]
+    return _seq_first(out), _no_key_rows_to_neg_inf(lse.float())
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
+    """aten CUDA flash backward; K/V gradients summed back over each query group."""
+    h, hkv = q.shape[2], k.shape[2]
+    k_full, v_full = _expand_kv_heads(k, h), _expand_kv_heads(v, h)
+    sq, sk = q.shape[1], k.shape[1]
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        _heads_first(dout).contiguous(), _heads_first(q), _heads_first(k_full), _heads_first(v_full),
+        _heads_first(out), lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale,
+    )
+    dk, dv = _reduce_kv_heads(_seq_first(dk), hkv), _reduce_kv_heads(_seq_first(dv), hkv)
+    return _seq_first(dq), dk, dv

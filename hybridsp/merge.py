@@ -1,0 +1,67 @@
+"""Merging partial attention results by their log-sum-exp, in fp32.
+
+If a query row attends to key blocks ``A`` and ``B`` separately, with results
+``(out_a, lse_a)`` and ``(out_b, lse_b)``, the attention over ``A u B`` is
+
+    lse = log(exp(lse_a) + exp(lse_b))
+    out = sigmoid(lse_a - lse_b) * out_a + sigmoid(lse_b - lse_a) * out_b
+
+(the two weights are exp(lse_a - lse) and exp(lse_b - lse), written through the difference
+of the lse values so that nothing overflows or loses digits when the lse are large). A block in which a row saw no key carries
+``lse = -inf`` (weight 0); some kernels say ``+inf`` for that, which is normalised to
+``-inf`` first. A row that has seen no key in any block keeps ``out = 0, lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _no_key_as_neg_inf(lse: torch.Tensor) -> torch.Tensor:
+    """lse [B, H, S]: +inf (a kernel's 'no key' marker) becomes -inf."""
+    return torch.where(torch.isposinf(lse), torch.full_like(lse, -torch.inf), lse)
+
+
+def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(lse_a - lse) and exp(lse_b - lse) as [B, S, H, 1] each, from the difference alone.
+
+    ``sigmoid(lse_a - lse_b)`` never rounds the large lse values themselves, so the weights
+    stay exact when both lse are huge; rows that have seen no key in either get 0 and 0.
+    """
+    diff = lse_a - lse_b  # [B, H, S]; nan where both are -inf
+    nothing_seen = torch.isneginf(lse_a) & torch.isneginf(lse_b)
+    diff = torch.where(nothing_seen, torch.zeros_like(diff), diff)
+    weight_a = torch.where(nothing_seen, torch.zeros_like(diff), torch.sigmoid(diff))
+    weight_b = torch.where(nothing_seen, torch.zeros_like(diff), torch.sigmoid(-diff))
+    return weight_a.transpose(1, 2).unsqueeze(-1), weight_b.transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+
+
+def merge_into(
+    out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """Fold one block's result into the running fp32 accumulators, in place.
+
+    Args:
+        out_acc: [B, S, H, D] fp32 running output (may be a view of a larger buffer).
+        lse_acc: [B, H, S] fp32 running log-sum-exp, -inf where nothing was seen yet.
+        block_out: [B, S, H, D] this block's output, any float dtype.
+        block_lse: [B, H, S] this block's log-sum-exp.
+    """
+    block_lse = _no_key_as_neg_inf(block_lse.float())
+    weight_acc, weight_block = _weights(lse_acc, block_lse)
+    out_acc.copy_(out_acc * weight_acc + block_out.float() * weight_block)
+    lse_acc.copy_(torch.logaddexp(lse_acc, block_lse))
+
+
+def merge_blocks(
+    outs: list[torch.Tensor], lses: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge several blocks' (out [B, S, H, D], lse [B, H, S]) for the same query rows.
+
+    Returns (out [B, S, H, D] fp32, lse [B, H, S] fp32).
+    """
+    out_acc = torch.zeros_like(outs[0], dtype=torch.float32)
+    lse_acc = torch.full_like(lses[0], -torch.inf, dtype=torch.float32)
+    for out, lse in zip(outs, lses):
+        merge_into(out_acc, lse_acc, out, lse)
+    return out_acc, lse_acc
