@@ -24,8 +24,9 @@ class CommCounter:
     bytes_sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, kind: str, tensors: list[torch.Tensor]) -> None:
-        self.bytes_sent[kind] += sum(t.numel() * t.element_size() for t in tensors)
+    def record(self, kind: str, nbytes: int) -> None:
+        """Add one operation of ``kind`` that sent ``nbytes`` bytes to other ranks."""
+        self.bytes_sent[kind] += nbytes
         self.calls[kind] += 1
 
     def total(self) -> int:
@@ -84,5 +85,5 @@ class RingExchange:
         ops = [dist.P2POp(dist.isend, t, self.next_rank, self._group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, b, self.prev_rank, self._group) for b in received]
         if self._counter is not None:
-            self._counter.record(self._kind, tensors)
+            self._counter.record(self._kind, tensor_bytes(tensors))
         return _PendingExchange(dist.batch_isend_irecv(ops), received)

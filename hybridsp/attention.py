@@ -1,0 +1,124 @@
+"""The public hybrid attention: Ulysses all-to-all around ring attention.
+
+    q,k,v [B, S/C, H, D]  --seq_to_heads (U-group)-->  [B, S/R, H/U, D]
+          --ring attention (R-group)-->  out [B, S/R, H/U, D]
+          --heads_to_seq (U-group)-->  out [B, S/C, H, D]
+
+with ``C = U * R`` the context ranks of one data-parallel replica. Tokens are laid out as
+:func:`shard_sequence` places them (zigzag over the ring, contiguous over Ulysses).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridsp.comm import CommCounter
+from hybridsp.kernels import AttentionKernel, check_qkv
+from hybridsp.layout import check_sequence_length, join_shards, take_shard
+from hybridsp.mesh import HybridMesh
+from hybridsp.ring import ring_attention
+from hybridsp.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
+
+
+def check_hybrid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: HybridMesh) -> None:
+    """Raise ValueError, quoting the numbers, for inputs the mesh cannot run (no communication)."""
+    check_qkv(q, k, v, causal=False)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    heads = q.shape[2]
+    if heads % mesh.ulysses != 0:
+        raise ValueError(
+            f"query heads ({heads}) must be divisible by the Ulysses degree ({mesh.ulysses}); choose a "
+            f"Ulysses degree that divides {heads} and move the rest of the context ranks to the ring"
+        )
+    check_sequence_length(q.shape[1] * mesh.context, mesh.ring, mesh.ulysses, mesh.layout)
+
+
+def hybrid_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: HybridMesh,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    backend: str | AttentionKernel = "auto",
+    counter: CommCounter | None = None,
+) -> torch.Tensor:
+    """Exact attention over a sequence sharded across the mesh's context ranks.
+
+    Args:
+        q: [B, S_local, H, D] this rank's queries (tokens as :func:`shard_sequence` lays them out).
+        k, v: [B, S_local, H_kv, D] (H % H_kv == 0; H_kv may be smaller than the Ulysses degree).
+        mesh: the :class:`~hybridsp.mesh.HybridMesh` (explicit process groups).
+        causal: causal masking by global token position.
+        softmax_scale: defaults to 1/sqrt(D).
+        backend: ``auto``, ``torch``, ``flash``, ``reference`` or a kernel object.
+        counter: optional :class:`~hybridsp.comm.CommCounter` recording bytes sent.
+
+    Returns:
+        out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
+    """
+    check_hybrid_inputs(q, k, v, mesh)
+    heads = q.shape[2]
+    if mesh.ulysses > 1:
+        k, v = expand_kv_heads_for(k, heads, mesh.ulysses), expand_kv_heads_for(v, heads, mesh.ulysses)
+        q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group, counter)  # each [B, S/R, H/U, D]
+    ring_group = mesh.ring_group if mesh.ring > 1 else None
+    out = ring_attention(
+        q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, backend=backend,
+        layout=mesh.layout, counter=counter,
+    )  # [B, S/R, H/U, D]
+    if mesh.ulysses > 1:
+        (out,) = heads_to_seq([out], mesh.ulysses_group, counter)  # [B, S/C, H, D]
+    return out
+
+
+class HybridAttention(nn.Module):
+    """``nn.Module`` around :func:`hybrid_attn_func`: ``forward(q, k, v) -> out``, shapes as there."""
+
+    def __init__(
+        self,
+        mesh: HybridMesh,
+        *,
+        causal: bool = False,
+        softmax_scale: float | None = None,
+        backend: str | AttentionKernel = "auto",
+    ):
+        super().__init__()
+        self.mesh, self.causal, self.softmax_scale, self.backend = mesh, causal, softmax_scale, backend
+
+    def forward(self, q, k, v, counter: CommCounter | None = None):
+        return hybrid_attn_func(
+            q, k, v, mesh=self.mesh, causal=self.causal, softmax_scale=self.softmax_scale,
+            backend=self.backend, counter=counter,
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.mesh!r}, causal={self.causal}, backend={self.backend!r}"
+
+
+def shard_sequence(x: torch.Tensor, mesh: HybridMesh, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of the full tensor ``x`` along ``dim``, in the mesh's token layout.
+
+    No communication; identical across data-parallel replicas. Raises ValueError when the
+    layout cannot split ``x.shape[dim]`` evenly.
+    """
+    return take_shard(x, mesh.ring_rank, mesh.ulysses_rank, mesh.ring, mesh.ulysses, mesh.layout, dim)
+
+
+def gather_sequence(x_local: torch.Tensor, mesh: HybridMesh, dim: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: the full tensor, on every rank of the context group.
+
+    A collective over ``mesh.context_group``; not differentiable.
+    """
+    x_local = x_local.contiguous()
+    if mesh.context == 1:
+        return x_local
+    gathered = [torch.empty_like(x_local) for _ in range(mesh.context)]
+    dist.all_gather(gathered, x_local, group=mesh.context_group)  # in ascending global rank order
+    by_rank = dict(zip(sorted(mesh.context_members()), gathered))
+    shards = [by_rank[member] for member in mesh.context_members()]  # in shard order r * U + u
+    return join_shards(shards, mesh.ring, mesh.ulysses, mesh.layout, dim)

@@ -1,0 +1,150 @@
+"""The data-parallel x ring x Ulysses device mesh.
+
+World ``W = DP * R * U``. With the default ``order="ulysses_inner"`` a rank's coordinates are
+
+    rank = (dp * R + r) * U + u
+
+so the ``U`` ranks of a Ulysses group are consecutive and sit inside one node (the
+all-to-all wants the fast intra-node links) while the ring, whose point-to-point traffic
+hides behind compute, spans nodes. ``order="ring_inner"`` flips the two:
+``rank = (dp * U + u) * R + r``.
+
+Groups (each created once, on every rank, in the same order):
+    ulysses_group   the U ranks that share (dp, r)         all-to-all
+    ring_group      the R ranks that share (dp, u)         ring send/recv
+    context_group   the U*R ranks of one replica (dp)      gathering a sequence
+    data_group      the DP ranks that share (r, u)         pure data parallelism
+    data_context_group  all DP*U*R ranks                   ZeRO's gradient/optimizer group
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from hybridsp.layout import LAYOUTS
+
+ORDERS = ("ulysses_inner", "ring_inner")
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes and rank order of a mesh, validated without any communication."""
+
+    world_size: int
+    ulysses: int
+    ring: int
+    order: str = "ulysses_inner"
+    layout: str = "zigzag"
+
+    def __post_init__(self):
+        for name in ("ulysses", "ring"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} degree must be a positive integer; got {value!r}")
+        if self.order not in ORDERS:
+            raise ValueError(f"unknown rank order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown token layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
+        context = self.ulysses * self.ring
+        if self.world_size % context != 0:
+            raise ValueError(
+                f"ulysses={self.ulysses} x ring={self.ring} = {context} context ranks do not divide the "
+                f"world size {self.world_size}; choose degrees whose product divides {self.world_size}"
+            )
+
+    @property
+    def context(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.context
+
+    def rank_of(self, dp: int, r: int, u: int) -> int:
+        """Global rank of the coordinates (dp, ring rank r, Ulysses rank u)."""
+        if self.order == "ulysses_inner":
+            return (dp * self.ring + r) * self.ulysses + u
+        return (dp * self.ulysses + u) * self.ring + r
+
+    def coords_of(self, rank: int) -> tuple[int, int, int]:
+        """(dp, r, u) of a global rank."""
+        if self.order == "ulysses_inner":
+            rest, u = divmod(rank, self.ulysses)
+            dp, r = divmod(rest, self.ring)
+        else:
+            rest, r = divmod(rank, self.ring)
+            dp, u = divmod(rest, self.ulysses)
+        return dp, r, u
+
+    def group_members(self) -> dict[str, list[list[int]]]:
+        """Every group of every kind as sorted global ranks, in a fixed order."""
+        dps, rings, ulys = range(self.dp), range(self.ring), range(self.ulysses)
+        return {
+            "ulysses": [sorted(self.rank_of(d, r, u) for u in ulys) for d in dps for r in rings],
+            "ring": [sorted(self.rank_of(d, r, u) for r in rings) for d in dps for u in ulys],
+            "context": [sorted(self.rank_of(d, r, u) for r in rings for u in ulys) for d in dps],
+            "data": [sorted(self.rank_of(d, r, u) for d in dps) for r in rings for u in ulys],
+            "data_context": [list(range(self.world_size))],
+        }
+
+
+class HybridMesh:
+    """A validated :class:`MeshShape` plus this rank's coordinates and process groups.
+
+    Build it with :func:`init_mesh`; pass it explicitly to everything that communicates.
+    """
+
+    def __init__(self, shape: MeshShape, rank: int, groups: dict[str, dist.ProcessGroup]):
+        self.shape = shape
+        self.rank = rank
+        self.dp_rank, self.ring_rank, self.ulysses_rank = shape.coords_of(rank)
+        self.ulysses_group = groups["ulysses"]
+        self.ring_group = groups["ring"]
+        self.context_group = groups["context"]
+        self.data_group = groups["data"]
+        self.data_context_group = groups["data_context"]
+
+    ulysses = property(lambda self: self.shape.ulysses)
+    ring = property(lambda self: self.shape.ring)
+    dp = property(lambda self: self.shape.dp)
+    context = property(lambda self: self.shape.context)
+    layout = property(lambda self: self.shape.layout)
+    world_size = property(lambda self: self.shape.world_size)
+
+    @property
+    def context_rank(self) -> int:
+        """This rank's shard index inside its replica: r * U + u (the token layout's order)."""
+        return self.ring_rank * self.ulysses + self.ulysses_rank
+
+    def context_members(self) -> list[int]:
+        """Global ranks of this rank's context group, ordered by shard index r * U + u."""
+        return [self.shape.rank_of(self.dp_rank, r, u) for r in range(self.ring) for u in range(self.ulysses)]
+
+    def __repr__(self) -> str:
+        return (
+            f"HybridMesh(dp={self.dp}, ring={self.ring}, ulysses={self.ulysses}, order={self.shape.order!r}, "
+            f"layout={self.layout!r}, rank={self.rank} -> dp={self.dp_rank}, r={self.ring_rank}, u={self.ulysses_rank})"
+        )
+
+
+def init_mesh(
+    ulysses: int, ring: int, *, order: str = "ulysses_inner", layout: str = "zigzag"
+) -> HybridMesh:
+    """Build the DP x ring x Ulysses mesh over the initialised world (a collective on all ranks).
+
+    ``DP = world_size / (ulysses * ring)``. Raises ValueError, before any collective, when the
+    degrees do not divide the world size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("init_mesh needs torch.distributed to be initialised first (init_process_group)")
+    shape = MeshShape(dist.get_world_size(), ulysses, ring, order, layout)
+    rank = dist.get_rank()
+    groups = {}
+    for kind, all_members in shape.group_members().items():
+        for members in all_members:
+            group = dist.new_group(members)
+            if rank in members:
+                groups[kind] = group
+    return HybridMesh(shape, rank, groups)
