@@ -22,18 +22,15 @@ def _no_key_as_neg_inf(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isposinf(lse), torch.full_like(lse, -torch.inf), lse)
 
 
-def _weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """exp(lse_a - lse) and exp(lse_b - lse) as [B, S, H, 1] each, from the difference alone.
+def _block_weight(lse_acc: torch.Tensor, block_lse: torch.Tensor) -> torch.Tensor:
+    """exp(block_lse - lse) = sigmoid(block_lse - lse_acc) as [B, S, H, 1]; 0 where neither saw a key.
 
-    ``sigmoid(lse_a - lse_b)`` never rounds the large lse values themselves, so the weights
-    stay exact when both lse are huge; rows that have seen no key in either get 0 and 0.
+    Computed from the difference alone, so it stays exact when both lse are huge; the
+    accumulator's own weight is ``1 - weight``, which :meth:`torch.Tensor.lerp_` applies.
     """
-    diff = lse_a - lse_b  # [B, H, S]; nan where both are -inf
-    nothing_seen = torch.isneginf(lse_a) & torch.isneginf(lse_b)
-    diff = torch.where(nothing_seen, torch.zeros_like(diff), diff)
-    weight_a = torch.where(nothing_seen, torch.zeros_like(diff), torch.sigmoid(diff))
-    weight_b = torch.where(nothing_seen, torch.zeros_like(diff), torch.sigmoid(-diff))
-    return weight_a.transpose(1, 2).unsqueeze(-1), weight_b.transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    diff = block_lse - lse_acc  # [B, H, S]; nan where both are -inf
+    weight = torch.sigmoid(diff).nan_to_num_(nan=0.0)
+    return weight.transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
 
 
 def merge_into(
@@ -48,8 +45,7 @@ def merge_into(
         block_lse: [B, H, S] this block's log-sum-exp.
     """
     block_lse = _no_key_as_neg_inf(block_lse.float())
-    weight_acc, weight_block = _weights(lse_acc, block_lse)
-    out_acc.copy_(out_acc * weight_acc + block_out.float() * weight_block)
+    out_acc.lerp_(block_out.float(), _block_weight(lse_acc, block_lse))
     lse_acc.copy_(torch.logaddexp(lse_acc, block_lse))
 
 
