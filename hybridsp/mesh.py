@@ -19,6 +19,8 @@ Groups (each created once, on every rank, in the same order):
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -129,17 +131,75 @@ class HybridMesh:
         )
 
 
+def _local_world_size(explicit: int | None, world_size: int) -> int:
+    """Ranks per node: the argument, else the launcher's LOCAL_WORLD_SIZE, else the world."""
+    if explicit is not None:
+        return explicit
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def _resolve_degrees(
+    ulysses: int | str, ring: int | str, world_size: int, local_world_size: int, attention: dict
+) -> tuple[int, int]:
+    """Explicit degrees as given; "auto" ones from :func:`hybridsp.planner.plan_degrees`."""
+    if ulysses != "auto" and ring != "auto":
+        return ulysses, ring
+    if attention.get("num_heads") is None:
+        raise ValueError(
+            "ulysses='auto' or ring='auto' needs the attention shape: pass num_heads= (and num_kv_heads=, "
+            "head_dim=, seq_len= when known) to init_mesh"
+        )
+    from hybridsp.planner import plan_degrees
+
+    heads = attention["num_heads"]
+    return plan_degrees(
+        world_size, local_world_size, heads, attention.get("num_kv_heads") or heads,
+        attention.get("head_dim") or 128, attention.get("seq_len"),
+        context_size=attention.get("context_size"),
+        ulysses=None if ulysses == "auto" else ulysses, ring=None if ring == "auto" else ring,
+    )
+
+
+def _warn_if_ulysses_crosses_nodes(shape: MeshShape, local_world_size: int) -> None:
+    if shape.order == "ulysses_inner" and local_world_size % shape.ulysses != 0:
+        warnings.warn(
+            f"Ulysses degree {shape.ulysses} does not divide the {local_world_size} ranks per node, so its "
+            f"all-to-all crosses nodes; prefer a Ulysses degree that divides {local_world_size} and a larger ring",
+            stacklevel=3,
+        )
+
+
 def init_mesh(
-    ulysses: int, ring: int, *, order: str = "ulysses_inner", layout: str = "zigzag"
+    ulysses: int | str = "auto",
+    ring: int | str = "auto",
+    *,
+    order: str = "ulysses_inner",
+    layout: str = "zigzag",
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    seq_len: int | None = None,
+    context_size: int | None = None,
+    local_world_size: int | None = None,
 ) -> HybridMesh:
     """Build the DP x ring x Ulysses mesh over the initialised world (a collective on all ranks).
 
-    ``DP = world_size / (ulysses * ring)``. Raises ValueError, before any collective, when the
-    degrees do not divide the world size.
+    ``DP = world_size / (ulysses * ring)``. Either degree may be ``"auto"``: the planner then
+    picks the largest Ulysses degree that divides the query heads and fits inside a node
+    (``local_world_size``, default the launcher's ``LOCAL_WORLD_SIZE``) and puts the rest on
+    the ring; that needs ``num_heads`` (and uses ``num_kv_heads``, ``head_dim``, ``seq_len``
+    and ``context_size`` (default: the whole world) when given). Raises ValueError, before any
+    collective, when the degrees do not divide the world size or cannot be chosen.
     """
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs torch.distributed to be initialised first (init_process_group)")
-    shape = MeshShape(dist.get_world_size(), ulysses, ring, order, layout)
+    world_size = dist.get_world_size()
+    local = _local_world_size(local_world_size, world_size)
+    attention = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_len=seq_len,
+                     context_size=context_size)
+    ulysses, ring = _resolve_degrees(ulysses, ring, world_size, local, attention)
+    shape = MeshShape(world_size, ulysses, ring, order, layout)
+    _warn_if_ulysses_crosses_nodes(shape, local)
     rank = dist.get_rank()
     groups = {}
     for kind, all_members in shape.group_members().items():

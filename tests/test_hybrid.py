@@ -81,6 +81,7 @@ def _bad_inputs(rank, world):
         "kv_len": lambda: hybrid_attn_func(*random_qkv(1, 8, 8, 2, 16)[:1], k[:, :4], v[:, :4], mesh=mesh),
         "shard": lambda: shard_sequence(torch.zeros(1, 36), mesh),
         "mesh": lambda: init_mesh(ulysses=3, ring=1),
+        "auto": lambda: init_mesh(),
     }.items():
         with pytest.raises(ValueError) as info:
             call()
@@ -92,6 +93,7 @@ def _bad_inputs(rank, world):
     assert "same local tokens" in raised["kv_len"]
     assert "sequence length 36" in raised["shard"] and "pad the sequence to 40" in raised["shard"]
     assert "3 context ranks do not divide the world size 8" in raised["mesh"]
+    assert "needs the attention shape" in raised["auto"]
 
 
 def test_bad_inputs_raise_value_errors_on_every_rank_without_hanging():

@@ -1,0 +1,187 @@
+"""``python -m hybridsp plan``: rank Ulysses x ring x DP x ZeRO plans for a model on a cluster.
+
+Presets (``--model``, ``--gpu``, ``--intra``, ``--inter``) give every number; explicit
+options (``--heads``, ``--flops``, ``--memory-gib``, ``--intra-bw`` ...) override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+
+from hybridsp.planner.plans import Plan, format_seconds
+from hybridsp.planner.search import PlanResult, SearchSpace, longest_context, plan
+from hybridsp.planner.specs import (
+    GIB, GPUS, INTER_LINKS, INTRA_LINKS, MODELS, ClusterSpec, ModelSpec, Workload, preset_cluster,
+)
+
+HELP = "rank Ulysses x ring x DP x ZeRO plans for a model on a cluster"
+_MODEL_FIELDS = {  # option dest -> ModelSpec field
+    "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "hidden": "hidden_size",
+    "intermediate": "intermediate_size", "layers": "num_layers", "vocab": "vocab_size",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` subcommand's options."""
+    model = parser.add_argument_group("model (a preset, explicit numbers override it)")
+    model.add_argument("--model", choices=sorted(MODELS), help="model preset")
+    for option, field in _MODEL_FIELDS.items():
+        model.add_argument(f"--{option.replace('_', '-')}", type=int, help=f"ModelSpec.{field}")
+    cluster = parser.add_argument_group("cluster (presets, explicit numbers override them)")
+    cluster.add_argument("--gpu", choices=sorted(GPUS), default="h100")
+    cluster.add_argument("--intra", choices=INTRA_LINKS, default="nvlink", help="intra-node link")
+    cluster.add_argument("--inter", choices=sorted(INTER_LINKS), default="ib", help="inter-node link")
+    cluster.add_argument("--nodes", type=int, default=1)
+    cluster.add_argument("--gpus-per-node", type=int, default=8)
+    cluster.add_argument("--flops", type=float, help="peak dense FLOP/s per accelerator")
+    cluster.add_argument("--memory-gib", type=float, help="memory per accelerator, GiB")
+    cluster.add_argument("--intra-bw", type=float, help="intra-node bytes/s per accelerator per direction")
+    cluster.add_argument("--inter-bw", type=float, help="inter-node bytes/s per accelerator per direction")
+    cluster.add_argument("--efficiency", type=float, help="achieved fraction of peak FLOP/s (default 0.5)")
+    cluster.add_argument("--reserved-gib", type=float, help="memory kept from the model per accelerator (default 4)")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--seq-len", type=int, help="tokens per sequence (required unless --longest-context)")
+    work.add_argument("--micro-batch", type=int, default=1, help="sequences per replica per step")
+    work.add_argument("--forward-only", action="store_true", help="inference: no backward, grads or optimizer")
+    work.add_argument("--chunked-loss", action="store_true", help="the loss never materialises all logits")
+    work.add_argument("--non-causal", action="store_true", help="bidirectional attention")
+    work.add_argument("--dtype-bytes", type=int, default=2, help="activation element size (2 = bf16)")
+    search = parser.add_argument_group("search")
+    search.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), help="ZeRO stage(s) (default: all)")
+    search.add_argument("--activation-checkpointing", nargs="?", const="on", default="auto",
+                        choices=("on", "off", "auto"), help="on, off, or auto (try both; default)")
+    search.add_argument("--dp", type=int, help="fix the data-parallel degree")
+    search.add_argument("--ulysses", type=int, help="fix the Ulysses degree")
+    search.add_argument("--ring", type=int, help="fix the ring degree")
+    search.add_argument("--order", choices=("ulysses_inner", "ring_inner"), default="ulysses_inner")
+    search.add_argument("--longest-context", action="store_true", help="find the longest sequence that fits")
+    search.add_argument("--granularity", type=int, default=1024, help="--longest-context step, tokens")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--top", type=int, default=12, help="table rows (0: all)")
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The preset with explicit numbers applied, or a model from explicit numbers alone."""
+    given = {field: getattr(args, option) for option, field in _MODEL_FIELDS.items() if getattr(args, option)}
+    if args.model:
+        return replace(MODELS[args.model], **given)
+    missing = [f"--{o.replace('_', '-')}" for o in ("heads", "hidden", "intermediate", "layers", "vocab")
+               if _MODEL_FIELDS[o] not in given]
+    if missing:
+        raise ValueError(f"give --model or the model's shape; missing {' '.join(missing)}")
+    given.setdefault("num_kv_heads", given["num_heads"])
+    given.setdefault("head_dim", given["hidden_size"] // given["num_heads"])
+    return ModelSpec(**given)
+
+
+def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
+    overrides = {
+        "peak_flops": args.flops, "intra_bw": args.intra_bw, "inter_bw": args.inter_bw, "efficiency": args.efficiency,
+        "memory_bytes": args.memory_gib * GIB if args.memory_gib else None,
+        "reserved_bytes": args.reserved_gib * GIB if args.reserved_gib is not None else None,
+    }
+    given = {key: value for key, value in overrides.items() if value is not None}
+    return preset_cluster(args.gpu, args.nodes, args.gpus_per_node, args.intra, args.inter, **given)
+
+
+def space_from_args(args: argparse.Namespace) -> SearchSpace:
+    checkpointing = {"on": (True,), "off": (False,), "auto": (False, True)}[args.activation_checkpointing]
+    stages = tuple(args.zero) if args.zero else (0, 1, 2, 3)
+    return SearchSpace(stages, checkpointing, args.dp, args.ulysses, args.ring, args.order)
+
+
+def _why(plan: Plan) -> str:
+    """The table's short reason: what keeps this plan from being faster or from fitting."""
+    if not plan.fits:
+        return f"needs {plan.memory.total / GIB:.1f} GiB"
+    parts = []
+    if plan.config.ulysses > 1 and plan.topology.ulysses_crosses_nodes:
+        parts.append("all-to-all crosses nodes")
+    ring = plan.timing.ring
+    if ring is not None and not (ring.forward_hidden and ring.backward_hidden):
+        parts.append(f"ring exposed {format_seconds(ring.exposed_s)}")
+    if plan.timing.zero_exposed_s > 0:
+        parts.append(f"ZeRO exposed {format_seconds(plan.timing.zero_exposed_s)}")
+    return ", ".join(parts)
+
+
+def _row(index: int, plan: Plan, best: Plan | None) -> str:
+    c, t = plan.config, plan.timing
+    mark = "*" if plan is best else " "
+    ratio = f"x{plan.seconds_per_sequence / best.seconds_per_sequence:.3f}" if best else "-"
+    a2a = "-" if c.ulysses == 1 else ("xnode" if plan.topology.ulysses_crosses_nodes else "node")
+    ring = "-" if t.ring is None else ("xnode" if t.ring.link == "inter" else "node")
+    ckpt = "on" if c.checkpointing else "off"
+    return (f"{index:>3}{mark} {c.dp:>3} {c.ulysses:>3} {c.ring:>3} {c.zero_stage:>4} {ckpt:>4} "
+            f"{plan.step_s:>9.3f} {ratio:>7} {plan.tokens_per_s:>10.0f} {plan.memory.total / GIB:>7.1f} "
+            f"{t.all_to_all_s:>7.3f} {t.ring_exposed_s:>7.3f} {a2a:>5} {ring:>5}  {_why(plan)}")
+
+
+def _recommendation(result: PlanResult) -> list[str]:
+    best = result.recommended
+    if best is None:
+        return ["No plan fits in memory; try --activation-checkpointing, a higher --zero stage, --chunked-loss, "
+                "more nodes or a shorter --seq-len."]
+    c, t, m = best.config, best.timing, best.memory
+    lines = [
+        f"Recommended: DP={c.dp} x Ulysses={c.ulysses} x ring={c.ring}, ZeRO-{c.zero_stage}, "
+        f"activation checkpointing {'on' if c.checkpointing else 'off'}",
+        f"  step {format_seconds(best.step_s)} = compute {format_seconds(t.compute_s)} + all-to-all "
+        f"{format_seconds(t.all_to_all_s)} + ring exposed {format_seconds(t.ring_exposed_s)} + ZeRO exposed "
+        f"{format_seconds(t.zero_exposed_s)}; {best.tokens_per_s:,.0f} tokens/s; MFU "
+        f"{best.mfu(result.cluster.peak_flops):.0%}",
+        f"  memory {m.total / GIB:.1f} GiB: model states {m.model_states / GIB:.1f}, activations "
+        f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, attention workspace {m.workspace / GIB:.1f} "
+        f"(usable {best.usable_bytes / GIB:.1f} GiB)",
+    ]
+    return lines + [f"  - {note}" for note in best.notes]
+
+
+def format_result(result: PlanResult, top: int = 12) -> str:
+    """The ranked table, the recommendation and the rejected meshes, as text."""
+    w, cl = result.workload, result.cluster
+    header = (f"{result.model.name}: {result.model.total_params / 1e9:.2f}B params, seq {w.seq_len:,} x micro-batch "
+              f"{w.micro_batch}{' (forward only)' if w.forward_only else ''} on {cl.name} "
+              f"({cl.world_size} GPUs, {cl.peak_flops / 1e12:.0f} TFLOP/s x {cl.efficiency:g}, "
+              f"{cl.memory_bytes / GIB:.0f} GiB, intra {cl.intra_bw / 1e9:g} GB/s, inter {cl.inter_bw / 1e9:g} GB/s)")
+    columns = (f"{'#':>4} {'DP':>3} {'U':>3} {'R':>3} {'ZeRO':>4} {'ckpt':>4} {'step s':>9} {'vs *':>7} "
+               f"{'tokens/s':>10} {'mem GiB':>7} {'a2a s':>7} {'ring s':>7} {'a2a':>5} {'ring':>5}  why")
+    shown = result.ranked if top <= 0 else result.ranked[:top]
+    lines = [header, "", columns] + [_row(i + 1, p, result.recommended) for i, p in enumerate(shown)]
+    if len(shown) < len(result.ranked):
+        lines.append(f"     ... {len(result.ranked) - len(shown)} more (--top 0 shows all)")
+    lines += [""] + _recommendation(result)
+    if result.rejected:
+        lines += ["", f"Rejected meshes ({len(result.rejected)}):"]
+        lines += [f"  DP={p.config.dp} U={p.config.ulysses} R={p.config.ring}: {'; '.join(p.problems)}"
+                  for p in result.rejected]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``plan``; print a table or JSON. Returns the exit status (1: nothing fits)."""
+    try:
+        model, cluster, space = model_from_args(args), cluster_from_args(args), space_from_args(args)
+        workload_args = dict(micro_batch=args.micro_batch, forward_only=args.forward_only,
+                             chunked_loss=args.chunked_loss, causal=not args.non_causal, dtype_bytes=args.dtype_bytes)
+        if args.longest_context:
+            longest = longest_context(model, cluster, granularity=args.granularity, space=space, **workload_args)
+            result, extra = longest.result, {"longest_context": {"seq_len": longest.seq_len,
+                                                                 "granularity": longest.granularity}}
+        elif args.seq_len is None:
+            raise ValueError("give --seq-len (or --longest-context)")
+        else:
+            result, extra = plan(model, Workload(args.seq_len, **workload_args), cluster, space), {}
+    except ValueError as error:
+        raise SystemExit(f"python -m hybridsp plan: error: {error}") from None
+    if args.json:
+        print(json.dumps({**(result.to_dict() if result else {"recommended": None, "ranked": []}), **extra}))
+    else:
+        if extra:
+            print(f"Longest context: {extra['longest_context']['seq_len']:,} tokens "
+                  f"(multiple of {args.granularity}) under the plans below\n")
+        print(format_result(result, args.top) if result else "Nothing fits even at the granularity.")
+    return 0 if result is not None and result.recommended is not None else 1

@@ -1,0 +1,204 @@
+"""Enumerate every (DP, U, R) x ZeRO stage x checkpointing, rank them, pick one; longest context."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+
+from hybridsp.planner.costs import memory_use
+from hybridsp.planner.plans import Plan, evaluate, mesh_problems
+from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
+from hybridsp.planner.timing import mesh_topology
+
+MAX_SEQ_LEN = 2**40  # the longest-context search stops doubling here
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which candidates to consider. ``None`` degrees are free; ``tie_tolerance`` is the
+    relative slack within which plans count as equally fast."""
+
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    checkpointing: tuple[bool, ...] = (False, True)
+    dp: int | None = None
+    ulysses: int | None = None
+    ring: int | None = None
+    order: str = "ulysses_inner"
+    tie_tolerance: float = 0.02
+    headroom: float = 0.10
+
+    def __post_init__(self):
+        if not self.zero_stages or not set(self.zero_stages) <= {0, 1, 2, 3}:
+            raise ValueError(f"ZeRO stages must be a non-empty subset of 0, 1, 2, 3; got {self.zero_stages!r}")
+        if not self.checkpointing or not set(self.checkpointing) <= {False, True}:
+            raise ValueError(f"checkpointing must be a non-empty subset of (False, True); got {self.checkpointing!r}")
+        for name in ("dp", "ulysses", "ring"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer or None; got {value!r}")
+        if self.tie_tolerance < 0:
+            raise ValueError(f"tie_tolerance must be >= 0; got {self.tie_tolerance}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"headroom is a fraction of usable memory in [0, 1); got {self.headroom}")
+
+    def admits(self, dp: int, ulysses: int, ring: int) -> bool:
+        pairs = ((self.dp, dp), (self.ulysses, ulysses), (self.ring, ring))
+        return all(want is None or want == got for want, got in pairs)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def degree_triples(world_size: int) -> list[tuple[int, int, int]]:
+    """Every (DP, U, R) with DP x U x R = world_size."""
+    return [(world_size // (u * r), u, r) for u in divisors(world_size) for r in divisors(world_size // u)]
+
+
+def _configs(workload: Workload, space: SearchSpace, dp: int, u: int, r: int) -> list[MeshConfig]:
+    """The stage x checkpointing candidates of one mesh. Forward-only: no recompute, and stages
+    1-2 (which partition only gradients and optimizer states) collapse into stage 0."""
+    stages, checkpointing = space.zero_stages, space.checkpointing
+    if workload.forward_only:
+        stages = tuple(stage for stage in stages if stage in (0, 3)) or stages
+        checkpointing = (False,)
+    return [MeshConfig(dp, u, r, stage, ckpt) for stage in stages for ckpt in checkpointing]
+
+
+def evaluate_all(model: ModelSpec, workload: Workload, cluster: ClusterSpec, space: SearchSpace) -> list[Plan]:
+    """Every candidate of ``space``; an invalid mesh appears once (its first stage) with its problems."""
+    plans = []
+    for dp, u, r in degree_triples(cluster.world_size):
+        if not space.admits(dp, u, r):
+            continue
+        configs = _configs(workload, space, dp, u, r)
+        if mesh_problems(model, workload, cluster, configs[0]):
+            plans.append(evaluate(model, workload, cluster, configs[0]))
+            continue
+        topology = mesh_topology(configs[0], cluster.gpus_per_node, space.order)
+        plans += [evaluate(model, workload, cluster, config, topology, space.order) for config in configs]
+    return plans
+
+
+def _preference(plan: Plan, headroom: float = 0.0) -> tuple:
+    """Among equally fast plans: Ulysses inside a node, larger U, ``headroom`` of memory left
+    free, then the faster, then lower ZeRO stage and no recompute."""
+    cramped = plan.memory.total > (1 - headroom) * plan.usable_bytes
+    return (not plan.ulysses_inside_node, -plan.config.ulysses, cramped, plan.seconds_per_sequence,
+            plan.config.zero_stage, plan.config.checkpointing)
+
+
+def recommend(plans: list[Plan], tie_tolerance: float = 0.02, headroom: float = 0.10) -> Plan | None:
+    """The fastest plan that fits (per sequence); ties within ``tie_tolerance`` go to :func:`_preference`."""
+    fitting = [plan for plan in plans if plan.fits]
+    if not fitting:
+        return None
+    best = min(plan.seconds_per_sequence for plan in fitting)
+    tied = [plan for plan in fitting if plan.seconds_per_sequence <= best * (1 + tie_tolerance)]
+    return min(tied, key=lambda plan: _preference(plan, headroom))
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Ranked plans: the recommendation first, then fitting plans by speed, then plans that do
+    not fit by the memory they need; ``rejected`` holds the invalid meshes."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    workload: Workload
+    recommended: Plan | None
+    ranked: tuple[Plan, ...]
+    rejected: tuple[Plan, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return {
+            "model": asdict(self.model), "cluster": asdict(self.cluster), "workload": asdict(self.workload),
+            "recommended": self.recommended.to_dict() if self.recommended else None,
+            "ranked": [plan.summary() for plan in self.ranked],
+            "rejected": [plan.summary() for plan in self.rejected],
+        }
+
+
+def _ranked(plans: list[Plan], recommended: Plan | None) -> tuple[Plan, ...]:
+    """The recommendation, the other fitting plans by speed, then the rest by memory needed."""
+    fitting = sorted((p for p in plans if p.fits and p is not recommended), key=_preference_by_speed)
+    too_big = sorted((p for p in plans if p.valid and not p.fits),
+                     key=lambda p: (p.memory.total, p.seconds_per_sequence))
+    return (*([recommended] if recommended else []), *fitting, *too_big)
+
+
+def _preference_by_speed(plan: Plan) -> tuple:
+    return (plan.seconds_per_sequence, _preference(plan))
+
+
+def plan(model: ModelSpec, workload: Workload, cluster: ClusterSpec, space: SearchSpace | None = None) -> PlanResult:
+    """Evaluate every candidate, recommend the fastest that fits, and rank the rest."""
+    space = space or SearchSpace()
+    plans = evaluate_all(model, workload, cluster, space)
+    best = recommend(plans, space.tie_tolerance, space.headroom)
+    rejected = tuple(p for p in plans if not p.valid)
+    return PlanResult(model, cluster, workload, best, _ranked(plans, best), rejected)
+
+
+# ----------------------------------------------------------------------------- longest context
+
+
+@dataclass(frozen=True)
+class LongestContext:
+    """The longest sequence (a multiple of ``granularity``) some plan fits, and the plans there."""
+
+    seq_len: int
+    granularity: int
+    result: PlanResult | None
+
+    def to_dict(self) -> dict:
+        return {"seq_len": self.seq_len, "granularity": self.granularity,
+                "plan": self.result.to_dict() if self.result else None}
+
+
+def _sequence_step(granularity: int, ulysses: int, ring: int) -> int:
+    """Smallest multiple of ``granularity`` the zigzag layout can split: lcm(g, R * lcm(2, U))."""
+    return math.lcm(granularity, ring * math.lcm(2, ulysses))
+
+
+def _fits(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig) -> bool:
+    return (not mesh_problems(model, workload, cluster, config)
+            and memory_use(model, workload, config).total <= cluster.usable_bytes)
+
+
+def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig, step: int) -> int:
+    """Largest multiple of ``step`` that fits with ``config`` (memory grows with S), or 0."""
+    fits = lambda k: _fits(model, replace(workload, seq_len=k * step), cluster, config)  # noqa: E731
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while fits(high):
+        if high * step > MAX_SEQ_LEN:
+            return high * step
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low * step
+
+
+def longest_context(
+    model: ModelSpec, cluster: ClusterSpec, *, granularity: int = 1024, micro_batch: int = 1,
+    forward_only: bool = False, chunked_loss: bool = False, dtype_bytes: int = 2, causal: bool = True,
+    space: SearchSpace | None = None,
+) -> LongestContext:
+    """The largest ``seq_len`` (a multiple of ``granularity``) that fits in memory under some plan,
+    with the ranked plans at that length (their recommendation fits by construction)."""
+    if not isinstance(granularity, int) or granularity < 1:
+        raise ValueError(f"granularity must be a positive integer; got {granularity!r}")
+    space = space or SearchSpace()
+    workload = Workload(granularity, micro_batch, forward_only, causal, dtype_bytes, chunked_loss)
+    longest = 0
+    for dp, u, r in degree_triples(cluster.world_size):
+        if not space.admits(dp, u, r) or model.num_heads % u != 0:
+            continue
+        for config in _configs(workload, space, dp, u, r):
+            longest = max(longest, _longest_for(model, workload, cluster, config, _sequence_step(granularity, u, r)))
+    if longest == 0:
+        return LongestContext(0, granularity, None)
+    return LongestContext(longest, granularity, plan(model, replace(workload, seq_len=longest), cluster, space))

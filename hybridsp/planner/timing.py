@@ -1,0 +1,180 @@
+"""Which link each transfer travels on, and how long one step takes.
+
+The rank order is :class:`hybridsp.mesh.MeshShape`'s (Ulysses innermost by default); node
+``n`` holds global ranks ``[n * P, (n + 1) * P)`` for ``P`` accelerators per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridsp.mesh import MeshShape
+from hybridsp.planner.costs import CommVolume, Flops, comm_volume, flops_per_rank, ring_step_forward_flops, zero_bytes
+from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a mesh's groups sit on the nodes.
+
+    ``ulysses_peers``: the distinct ``(peers on the same node, peers on other nodes)`` a rank
+    has inside its Ulysses group; ``ring_hops``: the links ring hops use (``"intra"``,
+    ``"inter"``; empty for a ring of one).
+    """
+
+    gpus_per_node: int
+    ulysses_peers: tuple[tuple[int, int], ...]
+    ring_hops: frozenset[str]
+
+    @property
+    def ulysses_crosses_nodes(self) -> bool:
+        return any(other > 0 for _, other in self.ulysses_peers)
+
+    @property
+    def ring_crosses_nodes(self) -> bool:
+        return "inter" in self.ring_hops
+
+
+def mesh_topology(config: MeshConfig, gpus_per_node: int, order: str = "ulysses_inner") -> Topology:
+    """Place the mesh's Ulysses and ring groups on nodes of ``gpus_per_node`` ranks."""
+    groups = MeshShape(config.world_size, config.ulysses, config.ring, order).group_members()
+    peers = set()
+    for members in groups["ulysses"]:
+        nodes = [rank // gpus_per_node for rank in members]
+        for node in set(nodes):
+            same = nodes.count(node) - 1
+            peers.add((same, len(members) - 1 - same))
+    hops = set()
+    for members in groups["ring"]:  # sorted global ranks are in ring order for both rank orders
+        if len(members) > 1:
+            nodes = [rank // gpus_per_node for rank in members]
+            hops.update("intra" if a == b else "inter" for a, b in zip(nodes, nodes[1:] + nodes[:1]))
+    return Topology(gpus_per_node, tuple(sorted(peers)), frozenset(hops))
+
+
+@dataclass(frozen=True)
+class RingTiming:
+    """One ring step's compute and transfer (seconds), and the step's total exposed ring time.
+
+    ``backward_transfer_s`` is a steady-state backward step: a K/V block and an fp32 dK/dV
+    block in flight together.
+    """
+
+    link: str
+    forward_compute_s: float
+    forward_transfer_s: float
+    backward_compute_s: float
+    backward_transfer_s: float
+    exposed_s: float
+
+    @property
+    def forward_hidden(self) -> bool:
+        return self.forward_transfer_s <= self.forward_compute_s
+
+    @property
+    def backward_hidden(self) -> bool:
+        return self.backward_transfer_s <= self.backward_compute_s
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Modelled seconds of one step on one rank."""
+
+    compute_s: float
+    all_to_all_s: float
+    ring: RingTiming | None
+    zero_comm_s: float
+    zero_exposed_s: float
+
+    @property
+    def ring_exposed_s(self) -> float:
+        return self.ring.exposed_s if self.ring is not None else 0.0
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return self.all_to_all_s + self.ring_exposed_s + self.zero_exposed_s
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s
+
+
+def _all_to_all_op_seconds(tensor_bytes: int, ulysses: int, topology: Topology, cluster: ClusterSpec) -> float:
+    """One all-to-all of a ``tensor_bytes`` tensor: 1/U of it to each peer, links in parallel,
+    the slowest rank decides."""
+    chunk = tensor_bytes / ulysses
+    return max(
+        max(same * chunk / cluster.intra_bw, other * chunk / cluster.inter_bw)
+        for same, other in topology.ulysses_peers
+    )
+
+
+def all_to_all_seconds(volume: CommVolume, topology: Topology, cluster: ClusterSpec) -> float:
+    """All all-to-alls of the step, fully exposed (nothing overlaps them)."""
+    if volume.ulysses == 1:
+        return 0.0
+    per_pass = sum(
+        _all_to_all_op_seconds(size, volume.ulysses, topology, cluster) for size in (volume.qkv_bytes, volume.out_bytes)
+    )
+    passes = volume.forward_passes + (1 if volume.backward else 0)
+    return volume.layers * passes * per_pass
+
+
+def _exposed(transfer: float, compute: float) -> float:
+    return max(0.0, transfer - compute)
+
+
+def ring_timing(
+    model: ModelSpec, workload: Workload, config: MeshConfig, volume: CommVolume, topology: Topology,
+    cluster: ClusterSpec,
+) -> RingTiming | None:
+    """Per-step overlap of the ring's transfers with its compute; ``None`` for a ring of one.
+
+    The ring moves in lockstep, so a step's transfer runs at the slowest hop's bandwidth.
+
+    Forward: R-1 steps each hide one K/V block behind one step's compute. Backward (2.5x the
+    compute per step): step 0 carries a K/V block, steps 1..R-2 a K/V block plus a dK/dV
+    block, step R-1 a dK/dV block, and the last dK/dV hop home is fully exposed.
+    """
+    r = config.ring
+    if r == 1:
+        return None
+    link = "inter" if topology.ring_crosses_nodes else "intra"
+    bandwidth = min({"intra": cluster.intra_bw, "inter": cluster.inter_bw}[hop] for hop in topology.ring_hops)
+    fwd_c = ring_step_forward_flops(model, workload, config) / cluster.achieved_flops
+    kv_x, grad_x = volume.kv_block_bytes / bandwidth, volume.grad_block_bytes / bandwidth
+    forward = (r - 1) * _exposed(kv_x, fwd_c)
+    bwd_c, backward = 2.5 * fwd_c, 0.0
+    if volume.backward:
+        backward = (
+            _exposed(kv_x, bwd_c) + (r - 2) * _exposed(kv_x + grad_x, bwd_c) + _exposed(grad_x, bwd_c) + grad_x
+        )
+    exposed = volume.layers * (volume.forward_passes * forward + backward)
+    bwd_x = kv_x + grad_x if r > 2 else max(kv_x, grad_x)
+    return RingTiming(link, fwd_c, kv_x, bwd_c, bwd_x if volume.backward else 0.0, exposed)
+
+
+def step_timing(
+    model: ModelSpec, workload: Workload, config: MeshConfig, topology: Topology, cluster: ClusterSpec,
+    flops: Flops | None = None,
+) -> Timing:
+    """Compute / efficiency + all-to-alls + exposed ring + exposed ZeRO traffic.
+
+    ZeRO traffic travels on the inter-node link when the world spans nodes; its overlapped part
+    hides behind the backward compute (stages 0-2) or the whole step (stage 3; forward-only:
+    the forward), its after-the-step part (stages 1-2) is exposed.
+    """
+    flops = flops or flops_per_rank(model, workload, config)
+    volume = comm_volume(model, workload, config)
+    compute = flops.total / cluster.achieved_flops
+    forward = flops.forward / cluster.achieved_flops
+    zero_link = cluster.inter_bw if cluster.nodes > 1 else cluster.intra_bw
+    overlapped, after_step = (size / zero_link for size in zero_bytes(model, workload, config))
+    window = compute if config.zero_stage == 3 or workload.forward_only else compute - forward
+    return Timing(
+        compute_s=compute,
+        all_to_all_s=all_to_all_seconds(volume, topology, cluster),
+        ring=ring_timing(model, workload, config, volume, topology, cluster),
+        zero_comm_s=overlapped + after_step,
+        zero_exposed_s=_exposed(overlapped, window) + after_step,
+    )
