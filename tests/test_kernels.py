@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hybridsp.kernels import get_kernel
+from hybridsp.kernels.reference import attention_in_input_dtype
 from tests.reference import random_qkv, reference_with_grads, rel_err
 
 CASES = [  # (heads, kv_heads, head_dim, causal)
@@ -63,3 +64,17 @@ def test_bad_shapes_are_value_errors():
 
 def test_auto_picks_torch_without_cuda():
     assert get_kernel("auto", device=torch.device("cpu"), dtype=torch.bfloat16).name == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_low_precision_error_at_most_twice_same_dtype_math(dtype, kv_heads):
+    """flash-attn's rule, on the torch kernel: fp16/bf16 error <= 2x plain math in that dtype."""
+    q, k, v, dout = (t.to(dtype) for t in random_qkv(2, 64, 8, kv_heads, 64, seed=4))
+    kernel, scale = get_kernel("torch"), 1 / 8
+    out, lse = kernel.forward(q, k, v, causal=True, softmax_scale=scale)
+    results = (out, *kernel.backward(dout, q, k, v, out, lse, causal=True, softmax_scale=scale))
+    truth = reference_with_grads(q, k, v, dout, causal=True)
+    same_dtype = attention_in_input_dtype(q, k, v, dout, causal=True, softmax_scale=scale)
+    for actual, yardstick, expected in zip(results, same_dtype, truth):
+        assert rel_err(actual, expected) <= 2 * rel_err(yardstick, expected)

@@ -58,3 +58,20 @@ class ReferenceKernel:
         dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.float())  # [B, Sk, H, D]
         dk, dv = _reduce_kv_heads(dk, hkv), _reduce_kv_heads(dv, hkv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def attention_in_input_dtype(q, k, v, dout, *, causal: bool, softmax_scale: float):
+    """Plain attention done entirely in the inputs' dtype, with autograd: (out, dq, dk, dv).
+
+    This is flash-attn's yardstick for low precision: a kernel's error against the fp32
+    reference should be at most about twice the error of this computation.
+    """
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    keys, values = _expand_kv_heads(k, q.shape[2]), _expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * softmax_scale  # [B, H, Sq, Sk]
+    if causal:
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), values)  # [B, Sq, H, D]
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad

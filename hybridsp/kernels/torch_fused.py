@@ -56,11 +56,30 @@ class TorchFusedKernel:
         lse = lse_for_backward(lse.float())
         if q.is_cuda:
             return _cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
-        dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            _heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v),
-            _heads_first(out), lse, 0.0, causal, scale=softmax_scale,
-        )
-        return _seq_first(dq), _seq_first(dk), _seq_first(dv)
+        return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+    """aten CPU flash backward. Note [GQA in low precision]: the CPU kernel sums the query
+    group's dK/dV in the input dtype, which triples their bf16 error; for fp16/bf16 with GQA
+    the K/V heads are expanded and the group sum is done in fp32 instead."""
+    hkv = k.shape[2]
+    low_precision_gqa = q.dtype in (torch.float16, torch.bfloat16) and hkv < q.shape[2]
+    if low_precision_gqa:
+        k, v = _expand_kv_heads(k, q.shape[2]), _expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v),
+        _heads_first(out), lse, 0.0, causal, scale=scale,
+    )
+    dk, dv = _seq_first(dk), _seq_first(dv)
+    if low_precision_gqa:
+        dk, dv = _sum_query_groups(dk, hkv), _sum_query_groups(dv, hkv)
+    return _seq_first(dq), dk, dv
+
+
+def _sum_query_groups(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, S, H, D] per-query-head K/V gradients -> [B, S, Hkv, D], summed in fp32."""
+    return _reduce_kv_heads(grad.float(), num_kv_heads).to(grad.dtype)
 
 
 def _empty_key_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,5 +109,4 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
         _heads_first(dout).contiguous(), _heads_first(q), _heads_first(k_full), _heads_first(v_full),
         _heads_first(out), lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale,
     )
-    dk, dv = _reduce_kv_heads(_seq_first(dk), hkv), _reduce_kv_heads(_seq_first(dv), hkv)
-    return _seq_first(dq), dk, dv
+    return _seq_first(dq), _sum_query_groups(_seq_first(dk), hkv), _sum_query_groups(_seq_first(dv), hkv)

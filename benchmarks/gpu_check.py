@@ -1,0 +1,171 @@
+"""The prepared accelerator check: one command, under 8 minutes on one H200.
+
+    python benchmarks/gpu_check.py [--out DIR] [--quick]
+
+1. Correctness of the ``flash`` backend (and PyTorch's CUDA ``torch`` backend) against the
+   fp32 ``reference`` kernel, bf16 and fp16, causal and not, MHA and GQA, forward and
+   backward: each error is judged by flash-attn's rule (at most twice the error of plain
+   attention math done by PyTorch in the same dtype), and fp32 is shown to be refused
+   with a clear error by flash.
+2. The cost of ring blocking: attention over S tokens computed as the R zigzag ring
+   schedules (every rank's blocks, run one after another in this one process, merged by
+   LSE) against one kernel call on the full sequence, forward+backward, as a time ratio.
+   A ratio near 1 means blocking and merging cost nothing beyond the kernel itself.
+Without CUDA it runs the same code on the CPU ``torch`` backend (small sizes), so the
+script itself is tested anywhere. Writes ``gpu_check.json`` and ``gpu_check.md`` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from hybridsp.kernels import get_kernel
+from hybridsp.kernels.reference import attention_in_input_dtype
+from hybridsp.merge import merge_into
+from hybridsp.ring import block_plan
+
+
+def _synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Median seconds of ``fn()`` after one warm-up call."""
+    fn()
+    _synchronize(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _rel(actual, expected) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def _inputs(batch, seq, heads, kv_heads, dim, dtype, device, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = [(batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim), (batch, seq, heads, dim)]
+    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+
+
+def _fwd_bwd(kernel, q, k, v, dout, causal, scale):
+    out, lse = kernel.forward(q, k, v, causal=causal, softmax_scale=scale)
+    return (out, *kernel.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale))
+
+
+def correctness(device, backends, quick: bool) -> list[dict]:
+    """Each backend's errors against fp32 reference math, next to the reference in the same dtype."""
+    rows = []
+    reference = get_kernel("reference")
+    seq = 128 if quick else 2048
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal, kv_heads in ((False, 8), (True, 8), (True, 2)):
+            q, k, v, dout = _inputs(2, seq, 8, kv_heads, 128, dtype, device)
+            scale = 1 / math.sqrt(128)
+            truth = _fwd_bwd(reference, *(t.float() for t in (q, k, v, dout)), causal, scale)
+            floor = [_rel(a, b) for a, b in zip(attention_in_input_dtype(q, k, v, dout, causal=causal, softmax_scale=scale), truth)]
+            for name in backends:
+                errors = [_rel(a, b) for a, b in zip(_fwd_bwd(get_kernel(name), q, k, v, dout, causal, scale), truth)]
+                rows.append({"backend": name, "dtype": str(dtype), "causal": causal, "kv_heads": kv_heads,
+                             "errors_out_dq_dk_dv": errors, "same_dtype_math": floor,
+                             "ok": all(e <= 2 * f for e, f in zip(errors, floor))})
+    return rows
+
+
+def _blocked_fwd_bwd(kernel, q, k, v, dout, ring: int, scale: float):
+    """Causal attention as every ring rank's zigzag blocks in one process, merged by LSE."""
+    local = q.shape[1] // ring
+    chunks = [torch.cat([t.narrow(1, r * local // 2, local // 2), t.narrow(1, (2 * ring - 1 - r) * local // 2, local // 2)], 1)
+              for t in (q, k, v, dout) for r in range(ring)]
+    qs, ks, vs, douts = (chunks[i * ring : (i + 1) * ring] for i in range(4))
+    for rank in range(ring):
+        out = torch.zeros(qs[rank].shape, dtype=torch.float32, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], local), -math.inf, device=q.device)
+        pieces = [(src, p) for step in range(ring) for src in [(rank - step) % ring]
+                  for p in block_plan(src, rank, True, "zigzag", local)]
+        for src, (rows, keys, causal) in pieces:
+            block_out, block_lse = kernel.forward(qs[rank][:, rows], ks[src][:, keys], vs[src][:, keys],
+                                                  causal=causal, softmax_scale=scale)
+            merge_into(out[:, rows], lse[:, :, rows], block_out, block_lse)
+        final = out.to(q.dtype)
+        for src, (rows, keys, causal) in pieces:
+            kernel.backward(douts[rank][:, rows], qs[rank][:, rows], ks[src][:, keys], vs[src][:, keys],
+                            final[:, rows], lse[:, :, rows], causal=causal, softmax_scale=scale)
+
+
+def ring_blocking_cost(device, backend: str, quick: bool) -> list[dict]:
+    """Time of R-way zigzag blocking + merges vs one call on the whole sequence (fwd+bwd)."""
+    kernel = get_kernel(backend)
+    dtype = torch.bfloat16
+    rows = []
+    lengths = (1024,) if quick else (8192, 32768, 131072)
+    for seq in lengths:
+        q, k, v, dout = _inputs(1, seq, 32 if device.type == "cuda" else 4, 8 if device.type == "cuda" else 2,
+                                128, dtype, device)
+        scale = 1 / math.sqrt(128)
+        repeats = 3 if quick else 5
+        single = _timed(lambda: _fwd_bwd(kernel, q, k, v, dout, True, scale), device, repeats)
+        for ring in (2, 4, 8):
+            blocked = _timed(lambda: _blocked_fwd_bwd(kernel, q, k, v, dout, ring, scale), device, repeats)
+            rows.append({"backend": backend, "seq_len": seq, "ring": ring, "single_s": single,
+                         "blocked_s": blocked, "ratio": blocked / single})
+    return rows
+
+
+def _markdown(report: dict) -> str:
+    lines = [f"# GPU check ({report['device']}, {report['date']})", "", "## Correctness (rel. error vs fp32 reference)", "",
+             "| backend | dtype | causal | kv heads | out, dq, dk, dv | same-dtype math | ok |", "|---|---|---|---|---|---|---|"]
+    for r in report["correctness"]:
+        errors = ", ".join(f"{e:.1e}" for e in r["errors_out_dq_dk_dv"])
+        floor = ", ".join(f"{e:.1e}" for e in r["same_dtype_math"])
+        lines.append(f"| {r['backend']} | {r['dtype']} | {r['causal']} | {r['kv_heads']} | {errors} | {floor} | {r['ok']} |")
+    lines += ["", "## Ring blocking cost (causal, bf16, fwd+bwd, one process)", "",
+              "| backend | S | R | one call s | R-way blocks s | ratio |", "|---|---|---|---|---|---|"]
+    for r in report["blocking"]:
+        lines.append(f"| {r['backend']} | {r['seq_len']} | {r['ring']} | {r['single_s']:.4f} | {r['blocked_s']:.4f} | {r['ratio']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--quick", action="store_true", help="small sizes (for a CPU dry run)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backends = ["torch"]
+    if device.type == "cuda":
+        import importlib.util
+
+        backends = (["flash"] if importlib.util.find_spec("flash_attn") else []) + ["torch"]
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "correctness": correctness(device, backends, args.quick or device.type == "cpu"),
+              "blocking": ring_blocking_cost(device, backends[0], args.quick or device.type == "cpu")}
+    if "flash" in backends:
+        try:
+            get_kernel("flash").forward(*_inputs(1, 16, 2, 2, 64, torch.float32, device)[:3], causal=False, softmax_scale=0.1)
+            report["flash_fp32"] = "accepted (unexpected)"
+        except ValueError as error:
+            report["flash_fp32"] = f"refused: {error}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    (out / "gpu_check.md").write_text(_markdown(report))
+    print(_markdown(report))
+    if not all(r["ok"] for r in report["correctness"]):
+        raise SystemExit("a backend exceeded twice the same-dtype rounding error")
+
+
+if __name__ == "__main__":
+    main()
