@@ -1,7 +1,9 @@
 """hybridsp: hybrid Ulysses x ring sequence-parallel attention for long-context training."""
 
 from hybridsp.attention import HybridAttention, gather_sequence, hybrid_attn_func, shard_sequence
+from hybridsp.batch import ShardedDataLoader, shard_batch
 from hybridsp.comm import CommCounter
+from hybridsp.loss import sharded_cross_entropy
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 from hybridsp.ring import ring_attention
 
@@ -10,9 +12,12 @@ __all__ = [
     "HybridAttention",
     "HybridMesh",
     "MeshShape",
+    "ShardedDataLoader",
     "gather_sequence",
     "hybrid_attn_func",
     "init_mesh",
     "ring_attention",
+    "shard_batch",
     "shard_sequence",
+    "sharded_cross_entropy",
 ]

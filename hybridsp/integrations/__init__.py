@@ -1,0 +1,6 @@
+"""Integrations with other libraries, one module each; importing this package imports none of them.
+
+``hybridsp.integrations.deepspeed``     DeepSpeed ZeRO over the data-parallel x context ranks.
+``hybridsp.integrations.transformers``  Hugging Face transformers: the ``hybridsp`` attention
+implementation and ``apply(model, mesh)`` for Llama-family causal LMs.
+"""

@@ -1,0 +1,346 @@
+"""DeepSpeed ZeRO (stages 0-3) composed with hybrid sequence parallelism, set up from the JSON config.
+
+    import hybridsp
+    from hybridsp.integrations import deepspeed as hds
+
+    engine, optimizer, mesh, undo = hds.initialize(model, "ds_configs/cp8.json", optimizer=opt)
+    for full_batch in loader:                          # the same full batch on every context rank
+        local = hybridsp.shard_batch(full_batch, mesh)
+        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                        use_cache=False).logits
+        loss = hybridsp.sharded_cross_entropy(logits, local["shift_labels"], mesh)
+        engine.backward(loss)
+        engine.step()
+
+The config section (everything else in the file is plain DeepSpeed)::
+
+    "hybridsp": {
+        "ulysses": 4,                 # U: all-to-all degree (divides the query heads)
+        "ring": 2,                    # R: ring-attention degree
+        "order": "ulysses_inner",     # or "ring_inner" (which axis gets consecutive ranks)
+        "layout": "zigzag",           # or "contiguous" (token layout over the ring)
+        "backend": "auto"             # local kernel: auto, torch, flash, reference
+    }
+
+The ``C = U * R`` context ranks of a replica hold the same weights and different tokens of
+the same sequences; ``DP = world / C``. DeepSpeed's own ``sequence_parallel_size`` and
+``data_parallel_size`` keys may be present; they must agree (``U * R`` and ``world / C``)
+and are removed before ``deepspeed.initialize`` (Note [keys we own]). ``"enabled": "auto"``
+in the ``bf16``/``fp16`` sections is resolved here (Note [auto precision]).
+
+Note [the mpu]: DeepSpeed asks a "model parallel unit" for its groups. :class:`HybridMPU`
+answers from the mesh: the *sequence-parallel* group is ``mesh.context_group`` and the
+*sequence-data-parallel* group is ``mesh.data_context_group`` (all DP x C ranks). DeepSpeed
+(utils/groups.py, engine.py) then partitions ZeRO states and reduces gradients over DP x C,
+and divides reduced gradients by ``DP x C / C = DP``. The method name
+``initialize_sequence_parallel`` is DeepSpeed's marker for such an mpu: with it, DeepSpeed
+treats the model-parallel size as 1 and takes no pure data-parallel group from us. We
+deliberately define no ``get_data_parallel_group``: ZeRO-3 would partition parameters over
+it, and a group without the context ranks partitions wrongly. ``get_data_parallel_world_size``
+/ ``_rank`` are the replica count and index (DeepSpeed's batch arithmetic and its data
+sampler want those). The model-parallel getters alias the context group (as DeepSpeed's own
+``parallel_state_sp`` does): stage 0 clips by summing gradient norms over that group with only
+its rank 0 counting, which counts each replicated gradient once.
+
+Note [gradient scale]: each rank's loss is its share of its replica's loss
+(:func:`hybridsp.sharded_cross_entropy`: value = replica loss, gradient = this rank's tokens'
+part), so the exact gradient is the *sum* over the context ranks, averaged over the DP
+replicas: ``sum over DP x C / DP``. ZeRO 0-2 reduce that way. ZeRO-3's reduce-scatter divides
+by the size of the partition group, ``DP x C``, ignoring ``sequence_parallel_size``
+(stage3.py ``__avg_scatter_grads``): gradients come out ``1/C`` too small, which Adam hides
+but the gradient norm, clipping and SGD do not. Its ``reduce_scatter: false`` path divides by
+``DP`` only for parameters that fit the reduce bucket and by ``DP x C`` for larger ones (a
+real model's embedding), so it is refused. :func:`initialize` registers one tensor hook per
+parameter on ZeRO-3 that multiplies the incoming gradient by ``C`` (exact for power-of-two
+``C``), so ``engine.backward(loss)`` is right at every stage; the norm DeepSpeed reports
+and clips is the unsharded model's.
+
+Note [keys we own]: ``deepspeed.initialize`` builds its own device mesh when the config holds
+both ``sequence_parallel_size`` and ``data_parallel_size``, and that mesh overrides any mpu.
+Both keys are validated and then removed; the mesh is ours.
+
+Note [auto precision]: ``{"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}`` means:
+bf16 on a CUDA device that supports it, else fp16 on CUDA, else fp32 (CPU). The one chosen
+section is enabled and every other ``"auto"`` section disabled; explicit true/false stay.
+DeepSpeed itself silently drops every ``"auto"`` value (runtime/config_utils.py), so the same
+file handed to ``deepspeed.initialize`` directly would train in fp32 even on a GPU.
+
+DeepSpeed traps worth knowing (0.19.8): the engine keeps the last mpu in a module global
+(``deepspeed.utils.groups.mpu``) that a later engine built *without* an mpu inherits;
+``engine.set_train_batch_size`` fails with any sequence-parallel mpu (DeepSpeed's
+data-parallel size is None then); on CPU, DeepSpeed's communication init JIT-compiles
+``deepspeed_shm_comm`` once (about two minutes, cached in ``~/.cache/torch_extensions``),
+which the gloo backend does not use.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridsp.kernels import BACKEND_NAMES
+from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
+
+SECTION = "hybridsp"
+SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend")
+OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """The ``"hybridsp"`` section plus DeepSpeed's optional top-level size keys, validated."""
+
+    ulysses: int = 1
+    ring: int = 1
+    order: str = "ulysses_inner"
+    layout: str = "zigzag"
+    backend: str = "auto"
+    sequence_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+
+    def __post_init__(self):
+        for name in ("ulysses", "ring"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"{name} degree must be a positive integer; got {getattr(self, name)!r}")
+        MeshShape(self.context, self.ulysses, self.ring, self.order, self.layout)  # checks order and layout
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        if self.sequence_parallel_size is not None and self.sequence_parallel_size != self.context:
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence_parallel_size} disagrees with the {SECTION} section: "
+                f"ulysses={self.ulysses} x ring={self.ring} = {self.context} context ranks; set it to "
+                f"{self.context} or remove it"
+            )
+        if self.data_parallel_size is not None and not _positive_int(self.data_parallel_size):
+            raise ValueError(f"data_parallel_size must be a positive integer; got {self.data_parallel_size!r}")
+
+    @property
+    def context(self) -> int:
+        """C = U * R, the ranks that share one replica's sequences."""
+        return self.ulysses * self.ring
+
+    @classmethod
+    def from_ds_config(cls, config: dict, **overrides: Any) -> HybridConfig:
+        """Read the section (absent: no sequence parallelism); keyword overrides that are not None win."""
+        section = config.get(SECTION, {})
+        if not isinstance(section, dict):
+            raise ValueError(f"the {SECTION!r} config section must be an object; got {section!r}")
+        unknown = sorted(set(section) - set(SECTION_KEYS))
+        if unknown:
+            raise ValueError(f"unknown keys {unknown} in the {SECTION!r} section; known: {', '.join(SECTION_KEYS)}")
+        unknown = sorted(set(overrides) - set(SECTION_KEYS))
+        if unknown:
+            raise TypeError(f"unknown overrides {unknown}; known: {', '.join(SECTION_KEYS)}")
+        return cls(
+            **{**section, **{k: v for k, v in overrides.items() if v is not None}},
+            sequence_parallel_size=config.get("sequence_parallel_size"),
+            data_parallel_size=config.get("data_parallel_size"),
+        )
+
+    def mesh_shape(self, world_size: int) -> MeshShape:
+        """The mesh for ``world_size`` ranks; ValueError (no communication) when the sizes disagree."""
+        shape = MeshShape(world_size, self.ulysses, self.ring, self.order, self.layout)
+        if self.data_parallel_size is not None and self.data_parallel_size != shape.dp:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} disagrees with world size {world_size} / "
+                f"(ulysses={self.ulysses} x ring={self.ring}) = {shape.dp} replicas; set it to {shape.dp} or remove it"
+            )
+        return shape
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def load_config(config: dict | str | os.PathLike) -> dict:
+    """A deep copy of a config dict, or the parsed JSON file at a path."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    with open(config, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def build_mesh(hybrid: HybridConfig) -> HybridMesh:
+    """The mesh over the initialised world (a collective); sizes are checked before any communication."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs torch.distributed initialised (deepspeed.init_distributed() does it)")
+    shape = hybrid.mesh_shape(dist.get_world_size())
+    return init_mesh(shape.ulysses, shape.ring, order=shape.order, layout=shape.layout)
+
+
+class HybridMPU:
+    """DeepSpeed's model-parallel unit for a :class:`HybridMesh` (Note [the mpu]). Groups are the mesh's."""
+
+    def __init__(self, mesh: HybridMesh):
+        self.mesh = mesh
+
+    def initialize_sequence_parallel(self) -> None:
+        """DeepSpeed's marker for a sequence-parallel mpu; the mesh is already built, so this does nothing."""
+
+    def get_sequence_parallel_group(self) -> dist.ProcessGroup:
+        return self.mesh.context_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.mesh.context
+
+    def get_sequence_parallel_rank(self) -> int:
+        return dist.get_rank(self.mesh.context_group)
+
+    def get_sequence_data_parallel_group(self) -> dist.ProcessGroup:
+        return self.mesh.data_context_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.mesh.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank(self.mesh.data_context_group)
+
+    def get_data_parallel_world_size(self) -> int:
+        """Replicas (DP): DeepSpeed's batch size is micro batch x accumulation x this."""
+        return self.mesh.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mesh.dp_rank
+
+    # Model-parallel getters alias the context group: used by stage-0 clipping (Note [the mpu]).
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
+
+    def __repr__(self) -> str:
+        return f"HybridMPU({self.mesh!r})"
+
+
+def auto_precision() -> str:
+    """``"bf16"`` on a CUDA device that supports it, ``"fp16"`` on other CUDA devices, else ``"fp32"``."""
+    if not torch.cuda.is_available():
+        return "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def resolve_precision(config: dict, precision: str | None = None) -> dict:
+    """A copy of ``config`` with ``"enabled": "auto"`` in bf16/fp16 resolved (Note [auto precision]).
+
+    ``precision`` (``bf16``, ``fp16`` or ``fp32``) defaults to :func:`auto_precision`.
+    """
+    precision = auto_precision() if precision is None else precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
+    config = copy.deepcopy(config)
+    for name in ("bf16", "fp16"):
+        section = config.get(name)
+        if isinstance(section, dict) and section.get("enabled") == "auto":
+            section["enabled"] = name == precision
+    sections = [config.get(name) for name in ("bf16", "fp16")]
+    if all(isinstance(section, dict) and section.get("enabled") is True for section in sections):
+        raise ValueError("bf16 and fp16 are both enabled; enable at most one (or set both to \"auto\")")
+    return config
+
+
+def deepspeed_config(config: dict, hybrid: HybridConfig, *, precision: str | None = None) -> dict:
+    """The dict to hand ``deepspeed.initialize``: precision resolved, our keys removed, ZeRO-3 checked."""
+    zero = config.get("zero_optimization", {})
+    if hybrid.context > 1 and zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is False:
+        raise ValueError(
+            f"zero_optimization.reduce_scatter=false with {hybrid.context} context ranks: DeepSpeed's ZeRO-3 then "
+            f"divides gradients by DP for parameters that fit reduce_bucket_size and by DP x {hybrid.context} for "
+            f"larger ones (Note [gradient scale] in hybridsp.integrations.deepspeed); keep reduce_scatter true"
+        )
+    resolved = resolve_precision(config, precision)
+    return {key: value for key, value in resolved.items() if key not in OWNED_KEYS}
+
+
+def _times(grad: torch.Tensor, factor: float) -> torch.Tensor:
+    return grad * factor
+
+
+def scale_gradients(model: nn.Module, factor: float) -> Callable[[], None]:
+    """Multiply every parameter's incoming gradient by ``factor`` (tensor hooks); returns their remover."""
+    hook = functools.partial(_times, factor=float(factor))
+    handles = [p.register_hook(hook) for p in model.parameters() if p.requires_grad]
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+class HybridEngine(NamedTuple):
+    """What :func:`initialize` returns; ``undo()`` removes the gradient hooks and the HF switch."""
+
+    engine: Any
+    optimizer: Any
+    mesh: HybridMesh
+    undo: Callable[[], None]
+
+
+def _switch_transformers(model: nn.Module, mesh: HybridMesh, backend: str) -> Callable[[], None]:
+    """Apply the HF attention switch when ``model`` is a transformers model; returns its undo."""
+    transformers = sys.modules.get("transformers")  # a transformers model means it is already imported
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return lambda: None
+    from hybridsp.integrations.transformers import apply
+
+    return apply(model, mesh, backend=backend).undo
+
+
+def initialize(
+    model: nn.Module,
+    config: dict | str | os.PathLike,
+    *,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    lr_scheduler: Any = None,
+    ulysses: int | None = None,
+    ring: int | None = None,
+    backend: str | None = None,
+    precision: str | None = None,
+) -> HybridEngine:
+    """``deepspeed.initialize`` with the hybrid mesh: returns ``(engine, optimizer, mesh, undo)``.
+
+    Reads the ``"hybridsp"`` section of ``config`` (a dict or a JSON path; ``ulysses``, ``ring``
+    and ``backend`` override it), builds the mesh over all ranks (initialising torch.distributed
+    through DeepSpeed if needed), switches a transformers model to hybrid attention, passes
+    DeepSpeed a :class:`HybridMPU` and the cleaned config, and on ZeRO-3 with ``C > 1`` adds the
+    gradient hooks of Note [gradient scale]. ``precision`` forces the value of
+    ``"auto"`` precision sections. Raises ValueError, before any process group is created, for
+    a config whose sizes disagree. ``undo()`` removes what this call added to the model (the
+    ZeRO-3 gradient hooks, the attention switch); the engine is not usable after it.
+    """
+    import deepspeed
+
+    raw = load_config(config)
+    hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend)
+    ds_config = deepspeed_config(raw, hybrid, precision=precision)
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    mesh = build_mesh(hybrid)
+    undo_switch = _switch_transformers(model, mesh, hybrid.backend)
+    try:
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=HybridMPU(mesh),
+            model_parameters=model.parameters() if model_parameters is None else model_parameters,
+        )
+    except BaseException:
+        undo_switch()
+        raise
+    remove_hooks = lambda: None  # noqa: E731
+    if engine.zero_optimization_stage() == 3 and mesh.context > 1:
+        remove_hooks = scale_gradients(engine.module, mesh.context)  # Note [gradient scale]
+
+    def undo() -> None:
+        remove_hooks()
+        undo_switch()
+
+    return HybridEngine(engine, ds_optimizer, mesh, undo)
