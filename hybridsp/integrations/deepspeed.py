@@ -75,6 +75,8 @@ which the gloo backend does not use.
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import functools
 import json
@@ -256,8 +258,19 @@ def deepspeed_config(config: dict, hybrid: HybridConfig, *, precision: str | Non
             f"divides gradients by DP for parameters that fit reduce_bucket_size and by DP x {hybrid.context} for "
             f"larger ones (Note [gradient scale] in hybridsp.integrations.deepspeed); keep reduce_scatter true"
         )
-    resolved = resolve_precision(config, precision)
+    resolved = _torch_adam_on_cpu(resolve_precision(config, precision))
     return {key: value for key, value in resolved.items() if key not in OWNED_KEYS}
+
+
+def _torch_adam_on_cpu(config: dict) -> dict:
+    """Without CUDA, a config Adam/AdamW runs as torch.optim (``"torch_adam": true``) unless the
+    config says otherwise: DeepSpeed would otherwise JIT-compile CPUAdam/FusedAdam for minutes."""
+    optimizer = config.get("optimizer")
+    if torch.cuda.is_available() or not isinstance(optimizer, dict):
+        return config
+    if str(optimizer.get("type", "")).lower() in ("adam", "adamw"):
+        optimizer.setdefault("params", {}).setdefault("torch_adam", True)
+    return config
 
 
 def _times(grad: torch.Tensor, factor: float) -> torch.Tensor:
@@ -295,6 +308,29 @@ def _switch_transformers(model: nn.Module, mesh: HybridMesh, backend: str) -> Ca
     return apply(model, mesh, backend=backend).undo
 
 
+@contextlib.contextmanager
+def _without_cpu_shm_comm_build():
+    """On a CPU accelerator, stop DeepSpeed from JIT-compiling its shared-memory all-reduce.
+
+    DeepSpeed's comm backend builds ``deepspeed_shm_comm`` when it first initialises on CPU
+    (about two minutes on two cores, silently); hybridsp trains over gloo, which never uses
+    it. The op is marked incompatible only for the duration of the block, then restored.
+    """
+    from deepspeed.accelerator import get_accelerator
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    if get_accelerator().device_name() != "cpu" or "deepspeed_shm_comm" not in compatible:
+        yield
+        return
+    before = compatible["deepspeed_shm_comm"]
+    compatible["deepspeed_shm_comm"] = False
+    try:
+        yield
+    finally:
+        compatible["deepspeed_shm_comm"] = before
+
+
 def initialize(
     model: nn.Module,
     config: dict | str | os.PathLike,
@@ -323,18 +359,19 @@ def initialize(
     raw = load_config(config)
     hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend)
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
-    if not dist.is_initialized():
-        deepspeed.init_distributed()
-    mesh = build_mesh(hybrid)
-    undo_switch = _switch_transformers(model, mesh, hybrid.backend)
-    try:
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, mpu=HybridMPU(mesh),
-            model_parameters=model.parameters() if model_parameters is None else model_parameters,
-        )
-    except BaseException:
-        undo_switch()
-        raise
+    with _without_cpu_shm_comm_build():
+        deepspeed.init_distributed()  # adopts an existing process group
+        mesh = build_mesh(hybrid)
+        undo_switch = _switch_transformers(model, mesh, hybrid.backend)
+        try:
+            engine, ds_optimizer, _, _ = deepspeed.initialize(
+                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
+                mpu=HybridMPU(mesh),
+                model_parameters=model.parameters() if model_parameters is None else model_parameters,
+            )
+        except BaseException:
+            undo_switch()
+            raise
     remove_hooks = lambda: None  # noqa: E731
     if engine.zero_optimization_stage() == 3 and mesh.context > 1:
         remove_hooks = scale_gradients(engine.module, mesh.context)  # Note [gradient scale]
