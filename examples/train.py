@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ulysses", type=int, help="Ulysses degree (overrides the config)")
     parser.add_argument("--ring", type=int, help="ring degree (overrides the config)")
     parser.add_argument("--backend", help="attention kernel backend: auto, torch, flash, reference")
-    parser.add_argument("--max-steps", type=int, default=40)
+    parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, written into the config's optimizer (default 1e-3 suits the small built-in model)")
     parser.add_argument("--seed", type=int, default=0)

@@ -50,13 +50,22 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             dist.destroy_process_group()
 
 
+PRELOAD_ENV = "HYBRIDSP_TEST_PRELOAD"
+
+
 def _context() -> mp.context.BaseContext:
-    """forkserver with torch preloaded starts workers in well under a second; spawn otherwise."""
-    if "forkserver" in mp.get_all_start_methods():
-        context = mp.get_context("forkserver")
-        context.set_forkserver_preload(["torch", "torch.distributed", "hybridsp"])
-        return context
-    return mp.get_context("spawn")
+    """forkserver with torch preloaded starts workers in well under a second; spawn otherwise.
+
+    The forkserver imports its preload list once, when the first launch starts it; more
+    modules (comma-separated, e.g. transformers model modules) can be named in the
+    ``HYBRIDSP_TEST_PRELOAD`` environment variable so that every worker inherits them.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    extra = [name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name]
+    context.set_forkserver_preload(["torch", "torch.distributed", "hybridsp", *extra])
+    return context
 
 
 def run_distributed(
