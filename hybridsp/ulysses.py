@@ -77,26 +77,20 @@ def _heads_to_seq(tensors, group, counter):
     return [part.reshape(b, length, size * h, d) for part, h in zip(ordered.split(heads, dim=3), heads)]
 
 
-class _SeqToHeads(torch.autograd.Function):
+_RESHARD = {True: _seq_to_heads, False: _heads_to_seq}
+
+
+class _Reshard(torch.autograd.Function):
+    """One all-to-all in either direction; its backward is the other direction (its adjoint)."""
+
     @staticmethod
-    def forward(ctx, group, counter, *tensors):
-        ctx.group, ctx.counter = group, counter
-        return tuple(_seq_to_heads(list(tensors), group, counter))
+    def forward(ctx, to_heads, group, counter, *tensors):
+        ctx.to_heads, ctx.group, ctx.counter = to_heads, group, counter
+        return tuple(_RESHARD[to_heads](list(tensors), group, counter))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, *_heads_to_seq(list(grads), ctx.group, ctx.counter))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, counter, *tensors):
-        ctx.group, ctx.counter = group, counter
-        return tuple(_heads_to_seq(list(tensors), group, counter))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, *_seq_to_heads(list(grads), ctx.group, ctx.counter))
+        return (None, None, None, *_RESHARD[not ctx.to_heads](list(grads), ctx.group, ctx.counter))
 
 
 def seq_to_heads(
@@ -106,11 +100,11 @@ def seq_to_heads(
 
     Every H_i must be divisible by U = the group size (the caller checks and expands K/V).
     """
-    return list(_SeqToHeads.apply(group, counter, *tensors))
+    return list(_Reshard.apply(True, group, counter, *tensors))
 
 
 def heads_to_seq(
     tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None = None
 ) -> list[torch.Tensor]:
     """Differentiable inverse of :func:`seq_to_heads`: each [B, U*L, h_i, D] -> [B, L, U*h_i, D]."""
-    return list(_HeadsToSeq.apply(group, counter, *tensors))
+    return list(_Reshard.apply(False, group, counter, *tensors))
