@@ -72,6 +72,19 @@ def run_distributed(
     fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, threads: int = 1
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; see the module docstring."""
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _launch(fn, world_size, args, timeout, threads)
+        except AssertionError as error:  # the free port was taken before rank 0 bound it
+            if "EADDRINUSE" not in str(error) or attempt + 1 == _PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _launch(fn: Callable, world_size: int, args: tuple, timeout: float, threads: int) -> list[Any]:
     context = _context()
     results = context.Queue()
     port = _free_port()

@@ -21,6 +21,11 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [B, H, S, D]
 
 
+def _heads_first_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> [B, H, S, D], copied to contiguous memory."""
+    return x.transpose(1, 2).contiguous()  # [B, H, S, D]
+
+
 def _seq_first(x: torch.Tensor) -> torch.Tensor:
     """[B, H, S, D] -> [B, S, H, D] (a view)."""
     return x.transpose(1, 2)  # [B, S, H, D]
@@ -64,12 +69,15 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
     group's dK/dV in the input dtype, which triples their bf16 error; for fp16/bf16 with GQA
     the K/V heads are expanded and the group sum is done in fp32 instead."""
     hkv = k.shape[2]
-    low_precision_gqa = q.dtype in (torch.float16, torch.bfloat16) and hkv < q.shape[2]
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+    low_precision_gqa = low_precision and hkv < q.shape[2]
     if low_precision_gqa:
         k, v = _expand_kv_heads(k, q.shape[2]), _expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
+    # The bf16/fp16 CPU backward runs 12-40% faster on heads-first contiguous inputs
+    # (measured in benchmarks/bench_peers.py); fp32 does not care, so it skips the copies.
+    layout = _heads_first_contiguous if low_precision else _heads_first
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        _heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v),
-        _heads_first(out), lse, 0.0, causal, scale=scale,
+        layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, causal, scale=scale,
     )
     dk, dv = _seq_first(dk), _seq_first(dv)
     if low_precision_gqa:
