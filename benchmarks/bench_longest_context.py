@@ -1,53 +1,67 @@
 """Longest context one training step survives on this machine, against the planner's prediction.
 
-    python benchmarks/bench_longest_context.py            # world 1, cp2, cp4, cp8 (~25 min on 2 cores)
-    python benchmarks/bench_longest_context.py --quick    # world 1 and cp2, coarse (~5 min); temp dir
+    python benchmarks/bench_longest_context.py            # w1, cp2, cp4, cp8, 1 GiB in all (~20-25 min)
+    python benchmarks/bench_longest_context.py --quick    # w1 and cp2, 0.5 GiB, coarse (~4 min); temp dir
 
-What one attempt is: ``world`` gloo ranks (``hybridsp.testing.run_distributed``, one launch per
-attempt, one torch thread per rank) each build the example model of ``examples/train.py`` on its
-defaults (``train.build_model(train.parse_args(["--deepspeed", cpN.json, "--seq-len", S]), 256)``:
-a Llama with h=256, 4 layers, 8 query / 4 K/V heads of 32, I=640, byte vocabulary 256, tied
-embeddings, fp32), wrap it with ``hybridsp.integrations.deepspeed.initialize`` on the shipped
-``ds_configs/cpN.json`` (ZeRO-3; its "auto" precision is fp32 on CPU, AdamW runs as torch Adam)
-and run ONE ``train.train_step`` (forward + backward + optimizer step) on one window of S tokens
-of the example's byte corpus. The attempt succeeds when every rank finishes the step.
+One attempt: ``world`` gloo ranks (``hybridsp.testing.run_distributed``, one launch per attempt,
+torch threads per rank = cores // world) each build the example model of ``examples/train.py``
+on its defaults (``train.build_model(train.parse_args(["--deepspeed", cpN.json, "--seq-len", S]),
+256)``: a Llama with h=256, 4 layers, 8 query / 4 K/V heads of 32, I=640, byte vocabulary 256,
+tied embeddings, fp32; ``--seq-len`` only sets max_position_embeddings), wrap it with
+``hybridsp.integrations.deepspeed.initialize`` on the shipped ``ds_configs/cpN.json`` (ZeRO-3;
+"auto" precision is fp32 on CPU; AdamW runs as torch Adam) and run ONE ``train.train_step``
+(forward + backward + optimizer step) on a window of S tokens of the example's byte corpus.
+The attempt succeeds when every rank finishes the step. Configs: w1 (U=R=1), cp2 (U2 R1),
+cp4 (U2 R2), cp8 (U4 R2), all DP=1.
 
-Memory limit (Note [the limit]): before building anything, each rank measures its footprint after
-the imports (torch, DeepSpeed, transformers, hybridsp, the corpus) and sets the soft
-``RLIMIT_DATA`` to that ``VmData`` plus ``budget / world``. An allocation beyond it fails inside
-torch with ``RuntimeError: DefaultCPUAllocator: can't allocate memory`` (a clean, catchable error:
-``run_distributed`` kills the other ranks and the attempt counts as "too long"); the machine's RAM
-is never exhausted. ``--check-limits`` (also run at the start of every search) verifies which
-limits behave that way on this kernel.
+Memory limit (Note [the limit]): each rank, after the imports and the engine build (model,
+ZeRO-3 partitions, DeepSpeed buffers; ``--limit-from imports`` moves the start before the
+build), sets the soft ``RLIMIT_DATA`` to its current VmData + ``budget / world``. An allocation
+past it fails inside torch (``RuntimeError: DefaultCPUAllocator: can't allocate memory``); the
+rank writes its error to a report file and re-raises, ``run_distributed`` kills the others, and
+the attempt counts as too long. The machine's RAM is never at risk. The start of every run
+checks which limits raise that way on this kernel.
 
-Search per configuration: lengths are multiples of ``lcm(granularity, the zigzag layout's
-multiple)``; doubling from a start length until an attempt fails, then bisection to the
-granularity. A failed or timed-out attempt means "too long".
+Search per config: lengths are multiples of ``lcm(granularity, 2 R U)`` (the zigzag layout's
+multiple); doubling from a start length until an attempt fails, then bisection to the step.
+A failed or timed-out attempt counts as too long; a failure that is not memory stops the run.
 
-Measured per successful attempt (per rank; tables show the max over ranks):
-- ``peak_rss_delta``: VmHWM (reset through /proc/self/clear_refs right after the baseline) minus
-  the baseline VmRSS; ``file_delta``: RssFile at the end minus at the baseline (code pages of
-  kernels faulted in for the first time); ``peak_anon_delta = peak_rss_delta - file_delta`` is
-  the headline number: anonymous memory (tensors, buffers, malloc heap) the step added at its peak.
-- ``data_delta_end``: VmData at the end minus the baseline (what the limit counts; untouched
-  reservations such as DeepSpeed's fp32 reduce bucket count here, not in RSS).
-- ``saved_bytes``: unique storages autograd saved for backward (``saved_tensors_hooks``,
-  parameters excluded): the activations, allocator-independent.
+Measured per successful attempt, per rank (the tables show the max over ranks):
+- allocated (torch's view, the analogue of ``torch.cuda.max_memory_allocated``): the live tensor
+  bytes after the engine build (unique storages of every tensor the garbage collector tracks)
+  plus the step's peak of torch's own allocations (profiler memory events, ``profile_memory``).
+- RSS (the OS's view): VmHWM - VmRSS after the imports (VmHWM reset through
+  /proc/self/clear_refs), minus the growth of file-backed RSS (code pages faulted in).
+- saved: unique storages autograd saved for backward (``saved_tensors_hooks``, parameters
+  excluded): the activations, allocator-independent.
+- VmData growth (what the limit counts) and glibc's free heap when the limit is set.
 
-Planner prediction for the same model, length, mesh and ZeRO-3 with ``dtype_bytes=4``:
-``hybridsp.planner.memory_use`` per rank (and ``longest_context`` for a "cluster" of 1 node of
-``world`` ranks with ``memory = budget / world`` and nothing reserved). Error = (predicted -
-measured) / measured.
+Planner: ``hybridsp.planner.memory_use`` for the same model (``example_model_spec``), S, mesh,
+ZeRO-3, no checkpointing, ``dtype_bytes=4``; and ``longest_context`` on a 1-node "cluster" of
+``world`` ranks whose memory is the budget per rank plus the planner's own model states (the
+limit starts after the engine build), nothing reserved. Error = (planner - measured) / measured.
 
-Note [the limit]: RLIMIT_RSS is not enforced by Linux (a no-op since 2.6), so only the OOM
-killer would stop a process that outgrows RAM: not clean, and it may pick another process on a
+Note [the limit]: RLIMIT_RSS is not enforced by Linux (a no-op since 2.6): only the OOM killer
+would stop a rank that outgrows RAM, which is not clean and may pick another process on a
 shared machine. RLIMIT_AS counts every mapping (shared libraries, PROT_NONE reservations of
-glibc's per-thread arenas, 64 MiB each), so a rank's budget would depend on how many threads
-gloo and DeepSpeed start. RLIMIT_DATA (Linux >= 4.7) counts private writable mappings only:
-the heap, anonymous mmaps (every large tensor), thread stacks; mmap/brk fail with ENOMEM and
-torch's CPU allocator raises RuntimeError. It counts memory when it is *reserved*, as a GPU
-allocator does (``torch.empty`` of a buffer that is never touched costs budget), so it is the
-closer analogue of device memory; RSS (what the table measures) counts only touched pages.
+glibc's per-thread arenas, 64 MiB each), so a budget would depend on how many threads gloo and
+DeepSpeed start. RLIMIT_DATA (Linux >= 4.7) counts private writable mappings only (heap,
+anonymous mmaps such as every large tensor, thread stacks); mmap/brk/mprotect fail with ENOMEM
+and torch's CPU allocator raises RuntimeError. It counts memory when it is reserved, as a GPU
+allocator does. Why the budget starts after the engine build by default: the build reserves
+~370-400 MiB of VmData per rank that is mostly never touched (DeepSpeed's ZeRO-3 reduce bucket,
+``reduce_bucket_size`` = 5e7 fp32 elements = 191 MiB allocated with ``torch.empty``; 8 MiB stacks
+of ~20 threads), so with "budget / world" counted from the imports cp8 could not even build its
+engine at any budget whose world-1 search finishes in minutes (attention is quadratic on 2 cores).
+
+Note [malloc]: glibc serves a request from free heap chunks before it considers mmap, and its
+default mmap threshold grows up to 32 MiB as large blocks are freed, so freed activations stay in
+the heap: with glibc's defaults, one step's RSS was 1.6x torch's allocated peak (541 vs 334 MiB at
+S=4096, world 1), and free heap inside VmData lets later tensors escape the limit. Each rank
+therefore sets ``mallopt(M_MMAP_THRESHOLD, 256 KiB)`` (fixed; every tensor of 256 KiB or more is
+mmapped and unmapped at free) and the limit is set when glibc's free heap is small (it is
+recorded). Profiling the engine build would leave ~100 MiB of free heap behind (the profiler's
+event records), so only the step is profiled.
 """
 
 from __future__ import annotations
@@ -87,6 +101,7 @@ CONFIGS = {  # name -> (world, ulysses, ring, ds config)
     "cp8": (8, 4, 2, "cp8.json"),
 }
 VOCAB = 256  # examples/text_data.py BYTE_VOCAB
+BREAKDOWN_LEN = 2048  # sequence length of the saved-tensor breakdowns
 OOM_MARKERS = ("can't allocate memory", "MemoryError", "std::bad_alloc", "Cannot allocate memory",
                "out of memory", "ENOMEM")
 PRELOAD = ["torch", "torch.distributed", "hybridsp", "hybridsp.integrations.deepspeed", "deepspeed",
@@ -190,6 +205,36 @@ class Allocations:
         return False
 
 
+def _live_tensor_bytes() -> int:
+    """Bytes of the unique CPU storages of every tensor the garbage collector tracks (parameters,
+    ZeRO partitions and buffers, optimizer states): what the engine build left allocated. (Not
+    profiled: the profiler's own event records would leave ~100 MiB of free glibc heap behind,
+    inside VmData, which later tensors reuse without counting against the limit.)"""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if storage.nbytes():
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _heap_free() -> int:
+    """Free bytes inside glibc's arenas (mallinfo2().fordblks): VmData that allocations can reuse."""
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        return int(libc.mallinfo2().fordblks)
+    except (OSError, AttributeError):
+        return -1
+
+
 def _tensors_via_mmap(threshold: int) -> None:
     """glibc: serve every allocation >= ``threshold`` by mmap and unmap it at free (Note [malloc])."""
     if threshold > 0:
@@ -224,17 +269,18 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
     reset = _reset_peak()
     started = time.perf_counter()
     args = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / config), "--seq-len", str(seq_len)])
-    with Allocations() as init_alloc:
+    try:
         if limit_from == "imports":
             _set_limit(limit, base, budget)
-        try:
-            model = train.build_model(args, vocab)
-            engine, _, mesh, _ = initialize(model, train._config_with_lr(args), ulysses=ulysses, ring=ring)
-        finally:
-            _lift_limit(limit)  # the profiler needs memory to report; the limit comes back below
+        model = train.build_model(args, vocab)
+        engine, _, mesh, _ = initialize(model, train._config_with_lr(args), ulysses=ulysses, ring=ring)
+    finally:
+        _lift_limit(limit)  # set again (from the same base) for the step below
     gc.collect()
     _malloc_trim()
     init = _status()
+    heap_free = _heap_free()
+    init_tensors = _live_tensor_bytes()
     init_s = time.perf_counter() - started
     _reset_peak()
     saved = SavedTensors()
@@ -259,10 +305,9 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
         "forward_s": (saved.first_unpack - step_start) if saved.first_unpack else None,
         "hwm_reset": reset, "threads_end": len(os.listdir("/proc/self/task")),
         "base_rss": base["VmRSS"], "base_data": base["VmData"], "base_size": base["VmSize"],
-        # torch's allocations: the engine build (persistent part), the step (peak, persistent part)
-        "init_alloc_end": init_alloc.end, "init_alloc_peak": init_alloc.peak,
-        "step_alloc_peak": step_alloc.peak, "step_alloc_end": step_alloc.end,
-        "alloc_peak": max(init_alloc.peak, init_alloc.end + step_alloc.peak),
+        # torch's view: live tensors after the engine build; the step's allocations (peak, still live at its end)
+        "heap_free_at_limit": heap_free, "init_alloc_end": init_tensors, "step_alloc_peak": step_alloc.peak, "step_alloc_end": step_alloc.end,
+        "alloc_peak": init_tensors + step_alloc.peak,
         # the OS's view: the engine build (model states, DeepSpeed buffers, process groups)
         "init_rss_delta": init_rss, "init_anon_delta": init_rss - init_file,
         "init_data_delta": init["VmData"] - base["VmData"],
@@ -277,6 +322,97 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "saved_bytes": saved.bytes, "saved_count": len(saved.storages),
     }
+
+
+def breakdown_rank(rank: int, world: int, ulysses: int, ring: int, config: str, seq_len: int) -> list:
+    """What autograd keeps for backward after one forward of the example (no limit): walk the graph
+    from the loss, collect every saved tensor (``_saved_*`` and custom Functions' ``saved_tensors``),
+    dedup by storage, group by (node, last dimension, dtype). Returns rows with bytes per local token."""
+    train, text_data, initialize = _imports()
+    from hybridsp import shard_batch, sharded_cross_entropy
+
+    tokens, vocab = text_data.tokenize(text_data.load_corpus(None), None)
+    windows = text_data.TokenWindows(tokens, seq_len, 0)
+    args = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / config), "--seq-len", str(seq_len)])
+    engine, _, mesh, _ = initialize(train.build_model(args, vocab), train._config_with_lr(args),
+                                    ulysses=ulysses, ring=ring)
+    full = windows.batch(0, 1)
+    local = shard_batch({"input_ids": full, "labels": full}, mesh)
+    logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+    loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
+    seen, groups, nodes, stack = set(), {}, set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in nodes:
+            continue
+        nodes.add(node)
+        saved = []
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                try:
+                    value = getattr(node, name)
+                except RuntimeError:
+                    continue
+                saved += list(value) if isinstance(value, (tuple, list)) else [value]
+        try:
+            saved += list(getattr(node, "saved_tensors", ()))
+        except RuntimeError:
+            pass
+        for tensor in saved:
+            if not isinstance(tensor, torch.Tensor) or (tensor.is_leaf and tensor.requires_grad):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            key = (type(node).__name__, int(tensor.shape[-1]) if tensor.dim() else 0, str(tensor.dtype).split(".")[-1])
+            groups[key] = groups.get(key, 0) + storage.nbytes()
+        stack.extend(fn for fn, _ in node.next_functions)
+    local_tokens = local["input_ids"].numel()
+    return sorted(([*key, value / local_tokens] for key, value in groups.items()), key=lambda row: -row[3])
+
+
+def bf16_checks() -> dict:
+    """Single-process bf16 checks of two terms this machine's example cannot show at scale: the
+    loss path's peak per (token x vocabulary entry) and HF's RMSNorm's saved bytes per (token x h)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    tokens, hidden, vocab = 1024, 256, 32768
+    head = torch.nn.Linear(hidden, vocab, bias=False).to(torch.bfloat16)
+    x = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,))
+    head.weight.grad = torch.zeros_like(head.weight)  # allocated before: only the loss path is counted
+    x.grad = torch.zeros_like(x)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        logits = head(x)  # [1, T, V] bf16, held by the caller as in train.train_step
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), labels, reduction="sum")
+        loss.backward()
+        del logits, loss
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    loss_peak = peak / (tokens * vocab)  # the gradient buffers were allocated before: this is the loss path
+    norm = LlamaRMSNorm(hidden).to(torch.bfloat16)
+    linear = torch.nn.Linear(hidden, hidden, bias=False).to(torch.bfloat16)
+    storages = {}
+
+    def pack(tensor):
+        if not (tensor.is_leaf and tensor.requires_grad) and tensor.shape != (hidden, hidden):  # not W^T
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    inputs = torch.randn(1, tokens, hidden, dtype=torch.bfloat16, requires_grad=True) * 1.0  # not a leaf
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        linear(norm(inputs))
+    torch.set_num_threads(threads)
+    return {"loss_peak_bytes_per_entry": loss_peak, "rmsnorm_saved_bytes_per_hidden": sum(storages.values()) / (tokens * hidden),
+            "shapes": {"tokens": tokens, "hidden": hidden, "vocab": vocab}}
 
 
 def _set_limit(limit: str, status: dict[str, int], budget: int) -> None:
@@ -609,11 +745,12 @@ def markdown(rows: list[dict], meta: dict, checks: list[dict], clusters: str | N
         f"by mmap (`mallopt(M_MMAP_THRESHOLD)`, so freed tensors go back to the OS). Search: doubling from "
         f"{meta['start_note']}, then bisection to {meta['granularity']} tokens (multiples of lcm(granularity, 2RU) "
         f"for the zigzag layout); a failed or timed-out attempt counts as too long.",
-        "- Measured, per rank, max over ranks: **allocated** = torch's own count of live CPU tensor bytes "
-        "(profiler memory events; the analogue of `torch.cuda.max_memory_allocated`): persistent after the engine "
-        "build + the step's peak; **RSS** = VmHWM - VmRSS after the imports, minus the growth of file-backed RSS "
-        "(code pages); **saved** = unique storages autograd saved for backward (parameters excluded). "
-        "`step` columns count only the step, over the footprint after the engine build (what the limit counted).",
+        "- Measured, per rank, max over ranks: **allocated** (torch's view, the analogue of "
+        "`torch.cuda.max_memory_allocated`) = live tensor bytes after the engine build (unique storages of every "
+        "tensor the garbage collector tracks) + the step's peak of torch's own allocations (profiler memory "
+        "events); **RSS** (the OS's view) = VmHWM - VmRSS after the imports, minus the growth of file-backed RSS "
+        "(code pages); **saved** = unique storages autograd saved for backward (parameters excluded). `step` "
+        "columns count only the step, over the footprint after the engine build (what the limit counted).",
         "- Planner: `hybridsp.planner.memory_use` for the same model (ModelSpec H=8, Hkv=4, D=32, h=256, I=640, "
         "L=4, V=256, tied embeddings), S, DP=1 x U x R, ZeRO-3, no checkpointing, `dtype_bytes=4`; `step` = "
         "activations + logits + workspace; `planner longest` = `longest_context` on a 1-node cluster of `world` "
@@ -650,9 +787,9 @@ def markdown(rows: list[dict], meta: dict, checks: list[dict], clusters: str | N
         "Slopes of least-squares lines over every successful attempt of a config, bytes per token a rank holds "
         "(S / C); fixed costs per rank at the longest length.", "",
         "| config | step allocated B/token | planner step B/token | error | saved B/token | planner act. B/token | "
-        "error | step RSS B/token | engine build: allocated / RSS / VmData MiB | Adam states etc. made in the step MiB "
-        "| planner model states MiB | RSS after imports MiB | threads |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "error | step RSS B/token | engine build: live tensors / RSS / VmData MiB | left allocated by the step MiB "
+        "| planner model states MiB | free heap at the limit MiB | RSS after imports MiB | threads |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m, p = r.get("measured"), r.get("planner")
@@ -665,7 +802,8 @@ def markdown(rows: list[dict], meta: dict, checks: list[dict], clusters: str | N
             f"{_pct(_error(ps['slope'], sa['slope'])) if sa and ps else '-'} | {_slope(sv)} | {_slope(pa)} | "
             f"{_pct(_error(pa['slope'], sv['slope'])) if sv and pa else '-'} | {_slope(r['step_rss_per_token'])} | "
             f"{_mib(m['init_alloc_end'])} / {_mib(m['init_anon_delta'])} / {_mib(m['init_data_delta'])} | "
-            f"{_mib(m['step_alloc_end'])} | {_mib(p['model_states'])} | {_mib(m['base_rss'])} | {m['threads_end']} |")
+            f"{_mib(m['step_alloc_end'])} | {_mib(p['model_states'])} | {_mib(m.get('heap_free_at_limit'))} | "
+            f"{_mib(m['base_rss'])} | {m['threads_end']} |")
     lines += ["", "### Every attempt", "",
               "| config | S | result | wall s | step s (forward) | allocated MiB (step) | RSS MiB (step) | step VmData "
               "MiB | saved MiB | planner total / step MiB | load before/after |",
@@ -693,9 +831,149 @@ def markdown(rows: list[dict], meta: dict, checks: list[dict], clusters: str | N
         what = f"{c.get('error_type', '')}: {c['error']}" if c.get("raised") else (
             f"allocated and touched; RSS {c.get('rss_after', 0) / MIB:,.0f} MiB" if "rss_after" in c else c.get("error", ""))
         lines.append(f"| RLIMIT_{c['limit'].upper()} | {'raised' if c.get('raised') else 'no error'} | {what} |")
+    lines += breakdown_lines(meta)
+    lines += ["", reading(rows, meta)]
     if clusters:
         lines += ["", clusters]
     return "\n".join(lines) + "\n"
+
+
+def _what(node: str, dim: int, dtype: str, h: int = 256, inter: int = 640, head_dim: int = 32) -> str:
+    """A reading of one breakdown group for the example's shapes."""
+    if dtype.startswith("int"):
+        return "token ids / targets"
+    if node.startswith("LinearFunction") or node in ("MmBackward0", "AddmmBackward0"):
+        return {h: "inputs of the linears (q/k/v, o_proj, gate/up: 3 per layer; lm_head)",
+                inter: "down_proj input (SiLU(gate) x up)"}.get(dim, "linear input")
+    if node == "MulBackward0":
+        return {inter: "MLP: SiLU(gate) and up (their product's operands)", h: "RMSNorm: x and x * rstd (2 per norm)",
+                1: "RMSNorm: rstd", head_dim: "RoPE cos/sin"}.get(dim, "")
+    if node == "SiluBackward0":
+        return "MLP: gate (SiLU's input)"
+    if "Kernel" in node or "Ring" in node:
+        if dim != head_dim:
+            return "attention: fp32 LSE"
+        return ("attention: q, k, v, out (at U=1 out shares its storage with the o_proj input, counted above)"
+                if "Kernel" in node else "attention after the all-to-all: q, k, v, out")
+    if node.startswith("NllLoss") or node.startswith("LogSoftmax"):
+        return "loss: saved log-softmax [T, V]"
+    return ""
+
+
+def breakdown_lines(meta: dict) -> list[str]:
+    breakdowns, checks = meta.get("breakdowns"), meta.get("bf16_checks")
+    lines = []
+    if breakdowns:
+        names = list(breakdowns)
+        table = {}
+        for name, rows in breakdowns.items():
+            for node, dim, dtype, per_token in rows:
+                table.setdefault((node, dim, dtype), {})[name] = per_token
+        lines += ["", f"### What autograd saves, per local token (one forward at S={meta['breakdown_len']:,}, graph walk)", "",
+                  "| node | last dim | dtype | " + " | ".join(f"{n} B/token" for n in names) + " | what |",
+                  "|---|---|---|" + "---|" * len(names) + "---|"]
+        for (node, dim, dtype), values in sorted(table.items(), key=lambda kv: -max(kv[1].values())):
+            if max(values.values()) < 1:
+                continue
+            cells = " | ".join(f"{values[n]:,.0f}" if n in values else "-" for n in names)
+            lines.append(f"| {node} | {dim} | {dtype} | {cells} | {_what(node, dim, dtype)} |")
+        totals = " | ".join(f"**{sum(row[3] for row in breakdowns[n]):,.0f}**" for n in names)
+        length = meta["breakdown_len"]
+        planned = []
+        for n in names:
+            world, ulysses, ring, _ = CONFIGS[n]
+            planned.append(f"{planner_memory(ulysses, ring, world, length)['activations'] / (length // world):,.0f}")
+        lines.append(f"| total | | | {totals} | planner activations: {' / '.join(planned)} (+ the log-softmax, "
+                     f"{VOCAB * 4:,}, in its logits term) |")
+    if checks:
+        lines += ["", "### bf16 checks of two terms (single process, "
+                  f"T={checks['shapes']['tokens']}, h={checks['shapes']['hidden']}, V={checks['shapes']['vocab']})", "",
+                  "| term | measured | planner |", "|---|---|---|",
+                  f"| loss path (`lm_head` -> bf16 logits kept by the caller -> `.float()` -> cross-entropy), forward + "
+                  f"backward, allocated peak per token x vocabulary entry | {checks['loss_peak_bytes_per_entry']:.1f} B "
+                  f"| e + 4 = 6 B |",
+                  f"| HF `LlamaRMSNorm` + the next linear, saved per token x h | "
+                  f"{checks['rmsnorm_saved_bytes_per_hidden']:.1f} B | 2e = 4 B (input and output) |"]
+    return lines
+
+
+def _span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return _pct(low) if abs(high - low) < 0.005 else f"{_pct(low)} to {_pct(high)}"
+
+
+def reading(rows: list[dict], meta: dict) -> str:
+    """The short reading: numbers from this run, and what they rest on."""
+    done = [r for r in rows if r.get("measured")]
+    if not done:
+        return "## Reading\n\nNo config produced a successful step."
+    err = lambda key: [r["errors"][key] for r in done]  # noqa: E731
+    longest = ", ".join(f"{r['config']} {r['longest']:,}" for r in done)
+    planned = ", ".join(f"{r['config']} {r['planner_longest']['seq_len']:,}" for r in done)
+    w1 = next((r for r in done if r["world"] == 1), done[0])
+    bucket = w1["measured"]["init_alloc_end"] / MIB
+    checks = meta.get("bf16_checks") or {}
+    loss_peak = checks.get("loss_peak_bytes_per_entry", float("nan"))
+    norm_saved = checks.get("rmsnorm_saved_bytes_per_hidden", float("nan"))
+    slopes = [r["step_alloc_per_token"]["slope"] for r in done if r.get("step_alloc_per_token")]
+    spread = max(slopes) / min(slopes) - 1 if slopes else float("nan")
+    zero = json.loads((ROOT / "ds_configs" / w1["ds_config"]).read_text())["zero_optimization"]
+    bucket_bytes = int(zero["reduce_bucket_size"]) * 4  # fp32 gradients
+    psi = example_model_spec().total_params
+    per_param = (w1["measured"]["init_alloc_end"] + w1["measured"]["step_alloc_end"] - bucket_bytes) / psi
+    build_rss = [r["measured"]["init_anon_delta"] / MIB for r in done]
+    loss_extra = (w1["step_alloc_per_token"]["slope"] - w1["saved_per_token"]["slope"]
+                  if w1.get("step_alloc_per_token") and w1.get("saved_per_token") else float("nan"))
+    shares = ", ".join(f"{r['measured']['saved_bytes'] / r['measured']['step_alloc_peak']:.0%}" for r in done)
+    return "\n".join([
+        "## Reading",
+        "",
+        f"- **Longest context** (one fp32 step, {_mib(done[0]['budget_per_rank'] * done[0]['world'])} MiB in all, "
+        f"split over the ranks): measured {longest} tokens; the planner, given the same memory, predicts {planned}. "
+        "With the total fixed, sequence parallelism on one machine cannot lengthen the context: what this shows is "
+        "that U x R spreads the S-dependent memory almost perfectly over the ranks (the step's bytes per local "
+        f"token differ by at most {spread:.0%} between configs), and what each extra rank costs on top.",
+        f"- **What dominates**: the step's S-dependent memory is almost all autograd's saved activations (saved = "
+        f"{shares} of "
+        "the step's allocated peak). Per token and layer (fp32, U=1): the MLP keeps 4I = 10 KiB (gate, SiLU(gate), "
+        "up, their product), the two RMSNorms 6h = 6 KiB (each its input, the normalised x, and the weighted output "
+        "the next linear keeps), attention 2HD + 2HkvD = 3 KiB (q, k, v, out; the o_proj input is a view of out at "
+        "U=1 and a fresh tensor after the reverse all-to-all at U>1: +1 KiB); the loss 16 B per vocabulary entry "
+        "(the logits `train_step` holds, the saved log-softmax, two fp32 gradients at the start of the backward: "
+        f"the step's allocated slope exceeds the saved slope by {loss_extra:,.0f} B/token at world 1, 3 x V x 4). "
+        f"Fixed per rank: DeepSpeed's ZeRO-3 reduce bucket (`reduce_bucket_size` {zero['reduce_bucket_size']:.0e} fp32 "
+        f"elements = {bucket_bytes / MIB:.0f} MiB, `torch.empty` at init) is {bucket_bytes / MIB / bucket:.0%} of what "
+        f"the engine build leaves allocated ({bucket:.0f} MiB at world 1); it is reserved but barely touched (RSS "
+        f"after the build is {min(build_rss):.0f}-{max(build_rss):.0f} MiB).",
+        f"- **Prediction error**: the step (activations + logits + workspace) is predicted within "
+        f"{_span(err('step_vs_allocated'))} of torch's allocated peak; the activation term alone "
+        f"{_span(err('activations_vs_saved'))} of the saved tensors. The planner's per-layer formula "
+        "e(4h + 3HD + 2Hkv'D + 4I) misses the RMSNorm's normalised x (h per norm, saved by the weight multiply) and "
+        "counts the o_proj input separately at U=1 where it is a view of the kernel output. The whole rank is "
+        f"off by {_span(err('total_vs_allocated'))}: the planner has no term for DeepSpeed's reduce "
+        "bucket, and its model states are mixed-precision Adam (16 B/param) while fp32 ZeRO-3 kept "
+        f"{per_param:.1f} B/param at world 1 (fp32 partition + an fp32 master copy + fp32 gradients + Adam m, v); with the budget counted after the "
+        f"engine build these fixed costs do not move the longest length, which the planner gets within "
+        f"{_span([(r['planner_longest']['seq_len'] - r['longest']) / r['longest'] for r in done])} (it "
+        "over-predicts, as its per-token memory is a few % low).",
+        "- **Caveats**: RSS is the OS's view and includes glibc's behaviour: with glibc's defaults a step's RSS "
+        "was 1.6x torch's allocated peak (freed activations stay in the heap), hence `mallopt(M_MMAP_THRESHOLD)` "
+        "(Note [malloc] in the script); with it RSS tracks allocations to within a few %. RLIMIT_DATA counts "
+        "reserved, not touched, memory, like a GPU allocator; `allocated` is the analogue of "
+        "`max_memory_allocated` (a GPU caching allocator adds its own fragmentation on top). fp32 on CPU only, "
+        "micro-batch 1, no activation checkpointing (the planner's own pick would checkpoint and reach ~3x "
+        "longer). V = 256 makes the loss term tiny here (4 KiB/token); for Llama-3 (V = 128,256) it is the largest "
+        "term: a bf16 check of the same loss path (`lm_head` -> bf16 logits held by the caller -> `.float()` -> "
+        f"cross-entropy, forward + backward, profiler allocated peak) peaks at {loss_peak:.0f} B per token x vocabulary "
+        f"entry, where the planner counts e + 4 = 6, and HF's bf16 RMSNorm keeps {norm_saved:.0f} B per token x h "
+        "per norm (an fp32 copy of x, the normalised x, the weighted output) where the planner counts 4. Step "
+        "times are wall times on 2 shared cores (load in the attempt table) and are not a speed result.",
+    ])
+
+
+def _clusters_section(module, rows: list[dict]) -> str:
+    return ("## Planner predictions for real clusters (`python benchmarks/predict_clusters.py`)\n\n"
+            + module.__doc__.split("\n\n", 2)[2].strip() + "\n\n" + module.markdown(rows))
 
 
 def machine_info() -> str:
@@ -747,7 +1025,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-timeout", type=float, default=600.0, help="timeout of a config's first attempt, s")
     parser.add_argument("--no-clusters", action="store_true", help="skip the cluster prediction table")
     parser.add_argument("--out", help="output prefix (default benchmarks/results_longest_context; quick: temp dir)")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown beside a results JSON")
     args = parser.parse_args(argv)
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        clusters = None
+        if data.get("clusters"):
+            import predict_clusters
+
+            clusters = _clusters_section(predict_clusters, data["clusters"])
+        Path(args.render).with_suffix(".md").write_text(markdown(data["configs"], data["meta"], data["limit_checks"],
+                                                                 clusters))
+        return 0
 
     quick = args.quick
     names = args.configs or (["w1", "cp2"] if quick else ["w1", "cp2", "cp4", "cp8"])
@@ -777,14 +1066,21 @@ def main(argv: list[str] | None = None) -> int:
         previous = longest or previous
         log(f"{name}: longest {longest:,} tokens ({len(attempts)} attempts, {row['search_s']:.0f} s); planner "
             f"{row['planner_longest']['seq_len']:,}")
+    breakdowns = {}
+    for name in ("w1", "cp4"):
+        world, ulysses, ring, config = CONFIGS[name]
+        breakdowns[name] = run_distributed(breakdown_rank, world, ulysses, ring, config, BREAKDOWN_LEN,
+                                           timeout=600)[0]
+    checks_bf16 = bf16_checks()
+    log(f"saved-tensor breakdowns (w1, cp4 at S={BREAKDOWN_LEN}) and bf16 checks: loss peak "
+        f"{checks_bf16['loss_peak_bytes_per_entry']:.1f} B/entry, RMSNorm {checks_bf16['rmsnorm_saved_bytes_per_hidden']:.1f} "
+        f"B/(token x h)")
     clusters = cluster_rows = None
     if not args.no_clusters:
         import predict_clusters
 
         cluster_rows, _ = predict_clusters.run()
-        clusters = ("## Planner predictions for real clusters (`python benchmarks/predict_clusters.py`)\n\n"
-                    + predict_clusters.__doc__.split("\n\n", 2)[2].strip() + "\n\n"
-                    + predict_clusters.markdown(cluster_rows))
+        clusters = _clusters_section(predict_clusters, cluster_rows)
     model = example_model_spec()
     meta = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -798,6 +1094,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads_note": f"torch threads per rank = max(1, {settings.cores} cores // world)",
         "start_note": f"{args.start} tokens (later configs: 0.6 x the previous config's longest)",
     }
+    meta.update(breakdowns=breakdowns, bf16_checks=checks_bf16, breakdown_len=BREAKDOWN_LEN)
     text = markdown(rows, meta, checks, clusters)
     Path(prefix + ".md").write_text(text)
     Path(prefix + ".json").write_text(json.dumps({"meta": meta, "limit_checks": checks, "configs": rows,

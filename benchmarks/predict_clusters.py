@@ -11,11 +11,18 @@ that some DP x U x R plan fits, and the table shows the plan the planner recomme
 length with its predicted step time, tokens/s and MFU. The planner's defaults are kept: 50% of
 peak FLOP/s achieved, 4 GiB reserved per GPU, mixed-precision Adam (16 bytes/param), full
 logits materialised (the ``chunked loss`` column repeats the search with ``chunked_loss=True``).
+The ``loss at 14 B`` column is a what-if, not the planner: the same search with the loss term
+set to 14 bytes per token x vocabulary entry instead of the planner's ``e + 4 = 6``, the peak
+measured for this loss path in bf16 (bf16 logits kept by the training step, the fp32 copy's
+saved log-softmax and two fp32 gradients at the start of the backward; see
+``bench_longest_context.bf16_checks``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import json
 import sys
@@ -29,10 +36,33 @@ if str(ROOT) not in sys.path:
 from hybridsp.planner import MODELS, SearchSpace, longest_context, preset_cluster  # noqa: E402
 from hybridsp.planner.specs import GIB  # noqa: E402
 
+MEASURED_LOSS_BYTES = 14  # bf16 loss path's peak per token x vocabulary entry (bench_longest_context.bf16_checks)
 MODEL_NAMES = ("llama3-8b", "llama3-70b")
 GPUS = ("h100", "h200")
 SIZES = (8, 16, 32, 64, 128, 256, 512)
 PER_NODE = 8
+
+
+@contextlib.contextmanager
+def loss_bytes_per_entry(value: int):
+    """What-if: the longest-context search counts the loss at ``value`` bytes per token x vocabulary
+    entry (only the search's fit test is changed; plans evaluated afterwards use the planner's own)."""
+    from hybridsp.planner import search as search_module
+    from hybridsp.planner.costs import local_tokens
+
+    original = search_module.memory_use
+
+    def patched(model, workload, config):
+        use = original(model, workload, config)
+        if workload.chunked_loss or workload.forward_only:
+            return use
+        return dataclasses.replace(use, logits=local_tokens(workload, config) * model.vocab_size * value)
+
+    search_module.memory_use = patched
+    try:
+        yield
+    finally:
+        search_module.memory_use = original
 
 
 def predict(model_name: str, gpu: str, world: int, granularity: int) -> dict:
@@ -42,8 +72,10 @@ def predict(model_name: str, gpu: str, world: int, granularity: int) -> dict:
     space = SearchSpace(zero_stages=(3,), checkpointing=(False, True))
     found = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space)
     chunked = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space, chunked_loss=True)
+    with loss_bytes_per_entry(MEASURED_LOSS_BYTES):
+        what_if = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space).seq_len
     row = {"model": model_name, "gpu": gpu, "gpus": world, "nodes": world // PER_NODE, "seq_len": found.seq_len,
-           "seq_len_chunked_loss": chunked.seq_len, "granularity": granularity}
+           "seq_len_chunked_loss": chunked.seq_len, "seq_len_loss_14b": what_if, "granularity": granularity}
     best = found.result.recommended if found.result else None
     if best is None:
         return row
@@ -70,13 +102,14 @@ def _tokens(n: int) -> str:
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| model | GPU | GPUs (nodes) | longest context | DP x U x R | ckpt | step s | tokens/s | MFU "
-        "| memory GiB: states / act / logits / work | exposed a2a / ring / ZeRO s | chunked loss: longest (plan) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| memory GiB: states / act / logits / work | exposed a2a / ring / ZeRO s | chunked loss: longest (plan) "
+        "| what-if: loss at 14 B |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "dp" not in r:
             lines.append(f"| {r['model']} | {r['gpu']} | {r['gpus']} ({r['nodes']}) | nothing fits | | | | | | | | "
-                         f"{_tokens(r['seq_len_chunked_loss'])} |")
+                         f"{r['seq_len_chunked_loss']:,} | {r['seq_len_loss_14b']:,} |")
             continue
         m = r["memory_gib"]
         where = " (a2a crosses nodes)" if r["all_to_all_crosses_nodes"] else ""
@@ -86,7 +119,8 @@ def markdown(rows: list[dict]) -> str:
             f"{r['step_s']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu']:.0%} | "
             f"{m['total']:.1f} = {m['model_states']:.1f} / {m['activations']:.1f} / {m['logits']:.1f} / "
             f"{m['workspace']:.1f} | {r['all_to_all_s']:.2f} / {r['ring_exposed_s']:.2f} / {r['zero_exposed_s']:.2f} | "
-            f"{r['seq_len_chunked_loss']:,} ({r.get('chunked_plan', '-')}) |"
+            f"{r['seq_len_chunked_loss']:,} ({r.get('chunked_plan', '-')}) | {r['seq_len_loss_14b']:,} "
+            f"({(r['seq_len_loss_14b'] - r['seq_len']) / r['seq_len']:+.0%}) |"
         )
     return "\n".join(lines)
 
