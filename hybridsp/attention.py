@@ -15,16 +15,21 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridsp.comm import CommCounter
-from hybridsp.kernels import AttentionKernel, check_qkv
+from hybridsp.kernels import AttentionKernel, check_qkv, resolve_kernel
 from hybridsp.layout import check_sequence_length, join_shards, take_shard
 from hybridsp.mesh import HybridMesh
-from hybridsp.ring import ring_attention
+from hybridsp.ring import check_softmax_scale, ring_attention
 from hybridsp.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
 
 
-def check_hybrid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: HybridMesh) -> None:
+def check_hybrid_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: HybridMesh, softmax_scale: float | None = None
+) -> None:
     """Raise ValueError, quoting the numbers, for inputs the mesh cannot run (no communication)."""
+    if not isinstance(mesh, HybridMesh):
+        raise ValueError(f"mesh must be a hybridsp.HybridMesh (from hybridsp.init_mesh); got {type(mesh).__name__}")
     check_qkv(q, k, v, causal=False)
+    check_softmax_scale(softmax_scale)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}")
     heads = q.shape[2]
@@ -56,19 +61,26 @@ def hybrid_attn_func(
         causal: causal masking by global token position.
         softmax_scale: defaults to 1/sqrt(D).
         backend: ``auto``, ``torch``, ``flash``, ``reference`` or a kernel object.
-        counter: optional :class:`~hybridsp.comm.CommCounter` recording bytes sent.
+        counter: optional :class:`~hybridsp.comm.CommCounter` recording bytes sent; defaults to
+            ``mesh.comm_counter`` (None unless set).
 
     Returns:
         out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
+
+    Raises:
+        ValueError, on every rank and before any communication, for inputs the mesh or the
+        kernel cannot run (shapes, dtypes, devices, heads, sequence length, backend).
     """
-    check_hybrid_inputs(q, k, v, mesh)
+    check_hybrid_inputs(q, k, v, mesh, softmax_scale)
+    kernel = resolve_kernel(backend, q)
+    counter = mesh.comm_counter if counter is None else counter
     heads = q.shape[2]
     if mesh.ulysses > 1:
         k, v = expand_kv_heads_for(k, heads, mesh.ulysses), expand_kv_heads_for(v, heads, mesh.ulysses)
         q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group, counter)  # each [B, S/R, H/U, D]
     ring_group = mesh.ring_group if mesh.ring > 1 else None
     out = ring_attention(
-        q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, backend=backend,
+        q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, backend=kernel,
         layout=mesh.layout, counter=counter,
     )  # [B, S/R, H/U, D]
     if mesh.ulysses > 1:

@@ -29,6 +29,7 @@ restart), which would need document masking.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Iterator, Mapping
 
 import torch
@@ -194,20 +195,29 @@ class ShardedDataLoader:
             yield shard_batch(batch, self.mesh, pad_token_id=self.pad_token_id, ignore_index=self.ignore_index)
 
 
+def batch_fingerprint(input_ids: torch.Tensor) -> torch.Tensor:
+    """[4] int64: rows, columns and 124 bits of a BLAKE2 digest of the ids' bytes (no aliasing by position).
+
+    Each digest half is kept to 62 bits so that negating it (the MAX/MIN trick of
+    :func:`check_same_across_context`) never overflows int64.
+    """
+    ids = input_ids.detach().to("cpu", torch.int64).contiguous()
+    digest = hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest()
+    halves = [int.from_bytes(digest[i : i + 8], "little") & ((1 << 62) - 1) for i in (0, 8)]
+    return torch.tensor([*ids.shape[-2:], *halves] if ids.dim() >= 2 else [1, ids.numel(), *halves],
+                        dtype=torch.int64)
+
+
 def check_same_across_context(input_ids: torch.Tensor, mesh: HybridMesh) -> None:
     """Raise ValueError on every rank of the context group unless all hold the same ``input_ids``.
 
-    Compares a fingerprint (shape, sum, position-weighted sum) with one all_reduce (MAX of
-    the fingerprint and of its negation). A collective over ``mesh.context_group``.
+    Compares :func:`batch_fingerprint` (shape and a hash of the bytes, so any change of any
+    token is seen, e.g. two tokens swapped) with one all_reduce (MAX of the fingerprint and of
+    its negation) over ``mesh.context_group``.
     """
     if mesh.context == 1:
         return
-    ids = input_ids.reshape(-1).long()
-    weights = torch.arange(ids.numel(), device=ids.device) % 1009 + 1
-    fingerprint = torch.stack([
-        torch.tensor(input_ids.shape[0], device=ids.device), torch.tensor(input_ids.shape[-1], device=ids.device),
-        ids.sum(), (ids * weights).sum(),
-    ])  # [4]
+    fingerprint = batch_fingerprint(input_ids).to(input_ids.device)  # [4]
     extremes = torch.cat([fingerprint, -fingerprint])  # [8]
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=mesh.context_group)
     if not torch.equal(extremes[:4], -extremes[4:]):

@@ -17,7 +17,8 @@ import torch.distributed as dist
 class CommCounter:
     """Bytes this rank sent, per collective kind (e.g. ``"ring"``, ``"all_to_all"``).
 
-    Opt-in: pass one to the attention call (or set ``mesh.comm_counter``) and read
+    Opt-in: pass one to the attention call (``counter=``), or set ``mesh.comm_counter`` to
+    count every call over that mesh (e.g. inside a switched HF model), and read
     ``bytes_sent`` afterwards. ``calls`` counts the operations of each kind.
     """
 

@@ -50,23 +50,40 @@ def sharded_cross_entropy(
         A collective over the context group: every context rank must call it.
     """
     _check_shapes(logits, shift_labels)
+    vocab = logits.shape[-1]
+    bad = (shift_labels != ignore_index) & ((shift_labels < 0) | (shift_labels >= vocab))  # [B, S_local]
+    safe_labels = shift_labels.masked_fill(bad, ignore_index)  # Note [bad labels]
     local_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1),
-        ignore_index=ignore_index, reduction="sum",
+        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=ignore_index, reduction="sum",
     )  # an all-ignored shard sums to exactly 0
-    local_count = (shift_labels != ignore_index).sum()
-    total_sum, total_count = _context_totals(local_sum.detach(), local_count, mesh)
+    local_count = (safe_labels != ignore_index).sum()
+    total_sum, total_count, total_bad = context_totals(local_sum.detach(), local_count, bad.sum(), mesh)
+    raise_on_bad_labels(total_bad, shift_labels, bad, vocab, ignore_index, mesh)
     others = total_sum - local_sum.detach()  # the rest of the group's loss: value only
     return (local_sum + others) / total_count.clamp_min(1)
 
 
-def _context_totals(local_sum: torch.Tensor, local_count: torch.Tensor, mesh: HybridMesh):
-    """(sum of losses, count of valid tokens) over the context group: one no-grad all_reduce in fp64."""
-    totals = torch.stack([local_sum.double(), local_count.double()])  # [2]
+def context_totals(local_sum: torch.Tensor, local_count: torch.Tensor, local_bad: torch.Tensor, mesh: HybridMesh):
+    """(loss sum, valid-token count, bad-label count) over the context group: one no-grad fp64 all_reduce."""
+    totals = torch.stack([local_sum.double(), local_count.double(), local_bad.double()])  # [3]
     if mesh.context > 1:
         with torch.no_grad():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=mesh.context_group)
-    return totals[0].float(), totals[1].float()
+    return totals[0].float(), totals[1].float(), int(totals[2].item())
+
+
+def raise_on_bad_labels(total_bad: int, shift_labels, bad, vocab: int, ignore_index: int, mesh: HybridMesh) -> None:
+    """Note [bad labels]: a target outside ``[0, V)`` would make ``cross_entropy`` raise on one rank
+    before the all-reduce (with NCCL the others would hang). Bad targets are masked, counted in
+    the same all-reduce, and every rank of the context group raises together."""
+    if total_bad == 0:
+        return
+    local = shift_labels[bad][:4].tolist()
+    raise ValueError(
+        f"{total_bad} target id(s) in shift_labels lie outside the vocabulary [0, {vocab}) of the logits "
+        f"(ignore_index={ignore_index}); this rank ({mesh.rank}) has {int(bad.sum())}, e.g. {local}. "
+        f"Check the tokenizer's vocabulary against the model's vocab_size"
+    )
 
 
 def _check_shapes(logits: torch.Tensor, shift_labels: torch.Tensor) -> None:

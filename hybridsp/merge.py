@@ -36,16 +36,16 @@ def _block_weight(lse_acc: torch.Tensor, block_lse: torch.Tensor) -> torch.Tenso
 def merge_into(
     out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
 ) -> None:
-    """Fold one block's result into the running fp32 accumulators, in place.
+    """Fold one block's result into the running accumulators (fp32, or fp64), in place.
 
     Args:
-        out_acc: [B, S, H, D] fp32 running output (may be a view of a larger buffer).
-        lse_acc: [B, H, S] fp32 running log-sum-exp, -inf where nothing was seen yet.
+        out_acc: [B, S, H, D] running output in the accumulation dtype (may be a view of a larger buffer).
+        lse_acc: [B, H, S] running log-sum-exp in the same dtype, -inf where nothing was seen yet.
         block_out: [B, S, H, D] this block's output, any float dtype.
         block_lse: [B, H, S] this block's log-sum-exp.
     """
-    block_lse = _no_key_as_neg_inf(block_lse.float())
-    out_acc.lerp_(block_out.float(), _block_weight(lse_acc, block_lse))
+    block_lse = _no_key_as_neg_inf(block_lse.to(lse_acc.dtype))
+    out_acc.lerp_(block_out.to(out_acc.dtype), _block_weight(lse_acc, block_lse))
     lse_acc.copy_(torch.logaddexp(lse_acc, block_lse))
 
 
@@ -54,10 +54,11 @@ def merge_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge several blocks' (out [B, S, H, D], lse [B, H, S]) for the same query rows.
 
-    Returns (out [B, S, H, D] fp32, lse [B, H, S] fp32).
+    Returns (out [B, S, H, D], lse [B, H, S]) in fp32 (fp64 for fp64 inputs).
     """
-    out_acc = torch.zeros_like(outs[0], dtype=torch.float32)
-    lse_acc = torch.full_like(lses[0], -torch.inf, dtype=torch.float32)
+    acc = torch.promote_types(outs[0].dtype, torch.float32)
+    out_acc = torch.zeros_like(outs[0], dtype=acc)
+    lse_acc = torch.full_like(lses[0], -torch.inf, dtype=acc)
     for out, lse in zip(outs, lses):
         merge_into(out_acc, lse_acc, out, lse)
     return out_acc, lse_acc

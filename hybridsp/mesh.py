@@ -96,10 +96,14 @@ class HybridMesh:
     """A validated :class:`MeshShape` plus this rank's coordinates and process groups.
 
     Build it with :func:`init_mesh`; pass it explicitly to everything that communicates.
+    ``comm_counter`` (default None) is an optional :class:`~hybridsp.comm.CommCounter` that
+    every :func:`~hybridsp.hybrid_attn_func` call over this mesh records into when the call
+    passes no counter of its own (the way to count bytes through a switched HF model).
     """
 
     def __init__(self, shape: MeshShape, rank: int, groups: dict[str, dist.ProcessGroup]):
         self.shape = shape
+        self.comm_counter = None
         self.rank = rank
         self.dp_rank, self.ring_rank, self.ulysses_rank = shape.coords_of(rank)
         self.ulysses_group = groups["ulysses"]

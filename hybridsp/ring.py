@@ -8,8 +8,8 @@ so communication overlaps compute.
 
 Backward re-runs every block's kernel backward with the *final* out and lse (so each block
 returns its exact share of the gradients). dq accumulates locally; dk/dv accumulators travel
-around the ring with the blocks and arrive home after ``R`` hops. All accumulation is fp32,
-cast to the input dtype once.
+around the ring with the blocks and arrive home after ``R`` hops. All accumulation is fp32
+(fp64 for fp64 inputs), cast to the input dtype once.
 
 Note [block plan]: which part of (local queries x visiting block) is computed at each step
 depends on the layout and on where the block comes from; :func:`block_plan` answers that
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.comm import CommCounter, RingExchange
-from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, get_kernel
+from hybridsp.kernels import AttentionKernel, accumulation_dtype, check_qkv, default_softmax_scale, resolve_kernel
 from hybridsp.layout import LAYOUTS
 from hybridsp.merge import merge_into
 
@@ -52,10 +52,11 @@ def block_plan(source: int, rank: int, causal: bool, layout: str, local_len: int
 
 
 def _ring_forward(q, k, v, group, kernel, causal, scale, layout, counter):
-    """q [B, S, H, D], k/v [B, S, Hkv, D] (local shards) -> (out [B, S, H, D], lse [B, H, S] fp32)."""
+    """q [B, S, H, D], k/v [B, S, Hkv, D] (local shards) -> (out [B, S, H, D], lse [B, H, S] fp32/fp64)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, device=q.device)
+    acc = accumulation_dtype(q.dtype)
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=acc, device=q.device)
     exchange = RingExchange(group, counter)
     kv = [k, v]
     for step in range(size):
@@ -74,12 +75,13 @@ def _ring_backward(dout, q, k, v, out, lse, group, kernel, causal, scale, layout
     """Gradients of the local shards: (dq [B, S, H, D], dk, dv [B, S, Hkv, D]) in the input dtype."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     kv_exchange, grad_exchange = RingExchange(group, counter), RingExchange(group, counter)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = accumulation_dtype(q.dtype)
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv, grad_pending = [k, v], None
     for step in range(size):
         kv_pending = kv_exchange.start(kv) if step + 1 < size else None
-        block_dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        block_dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        block_dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        block_dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for rows, keys, piece_causal in block_plan((rank - step) % size, rank, causal, layout, q.shape[1]):
             dq, dk, dv = kernel.backward(
                 dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows], lse[:, :, rows],
@@ -132,7 +134,19 @@ class _SingleKernelFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str) -> None:
+def check_softmax_scale(softmax_scale: float | None) -> None:
+    """Raise ValueError unless the scale is None or a finite positive number."""
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+        0 < float(softmax_scale) < float("inf")
+    ):
+        raise ValueError(f"softmax_scale must be a finite positive number (or None for 1/sqrt(D)); got {softmax_scale!r}")
+
+
+def check_ring_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, layout: str, softmax_scale: float | None = None
+) -> None:
     """Raise ValueError for inputs the ring cannot run (before any communication)."""
     check_qkv(q, k, v, causal=False)
     if q.shape[1] != k.shape[1]:
@@ -141,6 +155,7 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
         )
     if layout not in LAYOUTS:
         raise ValueError(f"unknown token layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    check_softmax_scale(softmax_scale)
     if causal and layout == "zigzag" and q.shape[1] % 2 != 0:
         raise ValueError(
             f"the zigzag layout holds two equal chunks per rank, so the local sequence length must be "
@@ -175,8 +190,8 @@ def ring_attention(
     Returns:
         out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
     """
-    check_ring_inputs(q, k, v, causal, layout)
-    kernel = get_kernel(backend, device=q.device, dtype=q.dtype)
+    check_ring_inputs(q, k, v, causal, layout, softmax_scale)
+    kernel = resolve_kernel(backend, q)
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
     if group is None or dist.get_world_size(group) == 1:
         return _SingleKernelFunction.apply(q, k, v, kernel, causal, scale)

@@ -20,10 +20,10 @@ def reference_attention(q, k, v, *, causal: bool, softmax_scale: float | None = 
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)  # [B, S, H, D]
 
 
-def reference_with_grads(q, k, v, dout, *, causal: bool):
+def reference_with_grads(q, k, v, dout, *, causal: bool, softmax_scale: float | None = None):
     """(out, dq, dk, dv) of :func:`reference_attention` in float64 for the given upstream grad."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out = reference_attention(q, k, v, causal=causal)
+    out = reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
     out.backward(dout.double())
     return out.detach(), q.grad, k.grad, v.grad
 

@@ -293,6 +293,10 @@ class FlashAttnKernel:
         """Which low-level calling convention was detected: '2.7+' or '2.4-2.6'."""
         return self._calls.style
 
+    def check_inputs(self, q: torch.Tensor) -> None:
+        """Raise ValueError for what flash-attn cannot run (CPU tensors, fp32/fp64, head dim > 256)."""
+        _check_flash_inputs(q, self._require_cuda)
+
     def forward(self, q, k, v, *, causal: bool, softmax_scale: float):
         """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] fp32)."""
         check_qkv(q, k, v, causal=causal)

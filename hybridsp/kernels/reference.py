@@ -1,10 +1,10 @@
-"""Plain fp32 attention math: the ground truth for tests, never used for speed."""
+"""Plain attention math in fp32 (fp64 for fp64 inputs): the ground truth for tests, never used for speed."""
 
 from __future__ import annotations
 
 import torch
 
-from hybridsp.kernels.base import check_qkv, lse_for_backward
+from hybridsp.kernels.base import accumulation_dtype, check_qkv, lse_for_backward
 
 
 def _expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
@@ -19,8 +19,9 @@ def _reduce_kv_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """fp32 scores [B, H, Sq, Sk], masked positions set to -inf (top-left causal alignment)."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale  # [B, H, Sq, Sk]
+    """Scores [B, H, Sq, Sk] in the accumulation dtype, masked positions -inf (top-left causal alignment)."""
+    acc = accumulation_dtype(q.dtype)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(acc), k.to(acc)) * scale  # [B, H, Sq, Sk]
     if causal:
         sq, sk = scores.shape[-2:]
         visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
@@ -29,7 +30,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> tor
 
 
 class ReferenceKernel:
-    """Attention written out in fp32 einsums (see :mod:`hybridsp.kernels.base`)."""
+    """Attention written out in fp32 (fp64) einsums (see :mod:`hybridsp.kernels.base`)."""
 
     name = "reference"
 
@@ -40,22 +41,23 @@ class ReferenceKernel:
         scores = _scores(q, k, causal, softmax_scale)  # [B, H, Sq, Sk]
         lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
         probs = torch.exp(scores - lse_for_backward(lse).unsqueeze(-1))  # [B, H, Sq, Sk]
-        out = torch.einsum("bhqk,bkhd->bqhd", probs, v.float())  # [B, Sq, H, D]
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, v.to(probs.dtype))  # [B, Sq, H, D]
         return out.to(q.dtype), lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
         h, hkv = q.shape[2], k.shape[2]
-        k_full, v_full = _expand_kv_heads(k, h).float(), _expand_kv_heads(v, h).float()
+        acc = accumulation_dtype(q.dtype)
+        k_full, v_full = _expand_kv_heads(k, h).to(acc), _expand_kv_heads(v, h).to(acc)
         scores = _scores(q, k_full, causal, softmax_scale)  # [B, H, Sq, Sk]
-        probs = torch.exp(scores - lse_for_backward(lse.float()).unsqueeze(-1))  # [B, H, Sq, Sk]
-        dout32 = dout.float()
+        probs = torch.exp(scores - lse_for_backward(lse.to(acc)).unsqueeze(-1))  # [B, H, Sq, Sk]
+        dout32 = dout.to(acc)
         dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout32)  # [B, Sk, H, D]
         dprobs = torch.einsum("bqhd,bkhd->bhqk", dout32, v_full)  # [B, H, Sq, Sk]
-        row_dot = (dout32 * out.float()).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, Sq, 1]
+        row_dot = (dout32 * out.to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, Sq, 1]
         dscores = probs * (dprobs - row_dot) * softmax_scale  # [B, H, Sq, Sk]
         dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k_full)  # [B, Sq, H, D]
-        dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.float())  # [B, Sk, H, D]
+        dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.to(acc))  # [B, Sk, H, D]
         dk, dv = _reduce_kv_heads(dk, hkv), _reduce_kv_heads(dv, hkv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -1,24 +1,58 @@
-"""PyTorch's fused flash-attention kernels that expose the log-sum-exp.
+"""PyTorch's fused attention kernels that expose the log-sum-exp.
 
-CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (fp32,
-bf16, fp16; native GQA). CUDA: ``aten._scaled_dot_product_flash_attention`` and its
-``_backward`` (fp16/bf16 only; K/V heads are expanded for GQA and their gradients summed).
-Both take the layout [B, H, S, D]; this module converts from and to [B, S, H, D].
+CPU: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (fp16, bf16,
+fp32, fp64; native GQA; any head dim). CUDA (Note [CUDA kernels]): the aten flash kernel for
+fp16/bf16 and head dims up to 256, else the aten memory-efficient kernel (also fp32), with
+K/V heads expanded for GQA and their gradients summed. fp64 on CUDA has no fused kernel:
+:func:`hybridsp.kernels.choose_backend` sends it to the reference math instead.
+All take the layout [B, H, S, D]; this module converts from and to [B, S, H, D], and copies
+an input only when its last dim is not unit-stride (Note [strides] in ``base``).
+
+Note [CUDA kernels]: the aten CUDA flash kernel accepts only fp16/bf16 and head dims that are
+multiples of 8 up to 256; the memory-efficient kernel accepts fp32 too, returns its LSE padded
+to a multiple of 32 rows and wants the head dim a multiple of 8. Head dims that are not are
+zero-padded (zero columns in q/k leave the scores unchanged, in v they add output columns
+that are cut off), which is exact. :func:`cuda_variant` is the selection rule, kept free of
+CUDA calls so that it is unit-tested on CPU.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from hybridsp.kernels.base import check_qkv, lse_for_backward
+from hybridsp.kernels.base import accumulation_dtype, check_qkv, lse_for_backward, unit_stride
 from hybridsp.kernels.reference import _expand_kv_heads, _reduce_kv_heads
 
 _aten = torch.ops.aten
+_HALF = (torch.float16, torch.bfloat16)
+CUDA_FLASH_MAX_HEAD_DIM = 256
+_HEAD_DIM_ALIGN = 8
+_EFFICIENT_LSE_ALIGN = 32
+
+
+def cuda_variant(dtype: torch.dtype, head_dim: int) -> str:
+    """Which aten CUDA kernel serves ``dtype`` and ``head_dim``: ``"flash"`` or ``"efficient"``.
+
+    Raises ValueError for fp64 (no fused CUDA kernel; use backend='reference').
+    """
+    if dtype == torch.float64:
+        raise ValueError(
+            "PyTorch has no fused CUDA attention kernel for float64; use backend='reference' (exact fp64 math, "
+            "O(S^2) memory per block) or cast q/k/v to float32/bfloat16"
+        )
+    if dtype in _HALF and _padded_head_dim(head_dim) <= CUDA_FLASH_MAX_HEAD_DIM:
+        return "flash"
+    return "efficient"
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    return -(-head_dim // _HEAD_DIM_ALIGN) * _HEAD_DIM_ALIGN
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[B, S, H, D] -> [B, H, S, D] (a view)."""
-    return x.transpose(1, 2)  # [B, H, S, D]
+    """[B, S, H, D] -> [B, H, S, D] (a view; unit-stride last dim guaranteed)."""
+    return unit_stride(x).transpose(1, 2)  # [B, H, S, D]
 
 
 def _heads_first_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -41,24 +75,32 @@ def _no_key_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
 
 
 class TorchFusedKernel:
-    """Fused PyTorch flash kernels (see :mod:`hybridsp.kernels.base` for the protocol)."""
+    """Fused PyTorch kernels (see :mod:`hybridsp.kernels.base` for the protocol)."""
 
     name = "torch"
 
+    def check_inputs(self, q: torch.Tensor) -> None:
+        """Raise ValueError for inputs no fused kernel here can run (fp64 on CUDA)."""
+        if q.is_cuda:
+            cuda_variant(q.dtype, q.shape[-1])
+
     def forward(self, q, k, v, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
-        if k.shape[1] == 0:
+        if k.shape[1] == 0 or q.shape[1] == 0:
             return _empty_key_result(q)
         if q.is_cuda:
             return _cuda_forward(q, k, v, causal, softmax_scale)
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=softmax_scale
         )
-        return _seq_first(out), lse.float()
+        return _seq_first(out), lse.to(accumulation_dtype(q.dtype))
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
-        lse = lse_for_backward(lse.float())
+        if k.shape[1] == 0 or q.shape[1] == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        lse = lse_for_backward(lse.to(accumulation_dtype(q.dtype)))
+        dout, out = dout.to(q.dtype), out.to(q.dtype)
         if q.is_cuda:
             return _cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
@@ -69,7 +111,7 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
     group's dK/dV in the input dtype, which triples their bf16 error; for fp16/bf16 with GQA
     the K/V heads are expanded and the group sum is done in fp32 instead."""
     hkv = k.shape[2]
-    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+    low_precision = q.dtype in _HALF
     low_precision_gqa = low_precision and hkv < q.shape[2]
     if low_precision_gqa:
         k, v = _expand_kv_heads(k, q.shape[2]), _expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
@@ -86,35 +128,57 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 def _sum_query_groups(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[B, S, H, D] per-query-head K/V gradients -> [B, S, Hkv, D], summed in fp32."""
-    return _reduce_kv_heads(grad.float(), num_kv_heads).to(grad.dtype)
+    """[B, S, H, D] per-query-head K/V gradients -> [B, S, Hkv, D], summed in fp32 (or fp64)."""
+    return _reduce_kv_heads(grad.to(accumulation_dtype(grad.dtype)), num_kv_heads).to(grad.dtype)
 
 
 def _empty_key_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """out = 0 [B, Sq, H, D] and lse = -inf [B, H, Sq] for a call with no keys at all."""
     b, s, h, _ = q.shape
-    return torch.zeros_like(q), torch.full((b, h, s), -torch.inf, device=q.device)
+    return torch.zeros_like(q), torch.full((b, h, s), -torch.inf, device=q.device, dtype=accumulation_dtype(q.dtype))
+
+
+def _pad_head_dim(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """[B, S, H, D] -> [B, S, H, padded] with zero columns (exact for q, k and v)."""
+    return x if x.shape[-1] == padded else F.pad(x, (0, padded - x.shape[-1]))  # [B, S, H, Dp]
+
+
+def _cuda_inputs(q, k, v, *extra):
+    """Expand K/V to the query heads and pad the head dim: each [B, H, S, Dp] heads-first."""
+    h, padded = q.shape[2], _padded_head_dim(q.shape[-1])
+    k, v = _expand_kv_heads(k, h), _expand_kv_heads(v, h)  # [B, S, H, D]
+    return [_heads_first(_pad_head_dim(x, padded)) for x in (q, k, v, *extra)]  # each [B, H, S, Dp]
 
 
 def _cuda_forward(q, k, v, causal, scale):
-    """aten CUDA flash forward; K/V heads expanded to the query heads first."""
-    h = q.shape[2]
-    k, v = _expand_kv_heads(k, h), _expand_kv_heads(v, h)
-    result = _aten._scaled_dot_product_flash_attention(
-        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, False, scale=scale
-    )
-    out, lse = result[0], result[1]
-    return _seq_first(out), _no_key_rows_to_neg_inf(lse.float())
+    """aten CUDA flash or memory-efficient forward (Note [CUDA kernels])."""
+    head_dim, sq = q.shape[-1], q.shape[1]
+    qh, kh, vh = _cuda_inputs(q, k, v)
+    if cuda_variant(q.dtype, head_dim) == "flash":
+        result = _aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)
+    else:
+        result = _aten._scaled_dot_product_efficient_attention(qh, kh, vh, None, True, 0.0, causal, scale=scale)
+    out, lse = result[0], result[1][..., :sq]  # [B, H, Sq, Dp], [B, H, Sq]
+    return _seq_first(out[..., :head_dim]), _no_key_rows_to_neg_inf(lse.float())
 
 
 def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
-    """aten CUDA flash backward; K/V gradients summed back over each query group."""
-    h, hkv = q.shape[2], k.shape[2]
-    k_full, v_full = _expand_kv_heads(k, h), _expand_kv_heads(v, h)
-    sq, sk = q.shape[1], k.shape[1]
-    unused = torch.empty(0, dtype=torch.int64, device=q.device)
-    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-        _heads_first(dout).contiguous(), _heads_first(q), _heads_first(k_full), _heads_first(v_full),
-        _heads_first(out), lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale,
-    )
-    return _seq_first(dq), _sum_query_groups(_seq_first(dk), hkv), _sum_query_groups(_seq_first(dv), hkv)
+    """aten CUDA backward of the kernel :func:`cuda_variant` picks; K/V gradients summed per query group."""
+    head_dim, hkv, (sq, sk) = q.shape[-1], k.shape[2], (q.shape[1], k.shape[1])
+    qh, kh, vh, outh, douth = _cuda_inputs(q, k, v, out, dout)
+    douth = douth.contiguous()
+    if cuda_variant(q.dtype, head_dim) == "flash":
+        unused = torch.empty(0, dtype=torch.int64, device=q.device)
+        dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+            douth, qh, kh, vh, outh, lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale,
+        )
+    else:
+        padded_rows = -(-sq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
+        lse_padded = F.pad(lse.float(), (0, padded_rows - sq)).contiguous()  # [B, H, Sq padded to 32]
+        seed = torch.empty((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+            douth, qh, kh, vh, None, outh, lse_padded, seed, seed, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )
+    dq, dk, dv = (_seq_first(g[..., :head_dim]) for g in (dq, dk, dv))  # [B, S, H, D]
+    return dq, _sum_query_groups(dk, hkv), _sum_query_groups(dv, hkv)
