@@ -9,23 +9,30 @@ override the config's degrees; ``--ulysses 1 --ring 1`` on one process is the sa
 without sequence parallelism. The same ``--seed`` gives the same data and initial weights
 whatever the degrees. Rank 0 shows a progress bar, writes JSON-lines metrics
 (``--metrics-out``) and a loss-curve PNG; checkpoints go through DeepSpeed's own
-save/load (``--save-dir``, ``--resume``).
+save/load (``--save-dir``, default ``runs/<config>-u<U>r<R>``; ``--resume``; ``--resume-from DIR``
+continues another run's checkpoint, also on another world size or U x R: see
+``hybridsp.integrations.checkpoint``). Config errors are reported once, before the expensive
+imports (``preflight.py``); known-harmless library noise is filtered (``console.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from console import name_cpu_accelerator, quiet_console  # noqa: E402
+from preflight import RunConfigError, RunPlan, exit_once, preflight  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, written into the config's optimizer (default 1e-3 suits the small built-in model)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--save-dir", default="runs/example")
+    parser.add_argument("--save-dir", help="run directory (default: runs/<config name>-u<U>r<R>)")
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    parser.add_argument("--resume-from", help="continue from another run directory's latest checkpoint (or one tag "
+                        "folder, e.g. runs/cp4-u2r2/step2), also one written on another world size or U x R "
+                        "(converted to DeepSpeed's universal format once)")
+    parser.add_argument("--collective-timeout", type=float, default=300.0,
+                        help="seconds a collective may wait before the rank fails (default 300)")
     parser.add_argument("--metrics-out", help="JSON-lines metrics file (default: <save-dir>/metrics.jsonl)")
     parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config)")
     parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
@@ -102,10 +114,16 @@ class Metrics:
             with self.path.open("a") as sink:
                 sink.write(json.dumps(row) + "\n")
 
-    def plot(self, path: Path) -> None:
+    def plot(self, path: Path) -> Path | None:
+        """The loss curve as a PNG; None (with one warning) when matplotlib is not installed."""
         if not self.enabled or not self.history:
-            return
-        import matplotlib
+            return None
+        try:
+            import matplotlib
+        except ImportError:
+            warnings.warn("matplotlib is not installed, so no loss curve was drawn (pip install matplotlib)",
+                          stacklevel=2)
+            return None
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -117,6 +135,22 @@ class Metrics:
         figure.tight_layout()
         figure.savefig(path, dpi=100)
         plt.close(figure)
+        return path
+
+    def summary(self, start_step: int, plot: Path | None, save_dir: Path) -> str:
+        """One line: losses, steady tokens/s (the run's first step is warm-up and left out), memory, files."""
+        rows = [r for r in self.history if r["step"] > start_step]
+        if not rows:
+            return f"nothing trained; checkpoint: {save_dir}"
+        steady = sorted(r["tokens_per_s"] for r in rows if not r.get("warmup")) or [rows[0]["tokens_per_s"]]
+        first, last = rows[0], rows[-1]
+        rss = max(r.get("rss_bytes_max", 0) for r in rows) / 2**20
+        return (
+            f"done: steps {first['step']}..{last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}, "
+            f"{steady[len(steady) // 2]:.0f} tokens/s (median; the first step took {first['step_seconds']:.1f} s of "
+            f"warm-up and is left out), max RSS per rank {rss:.0f} MiB; metrics: {self.path}"
+            + (f", loss curve: {plot}" if plot else "") + f", checkpoint: {save_dir}"
+        )
 
 
 def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int, accumulation: int) -> float:
@@ -145,51 +179,126 @@ def _mean_over_replicas(value: float, mesh) -> float:
     return tensor.item() / mesh.dp
 
 
+def resident_bytes() -> int:
+    """This process's resident set size now (``/proc/self/statm``), 0 where it cannot be read."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes_per_rank() -> list[int]:
+    """Every rank's current RSS (one small all_gather over the world)."""
+    local = torch.tensor([resident_bytes()], dtype=torch.int64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return [int(t.item()) for t in gathered]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        plan = preflight(args)
+    except RunConfigError as error:
+        exit_once(error)
+    name_cpu_accelerator()
+    with quiet_console(plan.rank):
+        try:
+            run(args, plan)
+        except RunConfigError as error:  # found after start-up, on every rank alike
+            exit_once(error)
+
+
+def run(args: argparse.Namespace, plan: RunPlan) -> None:
+    """Build, (resume,) train, checkpoint, summarise."""
+    import datetime
+
     from tqdm import tqdm
 
-    from hybridsp.integrations.deepspeed import initialize
+    from hybridsp.integrations import checkpoint as ckpt
+    from hybridsp.integrations.deepspeed import init_distributed, initialize
 
     torch.manual_seed(args.seed)
     tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
     windows = TokenWindows(tokens, args.seq_len, args.seed)
     model = build_model(args, vocab_size)
-    engine, _, mesh, _ = initialize(model, _config_with_lr(args), ulysses=args.ulysses, ring=args.ring,
-                                    backend=args.backend)
-    start_step = _maybe_resume(engine, args)
+    _check_vocabulary(tokens, model)
+    _single_process_environment()
+    init_distributed(timeout=datetime.timedelta(seconds=args.collective_timeout))
+    config = _config_with_lr(args, plan.ds_config)
+    resume = _plan_resume(args, plan, config)
+    if resume is not None and resume.universal:
+        ckpt.convert_to_universal(resume)
+        config.setdefault("checkpoint", {})["load_universal"] = True
+    engine, _, mesh, _ = initialize(model, config, ulysses=args.ulysses, ring=args.ring, backend=args.backend)
+    start_step = _load(engine, resume)
     rank0 = dist.get_rank() == 0
-    save_dir = Path(args.save_dir)
-    metrics = Metrics(Path(args.metrics_out or save_dir / "metrics.jsonl"), args.resume, rank0)
+    save_dir = plan.save_dir
+    metrics = Metrics(Path(args.metrics_out or save_dir / "metrics.jsonl"), start_step > 0, rank0)
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     if rank0:
+        origin = f", resumed from {resume.tag_dir} ({'universal' if resume.universal else 'direct'})" if resume else ""
         print(f"hybridsp example: {mesh!r}, seq_len={args.seq_len}, micro_batch={micro_batch}, "
-              f"accumulation={accumulation}, steps {start_step}..{args.max_steps}", flush=True)
+              f"accumulation={accumulation}, steps {start_step}..{args.max_steps}, run dir {save_dir}{origin}", flush=True)
     bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
         started = time.perf_counter()
         loss = _mean_over_replicas(train_step(engine, mesh, windows, step, micro_batch, accumulation), mesh)
         seconds = time.perf_counter() - started
+        _check_finite(loss, step)
         tokens_per_s = args.seq_len * micro_batch * accumulation * mesh.dp / seconds
+        rss = resident_bytes_per_rank()
         row = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s,
                "peak_mem_bytes": peak_memory_bytes(engine.device), "grad_norm": _grad_norm(engine),
-               "step_seconds": seconds}
+               "step_seconds": seconds, "warmup": step == start_step, "rss_bytes_max": max(rss),
+               "rss_bytes_per_rank": rss}
         metrics.log(row)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
         if args.save_every and (step + 1) % args.save_every == 0:
-            engine.save_checkpoint(str(save_dir), tag=f"step{step + 1}", client_state={"step": step + 1})
-    engine.save_checkpoint(str(save_dir), tag=f"step{args.max_steps}", client_state={"step": args.max_steps})
-    if rank0 and not args.no_plot:
-        metrics.plot(save_dir / "loss.png")
-        print(f"metrics: {metrics.path}, loss curve: {save_dir / 'loss.png'}, checkpoint: {save_dir}", flush=True)
+            ckpt.save_checkpoint(engine, mesh, save_dir, f"step{step + 1}", {"step": step + 1})
+    ckpt.save_checkpoint(engine, mesh, save_dir, f"step{args.max_steps}", {"step": args.max_steps})
+    if rank0:
+        plotted = metrics.plot(save_dir / "loss.png") if not args.no_plot else None
+        print(metrics.summary(start_step, plotted, save_dir), flush=True)
 
 
-def _config_with_lr(args: argparse.Namespace) -> dict:
-    """The DeepSpeed config as a dict, with ``--lr`` written into its optimizer section."""
-    config = json.loads(Path(args.ds_config).read_text())
+def _single_process_environment() -> None:
+    """``python examples/train.py`` without a launcher: a world of one on a free local port."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _check_vocabulary(tokens: torch.Tensor, model) -> None:
+    """Token ids must fit the model's embedding (the same check on every rank: same data)."""
+    vocab = model.get_input_embeddings().num_embeddings
+    largest = int(tokens.max()) if tokens.numel() else -1
+    if largest >= vocab or (tokens.numel() and int(tokens.min()) < 0):
+        raise RunConfigError(
+            f"the data holds token id {largest} but the model's vocabulary has {vocab} entries: use the tokenizer "
+            f"the model was trained with (--tokenizer) or a model with vocab_size > {largest}"
+        )
+
+
+def _check_finite(loss: float, step: int) -> None:
+    """Stop every rank alike (the loss is the same everywhere) when training diverged."""
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"step {step + 1}: the loss is {loss}; lower --lr or check the data")
+
+
+def _config_with_lr(args: argparse.Namespace, config: dict) -> dict:
+    """A copy of the DeepSpeed config with ``--lr`` written into its optimizer section."""
+    config = json.loads(json.dumps(config))
     if args.lr is not None:
         if "optimizer" not in config:
-            raise ValueError(f"--lr needs an 'optimizer' section in {args.ds_config}")
+            raise RunConfigError(f"--lr needs an 'optimizer' section in {args.ds_config}")
         config["optimizer"].setdefault("params", {})["lr"] = args.lr
     return config
 
@@ -199,13 +308,27 @@ def _grad_norm(engine) -> float | None:
     return None if norm is None else float(norm)
 
 
-def _maybe_resume(engine, args: argparse.Namespace) -> int:
-    """The step to start from: 0, or the one stored with the latest checkpoint."""
-    if not args.resume:
+def _plan_resume(args: argparse.Namespace, plan: RunPlan, config: dict):
+    """None for a fresh run; else how to load (direct or universal); no communication."""
+    from hybridsp.integrations.checkpoint import plan_resume
+
+    if not (args.resume or args.resume_from):
+        return None
+    stage = int(config.get("zero_optimization", {}).get("stage", 0))
+    source = Path(args.resume_from) if args.resume_from else plan.save_dir
+    try:
+        return plan_resume(source, plan.hybrid.mesh_shape(plan.world_size), stage)
+    except (ValueError, FileNotFoundError) as error:
+        raise RunConfigError(str(error)) from None
+
+
+def _load(engine, resume) -> int:
+    """The step to start from: 0, or the one stored with the checkpoint that ``resume`` names."""
+    if resume is None:
         return 0
-    path, client_state = engine.load_checkpoint(args.save_dir)
+    path, client_state = engine.load_checkpoint(str(resume.load_dir), tag=resume.load_tag)
     if path is None:
-        raise FileNotFoundError(f"--resume: no checkpoint found in {args.save_dir}")
+        raise RunConfigError(f"DeepSpeed could not load the checkpoint {resume.load_dir / resume.load_tag}")
     return int(client_state["step"])
 
 

@@ -65,6 +65,13 @@ section is enabled and every other ``"auto"`` section disabled; explicit true/fa
 DeepSpeed itself silently drops every ``"auto"`` value (runtime/config_utils.py), so the same
 file handed to ``deepspeed.initialize`` directly would train in fp32 even on a GPU.
 
+Note [timeouts]: when a rank dies, its peers' next collective with it fails at once on gloo
+(the connection resets), but a peer blocked in a collective of a group without the dead rank
+waits for the process group's timeout (torch's default: 30 minutes). Launchers (``deepspeed``,
+``torchrun``) kill the remaining ranks when one exits non-zero, which bounds that; without one,
+pass :func:`init_distributed` a timeout. On NCCL, torch's ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+(on by default since torch 2.2) turns a timed-out collective into an abort of the process.
+
 DeepSpeed traps worth knowing (0.19.8): the engine keeps the last mpu in a module global
 (``deepspeed.utils.groups.mpu``) that a later engine built *without* an mpu inherits;
 ``engine.set_train_batch_size`` fails with any sequence-parallel mpu (DeepSpeed's
@@ -76,8 +83,8 @@ which the gloo backend does not use.
 from __future__ import annotations
 
 import contextlib
-
 import copy
+import datetime
 import functools
 import json
 import os
@@ -214,6 +221,11 @@ class HybridMPU:
     def get_data_parallel_rank(self) -> int:
         return self.mesh.dp_rank
 
+    def get_slice_parallel_world_size(self) -> int:
+        """Tensor-parallel degree, 1: DeepSpeed records it in checkpoints and its universal-checkpoint
+        converter and loader read it (the model-parallel getters below would say C)."""
+        return 1
+
     # Model-parallel getters alias the context group: used by stage-0 clipping (Note [the mpu]).
     get_model_parallel_group = get_sequence_parallel_group
     get_model_parallel_world_size = get_sequence_parallel_world_size
@@ -329,6 +341,18 @@ def _without_cpu_shm_comm_build():
         yield
     finally:
         compatible["deepspeed_shm_comm"] = before
+
+
+def init_distributed(timeout: datetime.timedelta | None = None) -> None:
+    """``deepspeed.init_distributed`` (adopting an existing process group) without the CPU shm-comm
+    build, with a collective ``timeout`` (Note [timeouts]); a no-op when already initialised."""
+    import deepspeed
+
+    if dist.is_initialized():
+        return
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    with _without_cpu_shm_comm_build():
+        deepspeed.init_distributed(**kwargs)
 
 
 def initialize(
