@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 COMMANDS = {  # name -> module implementing it
     "plan": "hybridsp.planner.cli",
 }
+
+
+def plain_text(docstring: str | None) -> str:
+    """A docstring as a terminal shows it: ``literal`` -> literal, :role:`name` -> name."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", docstring or "")
+    return text.replace("``", "")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=module.HELP, description=module.__doc__)
+        sub = commands.add_parser(name, help=module.HELP, description=plain_text(module.__doc__),
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     return parser

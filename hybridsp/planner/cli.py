@@ -120,8 +120,20 @@ def _row(index: int, plan: Plan, best: Plan | None) -> str:
             f"{t.all_to_all_s:>7.3f} {t.ring_exposed_s:>7.3f} {a2a:>5} {ring:>5}  {_why(plan)}")
 
 
+def _why_no_mesh(result: PlanResult) -> str:
+    """Nothing was evaluated for memory: every mesh was invalid, or the fixed degrees divide nothing."""
+    world = result.cluster.world_size
+    if result.rejected:
+        reasons = sorted({problem for plan in result.rejected for problem in plan.problems})
+        return f"No valid mesh (not a memory problem): {'; '.join(reasons)}."
+    return (f"No DP x Ulysses x ring factorisation of the {world} GPUs matches the fixed degrees (not a memory "
+            f"problem): --dp, --ulysses and --ring must each divide {world}, and so must their product.")
+
+
 def _recommendation(result: PlanResult) -> list[str]:
     best = result.recommended
+    if best is None and not result.ranked:
+        return [_why_no_mesh(result)]
     if best is None:
         return ["No plan fits in memory; try --activation-checkpointing, a higher --zero stage, --chunked-loss, "
                 "more nodes or a shorter --seq-len."]
