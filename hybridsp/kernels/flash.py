@@ -57,6 +57,7 @@ from typing import Any, Callable
 
 import torch
 
+from hybridsp.kernels.band import flash_window
 from hybridsp.kernels.base import check_qkv, lse_for_backward
 
 INSTALL_HINT = (
@@ -174,9 +175,13 @@ class _FlashCalls:
         """'2.7+' (window_size_left/right, 4-tuple forward) or '2.4-2.6' (window_size tuple)."""
         return "2.7+" if "window_size_left" in self.forward_signature.names else "2.4-2.6"
 
-    def forward(self, q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded q [B, Sq, H, Dp], k/v [B, Sk, Hkv, Dp] -> (out [B, Sq, H, Dp], raw lse [B, H, Sq])."""
-        values = dict(_FIXED_ARGS, q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal)
+    def forward(self, q, k, v, causal: bool, softmax_scale: float,
+                window: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded q [B, Sq, H, Dp], k/v [B, Sk, Hkv, Dp] -> (out [B, Sq, H, Dp], raw lse [B, H, Sq]).
+
+        ``window`` is flash-attn's (left, right), -1 = unbounded (see :func:`_window_args`).
+        """
+        values = dict(_FIXED_ARGS, q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, **_window_args(window))
         result = self.forward_signature.function(*self.forward_signature.arguments(values))
         if len(result) == 4:  # 2.7+: out, softmax_lse, S_dmask, rng_state
             return result[0], result[1]
@@ -188,7 +193,7 @@ class _FlashCalls:
         )
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, causal: bool, softmax_scale: float,
-                 deterministic: bool) -> None:
+                 deterministic: bool, window: tuple[int, int] = (-1, -1)) -> None:
         """Write this block's dq [B, Sq, H, Dp], dk/dv [B, Sk, Hkv, Dp] into the given buffers.
 
         Every supported version fills the dq/dk/dv buffers it is handed; 2.7+ returns only
@@ -196,9 +201,15 @@ class _FlashCalls:
         """
         values = dict(
             _FIXED_ARGS, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-            softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+            softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, **_window_args(window),
         )
         self.backward_signature.function(*self.backward_signature.arguments(values))
+
+
+def _window_args(window: tuple[int, int]) -> dict[str, Any]:
+    """flash-attn's window arguments in both conventions (each version reads the names it has)."""
+    left, right = window
+    return {"window_size": (left, right), "window_size_left": left, "window_size_right": right}
 
 
 # --------------------------------------------------------------------------- tensors
@@ -324,5 +335,41 @@ class FlashAttnKernel:
         lse_f = lse_for_backward(lse.float()).contiguous()  # [B, H, Sq], no-key rows +inf
         self._calls.backward(
             dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, causal, softmax_scale, self.deterministic
+        )
+        return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+
+    # ----------------------------------------------------------------- band pieces (hybridsp.masks)
+
+    def forward_band(self, q, k, v, *, band, softmax_scale: float):
+        """A band piece (see :mod:`hybridsp.kernels.band`) as one flash-attn call with ``window_size``.
+
+        q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D], lse [B, H, Sq] fp32).
+        """
+        check_qkv(q, k, v, causal=False)
+        _check_flash_inputs(q, self._require_cuda)
+        if _has_no_work(q, k):
+            b, s, h, _ = q.shape
+            return torch.zeros_like(q), torch.full((b, h, s), -math.inf, device=q.device)
+        window = flash_window(q.shape[1], k.shape[1], band)
+        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [B, S, H(kv), Dp]
+        out, lse = self._calls.forward(q_f, k_f, v_f, False, softmax_scale, window)
+        lse = _no_key_rows_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
+        return _from_flash(out, head_dim), lse
+
+    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
+        """This band piece's (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]) given the final out/lse."""
+        check_qkv(q, k, v, causal=False)
+        _check_flash_inputs(q, self._require_cuda)
+        _check_lse(lse, q)
+        if _has_no_work(q, k):
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        window = flash_window(q.shape[1], k.shape[1], band)
+        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout))
+        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [B, S, H(kv), Dp]
+        lse_f = lse_for_backward(lse.float()).contiguous()  # [B, H, Sq]
+        self._calls.backward(
+            dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, False, softmax_scale, self.deterministic, window
         )
         return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridsp.kernels.band import additive_mask, band_mask, math_backward_band, math_forward_band, rows_without_keys_to_neg_inf
 from hybridsp.kernels.base import check_qkv, lse_for_backward
 from hybridsp.kernels.reference import _expand_kv_heads, _reduce_kv_heads
 
@@ -62,6 +63,28 @@ class TorchFusedKernel:
         if q.is_cuda:
             return _cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+
+    def forward_band(self, q, k, v, *, band, softmax_scale: float):
+        """A band piece (:mod:`hybridsp.kernels.band`): on CPU the fused kernel with an additive mask
+        (rows without keys normalised to lse -inf); on CUDA plain fp32 math (the CUDA flash op
+        takes no mask)."""
+        check_qkv(q, k, v, causal=False)
+        if k.shape[1] == 0:
+            return _empty_key_result(q)
+        if q.is_cuda:
+            return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale)
+        visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            _heads_first(q), _heads_first(k), _heads_first(v), 0.0, False,
+            attn_mask=additive_mask(visible, q.dtype), scale=softmax_scale,
+        )
+        return _seq_first(out), rows_without_keys_to_neg_inf(lse.float(), visible)
+
+    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
+        check_qkv(q, k, v, causal=False)
+        if q.is_cuda:
+            return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
+        return _cpu_band_backward(dout, q, k, v, out, lse_for_backward(lse.float()), band, softmax_scale)
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
@@ -118,3 +141,24 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
         _heads_first(out), lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale,
     )
     return _seq_first(dq), _sum_query_groups(_seq_first(dk), hkv), _sum_query_groups(_seq_first(dv), hkv)
+
+
+def _cpu_band_backward(dout, q, k, v, out, lse, band, scale):
+    """aten CPU flash backward of a band piece (additive mask); GQA in low precision as in
+    :func:`_cpu_backward` (K/V expanded, the query-group sum in fp32)."""
+    hkv = k.shape[2]
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+    low_precision_gqa = low_precision and hkv < q.shape[2]
+    if low_precision_gqa:
+        k, v = _expand_kv_heads(k, q.shape[2]), _expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
+    visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
+    lse = lse.masked_fill(~visible.any(dim=-1), 0.0)  # rows without keys: the kernel's own 0, not +inf
+    mask = additive_mask(visible, q.dtype)  # [Sq, Sk]
+    layout = _heads_first_contiguous if low_precision else _heads_first
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, False, attn_mask=mask, scale=scale,
+    )
+    dk, dv = _seq_first(dk), _seq_first(dv)
+    if low_precision_gqa:
+        dk, dv = _sum_query_groups(dk, hkv), _sum_query_groups(dv, hkv)
+    return _seq_first(dq), dk, dv
