@@ -36,6 +36,7 @@ from hybridsp.kernels import AttentionKernel, ReferenceKernel, check_qkv, defaul
 from hybridsp.layout import LAYOUTS
 from hybridsp.masks import BlockPlan, build_plan, check_sliding_window, normalize_cu_seqlens
 from hybridsp.merge import merge_into
+from hybridsp.varlen import backward_block, forward_block
 
 Piece = tuple[slice, slice, bool]
 _ALL = slice(None)
@@ -206,7 +207,11 @@ def _masked_forward(q, k, v, group, kernel, scale, plan: BlockPlan, counter):
     _, rank = _ring_size_rank(group)
     out_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, device=q.device)
+    varlen = getattr(kernel, "supports_varlen", False)
     for _, source, offset, k_rows, v_rows in _visiting_blocks(group, plan, rank, k, v, counter):
+        if varlen and plan.pieces[(rank, source)]:  # one call per flash window (hybridsp.varlen)
+            forward_block(kernel, q, k_rows, v_rows, plan.pieces[(rank, source)], offset, scale, out_acc, lse_acc)
+            continue
         for piece in plan.pieces[(rank, source)]:
             b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
             block_out, block_lse = _piece_forward(kernel, q[b, rows], k_rows[b, keys], v_rows[b, keys], piece, scale)
@@ -218,6 +223,9 @@ def _block_grads(dout, q, k_rows, v_rows, out, lse, kernel, scale, pieces, offse
     """One visiting block's fp32 (dk, dv) [B, rows, Hkv, D]; adds its dq share into dq_acc."""
     dk = torch.zeros(k_rows.shape, dtype=torch.float32, device=k_rows.device)
     dv = torch.zeros(v_rows.shape, dtype=torch.float32, device=v_rows.device)
+    if getattr(kernel, "supports_varlen", False):
+        backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk, dv)
+        return dk, dv
     for piece in pieces:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
         dq, dk_piece, dv_piece = _piece_backward(

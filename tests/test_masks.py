@@ -187,9 +187,10 @@ def _hybrid_case(mesh, full, rows_bounds, causal, window):
     return max(errors)
 
 
-def _cases(windows, full_matrix):
-    """(rows_bounds, causal, window) cases: documents, windows and both combined."""
-    docs, mixed, spanning = [DOCS, DOCS], [DOCS, ROW2], [SPANNING, SPANNING]
+def _cases(windows, full_matrix, seq=SEQ):
+    """(rows_bounds, causal, window) cases: documents, windows and both combined (last document ends at seq)."""
+    end = lambda bounds: [*bounds[:-1], seq]  # noqa: E731
+    docs, mixed, spanning = [end(DOCS)] * 2, [end(DOCS), end(ROW2)], [end(SPANNING)] * 2
     cases = [(docs, True, None), (mixed, True, None), (spanning, True, windows[0]),
              (mixed, True, windows[0]), (docs, True, windows[1]), (mixed, True, windows[2])]
     if full_matrix:
@@ -198,13 +199,13 @@ def _cases(windows, full_matrix):
     return cases
 
 
-def _check_meshes(rank, world, meshes, windows, full_matrix):
+def _check_meshes(rank, world, meshes, windows, full_matrix, seq=SEQ):
     failures = []
     for (ulysses, ring), layout in meshes:
         mesh = init_mesh(ulysses=ulysses, ring=ring, layout=layout)
         for kv_heads in ([8, 2, 1] if full_matrix else [8, 1]):
-            full = random_qkv(2, SEQ, 8, kv_heads, 16, seed=3)
-            for rows_bounds, causal, window in _cases(windows, full_matrix):
+            full = random_qkv(2, seq, 8, kv_heads, 16, seed=3 + mesh.dp_rank)
+            for rows_bounds, causal, window in _cases(windows, full_matrix, seq):
                 error = _hybrid_case(mesh, full, rows_bounds, causal, window)
                 if error > TOLERANCE:
                     failures.append(f"U={ulysses} R={ring} {layout} kv={kv_heads} docs={rows_bounds} "
@@ -230,6 +231,84 @@ def test_world8_documents_and_windows_equal_float64_masked_attention():
     run_distributed(_check_meshes, 8, WORLD8[:2], (5, 40, 300), False)
 
 
+def test_odd_ring_with_data_parallel_replicas():
+    # R = 3 (two exchanges between the same pair in one step: K/V and dK/dV need their own tags), DP = 2
+    run_distributed(_check_meshes, 6, [((1, 3), "zigzag")], (5, 100, 300), False, 264)
+
+
 @pytest.mark.slow
 def test_world8_full_matrix():
     run_distributed(_check_meshes, 8, WORLD8, (5, 40, 300), True)
+
+
+# --------------------------------------------------------------------------- flash varlen path, bf16 rule
+
+
+def _varlen_vs_per_piece(rank, world):
+    """The flash backend through the ring: varlen calls (one per window) against one call per piece."""
+    from hybridsp import ring_attention
+    from hybridsp.layout import take_shard
+    from tests.flash_attn_standin import with_varlen
+
+    import torch.distributed as dist
+
+    full = random_qkv(2, 128, 4, 2, 16, seed=1, dtype=torch.bfloat16)
+    rows = [[0, 37, 40, 41, 128], [0, 100, 128]]
+    worst = 0.0
+    for opaque, window in [(False, None), (False, 7), (True, 50)]:
+        results = []
+        for kernel in (FlashAttnKernel(with_varlen(make_standin("2.8"), opaque=opaque)),
+                       FlashAttnKernel(make_standin("2.8"))):
+            q, k, v, dout = (take_shard(t, rank, 0, world).clone().requires_grad_() for t in full)
+            out = ring_attention(q, k, v, dist.group.WORLD, cu_seqlens=rows, sliding_window=window, backend=kernel)
+            out.backward(dout)
+            results.append([out, q.grad, k.grad, v.grad])
+        assert FlashAttnKernel(with_varlen(make_standin("2.8"))).supports_varlen
+        assert not FlashAttnKernel(make_standin("2.8")).supports_varlen
+        worst = max(worst, *(rel_err(a, b) for a, b in zip(*results)))
+    assert worst < 1e-2, worst  # bf16 outputs of the same fp32 math: rounding only
+    return worst
+
+
+def test_flash_varlen_path_matches_the_per_piece_path():
+    run_distributed(_varlen_vs_per_piece, 4)
+
+
+def _bf16_rule(rank, world):
+    """bf16 hybrid attention with documents + window: error against the fp32 reference at most
+    twice the error of the same masked attention computed in bf16 on one process."""
+    mesh = init_mesh(ulysses=2, ring=2)
+    full32 = random_qkv(2, SEQ, 8, 2, 16, seed=5)
+    full16 = [t.bfloat16() for t in full32]
+    rows, window = [DOCS, ROW2], 40
+    reference = masked_reference_with_grads(*[t.float() for t in full16], rows_bounds=rows, causal=True, window=window)
+    q, k, v = (shard_sequence(t, mesh).clone().requires_grad_() for t in full16[:3])
+    out = hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=[torch.tensor(r) for r in rows], sliding_window=window,
+                           backend="torch")
+    out.backward(shard_sequence(full16[3], mesh))
+    ours = [rel_err(a, shard_sequence(e, mesh)) for a, e in zip([out, q.grad, k.grad, v.grad], reference)]
+    single = _bf16_single_process(full16, rows, window)
+    baseline = [rel_err(shard_sequence(a, mesh), shard_sequence(e, mesh)) for a, e in zip(single, reference)]
+    for mine, base in zip(ours, baseline):
+        assert mine <= 2 * base, (ours, baseline)
+
+
+def _bf16_single_process(full16, rows, window):
+    """The same-dtype single-device kernel: one fused CPU call over the whole sequence with the
+    full document + window mask (bf16), forward and backward (the yardstick of DESIGN.md)."""
+    q, k, v, dout = (t.transpose(1, 2) for t in full16)  # [B, H, S, D]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    visible = torch.stack([visible_mask(q.shape[2], r, True, window) for r in rows])[:, None]  # [B, 1, S, S]
+    mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, -math.inf)
+    aten = torch.ops.aten
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask)
+    dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    b, h, s, d = dk.shape
+    dk, dv = (x.float().reshape(b, h // group, group, s, d).sum(2).to(x.dtype) for x in (dk, dv))
+    return [x.transpose(1, 2) for x in (out, dq, dk, dv)]
+
+
+def test_bf16_within_twice_the_single_process_bf16_error():
+    run_distributed(_bf16_rule, 4)

@@ -163,6 +163,7 @@ class _FlashCalls:
     """The two low-level flash-attn calls, with every version difference resolved here."""
 
     def __init__(self, interface: ModuleType | Any):
+        self.interface = interface
         self.forward_signature = _read_signature(
             interface._flash_attn_forward, _FORWARD_ARGS_2_7, _FORWARD_NEEDS
         )
@@ -373,3 +374,101 @@ class FlashAttnKernel:
             dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, False, softmax_scale, self.deterministic, window
         )
         return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+
+    # ----------------------------------------------------------------- varlen (many pieces, one call)
+
+    @property
+    def supports_varlen(self) -> bool:
+        """True when the interface has ``_flash_attn_varlen_forward/backward`` (flash-attn 2.7+)."""
+        return self._varlen is not None
+
+    @property
+    def _varlen(self) -> "_VarlenCalls | None":
+        if not hasattr(self, "_varlen_calls"):
+            self._varlen_calls = _VarlenCalls.of(self._calls.interface)
+        return self._varlen_calls
+
+    def forward_varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                       window: tuple[int, int], softmax_scale: float):
+        """Packed sequences in one call (``flash_attn_varlen_func``'s kernel).
+
+        q [Tq, H, D], k/v [Tk, Hkv, D], ``cu_seqlens_q/k`` int32 [N + 1] (sequence i is rows
+        ``cu[i]:cu[i+1]``), ``window`` flash-attn's (left, right) measured from each sequence's
+        bottom-right diagonal (``(-1, 0)`` is causal) -> (out [Tq, H, D], lse [H, Tq] fp32, -inf
+        for rows without keys).
+        """
+        _check_flash_inputs(q, self._require_cuda)
+        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [T, H(kv), Dp]
+        out, lse = self._varlen.forward(q_f, k_f, v_f, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale, window)
+        return _from_flash(out, head_dim), _no_key_rows_to_neg_inf(_packed_lse(lse, cu_seqlens_q).float())
+
+    def backward_varlen(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                        max_seqlen_k: int, window: tuple[int, int], softmax_scale: float):
+        """Gradients of :meth:`forward_varlen`'s pieces given the final out [Tq, H, D] and lse [H, Tq]."""
+        _check_flash_inputs(q, self._require_cuda)
+        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout))
+        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [T, H(kv), Dp]
+        lse_f = lse_for_backward(lse.float()).contiguous()  # [H, Tq]
+        self._varlen.backward(dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k, softmax_scale, self.deterministic, window)
+        return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+
+
+_VARLEN_FORWARD_ARGS_2_7 = (
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale",
+    "causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes", "return_softmax",
+    "block_table", "leftpad_k", "seqused_k",
+)
+_VARLEN_BACKWARD_ARGS_2_7 = (
+    "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+    "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left",
+    "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state",
+)
+_VARLEN_NEEDS = frozenset({"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                           "softmax_scale", "causal"})
+_VARLEN_FIXED = {"block_table": None, "leftpad_k": None, "seqused_k": None, "zero_tensors": False}
+
+
+def _packed_lse(lse: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """Varlen lse as [H, Tq]; older builds return it padded as [N, H, max_seqlen_q]."""
+    if lse.dim() == 2:
+        return lse
+    bounds = cu_seqlens_q.tolist()
+    return torch.cat([lse[i, :, : b - a] for i, (a, b) in enumerate(zip(bounds, bounds[1:]))], dim=1)  # [H, Tq]
+
+
+class _VarlenCalls:
+    """flash-attn's low-level varlen pair, argument names read like :class:`_FlashCalls`'."""
+
+    def __init__(self, forward, backward):
+        self.forward_signature = _read_signature(forward, _VARLEN_FORWARD_ARGS_2_7, _VARLEN_NEEDS)
+        self.backward_signature = _read_signature(
+            backward, _VARLEN_BACKWARD_ARGS_2_7, _VARLEN_NEEDS | {"dout", "out", "softmax_lse", "dq", "dk", "dv"}
+        )
+
+    @classmethod
+    def of(cls, interface) -> "_VarlenCalls | None":
+        forward = getattr(interface, "_flash_attn_varlen_forward", None)
+        backward = getattr(interface, "_flash_attn_varlen_backward", None)
+        return None if forward is None or backward is None else cls(forward, backward)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window):
+        values = dict(_FIXED_ARGS, **_VARLEN_FIXED, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                      max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=softmax_scale, causal=False,
+                      **_window_args(window))
+        result = self.forward_signature.function(*self.forward_signature.arguments(values))
+        if len(result) == 4:  # 2.7+: out, softmax_lse, S_dmask, rng_state
+            return result[0], result[1]
+        if len(result) == 8:  # <= 2.6: out, q_pad, k_pad, v_pad, out_pad, softmax_lse, S_dmask, rng_state
+            return result[0], result[5]
+        raise RuntimeError(f"flash-attn's _flash_attn_varlen_forward returned {len(result)} values (expected 4 or 8)")
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale,
+                 deterministic, window) -> None:
+        values = dict(_FIXED_ARGS, **_VARLEN_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq,
+                      dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                      softmax_scale=softmax_scale, causal=False, deterministic=deterministic, **_window_args(window))
+        self.backward_signature.function(*self.backward_signature.arguments(values))
