@@ -44,7 +44,7 @@ def mixed_documents(seq_len: int, seed: int = 0) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     bounds, position = [0], 0
     while position < seq_len:
-        length = int(torch.empty(1).exponential_(generator=gen).item() * seq_len / 6) + 1
+        length = int(torch.empty(1).exponential_(generator=gen).item() * seq_len / 12) + 1
         position = min(seq_len, position + length)
         bounds.append(position)
     return bounds
