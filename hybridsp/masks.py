@@ -33,11 +33,12 @@ the sequence: about ``tile x (tile + W)`` per tile.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from hybridsp.layout import layout_permutation
+from hybridsp.layout import check_sequence_length, layout_permutation
 
 MIN_TILE = 64  # fewest query rows per window tile (smaller tiles cost more calls than they save)
 _ALL = slice(None)
@@ -185,12 +186,19 @@ def check_sliding_window(sliding_window) -> None:
 
 def slot_runs(seq_len: int, ring: int, layout: str) -> list[list[tuple[int, int, int]]]:
     """Per ring slot, its local tokens as runs ``(global start, length, local offset)``."""
-    perm = layout_permutation(seq_len, ring, 1, layout)  # [S]
+    check_sequence_length(seq_len, ring, 1, layout)
     local = seq_len // ring
+    if layout == "contiguous":
+        return [[(r * local, local, 0)] for r in range(ring)]
+    if layout == "zigzag":  # chunks r and 2R-1-r of S/2R tokens (see hybridsp.layout)
+        chunk = seq_len // (2 * ring)
+        return [[(r * chunk, chunk, 0), ((2 * ring - 1 - r) * chunk, chunk, chunk)] for r in range(ring)]
+    perm = layout_permutation(seq_len, ring, 1, layout)  # [S]: any other layout, read from its permutation
     runs = []
-    for slot in perm.view(ring, local).tolist():  # [R, S/R]
-        starts = [0] + [i for i in range(1, local) if slot[i] != slot[i - 1] + 1] + [local]
-        runs.append([(slot[a], b - a, a) for a, b in zip(starts[:-1], starts[1:])])
+    for slot in perm.view(ring, local):  # [S/R] each
+        breaks = ((slot[1:] - slot[:-1]) != 1).nonzero().flatten() + 1  # where a new run begins
+        starts = [0, *breaks.tolist(), local]
+        runs.append([(int(slot[a]), b - a, a) for a, b in zip(starts[:-1], starts[1:])])
     return runs
 
 
@@ -282,6 +290,7 @@ def _merged(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
+@functools.lru_cache(maxsize=16)
 def build_plan(
     seq_len: int,
     ring: int,
@@ -302,6 +311,9 @@ def build_plan(
         docs: per batch row document boundaries from :func:`normalize_cu_seqlens` (None: one document).
         window: sliding window W or None.
         batch: B; rows with identical documents share their pieces.
+
+    Every layer of a model asks for the same plan within one forward, so plans are memoised
+    (a small LRU cache keyed by these arguments; plans are immutable and hold no tensors).
     """
     runs = slot_runs(seq_len, ring, layout)
     groups = _row_groups(docs, batch, seq_len)

@@ -312,3 +312,53 @@ def _bf16_single_process(full16, rows, window):
 
 def test_bf16_within_twice_the_single_process_bf16_error():
     run_distributed(_bf16_rule, 4)
+
+
+# --------------------------------------------------------------------------- errors, bytes
+
+
+def _bad_inputs(rank, world):
+    mesh = init_mesh(ulysses=2, ring=2)
+    q, k, v, _ = (shard_sequence(t, mesh) for t in random_qkv(2, 64, 4, 2, 16))
+    messages = {}
+    for name, kwargs in {
+        "short": dict(cu_seqlens=torch.tensor([0, 10, 60])),
+        "rows": dict(cu_seqlens=[torch.tensor([0, 64])] * 3),
+        "window": dict(sliding_window=0),
+    }.items():
+        with pytest.raises(ValueError) as info:
+            hybrid_attn_func(q, k, v, mesh=mesh, backend="torch", **kwargs)
+        messages[name] = str(info.value)
+    assert "global sequence length 64" in messages["short"]
+    assert "3 batch rows but the batch has 2" in messages["rows"]
+    assert "sliding_window must be a positive number" in messages["window"]
+    with pytest.raises(ValueError, match="sliding_window must be"):
+        hybridsp.HybridAttention(mesh, sliding_window=-3)
+    layer = hybridsp.HybridAttention(mesh, sliding_window=8, backend="torch")  # the module form works too
+    assert layer(q, k, v, cu_seqlens=torch.tensor([0, 30, 64])).shape == q.shape
+
+
+def test_bad_documents_or_window_raise_on_every_rank_before_any_collective():
+    run_distributed(_bad_inputs, 4, timeout=60)
+
+
+def _window_bytes(rank, world, window):
+    from hybridsp import ring_attention
+    from hybridsp.layout import take_shard
+
+    import torch.distributed as dist
+
+    q, k, v, dout = (take_shard(t, rank, 0, world).clone().requires_grad_() for t in random_qkv(1, 512, 4, 2, 16))
+    counter = hybridsp.CommCounter()
+    ring_attention(q, k, v, dist.group.WORLD, sliding_window=window, backend="torch", counter=counter).backward(dout)
+    return counter.total()
+
+
+def test_window_bytes_scale_with_the_window_not_the_sequence():
+    # zigzag, R = 4, chunks of 64 tokens: each rank receives the W - 1 keys before each of its two chunks
+    # (rank 0's first chunk has none), so each rank sends W - 1 rows to each of two neighbours at most
+    row = 2 * 16 * 4  # K/V heads x D x fp32 bytes, per row of K (or V)
+    for window in (5, 33):
+        sent = run_distributed(_window_bytes, 4, window)
+        bound = 2 * (window - 1) * row * (2 + 2 + 2)  # K, V forward; K, V backward; fp32 dK, dV home
+        assert max(sent) == bound and min(sent) > 0, (window, sent, bound)
