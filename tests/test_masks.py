@@ -54,7 +54,7 @@ def _piece_cells(piece, size):
 
 def test_plan_covers_exactly_the_visible_cells_once():
     rng = random.Random(0)
-    for _ in range(60):
+    for _ in range(40):
         ring, layout = rng.choice([1, 2, 3, 4, 8]), rng.choice(["zigzag", "contiguous"])
         seq = 2 * ring * rng.randint(1, 10)
         causal, window = rng.random() < 0.8, rng.choice([None, 1, 2, 5, 17, 70, 1000])
@@ -199,11 +199,11 @@ def _cases(windows, full_matrix, seq=SEQ):
     return cases
 
 
-def _check_meshes(rank, world, meshes, windows, full_matrix, seq=SEQ):
+def _check_meshes(rank, world, meshes, windows, full_matrix, seq=SEQ, kv_list=(8, 1)):
     failures = []
     for (ulysses, ring), layout in meshes:
         mesh = init_mesh(ulysses=ulysses, ring=ring, layout=layout)
-        for kv_heads in ([8, 2, 1] if full_matrix else [8, 1]):
+        for kv_heads in ([8, 2, 1] if full_matrix else kv_list):
             full = random_qkv(2, seq, 8, kv_heads, 16, seed=3 + mesh.dp_rank)
             for rows_bounds, causal, window in _cases(windows, full_matrix, seq):
                 error = _hybrid_case(mesh, full, rows_bounds, causal, window)
@@ -214,12 +214,12 @@ def _check_meshes(rank, world, meshes, windows, full_matrix, seq=SEQ):
 
 
 # windows: smaller than one local ring block, between blocks (larger than a zigzag chunk), larger than S
-WORLD4 = [((2, 2), "zigzag"), ((1, 4), "zigzag"), ((4, 1), "zigzag"), ((1, 4), "contiguous")]
+WORLD4 = [((2, 2), "zigzag"), ((1, 4), "contiguous"), ((4, 1), "zigzag"), ((1, 4), "zigzag")]
 WORLD8 = [((2, 4), "zigzag"), ((1, 8), "zigzag"), ((1, 8), "contiguous")]
 
 
 def test_world4_documents_and_windows_equal_float64_masked_attention():
-    run_distributed(_check_meshes, 4, WORLD4, (5, 100, 300), False)
+    run_distributed(_check_meshes, 4, WORLD4[:3], (5, 100, 300), False)
 
 
 @pytest.mark.slow
@@ -233,7 +233,7 @@ def test_world8_documents_and_windows_equal_float64_masked_attention():
 
 def test_odd_ring_with_data_parallel_replicas():
     # R = 3 (two exchanges between the same pair in one step: K/V and dK/dV need their own tags), DP = 2
-    run_distributed(_check_meshes, 6, [((1, 3), "zigzag")], (5, 100, 300), False, 264)
+    run_distributed(_check_meshes, 6, [((1, 3), "zigzag")], (5, 100, 300), False, 264, (2,))
 
 
 @pytest.mark.slow
@@ -342,23 +342,27 @@ def test_bad_documents_or_window_raise_on_every_rank_before_any_collective():
     run_distributed(_bad_inputs, 4, timeout=60)
 
 
-def _window_bytes(rank, world, window):
+def _window_bytes(rank, world, windows):
     from hybridsp import ring_attention
     from hybridsp.layout import take_shard
 
     import torch.distributed as dist
 
-    q, k, v, dout = (take_shard(t, rank, 0, world).clone().requires_grad_() for t in random_qkv(1, 512, 4, 2, 16))
-    counter = hybridsp.CommCounter()
-    ring_attention(q, k, v, dist.group.WORLD, sliding_window=window, backend="torch", counter=counter).backward(dout)
-    return counter.total()
+    sent = []
+    for window in windows:
+        q, k, v, dout = (take_shard(t, rank, 0, world).clone().requires_grad_() for t in random_qkv(1, 512, 4, 2, 16))
+        counter = hybridsp.CommCounter()
+        ring_attention(q, k, v, dist.group.WORLD, sliding_window=window, backend="torch", counter=counter).backward(dout)
+        sent.append(counter.total())
+    return sent
 
 
 def test_window_bytes_scale_with_the_window_not_the_sequence():
     # zigzag, R = 4, chunks of 64 tokens: each rank receives the W - 1 keys before each of its two chunks
     # (rank 0's first chunk has none), so each rank sends W - 1 rows to each of two neighbours at most
     row = 2 * 16 * 4  # K/V heads x D x fp32 bytes, per row of K (or V)
-    for window in (5, 33):
-        sent = run_distributed(_window_bytes, 4, window)
+    windows = (5, 33)
+    per_rank = run_distributed(_window_bytes, 4, windows)
+    for window, sent in zip(windows, zip(*per_rank)):
         bound = 2 * (window - 1) * row * (2 + 2 + 2)  # K, V forward; K, V backward; fp32 dK, dV home
         assert max(sent) == bound and min(sent) > 0, (window, sent, bound)
