@@ -369,9 +369,12 @@ def _batch_positions(arguments: dict) -> torch.Tensor | None:
     positions = arguments.get("position_ids")
     tokens = arguments.get("input_ids")
     tokens = arguments.get("inputs_embeds") if tokens is None else tokens
-    if positions is None or tokens is None or positions.dim() != 2:
+    if positions is None:
+        return None
+    positions = positions.unsqueeze(0) if positions.dim() == 1 else positions  # [S] -> [1, S]
+    if tokens is None or positions.shape[0] != 1:
         return positions
-    return positions.expand(tokens.shape[0], -1) if positions.shape[0] == 1 else positions
+    return positions.expand(tokens.shape[0], -1)  # [B, S]
 
 
 def _with_documents(args: tuple, kwargs: dict, position_ids, mesh: HybridMesh):
