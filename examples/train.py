@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
+    parser.add_argument("--pack", action="store_true",
+                        help="packed documents: every blank-line-separated block of a window is its own document "
+                             "(position ids restart at 0, no attention and no loss across documents)")
     return parser.parse_args(argv)
 
 
@@ -153,8 +156,25 @@ class Metrics:
         )
 
 
-def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int, accumulation: int) -> float:
-    """One optimizer step over ``accumulation`` micro-batches; returns the mean loss."""
+def packed_position_ids(tokens: torch.Tensor, separator: torch.Tensor) -> torch.Tensor:
+    """[b, S] position ids that restart at 0 after every occurrence of the ``separator`` ids,
+    so each separated block of a window is a packed document (``--pack``)."""
+    b, seq = tokens.shape
+    n = separator.numel()
+    ends = torch.zeros(b, seq, dtype=torch.bool)  # [b, S]: the token closes a separator
+    if seq >= n:
+        windows = tokens.unfold(1, n, 1)  # [b, S - n + 1, n]
+        ends[:, n - 1:] = (windows == separator).all(-1)
+    starts = torch.cat([torch.ones(b, 1, dtype=torch.bool), ends[:, :-1]], dim=1)  # [b, S]
+    index = torch.arange(seq).expand(b, seq)  # [b, S]
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # [b, S]
+    return index - last_start  # [b, S]
+
+
+def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int, accumulation: int,
+               separator: torch.Tensor | None = None) -> float:
+    """One optimizer step over ``accumulation`` micro-batches; returns the mean loss.
+    ``separator``: pack documents split at these token ids (``--pack``)."""
     from hybridsp import shard_batch, sharded_cross_entropy
 
     losses = []
@@ -162,7 +182,10 @@ def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int,
     for micro in range(accumulation):
         first = ((step * accumulation + micro) * replicas + mesh.dp_rank) * micro_batch
         tokens = windows.batch(first, micro_batch)  # [b, S], the same on every context rank
-        local = {k: v.to(engine.device) for k, v in shard_batch({"input_ids": tokens, "labels": tokens}, mesh).items()}
+        batch = {"input_ids": tokens, "labels": tokens}
+        if separator is not None:
+            batch["position_ids"] = packed_position_ids(tokens, separator)  # [b, S]
+        local = {k: v.to(engine.device) for k, v in shard_batch(batch, mesh).items()}
         logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
         engine.backward(loss)
@@ -222,6 +245,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     torch.manual_seed(args.seed)
     tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
     windows = TokenWindows(tokens, args.seq_len, args.seed)
+    separator = tokenize("\n\n", args.tokenizer)[0] if args.pack else None  # --pack: blank lines end documents
     model = build_model(args, vocab_size)
     _check_vocabulary(tokens, model)
     _single_process_environment()
@@ -245,7 +269,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
         started = time.perf_counter()
-        loss = _mean_over_replicas(train_step(engine, mesh, windows, step, micro_batch, accumulation), mesh)
+        loss = _mean_over_replicas(train_step(engine, mesh, windows, step, micro_batch, accumulation, separator), mesh)
         seconds = time.perf_counter() - started
         _check_finite(loss, step)
         tokens_per_s = args.seq_len * micro_batch * accumulation * mesh.dp / seconds

@@ -17,6 +17,7 @@ from torch import nn
 from hybridsp.comm import CommCounter
 from hybridsp.kernels import AttentionKernel, check_qkv, resolve_kernel
 from hybridsp.layout import check_sequence_length, join_shards, take_shard
+from hybridsp.masks import check_sliding_window, normalize_cu_seqlens
 from hybridsp.mesh import HybridMesh
 from hybridsp.ring import check_softmax_scale, ring_attention
 from hybridsp.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
@@ -47,7 +48,9 @@ def hybrid_attn_func(
     v: torch.Tensor,
     *,
     mesh: HybridMesh,
-    causal: bool = False,
+    causal: bool = True,
+    cu_seqlens=None,
+    sliding_window: int | None = None,
     softmax_scale: float | None = None,
     backend: str | AttentionKernel = "auto",
     counter: CommCounter | None = None,
@@ -59,6 +62,15 @@ def hybrid_attn_func(
         k, v: [B, S_local, H_kv, D] (H % H_kv == 0; H_kv may be smaller than the Ulysses degree).
         mesh: the :class:`~hybridsp.mesh.HybridMesh` (explicit process groups).
         causal: causal masking by global token position.
+        cu_seqlens: packed documents (flash-attn's varlen convention, but over the *global*
+            sequence of ``S = S_local x C`` tokens in natural order): an int tensor
+            ``[num_docs + 1]`` from 0 to S, the same on every context rank and shared by all
+            batch rows; or ``[B, num_docs + 1]``, or a list of B boundary tensors/lists (rows
+            may hold different numbers of documents). A query attends keys of its own
+            document only. Any document lengths; None: one document per row.
+        sliding_window: W: query i attends keys j with ``i - W < j <= i`` (transformers'
+            convention, flash-attn's ``window_size=(W - 1, 0)``; ``|i - j| < W`` when not
+            causal). Combines with ``cu_seqlens``. None: no window.
         softmax_scale: defaults to 1/sqrt(D).
         backend: ``auto``, ``torch``, ``flash``, ``reference`` or a kernel object.
         counter: optional :class:`~hybridsp.comm.CommCounter` recording bytes sent; defaults to
@@ -72,6 +84,8 @@ def hybrid_attn_func(
         kernel cannot run (shapes, dtypes, devices, heads, sequence length, backend).
     """
     check_hybrid_inputs(q, k, v, mesh, softmax_scale)
+    check_sliding_window(sliding_window)
+    normalize_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1] * mesh.context)  # ValueError before any collective
     kernel = resolve_kernel(backend, q)
     counter = mesh.comm_counter if counter is None else counter
     heads = q.shape[2]
@@ -80,8 +94,8 @@ def hybrid_attn_func(
         q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group, counter)  # each [B, S/R, H/U, D]
     ring_group = mesh.ring_group if mesh.ring > 1 else None
     out = ring_attention(
-        q, k, v, ring_group, causal=causal, softmax_scale=softmax_scale, backend=kernel,
-        layout=mesh.layout, counter=counter,
+        q, k, v, ring_group, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window,
+        softmax_scale=softmax_scale, backend=kernel, layout=mesh.layout, counter=counter,
     )  # [B, S/R, H/U, D]
     if mesh.ulysses > 1:
         (out,) = heads_to_seq([out], mesh.ulysses_group, counter)  # [B, S/C, H, D]
@@ -89,27 +103,37 @@ def hybrid_attn_func(
 
 
 class HybridAttention(nn.Module):
-    """``nn.Module`` around :func:`hybrid_attn_func`: ``forward(q, k, v) -> out``, shapes as there."""
+    """``nn.Module`` around :func:`hybrid_attn_func`: ``forward(q, k, v, cu_seqlens=None) -> out``.
+
+    ``sliding_window`` is fixed per module (a layer's property); ``cu_seqlens`` may be given
+    at construction or per call (packed batches change every step). Shapes as there.
+    """
 
     def __init__(
         self,
         mesh: HybridMesh,
         *,
-        causal: bool = False,
+        causal: bool = True,
+        cu_seqlens=None,
+        sliding_window: int | None = None,
         softmax_scale: float | None = None,
         backend: str | AttentionKernel = "auto",
     ):
         super().__init__()
+        check_sliding_window(sliding_window)
         self.mesh, self.causal, self.softmax_scale, self.backend = mesh, causal, softmax_scale, backend
+        self.cu_seqlens, self.sliding_window = cu_seqlens, sliding_window
 
-    def forward(self, q, k, v, counter: CommCounter | None = None):
+    def forward(self, q, k, v, counter: CommCounter | None = None, cu_seqlens=None):
         return hybrid_attn_func(
             q, k, v, mesh=self.mesh, causal=self.causal, softmax_scale=self.softmax_scale,
             backend=self.backend, counter=counter,
+            cu_seqlens=self.cu_seqlens if cu_seqlens is None else cu_seqlens, sliding_window=self.sliding_window,
         )
 
     def extra_repr(self) -> str:
-        return f"{self.mesh!r}, causal={self.causal}, backend={self.backend!r}"
+        return (f"{self.mesh!r}, causal={self.causal}, sliding_window={self.sliding_window}, "
+                f"backend={self.backend!r}")
 
 
 def shard_sequence(x: torch.Tensor, mesh: HybridMesh, dim: int = 1) -> torch.Tensor:

@@ -23,8 +23,15 @@ Shifting the full sequence first gives every token its true target, wherever it 
 Note [right padding]: with causal attention a real token never attends to the padding after
 it, so ignoring the padding's targets gives exactly the unsharded model's loss on the real
 tokens without any attention mask. Left padding or holes in the middle would need a mask:
-:func:`shard_batch` refuses them, as it refuses packed sequences (``position_ids`` that
-restart), which would need document masking.
+:func:`shard_batch` refuses them.
+
+Note [packed rows]: a row may hold several documents, ``position_ids`` restarting at 0 at
+each one (transformers' ``DataCollatorWithFlattening``, TRL's packing). The positions are
+kept as given (RoPE restarts per document), the target of every document's last token
+becomes ``ignore_index`` (no loss across a boundary, whatever the labels say), and the
+attention finds the documents from the same restarts (the transformers integration derives
+``cu_seqlens`` from the sharded ``position_ids``; :func:`packed_cu_seqlens` gives them from
+the full batch). Any other jump in ``position_ids`` is refused.
 """
 
 from __future__ import annotations
@@ -60,10 +67,12 @@ def prepare_batch(
     input_ids, labels, mask, positions = _validated(batch)
     labels = labels.masked_fill(mask == 0, ignore_index) if mask is not None else labels
     shift_labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)  # [B, S]
+    if positions is not None:  # Note [packed rows]: no target across a document boundary
+        shift_labels = shift_labels.masked_fill(_document_ends(positions, mask), ignore_index)  # [B, S]
     extra = padded_length(input_ids.shape[1], mesh) - input_ids.shape[1]
     input_ids = torch.nn.functional.pad(input_ids, (0, extra), value=pad_token_id)  # [B, S_pad]
     shift_labels = torch.nn.functional.pad(shift_labels, (0, extra), value=ignore_index)  # [B, S_pad]
-    positions = _global_positions(positions, input_ids)  # [B, S_pad]
+    positions = _global_positions(positions, input_ids, mask)  # [B, S_pad]
     return {"input_ids": input_ids, "shift_labels": shift_labels, "position_ids": positions}
 
 
@@ -143,22 +152,41 @@ def _checked_positions(positions: torch.Tensor, input_ids: torch.Tensor, mask: t
     positions = positions.expand_as(input_ids)  # [B, S]
     steps = positions[:, 1:] - positions[:, :-1]  # [B, S-1]
     real = mask[:, 1:] != 0 if mask is not None else torch.ones_like(steps, dtype=torch.bool)
-    jumps = ((steps != 1) & real).nonzero()
+    restarts = positions[:, 1:] == 0  # a new packed document (Note [packed rows])
+    jumps = ((steps != 1) & ~restarts & real).nonzero()
     if jumps.numel():
         row, index = jumps[0].tolist()
         raise ValueError(
             f"position_ids row {row} jumps from {positions[row, index].item()} to {positions[row, index + 1].item()} "
-            f"at token {index + 1}: packed sequences need document masking, which hybridsp does not support. "
-            f"Give each sequence its own row (or omit position_ids)"
+            f"at token {index + 1}: within a row positions must count up by one, or restart at 0 where a packed "
+            f"document begins. Give each sequence its own row, restart packed documents at 0, or omit position_ids"
         )
     return positions
 
 
-def _global_positions(positions: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, S_pad] positions: each row's first position + 0..S_pad-1 (padding continues the count)."""
+def _document_ends(positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """[B, S] bool: real tokens whose next token starts a new packed document (position 0)."""
+    starts_next = torch.cat([positions[:, 1:] == 0, torch.zeros_like(positions[:, :1], dtype=torch.bool)], 1)
+    if mask is not None:
+        starts_next &= torch.cat([mask[:, 1:] != 0, torch.zeros_like(mask[:, :1], dtype=torch.bool)], 1)
+    return starts_next  # [B, S]
+
+
+def _global_positions(
+    positions: torch.Tensor | None, input_ids: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[B, S_pad] positions: given positions on real tokens (packed rows keep their restarts);
+    padding, and rows without positions, continue counting from the last real token."""
     steps = torch.arange(input_ids.shape[1], device=input_ids.device)  # [S_pad]
-    first = positions[:, :1] if positions is not None else torch.zeros_like(input_ids[:, :1])  # [B, 1]
-    return (first + steps).to(torch.long)  # [B, S_pad]
+    if positions is None:
+        return steps.expand_as(input_ids).to(torch.long).clone()  # [B, S_pad]
+    seq = positions.shape[1]
+    real = torch.ones_like(positions, dtype=torch.bool) if mask is None else mask != 0  # [B, S]
+    real = torch.nn.functional.pad(real, (0, input_ids.shape[1] - seq), value=False)  # [B, S_pad]
+    given = torch.nn.functional.pad(positions, (0, input_ids.shape[1] - seq))  # [B, S_pad]
+    last = (real.long() * steps).amax(dim=1, keepdim=True)  # [B, 1] index of the last real token
+    continued = given.gather(1, last) + steps - last  # [B, S_pad] counting on from there
+    return torch.where(real & (steps <= last), given, continued).to(torch.long)  # [B, S_pad]
 
 
 def replica_sampler(dataset, mesh: HybridMesh, **kwargs) -> torch.utils.data.DistributedSampler:
@@ -226,3 +254,15 @@ def check_same_across_context(input_ids: torch.Tensor, mesh: HybridMesh) -> None
             f"input_ids {tuple(input_ids.shape)}): every context rank of a replica must load the same full batch; "
             f"use hybridsp.batch.replica_sampler(dataset, mesh) with the same seed on every rank"
         )
+
+
+def packed_cu_seqlens(position_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per row, the document boundaries ``[num_docs + 1]`` (int64) of full (unsharded)
+    ``position_ids`` [B, S]: a document starts at index 0 and wherever the position is 0.
+    The form :func:`hybridsp.hybrid_attn_func` takes as ``cu_seqlens`` (one entry per row)."""
+    rows = []
+    for row in position_ids:
+        starts = (row == 0).nonzero().flatten()  # [N?]
+        starts = starts if starts.numel() and starts[0] == 0 else torch.cat([starts.new_zeros(1), starts])
+        rows.append(torch.cat([starts, starts.new_tensor([row.numel()])]).long())  # [N + 1]
+    return rows

@@ -15,6 +15,10 @@ Note [block plan]: which part of (local queries x visiting block) is computed at
 depends on the layout and on where the block comes from; :func:`block_plan` answers that
 for one step as a list of ``(query rows, key rows, causal)`` pieces, so one loop serves
 every layout and both directions.
+
+With ``cu_seqlens`` (packed documents) or ``sliding_window`` the call goes to
+:mod:`hybridsp.masked_ring` instead (Note [masked ring] there): the pieces come from
+:mod:`hybridsp.masks` and blocks travel by direct sends that skip what nobody sees.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.distributed as dist
 from hybridsp.comm import CommCounter, RingExchange
 from hybridsp.kernels import AttentionKernel, accumulation_dtype, check_qkv, default_softmax_scale, resolve_kernel
 from hybridsp.layout import LAYOUTS
+from hybridsp.masked_ring import MaskedRingFunction, masked_plan
 from hybridsp.merge import merge_into
 
 Piece = tuple[slice, slice, bool]
@@ -169,7 +174,9 @@ def ring_attention(
     v: torch.Tensor,
     group: dist.ProcessGroup | None,
     *,
-    causal: bool = False,
+    causal: bool = True,
+    cu_seqlens=None,
+    sliding_window: int | None = None,
     softmax_scale: float | None = None,
     backend: str | AttentionKernel = "auto",
     layout: str = "zigzag",
@@ -182,6 +189,12 @@ def ring_attention(
         k, v: [B, S_local, Hkv, D] the matching keys and values (H % Hkv == 0).
         group: the ring's process group (explicit; ``None`` means a ring of one, no communication).
         causal: causal masking by global token position.
+        cu_seqlens: packed documents: int boundaries ``[num_docs + 1]`` over the *global*
+            sequence (``S_local x R`` tokens, in natural order, not layout order), the same on
+            every ring rank; shared by all batch rows, or ``[B, num_docs + 1]`` / a list of B
+            such boundaries (one per row). Queries attend keys of their own document only.
+        sliding_window: W: query i attends keys j with ``i - W < j <= i`` (``|i - j| < W``
+            when not causal); None for no window.
         softmax_scale: defaults to 1/sqrt(D).
         backend: a kernel name (``auto``, ``torch``, ``flash``, ``reference``) or kernel object.
         layout: ``zigzag`` (balanced causal work) or ``contiguous``.
@@ -191,8 +204,11 @@ def ring_attention(
         out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
     """
     check_ring_inputs(q, k, v, causal, layout, softmax_scale)
+    plan = masked_plan(q, group, causal, layout, cu_seqlens, sliding_window)
     kernel = resolve_kernel(backend, q)
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
+    if plan is not None:
+        return MaskedRingFunction.apply(q, k, v, group, kernel, scale, plan, counter)
     if group is None or dist.get_world_size(group) == 1:
         return _SingleKernelFunction.apply(q, k, v, kernel, causal, scale)
     return _RingAttentionFunction.apply(q, k, v, group, kernel, causal, scale, layout, counter)

@@ -354,3 +354,111 @@ def make_standin(version: str = "2.8") -> SimpleNamespace:
     return SimpleNamespace(
         __version__=f"{version}-standin", _flash_attn_forward=forward, _flash_attn_backward=backward
     )
+
+
+# --------------------------------------------------------------------------- varlen (flash-attn 2.7/2.8)
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The checks flash-attn's C++ varlen_fwd/varlen_bwd apply: packed [total, H, D], int32 boundaries."""
+    _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, "varlen q/k/v must be [total, H, D]")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check(cu.dtype == torch.int32, f"{name} must have dtype int32")
+        _check(cu.is_contiguous(), f"{name} must be contiguous")
+    _check(cu_seqlens_q.numel() == cu_seqlens_k.numel(), "cu_seqlens_q and cu_seqlens_k must have the same size")
+    _check(int(cu_seqlens_q[-1]) == q.shape[0] and int(cu_seqlens_k[-1]) == k.shape[0], "cu_seqlens end wrong")
+    lengths_q, lengths_k = cu_seqlens_q.diff(), cu_seqlens_k.diff()
+    _check(int(lengths_q.max()) <= max_seqlen_q and int(lengths_k.max()) <= max_seqlen_k, "max_seqlen too small")
+    _check_inputs(q[None], k[None], v[None])
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(slice(a, b), slice(c, d)) for a, b, c, d in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:])]
+
+
+def _flash_attn_varlen_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    return_softmax: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    leftpad_k: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn 2.8's varlen signature -> (out [total_q, H, D], softmax_lse [H, total_q], S_dmask, rng_state).
+    Each sequence is attended on its own; causal and windows are aligned bottom-right per sequence."""
+    q, k, v = [_maybe_contiguous(x) for x in (q, k, v)]
+    _refuse_unmodelled(dropout_p, softcap, alibi_slopes, return_softmax)
+    _check(block_table is None and leftpad_k is None and seqused_k is None, "stand-in: no paged/leftpad K/V")
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), math.inf, device=q.device)
+    for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o, l = _attention_forward(q[None, rows], k[None, keys], v[None, keys], softmax_scale, causal,
+                                  window_size_left, window_size_right)
+        out[rows], lse[:, rows] = o[0], l[0]
+    return out, lse, torch.empty((0,), dtype=q.dtype, device=q.device), _rng_state(q)
+
+
+def _flash_attn_varlen_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    softmax_lse: torch.Tensor,
+    dq: Optional[torch.Tensor],
+    dk: Optional[torch.Tensor],
+    dv: Optional[torch.Tensor],
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    deterministic: bool,
+    rng_state: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """flash-attn 2.8's varlen signature; fills dq/dk/dv in place, returns softmax_d [H, total_q + 128 B]."""
+    dout, q, k, v, out = [_maybe_contiguous(x) for x in (dout, q, k, v, out)]
+    _refuse_unmodelled(dropout_p, softcap, alibi_slopes)
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    _check(softmax_lse.dtype == torch.float32 and softmax_lse.is_contiguous(), "stand-in: lse fp32 contiguous")
+    _check(tuple(softmax_lse.shape) == (q.shape[1], q.shape[0]), "stand-in: varlen softmax_lse must be [H, total_q]")
+    grads = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
+    softmax_d = torch.zeros(q.shape[1], q.shape[0] + 128 * (cu_seqlens_q.numel() - 1), device=q.device)
+    for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        gq, gk, gv, d = _attention_backward(
+            dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows],
+            softmax_lse[None, :, rows], softmax_scale, causal, window_size_left, window_size_right,
+        )
+        grads[0][rows], grads[1][keys], grads[2][keys] = gq[0], gk[0], gv[0]  # sequences do not share keys
+        softmax_d[:, rows] = d[0]
+    for buffer, value, like, name in zip((dq, dk, dv), grads, (q, k, v), ("dq", "dk", "dv")):
+        _fill_buffer(buffer, value, like, name)
+    return softmax_d
+
+
+def with_varlen(standin: SimpleNamespace, opaque: bool = False) -> SimpleNamespace:
+    """``standin`` plus flash-attn 2.8's ``_flash_attn_varlen_forward/backward`` (signatures hidden if ``opaque``)."""
+    forward, backward = _flash_attn_varlen_forward, _flash_attn_varlen_backward
+    if opaque:
+        forward, backward = _opaque(forward), _opaque(backward)
+    return SimpleNamespace(**vars(standin), _flash_attn_varlen_forward=forward, _flash_attn_varlen_backward=backward)

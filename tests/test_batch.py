@@ -100,12 +100,12 @@ def test_bad_batches_raise_value_errors_that_say_what_to_change():
     hole = padded_batch()
     hole["attention_mask"][0, 5] = 0
     packed = padded_batch(lengths=(61, 61))
-    packed["position_ids"] = torch.cat([torch.arange(30), torch.arange(31)])[None]
+    packed["position_ids"] = torch.cat([torch.arange(30), torch.arange(31) + 5])[None]  # not a restart at 0
     cases = {
         "real token at index 21 after padding": left,
         "row 0 has a real token at index 6": hole,
         "only 0 and 1": {**padded_batch(), "attention_mask": padded_batch()["attention_mask"] * 2},
-        "jumps from 29 to 0 at token 30": packed,
+        "jumps from 29 to 5 at token 30": packed,
         "labels (2, 60) must have the shape of input_ids (2, 61)": {**padded_batch(), "labels": torch.zeros(2, 60)},
         "does not know how to shard ['pixel_values']": {**padded_batch(), "pixel_values": torch.zeros(2, 3)},
         "needs a 'labels' tensor": {"input_ids": torch.zeros(2, 8, dtype=torch.long)},

@@ -136,7 +136,7 @@ class _GatherShards(torch.autograd.Function):
         return hybridsp.shard_sequence(grad, ctx.mesh), None
 
 
-def _gradcheck_case(rank, world, ulysses, ring, layout, causal, kv_heads):
+def _gradcheck_case(rank, world, ulysses, ring, layout, causal, kv_heads, masks=None):
     mesh = init_mesh(ulysses, ring, layout=layout)
     gen = torch.Generator().manual_seed(3)
     seq = 4 * world
@@ -146,7 +146,7 @@ def _gradcheck_case(rank, world, ulysses, ring, layout, causal, kv_heads):
 
     def full_attention(q, k, v):
         q, k, v = (hybridsp.shard_sequence(_SumGradsOverRanks.apply(t), mesh) for t in (q, k, v))
-        out = hybrid_attn_func(q, k, v, mesh=mesh, causal=causal, softmax_scale=0.7)
+        out = hybrid_attn_func(q, k, v, mesh=mesh, causal=causal, softmax_scale=0.7, **(masks or {}))
         return _GatherShards.apply(out, mesh)
 
     return torch.autograd.gradcheck(full_attention, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -159,6 +159,11 @@ def _gradcheck_case(rank, world, ulysses, ring, layout, causal, kv_heads):
 ])
 def test_gradcheck_float64_through_ring_and_hybrid(world, ulysses, ring, layout, causal, kv_heads):
     assert all(run_distributed(_gradcheck_case, world, ulysses, ring, layout, causal, kv_heads, timeout=240))
+
+
+def test_gradcheck_float64_with_packed_documents_and_a_window():
+    masks = {"cu_seqlens": torch.tensor([0, 3, 4, 16]), "sliding_window": 5}
+    assert all(run_distributed(_gradcheck_case, 4, 2, 2, "zigzag", True, 1, masks, timeout=240))
 
 
 def test_gradcheck_float64_single_process_ring_of_one():

@@ -186,9 +186,6 @@ def test_no_per_shard_mask_is_built_or_accepted():
 
 def test_refused_models_raise_and_change_nothing():
     cases = {
-        "uses a sliding window of 4096 tokens": (build("mistral", sliding_window=4096), mesh_at(1, 1)),
-        "layer 1 of this qwen2 model uses a sliding window of 32": (
-            build("qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1), mesh_at(1, 1)),
         "4 query heads are not divisible by the Ulysses degree 8": (build("llama"), mesh_at(8, 1)),
         "has no Llama-family attention module": (transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_layer=1, n_embd=32, n_head=2, vocab_size=64)), mesh_at(1, 1)),

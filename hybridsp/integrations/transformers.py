@@ -12,9 +12,24 @@
 
 Supported: ``model_type`` in :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3:
 the attention module that projects q/k/v, applies RoPE and calls the ``AttentionInterface``),
-transformers >= :data:`MIN_TRANSFORMERS_VERSION`. Refused with a clear error: sliding
-windows, attention sinks, logit soft-capping, attention dropout in training, bidirectional
-configs, a user-supplied 4D mask, and a KV cache that already holds tokens (generation).
+transformers >= :data:`MIN_TRANSFORMERS_VERSION`, sliding-window layers (Mistral's
+``sliding_window``, Qwen2/Qwen3's ``use_sliding_window`` / ``max_window_layers`` /
+``layer_types``: each layer passes its own window) and packed documents (Note [packed
+documents]). Refused with a clear error: attention sinks, logit soft-capping, attention
+dropout in training, bidirectional configs, a user-supplied 4D mask, and a KV cache that
+already holds tokens (generation).
+
+Note [packed documents]: a packed row restarts ``position_ids`` at 0 at each document. The
+forward pre-hook that :func:`apply` installs on the model gathers, once per forward, which
+of the context group's tokens have position 0 (one small ``all_gather`` of ``[B, S/C]``
+int32 over ``mesh.context_group``), turns that into global document boundaries and hands
+them to every layer as the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keyword arguments of that
+forward call (transformers passes model kwargs through to the attention function), so no
+state is kept and gradient checkpointing's recomputation sees the same documents. The form
+is transformers' flattened one, but over the *global* sequence: boundaries over the ``B x S``
+tokens of the unsharded batch, row ``b`` occupying ``[b S, (b + 1) S)``. A caller may pass
+``cu_seq_lens_q/k`` in that form themselves; then the hook leaves them alone. A row without
+restarts is one document (the unpacked path, unchanged).
 
 Note [registration]: :func:`register` adds the module-level function
 :func:`hybridsp_attention_forward` to transformers' ``AttentionInterface`` under the name
@@ -136,8 +151,9 @@ def hybridsp_attention_forward(
         attention_mask: must be None (Note [no mask]).
         scaling: softmax scale; defaults to ``module.scaling``.
         dropout: must be 0 (attention dropout is not implemented).
-        kwargs: the model's extra arguments; ``sliding_window``, ``softcap``, ``s_aux`` and
-            ``is_causal=False`` are refused.
+        kwargs: the model's extra arguments: ``sliding_window`` (this layer's window) and
+            ``cu_seq_lens_q/k`` (global packed documents, Note [packed documents]) are used;
+            ``softcap``, ``s_aux`` and ``is_causal=False`` are refused.
 
     Returns:
         (out [B, S_local, H, D] in the query's dtype, None): no attention weights.
@@ -145,9 +161,11 @@ def hybridsp_attention_forward(
     binding = _binding_of(module)
     _check_call(query, key, attention_mask, dropout, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
+    cu_seqlens = _documents_from_kwargs(kwargs, q.shape[0], q.shape[1] * binding.mesh.context)
     out = hybrid_attn_func(
         q, k, v, mesh=binding.mesh, causal=True, backend=binding.backend,
         softmax_scale=module.scaling if scaling is None else scaling,
+        cu_seqlens=cu_seqlens, sliding_window=kwargs.get("sliding_window"),
     )  # [B, S, H, D]
     return out, None
 
@@ -173,7 +191,7 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout:
         raise ValueError(
             f"attention dropout {dropout} is not supported by hybridsp attention; set config.attention_dropout=0"
         )
-    refused = {name: kwargs[name] for name in ("sliding_window", "softcap", "s_aux") if kwargs.get(name) is not None}
+    refused = {name: kwargs[name] for name in ("softcap", "s_aux") if kwargs.get(name) is not None}
     if refused:
         raise ValueError(f"hybridsp attention does not support {refused}; use a config without them")
     if kwargs.get("is_causal") is False:
@@ -255,7 +273,7 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
         setattr(module, _BINDING_ATTR, binding)
     for config in configs:
         config._attn_implementation = NAME
-    hook = _input_check(model) if mesh.context > 1 else None
+    hook = _input_check(model, mesh)
     return HybridAttentionHandle(model, modules, previous, hook)
 
 
@@ -283,14 +301,8 @@ def _check_module(module: nn.Module, mesh: HybridMesh) -> None:
             f"model type {model_type!r} is not supported by hybridsp's transformers integration; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    # Qwen2/3 modules carry their own window (None on full-attention layers); Mistral reads the config's.
-    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(config, "sliding_window", None)
-    if window is not None:
-        raise ValueError(
-            f"layer {layer} of this {model_type} model uses a sliding window of {window} tokens; hybridsp does not "
-            f"implement sliding windows yet. For sequences of at most {window} tokens the window changes nothing: "
-            f"set config.sliding_window=None (Mistral) or use_sliding_window=False (Qwen2/Qwen3) and rebuild the model"
-        )
+    # Sliding windows: Qwen2/3 modules carry their own (None on full-attention layers), Mistral passes the
+    # config's; either arrives as the call's ``sliding_window`` keyword and is computed exactly.
     if getattr(module, "sinks", None) is not None:
         raise ValueError(f"layer {layer} uses attention sinks, which hybridsp does not support")
     if not getattr(module, "is_causal", True) or not getattr(config, "is_causal", True):
@@ -316,23 +328,104 @@ def _configs_of(model: nn.Module, modules: list[nn.Module]) -> list:
     return list(found.values())
 
 
-def _input_check(model: nn.Module):
-    """A forward pre-hook that refuses missing ``position_ids`` and given ``labels`` (None if n/a)."""
+def _input_check(model: nn.Module, mesh: HybridMesh):
+    """The model's forward pre-hook (None if its forward takes no ``position_ids``): when ``C > 1``
+    it refuses missing ``position_ids`` and given ``labels``; always it derives the packed
+    documents of this forward from ``position_ids`` (Note [packed documents])."""
     signature = inspect.signature(model.forward)
     if "position_ids" not in signature.parameters:
         return None
 
     def check(module, args, kwargs):
         arguments = signature.bind_partial(*args, **kwargs).arguments
-        if arguments.get("position_ids") is None:
-            raise ValueError(
-                "a model switched to hybridsp needs position_ids: the global positions of this rank's tokens "
-                "(shard_batch(...)['position_ids']); the default 0..S_local-1 would give wrong RoPE angles"
-            )
-        if arguments.get("labels") is not None:
-            raise ValueError(
-                "do not pass labels to a model switched to hybridsp: transformers would shift them inside each "
-                "shard. Take shard_batch(...)['shift_labels'] to hybridsp.sharded_cross_entropy(logits, ..., mesh)"
-            )
+        if mesh.context > 1:
+            _refuse_missing_positions_or_labels(arguments)
+        return _with_documents(args, kwargs, _batch_positions(arguments), mesh)
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def _refuse_missing_positions_or_labels(arguments: dict) -> None:
+    """Raise ValueError for a sharded call without position_ids or with labels."""
+    if arguments.get("position_ids") is None:
+        raise ValueError(
+            "a model switched to hybridsp needs position_ids: the global positions of this rank's tokens "
+            "(shard_batch(...)['position_ids']); the default 0..S_local-1 would give wrong RoPE angles"
+        )
+    if arguments.get("labels") is not None:
+        raise ValueError(
+            "do not pass labels to a model switched to hybridsp: transformers would shift them inside each "
+            "shard. Take shard_batch(...)['shift_labels'] to hybridsp.sharded_cross_entropy(logits, ..., mesh)"
+        )
+
+
+# --------------------------------------------------------------------------- packed documents
+
+_DOC_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def _batch_positions(arguments: dict) -> torch.Tensor | None:
+    """position_ids expanded to the batch's rows ([1, S] broadcasts), or None."""
+    positions = arguments.get("position_ids")
+    tokens = arguments.get("input_ids")
+    tokens = arguments.get("inputs_embeds") if tokens is None else tokens
+    if positions is None:
+        return None
+    positions = positions.unsqueeze(0) if positions.dim() == 1 else positions  # [S] -> [1, S]
+    if tokens is None or positions.shape[0] != 1:
+        return positions
+    return positions.expand(tokens.shape[0], -1)  # [B, S]
+
+
+def _with_documents(args: tuple, kwargs: dict, position_ids, mesh: HybridMesh):
+    """The hook's result: kwargs plus ``cu_seq_lens_q/k`` when this forward's rows are packed."""
+    if position_ids is None or any(kwargs.get(name) is not None for name in _DOC_KWARGS):
+        return None  # nothing to derive, or the caller gave the documents
+    cu_seq_lens = global_cu_seq_lens(position_ids, mesh)
+    if cu_seq_lens is None:
+        return None
+    return args, {**kwargs, "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens}
+
+
+def global_cu_seq_lens(position_ids: torch.Tensor, mesh: HybridMesh) -> torch.Tensor | None:
+    """Flattened global document boundaries (int64 ``[N + 1]`` over the unsharded ``B x S`` tokens)
+    from this rank's ``position_ids`` [B, S/C] (or [1, S/C]); None if no row is packed.
+
+    A document starts at every row's first token and wherever the position is 0. One
+    ``all_gather`` over ``mesh.context_group`` when ``C > 1`` (every context rank must call it).
+    """
+    from hybridsp.attention import gather_sequence  # the integration's only collective helper
+
+    starts = (position_ids == 0).to(torch.int32)  # [B, S/C]
+    full = gather_sequence(starts, mesh) if mesh.context > 1 else starts  # [B, S]
+    full[:, 0] = 1
+    if int(full.sum()) == full.shape[0]:
+        return None
+    flat = full.reshape(-1).nonzero().flatten()  # [N] flattened starts (each row's 0 included)
+    return torch.cat([flat, flat.new_tensor([full.numel()])]).long()  # [N + 1]
+
+
+def _documents_from_kwargs(kwargs: dict, batch: int, seq_len: int):
+    """Per-row global boundaries for :func:`hybrid_attn_func` from ``cu_seq_lens_q/k``, or None.
+
+    ``cu_seq_lens_q`` (Note [packed documents]) covers the flattened global ``B x S`` tokens;
+    row boundaries are added where missing (documents never cross rows). ValueError if
+    ``cu_seq_lens_q`` and ``cu_seq_lens_k`` differ or do not end at ``B x S``.
+    """
+    cu_q, cu_k = (kwargs.get(name) for name in _DOC_KWARGS)
+    if cu_q is None and cu_k is None:
+        return None
+    cu_q = cu_k if cu_q is None else cu_q
+    if cu_k is not None and not torch.equal(torch.as_tensor(cu_q).cpu(), torch.as_tensor(cu_k).cpu()):
+        raise ValueError("hybridsp attention needs cu_seq_lens_q == cu_seq_lens_k (self-attention over documents)")
+    bounds = [int(x) for x in torch.as_tensor(cu_q).tolist()]
+    if not bounds or bounds[0] != 0 or bounds[-1] != batch * seq_len:
+        raise ValueError(
+            f"cu_seq_lens_q must run from 0 to B x S = {batch} x {seq_len} = {batch * seq_len} over the global "
+            f"(unsharded) tokens of the batch; got {bounds[:4]}... ending at {bounds[-1] if bounds else None}"
+        )
+    edges = sorted(set(bounds) | {b * seq_len for b in range(batch + 1)})
+    return [
+        torch.tensor([e - b * seq_len for e in edges if b * seq_len <= e <= (b + 1) * seq_len])
+        for b in range(batch)
+    ]

@@ -57,6 +57,7 @@ from typing import Any, Callable
 
 import torch
 
+from hybridsp.kernels.band import flash_window
 from hybridsp.kernels.base import check_qkv, lse_for_backward
 
 INSTALL_HINT = (
@@ -162,6 +163,7 @@ class _FlashCalls:
     """The two low-level flash-attn calls, with every version difference resolved here."""
 
     def __init__(self, interface: ModuleType | Any):
+        self.interface = interface
         self.forward_signature = _read_signature(
             interface._flash_attn_forward, _FORWARD_ARGS_2_7, _FORWARD_NEEDS
         )
@@ -174,9 +176,13 @@ class _FlashCalls:
         """'2.7+' (window_size_left/right, 4-tuple forward) or '2.4-2.6' (window_size tuple)."""
         return "2.7+" if "window_size_left" in self.forward_signature.names else "2.4-2.6"
 
-    def forward(self, q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded q [B, Sq, H, Dp], k/v [B, Sk, Hkv, Dp] -> (out [B, Sq, H, Dp], raw lse [B, H, Sq])."""
-        values = dict(_FIXED_ARGS, q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal)
+    def forward(self, q, k, v, causal: bool, softmax_scale: float,
+                window: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded q [B, Sq, H, Dp], k/v [B, Sk, Hkv, Dp] -> (out [B, Sq, H, Dp], raw lse [B, H, Sq]).
+
+        ``window`` is flash-attn's (left, right), -1 = unbounded (see :func:`_window_args`).
+        """
+        values = dict(_FIXED_ARGS, q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, **_window_args(window))
         result = self.forward_signature.function(*self.forward_signature.arguments(values))
         if len(result) == 4:  # 2.7+: out, softmax_lse, S_dmask, rng_state
             return result[0], result[1]
@@ -188,7 +194,7 @@ class _FlashCalls:
         )
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, causal: bool, softmax_scale: float,
-                 deterministic: bool) -> None:
+                 deterministic: bool, window: tuple[int, int] = (-1, -1)) -> None:
         """Write this block's dq [B, Sq, H, Dp], dk/dv [B, Sk, Hkv, Dp] into the given buffers.
 
         Every supported version fills the dq/dk/dv buffers it is handed; 2.7+ returns only
@@ -196,9 +202,15 @@ class _FlashCalls:
         """
         values = dict(
             _FIXED_ARGS, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-            softmax_scale=softmax_scale, causal=causal, deterministic=deterministic,
+            softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, **_window_args(window),
         )
         self.backward_signature.function(*self.backward_signature.arguments(values))
+
+
+def _window_args(window: tuple[int, int]) -> dict[str, Any]:
+    """flash-attn's window arguments in both conventions (each version reads the names it has)."""
+    left, right = window
+    return {"window_size": (left, right), "window_size_left": left, "window_size_right": right}
 
 
 # --------------------------------------------------------------------------- tensors
@@ -330,3 +342,137 @@ class FlashAttnKernel:
             dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, causal, softmax_scale, self.deterministic
         )
         return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+
+    # ----------------------------------------------------------------- band pieces (hybridsp.masks)
+
+    def forward_band(self, q, k, v, *, band, softmax_scale: float):
+        """A band piece (see :mod:`hybridsp.kernels.band`) as one flash-attn call with ``window_size``.
+
+        q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D], lse [B, H, Sq] fp32).
+        """
+        check_qkv(q, k, v, causal=False)
+        _check_flash_inputs(q, self._require_cuda)
+        if _has_no_work(q, k):
+            b, s, h, _ = q.shape
+            return torch.zeros_like(q), torch.full((b, h, s), -math.inf, device=q.device)
+        window = flash_window(q.shape[1], k.shape[1], band)
+        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [B, S, H(kv), Dp]
+        out, lse = self._calls.forward(q_f, k_f, v_f, False, softmax_scale, window)
+        lse = _no_key_rows_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
+        return _from_flash(out, head_dim), lse
+
+    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
+        """This band piece's (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]) given the final out/lse."""
+        check_qkv(q, k, v, causal=False)
+        _check_flash_inputs(q, self._require_cuda)
+        _check_lse(lse, q)
+        if _has_no_work(q, k):
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        window = flash_window(q.shape[1], k.shape[1], band)
+        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout))
+        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [B, S, H(kv), Dp]
+        lse_f = lse_for_backward(lse.float()).contiguous()  # [B, H, Sq]
+        self._calls.backward(
+            dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, False, softmax_scale, self.deterministic, window
+        )
+        return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+
+    # ----------------------------------------------------------------- varlen (many pieces, one call)
+
+    @property
+    def supports_varlen(self) -> bool:
+        """True when the interface has ``_flash_attn_varlen_forward/backward`` (flash-attn 2.7+)."""
+        return self._varlen is not None
+
+    @property
+    def _varlen(self) -> "_VarlenCalls | None":
+        if not hasattr(self, "_varlen_calls"):
+            self._varlen_calls = _VarlenCalls.of(self._calls.interface)
+        return self._varlen_calls
+
+    def forward_varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                       window: tuple[int, int], softmax_scale: float):
+        """Packed sequences in one call (``flash_attn_varlen_func``'s kernel).
+
+        q [Tq, H, D], k/v [Tk, Hkv, D], ``cu_seqlens_q/k`` int32 [N + 1] (sequence i is rows
+        ``cu[i]:cu[i+1]``), ``window`` flash-attn's (left, right) measured from each sequence's
+        bottom-right diagonal (``(-1, 0)`` is causal) -> (out [Tq, H, D], lse [H, Tq] fp32, -inf
+        for rows without keys).
+        """
+        _check_flash_inputs(q, self._require_cuda)
+        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [T, H(kv), Dp]
+        out, lse = self._varlen.forward(q_f, k_f, v_f, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        softmax_scale, window)
+        return _from_flash(out, head_dim), _no_key_rows_to_neg_inf(_packed_lse(lse, cu_seqlens_q).float())
+
+    def backward_varlen(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                        max_seqlen_k: int, window: tuple[int, int], softmax_scale: float):
+        """Gradients of :meth:`forward_varlen`'s pieces given the final out [Tq, H, D] and lse [H, Tq]."""
+        _check_flash_inputs(q, self._require_cuda)
+        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout))
+        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [T, H(kv), Dp]
+        lse_f = lse_for_backward(lse.float()).contiguous()  # [H, Tq]
+        self._varlen.backward(dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                              max_seqlen_q, max_seqlen_k, softmax_scale, self.deterministic, window)
+        return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+
+
+_VARLEN_FORWARD_ARGS_2_7 = (
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale",
+    "causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes", "return_softmax",
+    "block_table", "leftpad_k", "seqused_k",
+)
+_VARLEN_BACKWARD_ARGS_2_7 = (
+    "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+    "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left",
+    "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state",
+)
+_VARLEN_NEEDS = frozenset({"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                           "softmax_scale", "causal"})
+_VARLEN_FIXED = {"block_table": None, "leftpad_k": None, "seqused_k": None, "zero_tensors": False}
+
+
+def _packed_lse(lse: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+    """Varlen lse as [H, Tq]; older builds return it padded as [N, H, max_seqlen_q]."""
+    if lse.dim() == 2:
+        return lse
+    bounds = cu_seqlens_q.tolist()
+    return torch.cat([lse[i, :, : b - a] for i, (a, b) in enumerate(zip(bounds, bounds[1:]))], dim=1)  # [H, Tq]
+
+
+class _VarlenCalls:
+    """flash-attn's low-level varlen pair, argument names read like :class:`_FlashCalls`'."""
+
+    def __init__(self, forward, backward):
+        self.forward_signature = _read_signature(forward, _VARLEN_FORWARD_ARGS_2_7, _VARLEN_NEEDS)
+        self.backward_signature = _read_signature(
+            backward, _VARLEN_BACKWARD_ARGS_2_7, _VARLEN_NEEDS | {"dout", "out", "softmax_lse", "dq", "dk", "dv"}
+        )
+
+    @classmethod
+    def of(cls, interface) -> "_VarlenCalls | None":
+        forward = getattr(interface, "_flash_attn_varlen_forward", None)
+        backward = getattr(interface, "_flash_attn_varlen_backward", None)
+        return None if forward is None or backward is None else cls(forward, backward)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window):
+        values = dict(_FIXED_ARGS, **_VARLEN_FIXED, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                      max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=softmax_scale, causal=False,
+                      **_window_args(window))
+        result = self.forward_signature.function(*self.forward_signature.arguments(values))
+        if len(result) == 4:  # 2.7+: out, softmax_lse, S_dmask, rng_state
+            return result[0], result[1]
+        if len(result) == 8:  # <= 2.6: out, q_pad, k_pad, v_pad, out_pad, softmax_lse, S_dmask, rng_state
+            return result[0], result[5]
+        raise RuntimeError(f"flash-attn's _flash_attn_varlen_forward returned {len(result)} values (expected 4 or 8)")
+
+    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale,
+                 deterministic, window) -> None:
+        values = dict(_FIXED_ARGS, **_VARLEN_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq,
+                      dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                      softmax_scale=softmax_scale, causal=False, deterministic=deterministic, **_window_args(window))
+        self.backward_signature.function(*self.backward_signature.arguments(values))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridsp.kernels.band import math_backward_band, math_forward_band
 from hybridsp.kernels.base import accumulation_dtype, check_qkv, lse_for_backward
 
 
@@ -60,6 +61,15 @@ class ReferenceKernel:
         dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.to(acc))  # [B, Sk, H, D]
         dk, dv = _reduce_kv_heads(dk, hkv), _reduce_kv_heads(dv, hkv)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+    def forward_band(self, q, k, v, *, band, softmax_scale: float):
+        """A band piece (:mod:`hybridsp.kernels.band`): masks in fp32 math."""
+        check_qkv(q, k, v, causal=False)
+        return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale)
+
+    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
+        check_qkv(q, k, v, causal=False)
+        return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
 
 
 def attention_in_input_dtype(q, k, v, dout, *, causal: bool, softmax_scale: float):

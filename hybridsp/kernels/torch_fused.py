@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridsp.kernels.band import additive_mask, band_mask, math_backward_band, math_forward_band, rows_without_keys_to_neg_inf
 from hybridsp.kernels.base import accumulation_dtype, check_qkv, lse_for_backward, unit_stride
 from hybridsp.kernels.reference import _expand_kv_heads, _reduce_kv_heads
 
@@ -105,8 +106,31 @@ class TorchFusedKernel:
             return _cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
 
+    def forward_band(self, q, k, v, *, band, softmax_scale: float):
+        """A band piece (:mod:`hybridsp.kernels.band`): on CPU the fused kernel with an additive mask
+        (rows without keys normalised to lse -inf); on CUDA plain fp32 math (the CUDA flash op
+        takes no mask)."""
+        check_qkv(q, k, v, causal=False)
+        if k.shape[1] == 0:
+            return _empty_key_result(q)
+        if q.is_cuda:
+            return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale)
+        visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
+            _heads_first(q), _heads_first(k), _heads_first(v), 0.0, False,
+            attn_mask=additive_mask(visible, q.dtype), scale=softmax_scale,
+        )
+        return _seq_first(out), rows_without_keys_to_neg_inf(lse.to(accumulation_dtype(q.dtype)), visible)
 
-def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
+    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
+        check_qkv(q, k, v, causal=False)
+        if q.is_cuda:
+            return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
+        lse = lse_for_backward(lse.to(accumulation_dtype(q.dtype)))
+        return _cpu_band_backward(dout, q, k, v, out, lse, band, softmax_scale)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     """aten CPU flash backward. Note [GQA in low precision]: the CPU kernel sums the query
     group's dK/dV in the input dtype, which triples their bf16 error; for fp16/bf16 with GQA
     the K/V heads are expanded and the group sum is done in fp32 instead."""
@@ -119,7 +143,7 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale):
     # (measured in benchmarks/bench_peers.py); fp32 does not care, so it skips the copies.
     layout = _heads_first_contiguous if low_precision else _heads_first
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, causal, scale=scale,
+        layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, causal, attn_mask=mask, scale=scale,
     )
     dk, dv = _seq_first(dk), _seq_first(dv)
     if low_precision_gqa:
@@ -182,3 +206,11 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
         )
     dq, dk, dv = (_seq_first(g[..., :head_dim]) for g in (dq, dk, dv))  # [B, S, H, D]
     return dq, _sum_query_groups(dk, hkv), _sum_query_groups(dv, hkv)
+
+
+
+def _cpu_band_backward(dout, q, k, v, out, lse, band, scale):
+    """aten CPU flash backward of a band piece through an additive mask (GQA as in :func:`_cpu_backward`)."""
+    visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
+    lse = lse.masked_fill(~visible.any(dim=-1), 0.0)  # rows without keys: the kernel's own 0, not +inf
+    return _cpu_backward(dout, q, k, v, out, lse, False, scale, mask=additive_mask(visible, q.dtype))

@@ -1,0 +1,103 @@
+"""Band-masked attention pieces: the kernel side of :mod:`hybridsp.masks`.
+
+A *band* ``(lo, hi)`` (either may be None = unbounded) says that query row ``i`` of a call
+sees key column ``j`` iff ``lo <= i - j <= hi``, both counted from the call's own first row
+and column. Sliding windows and the window's edges inside a ring block are bands; the
+block plan trims every band piece so that each row sees at least one key, but the kernels
+here still return out = 0 and lse = -inf for a row that sees none.
+
+Every backend offers ``forward_band(q, k, v, *, band, softmax_scale)`` and
+``backward_band(dout, q, k, v, out, lse, *, band, softmax_scale)`` with the shapes of the
+plain protocol (:mod:`hybridsp.kernels.base`). The functions below are the plain fp32 math
+(the reference backend, and the fallback for a kernel object without band support) and the
+translation of a band to flash-attn's bottom-right ``window_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridsp.kernels.base import accumulation_dtype, lse_for_backward
+
+Band = tuple[int | None, int | None]
+
+
+def band_mask(sq: int, sk: int, band: Band, device=None) -> torch.Tensor:
+    """[Sq, Sk] bool, True where row i sees column j (``lo <= i - j <= hi``)."""
+    lo, hi = band
+    diff = torch.arange(sq, device=device).unsqueeze(1) - torch.arange(sk, device=device).unsqueeze(0)  # [Sq, Sk]
+    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if lo is not None:
+        visible &= diff >= lo
+    if hi is not None:
+        visible &= diff <= hi
+    return visible
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[Sq, Sk] bool -> [Sq, Sk] float mask of ``dtype``: 0 where visible, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, -torch.inf)
+
+
+def rows_without_keys_to_neg_inf(lse: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """lse [B, H, Sq]: -inf on rows whose mask row is all False (some kernels say 0 or +inf there)."""
+    empty = ~visible.any(dim=-1)  # [Sq]
+    return lse.masked_fill(empty, -torch.inf) if bool(empty.any()) else lse
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, S, H, D] fp32, each K/V head repeated for its query group."""
+    return x.to(accumulation_dtype(x.dtype)).repeat_interleave(heads // x.shape[2], dim=2)  # [B, S, H, D]
+
+
+def _masked_scores(q, k_full, band, scale) -> torch.Tensor:
+    """fp32 scores [B, H, Sq, Sk] with the band applied (-inf outside)."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(k_full.dtype), k_full) * scale  # [B, H, Sq, Sk]
+    return scores.masked_fill(~band_mask(q.shape[1], k_full.shape[1], band, q.device), -torch.inf)
+
+
+def math_forward_band(q, k, v, *, band: Band, softmax_scale: float):
+    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] fp32)."""
+    heads = q.shape[2]
+    scores = _masked_scores(q, _expand(k, heads), band, softmax_scale)  # [B, H, Sq, Sk]
+    lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
+    probs = torch.exp(scores - lse_for_backward(lse).unsqueeze(-1))  # [B, H, Sq, Sk]
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, _expand(v, heads))  # [B, Sq, H, D]
+    return out.to(q.dtype), lse
+
+
+def math_backward_band(dout, q, k, v, out, lse, *, band: Band, softmax_scale: float):
+    """This band piece's share of (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]) given the final out/lse."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    k_full, v_full = _expand(k, heads), _expand(v, heads)  # [B, Sk, H, D]
+    scores = _masked_scores(q, k_full, band, softmax_scale)  # [B, H, Sq, Sk]
+    probs = torch.exp(scores - lse_for_backward(lse.to(scores.dtype)).unsqueeze(-1))  # [B, H, Sq, Sk]
+    dout32 = dout.to(scores.dtype)
+    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout32)  # [B, Sk, H, D]
+    row_dot = (dout32 * out.to(scores.dtype)).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, Sq, 1]
+    dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout32, v_full) - row_dot) * softmax_scale  # [B, H, Sq, Sk]
+    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k_full)  # [B, Sq, H, D]
+    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.to(scores.dtype))  # [B, Sk, H, D]
+    b, sk, _, d = dk.shape
+    dk = dk.reshape(b, sk, kv_heads, heads // kv_heads, d).sum(3)  # [B, Sk, Hkv, D]
+    dv = dv.reshape(b, sk, kv_heads, heads // kv_heads, d).sum(3)  # [B, Sk, Hkv, D]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_window(sq: int, sk: int, band: Band) -> tuple[int, int]:
+    """flash-attn's ``(window_size_left, window_size_right)`` (-1 = unbounded) for a band.
+
+    flash-attn measures windows from the bottom-right diagonal ``i + Sk - Sq``: row i sees
+    ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``, so ``left = hi + Sk - Sq`` and
+    ``right = Sq - Sk - lo``. A trimmed band (every row and column sees something) always
+    gives non-negative values; anything else raises ValueError.
+    """
+    lo, hi = band
+    left = -1 if hi is None else hi + sk - sq
+    right = -1 if lo is None else sq - sk - lo
+    if (hi is not None and left < 0) or (lo is not None and right < 0):
+        raise ValueError(
+            f"band {band} on a {sq} x {sk} block leaves rows or columns without keys, which flash-attn's "
+            f"window cannot express; trim the block first (hybridsp.masks does)"
+        )
+    return left, right

@@ -1,0 +1,346 @@
+"""Masks as data: document boundaries and sliding windows -> the visible pieces of every block.
+
+A ring rank holds the queries of one ring slot and, at each step, visits the key/value block
+of another slot. Which (query, key) pairs are visible depends only on their *global* token
+positions, their documents and the window, all of which every rank can derive from the
+layout, ``cu_seqlens`` and ``sliding_window`` without communication. :func:`build_plan`
+turns that into, for every (query slot, key slot) pair, a list of :class:`Piece`
+rectangles (local query rows x key rows of the visiting block) that hold every visible
+pair, each tagged with how a kernel computes it exactly:
+
+    "full"    every pair of the rectangle is visible          kernel(causal=False)
+    "causal"  square, top-left diagonal (key j <= query i)    kernel(causal=True)
+    "band"    row i sees column j iff lo <= i - j <= hi        kernel.forward_band(band=(lo, hi))
+
+plus the hull of key rows any piece of a pair reads (so a sender ships only those rows,
+and a pair with no piece is neither computed nor sent). The plan does not know how a block
+arrives (ring relay, direct sends, all-gather), so every K/V transport can share it.
+
+Visibility, for global positions i (query) and j (key) in the same document:
+    causal:                  i - W < j <= i        (W = sliding_window, infinite if None)
+    not causal:              |i - j| < W
+``W`` follows transformers (flash-attn's ``window_size=(W - 1, 0)``).
+
+Note [pieces]: the local tokens of a slot are runs of consecutive global positions (zigzag:
+two chunks; contiguous: one). Cutting every run at document boundaries gives sub-runs that
+lie in one document; a (query sub-run, key sub-run) pair of the same document sees a band of
+the difference ``i - j`` and is trimmed to the rows and columns that see anything, so no
+piece has a row without a visible key. Without a window a pair is then either full, the
+causal diagonal square, or nothing. With a window, the query rows of a long sub-run are cut
+into tiles of ``max(W, MIN_TILE)`` rows, so the computed area grows with ``W``, not with
+the sequence: about ``tile x (tile + W)`` per tile.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridsp.layout import check_sequence_length, layout_permutation
+
+MIN_TILE = 64  # fewest query rows per window tile (smaller tiles cost more calls than they save)
+_ALL = slice(None)
+
+Band = tuple[int | None, int | None]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One kernel call: ``q[batch, rows] x kv_block[batch, keys]`` (slices along the local sequence).
+
+    ``kind`` is ``full``, ``causal`` or ``band``; ``band = (lo, hi)`` (None = unbounded) says
+    row i of the piece sees column j iff ``lo <= i - j <= hi``. ``batch`` is ``slice(None)``
+    when every batch row has the same documents, else one row.
+    """
+
+    rows: slice
+    keys: slice
+    kind: str
+    band: Band = (None, None)
+    batch: slice = field(default_factory=lambda: _ALL)
+
+    @property
+    def work(self) -> int:
+        """Score cells the kernel computes (a causal square counts its lower triangle)."""
+        n, m = self.rows.stop - self.rows.start, self.keys.stop - self.keys.start
+        return n * (n + 1) // 2 if self.kind == "causal" else n * m
+
+    def shifted(self, offset: int) -> Piece:
+        """The same piece with key rows counted from ``offset`` (a block that starts there)."""
+        keys = slice(self.keys.start - offset, self.keys.stop - offset)
+        return Piece(self.rows, keys, self.kind, self.band, self.batch)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The pieces of every (query slot, key slot) pair of one masked ring attention call.
+
+    ``pieces[(rank, source)]``: what ``rank``'s queries compute against ``source``'s block;
+    ``hulls[(rank, source)]``: the ``(start, stop)`` key rows of ``source``'s block they read,
+    or None when nothing is visible (no compute, no send). ``batch_rows`` multiplies the
+    work of pieces that apply to every batch row.
+    """
+
+    ring: int
+    local_len: int
+    batch_rows: int
+    pieces: dict[tuple[int, int], tuple[Piece, ...]] = field(repr=False)
+    hulls: dict[tuple[int, int], tuple[int, int] | None] = field(repr=False)
+
+    def work(self, rank: int) -> int:
+        """Score cells ``rank`` computes in one forward, summed over batch rows."""
+        total = 0
+        for source in range(self.ring):
+            for piece in self.pieces[(rank, source)]:
+                total += piece.work * (self.batch_rows if piece.batch == _ALL else 1)
+        return total
+
+    def rows_received(self, rank: int) -> int:
+        """Key rows ``rank`` receives from other slots per forward (each of K and V)."""
+        return sum(self._hull_len(rank, s) for s in range(self.ring) if s != rank)
+
+    def rows_sent(self, rank: int) -> int:
+        """Key rows of its own block ``rank`` sends to other slots per forward (each of K and V)."""
+        return sum(self._hull_len(d, rank) for d in range(self.ring) if d != rank)
+
+    def _hull_len(self, rank: int, source: int) -> int:
+        hull = self.hulls[(rank, source)]
+        return 0 if hull is None else hull[1] - hull[0]
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def normalize_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> tuple[tuple[int, ...], ...] | None:
+    """Document boundaries per batch row as tuples, or None when every row is one document.
+
+    Accepts an int tensor/list ``[N + 1]`` (the same documents in every row), a ``[B, N + 1]``
+    tensor, or a list of ``B`` such 1-D tensors/lists (one per row; rows may hold different
+    numbers of documents). Each must start at 0, end at ``seq_len`` (the global, unsharded
+    length) and never decrease (empty documents are dropped). Raises ValueError otherwise.
+    """
+    if cu_seqlens is None:
+        return None
+    rows = _rows_of(cu_seqlens, batch)
+    checked = tuple(_checked_row(row, index, seq_len) for index, row in enumerate(rows))
+    if all(len(row) == 2 for row in checked):
+        return None
+    return checked
+
+
+def _rows_of(cu_seqlens, batch: int) -> list[list[int]]:
+    """cu_seqlens in any accepted form -> B lists of ints."""
+    if torch.is_tensor(cu_seqlens):
+        if cu_seqlens.is_floating_point() or cu_seqlens.dim() not in (1, 2):
+            raise ValueError(
+                f"cu_seqlens must be an integer tensor [num_docs + 1] or [B, num_docs + 1]; got "
+                f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            )
+        if cu_seqlens.dim() == 1:
+            return [cu_seqlens.tolist()] * batch
+        rows = cu_seqlens.tolist()
+    else:
+        rows = list(cu_seqlens)
+        if rows and not isinstance(rows[0], (list, tuple)) and not torch.is_tensor(rows[0]):
+            return [[int(x) for x in rows]] * batch
+        rows = [r.tolist() if torch.is_tensor(r) else list(r) for r in rows]
+    if len(rows) != batch:
+        raise ValueError(
+            f"cu_seqlens gives documents for {len(rows)} batch rows but the batch has {batch}; give one "
+            f"[num_docs + 1] boundary list per row (or a single 1-D tensor shared by every row)"
+        )
+    return rows
+
+
+def _checked_row(row: list[int], index: int, seq_len: int) -> tuple[int, ...]:
+    """One row's boundaries, validated against the global sequence length; empty docs dropped."""
+    row = [int(x) for x in row]
+    if len(row) < 2 or row[0] != 0 or row[-1] != seq_len:
+        raise ValueError(
+            f"cu_seqlens row {index} must run from 0 to the global sequence length {seq_len} (the unsharded "
+            f"length, local tokens x context ranks); got {row[:4]}{'...' if len(row) > 4 else ''} ending at "
+            f"{row[-1] if row else None}"
+        )
+    drops = [i for i in range(1, len(row)) if row[i] < row[i - 1]]
+    if drops:
+        i = drops[0]
+        raise ValueError(f"cu_seqlens row {index} decreases from {row[i - 1]} to {row[i]} at entry {i}")
+    return tuple(b for i, b in enumerate(row) if i == 0 or b != row[i - 1])
+
+
+def check_sliding_window(sliding_window) -> None:
+    """Raise ValueError unless the window is None or a positive int (tokens, query included)."""
+    if sliding_window is None:
+        return
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(
+            f"sliding_window must be a positive number of tokens (query i sees keys j with i - W < j <= i) "
+            f"or None; got {sliding_window!r}"
+        )
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def slot_runs(seq_len: int, ring: int, layout: str) -> list[list[tuple[int, int, int]]]:
+    """Per ring slot, its local tokens as runs ``(global start, length, local offset)``."""
+    check_sequence_length(seq_len, ring, 1, layout)
+    local = seq_len // ring
+    if layout == "contiguous":
+        return [[(r * local, local, 0)] for r in range(ring)]
+    if layout == "zigzag":  # chunks r and 2R-1-r of S/2R tokens (see hybridsp.layout)
+        chunk = seq_len // (2 * ring)
+        return [[(r * chunk, chunk, 0), ((2 * ring - 1 - r) * chunk, chunk, chunk)] for r in range(ring)]
+    perm = layout_permutation(seq_len, ring, 1, layout)  # [S]: any other layout, read from its permutation
+    runs = []
+    for slot in perm.view(ring, local):  # [S/R] each
+        breaks = ((slot[1:] - slot[:-1]) != 1).nonzero().flatten() + 1  # where a new run begins
+        starts = [0, *breaks.tolist(), local]
+        runs.append([(int(slot[a]), b - a, a) for a, b in zip(starts[:-1], starts[1:])])
+    return runs
+
+
+def _split_at_docs(runs, bounds: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """Runs cut at document boundaries: ``(global start, length, local offset, doc)`` each."""
+    pieces = []
+    for start, length, offset in runs:
+        position = start
+        while position < start + length:
+            doc = _doc_of(bounds, position)
+            stop = min(start + length, bounds[doc + 1])
+            pieces.append((position, stop - position, offset + position - start, doc))
+            position = stop
+    return pieces
+
+
+def _doc_of(bounds: tuple[int, ...], position: int) -> int:
+    """Index of the document holding global ``position`` (bounds strictly increasing)."""
+    low, high = 0, len(bounds) - 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if bounds[middle] <= position else (low, middle)
+    return low
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def _diff_range(causal: bool, window: int | None) -> Band:
+    """Visible values of ``i - j`` (global query minus key position) inside one document."""
+    if causal:
+        return 0, None if window is None else window - 1
+    return (None, None) if window is None else (-(window - 1), window - 1)
+
+
+def _trimmed(rows: tuple[int, int], keys: tuple[int, int], lo, hi, batch: slice) -> Piece | None:
+    """The rectangle ``rows x keys`` (local, half-open) with band ``lo <= i - j <= hi`` measured in
+    its own coordinates, trimmed to what is visible and classified; None if nothing is."""
+    n, m = rows[1] - rows[0], keys[1] - keys[0]
+    lo = -(m - 1) if lo is None else max(lo, -(m - 1))
+    hi = n - 1 if hi is None else min(hi, n - 1)
+    if lo > hi:
+        return None
+    r0, r1 = max(0, lo), min(n, hi + m)  # rows that see a column
+    c0, c1 = max(0, -hi), min(m, n - lo)  # columns seen by a row
+    if r0 >= r1 or c0 >= c1:
+        return None
+    n, m, lo, hi = r1 - r0, c1 - c0, lo - (r0 - c0), hi - (r0 - c0)
+    row_slice, key_slice = slice(rows[0] + r0, rows[0] + r1), slice(keys[0] + c0, keys[0] + c1)
+    if lo <= -(m - 1) and hi >= n - 1:
+        return Piece(row_slice, key_slice, "full", batch=batch)
+    if n == m and lo == 0 and hi >= n - 1:
+        return Piece(row_slice, key_slice, "causal", batch=batch)
+    return Piece(row_slice, key_slice, "band", (None if lo <= -(m - 1) else lo, None if hi >= n - 1 else hi), batch)
+
+
+def _pair_pieces(q_runs, k_runs, causal: bool, window: int | None, batch: slice) -> list[Piece]:
+    """Pieces of one (query slot, key slot) pair for one set of documents (Note [pieces])."""
+    low, high = _diff_range(causal, window)
+    tile = None if window is None else max(window, MIN_TILE)
+    by_doc: dict[int, list] = {}
+    for run in k_runs:
+        by_doc.setdefault(run[3], []).append(run)
+    pieces = []
+    for q_start, q_len, q_off, doc in q_runs:
+        step = q_len if tile is None else tile
+        for t in range(0, q_len, step):
+            n = min(step, q_len - t)
+            for k_start, k_len, k_off, _ in by_doc.get(doc, ()):
+                shift = (q_start + t) - k_start  # global i - j at the tile's corner
+                lo = None if low is None else low - shift
+                hi = None if high is None else high - shift
+                piece = _trimmed((q_off + t, q_off + t + n), (k_off, k_off + k_len), lo, hi, batch)
+                if piece is not None:
+                    pieces.append(piece)
+    return _merged(pieces)
+
+
+def _merged(pieces: list[Piece]) -> list[Piece]:
+    """Join full pieces that share their key rows and have adjacent query rows (fewer calls)."""
+    out: list[Piece] = []
+    for piece in sorted(pieces, key=lambda p: (p.kind != "full", p.keys.start, p.keys.stop, p.rows.start)):
+        last = out[-1] if out else None
+        if (last is not None and piece.kind == last.kind == "full" and piece.keys == last.keys
+                and piece.batch == last.batch and piece.rows.start == last.rows.stop):
+            out[-1] = Piece(slice(last.rows.start, piece.rows.stop), piece.keys, "full", batch=piece.batch)
+        else:
+            out.append(piece)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def build_plan(
+    seq_len: int,
+    ring: int,
+    layout: str,
+    *,
+    causal: bool,
+    docs: tuple[tuple[int, ...], ...] | None,
+    window: int | None,
+    batch: int,
+) -> BlockPlan:
+    """The :class:`BlockPlan` of every (query slot, key slot) pair; no communication.
+
+    Args:
+        seq_len: global (unsharded) sequence length S.
+        ring: ring degree R (slots of S / R tokens each, in ``layout`` order).
+        layout: ``zigzag`` or ``contiguous`` (see :mod:`hybridsp.layout`).
+        causal: causal masking by global position.
+        docs: per batch row document boundaries from :func:`normalize_cu_seqlens` (None: one document).
+        window: sliding window W or None.
+        batch: B; rows with identical documents share their pieces.
+
+    Every layer of a model asks for the same plan within one forward, so plans are memoised
+    (a small LRU cache keyed by these arguments; plans are immutable and hold no tensors).
+    """
+    runs = slot_runs(seq_len, ring, layout)
+    groups = _row_groups(docs, batch, seq_len)
+    pieces, hulls = {}, {}
+    for rank in range(ring):
+        for source in range(ring):
+            found = []
+            for bounds, rows in groups:
+                q_runs, k_runs = _split_at_docs(runs[rank], bounds), _split_at_docs(runs[source], bounds)
+                found += _pair_pieces(q_runs, k_runs, causal, window, rows)
+            pieces[(rank, source)] = tuple(found)
+            hulls[(rank, source)] = (
+                (min(p.keys.start for p in found), max(p.keys.stop for p in found)) if found else None
+            )
+    return BlockPlan(ring, seq_len // ring, batch, pieces, hulls)
+
+
+def _row_groups(docs, batch: int, seq_len: int) -> list[tuple[tuple[int, ...], slice]]:
+    """(boundaries, batch slice) groups: one for all rows when they agree, else one per row."""
+    if docs is None:
+        return [((0, seq_len), _ALL)]
+    if all(row == docs[0] for row in docs):
+        return [(docs[0], _ALL)]
+    return [(row, slice(b, b + 1)) for b, row in enumerate(docs)]
+
+
+def document_ids(docs: tuple[int, ...], seq_len: int) -> torch.Tensor:
+    """[S] int64: the document index of every global position (for references and tests)."""
+    lengths = torch.tensor([b - a for a, b in zip(docs[:-1], docs[1:])])
+    return torch.repeat_interleave(torch.arange(len(lengths)), lengths)[:seq_len]
