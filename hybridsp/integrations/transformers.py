@@ -336,3 +336,16 @@ def _input_check(model: nn.Module):
             )
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+_LAZY_TRAINER_NAMES = ("HybridSPTrainer", "HybridSPMixin")
+
+
+def __getattr__(name: str):
+    """``HybridSPTrainer`` / ``HybridSPMixin`` from :mod:`hybridsp.integrations.trainer`, imported on first use
+    (the Trainer pulls in accelerate; importing this module stays cheap)."""
+    if name in _LAZY_TRAINER_NAMES:
+        from hybridsp.integrations import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
