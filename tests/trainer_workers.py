@@ -57,7 +57,8 @@ def ds_config(ulysses: int, ring: int, stage: int, config_optimizer: bool) -> di
     config = {
         "hybridsp": {"ulysses": ulysses, "ring": ring},
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-        "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3},
         "zero_allow_untested_optimizer": True, "steps_per_print": 1000,
     }
     if config_optimizer:  # DeepSpeed's AdamW; hybridsp selects torch's implementation on CPU
@@ -65,45 +66,90 @@ def ds_config(ulysses: int, ring: int, stage: int, config_optimizer: bool) -> di
     return config
 
 
-def _arguments(output_dir: str, deepspeed: dict | None):
+def _arguments(output_dir: str, deepspeed: dict | None, **overrides):
     from transformers import TrainingArguments
 
-    return TrainingArguments(
+    settings = dict(
         output_dir=output_dir, per_device_train_batch_size=MICRO_BATCH, per_device_eval_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, max_grad_norm=1.0, learning_rate=3e-3,
         weight_decay=0.01, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-        disable_tqdm=True, seed=0, deepspeed=deepspeed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
-        remove_unused_columns=False,
+        disable_tqdm=True, seed=0, deepspeed=deepspeed, use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0, remove_unused_columns=False,
     )
+    return TrainingArguments(**{**settings, **overrides})
+
+
+def _trainer(output_dir: str, hybrid: dict | None, train, evaluation, **overrides):
+    """The plain Trainer (``hybrid`` None, no DeepSpeed) or HybridSPTrainer: ``hybrid`` holds
+    ``ulysses``, ``ring`` and ``stage`` (a ZeRO stage, or None for DDP without DeepSpeed) and
+    optionally ``config_optimizer``."""
+    from transformers import Trainer
+
+    model = tiny_llama()
+    if hybrid is None:
+        return Trainer(model=model, args=_arguments(output_dir, None, **overrides), train_dataset=train,
+                       eval_dataset=evaluation, data_collator=collate)
+    from hybridsp.integrations.transformers import HybridSPTrainer
+
+    degrees = {"ulysses": hybrid["ulysses"], "ring": hybrid["ring"]}
+    config = None
+    if hybrid["stage"] is not None:
+        config = ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], hybrid.get("config_optimizer", False))
+    return HybridSPTrainer(model=model, args=_arguments(output_dir, config, **overrides), train_dataset=train,
+                           eval_dataset=evaluation, data_collator=collate, hybridsp=None if config else degrees)
+
+
+def _step_logs(trainer) -> dict:
+    steps = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
+    return {"step": [row["step"] for row in steps], "loss": [row["loss"] for row in steps],
+            "grad_norm": [row["grad_norm"] for row in steps]}
 
 
 def train_and_evaluate(rank: int, world_size: int, hybrid: dict | None) -> dict | None:
-    """Train 4 steps, evaluate, predict. ``hybrid``: None for the plain Trainer, else
-    ``{"ulysses", "ring", "stage", "config_optimizer"}`` for HybridSPTrainer under DeepSpeed."""
-    from transformers import Trainer
-
+    """Train 4 steps, evaluate, predict; rank 0 returns the per-step logs, eval loss and predictions."""
     from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
 
-    model = tiny_llama()
     train, evaluation = samples(40, seed=1), samples(5, seed=2)
     with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
-        if hybrid is None:
-            trainer = Trainer(model=model, args=_arguments(out, None), train_dataset=train, eval_dataset=evaluation,
-                              data_collator=collate)
-        else:
-            from hybridsp.integrations.transformers import HybridSPTrainer
-
-            config = ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], hybrid["config_optimizer"])
-            trainer = HybridSPTrainer(model=model, args=_arguments(out, config), train_dataset=train,
-                                      eval_dataset=evaluation, data_collator=collate)
+        trainer = _trainer(out, hybrid, train, evaluation)
         trainer.train()
         metrics = trainer.evaluate()
         predictions = trainer.predict(evaluation)
-    steps = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
     if rank != 0:
         return None
     return {
-        "loss": [row["loss"] for row in steps], "grad_norm": [row["grad_norm"] for row in steps],
-        "eval_loss": metrics["eval_loss"], "predictions": torch.as_tensor(predictions.predictions).tolist(),
+        **_step_logs(trainer), "eval_loss": metrics["eval_loss"],
+        "predictions": torch.as_tensor(predictions.predictions).tolist(),
         "label_ids": torch.as_tensor(predictions.label_ids).tolist(),
     }
+
+
+def save_and_resume(rank: int, world_size: int, hybrid: dict, out: str) -> dict | None:
+    """Train 4 steps saving at step 2 into ``out`` (a directory all ranks share), then a fresh
+    trainer resumes from that checkpoint. Rank 0 returns both runs' step logs and the saved config."""
+    import json
+    import os
+
+    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+
+    train = samples(40, seed=1)
+    with _without_cpu_shm_comm_build():
+        first = _trainer(out, hybrid, train, None, save_strategy="steps", save_steps=2)
+        first.train()
+        checkpoint = os.path.join(out, "checkpoint-2")
+        second = _trainer(out, hybrid, train, None)
+        second.train(resume_from_checkpoint=checkpoint)
+    if rank != 0:
+        return None
+    with open(os.path.join(checkpoint, "config.json")) as handle:
+        saved_config = json.load(handle)
+    return {"first": _step_logs(first), "resumed": _step_logs(second), "config": saved_config,
+            "files": sorted(os.listdir(checkpoint))}
+
+
+def several(rank: int, world_size: int, runs: list) -> list:
+    """``train_and_evaluate`` for each entry of ``runs`` in turn, in the same processes."""
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = "1"  # accelerate would raise the thread count on CPU
+    return [train_and_evaluate(rank, world_size, hybrid) for hybrid in runs]
