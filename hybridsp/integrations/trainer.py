@@ -122,6 +122,8 @@ class HybridSPMixin:
         raw = self.args.hf_deepspeed_config.config if self.is_deepspeed_enabled else {}
         self.hybrid_config = hds.HybridConfig.from_ds_config(raw, **self._hybridsp_overrides)
         self.hybrid_mesh = _mesh(self.hybrid_config)
+        if self.is_deepspeed_enabled:
+            _remove_owned_keys(self.accelerator.state.deepspeed_plugin, self.args)
         self.accelerator.prepare = functools.partial(_prepare_with_mesh, self.accelerator.prepare, self)
 
     def _refuse_unsupported(self) -> None:
@@ -299,8 +301,9 @@ def _deepspeed_initialize_with_mesh(trainer: HybridSPMixin):
             )
         key = "config_params" if "config_params" in kwargs else "config"
         kwargs[key] = _engine_config(kwargs[key], hybrid, mesh)
+        kwargs["mpu"] = hds.HybridMPU(mesh)
         with hds._without_cpu_shm_comm_build():
-            result = original(*args, **kwargs, mpu=hds.HybridMPU(mesh))
+            result = original(*args, **kwargs)
         engine = result[0]
         if engine.zero_optimization_stage() == 3 and mesh.context > 1:  # Note [gradient scale here]
             trainer._hybridsp_undo.append(hds.scale_gradients(engine.module, mesh.context))
@@ -311,6 +314,19 @@ def _deepspeed_initialize_with_mesh(trainer: HybridSPMixin):
         yield
     finally:
         deepspeed.initialize = original
+
+
+def _remove_owned_keys(plugin, args) -> None:
+    """Drop our keys from every copy of the config accelerate and the Trainer hold.
+
+    accelerate refuses any ``"auto"`` it cannot fill (``"backend": "auto"`` in our section),
+    and DeepSpeed must not see the size keys (Note [keys we own] in
+    :mod:`hybridsp.integrations.deepspeed`); they were read and validated before this.
+    """
+    configs = {id(c): c for c in (plugin.deepspeed_config, plugin.hf_ds_config.config, args.hf_deepspeed_config.config)}
+    for config in configs.values():
+        for key in hds.OWNED_KEYS:
+            config.pop(key, None)
 
 
 def _engine_config(config: dict, hybrid: hds.HybridConfig, mesh: HybridMesh) -> dict:
