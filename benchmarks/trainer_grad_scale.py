@@ -23,16 +23,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _even_collate(rows):
-    """tests' right-padding collate, padded to an even length (DeepSpeed's SP adapter needs S % SP == 0)."""
+def _fixed_collate(rows):
+    """tests' right-padding collate, padded to 40 tokens, with position_ids (DeepSpeed's SP adapter
+    gathers the SP ranks' batches, so all must have one even length, and needs position_ids)."""
     import torch
 
     from tests.trainer_workers import collate
 
     batch = collate(rows)
-    if batch["input_ids"].shape[1] % 2:
-        pads = {"input_ids": 0, "labels": -100, "attention_mask": 0}
-        batch = {k: torch.nn.functional.pad(v, (0, 1), value=pads[k]) for k, v in batch.items()}  # [B, S + 1]
+    extra = 40 - batch["input_ids"].shape[1]
+    pads = {"input_ids": 0, "labels": -100, "attention_mask": 0}
+    batch = {k: torch.nn.functional.pad(v, (0, extra), value=pads[k]) for k, v in batch.items()}  # [B, 40]
+    batch["position_ids"] = torch.arange(40).expand_as(batch["input_ids"])  # [B, 40]
     return batch
 
 
@@ -54,8 +56,11 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
     )
     with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
+        import deepspeed
+
+        deepspeed.init_distributed()  # with use_cpu accelerate leaves deepspeed.comm uninitialised; ALST needs it
         trainer = Trainer(model=tiny_llama(), args=_arguments(out, config, parallelism_config=parallelism),
-                          train_dataset=samples(40, seed=1), data_collator=_even_collate)
+                          train_dataset=samples(40, seed=1), data_collator=_fixed_collate)
         trainer.train()
     return _step_logs(trainer) if rank == 0 else None
 

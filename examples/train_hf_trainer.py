@@ -2,7 +2,7 @@
 
     deepspeed [--num_gpus N] examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json [options]
     torchrun --nproc_per_node N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json [options]
-    accelerate launch --num_processes N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json
+    accelerate launch --use_deepspeed --num_processes N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json
 
 The same built-in data and model as examples/train.py (byte-level Python documentation, a
 small Llama from ``train.build_model``), presented the way Hugging Face users hold data: a

@@ -103,8 +103,13 @@ def test_save_and_resume_repeat_the_run():
     assert "hybridsp" not in repr(result["config"]), "the saved config must load without hybridsp"
 
 
-def _refusals(rank, world_size):
-    """Each bad setup on one process (no DeepSpeed: accelerate allows one DeepSpeed plugin per process)."""
+def _single_process_checks(rank, world_size):
+    """Bad setups, the engine config and replica loaders, in one process that has the Trainer loaded."""
+    return {"refusals": _refusals(), "engine_config": _engine_config_check(), "loaders": _replica_loaders()}
+
+
+def _refusals():
+    """Each bad setup (no DeepSpeed: accelerate allows one DeepSpeed plugin per process)."""
     from hybridsp.integrations.transformers import HybridSPTrainer
     from tests.trainer_workers import _arguments, tiny_llama
 
@@ -127,12 +132,64 @@ def _refusals(rank, world_size):
     return messages
 
 
-def test_bad_setups_raise_clear_errors():
-    messages = run_distributed(_refusals, 1, timeout=200)[0]
+def _engine_config_check():
+    """What DeepSpeed would be handed for a config with every key we own, on a DP=2 mesh."""
+    from types import SimpleNamespace
+
+    from hybridsp.integrations import deepspeed as hds
+    from hybridsp.integrations.trainer import _engine_config
+
+    raw = {"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": 4, "data_parallel_size": 2,
+           "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5, "train_batch_size": 120,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+    cleaned = _engine_config(raw, hds.HybridConfig.from_ds_config(raw), SimpleNamespace(dp=2))
+    return {"cleaned": cleaned, "raw_after": raw}
+
+
+def _replica_loaders():
+    """Batches each of 4 ranks (C=2, DP=2) gets from accelerate-prepared, re-pointed loaders."""
+    from types import SimpleNamespace
+
+    from accelerate.data_loader import prepare_data_loader
+    from torch.utils.data import DataLoader
+
+    from hybridsp.integrations.trainer_data import shard_loader_over_replicas
+
+    world, context, seen = 4, 2, []
+    for rank in range(world):
+        loader = prepare_data_loader(DataLoader(list(range(10)), batch_size=2), num_processes=world,
+                                     process_index=rank, put_on_device=False)
+        mesh = SimpleNamespace(context=context, world_size=world, dp=world // context, dp_rank=rank // context)
+        seen.append([batch.tolist() for batch in shard_loader_over_replicas(loader, mesh)])
+    return seen
+
+
+@pytest.fixture(scope="module")
+def checks():
+    return run_distributed(_single_process_checks, 1, timeout=300)[0]
+
+
+def test_bad_setups_raise_clear_errors(checks):
+    messages = checks["refusals"]
     assert "3 context ranks do not divide the world size 1" in messages["degrees"]
     assert "compute_loss_func" in messages["compute_loss_func"]
     assert "label_smoothing_factor" in messages["label_smoothing"]
     assert "needs 'labels'" in messages["labels"]
+
+
+def test_engine_config_strips_our_keys_and_counts_replicas(checks):
+    cleaned, raw = checks["engine_config"]["cleaned"], checks["engine_config"]["raw_after"]
+    assert not {"hybridsp", "sequence_parallel_size", "data_parallel_size"} & set(cleaned)
+    assert cleaned["train_batch_size"] == 3 * 5 * 2  # DP replicas, not the 8 ranks HF's "auto" would count
+    if not torch.cuda.is_available():
+        assert cleaned["optimizer"]["params"]["torch_adam"] is True
+    assert raw["train_batch_size"] == 120 and "hybridsp" in raw  # the caller's dict is not changed
+
+
+def test_loaders_are_sharded_over_replicas(checks):
+    seen = checks["loaders"]
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # the context ranks of a replica: the same batches
+    assert seen[0] == [[0, 1], [4, 5], [8, 9]] and seen[2] == [[2, 3], [6, 7], [0, 1]]  # a DP=2 run's
 
 
 def test_importing_the_integration_stays_cheap():
@@ -146,39 +203,3 @@ def test_importing_the_integration_stays_cheap():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=root, timeout=120)
-
-
-def test_engine_config_strips_our_keys_and_counts_replicas():
-    from types import SimpleNamespace
-
-    from hybridsp.integrations import deepspeed as hds
-    from hybridsp.integrations.trainer import _engine_config
-
-    raw = {"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": 4, "data_parallel_size": 2,
-           "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5, "train_batch_size": 120,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
-    cleaned = _engine_config(raw, hds.HybridConfig.from_ds_config(raw), SimpleNamespace(dp=2))
-    assert not {"hybridsp", "sequence_parallel_size", "data_parallel_size"} & set(cleaned)
-    assert cleaned["train_batch_size"] == 3 * 5 * 2  # DP replicas, not the 8 ranks HF's "auto" would count
-    if not torch.cuda.is_available():
-        assert cleaned["optimizer"]["params"]["torch_adam"] is True
-    assert raw["train_batch_size"] == 120 and "hybridsp" in raw  # the caller's dict is not changed
-
-
-def test_loaders_are_sharded_over_replicas():
-    from types import SimpleNamespace
-
-    from accelerate.data_loader import prepare_data_loader
-    from torch.utils.data import DataLoader
-
-    from hybridsp.integrations.trainer_data import shard_loader_over_replicas
-
-    world, context, data = 4, 2, list(range(10))
-    seen = []
-    for rank in range(world):
-        loader = prepare_data_loader(DataLoader(data, batch_size=2), num_processes=world, process_index=rank,
-                                     put_on_device=False)
-        mesh = SimpleNamespace(context=context, world_size=world, dp=world // context, dp_rank=rank // context)
-        seen.append([batch.tolist() for batch in shard_loader_over_replicas(loader, mesh)])
-    assert seen[0] == seen[1] and seen[2] == seen[3]  # the context ranks of a replica: the same batches
-    assert seen[0] == [[0, 1], [4, 5], [8, 9]] and seen[2] == [[2, 3], [6, 7], [0, 1]]  # a DP=2 run's

@@ -82,7 +82,7 @@ def _arguments(output_dir: str, deepspeed: dict | None, **overrides):
 def _trainer(output_dir: str, hybrid: dict | None, train, evaluation, **overrides):
     """The plain Trainer (``hybrid`` None, no DeepSpeed) or HybridSPTrainer: ``hybrid`` holds
     ``ulysses``, ``ring`` and ``stage`` (a ZeRO stage, or None for DDP without DeepSpeed) and
-    optionally ``config_optimizer``."""
+    optionally ``config_optimizer`` and ``evaluate_first`` (see :func:`train_and_evaluate`)."""
     from transformers import Trainer
 
     model = tiny_llama()
@@ -112,6 +112,8 @@ def train_and_evaluate(rank: int, world_size: int, hybrid: dict | None) -> dict 
     train, evaluation = samples(40, seed=1), samples(5, seed=2)
     with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
         trainer = _trainer(out, hybrid, train, evaluation)
+        if hybrid is not None and hybrid.get("evaluate_first"):  # an inference engine first (ZeRO-3)
+            trainer.evaluate()
         trainer.train()
         metrics = trainer.evaluate()
         predictions = trainer.predict(evaluation)

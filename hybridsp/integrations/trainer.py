@@ -49,10 +49,16 @@ and passes an ``mpu`` only for its own Ulysses backend. The narrowest point at w
 be added is that call: :meth:`HybridSPMixin.create_accelerator_and_postprocess` wraps this
 Trainer's ``accelerator.prepare`` so that, *for the duration of each prepare call only*,
 ``deepspeed.initialize`` is a wrapper that passes :class:`~hybridsp.integrations.deepspeed.HybridMPU`,
-removes the keys DeepSpeed must not see (``hybridsp``, ``sequence_parallel_size``,
-``data_parallel_size``), sets ``train_batch_size`` to micro x accumulation x DP, selects
-torch's Adam on CPU, skips the CPU shm-comm build, and adds the ZeRO-3 hooks; the original
-function is restored when prepare returns (also on error). Nothing else global is touched.
+sets ``train_batch_size`` to micro x accumulation x DP (HF's ``"auto"`` counts all ranks),
+selects torch's Adam on CPU, skips the CPU shm-comm build, and adds the ZeRO-3 hooks (one
+set per model: an evaluation engine followed by a training engine does not double them);
+the original function is restored when prepare returns (also on error). Nothing else global
+is touched. Our keys (``hybridsp``, ``sequence_parallel_size``, ``data_parallel_size``) are
+read when the accelerator is created and then removed from the config copies that the
+Trainer and accelerate hold: accelerate refuses any ``"auto"`` it cannot fill (``"backend":
+"auto"``), and DeepSpeed must not build its own mesh from the size keys. On CPU,
+``TrainingArguments(use_cpu=True)`` is needed: accelerate starts several CPU processes only
+then (it then leaves ``deepspeed.comm`` to ``deepspeed.initialize``, which is all we need).
 
 Note [evaluation]: :meth:`prediction_step` runs the sharded forward under ``no_grad``; the
 loss is computed as in training (per batch); logits are gathered over the context group and
@@ -106,12 +112,21 @@ class HybridSPMixin:
 
     def __init__(self, *args, hybridsp: dict | None = None, **kwargs):
         self._hybridsp_overrides = dict(hybridsp or {})
-        self._hybridsp_undo: list = []
+        self._hybridsp_unhook = None  # removes the gradient-scale hooks (Note [gradient scale here])
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         self._hybridsp_handle = _switch_attention(self.model, self.hybrid_mesh, self.hybrid_config.backend)
-        if not self.is_deepspeed_enabled and self.hybrid_mesh.context > 1:  # DDP averages over DP x C
-            self._hybridsp_undo.append(hds.scale_gradients(self.model, self.hybrid_mesh.context))
+        if not self.is_deepspeed_enabled:  # DDP averages over DP x C
+            self._scale_gradients(self.model)
+
+    def _scale_gradients(self, module) -> None:
+        """Hooks multiplying ``module``'s incoming gradients by C; replaces earlier ones (one set per
+        model, also when an evaluation engine is followed by a training engine)."""
+        if self._hybridsp_unhook is not None:
+            self._hybridsp_unhook()
+            self._hybridsp_unhook = None
+        if self.hybrid_mesh.context > 1:
+            self._hybridsp_unhook = hds.scale_gradients(module, self.hybrid_mesh.context)
 
     # ---- setup ---------------------------------------------------------------------------
 
@@ -143,9 +158,9 @@ class HybridSPMixin:
 
         The model is then the plain model again; the trainer must not train or evaluate after it.
         """
-        for undo in reversed(self._hybridsp_undo):
-            undo()
-        self._hybridsp_undo.clear()
+        if self._hybridsp_unhook is not None:
+            self._hybridsp_unhook()
+            self._hybridsp_unhook = None
         self._hybridsp_handle.undo()
 
     # ---- data: replicas, not ranks -------------------------------------------------------
@@ -264,6 +279,7 @@ def _share_of_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items, 
 
 
 def _mesh(hybrid: hds.HybridConfig) -> HybridMesh:
+    hybrid.mesh_shape(dist.get_world_size() if dist.is_initialized() else 1)  # ValueError quoting the sizes
     if not dist.is_initialized():
         raise RuntimeError(
             "HybridSPTrainer needs torch.distributed: launch with deepspeed, torchrun or accelerate launch "
@@ -305,8 +321,8 @@ def _deepspeed_initialize_with_mesh(trainer: HybridSPMixin):
         with hds._without_cpu_shm_comm_build():
             result = original(*args, **kwargs)
         engine = result[0]
-        if engine.zero_optimization_stage() == 3 and mesh.context > 1:  # Note [gradient scale here]
-            trainer._hybridsp_undo.append(hds.scale_gradients(engine.module, mesh.context))
+        if engine.zero_optimization_stage() == 3:  # Note [gradient scale here]
+            trainer._scale_gradients(engine.module)
         return result
 
     deepspeed.initialize = initialize
