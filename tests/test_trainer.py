@@ -92,6 +92,14 @@ def test_ddp_without_deepspeed_matches_plain_trainer(plain):
 
 
 @pytest.mark.slow
+def test_odd_ring_of_three_matches_plain_trainer(plain):
+    ours = run_distributed(several, 3, [dict(ulysses=1, ring=3, stage=2)], timeout=300)[0][0]
+    _assert_close(ours["loss"], plain[1]["loss"], "R3 loss")
+    _assert_close(ours["grad_norm"], plain[1]["grad_norm"], "R3 grad_norm")
+    _assert_close([ours["eval_loss"]], [plain[1]["eval_loss"]], "R3 eval_loss")
+
+
+@pytest.mark.slow
 def test_save_and_resume_repeat_the_run():
     with tempfile.TemporaryDirectory() as out:
         result = run_distributed(save_and_resume, 4, dict(ulysses=2, ring=2, stage=3), out, timeout=400)[0]
