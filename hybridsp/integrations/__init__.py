@@ -3,4 +3,6 @@
 ``hybridsp.integrations.deepspeed``     DeepSpeed ZeRO over the data-parallel x context ranks.
 ``hybridsp.integrations.transformers``  Hugging Face transformers: the ``hybridsp`` attention
 implementation and ``apply(model, mesh)`` for Llama-family causal LMs.
+``hybridsp.integrations.trainer``       ``HybridSPTrainer`` / ``HybridSPMixin``: the Hugging Face
+Trainer with hybrid sequence parallelism (also importable from ``...integrations.transformers``).
 """

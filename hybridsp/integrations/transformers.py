@@ -429,3 +429,15 @@ def _documents_from_kwargs(kwargs: dict, batch: int, seq_len: int):
         torch.tensor([e - b * seq_len for e in edges if b * seq_len <= e <= (b + 1) * seq_len])
         for b in range(batch)
     ]
+
+_LAZY_TRAINER_NAMES = ("HybridSPTrainer", "HybridSPMixin")
+
+
+def __getattr__(name: str):
+    """``HybridSPTrainer`` / ``HybridSPMixin`` from :mod:`hybridsp.integrations.trainer`, imported on first use
+    (the Trainer pulls in accelerate; importing this module stays cheap)."""
+    if name in _LAZY_TRAINER_NAMES:
+        from hybridsp.integrations import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

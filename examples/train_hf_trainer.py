@@ -1,0 +1,140 @@
+"""The example job of examples/train.py, through the Hugging Face Trainer: HybridSPTrainer.
+
+    deepspeed [--num_gpus N] examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json [options]
+    torchrun --nproc_per_node N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json [options]
+    accelerate launch --use_deepspeed --num_processes N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json
+
+The same built-in data and model as examples/train.py (byte-level Python documentation, a
+small Llama from ``train.build_model``), presented the way Hugging Face users hold data: a
+map-style dataset of ``{"input_ids", "labels"}`` rows and ``default_data_collator``. The
+DeepSpeed config's ``"hybridsp"`` section gives U and R (``--ulysses/--ring`` override it);
+its batch, clipping and optimizer values become the ``TrainingArguments`` (the Trainer
+insists that the two agree; ``"auto"`` values take this script's defaults). Logging, the
+learning-rate schedule, checkpoints (``--output-dir``, ``--save-steps``) and resumption
+(``--resume``) are the Trainer's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
+from train import build_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--deepspeed", dest="ds_config", default=str(ROOT / "ds_configs" / "cp8.json"),
+                        help="DeepSpeed JSON config with a 'hybridsp' section (default: ds_configs/cp8.json)")
+    parser.add_argument("--deepspeed_config", dest="ds_config", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--ulysses", type=int, help="Ulysses degree (overrides the config)")
+    parser.add_argument("--ring", type=int, help="ring degree (overrides the config)")
+    parser.add_argument("--backend", help="attention kernel backend: auto, torch, flash, reference")
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (written into the config's optimizer)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default="runs/hf_trainer")
+    parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config)")
+    parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
+    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer (default: UTF-8 bytes)")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    return parser.parse_args(argv)
+
+
+class WindowDataset(torch.utils.data.Dataset):
+    """``len`` windows of the token stream as Hugging Face rows: ``input_ids`` [S], ``labels`` [S]."""
+
+    def __init__(self, windows: TokenWindows, length: int):
+        self.windows, self.length = windows, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = self.windows.sample(index)
+        return {"input_ids": tokens, "labels": tokens.clone()}
+
+
+def load_ds_config(args: argparse.Namespace) -> dict:
+    """The DeepSpeed config as a dict, with ``--lr`` written into its optimizer section."""
+    config = json.loads(Path(args.ds_config).read_text())
+    if "optimizer" in config:
+        config["optimizer"].setdefault("params", {})["lr"] = args.lr
+    return config
+
+
+def training_arguments(args: argparse.Namespace, config: dict):
+    """TrainingArguments that agree with the config's fixed values (the Trainer checks it)."""
+    from transformers import TrainingArguments
+
+    from hybridsp.integrations.deepspeed import auto_precision
+
+    def fixed(value, default):
+        return default if value in (None, "auto") else value
+
+    optimizer = config.get("optimizer", {}).get("params", {})
+    betas = fixed(optimizer.get("betas"), [0.9, 0.999])
+    precision = auto_precision()
+    return TrainingArguments(
+        output_dir=args.output_dir, deepspeed=config, max_steps=args.max_steps, seed=args.seed,
+        per_device_train_batch_size=fixed(config.get("train_micro_batch_size_per_gpu"), 1),
+        gradient_accumulation_steps=fixed(config.get("gradient_accumulation_steps"), 1),
+        max_grad_norm=fixed(config.get("gradient_clipping"), 1.0), learning_rate=args.lr,
+        adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=fixed(optimizer.get("eps"), 1e-8),
+        weight_decay=fixed(optimizer.get("weight_decay"), 0.0),
+        bf16=_enabled(config, "bf16", precision), fp16=_enabled(config, "fp16", precision),
+        use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to=[], remove_unused_columns=False,
+        save_strategy="steps", save_steps=args.save_steps or args.max_steps, lr_scheduler_type="constant",
+    )
+
+
+def _enabled(config: dict, name: str, precision: str) -> bool:
+    """A precision section's ``enabled``; ``"auto"`` means the one hybridsp would choose here."""
+    enabled = config.get(name, {}).get("enabled", False)
+    return precision == name if enabled == "auto" else bool(enabled)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from transformers import default_data_collator
+
+    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.transformers import HybridSPTrainer
+
+    tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
+    windows = TokenWindows(tokens, args.seq_len, args.seed)
+    model = build_model(args, vocab_size)
+    config = load_ds_config(args)
+    overrides = {k: v for k, v in (("ulysses", args.ulysses), ("ring", args.ring), ("backend", args.backend)) if v}
+    with _without_cpu_shm_comm_build():  # on CPU, skip DeepSpeed's shm all-reduce build (gloo never uses it)
+        training = training_arguments(args, config)
+        dataset = WindowDataset(windows, training.per_device_train_batch_size * training.gradient_accumulation_steps
+                                * training.world_size * args.max_steps)
+        trainer = HybridSPTrainer(model=model, args=training, train_dataset=dataset,
+                                  data_collator=default_data_collator, hybridsp=overrides)
+        if trainer.is_world_process_zero():
+            print(f"hybridsp HF Trainer example: {trainer.hybrid_mesh!r}, seq_len={args.seq_len}", flush=True)
+        result = trainer.train(resume_from_checkpoint=True if args.resume else None)
+    if trainer.is_world_process_zero():
+        print(f"done: {result.global_step} steps, train_loss={result.training_loss:.4f}, "
+              f"checkpoints and trainer_state.json in {args.output_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
