@@ -77,6 +77,7 @@ MIN_TRANSFORMERS_VERSION = "4.53.0"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _BINDING_ATTR = "_hybridsp_binding"
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
+DECODE_KWARG = "hybridsp_decode"  # the model-call kwarg that carries a decode step (hf_generate)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,10 @@ def hybridsp_attention_forward(
         (out [B, S_local, H, D] in the query's dtype, None): no attention weights.
     """
     binding = _binding_of(module)
-    _check_call(query, key, attention_mask, dropout, kwargs)
+    decode = kwargs.get(DECODE_KWARG)  # a decode step over a sharded K/V cache (hf_generate)
+    _check_call(query, key, attention_mask, dropout, kwargs, cached=decode is not None)
+    if decode is not None:
+        return decode.attend(module, query, key, value, binding, module.scaling if scaling is None else scaling, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
     out = hybrid_attn_func(
         q, k, v, mesh=binding.mesh, causal=True, backend=binding.backend,
@@ -162,8 +166,10 @@ def _binding_of(module: nn.Module) -> _Binding:
     return binding
 
 
-def _check_call(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> None:
-    """Raise ValueError for a call the hybrid attention cannot compute exactly."""
+def _check_call(
+    query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict, cached: bool = False
+) -> None:
+    """Raise ValueError for a call the hybrid attention cannot compute exactly (``cached``: a decode step)."""
     if attention_mask is not None:
         raise ValueError(
             f"hybridsp attention got an attention mask of shape {tuple(attention_mask.shape)}: masks are not "
@@ -178,10 +184,11 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout:
         raise ValueError(f"hybridsp attention does not support {refused}; use a config without them")
     if kwargs.get("is_causal") is False:
         raise ValueError("hybridsp attention is causal only; got is_causal=False")
-    if key.shape[2] != query.shape[2]:
+    if key.shape[2] != query.shape[2] and not cached:
         raise ValueError(
             f"hybridsp attention got {query.shape[2]} queries but {key.shape[2]} keys per rank: a KV cache with "
-            f"earlier tokens (generation) is not supported; call the model with use_cache=False"
+            f"earlier tokens is only supported through hybridsp.integrations.transformers.generate; call the model "
+            f"with use_cache=False"
         )
 
 
@@ -336,3 +343,6 @@ def _input_check(model: nn.Module):
             )
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+from hybridsp.integrations.hf_generate import Prefill, generate, prefill  # noqa: E402  (long-context inference)
