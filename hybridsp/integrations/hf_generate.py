@@ -191,7 +191,8 @@ def generate(
     top_k: int | None = None,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
+    output_logits: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Continue ``input_ids`` with a K/V cache that stays sharded over the context group.
 
     Args:
@@ -206,9 +207,12 @@ def generate(
             and rules of transformers' warpers).
         generator: the random generator for sampling (None: torch's global one). Seed it alike
             on every rank (every rank draws; context rank 0's token is used everywhere).
+        output_logits: also return the raw logits that chose each new token.
 
     Returns:
-        [B, S + new] int64 on every rank, ``new <= max_new_tokens`` (fewer when all rows hit EOS).
+        [B, S + new] int64 on every rank, ``new <= max_new_tokens`` (fewer when all rows hit EOS);
+        with ``output_logits``, the pair (ids, logits [B, new, V] fp32), like ``model.generate``'s
+        ``output_logits`` stacked.
 
     Raises:
         ValueError, before any collective, for a model not switched to ``mesh`` or bad arguments.
@@ -218,21 +222,23 @@ def generate(
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     with torch.inference_mode():
-        ids = _generate(model, input_ids, mesh, max_new_tokens, eos, pad,
-                        dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                             generator=generator))
-    return ids.clone()  # a normal tensor, usable outside inference mode
+        ids, logits = _generate(model, input_ids, mesh, max_new_tokens, eos, pad,
+                                dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                     generator=generator))
+    ids = ids.clone()  # normal tensors, usable outside inference mode
+    return (ids, logits.clone()) if output_logits else ids
 
 
 def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int | None, sampling: dict):
     if max_new_tokens == 0:
-        return input_ids
+        return input_ids, input_ids.new_empty(input_ids.shape[0], 0, 0, dtype=torch.float32)
     state = _prefill(model, input_ids, mesh, max_new_tokens, all_logits=False)
     store, step, cache_arg = state.cache.store, DecodeStep(state.cache.store), _cache_argument(model)
     eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    pieces, logits = [input_ids], state.next_logits
+    pieces, logits, all_logits = [input_ids], state.next_logits, []
     for index in range(max_new_tokens):
+        all_logits.append(logits)
         tokens = _agree(choose_next_tokens(logits, **sampling), mesh)  # [B]
         if eos:
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
@@ -245,7 +251,7 @@ def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int |
         out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
                     **{cache_arg: state.cache, DECODE_KWARG: step})
         logits = out.logits[:, -1].float()  # [B, V]
-    return torch.cat(pieces, dim=1)  # [B, S + new]
+    return torch.cat(pieces, dim=1), torch.stack(all_logits, dim=1)  # [B, S + new], [B, new, V]
 
 
 def choose_next_tokens(
