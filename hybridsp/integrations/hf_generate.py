@@ -57,11 +57,17 @@ from transformers.cache_utils import Cache
 from hybridsp.attention import shard_sequence
 from hybridsp.batch import padded_length
 from hybridsp.inference import ShardedKVCache, decode_attention
-from hybridsp.integrations.transformers import _BINDING_ATTR, DECODE_KWARG
 from hybridsp.layout import layout_permutation
 from hybridsp.mesh import HybridMesh
 
 PROMPT_PAD_ID = 0  # fills the prompt up to the layout's multiple; never attended (Note [padding])
+
+
+def _integration():
+    """hybridsp.integrations.transformers, imported at call time: it imports this module at its end."""
+    from hybridsp.integrations import transformers as integration
+
+    return integration
 
 
 class HybridCache(Cache):
@@ -192,6 +198,7 @@ def generate(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     output_logits: bool = False,
+    streamer=None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Continue ``input_ids`` with a K/V cache that stays sharded over the context group.
 
@@ -208,6 +215,8 @@ def generate(
         generator: the random generator for sampling (None: torch's global one). Seed it alike
             on every rank (every rank draws; context rank 0's token is used everywhere).
         output_logits: also return the raw logits that chose each new token.
+        streamer: an object with ``put(ids)`` and ``end()`` (transformers' streamer protocol,
+            e.g. ``TextStreamer``): ``put`` gets the prompt [B, S] once, then each new token [B].
 
     Returns:
         [B, S + new] int64 on every rank, ``new <= max_new_tokens`` (fewer when all rows hit EOS);
@@ -224,16 +233,19 @@ def generate(
     with torch.inference_mode():
         ids, logits = _generate(model, input_ids, mesh, max_new_tokens, eos, pad,
                                 dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     generator=generator))
+                                     generator=generator), streamer)
     ids = ids.clone()  # normal tensors, usable outside inference mode
     return (ids, logits.clone()) if output_logits else ids
 
 
-def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int | None, sampling: dict):
+def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int | None, sampling: dict, streamer):
+    if streamer is not None:
+        streamer.put(input_ids)
     if max_new_tokens == 0:
+        if streamer is not None:
+            streamer.end()
         return input_ids, input_ids.new_empty(input_ids.shape[0], 0, 0, dtype=torch.float32)
     state = _prefill(model, input_ids, mesh, max_new_tokens, all_logits=False)
-    store, step, cache_arg = state.cache.store, DecodeStep(state.cache.store), _cache_argument(model)
     eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     pieces, logits, all_logits = [input_ids], state.next_logits, []
@@ -244,14 +256,27 @@ def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int |
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
             unfinished &= ~torch.isin(tokens, eos_ids)
         pieces.append(tokens[:, None])
+        if streamer is not None:
+            streamer.put(tokens)
         if index + 1 == max_new_tokens or not bool(unfinished.any()):
             break
-        store.begin_token(state.prompt_length + index)
-        positions = torch.full_like(tokens[:, None], state.prompt_length + index)  # [B, 1]
-        out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
-                    **{cache_arg: state.cache, DECODE_KWARG: step})
-        logits = out.logits[:, -1].float()  # [B, V]
+        logits = decode_step(model, state, tokens, state.prompt_length + index)
+    if streamer is not None:
+        streamer.end()
     return torch.cat(pieces, dim=1), torch.stack(all_logits, dim=1)  # [B, S + new], [B, new, V]
+
+
+def decode_step(model: nn.Module, state: Prefill, tokens: torch.Tensor, position: int) -> torch.Tensor:
+    """Run new tokens [B] (the same on every context rank) at global ``position``; logits [B, V] fp32.
+
+    Appends their K/V to the shard of the rank that :func:`~hybridsp.inference.assign_new_tokens`
+    picks (``prefill(..., max_new_tokens=N)`` sized the cache for N - 1 such steps). A collective.
+    """
+    state.cache.store.begin_token(position)
+    positions = torch.full_like(tokens[:, None], position)  # [B, 1]
+    out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
+                **{_cache_argument(model): state.cache, _integration().DECODE_KWARG: DecodeStep(state.cache.store)})
+    return out.logits[:, -1].float()  # [B, V]
 
 
 def choose_next_tokens(
@@ -293,7 +318,7 @@ def _cache_argument(model: nn.Module) -> str:
 
 
 def _bound_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, _BINDING_ATTR)]
+    return [m for m in model.modules() if hasattr(m, _integration()._BINDING_ATTR)]
 
 
 def _num_layers(model: nn.Module) -> int:
@@ -308,7 +333,7 @@ def _check_inputs(model: nn.Module, input_ids, mesh: HybridMesh, max_new_tokens)
             f"{type(model).__name__} is not switched to hybridsp: call "
             f"hybridsp.integrations.transformers.apply(model, mesh) before generate/prefill"
         )
-    if any(getattr(m, _BINDING_ATTR).mesh is not mesh for m in modules):
+    if any(getattr(m, _integration()._BINDING_ATTR).mesh is not mesh for m in modules):
         raise ValueError("the model was switched with a different mesh than the one passed to generate/prefill")
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise ValueError(
