@@ -137,6 +137,9 @@ def _features_rank(rank, world, eos_id):
                              generator=torch.Generator().manual_seed(SAMPLE_SEED)) for _ in range(2)]
         results["generator"] = draws
         results["none"] = hf.generate(model, prompt(2, 64), mesh=mesh, max_new_tokens=0)
+        streamer = Recorder()
+        results["streamed"] = hf.generate(model, prompt(2, 64), mesh=mesh, max_new_tokens=4, streamer=streamer)
+        results["stream"] = streamer.pieces
     for family in ("mistral", "qwen3"):
         model = build(family)
         with hf.apply(model, mesh):
@@ -154,6 +157,19 @@ def _features_rank(rank, world, eos_id):
 
 
 SAMPLE_SEED = 1234
+
+
+class Recorder:
+    """transformers' streamer protocol: put(prompt [B, S]), put(token [B]) per new token, end()."""
+
+    def __init__(self):
+        self.pieces = []
+
+    def put(self, ids):
+        self.pieces.append(ids.clone())
+
+    def end(self):
+        self.pieces.append("end")
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
 
 
@@ -181,6 +197,8 @@ def test_padding_eos_sampling_families_bf16_and_replicas():
     first, again = got["generator"]
     assert torch.equal(first, again) and all(torch.equal(r["generator"][0], first) for r in results)
     assert torch.equal(got["none"], prompt(2, 64))
+    *pieces, end = got["stream"]
+    assert end == "end" and torch.equal(torch.cat([pieces[0]] + [p[:, None] for p in pieces[1:]], 1), got["streamed"])
     for family in ("mistral", "qwen3"):
         ids, logits = got[family]
         ref_ids, ref_logits = reference_generate(build(family), prompt(2, 100), max_new_tokens=NEW)

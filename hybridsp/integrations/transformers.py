@@ -14,7 +14,8 @@ Supported: ``model_type`` in :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen
 the attention module that projects q/k/v, applies RoPE and calls the ``AttentionInterface``),
 transformers >= :data:`MIN_TRANSFORMERS_VERSION`. Refused with a clear error: sliding
 windows, attention sinks, logit soft-capping, attention dropout in training, bidirectional
-configs, a user-supplied 4D mask, and a KV cache that already holds tokens (generation).
+configs, a user-supplied 4D mask, and a KV cache that already holds tokens outside
+:func:`generate` (long-context generation against a sharded K/V cache: :mod:`hybridsp.integrations.hf_generate`).
 
 Note [registration]: :func:`register` adds the module-level function
 :func:`hybridsp_attention_forward` to transformers' ``AttentionInterface`` under the name
@@ -138,7 +139,8 @@ def hybridsp_attention_forward(
         scaling: softmax scale; defaults to ``module.scaling``.
         dropout: must be 0 (attention dropout is not implemented).
         kwargs: the model's extra arguments; ``sliding_window``, ``softcap``, ``s_aux`` and
-            ``is_causal=False`` are refused.
+            ``is_causal=False`` are refused. ``hybridsp_decode`` (set by :func:`generate`'s decode
+            steps) sends the call to the decode attention over the sharded cache instead.
 
     Returns:
         (out [B, S_local, H, D] in the query's dtype, None): no attention weights.
