@@ -2,6 +2,7 @@
 sharded, and hybridsp.integrations.transformers.generate, against the unmodified Hugging Face model
 (``model.generate`` and plain forwards in one process) and float64 attention math."""
 
+import io
 import math
 
 import pytest
@@ -63,6 +64,18 @@ def sharded_prompt_logits(model, ids, mesh) -> torch.Tensor:
     return gather_sequence(state.local_logits.float(), mesh)[:, : ids.shape[1]]
 
 
+def portable(value) -> bytes:
+    """A rank's result as bytes (torch.save): tensors sent through the launcher's queue are otherwise shared by
+    file descriptor, which the parent cannot open once the rank's process has exited (ConnectionResetError)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def launch(fn, world, *args):
+    return [torch.load(io.BytesIO(raw)) for raw in run_distributed(fn, world, *args, timeout=300)]
+
+
 def assert_same_on_all_ranks(results, key):
     def flat(value):
         return list(value) if isinstance(value, (tuple, list)) else [value]
@@ -88,14 +101,14 @@ def _show_rank(rank, world):
                 results[ulysses, ring, family, batch] = dict(
                     ids=out, logits=logits, prompt_logits=sharded_prompt_logits(model, ids, mesh))
             handle.undo()
-    return results
+    return portable(results)
 
 
 def test_show_greedy_ids_and_logits_equal_the_unmodified_model():
     """W=4 as U2xR2, U1xR4, U4xR1; tiny Llama (MQA) and Qwen2 (GQA 8/2, K/V heads < U=4); B=1, 2;
     prompt 128, 8 new tokens: ids equal model.generate's exactly, the prompt's and every decode step's
     logits within 1e-4, on every rank, with an asserted argmax margin."""
-    results = run_distributed(_show_rank, 4, timeout=300)
+    results = launch(_show_rank, 4)
     for family in ("llama", "qwen2"):
         model = build(family)
         for batch in (1, 2):
@@ -153,7 +166,7 @@ def _features_rank(rank, world, eos_id):
     with hf.apply(model, replicas):
         results["dp"] = hf.generate(model, prompt(2, 96, seed=10 + replicas.dp_rank), mesh=replicas,
                                     max_new_tokens=NEW)
-    return results
+    return portable(results)
 
 
 SAMPLE_SEED = 1234
@@ -182,7 +195,7 @@ def _eos_id() -> int:
 
 def test_padding_eos_sampling_families_bf16_and_replicas():
     eos_id = _eos_id()
-    results = run_distributed(_features_rank, 4, eos_id, timeout=300)
+    results = launch(_features_rank, 4, eos_id)
     for key in ("padded", "tiny", "eos", "sampled", "none", "mistral", "qwen3", "bf16"):
         assert_same_on_all_ranks(results, key)
     got = results[0]
@@ -269,13 +282,13 @@ def _decode_rank(rank, world):
     model = build("qwen2")
     with hf.apply(model, mesh):
         ids = hf.generate(model, prompt(2, 100), mesh=mesh, max_new_tokens=NEW)  # 100 pads to 102 for R=3
-    return outs, ids
+    return portable((outs, ids))
 
 
 def test_decode_attention_matches_float64_on_an_odd_ring():
     """W=3 (ring 3, one empty shard): GQA down to 1 K/V head, T=1 and T=3 causal, sliding windows, fp32 and
     bf16 against float64 math; identical bits on every rank; and generate on the odd ring equals model.generate."""
-    results = run_distributed(_decode_rank, 3, timeout=300)
+    results = launch(_decode_rank, 3)
     lengths = (5, 0, 11)
     for index, (kv_heads, t, window, dtype) in enumerate(DECODE_CASES):
         k, v, positions, _ = _random_cache(index, 2, lengths, kv_heads, 16, dtype)
