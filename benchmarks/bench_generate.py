@@ -118,9 +118,9 @@ def measure(name: str, context: int, steps: int) -> dict:
 def summarize(rows: list[dict], budget_mib: float) -> str:
     """Median over rounds per (mesh, context), as a markdown table."""
     keys = sorted({(r["context"], r["mesh"]) for r in rows}, key=lambda k: (k[0], list(MESHES).index(k[1])))
-    lines = ["| context | mesh (world) | K/V cache per rank | decode-step peak (transient) | resident "
-             "(params + cache + peak) | fits a budget of %g MiB K/V per rank | decode ms/token | prefill s |" % budget_mib,
-             "|---|---|---|---|---|---|---|---|"]
+    header = ("| context | mesh (world) | K/V cache per rank | decode-step peak (transient) | resident (params + "
+              f"cache + peak) | fits a budget of {budget_mib:g} MiB K/V per rank | decode ms/token | prefill s |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
     for context, name in keys:
         same = [r for r in rows if r["context"] == context and r["mesh"] == name]
         med = {k: statistics.median(r[k] for r in same) for k in ("cache_mib", "step_peak_mib", "params_mib",

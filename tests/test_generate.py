@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers
 
 from hybridsp import gather_sequence, init_mesh

@@ -347,4 +347,4 @@ def _input_check(model: nn.Module):
     return model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-from hybridsp.integrations.hf_generate import Prefill, generate, prefill  # noqa: E402  (long-context inference)
+from hybridsp.integrations.hf_generate import Prefill, generate, prefill  # noqa: E402,F401  (long-context inference)
