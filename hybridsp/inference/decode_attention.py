@@ -16,6 +16,11 @@ after everything cached). ``query_positions`` / ``key_positions`` with ``causal=
 T > 1 new tokens) and ``window`` (a sliding window: key visible iff ``0 <= q - k < window``,
 Hugging Face's convention) restrict that; the masked path gathers only the keys some query
 can see and does the math in fp32.
+
+Memory: the unmasked path hands the shard to the kernel as it lies in the cache (no copy, no
+upcast) when the kernel reads GQA K/V natively: the CPU fused kernel and flash-attn do; the
+``torch`` backend on CUDA expands K/V heads first (a transient copy of the shard, H/Hkv times
+its size, per layer), so on GPUs prefer flash-attn (``backend="auto"`` picks it for fp16/bf16).
 """
 
 from __future__ import annotations
