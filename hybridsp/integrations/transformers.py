@@ -17,7 +17,8 @@ transformers >= :data:`MIN_TRANSFORMERS_VERSION`, sliding-window layers (Mistral
 ``layer_types``: each layer passes its own window) and packed documents (Note [packed
 documents]). Refused with a clear error: attention sinks, logit soft-capping, attention
 dropout in training, bidirectional configs, a user-supplied 4D mask, and a KV cache that
-already holds tokens (generation).
+already holds tokens outside :func:`generate` (long-context generation against a sharded K/V
+cache: :mod:`hybridsp.integrations.hf_generate`).
 
 Note [packed documents]: a packed row restarts ``position_ids`` at 0 at each document. The
 forward pre-hook that :func:`apply` installs on the model gathers, once per forward, which
@@ -92,6 +93,7 @@ MIN_TRANSFORMERS_VERSION = "4.53.0"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _BINDING_ATTR = "_hybridsp_binding"
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
+DECODE_KWARG = "hybridsp_decode"  # the model-call kwarg that carries a decode step (hf_generate)
 
 
 @dataclass(frozen=True)
@@ -153,13 +155,17 @@ def hybridsp_attention_forward(
         dropout: must be 0 (attention dropout is not implemented).
         kwargs: the model's extra arguments: ``sliding_window`` (this layer's window) and
             ``cu_seq_lens_q/k`` (global packed documents, Note [packed documents]) are used;
-            ``softcap``, ``s_aux`` and ``is_causal=False`` are refused.
+            ``softcap``, ``s_aux`` and ``is_causal=False`` are refused. ``hybridsp_decode`` (set by
+            :func:`generate`'s decode steps) sends the call to the decode attention over the sharded cache.
 
     Returns:
         (out [B, S_local, H, D] in the query's dtype, None): no attention weights.
     """
     binding = _binding_of(module)
-    _check_call(query, key, attention_mask, dropout, kwargs)
+    decode = kwargs.get(DECODE_KWARG)  # a decode step over a sharded K/V cache (hf_generate)
+    _check_call(query, key, attention_mask, dropout, kwargs, cached=decode is not None)
+    if decode is not None:
+        return decode.attend(module, query, key, value, binding, module.scaling if scaling is None else scaling, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
     cu_seqlens = _documents_from_kwargs(kwargs, q.shape[0], q.shape[1] * binding.mesh.context)
     out = hybrid_attn_func(
@@ -180,8 +186,10 @@ def _binding_of(module: nn.Module) -> _Binding:
     return binding
 
 
-def _check_call(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> None:
-    """Raise ValueError for a call the hybrid attention cannot compute exactly."""
+def _check_call(
+    query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict, cached: bool = False
+) -> None:
+    """Raise ValueError for a call the hybrid attention cannot compute exactly (``cached``: a decode step)."""
     if attention_mask is not None:
         raise ValueError(
             f"hybridsp attention got an attention mask of shape {tuple(attention_mask.shape)}: masks are not "
@@ -196,10 +204,11 @@ def _check_call(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout:
         raise ValueError(f"hybridsp attention does not support {refused}; use a config without them")
     if kwargs.get("is_causal") is False:
         raise ValueError("hybridsp attention is causal only; got is_causal=False")
-    if key.shape[2] != query.shape[2]:
+    if key.shape[2] != query.shape[2] and not cached:
         raise ValueError(
             f"hybridsp attention got {query.shape[2]} queries but {key.shape[2]} keys per rank: a KV cache with "
-            f"earlier tokens (generation) is not supported; call the model with use_cache=False"
+            f"earlier tokens is only supported through hybridsp.integrations.transformers.generate; call the model "
+            f"with use_cache=False"
         )
 
 
@@ -441,3 +450,6 @@ def __getattr__(name: str):
 
         return getattr(trainer, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+from hybridsp.integrations.hf_generate import Prefill, generate, prefill  # noqa: E402,F401  (long-context inference)

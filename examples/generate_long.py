@@ -1,0 +1,163 @@
+"""Continue a long text with a K/V cache that stays sharded over the context ranks.
+
+    torchrun --nproc-per-node 4 examples/generate_long.py --ulysses 2 --ring 2 --prompt-len 16384
+    python examples/generate_long.py --prompt-len 4096                  # one process, no parallelism
+
+The prompt is a window of ``--prompt-len`` tokens of the built-in corpus (the Python
+documentation that ships with CPython, as bytes; ``--data`` / ``--tokenizer`` for local
+files). The model is ``examples/train.py``'s small Llama (its ``--seed``, ``--hidden-size``,
+``--layers``, ``--heads``, ``--kv-heads``), with the weights of a DeepSpeed checkpoint that
+``train.py`` saved (``--checkpoint runs/example``) or random ones, or a local Hugging Face
+model (``--model-path``). The prefill runs sequence-parallel through the hybrid attention,
+every decode step attends to the sharded cache and merges by log-sum-exp
+(``hybridsp.integrations.transformers.generate``). Rank 0 prints the continuation, prefill and
+decode tokens/s, and every rank's peak memory and K/V cache size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
+from train import build_model, peak_memory_bytes  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 1)")
+    parser.add_argument("--ring", type=int, default=None, help="ring degree (default: world / ulysses)")
+    parser.add_argument("--prompt-len", type=int, default=8192, help="prompt tokens (default 8192)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    parser.add_argument("--batch", type=int, default=1, help="prompts continued at once (default 1)")
+    parser.add_argument("--sample", action="store_true", help="sample (temperature/top-p) instead of greedy")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--backend", default="auto", help="attention kernel: auto, torch, flash, reference")
+    parser.add_argument("--seed", type=int, default=0, help="model init, prompt window and sampling seed")
+    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: train.py's small Llama)")
+    parser.add_argument("--checkpoint", help="a DeepSpeed checkpoint folder saved by train.py (--save-dir)")
+    parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
+    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer (default: UTF-8 bytes)")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    args = parser.parse_args(argv)
+    args.seq_len, args.activation_checkpointing = args.prompt_len + args.new_tokens, False  # for build_model
+    return args
+
+
+def init_distributed() -> torch.device:
+    """gloo on CPU / nccl on GPU from the launcher's environment; a world of one without a launcher."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
+    return device
+
+
+def load_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> torch.nn.Module:
+    model = build_model(args, vocab_size)
+    if args.checkpoint:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(args.checkpoint))
+    return model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
+
+
+class Clock:
+    """A streamer (transformers' put/end protocol) that notes when each new token arrives."""
+
+    def __init__(self):
+        self.start, self.arrivals = time.perf_counter(), []
+
+    def put(self, ids: torch.Tensor) -> None:
+        if ids.dim() == 1:  # a new token (the prompt comes first, as [B, S])
+            self.arrivals.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def kv_cache_bytes(model: torch.nn.Module, batch: int, tokens: int, dtype: torch.dtype) -> int:
+    """K and V of ``tokens`` tokens over all layers: 2 x layers x B x Hkv x tokens x D x itemsize."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    item = torch.empty(0, dtype=dtype).element_size()
+    return 2 * config.num_hidden_layers * batch * config.num_key_value_heads * tokens * head_dim * item
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = init_distributed()
+    import hybridsp
+    from hybridsp.integrations.transformers import apply, generate
+
+    world = dist.get_world_size()
+    ulysses = args.ulysses or 1
+    mesh = hybridsp.init_mesh(ulysses=ulysses, ring=args.ring or world // ulysses)
+    tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
+    windows = TokenWindows(tokens, args.prompt_len, args.seed)
+    prompt = windows.batch(mesh.dp_rank * args.batch, args.batch).to(device)  # [B, S], one per replica
+    model = load_model(args, vocab_size, device)
+    apply(model, mesh, backend=args.backend)
+    dist.barrier()
+    clock = Clock()
+    ids = generate(model, prompt, mesh=mesh, max_new_tokens=args.new_tokens, do_sample=args.sample,
+                   temperature=args.temperature, top_p=args.top_p, streamer=clock,
+                   generator=torch.Generator(device=device).manual_seed(args.seed))
+    report(args, mesh, model, prompt, ids, clock, device)
+    dist.destroy_process_group()
+
+
+def report(args, mesh, model, prompt, ids, clock: Clock, device) -> None:
+    """Rank 0 prints the text and speeds; every rank's peak memory and cache share are gathered."""
+    prefill_s = clock.arrivals[0] - clock.start
+    decode_s = clock.arrivals[-1] - clock.arrivals[0]
+    local_tokens = -(-args.prompt_len // mesh.context) + -(-args.new_tokens // mesh.context)
+    mine = dict(peak=peak_memory_bytes(device), cache=kv_cache_bytes(model, args.batch, local_tokens,
+                                                                     getattr(torch, args.dtype)))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return
+    batch, new = ids.shape[0], ids.shape[1] - prompt.shape[1]
+    whole = kv_cache_bytes(model, batch, ids.shape[1], getattr(torch, args.dtype))
+    print(f"mesh: {mesh!r}")
+    print(f"prompt: {prompt.shape[1]} tokens x {batch}; new: {new} tokens; {args.dtype}; device {device}")
+    print(f"prefill: {prefill_s:.2f} s = {batch * prompt.shape[1] / prefill_s:,.0f} tokens/s (incl. first token)")
+    if new > 1:
+        print(f"decode: {decode_s:.2f} s for {new - 1} steps = {batch * (new - 1) / decode_s:,.1f} tokens/s "
+              f"({1000 * decode_s / (new - 1):.1f} ms/step)")
+    for rank, row in enumerate(everyone):
+        print(f"rank {rank}: peak memory {row['peak'] / 2**20:,.0f} MiB, K/V cache <= {row['cache'] / 2**20:,.1f} MiB "
+              f"(one process holding it all: {whole / 2**20:,.1f} MiB)")
+    if args.tokenizer is None:
+        text = lambda row: bytes(row.tolist()).decode("utf-8", errors="replace")  # noqa: E731
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+        text = tokenizer.decode
+    print("----- end of the prompt -----")
+    print(text(prompt[0, -300:].cpu()))
+    print("----- continuation -----")
+    print(text(ids[0, prompt.shape[1]:].cpu()))
+
+
+if __name__ == "__main__":
+    main()
