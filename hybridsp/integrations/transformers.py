@@ -349,6 +349,8 @@ def _input_check(model: nn.Module, mesh: HybridMesh):
         arguments = signature.bind_partial(*args, **kwargs).arguments
         if mesh.context > 1:
             _refuse_missing_positions_or_labels(arguments)
+        if kwargs.get(DECODE_KWARG) is not None:  # a decode step: every rank holds the same new tokens
+            return None
         return _with_documents(args, kwargs, _batch_positions(arguments), mesh)
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
