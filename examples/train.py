@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="keep the checkpointed layers' inputs in host memory (needs --activation-checkpointing)")
     parser.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
     return parser.parse_args(argv)
 
@@ -119,8 +121,23 @@ class Metrics:
         plt.close(figure)
 
 
-def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int, accumulation: int) -> float:
-    """One optimizer step over ``accumulation`` micro-batches; returns the mean loss."""
+def activation_offload(args: argparse.Namespace, model: torch.nn.Module):
+    """``--offload-activations``: hybridsp's offload hooks on the checkpointed layers (a no-op
+    context without the flag)."""
+    from hybridsp import offload_activations
+
+    if args.offload_activations and not args.activation_checkpointing:
+        raise ValueError("--offload-activations needs --activation-checkpointing (it offloads the checkpointed "
+                         "layers' inputs)")
+    return offload_activations(model, enabled=args.offload_activations)
+
+
+def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int, accumulation: int,
+               offload=None) -> float:
+    """One optimizer step over ``accumulation`` micro-batches; returns the mean loss. ``offload``:
+    a context around each forward (:func:`activation_offload`)."""
+    import contextlib
+
     from hybridsp import shard_batch, sharded_cross_entropy
 
     losses = []
@@ -129,8 +146,9 @@ def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int,
         first = ((step * accumulation + micro) * replicas + mesh.dp_rank) * micro_batch
         tokens = windows.batch(first, micro_batch)  # [b, S], the same on every context rank
         local = {k: v.to(engine.device) for k, v in shard_batch({"input_ids": tokens, "labels": tokens}, mesh).items()}
-        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
-        loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
+        with offload if offload is not None else contextlib.nullcontext():
+            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+            loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -157,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(args, vocab_size)
     engine, _, mesh, _ = initialize(model, _config_with_lr(args), ulysses=args.ulysses, ring=args.ring,
                                     backend=args.backend)
+    offload = activation_offload(args, engine.module)
     start_step = _maybe_resume(engine, args)
     rank0 = dist.get_rank() == 0
     save_dir = Path(args.save_dir)
@@ -168,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
         started = time.perf_counter()
-        loss = _mean_over_replicas(train_step(engine, mesh, windows, step, micro_batch, accumulation), mesh)
+        loss = _mean_over_replicas(train_step(engine, mesh, windows, step, micro_batch, accumulation, offload), mesh)
         seconds = time.perf_counter() - started
         tokens_per_s = args.seq_len * micro_batch * accumulation * mesh.dp / seconds
         row = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s,

@@ -7,6 +7,8 @@ One launch runs, from the same seed on the same two global batches (B=2, S=64, r
   (non-reentrant), and with checkpointing + :func:`hybridsp.offload_activations`: the loss and
   every parameter's reduced gradient of two steps; offload must equal plain checkpointing
   (to 1e-6; the copies are exact) and both the run without checkpointing (1e-5).
+- ``examples/train.py`` with ``--deepspeed ds_configs/cp8_offload.json --activation-checkpointing
+  --offload-activations`` against ``ds_configs/cp8.json`` with checkpointing only (2 steps, S=256).
 - ``ds_configs/cp8_offload.json`` (optimizer offloaded to CPU; the degrees overridden to U2 x R2
   for 4 ranks), the same with ``offload_param`` on CPU as well, and the same config with both
   offload sections removed: losses, gradients and the final parameters of two AdamW steps agree
@@ -128,6 +130,27 @@ def _offload_config(optimizer: bool, params: bool) -> dict:
     return config
 
 
+EXAMPLE_RUNS = {  # examples/train.py, 2 steps at S=256 on U2 x R2
+    "plain": ["--deepspeed", str(ROOT / "ds_configs" / "cp8.json"), "--activation-checkpointing"],
+    "offload": ["--deepspeed", str(ROOT / "ds_configs" / "cp8_offload.json"), "--activation-checkpointing",
+                "--offload-activations"],
+}
+
+
+def _example(directory: str, name: str, flags: list[str]) -> list[float]:
+    """examples/train.py's main on this launch's ranks; rank 0's logged losses."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train
+
+    out = Path(directory, f"example-{name}")
+    train.main(flags + ["--ulysses", "2", "--ring", "2", "--max-steps", "2", "--seq-len", "256", "--no-plot",
+                        "--save-dir", str(out)])
+    dist.barrier()
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def _everything(rank, world, directory):
     torch.set_num_threads(1)
     os.environ["TORCH_EXTENSIONS_DIR"] = extensions = os.path.join(directory, f"ext{rank}")
@@ -143,11 +166,13 @@ def _everything(rank, world, directory):
     no_offload = _train(_model(False), _offload_config(False, False))
     optimizer_offload = _train(_model(False), _offload_config(True, False))
     both_offload = _train(_model(False), _offload_config(True, True))
+    example = {name: _example(directory, name, flags) for name, flags in EXAMPLE_RUNS.items()}
     return {
         "ckpt_vs_plain": _errors(ckpt, plain), "offload_vs_ckpt": _errors(offloaded, ckpt),
         "offload_vs_plain": _errors(offloaded, plain), "stats": offloaded["stats"], "ckpt_stats": ckpt["stats"],
         "optimizer_offload": _errors(optimizer_offload, no_offload), "both_offload": _errors(both_offload, no_offload),
         "jit_built": os.path.exists(extensions),
+        "example": example,
         "engines": {"none": no_offload["engine"], "optimizer": optimizer_offload["engine"], "both": both_offload["engine"]},
     }
 
@@ -172,6 +197,14 @@ def test_every_layer_input_but_the_last_went_to_host(runs):
             assert stats["restored_tensors"] == LAYERS - 1, stats
             assert stats["offloaded_bytes"] == (LAYERS - 1) * local_tokens * 64 * 4, stats  # [B, S/C, h] fp32
         assert all(s["offloaded_tensors"] == 0 for s in rank["ckpt_stats"])  # the switch off does nothing
+
+
+def test_example_trains_with_the_offload_config_and_flag(runs):
+    """examples/train.py --deepspeed ds_configs/cp8_offload.json --offload-activations equals the cp8.json run."""
+    example = runs[0]["example"]
+    assert len(example["plain"]) == 2 and len(example["offload"]) == 2
+    for plain, offloaded in zip(example["plain"], example["offload"]):
+        assert abs(plain - offloaded) <= TOLERANCE * abs(plain), example
 
 
 def test_offload_config_matches_the_same_run_without_offload(runs):
