@@ -24,8 +24,9 @@ of benchmarks/results_longest_context.md, 82,356 B/token at U=1 and 86,452 at U=
     layer A = 2 norms + attention + MLP; MLP region = 1 norm + MLP.
     outside the layers G: final norm + RoPE cos/sin 2 D e + token ids and labels 16.
     checkpoints (activation checkpointing): the layers' inputs, L T h e; with activation
-        offload min(L, keep_last + 2) T h e stay on the device (the newest ``keep_last``, one
-        copy in flight each way) and (L - keep_last) T h e live in host memory.
+        offload min(L, keep_last + in_flight) T h e stay on the device (the newest
+        ``keep_last``, ``offload_in_flight`` = 2 copies in flight on CUDA, one each way) and
+        (L - keep_last) T h e live in host memory.
 
 Loss
     logits path: T V (e + 12): the logits (e), the fp32 log-softmax the loss saves, and two
@@ -115,18 +116,24 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def model_state_bytes(model: ModelSpec, zero_stage: int, shards: int, forward_only: bool, dtype_bytes: int = 2,
-                      optimizer_offload: bool = False, param_offload: bool = False) -> tuple[int, ...]:
+                      optimizer_offload: bool = False, param_offload: bool = False,
+                      prefetch_bucket: int | None = None) -> tuple[int, ...]:
     """(params, grads, optimizer, gathered) device bytes: e + e + 12 per param, ZeRO-partitioned.
 
     Stage 1 partitions the optimizer states, 2 adds gradients, 3 adds parameters (and then
-    holds two gathered units - the largest of a layer and the embedding). Offload moves the
-    optimizer states and gradients (ZeRO >= 1) or the parameter partition (ZeRO-3) to host.
+    holds gathered parameters: the largest unit of a layer and the embedding, u, plus what is
+    prefetched, max(u, prefetch_bucket), at most the whole model; without ``prefetch_bucket``
+    two units). Offload moves the optimizer states and gradients (ZeRO >= 1) or the parameter
+    partition (ZeRO-3) to host.
     """
     psi, e = model.total_params, dtype_bytes
     params = _ceil_div(e * psi, shards) if zero_stage == 3 else e * psi
     if param_offload and zero_stage == 3:
         params = 0
-    gathered = 2 * e * max(model.layer_params, model.embedding_params) if zero_stage == 3 and shards > 1 else 0
+    unit = max(model.layer_params, model.embedding_params)
+    ahead = unit if prefetch_bucket is None else max(unit, prefetch_bucket)
+    gathered = e * min(psi if prefetch_bucket is not None else 2 * unit, unit + ahead) \
+        if zero_stage == 3 and shards > 1 else 0
     if forward_only:
         return params, 0, 0, gathered
     grads = _ceil_div(e * psi, shards) if zero_stage >= 2 else e * psi
@@ -198,7 +205,7 @@ def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -
     if not tech.activation_offload:
         return layers * one, 0
     kept = min(layers, tech.keep_last)
-    return min(layers, kept + 2) * one, (layers - kept) * one
+    return min(layers, kept + tech.offload_in_flight) * one, (layers - kept) * one
 
 
 def loss_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
@@ -258,7 +265,7 @@ def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> Memo
     tech = workload.techniques
     params, grads, optimizer, gathered = model_state_bytes(
         model, config.zero_stage, config.world_size, workload.forward_only, workload.dtype_bytes,
-        tech.optimizer_offload, tech.param_offload,
+        tech.optimizer_offload, tech.param_offload, tech.prefetch_bucket,
     )
     host_optimizer, host_params = host_state_bytes(model, workload, config)
     states = dict(params=params, grads=grads, optimizer=optimizer, gathered_params=gathered,
