@@ -169,7 +169,8 @@ def _recommendation(result: PlanResult) -> list[str]:
         f"activation checkpointing {'on' if c.checkpointing else 'off'}",
         f"  step {format_seconds(best.step_s)} = compute {format_seconds(t.compute_s)} + all-to-all "
         f"{format_seconds(t.all_to_all_s)} + ring exposed {format_seconds(t.ring_exposed_s)} + ZeRO exposed "
-        f"{format_seconds(t.zero_exposed_s)}; {best.tokens_per_s:,.0f} tokens/s; MFU "
+        f"{format_seconds(t.zero_exposed_s)} + offload exposed {format_seconds(t.offload_s)}; "
+        f"{best.tokens_per_s:,.0f} tokens/s; MFU "
         f"{best.mfu(result.cluster.peak_flops):.0%}",
         f"  memory {m.total / GIB:.1f} GiB at the {m.peak_phase} peak: model states {m.model_states / GIB:.1f}, "
         f"engine {m.engine_state / GIB:.1f}, checkpoints {m.checkpoints / GIB:.1f}, activations "
