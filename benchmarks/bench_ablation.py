@@ -244,6 +244,18 @@ class Attempt:
     planner: dict = field(default_factory=dict)
 
 
+def _rank_reports(directory: str) -> list[tuple[float, int, str]]:
+    """bench_longest_context's reader, skipping a report a killed rank left half-written."""
+    reports = []
+    for path in Path(directory).glob("rank*.txt"):
+        stamp, _, text = path.read_text().partition("\n")
+        try:
+            reports.append((float(stamp), int(path.stem[4:]), text))
+        except ValueError:
+            continue
+    return sorted(reports)
+
+
 def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Attempt:
     attempt = Attempt(seq_len, False, load=[os.getloadavg()[0]])
     m = planner_memory(vocab, layers, techniques, seq_len)
@@ -255,7 +267,7 @@ def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Att
                                     timeout=timeout, threads=1)
             attempt.ok, attempt.worst = True, blc._worst([{**r, "rank": i} for i, r in enumerate(ranks)])
         except (AssertionError, TimeoutError) as error:
-            attempt.reason, attempt.detail = blc._classify(error, blc._rank_reports(reports))
+            attempt.reason, attempt.detail = blc._classify(error, _rank_reports(reports))
     attempt.wall_s = time.perf_counter() - started
     attempt.load.append(os.getloadavg()[0])
     if attempt.ok:
@@ -268,14 +280,22 @@ def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Att
     return attempt
 
 
-def search(vocab, layers, techniques, budget, granularity, start, log, timeout) -> tuple[int, list[Attempt]]:
-    """From ``start`` (the planner's prediction) by 15% steps until the outcome flips, then bisect."""
+class _Enough(Exception):
+    """The search reached its attempt limit."""
+
+
+def search(vocab, layers, techniques, budget, granularity, start, log, timeout,
+           max_attempts: int = 8) -> tuple[int, list[Attempt], bool]:
+    """From ``start`` (the planner's prediction) by 15% steps until the outcome flips, then bisect.
+    Returns (longest that fit, attempts, whether the bisection finished within ``max_attempts``)."""
     from hybridsp.layout import check_sequence_length
 
     step = math.lcm(granularity, 2 * RING * ULYSSES)
     attempts = []
 
     def fits(seq_len):
+        if len(attempts) >= max_attempts:
+            raise _Enough
         check_sequence_length(seq_len, RING, ULYSSES, "zigzag")
         attempt = run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log)
         attempts.append(attempt)
@@ -283,6 +303,13 @@ def search(vocab, layers, techniques, budget, granularity, start, log, timeout) 
             raise RuntimeError(f"S={seq_len} failed for a reason other than memory: {attempt.detail}")
         return attempt.ok
 
+    try:
+        return (*_bracket_and_bisect(fits, start, step), attempts, True)
+    except _Enough:
+        return max([a.seq_len for a in attempts if a.ok], default=0), attempts, False
+
+
+def _bracket_and_bisect(fits, start: int, step: int) -> tuple[int]:
     length = max(step, round(start / step) * step)
     if fits(length):
         low, high = length, None
@@ -297,26 +324,28 @@ def search(vocab, layers, techniques, budget, granularity, start, log, timeout) 
     while low and high - low > step:
         middle = (low + high) // 2 // step * step
         low, high = (middle, high) if fits(middle) else (low, middle)
-    return low, attempts
+    return (low,)
 
 
 # --------------------------------------------------------------------------------------------
 # results
 
 
-def _name(techniques) -> str:
-    return " + ".join(techniques) or "none"
+def _name(techniques, row: dict | None = None) -> str:
+    name = " + ".join(techniques) or "none"
+    return f"{name} (log)" if row and row.get("from_log") else name
 
 
 def _mib(value) -> str:
     return "-" if value is None else f"{value / MIB:,.0f}"
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
-    lines = [
-        "# Measured CPU analog of the ablation (cp8) with the planner beside it", "",
-        f"- Date: {meta['date']}; command: `{meta['command']}` ({meta['total_s'] / 60:.1f} min); load "
-        f"(1-min average) {meta['load_before']:.1f} before, {meta['load_after']:.1f} after",
+def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> str:
+    runs = runs or [meta]
+    lines = ["# Measured CPU analog of the ablation (cp8) with the planner beside it", ""]
+    lines += [f"- Run {run['date']}: `{run['command']}` ({run.get('total_s', 0) / 60:.1f} min); load (1-min average) "
+              f"{run['load_before']:.1f} before, {run.get('load_after', float('nan')):.1f} after" for run in runs]
+    lines += [
         f"- Machine: {meta['machine']}; {meta['software']}",
         f"- Rules: `examples/train.py`'s model (h=256, 8/4 heads of 32, I=640, tied embeddings, fp32), ZeRO-3 "
         f"(`ds_configs/cp8.json`), U4 x R2 on 8 gloo ranks, one training step; RLIMIT_DATA = VmData after the "
@@ -330,24 +359,32 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "step s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    logs = sorted({r["from_log"] for r in rows if r.get("from_log")})
+    if logs:
+        lines[-3] += (f" Rows marked (log) were rebuilt from the log of the first run, 07:39-07:58 UTC "
+                      f"({', '.join(logs)}; it stopped later on a half-written rank report, now skipped): "
+                      "MiB rounded, no step times.")
     for r in rows:
         head = f"| {r['vocab']:,} | {r['layers']} | {r['budget_total'] / MIB:,.0f} |"
         if r.get("not_available"):
-            lines.append(f"{head} {_name(r['techniques'])} | not available on this "
+            lines.append(f"{head} {_name(r['techniques'], r)} | not available on this "
                          f"branch ({', '.join(r['not_available'])}) | {r['planner_longest']:,} | | | | | | |")
             continue
         best = next((a for a in r["attempt_list"] if a["ok"] and a["seq_len"] == r["longest"]), None)
         error = f"{r['planner_longest'] / r['longest'] - 1:+.0%}" if r["longest"] else "-"
+        if not r.get("complete", True):
+            error += " (measured: a lower bound, search cut)"
         if best is None:
             lines.append(f"{head} {_name(r['techniques'])} | 0 | {r['planner_longest']:,} "
                          f"| - | {len(r['attempt_list'])} | | | | |")
             continue
         w, p = best["worst"], best["planner"]
         lines.append(
-            f"{head} {_name(r['techniques'])} | {r['longest']:,} | "
+            f"{head} {_name(r['techniques'], r)} | {r['longest']:,} | "
             f"{r['planner_longest']:,} | {error} | {len(r['attempt_list'])} | {_mib(w['alloc_peak'])} "
             f"({_mib(w['init_alloc_end'])} + {_mib(w['step_alloc_peak'])}) | {_mib(p['total'])} / {_mib(p['step'])}, "
-            f"{p['peak_phase']} | {_mib(w['host_bytes'])} / {_mib(p['host'])} | {w['step_s']:.1f} |")
+            f"{p['peak_phase']} | {_mib(w['host_bytes'])} / {_mib(p['host'])} | "
+            f"{'-' if w.get('step_s') is None else format(w['step_s'], '.1f')} |")
     lines += ["", "### Every attempt", "", "| V | L | techniques | S | result | wall s | allocated MiB (step) | "
               "planner MiB (step) | host MiB | load before/after |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -359,6 +396,44 @@ def markdown(rows: list[dict], meta: dict) -> str:
                          f"{a['wall_s']:.0f} | {allocated} | {_mib(p['total'])} ({_mib(p['step'])}) | "
                          f"{_mib(w.get('host_bytes')) if a['ok'] else ''} | {a['load'][0]:.0f}/{a['load'][1]:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def rows_from_log(path: Path) -> list[dict]:
+    """Rows rebuilt from a run's log lines (``results_ablation_cpu_run1.log``: that run stopped at a
+    later row on a half-written rank report, since skipped): per attempt the length, the outcome and
+    the logged MiB (allocated, step, host; rounded to 1 MiB); the planner is recomputed."""
+    import re
+
+    rows, row = [], None
+    head = re.compile(r"V=(\d+) L=(\d+) budget (\d+) MiB (.+?): planner ([\d,]+)(; not available \((.+)\))?$")
+    ok = re.compile(r"S=\s*(\d+): ok\s+(\d+) s; MiB per rank: allocated (\d+) \(step (\d+), host (\d+)\).*load (\d+)")
+    fail = re.compile(r"S=\s*(\d+): FAIL\s+(\d+) s (\w+): (.*)$")
+    for line in path.read_text().splitlines():
+        if match := head.search(line):
+            vocab, layers, budget, name, planned, _, missing = match.groups()
+            techniques = [] if name == "none" else name.split(" + ")
+            row = {"vocab": int(vocab), "layers": int(layers), "budget_total": int(budget) * MIB,
+                   "techniques": techniques, "planner_longest": int(planned.replace(",", "")), "from_log": str(path.name)}
+            if missing:
+                row["not_available"] = missing.split(", ")
+            else:
+                row.update(attempt_list=[], complete=True)
+            rows.append(row)
+        elif (match := ok.search(line)) or (match_fail := fail.search(line)):
+            if match:
+                seq_len, wall, allocated, step, host, load = (int(v) for v in match.groups())
+                worst = {"alloc_peak": allocated * MIB, "step_alloc_peak": step * MIB, "host_bytes": host * MIB,
+                         "init_alloc_end": (allocated - step) * MIB}
+                attempt = Attempt(seq_len, True, wall_s=wall, load=[load, load], worst=worst)
+            else:
+                seq_len, wall, reason, detail = match_fail.groups()
+                attempt = Attempt(int(seq_len), False, reason, detail, wall_s=int(wall), load=[float("nan")] * 2)
+            m = planner_memory(row["vocab"], row["layers"], row["techniques"], attempt.seq_len)
+            attempt.planner = {"total": m.total, "step": m.step, "host": m.host, "peak_phase": m.peak_phase}
+            row["attempt_list"].append(attempt.__dict__)
+        elif line.strip().startswith("measured") and row is not None:
+            row["longest"] = int(line.split()[1].replace(",", ""))
+    return [r for r in rows if "not_available" in r or "longest" in r]
 
 
 def _parse_row(text: str, vocab: int, layers: int, budget_mib: int) -> tuple:
@@ -381,13 +456,43 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--granularity", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results_ablation_cpu.{json,md}")
+    parser.add_argument("--append", action="store_true",
+                        help="keep the rows already in the results file (a row measured again replaces its old one)")
+    parser.add_argument("--max-attempts", type=int, default=8, help="attempts per row (the search stops there)")
+    parser.add_argument("--from-log", type=Path, help="add the rows of a run's log (see rows_from_log); with no "
+                                                      "--rows nothing is measured")
     args = parser.parse_args(argv)
     rows = [_parse_row(text, args.vocab, args.layers, args.budget_mib) for text in args.rows] if args.rows \
-        else list(DEFAULT_ROWS)
+        else [] if args.from_log else list(DEFAULT_ROWS)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     log = lambda text: print(text, flush=True)  # noqa: E731
     blc.warm_forkserver()
-    results = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    previous = json.loads((out / "results_ablation_cpu.json").read_text()) if args.append and (
+        out / "results_ablation_cpu.json").exists() else {"rows": [], "runs": []}
+    results = list(previous["rows"])
+    runs = previous.get("runs", [])
+    run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "command": "python benchmarks/bench_ablation.py" + (f" {' '.join(argv)}" if argv else ""),
+                "load_before": load_before, "machine": blc.machine_info(), "software": blc.software_info(),
+                "step": math.lcm(args.granularity, 2 * RING * ULYSSES)}
+    runs.append(run_meta)
+
+    def save():
+        run_meta.update(total_s=time.perf_counter() - started, load_after=os.getloadavg()[0])
+        (out / "results_ablation_cpu.json").write_text(json.dumps({"meta": run_meta, "runs": runs, "rows": results},
+                                                                  indent=1))
+        (out / "results_ablation_cpu.md").write_text(markdown(results, run_meta, runs))
+
+    def keep(row):
+        key = (row["vocab"], row["layers"], row["budget_total"], tuple(row["techniques"]))
+        results[:] = [r for r in results if (r["vocab"], r["layers"], r["budget_total"], tuple(r["techniques"])) != key]
+        results.append({**row, "run": run_meta["date"]})
+        save()
+
+    for logged in rows_from_log(args.from_log) if args.from_log else []:
+        keep(logged)
     for vocab, layers, budget_mib, techniques in rows:
         budget = budget_mib * MIB // WORLD
         predicted = planner_longest(vocab, layers, techniques, budget, args.granularity)
@@ -397,21 +502,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"V={vocab} L={layers} budget {budget_mib} MiB {_name(techniques)}: planner {predicted:,}"
             + (f"; not available ({', '.join(missing)})" if missing else ""))
         if missing:
-            results.append({**row, "not_available": missing})
+            keep({**row, "not_available": missing})
             continue
-        longest, attempts = search(vocab, layers, techniques, budget, args.granularity, predicted, log, args.timeout)
-        results.append({**row, "longest": longest, "attempt_list": [a.__dict__ for a in attempts]})
-        log(f"  measured {longest:,}")
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": "python benchmarks/bench_ablation.py" + (f" {' '.join(argv)}" if argv else ""),
-            "total_s": time.perf_counter() - started, "load_before": load_before, "load_after": os.getloadavg()[0],
-            "machine": blc.machine_info(), "software": blc.software_info(),
-            "step": math.lcm(args.granularity, 2 * RING * ULYSSES)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results_ablation_cpu.json").write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
-    (out / "results_ablation_cpu.md").write_text(markdown(results, meta))
-    print(markdown(results, meta))
+        longest, attempts, complete = search(vocab, layers, techniques, budget, args.granularity, predicted, log,
+                                             args.timeout, args.max_attempts)
+        keep({**row, "longest": longest, "complete": complete, "attempt_list": [a.__dict__ for a in attempts]})
+        log(f"  measured {longest:,}" + ("" if complete else " (search cut at --max-attempts: a lower bound)"))
+    save()
+    print(markdown(results, run_meta, runs))
     return 0
 
 
