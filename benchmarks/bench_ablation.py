@@ -256,10 +256,27 @@ def _rank_reports(directory: str) -> list[tuple[float, int, str]]:
     return sorted(reports)
 
 
+def planner_row(vocab: int, layers: int, techniques, seq_len: int) -> dict:
+    """The planner's numbers for one attempt; ``step`` includes the gathered ZeRO-3 parameters,
+    which the measured step allocates (the limit starts after the engine build)."""
+    m = planner_memory(vocab, layers, techniques, seq_len)
+    return {"total": m.total, "step": m.step + m.gathered_params, "host": m.host, "peak_phase": m.peak_phase}
+
+
+def replan(row: dict, granularity: int) -> dict:
+    """A stored row with the current planner's numbers (the planner is deterministic)."""
+    techniques = tuple(row["techniques"])
+    row = {**row, "planner_longest": planner_longest(row["vocab"], row["layers"], techniques,
+                                                     row["budget_total"] // WORLD, granularity)}
+    for attempt in row.get("attempt_list", []):
+        attempt["planner"] = planner_row(row["vocab"], row["layers"], techniques, attempt["seq_len"])
+    return row
+
+
 def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Attempt:
     attempt = Attempt(seq_len, False, load=[os.getloadavg()[0]])
+    attempt.planner = planner_row(vocab, layers, techniques, seq_len)
     m = planner_memory(vocab, layers, techniques, seq_len)
-    attempt.planner = {"total": m.total, "step": m.step, "host": m.host, "peak_phase": m.peak_phase}
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_ablation_") as reports:
         try:
@@ -274,7 +291,8 @@ def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Att
         w = attempt.worst
         log(f"    S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s; MiB per rank: allocated {w['alloc_peak'] / MIB:.0f} "
             f"(step {w['step_alloc_peak'] / MIB:.0f}, host {w['host_bytes'] / MIB:.0f}); planner "
-            f"{m.total / MIB:.0f} (step {m.step / MIB:.0f}, host {m.host / MIB:.0f}); load {attempt.load[0]:.0f}")
+            f"{m.total / MIB:.0f} (step {attempt.planner['step'] / MIB:.0f}, host {m.host / MIB:.0f}); load "
+            f"{attempt.load[0]:.0f}")
     else:
         log(f"    S={seq_len:>6}: FAIL {attempt.wall_s:4.0f} s {attempt.reason}: {attempt.detail[:140]}")
     return attempt
@@ -353,7 +371,8 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
         f"lengths in multiples of {meta['step']}; offloaded activations in /dev/shm (outside the limit, as host "
         "memory). Planner: `longest_context` with the budget + its own after-build states, same mesh/ZeRO-3/"
         "checkpointing, `offload_in_flight=0` (CPU copies are synchronous). allocated = live tensors after the "
-        "build + the step's profiler peak, host copies excluded.", "",
+        "build + the step's profiler peak, host copies excluded; the planner's step includes the gathered ZeRO-3 "
+        "parameters (allocated during the step). Planner numbers are recomputed with the current planner.", "",
         "| V | L | budget MiB | techniques | measured longest S | planner longest S | planner error | attempts | allocated MiB at "
         "the longest (init + step) | planner MiB (total / step, peak phase) | host MiB (measured / planner) | "
         "step s |",
@@ -364,6 +383,8 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
         lines[-3] += (f" Rows marked (log) were rebuilt from the log of the first run, 07:39-07:58 UTC "
                       f"({', '.join(logs)}; it stopped later on a half-written rank report, now skipped): "
                       "MiB rounded, no step times.")
+    fixed = [r for r in rows if r.get("at")]
+    rows = [r for r in rows if not r.get("at")]
     for r in rows:
         head = f"| {r['vocab']:,} | {r['layers']} | {r['budget_total'] / MIB:,.0f} |"
         if r.get("not_available"):
@@ -385,6 +406,24 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
             f"({_mib(w['init_alloc_end'])} + {_mib(w['step_alloc_peak'])}) | {_mib(p['total'])} / {_mib(p['step'])}, "
             f"{p['peak_phase']} | {_mib(w['host_bytes'])} / {_mib(p['host'])} | "
             f"{'-' if w.get('step_s') is None else format(w['step_s'], '.1f')} |")
+    if fixed:
+        lines += ["", "### At a fixed length (one attempt each, no search): what the step allocates", "",
+                  "| V | L | budget MiB | S | techniques | result | step allocated MiB (measured / planner, error) | "
+                  "whole rank MiB (measured / planner) | host MiB (measured / planner) | step s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in fixed:
+            head = f"| {r['vocab']:,} | {r['layers']} | {r['budget_total'] / MIB:,.0f} | {r['at']:,} | {_name(r['techniques'])} |"
+            if r.get("not_available"):
+                lines.append(f"{head} not available ({', '.join(r['not_available'])}) | | | | |")
+                continue
+            a = r["attempt_list"][0]
+            w, p = a["worst"], a["planner"]
+            if not a["ok"]:
+                lines.append(f"{head} **{a['reason']}** | - / {_mib(p['step'])} | - / {_mib(p['total'])} | | |")
+                continue
+            lines.append(f"{head} ok | {_mib(w['step_alloc_peak'])} / {_mib(p['step'])} "
+                         f"({p['step'] / w['step_alloc_peak'] - 1:+.0%}) | {_mib(w['alloc_peak'])} / {_mib(p['total'])} | "
+                         f"{_mib(w['host_bytes'])} / {_mib(p['host'])} | {w['step_s']:.0f} |")
     lines += ["", "### Every attempt", "", "| V | L | techniques | S | result | wall s | allocated MiB (step) | "
               "planner MiB (step) | host MiB | load before/after |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -428,8 +467,7 @@ def rows_from_log(path: Path) -> list[dict]:
             else:
                 seq_len, wall, reason, detail = match_fail.groups()
                 attempt = Attempt(int(seq_len), False, reason, detail, wall_s=int(wall), load=[float("nan")] * 2)
-            m = planner_memory(row["vocab"], row["layers"], row["techniques"], attempt.seq_len)
-            attempt.planner = {"total": m.total, "step": m.step, "host": m.host, "peak_phase": m.peak_phase}
+            attempt.planner = planner_row(row["vocab"], row["layers"], row["techniques"], attempt.seq_len)
             row["attempt_list"].append(attempt.__dict__)
         elif line.strip().startswith("measured") and row is not None:
             row["longest"] = int(line.split()[1].replace(",", ""))
@@ -459,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in the results file (a row measured again replaces its old one)")
     parser.add_argument("--max-attempts", type=int, default=8, help="attempts per row (the search stops there)")
+    parser.add_argument("--at", type=int, help="no search: one attempt per row at this length (memory side by side)")
     parser.add_argument("--from-log", type=Path, help="add the rows of a run's log (see rows_from_log); with no "
                                                       "--rows nothing is measured")
     args = parser.parse_args(argv)
@@ -471,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     previous = json.loads((out / "results_ablation_cpu.json").read_text()) if args.append and (
         out / "results_ablation_cpu.json").exists() else {"rows": [], "runs": []}
-    results = list(previous["rows"])
+    results = [replan(row, args.granularity) for row in previous["rows"]]
     runs = previous.get("runs", [])
     run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": "python benchmarks/bench_ablation.py" + (f" {' '.join(argv)}" if argv else ""),
@@ -492,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
 
     for logged in rows_from_log(args.from_log) if args.from_log else []:
-        keep(logged)
+        keep(replan(logged, args.granularity))
     for vocab, layers, budget_mib, techniques in rows:
         budget = budget_mib * MIB // WORLD
         predicted = planner_longest(vocab, layers, techniques, budget, args.granularity)
@@ -502,7 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"V={vocab} L={layers} budget {budget_mib} MiB {_name(techniques)}: planner {predicted:,}"
             + (f"; not available ({', '.join(missing)})" if missing else ""))
         if missing:
-            keep({**row, "not_available": missing})
+            keep({**row, "not_available": missing, **({"at": args.at} if args.at else {})})
+            continue
+        if args.at:
+            attempt = run_attempt(vocab, layers, techniques, args.at, budget, args.timeout, log)
+            keep({**row, "at": args.at, "attempt_list": [attempt.__dict__]})
             continue
         longest, attempts, complete = search(vocab, layers, techniques, budget, args.granularity, predicted, log,
                                              args.timeout, args.max_attempts)

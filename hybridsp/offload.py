@@ -75,8 +75,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
 class _Saved:
     """One marked input: on the device until offloaded, then on host until restored.
 
-    ``previous`` is the input offloaded just before this one (the next one the backward needs),
-    for the prefetch; a handle owns its host copy, so a graph that is never backwarded frees
+    ``previous`` is the marked input saved just before this one (the next one the backward
+    needs), for the prefetch; a handle owns its host copy, so a graph that is never backwarded frees
     everything with its saved tensors."""
 
     __slots__ = ("owner", "device_tensor", "host", "event", "prefetched", "previous", "__weakref__")
@@ -130,8 +130,8 @@ class _Saved:
             current.wait_event(self.event)
             restored.record_stream(current)
         self.owner.stats.restored_tensors += 1
-        if self.previous is not None and self.owner.prefetch:
-            self.previous.prefetch()
+        if self.previous is not None and self.owner.prefetch and self.owner.stream is not None:
+            self.previous.prefetch()  # on CPU the copy is synchronous: prefetching would only hold memory
         return restored
 
 
@@ -175,7 +175,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._handles += [layer.register_forward_hook(self._unmark, with_kwargs=True) for layer in self.layers]
         self._marked: list[torch.Tensor] = []
         self._kept: list[_Saved] = []
-        self._last_offloaded: _Saved | None = None
+        self._last_saved: _Saved | None = None
         self._active = False
         self.stream = None
         self.device = torch.device("cpu")
@@ -221,12 +221,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if tensor.device.type == "cuda" and self.stream is None:
             self.stream, self.device = torch.cuda.Stream(tensor.device), tensor.device
         self.device = tensor.device
-        handle = _Saved(self, tensor, self._last_offloaded)
+        handle = _Saved(self, tensor, self._last_saved)
+        self._last_saved = handle
         self._kept.append(handle)
         while len(self._kept) > self.keep_last:
-            oldest = self._kept.pop(0)
-            oldest.offload()
-            self._last_offloaded = oldest
+            self._kept.pop(0).offload()
         return handle
 
     @staticmethod
@@ -239,7 +238,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if not self.enabled:
             return self
         self.stats = OffloadStats()
-        self._marked, self._kept, self._last_offloaded = [], [], None
+        self._marked, self._kept, self._last_saved = [], [], None
         self._active = True
         super().__enter__()
         return self
@@ -249,7 +248,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return False
         self._active = False
         self.stats.kept_tensors += len(self._kept)
-        self._marked, self._kept = [], []
+        self._marked, self._kept, self._last_saved = [], [], None
         super().__exit__(*exc)
         return False
 

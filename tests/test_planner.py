@@ -133,7 +133,8 @@ def test_activation_bytes_hand_computed():
     assert memory.logits == tokens * 100 * (2 + 12)  # bf16 logits, fp32 log-softmax, two fp32 gradients
     ckpt = memory_use(SMALL, workload, MeshConfig(1, 2, 2, zero_stage=3, checkpointing=True))
     assert ckpt.checkpoints == 2 * tokens * 32 * 2  # every layer's input [T, h]
-    assert dict(ckpt.phases)["loss"] == tokens * outside + ckpt.logits  # nothing inside the layers yet
+    head_grad = 100 * 32 * 2  # the LM head's weight gradient appears while the logits' gradients live
+    assert dict(ckpt.phases)["loss"] == tokens * outside + ckpt.logits + head_grad  # nothing inside the layers yet
     chunked = memory_use(SMALL, Workload(4096, chunked_loss=True), config)
     assert dict(chunked.phases)["loss"] - tokens * (2 * layer + outside) == 1024 * 100 * 8 + 100 * 32 * 4 + tokens * 32 * 2
 
@@ -197,6 +198,13 @@ def test_offload_moves_states_and_checkpoints_to_host():
     assert checkpoint_bytes(deep, offload, MeshConfig(1, 2, 2, checkpointing=False)) == (0, 0)
     memory = memory_use(deep, offload, MeshConfig(1, 2, 2, zero_stage=3, checkpointing=True))
     assert memory.host_activations == 9 * one and memory.host == 9 * one
+    from hybridsp.planner.memory import staged_gradient_bytes
+
+    # gradients before ZeRO reduces them: the whole model with checkpointing, LM head + a layer without
+    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * deep.total_params
+    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, False)) == 2 * (
+        deep.embedding_params + deep.layer_params)
+    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 1, True)) == 0  # full gradients are states
     assert memory.total == (memory.model_states + memory.engine_state + memory.checkpoints + memory.activations
                             + memory.logits + memory.workspace)
 

@@ -41,13 +41,16 @@ Transients
     MLP backward: t x 2 I e gradients (t = T untiled); tiled: t x 6 I e (the tile's recomputed
         intermediate and its gradients), t = mlp_tile (default h tokens).
     gradient flowing between layers: T h e.
+    gradients awaiting ZeRO's reduction (ZeRO >= 2, backward phases): e x min(Psi (with
+        checkpointing) or V h + one layer (without), reduce_bucket); at the loss phase the LM head's weight gradient, V h e (the fused loss
+        counts its own fp32 one).
 
 Peak = persistent + checkpoints + the largest phase (checkpointing keeps nothing inside the
 layers until the backward recomputes one; without it all L layers' A stay until their own
 backward):
-    loss:               [no checkpointing] L A + G + loss
-    MLP backward:       layers + T h e + MLP transient
-    attention backward: layers - MLP region + T h e + attention workspace
+    loss:               [no checkpointing] L A + G + loss + V h e
+    MLP backward:       layers + T h e + MLP transient + staged gradients
+    attention backward: layers - MLP region + T h e + attention workspace + staged gradients
 with layers = L A (no checkpointing) or A (one layer recomputed). Forward-only keeps one
 layer: T (A + 2 h e) + loss + workspace. The peak's parts are reported as ``activations``
 (saved), ``logits`` (the loss, when the loss phase is the peak) and ``workspace``.
@@ -253,11 +256,30 @@ def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tu
     loss = loss_bytes(model, workload, config)
     mlp, attention = mlp_transient_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)
     at_loss = 0 if config.checkpointing else layers  # checkpointed layers keep nothing inside until recomputed
+    staged = staged_gradient_bytes(model, workload, config)
+    head_grad = 0 if workload.fused_loss else model.vocab_size * model.hidden_size * e
     return [
-        ("loss", at_loss + outside + loss, at_loss + outside, loss, 0),
-        ("mlp backward", layers + flow + mlp, layers + flow, 0, mlp),
-        ("attention backward", layers - mlp_region + flow + attention, layers - mlp_region + flow, 0, attention),
+        ("loss", at_loss + outside + loss + head_grad, at_loss + outside, loss, head_grad),
+        ("mlp backward", layers + flow + mlp + staged, layers + flow, 0, mlp + staged),
+        ("attention backward", layers - mlp_region + flow + attention + staged, layers - mlp_region + flow, 0,
+         attention + staged),
     ]
+
+
+def staged_gradient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
+    """Full-size gradients produced in the backward before ZeRO (>= 2) reduces and partitions
+    them, up to ``reduce_bucket`` elements of e. With checkpointing the recomputed layer's
+    activations do not shrink while gradients pile up, so the worst is the end of the backward
+    (the whole model; measured: a 9.9M-parameter model at L=16 holds ~40 MB of them in fp32);
+    without it the worst is the first layer's backward (the LM head's and one layer's)."""
+    if config.zero_stage < 2:
+        return 0
+    if config.checkpointing:
+        elements = model.total_params
+    else:
+        head = model.embedding_params
+        elements = head + model.layer_params
+    return workload.dtype_bytes * min(elements, workload.techniques.reduce_bucket)
 
 
 def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> MemoryUse:
