@@ -136,7 +136,7 @@ def attempt_rank(rank: int, world: int, seq_len: int, vocab: int, layers: int, t
 def _step(train, engine, mesh, windows, techniques, offload) -> float:
     """train.train_step, or its fused-loss variant (hidden states -> hybridsp.fused_cross_entropy)."""
     if "fused_loss" not in techniques:
-        return train.train_step(engine, mesh, windows, 0, 1, 1, offload)
+        return train.train_step(engine, mesh, windows, 0, 1, 1, offload=offload)
     import hybridsp
 
     local = hybridsp.shard_batch({"input_ids": windows.batch(0, 1), "labels": windows.batch(0, 1)}, mesh)

@@ -133,7 +133,7 @@ def activation_offload(args: argparse.Namespace, model: torch.nn.Module):
 
 
 def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int, accumulation: int,
-               offload=None) -> float:
+               *, offload=None) -> float:
     """One optimizer step over ``accumulation`` micro-batches; returns the mean loss. ``offload``:
     a context around each forward (:func:`activation_offload`)."""
     import contextlib
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
         started = time.perf_counter()
-        loss = _mean_over_replicas(train_step(engine, mesh, windows, step, micro_batch, accumulation, offload), mesh)
+        loss = _mean_over_replicas(train_step(engine, mesh, windows, step, micro_batch, accumulation, offload=offload), mesh)
         seconds = time.perf_counter() - started
         tokens_per_s = args.seq_len * micro_batch * accumulation * mesh.dp / seconds
         row = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s,
