@@ -493,7 +493,7 @@ def planner_memory(ulysses: int, ring: int, world: int, seq_len: int) -> dict:
     use = memory_use(example_model_spec(), Workload(seq_len, dtype_bytes=4),
                      MeshConfig(world // (ulysses * ring), ulysses, ring, zero_stage=3, checkpointing=False))
     row = asdict(use)
-    row.update(model_states=use.model_states, step=use.activations + use.logits + use.workspace, total=use.total)
+    row.update(model_states=use.model_states, step=use.step, total=use.total)
     return row
 
 

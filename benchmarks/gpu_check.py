@@ -11,6 +11,10 @@
    schedules (every rank's blocks, run one after another in this one process, merged by
    LSE) against one kernel call on the full sequence, forward+backward, as a time ratio.
    A ratio near 1 means blocking and merging cost nothing beyond the kernel itself.
+3. Activation-checkpoint offload (``hybridsp.offload_activations``): a Llama with HF
+   activation checkpointing, one training forward + backward with and without offload: the
+   loss and gradients must be identical, and the peak memory must drop by about the bytes
+   offloaded (pinned host buffers, side stream); step times side by side (overlap).
 Without CUDA it runs the same code on the CPU ``torch`` backend (small sizes), so the
 script itself is tested anywhere. Writes ``gpu_check.json`` and ``gpu_check.md`` to --out.
 """
@@ -18,6 +22,7 @@ script itself is tested anywhere. Writes ``gpu_check.json`` and ``gpu_check.md``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -123,6 +128,64 @@ def ring_blocking_cost(device, backend: str, quick: bool) -> list[dict]:
     return rows
 
 
+def _offload_model(device, quick: bool):
+    """A Llama with non-reentrant activation checkpointing: (model, input ids, dtype)."""
+    import transformers
+
+    small = quick or device.type == "cpu"
+    config = transformers.LlamaConfig(
+        vocab_size=512 if small else 32000, hidden_size=64 if small else 2048,
+        intermediate_size=128 if small else 5632, num_hidden_layers=4 if small else 16,
+        num_attention_heads=4 if small else 16, num_key_value_heads=2 if small else 4,
+        max_position_embeddings=16384, attn_implementation="sdpa")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seq = 256 if small else 16384
+    ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, ids, dtype
+
+
+def activation_offload_check(device, quick: bool) -> dict:
+    """Loss, gradients, peak memory and time of one fwd+bwd with and without activation offload."""
+    from hybridsp import offload_activations
+
+    model, ids, dtype = _offload_model(device, quick)
+    offload = offload_activations(model)
+
+    def step(use_offload: bool):
+        model.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        start = time.perf_counter()
+        with offload if use_offload else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        _synchronize(device)
+        seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+        return loss.detach().float().item(), [p.grad.detach().clone() for p in model.parameters()], peak, seconds
+
+    rows = {}
+    for name, use in (("checkpointing", False), ("offload", True), ("checkpointing ", False), ("offload ", True)):
+        rows.setdefault(name.strip(), []).append(step(use))  # interleaved, twice each (the first warms up)
+    plain, offloaded = rows["checkpointing"][-1], rows["offload"][-1]
+    grad_diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(plain[1], offloaded[1]))
+    stats, layers = dict(vars(offload.stats)), len(offload.layers)
+    saved = None if plain[2] is None else plain[2] - offloaded[2]
+    offload.remove()
+    # On CUDA the peak should drop by about what went to host, less the copies in flight (2 layer inputs)
+    expected = stats["offloaded_bytes"] * (stats["offloaded_tensors"] - 2) / max(1, stats["offloaded_tensors"])
+    return {"device": str(device), "dtype": str(dtype), "seq_len": ids.shape[1], "layers": layers,
+            "loss": [plain[0], offloaded[0]], "max_grad_diff": grad_diff, "stats": stats,
+            "peak_bytes": [plain[2], offloaded[2]], "peak_saved_bytes": saved,
+            "seconds": [plain[3], offloaded[3]],
+            "ok": plain[0] == offloaded[0] and grad_diff == 0.0 and (saved is None or saved >= 0.8 * expected)}
+
+
 def _markdown(report: dict) -> str:
     lines = [f"# GPU check ({report['device']}, {report['date']})", "", "## Correctness (rel. error vs fp32 reference)", "",
              "| backend | dtype | causal | kv heads | out, dq, dk, dv | same-dtype math | ok |", "|---|---|---|---|---|---|---|"]
@@ -134,6 +197,16 @@ def _markdown(report: dict) -> str:
               "| backend | S | R | one call s | R-way blocks s | ratio |", "|---|---|---|---|---|---|"]
     for r in report["blocking"]:
         lines.append(f"| {r['backend']} | {r['seq_len']} | {r['ring']} | {r['single_s']:.4f} | {r['blocked_s']:.4f} | {r['ratio']:.3f} |")
+    if "offload" in report:
+        o, mib = report["offload"], lambda v: "-" if v is None else f"{v / 2**20:,.0f}"
+        lines += ["", "## Activation-checkpoint offload (one fwd+bwd, HF Llama, checkpointing on)", "",
+                  "| device | dtype | S | loss (ckpt / offload) | max grad diff | offloaded tensors / MiB | "
+                  "peak MiB (ckpt / offload) | peak saved MiB | seconds (ckpt / offload) | ok |",
+                  "|---|---|---|---|---|---|---|---|---|---|",
+                  f"| {o['device']} | {o['dtype']} | {o['seq_len']} | {o['loss'][0]:.6f} / {o['loss'][1]:.6f} | "
+                  f"{o['max_grad_diff']:.1e} | {o['stats']['offloaded_tensors']} / {mib(o['stats']['offloaded_bytes'])} | "
+                  f"{mib(o['peak_bytes'][0])} / {mib(o['peak_bytes'][1])} | {mib(o['peak_saved_bytes'])} | "
+                  f"{o['seconds'][0]:.3f} / {o['seconds'][1]:.3f} | {o['ok']} |"]
     return "\n".join(lines) + "\n"
 
 
@@ -151,7 +224,8 @@ def main() -> None:
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "correctness": correctness(device, backends, args.quick or device.type == "cpu"),
-              "blocking": ring_blocking_cost(device, backends[0], args.quick or device.type == "cpu")}
+              "blocking": ring_blocking_cost(device, backends[0], args.quick or device.type == "cpu"),
+              "offload": activation_offload_check(device, args.quick)}
     if "flash" in backends:
         try:
             get_kernel("flash").forward(*_inputs(1, 16, 2, 2, 64, torch.float32, device)[:3], causal=False, softmax_scale=0.1)
@@ -165,6 +239,8 @@ def main() -> None:
     print(_markdown(report))
     if not all(r["ok"] for r in report["correctness"]):
         raise SystemExit("a backend exceeded twice the same-dtype rounding error")
+    if not report["offload"]["ok"]:
+        raise SystemExit("activation offload changed the results or did not lower the peak memory")
 
 
 if __name__ == "__main__":

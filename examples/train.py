@@ -68,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--offload-activations", action="store_true",
+                        help="keep the checkpointed layers' inputs in host memory (needs --activation-checkpointing)")
     parser.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
     parser.add_argument("--pack", action="store_true",
                         help="packed documents: every blank-line-separated block of a window is its own document "
@@ -171,10 +173,24 @@ def packed_position_ids(tokens: torch.Tensor, separator: torch.Tensor) -> torch.
     return index - last_start  # [b, S]
 
 
+def activation_offload(args: argparse.Namespace, model: torch.nn.Module):
+    """``--offload-activations``: hybridsp's offload hooks on the checkpointed layers (a no-op
+    context without the flag)."""
+    from hybridsp import offload_activations
+
+    if args.offload_activations and not args.activation_checkpointing:
+        raise RunConfigError("--offload-activations needs --activation-checkpointing (it offloads the checkpointed "
+                         "layers' inputs)")
+    return offload_activations(model, enabled=args.offload_activations)
+
+
 def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int, accumulation: int,
-               separator: torch.Tensor | None = None) -> float:
+               separator: torch.Tensor | None = None, *, offload=None) -> float:
     """One optimizer step over ``accumulation`` micro-batches; returns the mean loss.
-    ``separator``: pack documents split at these token ids (``--pack``)."""
+    ``separator``: pack documents split at these token ids (``--pack``); ``offload``: a context
+    around each forward (:func:`activation_offload`)."""
+    import contextlib
+
     from hybridsp import shard_batch, sharded_cross_entropy
 
     losses = []
@@ -186,8 +202,9 @@ def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int,
         if separator is not None:
             batch["position_ids"] = packed_position_ids(tokens, separator)  # [b, S]
         local = {k: v.to(engine.device) for k, v in shard_batch(batch, mesh).items()}
-        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
-        loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
+        with offload if offload is not None else contextlib.nullcontext():
+            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+            loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -256,6 +273,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
         ckpt.convert_to_universal(resume)
         config.setdefault("checkpoint", {})["load_universal"] = True
     engine, _, mesh, _ = initialize(model, config, ulysses=args.ulysses, ring=args.ring, backend=args.backend)
+    offload = activation_offload(args, engine.module)
     start_step = _load(engine, resume)
     dist.barrier()  # Note [first step]: every rank has finished building before the first timed step
     rank0 = dist.get_rank() == 0
@@ -269,7 +287,8 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
         started = time.perf_counter()
-        loss = _mean_over_replicas(train_step(engine, mesh, windows, step, micro_batch, accumulation, separator), mesh)
+        loss = _mean_over_replicas(
+            train_step(engine, mesh, windows, step, micro_batch, accumulation, separator, offload=offload), mesh)
         seconds = time.perf_counter() - started
         _check_finite(loss, step)
         tokens_per_s = args.seq_len * micro_batch * accumulation * mesh.dp / seconds

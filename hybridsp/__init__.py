@@ -5,9 +5,11 @@ from hybridsp.batch import ShardedDataLoader, shard_batch
 from hybridsp.comm import CommCounter
 from hybridsp.loss import sharded_cross_entropy
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
+from hybridsp.offload import ActivationOffload, offload_activations
 from hybridsp.ring import ring_attention
 
 __all__ = [
+    "ActivationOffload",
     "CommCounter",
     "HybridAttention",
     "HybridMesh",
@@ -16,6 +18,7 @@ __all__ = [
     "gather_sequence",
     "hybrid_attn_func",
     "init_mesh",
+    "offload_activations",
     "ring_attention",
     "shard_batch",
     "shard_sequence",

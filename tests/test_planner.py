@@ -1,6 +1,7 @@
 """The planner's arithmetic against hand-computed cases, its choices, the CLI and plan_degrees."""
 
 import json
+from pathlib import Path
 import random
 
 import pytest
@@ -12,7 +13,8 @@ from hybridsp.planner import (
     MODELS, ClusterSpec, MeshConfig, ModelSpec, SearchSpace, Workload, comm_volume, evaluate, flops_per_rank,
     longest_context, memory_use, mesh_topology, plan, plan_degrees, preset_cluster,
 )
-from hybridsp.planner.costs import layer_activation_bytes_per_token, model_state_bytes, zero_bytes
+from hybridsp.planner.costs import zero_bytes
+from hybridsp.planner.memory import layer_activation_bytes_per_token, model_state_bytes
 from hybridsp.planner.specs import GIB
 
 # h=32, H=4, Hkv=2, D=8, I=64, L=2, V=100
@@ -113,17 +115,186 @@ def test_model_states_by_zero_stage():
 
 def test_activation_bytes_hand_computed():
     llama = MODELS["llama3-8b"]
-    assert layer_activation_bytes_per_token(llama, 8, 2) == 2 * (4 * 4096 + 3 * 4096 + 2 * 1024 + 4 * 14336) + 128 + 8
+    norm = (4 + 2 * 2) * 4096 + 4  # HF RMSNorm: fp32 x, normalised x and output in bf16, fp32 rstd
+    attention = 2 * (2 * 4096 + 2 * 1024) + 2 * 4096 + 4 * 32  # q, k, v (Hkv'=8 at U=8), out; o_proj input; LSE
+    mlp = 2 * 4 * 14336
+    assert layer_activation_bytes_per_token(llama, 8, 2) == 2 * norm + attention + mlp
+    assert layer_activation_bytes_per_token(llama, 8, 2, tiled_mlp=True) == 2 * norm + attention
     # U=16 doubles K/V heads (8 -> 16): 2 more x 1024 x 2 bytes per K and V
     assert layer_activation_bytes_per_token(llama, 16, 2) - layer_activation_bytes_per_token(llama, 8, 2) == 2 * 2048
+    # U=1: the o_proj input is a view of the kernel output
+    assert layer_activation_bytes_per_token(llama, 8, 2) - layer_activation_bytes_per_token(llama, 1, 2) == 2 * 4096
     workload, config = Workload(4096), MeshConfig(1, 2, 2, zero_stage=3)
     layer, tokens = layer_activation_bytes_per_token(SMALL, 2, 2), 1024
+    outside = (4 + 2 * 2) * 32 + 4 + 2 * 8 * 2 + 16  # final norm, RoPE cos/sin, ids + labels
     memory = memory_use(SMALL, workload, config)
-    assert memory.activations == tokens * (2 * layer + 2 * 32 * 2 + 4)
-    assert memory.logits == tokens * 100 * 6
+    assert memory.peak_phase == "loss" and memory.checkpoints == 0
+    assert memory.activations == tokens * (2 * layer + outside)
+    assert memory.logits == tokens * 100 * (2 + 12)  # bf16 logits, fp32 log-softmax, two fp32 gradients
     ckpt = memory_use(SMALL, workload, MeshConfig(1, 2, 2, zero_stage=3, checkpointing=True))
-    assert ckpt.activations == tokens * (2 * 32 * 2 + layer + 2 * 32 * 2 + 4)
-    assert memory_use(SMALL, Workload(4096, chunked_loss=True), config).logits == 0
+    assert ckpt.checkpoints == 2 * tokens * 32 * 2  # every layer's input [T, h]
+    head_grad = 100 * 32 * 2  # the LM head's weight gradient appears while the logits' gradients live
+    assert dict(ckpt.phases)["loss"] == tokens * outside + ckpt.logits + head_grad  # nothing inside the layers yet
+    chunked = memory_use(SMALL, Workload(4096, chunked_loss=True), config)
+    assert dict(chunked.phases)["loss"] - tokens * (2 * layer + outside) == 1024 * 100 * 8 + 100 * 32 * 4 + tokens * 32 * 2
+
+
+# Measured in benchmarks/results_longest_context.md (examples/train.py's model, fp32, ZeRO-3 on CPU):
+# what autograd saved per local token, walking the graph of one forward at S=2,048.
+EXAMPLE = ModelSpec(num_heads=8, num_kv_heads=4, head_dim=32, hidden_size=256, intermediate_size=640, num_layers=4,
+                    vocab_size=256, tied_embeddings=True, name="examples/train.py default")
+MEASURED_SAVED_PER_TOKEN = {1: 82_356, 2: 86_452}  # U=1 (w1), U=2 (cp4)
+
+
+def test_saved_activations_equal_the_measured_breakdown():
+    from hybridsp.planner.memory import outside_layers_bytes_per_token
+
+    for ulysses, measured in MEASURED_SAVED_PER_TOKEN.items():
+        layers = EXAMPLE.num_layers * layer_activation_bytes_per_token(EXAMPLE, ulysses, 4)
+        log_softmax = EXAMPLE.vocab_size * 4  # saved by the loss (counted in the loss term)
+        assert layers + outside_layers_bytes_per_token(EXAMPLE, 4) + log_softmax == measured
+
+
+def _measured_attempts():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results_longest_context.json"
+    for config in json.loads(path.read_text())["configs"]:
+        for attempt in config["attempt_list"]:
+            if attempt["ok"]:
+                yield config, attempt["seq_len"], attempt["worst"]
+
+
+def test_memory_within_10_percent_of_every_measured_step():
+    """Every successful attempt of bench_longest_context (w1, cp2, cp4, cp8; 6K-12K tokens): the
+    planner's step memory vs torch's allocated peak of the step, and its whole rank (ZeRO-3 fp32
+    states + DeepSpeed's 5e7-element gradient bucket + step) vs the engine's live tensors + step."""
+    attempts = list(_measured_attempts())
+    assert len(attempts) == 13
+    for config, seq_len, measured in attempts:
+        memory = memory_use(EXAMPLE, Workload(seq_len, dtype_bytes=4),
+                            MeshConfig(1, config["ulysses"], config["ring"], zero_stage=3))
+        assert memory.engine_state == 50_000_000 * 4
+        step_error = memory.step / measured["step_alloc_peak"] - 1
+        total_error = memory.total / measured["alloc_peak"] - 1
+        assert abs(step_error) < 0.10 and abs(total_error) < 0.10, (config["config"], seq_len, step_error, total_error)
+
+
+def test_offload_moves_states_and_checkpoints_to_host():
+    from hybridsp.planner import Techniques
+    from hybridsp.planner.memory import checkpoint_bytes, host_state_bytes
+
+    psi, n = SMALL.total_params, 4
+    assert model_state_bytes(SMALL, 3, n, False, 2, optimizer_offload=True) == (
+        2 * psi // n, 0, 0, 4 * max(SMALL.layer_params, SMALL.embedding_params))
+    assert model_state_bytes(SMALL, 3, n, False, 2, optimizer_offload=True, param_offload=True)[0] == 0
+    assert model_state_bytes(SMALL, 0, n, False, 2, optimizer_offload=True)[2] == 12 * psi  # ZeRO-0: no offload
+    both = Workload(4096, techniques=Techniques(optimizer_offload=True, param_offload=True))
+    assert host_state_bytes(SMALL, both, MeshConfig(1, 2, 2, zero_stage=3)) == (16 * psi // n, 2 * psi // n)
+    assert host_state_bytes(SMALL, both, MeshConfig(1, 2, 2, zero_stage=2)) == (16 * psi // n, 0)
+    one = 1024 * 32 * 2  # T h e
+    offload = Workload(4096, techniques=Techniques(activation_offload=True))
+    assert checkpoint_bytes(SMALL, offload, MeshConfig(1, 2, 2, checkpointing=True)) == (2 * one, 1 * one)  # L=2
+    deep = ModelSpec(4, 2, 8, 32, 64, num_layers=10, vocab_size=100)
+    assert checkpoint_bytes(deep, offload, MeshConfig(1, 2, 2, checkpointing=True)) == (3 * one, 9 * one)
+    assert checkpoint_bytes(deep, offload, MeshConfig(1, 2, 2, checkpointing=False)) == (0, 0)
+    memory = memory_use(deep, offload, MeshConfig(1, 2, 2, zero_stage=3, checkpointing=True))
+    assert memory.host_activations == 9 * one and memory.host == 9 * one
+    from hybridsp.planner.memory import staged_gradient_bytes
+
+    # gradients before ZeRO reduces them: the whole model with checkpointing, LM head + a layer without
+    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * deep.total_params
+    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, False)) == 2 * (
+        deep.embedding_params + deep.layer_params)
+    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 1, True)) == 0  # full gradients are states
+    assert memory.total == (memory.model_states + memory.engine_state + memory.checkpoints + memory.activations
+                            + memory.logits + memory.workspace)
+
+
+def test_tiled_mlp_and_fused_loss_terms():
+    from hybridsp.planner import Techniques
+    from hybridsp.planner.memory import loss_bytes, mlp_transient_bytes
+
+    config, tokens = MeshConfig(1, 2, 2), 1024
+    assert mlp_transient_bytes(SMALL, Workload(4096), config) == tokens * 2 * 64 * 2
+    tiled = Workload(4096, techniques=Techniques(tiled_mlp=True))
+    assert mlp_transient_bytes(SMALL, tiled, config) == 32 * 6 * 64 * 2  # a tile of h = 32 tokens
+    assert mlp_transient_bytes(SMALL, Workload(4096, techniques=Techniques(tiled_mlp=True, mlp_tile=100)),
+                               config) == 100 * 6 * 64 * 2
+    fused = Workload(4096, techniques=Techniques(fused_loss=True, loss_chunk=256))
+    assert loss_bytes(SMALL, fused, config) == 256 * 100 * 8 + 100 * 32 * 4 + tokens * 32 * 2
+    assert loss_bytes(SMALL, Workload(4096), config) == tokens * 100 * 14
+
+
+def test_host_memory_bounds_activation_offload():
+    from hybridsp.planner import Techniques
+
+    model, everything = MODELS["llama3-8b"], Techniques(fused_loss=True, tiled_mlp=True, activation_offload=True)
+    roomy = longest_context(model, preset_cluster("h100", 1, 8), granularity=65536, techniques=everything)
+    small = longest_context(model, preset_cluster("h100", 1, 8, host_memory_bytes=64 * GIB), granularity=65536,
+                            techniques=everything)
+    assert small.seq_len < roomy.seq_len
+    best = small.result.recommended
+    assert best.memory.host <= 64 * GIB / 8 and best.fits
+
+
+def test_activation_offload_exposes_slow_pcie():
+    from hybridsp.planner import Techniques, step_timing
+
+    model, workload = MODELS["llama3-8b"], Workload(262144, techniques=Techniques(activation_offload=True))
+    config = MeshConfig(1, 8, 1, zero_stage=3, checkpointing=True)
+    topology = mesh_topology(config, 8)
+    fast = step_timing(model, workload, config, topology, preset_cluster("h100", 1, 8))
+    assert fast.offload_s == 0 and fast.host_traffic_bytes == 2 * 31 * 32768 * 4096 * 2
+    slow = step_timing(model, workload, config, topology, preset_cluster("h100", 1, 8, host_bw=1e8))
+    copy = 32768 * 4096 * 2 / 1e8
+    assert slow.offload_s > 31 * copy  # each copy exceeds its layer's forward compute
+    assert slow.step_s == pytest.approx(slow.compute_s + slow.exposed_comm_s + slow.offload_s)
+
+
+def test_kv_all_gather_mode_is_not_available_yet():
+    from hybridsp.planner import Techniques
+
+    with pytest.raises(ValueError, match="not built yet"):
+        Techniques(kv_mode="allgather")
+    with pytest.raises(ValueError, match="unknown K/V mode"):
+        Techniques(kv_mode="tree")
+
+
+ABLATION_COMMAND = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8",
+                    "--longest-context", "--ablation", "--json"]
+
+
+def test_ablation_contract(capsys):
+    assert main(ABLATION_COMMAND) == 0
+    output = capsys.readouterr().out
+    assert output.count("\n") == 1  # one JSON object on one line
+    rows = json.loads(output)["ablation"]
+    assert [row["techniques"] for row in rows] == [
+        [], ["fused_loss"], ["fused_loss", "tiled_mlp"], ["fused_loss", "tiled_mlp", "activation_offload"],
+        ["fused_loss", "tiled_mlp", "activation_offload", "optimizer_offload"]]
+    lengths = [row["longest_context"] for row in rows]
+    assert lengths == sorted(lengths) and lengths[0] > 0
+    assert lengths[-1] > 3_700_000  # Arctic long-sequence training's 3.7M on 8 H100
+    for row in rows:
+        assert set(row) >= {"techniques", "longest_context", "dp", "ulysses", "ring"}
+        assert row["dp"] * row["ulysses"] * row["ring"] == 8
+        memory = row["memory"]
+        terms = ("params", "grads", "optimizer", "gathered_params", "engine_state", "checkpoints", "activations",
+                 "logits", "workspace")
+        assert sum(memory[term] for term in terms) == memory["total"] <= row["usable_bytes"]
+        assert memory["host"] <= row["host_usable_bytes"]
+    last = rows[-1]["memory"]
+    assert last["host_activations"] > 0 and last["host_optimizer"] > 0 and last["optimizer"] == 0
+
+
+def test_ablation_honours_fixed_degrees_and_prints_a_table(capsys):
+    assert main(ABLATION_COMMAND + ["--ulysses", "2", "--ring", "4"]) == 0
+    rows = json.loads(capsys.readouterr().out)["ablation"]
+    assert all((row["dp"], row["ulysses"], row["ring"]) == (1, 2, 4) for row in rows)
+    assert main(ABLATION_COMMAND[:-1]) == 0
+    table = capsys.readouterr().out
+    assert "| none |" in table and "optimizer_offload" in table and "host GiB per GPU" in table
+    with pytest.raises(SystemExit, match="needs --longest-context"):
+        main(["plan", "--model", "llama3-8b", "--ablation"])
 
 
 # ----------------------------------------------------------------------------- links and timing

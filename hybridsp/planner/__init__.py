@@ -45,39 +45,41 @@ Links (rank order ``rank = (dp R + r) U + u``, Ulysses innermost; node = rank //
         compute (stages 0-2), stage 3's traffic the whole step: exposed = max(0, traffic/bw -
         that compute); the all-gather after the step (stages 1-2) is fully exposed.
 
-Memory per rank
-    model states (mixed-precision Adam, 2 + 2 + 12 bytes/param, ZeRO partitions over N = DP x C):
-        stage 0: 16 Psi; 1: 4 Psi + 12 Psi/N; 2: 2 Psi + 14 Psi/N; 3: 16 Psi/N + 2 x 2 x max(layer, embedding)
-        (two gathered bf16 units); forward-only: 2 Psi (stage 3: 2 Psi/N + the gathered units).
-    saved activations of one Llama layer per token (bf16, flash attention, nothing S^2):
-        A = e (4h + 3HD + 2Hkv'D + 4I) + 4H + 8
-        (norm inputs/outputs 4h; q after all-to-all, ring out, o_proj input 3HD; k, v 2Hkv'D;
-        gate, SiLU, up, product 4I; fp32 LSE 4H; two fp32 rstd 8)
-    activations: no checkpointing T (L A + 2he + 4); checkpointing T (L h e + A + 2he + 4)
-        (layer inputs kept, one layer recomputed at a time); forward-only T (A + 2he).
-    logits: T V (e + 4) (bf16 logits + fp32 log-softmax; T V e forward-only; 0 with --chunked-loss).
-    attention workspace: 4 T H (D+1) fp32 accumulators + 2 qkv all-to-all buffers + 2 kv
-        receive buffers + 3 g (backward) dK/dV buffers.
-    fits iff the sum <= memory - reserved (default 4 GiB).
+Memory per rank (every term in :mod:`hybridsp.planner.memory`)
+    persistent: ZeRO-partitioned model states (e + e + 12 bytes/param) + DeepSpeed's gradient
+        bucket; at the peak of the step: the checkpointed layers' inputs (on the device, or in
+        host memory with activation offload) + the largest of three phases (the loss; an MLP
+        backward; an attention backward with its workspace). Techniques
+        (:class:`hybridsp.planner.techniques.Techniques`: fused loss, tiled MLP, activation,
+        optimizer and parameter offload) change the terms; host memory per node and PCIe
+        bandwidth bound offload (:func:`hybridsp.planner.timing.offload_timing`).
+    fits iff the device total <= memory - reserved (default 4 GiB) and this rank's offloaded
+        bytes <= its share of the node's host memory (default 2 TiB per node).
 
 Step time and ranking
-    step = total FLOPs / F + all-to-all + exposed ring + exposed ZeRO.
+    step = total FLOPs / F + all-to-all + exposed ring + exposed ZeRO + exposed offload.
     Plans are ranked by seconds per sequence = step / (DP x B). The recommendation is the
     fastest plan that fits; plans within ``tie_tolerance`` (2%) of it count as tied and the
     tie goes to a Ulysses group inside a node, then larger U, then a plan leaving ``headroom``
     (10%) of usable memory free, then the faster of them.
 """
 
-from hybridsp.planner.costs import CommVolume, Flops, MemoryUse, comm_volume, flops_per_rank, memory_use
+from hybridsp.planner.ablation import AblationRow, ablation, format_ablation
+from hybridsp.planner.costs import CommVolume, Flops, comm_volume, flops_per_rank
 from hybridsp.planner.degrees import plan_degrees
+from hybridsp.planner.memory import MemoryUse, memory_use
 from hybridsp.planner.plans import Plan, evaluate, mesh_problems
-from hybridsp.planner.search import LongestContext, PlanResult, SearchSpace, longest_context, plan, recommend
+from hybridsp.planner.search import (
+    LongestContext, PlanResult, SearchSpace, longest_context, plan, recommend,
+)
 from hybridsp.planner.specs import (
     GPUS, INTER_LINKS, MODELS, ClusterSpec, MeshConfig, ModelSpec, Workload, preset_cluster,
 )
+from hybridsp.planner.techniques import ABLATION_ORDER, Techniques
 from hybridsp.planner.timing import Timing, Topology, mesh_topology, step_timing
 
 __all__ = [
+    "ABLATION_ORDER", "AblationRow", "Techniques", "ablation", "format_ablation",
     "GPUS", "INTER_LINKS", "MODELS", "ClusterSpec", "CommVolume", "Flops", "LongestContext", "MemoryUse",
     "MeshConfig", "ModelSpec", "Plan", "PlanResult", "SearchSpace", "Timing", "Topology", "Workload",
     "comm_volume", "evaluate", "flops_per_rank", "longest_context", "memory_use", "mesh_problems",

@@ -2,6 +2,9 @@
 
 Presets (``--model``, ``--gpu``, ``--intra``, ``--inter``) give every number; explicit
 options (``--heads``, ``--flops``, ``--memory-gib``, ``--intra-bw`` ...) override them.
+Memory techniques (``--fused-loss``, ``--tiled-mlp``, ``--offload-activations``,
+``--offload-optimizer``, ``--offload-params``) change the memory model
+(:mod:`hybridsp.planner.memory`); ``--longest-context --ablation`` adds them one at a time.
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ import argparse
 import json
 from dataclasses import replace
 
+from hybridsp.planner.ablation import ablation, format_ablation
 from hybridsp.planner.plans import Plan, format_seconds
 from hybridsp.planner.search import PlanResult, SearchSpace, longest_context, plan
 from hybridsp.planner.specs import (
     GIB, GPUS, INTER_LINKS, INTRA_LINKS, MODELS, ClusterSpec, ModelSpec, Workload, preset_cluster,
 )
+from hybridsp.planner.techniques import KV_MODES, PLANNED_KV_MODES, Techniques
 
 HELP = "rank Ulysses x ring x DP x ZeRO plans for a model on a cluster"
 _MODEL_FIELDS = {  # option dest -> ModelSpec field
@@ -41,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--inter-bw", type=float, help="inter-node bytes/s per accelerator per direction")
     cluster.add_argument("--efficiency", type=float, help="achieved fraction of peak FLOP/s (default 0.5)")
     cluster.add_argument("--reserved-gib", type=float, help="memory kept from the model per accelerator (default 4)")
+    cluster.add_argument("--host-memory-gib", type=float, help="host memory per node for offload, GiB (default 2048)")
+    cluster.add_argument("--host-bw", type=float, help="host<->accelerator (PCIe) bytes/s per accelerator per direction")
+    cluster.add_argument("--host-adam-params-per-s", type=float,
+                         help="parameters per second a node's CPU Adam updates (optimizer offload; default 1e9)")
     work = parser.add_argument_group("workload")
     work.add_argument("--seq-len", type=int, help="tokens per sequence (required unless --longest-context)")
     work.add_argument("--micro-batch", type=int, default=1, help="sequences per replica per step")
@@ -48,6 +57,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--chunked-loss", action="store_true", help="the loss never materialises all logits")
     work.add_argument("--non-causal", action="store_true", help="bidirectional attention")
     work.add_argument("--dtype-bytes", type=int, default=2, help="activation element size (2 = bf16)")
+    tech = parser.add_argument_group("memory techniques (hybridsp.planner.memory states each term)")
+    tech.add_argument("--fused-loss", action="store_true", help="hybridsp.fused_cross_entropy: no [T, V] logits")
+    tech.add_argument("--loss-chunk", type=int, default=Techniques.loss_chunk, help="fused-loss chunk, tokens")
+    tech.add_argument("--tiled-mlp", action="store_true", help="MLP over sequence tiles with recomputation")
+    tech.add_argument("--mlp-tile", type=int, help="tiled-MLP tile, tokens (default: the hidden size)")
+    tech.add_argument("--offload-activations", action="store_true",
+                      help="checkpointed layers' inputs in host memory (needs activation checkpointing)")
+    tech.add_argument("--keep-last", type=int, default=Techniques.keep_last,
+                      help="newest checkpointed inputs kept on the device (default 1)")
+    tech.add_argument("--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer to CPU (ZeRO >= 1)")
+    tech.add_argument("--offload-params", action="store_true", help="DeepSpeed offload_param to CPU (ZeRO-3)")
+    tech.add_argument("--kv-mode", choices=KV_MODES + PLANNED_KV_MODES, default="ring",
+                      help="how K/V blocks travel (allgather: issue 10, not built yet)")
+    tech.add_argument("--reduce-bucket", type=int, default=Techniques.reduce_bucket,
+                      help="DeepSpeed reduce_bucket_size, elements (engine state)")
     search = parser.add_argument_group("search")
     search.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), help="ZeRO stage(s) (default: all)")
     search.add_argument("--activation-checkpointing", nargs="?", const="on", default="auto",
@@ -58,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--order", choices=("ulysses_inner", "ring_inner"), default="ulysses_inner")
     search.add_argument("--longest-context", action="store_true", help="find the longest sequence that fits")
     search.add_argument("--granularity", type=int, default=1024, help="--longest-context step, tokens")
+    search.add_argument("--ablation", action="store_true",
+                        help="with --longest-context: add fused_loss, tiled_mlp, activation_offload, "
+                             "optimizer_offload one at a time (a row each)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--top", type=int, default=12, help="table rows (0: all)")
@@ -82,9 +109,20 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
         "peak_flops": args.flops, "intra_bw": args.intra_bw, "inter_bw": args.inter_bw, "efficiency": args.efficiency,
         "memory_bytes": args.memory_gib * GIB if args.memory_gib else None,
         "reserved_bytes": args.reserved_gib * GIB if args.reserved_gib is not None else None,
+        "host_memory_bytes": args.host_memory_gib * GIB if args.host_memory_gib else None,
+        "host_bw": args.host_bw, "host_adam_params_per_s": args.host_adam_params_per_s,
     }
     given = {key: value for key, value in overrides.items() if value is not None}
     return preset_cluster(args.gpu, args.nodes, args.gpus_per_node, args.intra, args.inter, **given)
+
+
+def techniques_from_args(args: argparse.Namespace) -> Techniques:
+    return Techniques(
+        fused_loss=args.fused_loss, loss_chunk=args.loss_chunk, tiled_mlp=args.tiled_mlp, mlp_tile=args.mlp_tile,
+        activation_offload=args.offload_activations, keep_last=args.keep_last,
+        optimizer_offload=args.offload_optimizer, param_offload=args.offload_params, kv_mode=args.kv_mode,
+        reduce_bucket=args.reduce_bucket,
+    )
 
 
 def space_from_args(args: argparse.Namespace) -> SearchSpace:
@@ -143,11 +181,13 @@ def _recommendation(result: PlanResult) -> list[str]:
         f"activation checkpointing {'on' if c.checkpointing else 'off'}",
         f"  step {format_seconds(best.step_s)} = compute {format_seconds(t.compute_s)} + all-to-all "
         f"{format_seconds(t.all_to_all_s)} + ring exposed {format_seconds(t.ring_exposed_s)} + ZeRO exposed "
-        f"{format_seconds(t.zero_exposed_s)}; {best.tokens_per_s:,.0f} tokens/s; MFU "
+        f"{format_seconds(t.zero_exposed_s)} + offload exposed {format_seconds(t.offload_s)}; "
+        f"{best.tokens_per_s:,.0f} tokens/s; MFU "
         f"{best.mfu(result.cluster.peak_flops):.0%}",
-        f"  memory {m.total / GIB:.1f} GiB: model states {m.model_states / GIB:.1f}, activations "
-        f"{m.activations / GIB:.1f}, logits {m.logits / GIB:.1f}, attention workspace {m.workspace / GIB:.1f} "
-        f"(usable {best.usable_bytes / GIB:.1f} GiB)",
+        f"  memory {m.total / GIB:.1f} GiB at the {m.peak_phase} peak: model states {m.model_states / GIB:.1f}, "
+        f"engine {m.engine_state / GIB:.1f}, checkpoints {m.checkpoints / GIB:.1f}, activations "
+        f"{m.activations / GIB:.1f}, loss {m.logits / GIB:.1f}, workspace {m.workspace / GIB:.1f} "
+        f"(usable {best.usable_bytes / GIB:.1f} GiB); host {m.host / GIB:.1f} GiB",
     ]
     return lines + [f"  - {note}" for note in best.notes]
 
@@ -173,20 +213,38 @@ def format_result(result: PlanResult, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def run_ablation(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace,
+                 techniques: Techniques, workload_args: dict) -> int:
+    """``--longest-context --ablation``: one row per technique added; JSON ``{"ablation": [...]}``."""
+    rows = ablation(model, cluster, base=techniques, granularity=args.granularity, space=space, **workload_args)
+    if args.json:
+        print(json.dumps({"ablation": [row.to_dict() for row in rows], "model": model.name,
+                          "cluster": cluster.name, "granularity": args.granularity}))
+    else:
+        print(format_ablation(rows, model, cluster))
+    return 0 if rows[-1].plan is not None else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``plan``; print a table or JSON. Returns the exit status (1: nothing fits)."""
     try:
         model, cluster, space = model_from_args(args), cluster_from_args(args), space_from_args(args)
+        techniques = techniques_from_args(args)
         workload_args = dict(micro_batch=args.micro_batch, forward_only=args.forward_only,
                              chunked_loss=args.chunked_loss, causal=not args.non_causal, dtype_bytes=args.dtype_bytes)
+        if args.ablation:
+            if not args.longest_context:
+                raise ValueError("--ablation needs --longest-context")
+            return run_ablation(args, model, cluster, space, techniques, workload_args)
         if args.longest_context:
-            longest = longest_context(model, cluster, granularity=args.granularity, space=space, **workload_args)
+            longest = longest_context(model, cluster, granularity=args.granularity, space=space,
+                                      techniques=techniques, **workload_args)
             result, extra = longest.result, {"longest_context": {"seq_len": longest.seq_len,
                                                                  "granularity": longest.granularity}}
         elif args.seq_len is None:
             raise ValueError("give --seq-len (or --longest-context)")
         else:
-            result, extra = plan(model, Workload(args.seq_len, **workload_args), cluster, space), {}
+            result, extra = plan(model, Workload(args.seq_len, **workload_args, techniques=techniques), cluster, space), {}
     except ValueError as error:
         raise SystemExit(f"python -m hybridsp plan: error: {error}") from None
     if args.json:

@@ -1,4 +1,4 @@
-"""The planner's arithmetic: FLOPs, bytes sent and memory of one rank for one step.
+"""The planner's arithmetic: FLOPs and bytes sent of one rank for one step (memory: :mod:`.memory`).
 
 All functions are pure and exact in integers; the formulas are stated in
 :mod:`hybridsp.planner` (module docstring). Callers validate the mesh first
@@ -14,7 +14,6 @@ from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
 from hybridsp.ulysses import kv_repeats_for
 
 FP32 = 4
-ADAM_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v
 
 
 def local_tokens(workload: Workload, config: MeshConfig) -> int:
@@ -157,112 +156,3 @@ def zero_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> tupl
     if workload.forward_only:
         return (one if config.zero_stage == 3 else 0), 0
     return {0: (2 * one, 0), 1: (one, one), 2: (one, one), 3: (3 * one, 0)}[config.zero_stage]
-
-
-# ----------------------------------------------------------------------------- memory
-
-
-@dataclass(frozen=True)
-class MemoryUse:
-    """Bytes one rank holds at its peak, by kind."""
-
-    params: int
-    grads: int
-    optimizer: int
-    gathered_params: int
-    activations: int
-    logits: int
-    workspace: int
-
-    @property
-    def model_states(self) -> int:
-        return self.params + self.grads + self.optimizer + self.gathered_params
-
-    @property
-    def total(self) -> int:
-        return self.model_states + self.activations + self.logits + self.workspace
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def model_state_bytes(model: ModelSpec, zero_stage: int, shards: int, forward_only: bool) -> tuple[int, ...]:
-    """(params, grads, optimizer, gathered) bytes: 2 + 2 + 12 per param, ZeRO-partitioned over ``shards``.
-
-    Stage 1 partitions the optimizer states, 2 adds gradients, 3 adds parameters (and then
-    holds two gathered units - the largest of a layer and the embedding - in bf16).
-    """
-    psi = model.total_params
-    params = _ceil_div(2 * psi, shards) if zero_stage == 3 else 2 * psi
-    gathered = 2 * 2 * max(model.layer_params, model.embedding_params) if zero_stage == 3 and shards > 1 else 0
-    if forward_only:
-        return params, 0, 0, gathered
-    grads = _ceil_div(2 * psi, shards) if zero_stage >= 2 else 2 * psi
-    optimizer = _ceil_div(ADAM_BYTES_PER_PARAM * psi, shards) if zero_stage >= 1 else ADAM_BYTES_PER_PARAM * psi
-    return params, grads, optimizer, gathered
-
-
-def layer_activation_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int) -> int:
-    """Saved tensors of one Llama layer per local token: e(4h + 3HD + 2Hkv'D + 4I) + 4H + 8.
-
-    4h: both RMSNorm inputs and outputs; 3HD: q after the all-to-all, ring out, o_proj input;
-    2Hkv'D: expanded k, v after the all-to-all; 4I: gate, SiLU(gate), up, SiLU(gate)*up;
-    4H: fp32 LSE; 8: two fp32 RMSNorm reciprocal RMS values.
-    """
-    h, hd = model.hidden_size, model.num_heads * model.head_dim
-    kvd = expanded_kv_heads(model, ulysses) * model.head_dim
-    return dtype_bytes * (4 * h + 3 * hd + 2 * kvd + 4 * model.intermediate_size) + FP32 * model.num_heads + 8
-
-
-def activation_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Activations one rank holds at the peak of the step (logits excluded).
-
-    training, no checkpointing: T (L A + 2he + 4); with checkpointing: T (L h e + A + 2he + 4);
-    forward-only: T (A + 2he) (one layer live at a time). A from
-    :func:`layer_activation_bytes_per_token`; 2he + 4: the final norm's input/output and rstd.
-    """
-    e, tokens = workload.dtype_bytes, local_tokens(workload, config)
-    layer = layer_activation_bytes_per_token(model, config.ulysses, e)
-    final_norm = 2 * model.hidden_size * e + FP32
-    if workload.forward_only:
-        return tokens * (layer + 2 * model.hidden_size * e)
-    if config.checkpointing:
-        return tokens * (model.num_layers * model.hidden_size * e + layer + final_norm)
-    return tokens * (model.num_layers * layer + final_norm)
-
-
-def logits_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """T V (e + 4): logits in the input dtype plus the fp32 log-softmax the loss saves
-    (T V e forward-only); 0 with a chunked/fused loss."""
-    if workload.chunked_loss:
-        return 0
-    per_entry = workload.dtype_bytes + (0 if workload.forward_only else FP32)
-    return local_tokens(workload, config) * model.vocab_size * per_entry
-
-
-def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Transient buffers of one attention call: all-to-all send+receive of q/k/v, the fp32
-    out (or dq) accumulator and LSE, two K/V receive buffers and, in backward, three fp32
-    dK/dV blocks (local, travelling, received)."""
-    volume = comm_volume(model, workload, config)
-    tokens = local_tokens(workload, config)
-    accumulators = tokens * model.num_heads * (model.head_dim + 1) * FP32
-    a2a = 2 * volume.qkv_bytes if config.ulysses > 1 else 0
-    ring = 0
-    if config.ring > 1:
-        ring = 2 * volume.kv_block_bytes + (0 if workload.forward_only else 3 * volume.grad_block_bytes)
-    return accumulators + a2a + ring
-
-
-def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> MemoryUse:
-    """Peak bytes of one rank: ZeRO model states + activations + logits + attention workspace."""
-    params, grads, optimizer, gathered = model_state_bytes(
-        model, config.zero_stage, config.world_size, workload.forward_only
-    )
-    return MemoryUse(
-        params=params, grads=grads, optimizer=optimizer, gathered_params=gathered,
-        activations=activation_bytes(model, workload, config),
-        logits=logits_bytes(model, workload, config),
-        workspace=attention_workspace_bytes(model, workload, config),
-    )

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hybridsp.layout import check_sequence_length
-from hybridsp.planner.costs import (
-    CommVolume, Flops, MemoryUse, comm_volume, expanded_kv_heads, flops_per_rank, memory_use,
-)
+from hybridsp.planner.costs import CommVolume, Flops, comm_volume, expanded_kv_heads, flops_per_rank
+from hybridsp.planner.memory import MemoryUse, memory_use
 from hybridsp.planner.specs import GIB, ClusterSpec, MeshConfig, ModelSpec, Workload
 from hybridsp.planner.timing import Timing, Topology, mesh_topology, step_timing
 
@@ -57,6 +56,7 @@ class Plan:
     timing: Timing | None = None
     topology: Topology | None = None
     notes: tuple[str, ...] = ()
+    host_usable_bytes: float = float("inf")  # this rank's share of its node's host memory
 
     @property
     def valid(self) -> bool:
@@ -64,7 +64,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.valid and self.memory.total <= self.usable_bytes
+        return self.valid and self.memory.total <= self.usable_bytes and self.memory.host <= self.host_usable_bytes
 
     @property
     def step_s(self) -> float:
@@ -102,6 +102,7 @@ class Plan:
             row.update(
                 step_s=self.step_s, seconds_per_sequence=self.seconds_per_sequence, tokens_per_s=self.tokens_per_s,
                 memory_gib=self.memory.total / GIB, usable_gib=self.usable_bytes / GIB,
+                host_gib=self.memory.host / GIB, peak_phase=self.memory.peak_phase,
                 all_to_all_crosses_nodes=self.topology.ulysses_crosses_nodes,
                 ring_crosses_nodes=self.topology.ring_crosses_nodes,
             )
@@ -115,7 +116,8 @@ class Plan:
                 flops=asdict(self.flops),
                 bytes_per_step={"all_to_all": self.comm.all_to_all, "ring": self.comm.ring_total},
                 comm=asdict(self.comm),
-                memory={**asdict(self.memory), "total": self.memory.total},
+                memory={**asdict(self.memory), "phases": dict(self.memory.phases), "total": self.memory.total,
+                        "host": self.memory.host, "host_usable": self.host_usable_bytes},
                 timing={**asdict(self.timing), "step_s": self.step_s, "exposed_comm_s": self.timing.exposed_comm_s},
             )
         return row
@@ -155,21 +157,30 @@ def _ring_note(timing: Timing) -> list[str]:
             f"{format_seconds(ring.forward_compute_s)} per step: hidden{tail}"]
 
 
-def _memory_note(memory: MemoryUse, usable: float) -> str:
+def _memory_note(memory: MemoryUse, usable: float, host_usable: float = float("inf")) -> str:
     need, have = memory.total / GIB, usable / GIB
     if memory.total > usable:
-        return f"needs {need:.1f} GiB > {have:.1f} GiB usable"
-    return f"needs {need:.1f} GiB of {have:.1f} GiB usable"
+        note = f"needs {need:.1f} GiB > {have:.1f} GiB usable"
+    else:
+        note = f"needs {need:.1f} GiB of {have:.1f} GiB usable"
+    note += f" (peak: {memory.peak_phase})"
+    if memory.host:
+        relation = ">" if memory.host > host_usable else "of"
+        note += f"; host {memory.host / GIB:.1f} GiB {relation} its {host_usable / GIB:.0f} GiB share"
+    return note
 
 
 def _notes(model: ModelSpec, config: MeshConfig, topology: Topology, timing: Timing, memory: MemoryUse,
-           usable: float) -> tuple[str, ...]:
-    notes = [_memory_note(memory, usable)]
+           usable: float, host_usable: float = float("inf")) -> tuple[str, ...]:
+    notes = [_memory_note(memory, usable, host_usable)]
     notes += _all_to_all_note(model, config, topology, timing)
     notes += _ring_note(timing)
     if timing.zero_exposed_s > 0:
         notes.append(f"ZeRO-{config.zero_stage}: {format_seconds(timing.zero_exposed_s)} of its "
                      f"{format_seconds(timing.zero_comm_s)} traffic exposed per step")
+    if timing.host_traffic_bytes:
+        notes.append(f"offload: {timing.host_traffic_bytes / GIB:.1f} GiB over PCIe per step, "
+                     f"{format_seconds(timing.offload_s)} exposed (CPU optimizer step included)")
     return tuple(notes)
 
 
@@ -180,13 +191,13 @@ def evaluate(
     """Validate ``config`` and, when valid, compute its FLOPs, bytes, memory, timing and notes."""
     problems = tuple(mesh_problems(model, workload, cluster, config))
     base = dict(config=config, usable_bytes=cluster.usable_bytes, micro_batch=workload.micro_batch,
-                seq_len=workload.seq_len)
+                seq_len=workload.seq_len, host_usable_bytes=cluster.host_bytes_per_gpu)
     if problems:
         return Plan(problems=problems, **base)
     topology = topology or mesh_topology(config, cluster.gpus_per_node, order)
     flops = flops_per_rank(model, workload, config)
     memory = memory_use(model, workload, config)
     timing = step_timing(model, workload, config, topology, cluster, flops)
-    notes = _notes(model, config, topology, timing, memory, cluster.usable_bytes)
+    notes = _notes(model, config, topology, timing, memory, cluster.usable_bytes, cluster.host_bytes_per_gpu)
     return Plan(problems=(), flops=flops, comm=comm_volume(model, workload, config), memory=memory,
                 timing=timing, topology=topology, notes=notes, **base)

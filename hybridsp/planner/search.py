@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from hybridsp.planner.costs import memory_use
+from hybridsp.planner.memory import memory_use
 from hybridsp.planner.plans import Plan, evaluate, mesh_problems
 from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
+from hybridsp.planner.techniques import Techniques
 from hybridsp.planner.timing import mesh_topology
 
 MAX_SEQ_LEN = 2**40  # the longest-context search stops doubling here
@@ -162,8 +163,10 @@ def _sequence_step(granularity: int, ulysses: int, ring: int) -> int:
 
 
 def _fits(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig) -> bool:
-    return (not mesh_problems(model, workload, cluster, config)
-            and memory_use(model, workload, config).total <= cluster.usable_bytes)
+    if mesh_problems(model, workload, cluster, config):
+        return False
+    memory = memory_use(model, workload, config)
+    return memory.total <= cluster.usable_bytes and memory.host <= cluster.host_bytes_per_gpu
 
 
 def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig, step: int) -> int:
@@ -185,14 +188,16 @@ def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, con
 def longest_context(
     model: ModelSpec, cluster: ClusterSpec, *, granularity: int = 1024, micro_batch: int = 1,
     forward_only: bool = False, chunked_loss: bool = False, dtype_bytes: int = 2, causal: bool = True,
-    space: SearchSpace | None = None,
+    space: SearchSpace | None = None, techniques: Techniques | None = None,
 ) -> LongestContext:
-    """The largest ``seq_len`` (a multiple of ``granularity``) that fits in memory under some plan,
-    with the ranked plans at that length (their recommendation fits by construction)."""
+    """The largest ``seq_len`` (a multiple of ``granularity``) that fits in memory (device and
+    host) under some plan, with the ranked plans at that length (their recommendation fits by
+    construction). ``techniques``: fused loss, tiled MLP, offload (default: none)."""
     if not isinstance(granularity, int) or granularity < 1:
         raise ValueError(f"granularity must be a positive integer; got {granularity!r}")
     space = space or SearchSpace()
-    workload = Workload(granularity, micro_batch, forward_only, causal, dtype_bytes, chunked_loss)
+    workload = Workload(granularity, micro_batch, forward_only, causal, dtype_bytes, chunked_loss,
+                        techniques or Techniques())
     longest = 0
     for dp, u, r in degree_triples(cluster.world_size):
         if not space.admits(dp, u, r) or model.num_heads % u != 0:
@@ -202,3 +207,4 @@ def longest_context(
     if longest == 0:
         return LongestContext(0, granularity, None)
     return LongestContext(longest, granularity, plan(model, replace(workload, seq_len=longest), cluster, space))
+

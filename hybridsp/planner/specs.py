@@ -6,9 +6,12 @@ ValueError quoting it. Presets for common accelerators, links and models live at
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+from hybridsp.planner.techniques import Techniques
 
 GIB = 2**30
+TIB = 2**40
 
 
 def _require_positive_ints(spec, *names: str) -> None:
@@ -90,6 +93,10 @@ class ClusterSpec:
     PCIe), ``inter_bw`` from one accelerator to another node (its share of the NICs).
     ``efficiency`` is the fraction of ``peak_flops`` the kernels achieve; ``reserved_bytes``
     is memory the model never gets (CUDA context, NCCL buffers, allocator fragmentation).
+    Offload: ``host_memory_bytes`` per node (shared by its accelerators; 2 TiB by default, a
+    DGX H100's), ``host_bw`` bytes/s per accelerator per direction over PCIe, and
+    ``host_adam_params_per_s``: parameters per second a node's CPUs update with Adam
+    (DeepSpeed's CPU Adam; 1e9 is an assumption, measure your nodes).
     """
 
     nodes: int
@@ -101,10 +108,14 @@ class ClusterSpec:
     efficiency: float = 0.5
     reserved_bytes: float = 4 * GIB
     name: str = "custom"
+    host_memory_bytes: float = 2 * TIB
+    host_bw: float = 50e9
+    host_adam_params_per_s: float = 1e9
 
     def __post_init__(self):
         _require_positive_ints(self, "nodes", "gpus_per_node")
-        _require_positive_numbers(self, "intra_bw", "inter_bw", "peak_flops", "memory_bytes", "efficiency")
+        _require_positive_numbers(self, "intra_bw", "inter_bw", "peak_flops", "memory_bytes", "efficiency",
+                                  "host_memory_bytes", "host_bw", "host_adam_params_per_s")
         if self.efficiency > 1:
             raise ValueError(f"efficiency is a fraction of peak in (0, 1]; got {self.efficiency}")
         if not 0 <= self.reserved_bytes < self.memory_bytes:
@@ -125,13 +136,20 @@ class ClusterSpec:
     def achieved_flops(self) -> float:
         return self.peak_flops * self.efficiency
 
+    @property
+    def host_bytes_per_gpu(self) -> float:
+        """Each accelerator's share of its node's host memory (what offload may fill)."""
+        return self.host_memory_bytes / self.gpus_per_node
+
 
 @dataclass(frozen=True)
 class Workload:
     """One training (or forward-only) step: ``micro_batch`` sequences of ``seq_len`` tokens per replica.
 
     ``dtype_bytes`` is the element size of activations, q/k/v and their gradients (2 for bf16).
-    ``chunked_loss``: the loss never materialises the full logits (a fused/chunked cross-entropy).
+    ``chunked_loss``: the loss never materialises the full logits (kept for compatibility: the
+    same as ``techniques.fused_loss``). ``techniques``: fused loss, tiled MLP, offload
+    (:class:`hybridsp.planner.techniques.Techniques`).
     """
 
     seq_len: int
@@ -140,9 +158,16 @@ class Workload:
     causal: bool = True
     dtype_bytes: int = 2
     chunked_loss: bool = False
+    techniques: Techniques = field(default_factory=Techniques)
 
     def __post_init__(self):
         _require_positive_ints(self, "seq_len", "micro_batch", "dtype_bytes")
+        if not isinstance(self.techniques, Techniques):
+            raise ValueError(f"Workload.techniques must be a Techniques; got {self.techniques!r}")
+
+    @property
+    def fused_loss(self) -> bool:
+        return self.chunked_loss or self.techniques.fused_loss
 
 
 @dataclass(frozen=True)
@@ -213,6 +238,6 @@ def preset_cluster(
         nodes=nodes, gpus_per_node=gpus_per_node,
         intra_bw=preset.nvlink_bw if intra == "nvlink" else preset.pcie_bw,
         inter_bw=INTER_LINKS[inter], peak_flops=preset.peak_flops, memory_bytes=preset.memory_bytes,
-        name=f"{nodes}x{gpus_per_node} {gpu} {intra}/{inter}",
+        name=f"{nodes}x{gpus_per_node} {gpu} {intra}/{inter}", host_bw=preset.pcie_bw,
     )
     return replace(cluster, **overrides) if overrides else cluster

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridsp.mesh import MeshShape
-from hybridsp.planner.costs import CommVolume, Flops, comm_volume, flops_per_rank, ring_step_forward_flops, zero_bytes
+from hybridsp.planner.costs import (
+    CommVolume, Flops, comm_volume, flops_per_rank, local_tokens, ring_step_forward_flops, zero_bytes,
+)
 from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
 
 
@@ -85,6 +87,8 @@ class Timing:
     ring: RingTiming | None
     zero_comm_s: float
     zero_exposed_s: float
+    offload_s: float = 0.0  # exposed host <-> device copies and the CPU optimizer step
+    host_traffic_bytes: int = 0  # bytes one rank moves over PCIe per step (both directions)
 
     @property
     def ring_exposed_s(self) -> float:
@@ -96,7 +100,7 @@ class Timing:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_comm_s
+        return self.compute_s + self.exposed_comm_s + self.offload_s
 
 
 def _all_to_all_op_seconds(tensor_bytes: int, ulysses: int, topology: Topology, cluster: ClusterSpec) -> float:
@@ -154,6 +158,43 @@ def ring_timing(
     return RingTiming(link, fwd_c, kv_x, bwd_c, bwd_x if volume.backward else 0.0, exposed)
 
 
+def offload_timing(model: ModelSpec, workload: Workload, config: MeshConfig, cluster: ClusterSpec,
+                   flops: Flops) -> tuple[float, int]:
+    """(exposed seconds, PCIe bytes) of one step's offload traffic for one rank.
+
+    Activation offload: each offloaded layer input (T h e) goes to host while the next layer's
+    forward runs and comes back while the layer above runs its recompute + backward; what a
+    copy takes beyond that layer's compute is exposed. Optimizer offload (ZeRO >= 1): the
+    gradient partition down and the updated parameter partition up (e Psi / N each), then the
+    CPU Adam step over Psi / N parameters at the node's ``host_adam_params_per_s`` shared by
+    its accelerators: all exposed (it runs after the backward). Parameter offload (ZeRO-3):
+    the partition comes up once per pass (forward, recompute, backward), hidden behind the
+    step's compute up to its length.
+    """
+    tech, e, psi = workload.techniques, workload.dtype_bytes, model.total_params
+    if workload.forward_only:
+        passes = 1
+    else:
+        passes = 3 if config.checkpointing else 2
+    exposed, traffic = 0.0, 0
+    if tech.activation_offload and config.checkpointing and not workload.forward_only:
+        one = local_tokens(workload, config) * model.hidden_size * e
+        offloaded = model.num_layers - min(model.num_layers, tech.keep_last)
+        copy = one / cluster.host_bw
+        forward = flops.forward / model.num_layers / cluster.achieved_flops
+        backward = (flops.total - flops.forward) / model.num_layers / cluster.achieved_flops
+        exposed += offloaded * (_exposed(copy, forward) + _exposed(copy, backward))
+        traffic += 2 * offloaded * one
+    shard = -(-psi // config.world_size)
+    if tech.optimizer_offload and config.zero_stage >= 1 and not workload.forward_only:
+        exposed += 2 * e * shard / cluster.host_bw + shard / (cluster.host_adam_params_per_s / cluster.gpus_per_node)
+        traffic += 2 * e * shard
+    if tech.param_offload and config.zero_stage == 3:
+        exposed += _exposed(passes * e * shard / cluster.host_bw, flops.total / cluster.achieved_flops)
+        traffic += passes * e * shard
+    return exposed, traffic
+
+
 def step_timing(
     model: ModelSpec, workload: Workload, config: MeshConfig, topology: Topology, cluster: ClusterSpec,
     flops: Flops | None = None,
@@ -171,10 +212,12 @@ def step_timing(
     zero_link = cluster.inter_bw if cluster.nodes > 1 else cluster.intra_bw
     overlapped, after_step = (size / zero_link for size in zero_bytes(model, workload, config))
     window = compute if config.zero_stage == 3 or workload.forward_only else compute - forward
+    offload_s, host_traffic = offload_timing(model, workload, config, cluster, flops)
     return Timing(
         compute_s=compute,
         all_to_all_s=all_to_all_seconds(volume, topology, cluster),
         ring=ring_timing(model, workload, config, volume, topology, cluster),
         zero_comm_s=overlapped + after_step,
         zero_exposed_s=_exposed(overlapped, window) + after_step,
+        offload_s=offload_s, host_traffic_bytes=host_traffic,
     )

@@ -1,0 +1,265 @@
+"""Activation-checkpoint offload: the inputs kept between checkpointed layers live in host memory.
+
+    model.gradient_checkpointing_enable()              # HF; non-reentrant is transformers 5's default
+    offload = hybridsp.offload_activations(model)     # once; offload.remove() takes the hooks off
+    for batch in loader:
+        with offload:                                  # around the forward (the backward may be outside)
+            loss = ...forward...
+        engine.backward(loss)
+
+With activation checkpointing a layer keeps only its input, ``[B, S/C, h]`` per layer, for
+the backward (which recomputes the layer from it). Over ``L`` layers those inputs are the
+largest S-dependent term left once the loss and the MLP are tiled (fp32 logits aside). This
+module moves each of them to host memory as soon as the next layer has started and brings it
+back, one layer ahead, during the backward.
+
+Note [how the inputs are found]: non-reentrant ``torch.utils.checkpoint`` (and the reentrant
+one) saves a checkpointed region's inputs with ``ctx.save_for_backward`` *outside* the region's
+own saved-tensor hooks, so an enclosing :class:`torch.autograd.graph.saved_tensors_hooks` sees
+exactly those inputs, plus whatever is saved outside every checkpointed region (embedding,
+final norm, LM head, loss). A forward pre-hook on each checkpointed layer marks its first
+positional tensor (HF decoder layers take ``hidden_states`` first); the pack hook offloads
+a saved tensor only when it *is* that marked object and passes everything else through. So the
+LM head's input and the logits stay where they are (the backward needs them first), and
+nothing inside a layer is touched. The hooks are per model instance (``remove()`` takes them
+off); no class or module global is patched.
+
+Note [streams and the last layers]: on CUDA the device-to-host copy of layer ``i``'s input runs
+on a side stream when layer ``i + 1`` starts (into pinned memory from torch's caching host
+allocator), so it overlaps layer ``i + 1``'s compute; ``record_stream`` keeps the device block
+alive until the copy is done. The newest ``keep_last`` inputs (default 1) never leave the
+device: the backward needs them before a copy could return. In the backward, restoring layer
+``i``'s input also starts the host-to-device copy of layer ``i - 1``'s (prefetch), so that
+copy overlaps layer ``i``'s recompute and backward; the compute stream waits on an event
+before it reads a restored tensor. On CPU the same path runs synchronously: the "host" copy is
+a fresh tensor (from ``host_allocator``, e.g. one outside a memory budget) and the restore
+copies it back, so results are bitwise those of plain checkpointing.
+
+Why not DeepSpeed 0.19.8's ``CheckpointHiddenStatesOffload`` or torch's ``save_on_cpu``:
+DeepSpeed's skips every tensor on a CPU accelerator (so the path cannot run or be tested
+without a GPU), patches ``GradientCheckpointingLayer.__call__`` on the class while active,
+and must enclose the backward too (it drops its state on exit). ``save_on_cpu`` offloads every
+tensor saved outside the checkpointed regions as well (the logits and the loss's saved
+log-softmax, which the backward needs at once), copies on the compute stream, and restores
+each tensor only when autograd asks for it (no prefetch).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+HostAllocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
+
+
+@dataclass
+class OffloadStats:
+    """Counts since the last ``__enter__``: tensors and bytes sent to host (``offloaded_bytes`` is
+    the host memory one forward fills; each copy is freed with its graph), kept on the device (the
+    newest ``keep_last``), restored in the backward."""
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    kept_tensors: int = 0
+    restored_tensors: int = 0
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class _Saved:
+    """One marked input: on the device until offloaded, then on host until restored.
+
+    ``previous`` is the marked input saved just before this one (the next one the backward
+    needs), for the prefetch; a handle owns its host copy, so a graph that is never backwarded frees
+    everything with its saved tensors."""
+
+    __slots__ = ("owner", "device_tensor", "host", "event", "prefetched", "previous", "__weakref__")
+
+    def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor, previous: "_Saved | None"):
+        self.owner, self.device_tensor, self.previous = owner, tensor, previous
+        self.host = self.event = self.prefetched = None
+
+    def offload(self) -> None:
+        """Copy to host (side stream on CUDA) and drop the device reference."""
+        tensor, owner = self.device_tensor, self.owner
+        self.host = owner.host_allocator(tensor.shape, tensor.dtype)
+        if owner.stream is not None:
+            owner.stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(owner.stream):
+                self.host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(owner.stream)  # the block is not reused before the copy is done
+            self.event = owner.stream.record_event()
+        else:
+            self.host.copy_(tensor)
+        self.device_tensor = None
+        owner.stats.offloaded_tensors += 1
+        owner.stats.offloaded_bytes += _nbytes(self.host)
+
+    def _copy_back(self, device: torch.device) -> torch.Tensor:
+        owner = self.owner
+        if owner.stream is None:
+            restored = torch.empty_like(self.host, device=device)
+            restored.copy_(self.host)
+            return restored
+        with torch.cuda.stream(owner.stream):
+            owner.stream.wait_event(self.event)  # the offload copy has finished
+            restored = torch.empty_like(self.host, device=device)
+            restored.copy_(self.host, non_blocking=True)
+        self.event = owner.stream.record_event()
+        return restored
+
+    def prefetch(self) -> None:
+        if self.device_tensor is None and self.prefetched is None and self.host is not None:
+            self.prefetched = self._copy_back(self.owner.device)
+
+    def restore(self) -> torch.Tensor:
+        """The tensor on its device again; starts the prefetch of the previous one."""
+        if self.device_tensor is not None:  # kept on the device (the newest inputs)
+            return self.device_tensor
+        restored, self.prefetched = self.prefetched, None
+        if restored is None:
+            restored = self._copy_back(self.owner.device)
+        if self.owner.stream is not None:
+            current = torch.cuda.current_stream(restored.device)
+            current.wait_event(self.event)
+            restored.record_stream(current)
+        self.owner.stats.restored_tensors += 1
+        if self.previous is not None and self.owner.prefetch and self.owner.stream is not None:
+            self.previous.prefetch()  # on CPU the copy is synchronous: prefetching would only hold memory
+        return restored
+
+
+class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that keep checkpointed layers' inputs in host memory (module docstring).
+
+    Args:
+        model: the model whose checkpointed layers are found (modules with a true
+            ``gradient_checkpointing`` attribute, as HF ``GradientCheckpointingLayer`` sets), or
+            ``layers`` given explicitly.
+        layers: the checkpointed modules whose first positional tensor argument is offloaded.
+        enabled: ``False`` makes the context a no-op (the switch behind ``--offload-activations``).
+        keep_last: the newest inputs that stay on the device (>= 0).
+        min_bytes: smaller inputs are not offloaded.
+        prefetch: restore the previous layer's input while the current one runs backward.
+        host_allocator: ``(shape, dtype) -> CPU tensor`` for the host copies; default
+            ``torch.empty`` (pinned when the inputs are on CUDA).
+
+    Enter it around the forward (each ``with`` resets :attr:`stats`); the backward may run
+    after the block. Outputs are bitwise those of the same checkpointed model without offload.
+    """
+
+    def __init__(self, model: nn.Module | None = None, *, layers: Iterable[nn.Module] | None = None,
+                 enabled: bool = True, keep_last: int = 1, min_bytes: int = 1024, prefetch: bool = True,
+                 host_allocator: HostAllocator | None = None):
+        if not isinstance(keep_last, int) or keep_last < 0:
+            raise ValueError(f"keep_last must be an integer >= 0; got {keep_last!r}")
+        if not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be an integer >= 0; got {min_bytes!r}")
+        super().__init__(self._pack, self._unpack)
+        self.enabled, self.keep_last, self.min_bytes, self.prefetch = enabled, keep_last, min_bytes, prefetch
+        self._custom_allocator = host_allocator
+        self.stats = OffloadStats()
+        self.layers = list(layers) if layers is not None else self._checkpointed_layers(model)
+        if enabled and not self.layers:
+            raise ValueError(
+                "no checkpointed layer found: offloading activations needs activation checkpointing "
+                "(model.gradient_checkpointing_enable() on a Hugging Face model), or pass layers=[...]"
+            )
+        self._handles = [layer.register_forward_pre_hook(self._mark, with_kwargs=True) for layer in self.layers]
+        self._handles += [layer.register_forward_hook(self._unmark, with_kwargs=True) for layer in self.layers]
+        self._marked: list[torch.Tensor] = []
+        self._kept: list[_Saved] = []
+        self._last_saved: _Saved | None = None
+        self._active = False
+        self.stream = None
+        self.device = torch.device("cpu")
+
+    @staticmethod
+    def _checkpointed_layers(model: nn.Module | None) -> list[nn.Module]:
+        """HF ``GradientCheckpointingLayer``s with checkpointing on (not the ``LlamaModel`` that
+        also carries the flag: its first argument is the token ids)."""
+        if model is None:
+            raise ValueError("give the model (or layers=[...])")
+        transformers = sys.modules.get("transformers")
+        if transformers is None:
+            return []
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        return [m for m in model.modules()
+                if isinstance(m, GradientCheckpointingLayer) and getattr(m, "gradient_checkpointing", False) is True]
+
+    def host_allocator(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        if self._custom_allocator is not None:
+            return self._custom_allocator(shape, dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=self.stream is not None)
+
+    # ------------------------------------------------------------------ marking the inputs
+
+    def _mark(self, module, args, kwargs):
+        if self._active and torch.is_grad_enabled() and module.training:
+            first = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
+            if isinstance(first, torch.Tensor) and first.is_floating_point() and _nbytes(first) >= self.min_bytes:
+                self._marked.append(first)
+        return None
+
+    def _unmark(self, module, args, kwargs, output):
+        self._marked.clear()  # a mark the checkpoint did not save (checkpointing off for this call)
+        return None
+
+    # ------------------------------------------------------------------ the hooks
+
+    def _pack(self, tensor: torch.Tensor):
+        if not self._active or not any(tensor is marked for marked in self._marked):
+            return tensor
+        self._marked = [marked for marked in self._marked if marked is not tensor]
+        if tensor.device.type == "cuda" and self.stream is None:
+            self.stream, self.device = torch.cuda.Stream(tensor.device), tensor.device
+        self.device = tensor.device
+        handle = _Saved(self, tensor, self._last_saved)
+        self._last_saved = handle
+        self._kept.append(handle)
+        while len(self._kept) > self.keep_last:
+            self._kept.pop(0).offload()
+        return handle
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.restore() if isinstance(saved, _Saved) else saved
+
+    # ------------------------------------------------------------------ context and undo
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        self.stats = OffloadStats()
+        self._marked, self._kept, self._last_saved = [], [], None
+        self._active = True
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        self._active = False
+        self.stats.kept_tensors += len(self._kept)
+        self._marked, self._kept, self._last_saved = [], [], None
+        super().__exit__(*exc)
+        return False
+
+    def remove(self) -> None:
+        """Take the marking hooks off the layers (the object is unusable afterwards)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.layers = []
+
+
+def offload_activations(model: nn.Module, *, enabled: bool = True, **options) -> ActivationOffload:
+    """:class:`ActivationOffload` for ``model``'s checkpointed layers; ``options`` as its keywords."""
+    return ActivationOffload(model, enabled=enabled, **options)

@@ -1,0 +1,308 @@
+"""Memory of one rank at the peak of a step, term by term, and what offload puts in host memory.
+
+Notation as in :mod:`hybridsp.planner` (T = B S / C tokens per rank, e the activation element
+size, Psi parameters, N = DP x C ranks ZeRO partitions over). Every term below is per rank.
+
+Persistent (does not depend on S)
+    model states: params e Psi, grads e Psi, Adam 12 Psi (fp32 master, m, v), partitioned by
+        ZeRO stage over N (stage 3 also holds two gathered units of e x max(layer, embedding)).
+        Optimizer offload (ZeRO >= 1): Adam and the gradient partition go to host
+        (host: 12 Psi/N + 4 Psi/N fp32 gradients); parameter offload (ZeRO-3): the parameter
+        partition goes to host (host: e Psi/N); the gathered units stay on the device.
+    engine state: DeepSpeed's contiguous gradient bucket, ``reduce_bucket`` x e (ZeRO >= 1;
+        5e7 elements = 191 MiB in fp32, measured in benchmarks/results_longest_context.md).
+
+Saved for backward, per token (HF Llama as hybridsp runs it; equal to the measured breakdown
+of benchmarks/results_longest_context.md, 82,356 B/token at U=1 and 86,452 at U=2, fp32)
+    one RMSNorm: (4 + 2e) h + 4 (x in fp32, the normalised x and the weighted output in e,
+        which the next linear keeps, fp32 rstd)
+    attention: e (2 H D + 2 Hkv' D) + [U > 1] e H D + 4 H (q, k, v after the all-to-all, the
+        kernel output, the o_proj input after the reverse all-to-all (a view of the output at
+        U = 1), fp32 LSE)
+    MLP: 4 I e (gate, SiLU(gate), up, their product); 0 with a tiled MLP (its input is the
+        norm's output, already counted)
+    layer A = 2 norms + attention + MLP; MLP region = 1 norm + MLP.
+    outside the layers G: final norm + RoPE cos/sin 2 D e + token ids and labels 16.
+    checkpoints (activation checkpointing): the layers' inputs, L T h e; with activation
+        offload min(L, keep_last + in_flight) T h e stay on the device (the newest
+        ``keep_last``, ``offload_in_flight`` = 2 copies in flight on CUDA, one each way) and
+        (L - keep_last) T h e live in host memory.
+
+Loss
+    logits path: T V (e + 12): the logits (e), the fp32 log-softmax the loss saves, and two
+        fp32 gradients at the start of the backward (measured: 16 B/entry fp32, 14 bf16).
+    fused loss: c V 8 + V h 4 + T h e with c = min(loss_chunk, T): one chunk's fp32 logits and
+        their gradient, the fp32 LM-head gradient accumulator, and the hidden-state gradient.
+    forward-only: T V (e + 4), fused c V 4.
+
+Transients
+    attention workspace: 4 T H (D + 1) fp32 accumulators + 2 qkv all-to-all buffers (U > 1)
+        + 2 K/V receive blocks + 3 fp32 dK/dV blocks (R > 1) (the K/V mode's term: ring only).
+    MLP backward: t x 2 I e gradients (t = T untiled); tiled: t x 6 I e (the tile's recomputed
+        intermediate and its gradients), t = mlp_tile (default h tokens).
+    gradient flowing between layers: T h e.
+    gradients awaiting ZeRO's reduction (ZeRO >= 2, backward phases): e x min(Psi (with
+        checkpointing) or V h + one layer (without), reduce_bucket); at the loss phase the LM head's weight gradient, V h e (the fused loss
+        counts its own fp32 one).
+
+Peak = persistent + checkpoints + the largest phase (checkpointing keeps nothing inside the
+layers until the backward recomputes one; without it all L layers' A stay until their own
+backward):
+    loss:               [no checkpointing] L A + G + loss + V h e
+    MLP backward:       layers + T h e + MLP transient + staged gradients
+    attention backward: layers - MLP region + T h e + attention workspace + staged gradients
+with layers = L A (no checkpointing) or A (one layer recomputed). Forward-only keeps one
+layer: T (A + 2 h e) + loss + workspace. The peak's parts are reported as ``activations``
+(saved), ``logits`` (the loss, when the loss phase is the peak) and ``workspace``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridsp.planner.costs import FP32, comm_volume, expanded_kv_heads, local_tokens
+from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
+
+ADAM_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v
+HOST_GRAD_BYTES_PER_PARAM = 4  # ZeRO-Offload's fp32 gradient partition in host memory
+IDS_BYTES_PER_TOKEN = 16  # int64 token ids (embedding) and labels (loss)
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """Bytes one rank holds at its peak, by kind; ``host_*``: this rank's offloaded bytes.
+
+    ``total = model_states + engine_state + checkpoints + activations + logits + workspace``;
+    ``phases``: (name, bytes) of every phase's S-dependent part (checkpoints excluded), the
+    largest is ``peak_phase``.
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    gathered_params: int
+    activations: int
+    logits: int
+    workspace: int
+    engine_state: int = 0
+    checkpoints: int = 0
+    peak_phase: str = "loss"
+    phases: tuple[tuple[str, int], ...] = ()
+    host_activations: int = 0
+    host_optimizer: int = 0
+    host_params: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer + self.gathered_params
+
+    @property
+    def persistent(self) -> int:
+        return self.model_states + self.engine_state
+
+    @property
+    def step(self) -> int:
+        """What the step adds over the persistent states (the S-dependent memory)."""
+        return self.checkpoints + self.activations + self.logits + self.workspace
+
+    @property
+    def total(self) -> int:
+        return self.persistent + self.step
+
+    @property
+    def host(self) -> int:
+        return self.host_activations + self.host_optimizer + self.host_params
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def model_state_bytes(model: ModelSpec, zero_stage: int, shards: int, forward_only: bool, dtype_bytes: int = 2,
+                      optimizer_offload: bool = False, param_offload: bool = False,
+                      prefetch_bucket: int | None = None) -> tuple[int, ...]:
+    """(params, grads, optimizer, gathered) device bytes: e + e + 12 per param, ZeRO-partitioned.
+
+    Stage 1 partitions the optimizer states, 2 adds gradients, 3 adds parameters (and then
+    holds gathered parameters: the largest unit of a layer and the embedding, u, plus what is
+    prefetched, max(u, prefetch_bucket), at most the whole model; without ``prefetch_bucket``
+    two units). Offload moves the optimizer states and gradients (ZeRO >= 1) or the parameter
+    partition (ZeRO-3) to host.
+    """
+    psi, e = model.total_params, dtype_bytes
+    params = _ceil_div(e * psi, shards) if zero_stage == 3 else e * psi
+    if param_offload and zero_stage == 3:
+        params = 0
+    unit = max(model.layer_params, model.embedding_params)
+    ahead = unit if prefetch_bucket is None else max(unit, prefetch_bucket)
+    gathered = e * min(psi if prefetch_bucket is not None else 2 * unit, unit + ahead) \
+        if zero_stage == 3 and shards > 1 else 0
+    if forward_only:
+        return params, 0, 0, gathered
+    grads = _ceil_div(e * psi, shards) if zero_stage >= 2 else e * psi
+    optimizer = _ceil_div(ADAM_BYTES_PER_PARAM * psi, shards) if zero_stage >= 1 else ADAM_BYTES_PER_PARAM * psi
+    if optimizer_offload and zero_stage >= 1:
+        grads = optimizer = 0
+    return params, grads, optimizer, gathered
+
+
+def host_state_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> tuple[int, int]:
+    """(optimizer, params) bytes this rank keeps in host memory under ZeRO-Offload."""
+    tech, psi, shards = workload.techniques, model.total_params, config.world_size
+    optimizer = params = 0
+    if not workload.forward_only and tech.optimizer_offload and config.zero_stage >= 1:
+        optimizer = _ceil_div((ADAM_BYTES_PER_PARAM + HOST_GRAD_BYTES_PER_PARAM) * psi, shards)
+    if tech.param_offload and config.zero_stage == 3:
+        params = _ceil_div(workload.dtype_bytes * psi, shards)
+    return optimizer, params
+
+
+def engine_state_bytes(workload: Workload, config: MeshConfig) -> int:
+    """DeepSpeed's contiguous gradient bucket: ``reduce_bucket`` elements of e (ZeRO >= 1, training)."""
+    if workload.forward_only or config.zero_stage == 0:
+        return 0
+    return workload.techniques.reduce_bucket * workload.dtype_bytes
+
+
+# ----------------------------------------------------------------------------- saved per token
+
+
+def norm_bytes_per_token(model: ModelSpec, dtype_bytes: int) -> int:
+    """One HF RMSNorm: x in fp32, the normalised x and the weighted output in e, fp32 rstd."""
+    return (FP32 + 2 * dtype_bytes) * model.hidden_size + FP32
+
+
+def attention_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int) -> int:
+    """q, k, v after the all-to-all, the kernel output, the o_proj input (U > 1), fp32 LSE."""
+    hd = model.num_heads * model.head_dim
+    kvd = expanded_kv_heads(model, ulysses) * model.head_dim
+    o_proj_input = hd * dtype_bytes if ulysses > 1 else 0
+    return dtype_bytes * (2 * hd + 2 * kvd) + o_proj_input + FP32 * model.num_heads
+
+
+def mlp_bytes_per_token(model: ModelSpec, dtype_bytes: int, tiled: bool = False) -> int:
+    """gate, SiLU(gate), up, their product: 4 I e; 0 when tiled (recomputed per tile)."""
+    return 0 if tiled else 4 * model.intermediate_size * dtype_bytes
+
+
+def layer_activation_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int, tiled_mlp: bool = False) -> int:
+    """Saved tensors of one Llama layer per local token: 2 norms + attention + MLP."""
+    return (2 * norm_bytes_per_token(model, dtype_bytes) + attention_bytes_per_token(model, ulysses, dtype_bytes)
+            + mlp_bytes_per_token(model, dtype_bytes, tiled_mlp))
+
+
+def outside_layers_bytes_per_token(model: ModelSpec, dtype_bytes: int) -> int:
+    """G: the final norm, RoPE cos/sin (one copy for all layers), token ids and labels."""
+    return norm_bytes_per_token(model, dtype_bytes) + 2 * model.head_dim * dtype_bytes + IDS_BYTES_PER_TOKEN
+
+
+# ----------------------------------------------------------------------------- step terms
+
+
+def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> tuple[int, int]:
+    """(device, host) bytes of the checkpointed layers' inputs, T h e each."""
+    if not config.checkpointing or workload.forward_only:
+        return 0, 0
+    one = local_tokens(workload, config) * model.hidden_size * workload.dtype_bytes
+    layers, tech = model.num_layers, workload.techniques
+    if not tech.activation_offload:
+        return layers * one, 0
+    kept = min(layers, tech.keep_last)
+    return min(layers, kept + tech.offload_in_flight) * one, (layers - kept) * one
+
+
+def loss_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
+    """The loss's bytes at the loss phase: logits path T V (e + 12), fused c V 8 + V h 4 + T h e."""
+    tokens, vocab, e = local_tokens(workload, config), model.vocab_size, workload.dtype_bytes
+    chunk = min(workload.techniques.loss_chunk, tokens)
+    if workload.forward_only:
+        return chunk * vocab * FP32 if workload.fused_loss else tokens * vocab * (e + FP32)
+    if workload.fused_loss:
+        return chunk * vocab * 2 * FP32 + vocab * model.hidden_size * FP32 + tokens * model.hidden_size * e
+    return tokens * vocab * (e + 3 * FP32)
+
+
+def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
+    """Transient buffers of one attention call: all-to-all send+receive of q/k/v, the fp32
+    out (or dq) accumulator and LSE, two K/V receive buffers and, in backward, three fp32
+    dK/dV blocks (local, travelling, received). The K/V mode's term (ring only, for now)."""
+    volume = comm_volume(model, workload, config)
+    tokens = local_tokens(workload, config)
+    accumulators = tokens * model.num_heads * (model.head_dim + 1) * FP32
+    a2a = 2 * volume.qkv_bytes if config.ulysses > 1 else 0
+    ring = 0
+    if config.ring > 1:
+        ring = 2 * volume.kv_block_bytes + (0 if workload.forward_only else 3 * volume.grad_block_bytes)
+    return accumulators + a2a + ring
+
+
+def mlp_transient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
+    """MLP backward: t x 2 I e gradients untiled (t = T), t x 6 I e tiled (t = mlp_tile, default h)."""
+    tokens, e, tech = local_tokens(workload, config), workload.dtype_bytes, workload.techniques
+    if not tech.tiled_mlp:
+        return tokens * 2 * model.intermediate_size * e
+    tile = min(tokens, tech.mlp_tile or model.hidden_size)
+    return tile * 6 * model.intermediate_size * e
+
+
+def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tuple[str, int, int, int, int]]:
+    """(phase, total, saved, loss, transient) of every training phase (checkpoints excluded)."""
+    tokens, e, tech = local_tokens(workload, config), workload.dtype_bytes, workload.techniques
+    layer = tokens * layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp)
+    mlp_region = tokens * (norm_bytes_per_token(model, e) + mlp_bytes_per_token(model, e, tech.tiled_mlp))
+    layers = layer if config.checkpointing else model.num_layers * layer
+    outside = tokens * outside_layers_bytes_per_token(model, e)
+    flow = tokens * model.hidden_size * e
+    loss = loss_bytes(model, workload, config)
+    mlp, attention = mlp_transient_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)
+    at_loss = 0 if config.checkpointing else layers  # checkpointed layers keep nothing inside until recomputed
+    staged = staged_gradient_bytes(model, workload, config)
+    head_grad = 0 if workload.fused_loss else model.vocab_size * model.hidden_size * e
+    return [
+        ("loss", at_loss + outside + loss + head_grad, at_loss + outside, loss, head_grad),
+        ("mlp backward", layers + flow + mlp + staged, layers + flow, 0, mlp + staged),
+        ("attention backward", layers - mlp_region + flow + attention + staged, layers - mlp_region + flow, 0,
+         attention + staged),
+    ]
+
+
+def staged_gradient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
+    """Full-size gradients produced in the backward before ZeRO (>= 2) reduces and partitions
+    them, up to ``reduce_bucket`` elements of e. With checkpointing the recomputed layer's
+    activations do not shrink while gradients pile up, so the worst is the end of the backward
+    (the whole model; measured: a 9.9M-parameter model at L=16 holds ~40 MB of them in fp32);
+    without it the worst is the first layer's backward (the LM head's and one layer's)."""
+    if config.zero_stage < 2:
+        return 0
+    if config.checkpointing:
+        elements = model.total_params
+    else:
+        head = model.embedding_params
+        elements = head + model.layer_params
+    return workload.dtype_bytes * min(elements, workload.techniques.reduce_bucket)
+
+
+def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> MemoryUse:
+    """Peak bytes of one rank (module docstring) and its offloaded host bytes."""
+    tech = workload.techniques
+    params, grads, optimizer, gathered = model_state_bytes(
+        model, config.zero_stage, config.world_size, workload.forward_only, workload.dtype_bytes,
+        tech.optimizer_offload, tech.param_offload, tech.prefetch_bucket,
+    )
+    host_optimizer, host_params = host_state_bytes(model, workload, config)
+    states = dict(params=params, grads=grads, optimizer=optimizer, gathered_params=gathered,
+                  engine_state=engine_state_bytes(workload, config), host_optimizer=host_optimizer,
+                  host_params=host_params)
+    if workload.forward_only:
+        tokens, e = local_tokens(workload, config), workload.dtype_bytes
+        saved = tokens * (layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp)
+                          + 2 * model.hidden_size * e)
+        loss, workspace = loss_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)
+        return MemoryUse(activations=saved, logits=loss, workspace=workspace, peak_phase="forward",
+                         phases=(("forward", saved + loss + workspace),), **states)
+    device_ckpt, host_ckpt = checkpoint_bytes(model, workload, config)
+    phases = _phases(model, workload, config)
+    name, _, saved, loss, transient = max(phases, key=lambda phase: phase[1])
+    return MemoryUse(activations=saved, logits=loss, workspace=transient, checkpoints=device_ckpt,
+                     host_activations=host_ckpt, peak_phase=name,
+                     phases=tuple((phase[0], phase[1]) for phase in phases), **states)

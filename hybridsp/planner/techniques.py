@@ -1,0 +1,75 @@
+"""Memory techniques a step may use, for the planner: fused loss, tiled MLP, offload, K/V mode.
+
+``Techniques`` is part of the :class:`hybridsp.planner.Workload`; every term it changes is
+stated in :mod:`hybridsp.planner.memory`. ``ABLATION_ORDER`` is the order in which
+``python -m hybridsp plan --ablation`` adds them (its rows are cumulative).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+ABLATION_ORDER = ("fused_loss", "tiled_mlp", "activation_offload", "optimizer_offload")
+KV_MODES = ("ring",)  # "allgather" (issue 10: all-gather K/V, reduce-scatter dK/dV) is not built yet
+PLANNED_KV_MODES = ("allgather",)
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """What the step does beyond plain Ulysses x ring attention with ZeRO.
+
+    fused_loss: ``hybridsp.fused_cross_entropy`` (LM head + loss over chunks of ``loss_chunk``
+        tokens; the ``[T, V]`` logits never exist). tiled_mlp: each MLP runs over tiles of
+        ``mlp_tile`` tokens (None: the hidden size, Arctic/ALST's rule) with recomputation.
+    activation_offload: with activation checkpointing, the checkpointed layers' inputs live in
+        host memory (``hybridsp.offload_activations``); the newest ``keep_last`` stay, and
+        ``offload_in_flight`` more are on the device while copied (2 on CUDA: one each way;
+        0 on CPU, where the copies are synchronous).
+    optimizer_offload / param_offload: DeepSpeed ``offload_optimizer`` / ``offload_param`` to
+        CPU (``ds_configs/cp8_offload.json``); the optimizer needs ZeRO >= 1, parameters ZeRO-3.
+    kv_mode: how K/V blocks travel; only ``"ring"`` is built (``"allgather"`` is planned).
+    reduce_bucket: DeepSpeed's ``reduce_bucket_size`` (elements; 5e7 in ``ds_configs/``).
+    prefetch_bucket: ZeRO-3's ``stage3_prefetch_bucket_size`` (elements; 5e7): parameters
+        gathered ahead of the module that runs.
+    """
+
+    fused_loss: bool = False
+    loss_chunk: int = 8192
+    tiled_mlp: bool = False
+    mlp_tile: int | None = None
+    activation_offload: bool = False
+    keep_last: int = 1
+    offload_in_flight: int = 2
+    optimizer_offload: bool = False
+    param_offload: bool = False
+    kv_mode: str = "ring"
+    reduce_bucket: int = 50_000_000
+    prefetch_bucket: int = 50_000_000
+
+    def __post_init__(self):
+        for name in ("loss_chunk", "reduce_bucket", "prefetch_bucket"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Techniques.{name} must be a positive integer; got {value!r}")
+        if self.mlp_tile is not None and (not isinstance(self.mlp_tile, int) or self.mlp_tile < 1):
+            raise ValueError(f"Techniques.mlp_tile must be a positive integer or None; got {self.mlp_tile!r}")
+        for name in ("keep_last", "offload_in_flight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"Techniques.{name} must be an integer >= 0; got {value!r}")
+        if self.kv_mode in PLANNED_KV_MODES:
+            raise ValueError(f"K/V mode {self.kv_mode!r} is not built yet (issue 10); use 'ring'")
+        if self.kv_mode not in KV_MODES:
+            raise ValueError(f"unknown K/V mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The ablation techniques switched on, in ``ABLATION_ORDER``."""
+        return tuple(name for name in ABLATION_ORDER if getattr(self, name))
+
+    def with_only(self, names) -> "Techniques":
+        """A copy with exactly ``names`` (from ``ABLATION_ORDER``) on, the other settings kept."""
+        unknown = sorted(set(names) - set(ABLATION_ORDER))
+        if unknown:
+            raise ValueError(f"unknown techniques {unknown}; choose from {', '.join(ABLATION_ORDER)}")
+        return replace(self, **{name: name in names for name in ABLATION_ORDER})
