@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
+from host import return_freed_memory_to_os, share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, RunPlan, exit_once, preflight  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
@@ -243,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     except RunConfigError as error:
         exit_once(error)
     name_cpu_accelerator()
+    return_freed_memory_to_os()  # Note [flat RSS] in host.py
+    share_cpu_cores()  # Note [threads per rank] in host.py
     with quiet_console(plan.rank):
         try:
             run(args, plan)
