@@ -278,11 +278,43 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     engine, _, mesh, _ = initialize(model, config, ulysses=args.ulysses, ring=args.ring, backend=args.backend)
     offload = activation_offload(args, engine.module)
     start_step = _load(engine, resume)
-    dist.barrier()  # Note [first step]: on 8 CPU ranks the first step took 40-90 s against ~1.5 s later (measured
+    dist.barrier()  # Note [first step]: every rank has finished building before the first timed step
+    rank0 = dist.get_rank() == 0
+    save_dir = plan.save_dir
+    metrics = Metrics(Path(args.metrics_out or save_dir / "metrics.jsonl"), start_step > 0, rank0)
+    micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    if rank0:
+        origin = f", resumed from {resume.tag_dir} ({'universal' if resume.universal else 'direct'})" if resume else ""
+        print(f"hybridsp example: {mesh!r}, seq_len={args.seq_len}, micro_batch={micro_batch}, "
+              f"accumulation={accumulation}, steps {start_step}..{args.max_steps}, run dir {save_dir}{origin}", flush=True)
+    bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
+    for step in bar:
+        started = time.perf_counter()
+        loss = _mean_over_replicas(
+            train_step(engine, mesh, windows, step, micro_batch, accumulation, separator, offload=offload), mesh)
+        seconds = time.perf_counter() - started
+        _check_finite(loss, step)
+        tokens_per_s = args.seq_len * micro_batch * accumulation * mesh.dp / seconds
+        rss = resident_bytes_per_rank()
+        row = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s,
+               "peak_mem_bytes": peak_memory_bytes(engine.device), "grad_norm": _grad_norm(engine),
+               "step_seconds": seconds, "warmup": step == start_step, "rss_bytes_max": max(rss),
+               "rss_bytes_per_rank": rss}
+        metrics.log(row)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+        if args.save_every and (step + 1) % args.save_every == 0:
+            ckpt.save_checkpoint(engine, mesh, save_dir, f"step{step + 1}", {"step": step + 1})
+    ckpt.save_checkpoint(engine, mesh, save_dir, f"step{args.max_steps}", {"step": args.max_steps})
+    if rank0:
+        plotted = metrics.plot(save_dir / "loss.png") if not args.no_plot else None
+        print(metrics.summary(start_step, plotted, save_dir), flush=True)
+
+
+# Note [first step]: on 8 CPU ranks the first step took 40-90 s against ~1.5 s later (measured
 # 51 s at load 45 in benchmarks/results_soak.md). What it is not: lazy gloo connection set-up
 # (groups connect when created), lazy imports (none happen during step 1), nor ranks finishing
-# the engine build at different times (the barrier above removed that part: 51 s -> 18 s at a
-# similar load), nor only the 16 threads that 8 ranks ran on 2 cores (sharing the cores, see
+# the engine build at different times (the barrier in run() removed that part: 51 s -> 18 s at
+# a similar load), nor only the 16 threads that 8 ranks ran on 2 cores (sharing the cores, see
 # host.py, took it to 13.8 s against 1.2 s for later steps). A py-spy profile of step 1 on two
 # ranks shows it spent inside the same compute kernels as later steps (the attention backward
 # 25%, ZeRO-3's linear backward 14-19%): one-time per-process costs inside the kernels (first
