@@ -3,6 +3,7 @@
 from hybridsp.attention import HybridAttention, gather_sequence, hybrid_attn_func, shard_sequence
 from hybridsp.batch import ShardedDataLoader, shard_batch
 from hybridsp.comm import CommCounter
+from hybridsp.fused_loss import fused_cross_entropy
 from hybridsp.loss import sharded_cross_entropy
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 from hybridsp.ring import ring_attention
@@ -13,6 +14,7 @@ __all__ = [
     "HybridMesh",
     "MeshShape",
     "ShardedDataLoader",
+    "fused_cross_entropy",
     "gather_sequence",
     "hybrid_attn_func",
     "init_mesh",

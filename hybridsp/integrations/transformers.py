@@ -336,3 +336,5 @@ def _input_check(model: nn.Module):
             )
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
+
+from hybridsp.integrations.hf_loss import causal_lm_loss  # noqa: E402,F401  (the fused-loss path, issue 12)
