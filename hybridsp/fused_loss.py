@@ -28,12 +28,11 @@ are summed in fp32 and cast to the weight's dtype once.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from hybridsp.loss import IGNORE_INDEX, _context_totals
 from hybridsp.mesh import HybridMesh
+from hybridsp.zero_gather import gathered
 
 CHUNK_LOGITS_BYTES = 64 * 2**20  # default chunk: its fp32 logits take at most 64 MiB
 
@@ -73,7 +72,7 @@ def fused_cross_entropy(
     """
     vocab = _check_inputs(hidden, weight, shift_labels, ignore_index, chunk_size)
     chunk = default_chunk_size(vocab) if chunk_size is None else chunk_size
-    with _gathered(weight):
+    with gathered([weight]):
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             local_sum = _FusedLinearCrossEntropy.apply(hidden, weight, shift_labels, ignore_index, chunk)
         else:
@@ -148,18 +147,6 @@ def _chunked_loss(hidden, weight, shift_labels, ignore_index, chunk) -> torch.Te
             total += torch.nn.functional.cross_entropy(
                 logits, labels[start:start + chunk], ignore_index=ignore_index, reduction="sum")
     return total
-
-
-def _gathered(weight: torch.Tensor):
-    """``deepspeed.zero.GatheredParameters([weight])`` for a ZeRO-3 parameter not yet available, else nothing."""
-    if not hasattr(weight, "ds_id"):
-        return contextlib.nullcontext()
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    import deepspeed
-
-    if weight.ds_status == ZeroParamStatus.AVAILABLE:
-        return contextlib.nullcontext()
-    return deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
 
 
 def _check_inputs(hidden, weight, shift_labels, ignore_index, chunk_size) -> int:
