@@ -48,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     parser.add_argument("--metrics-out", help="JSON-lines metrics file (default: <save-dir>/metrics.jsonl)")
-    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config)")
+    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config); "
+                        "loaded in the config's precision, partitioned while it loads under ZeRO-3")
+    parser.add_argument("--export-hf", metavar="DIR", help="after training, write a save_pretrained-loadable model here")
     parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
     parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer (default: UTF-8 bytes)")
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -66,7 +68,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
 
     torch.manual_seed(args.seed)
     if args.model_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True, dtype=torch.float32)
+        return load_model(args)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=args.hidden_size, intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -76,6 +78,26 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+def load_model(args: argparse.Namespace) -> torch.nn.Module:
+    """``--model-path`` the way DeepSpeed and transformers load big models: under ZeRO-3 each rank
+    holds only its partition while loading (hybridsp.integrations.hf_checkpoint.load_pretrained)."""
+    from hybridsp.integrations.hf_checkpoint import load_pretrained
+
+    model = load_pretrained(args.model_path, _config_with_lr(args), ulysses=args.ulysses, ring=args.ring)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def export_model(engine, args: argparse.Namespace) -> None:
+    """``--export-hf DIR``: the trained weights as a Hugging Face directory (all ranks call it)."""
+    from hybridsp.integrations.hf_checkpoint import export_hf
+
+    directory = export_hf(engine, args.export_hf)
+    if dist.get_rank() == 0:
+        print(f"exported the trained model to {directory} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -179,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.save_every and (step + 1) % args.save_every == 0:
             engine.save_checkpoint(str(save_dir), tag=f"step{step + 1}", client_state={"step": step + 1})
     engine.save_checkpoint(str(save_dir), tag=f"step{args.max_steps}", client_state={"step": args.max_steps})
+    if args.export_hf:
+        export_model(engine, args)
     if rank0 and not args.no_plot:
         metrics.plot(save_dir / "loss.png")
         print(f"metrics: {metrics.path}, loss curve: {save_dir / 'loss.png'}, checkpoint: {save_dir}", flush=True)

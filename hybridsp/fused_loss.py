@@ -105,17 +105,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_weight += (grad_logits.t() @ flat[rows]).float()  # [V, h]
             del logits, grad_logits
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.hidden_shape, ctx.weight_dtype = hidden.shape, weight.dtype
+        ctx.hidden_shape, ctx.weight_dtype, ctx.consumed = hidden.shape, weight.dtype, False
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
+        if ctx.consumed:
+            raise RuntimeError("fused_cross_entropy's gradients are made in its forward and handed out once: a second "
+                               "backward through the same loss (retain_graph=True) is not supported; call it again")
+        ctx.consumed = True
         grad_hidden, grad_weight = ctx.saved_tensors
         d_hidden = d_weight = None
-        if grad_hidden is not None:
-            d_hidden = (grad_hidden * grad_total.to(grad_hidden.dtype)).reshape(ctx.hidden_shape)  # [B, S, h]
+        if grad_hidden is not None:  # scaled in place: no second hidden- or weight-sized buffer
+            d_hidden = grad_hidden.mul_(grad_total.to(grad_hidden.dtype)).reshape(ctx.hidden_shape)  # [B, S, h]
         if grad_weight is not None:
-            d_weight = (grad_weight * grad_total).to(ctx.weight_dtype)  # [V, h]
+            d_weight = grad_weight.mul_(grad_total).to(ctx.weight_dtype)  # [V, h]
         return d_hidden, d_weight, None, None, None
 
 

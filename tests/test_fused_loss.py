@@ -169,3 +169,12 @@ def test_bad_inputs_raise_value_errors():
         fused_cross_entropy(hidden, weight, labels.fill_(10), mesh)
     with pytest.raises(ValueError, match="chunk_size must be a positive"):
         fused_cross_entropy(hidden, weight, labels.fill_(1), mesh, chunk_size=0)
+
+
+def test_a_second_backward_is_refused():
+    hidden = torch.randn(1, 4, 8, requires_grad=True)
+    weight = torch.randn(10, 8, requires_grad=True)
+    loss = fused_cross_entropy(hidden, weight, torch.randint(0, 10, (1, 4)), mesh_at(1, 1))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
