@@ -7,6 +7,7 @@ from hybridsp.fused_loss import fused_cross_entropy
 from hybridsp.loss import sharded_cross_entropy
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 from hybridsp.ring import ring_attention
+from hybridsp.tiled_mlp import apply_tiled_mlp
 
 __all__ = [
     "CommCounter",
@@ -14,6 +15,7 @@ __all__ = [
     "HybridMesh",
     "MeshShape",
     "ShardedDataLoader",
+    "apply_tiled_mlp",
     "fused_cross_entropy",
     "gather_sequence",
     "hybrid_attn_func",
