@@ -15,11 +15,19 @@ is gathered once (in the forward) and backward needs no gather at all. The cost 
 gradients are held from the loss's forward to its backward, which directly follows it (the loss
 is the last op of the forward), so the step's peak does not grow by more than they already
 cost in backward. The loss's scale ``1 / N`` (N = valid tokens of the whole context group) is
-applied outside, by autograd, exactly as :func:`hybridsp.sharded_cross_entropy` does.
+applied outside, by autograd, exactly as :func:`hybridsp.sharded_cross_entropy` does; backward
+scales the kept gradients in place (no second copy), so it runs once (``retain_graph`` refused).
+Under ZeRO-3 through a module call (``causal_lm_loss``), DeepSpeed's own hooks gather the
+``lm_head`` weight once for the forward and take its gradient as for any ``lm_head`` call. A
+direct call on a partitioned weight is refused when gradients are wanted (handing a full
+gradient to a parameter that is partitioned again by then fails inside DeepSpeed's backward;
+measured) and gathers the weight once (``GatheredParameters``) when only scoring.
 
 Memory (fp32 inputs): ``c x V x 4`` bytes for the chunk's logits/gradient, ``V x h x 4`` for the
 weight gradient and ``T x h x 4`` for the hidden gradient (T = B x S_local), instead of
-``~3 x T x V x 4`` on the logits path. bf16 inputs add the chunk's bf16 logits ``c x V x 2``.
+``~3 x T x V x 4`` on the logits path. bf16 inputs add the chunk's bf16 logits ``c x V x 2``
+and keep the hidden gradient in bf16 (``T x h x 2``); the weight gradient stays fp32 until
+backward casts it (one more ``V x h x 2``).
 
 Precision: the logits are formed in the input dtype (bf16 matmuls accumulate in fp32) and
 reduced in fp32, as ``sharded_cross_entropy(logits.float())`` does; per-chunk weight gradients
@@ -56,8 +64,10 @@ def fused_cross_entropy(
     Args:
         hidden: [B, S_local, h] this rank's final hidden states (after the last norm), fp32/bf16/fp16.
         weight: [V, h] the output projection (``lm_head.weight``; a tied input embedding works the
-            same), the same dtype as ``hidden``. A ZeRO-3 partitioned parameter is gathered once
-            for the call (``deepspeed.zero.GatheredParameters``) unless it is already available.
+            same), the same dtype as ``hidden``. Under ZeRO-3 call it where the weight is gathered
+            (inside the lm_head call: :func:`~hybridsp.integrations.transformers.causal_lm_loss`);
+            a partitioned weight is refused when gradients are wanted, and gathered once for the
+            call (``deepspeed.zero.GatheredParameters``) when only scoring.
         shift_labels: [B, S_local] integer targets, shifted on the full sequence
             (``shard_batch(...)["shift_labels"]``); ``ignore_index`` marks no loss.
         mesh: the :class:`~hybridsp.mesh.HybridMesh`; the token count is reduced over ``mesh.context_group``.
@@ -72,8 +82,15 @@ def fused_cross_entropy(
     """
     vocab = _check_inputs(hidden, weight, shift_labels, ignore_index, chunk_size)
     chunk = default_chunk_size(vocab) if chunk_size is None else chunk_size
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if needs_grad and weight.requires_grad and _partitioned(weight):
+        raise ValueError(
+            f"the weight {tuple(weight.ds_shape)} is a ZeRO-3 partition that is not gathered: call the loss through "
+            f"its module (hybridsp.integrations.transformers.causal_lm_loss runs it inside the lm_head call, where "
+            f"DeepSpeed's hooks gather the weight and take its gradient); a direct call may only score (no grad)"
+        )
     with gathered([weight]):
-        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        if needs_grad:
             local_sum = _FusedLinearCrossEntropy.apply(hidden, weight, shift_labels, ignore_index, chunk)
         else:
             local_sum = _chunked_loss(hidden, weight, shift_labels, ignore_index, chunk)
@@ -151,6 +168,15 @@ def _chunked_loss(hidden, weight, shift_labels, ignore_index, chunk) -> torch.Te
             total += torch.nn.functional.cross_entropy(
                 logits, labels[start:start + chunk], ignore_index=ignore_index, reduction="sum")
     return total
+
+
+def _partitioned(weight: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter whose full data is not present on this rank right now."""
+    if not hasattr(weight, "ds_id"):
+        return False
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return weight.ds_status == ZeroParamStatus.NOT_AVAILABLE
 
 
 def _check_inputs(hidden, weight, shift_labels, ignore_index, chunk_size) -> int:

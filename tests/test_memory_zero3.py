@@ -6,7 +6,10 @@ through ``hybridsp.integrations.deepspeed.initialize``:
 - the reference: logits + ``sharded_cross_entropy`` (the path tests/test_deepspeed.py checks
   against DeepSpeed without sequence parallelism);
 - ``causal_lm_loss`` (fused linear + cross-entropy through the lm_head call);
-- the same plus ``apply_tiled_mlp``; and plus HF activation checkpointing.
+- the same plus ``apply_tiled_mlp``; and plus HF activation checkpointing;
+- ``fused_cross_entropy`` called directly on the decoder's output and the *partitioned*
+  ``lm_head`` weight: refused with a ValueError when gradients are wanted; under no_grad it
+  gathers the weight (``GatheredParameters``) and gives the logits path's loss.
 
 Loss, every reduced gradient (as ZeRO-3 holds it) at each step and the final parameters must
 equal the reference's (relative 1e-5). One launch for every case.
@@ -51,8 +54,8 @@ def _batch() -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool) -> dict:
-    from hybridsp import shard_batch, sharded_cross_entropy
+def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool, direct: bool = False) -> dict:
+    from hybridsp import fused_cross_entropy, shard_batch, sharded_cross_entropy
     from hybridsp.integrations import deepspeed as hds
     from hybridsp.integrations.transformers import causal_lm_loss
     from hybridsp.tiled_mlp import apply_tiled_mlp
@@ -67,6 +70,21 @@ def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool) -> dict:
     local = shard_batch(_batch(), mesh)
     trace = {"losses": [], "grads": []}
     for _ in range(STEPS):
+        if direct:  # the decoder alone, then the partitioned lm_head weight: refused, before any collective
+            hidden = engine.module.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                                         use_cache=False).last_hidden_state
+            trace["status"] = engine.module.lm_head.weight.ds_status.name
+            try:
+                fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"], mesh)
+            except ValueError as error:
+                trace["refused"] = "ZeRO-3 partition that is not gathered" in str(error)
+            with torch.no_grad():  # scoring gathers it (GatheredParameters) and equals the logits path's value
+                trace["scored"] = fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"],
+                                                      mesh, chunk_size=7).item()
+                logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                                use_cache=False).logits
+                trace["expected"] = sharded_cross_entropy(logits, local["shift_labels"], mesh).item()
+            return trace
         if fused:
             loss = causal_lm_loss(engine, local, mesh, chunk_size=7)
         else:
@@ -101,11 +119,16 @@ def _everything(rank, world, directory):
                 "params": _rel(run["params"], reference["params"]),
                 "grad_norm": reference["grads"][0].norm().item(),
             }
+    direct = _train(False, True, False, False, direct=True)
+    out["direct"] = {key: direct[key] for key in ("status", "refused", "scored", "expected")}
     return out
 
 
 def test_fused_loss_and_tiled_mlp_under_zero3_equal_the_logits_path(tmp_path):
     errors = run_distributed(_everything, WORLD, str(tmp_path), timeout=300)[0]
+    direct = errors.pop("direct")
+    assert direct["status"] == "NOT_AVAILABLE" and direct["refused"], direct
+    assert abs(direct["scored"] - direct["expected"]) <= 1e-5 * direct["expected"], direct
     for name, row in errors.items():
         assert row["grad_norm"] > 0, (name, row)
         assert max(row["loss"], row["grad"], row["params"]) < TOLERANCE, (name, row)
