@@ -134,7 +134,8 @@ class TiledMLPHandle:
 def find_gated_mlps(model: nn.Module) -> list[nn.Module]:
     """Every module with ``gate_proj``/``up_proj``/``down_proj`` linears and an ``act_fn``."""
     return [m for m in model.modules()
-            if all(isinstance(getattr(m, name, None), nn.Linear) for name in _PARTS) and callable(getattr(m, "act_fn", None))]
+            if all(isinstance(getattr(m, name, None), nn.Linear) for name in _PARTS)
+            and callable(getattr(m, "act_fn", None))]
 
 
 def apply_tiled_mlp(model: nn.Module, *, tile_tokens: int | None = None) -> TiledMLPHandle:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.testing import run_distributed
-from tests.test_deepspeed import ROOT, _flat, _forbid_jit_builds, _full_grads, _full_params
+from tests.test_deepspeed import ROOT, _forbid_jit_builds, _full_grads, _full_params
 
 WORLD, SEQ, VOCAB, STEPS, LR = 2, 48, 96, 2, 0.5
 TOLERANCE = 1e-5

@@ -60,7 +60,9 @@ def causal_lm_loss(
             f"{type(head).__name__}); causal_lm_loss needs a causal LM with an lm_head"
         )
     if head.bias is not None:
-        raise ValueError(f"{type(inner).__name__}'s lm_head has a bias; fused_cross_entropy supports a bias-free lm_head")
+        raise ValueError(
+            f"{type(inner).__name__}'s lm_head has a bias; fused_cross_entropy supports a bias-free lm_head only"
+        )
     with _loss_as_head_output(head, local_batch["shift_labels"], mesh, ignore_index, chunk_size):
         out = model(input_ids=local_batch["input_ids"], position_ids=local_batch["position_ids"], use_cache=False)
     return out.logits
