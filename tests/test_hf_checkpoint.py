@@ -9,6 +9,7 @@ must give the logits the trained engine gives (gathered over the sequence shards
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -90,6 +91,7 @@ def _round_trip(rank, world, directory):
             "exported_dtype": str(exported.dtype)}
 
 
+@pytest.mark.slow  # ~60 s on the busy 2-core machine: engine build, training, export, reload
 def test_load_partitioned_train_export_round_trip(tmp_path):
     _write_model(tmp_path / "model")
     result = run_distributed(_round_trip, 2, str(tmp_path), timeout=300)

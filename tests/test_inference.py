@@ -6,6 +6,7 @@ import sys
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -86,6 +87,7 @@ def _score(rank, world, argv):
     return score_long.main(argv)
 
 
+@pytest.mark.slow  # ~35 s on the busy 2-core machine: 4 ranks load and score a saved model
 def test_score_long_equals_the_unsharded_model(tmp_path):
     model = _tiny_model_dir(tmp_path / "model")
     text = ("A long document, scored in one forward pass over every rank. " * 12).strip()
