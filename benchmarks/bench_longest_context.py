@@ -242,7 +242,8 @@ def _tensors_via_mmap(threshold: int) -> None:
 
 
 def attempt_rank(rank: int, world: int, ulysses: int, ring: int, config: str, seq_len: int,
-                 budget: int, limit: str, limit_from: str, mmap_threshold: int, report_dir: str) -> dict:
+                 budget: int, limit: str, limit_from: str, mmap_threshold: int, report_dir: str,
+                 variant=None) -> dict:
     """One training step at ``seq_len`` with the soft ``limit`` rlimit set to ``budget`` bytes above
     the footprint after the imports (``limit_from="imports"``) or after the engine is built ("init").
 
@@ -250,7 +251,8 @@ def attempt_rank(rank: int, world: int, ulysses: int, ring: int, config: str, se
     only the lowest failed rank, often a peer's "Connection closed by peer" rather than the rank
     that ran out of memory."""
     try:
-        return _attempt(rank, world, ulysses, ring, config, seq_len, budget, limit, limit_from, mmap_threshold)
+        return _attempt(rank, world, ulysses, ring, config, seq_len, budget, limit, limit_from, mmap_threshold,
+                        variant)
     except BaseException as error:
         _lift_limit(limit)
         Path(report_dir, f"rank{rank}.txt").write_text(f"{time.time():.6f}\n{type(error).__name__}: {error}")
@@ -258,7 +260,9 @@ def attempt_rank(rank: int, world: int, ulysses: int, ring: int, config: str, se
 
 
 def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_len: int,
-             budget: int, limit: str, limit_from: str, mmap_threshold: int) -> dict:
+             budget: int, limit: str, limit_from: str, mmap_threshold: int, variant=None) -> dict:
+    """``variant`` (benchmarks/bench_memory.py): an object with ``vocab``, ``prepare(model)`` and
+    ``train_step`` (train.train_step's signature) that changes the model and the step; None: the example."""
     _tensors_via_mmap(mmap_threshold)
     train, text_data, initialize = _imports()
     tokens, vocab = text_data.tokenize(text_data.load_corpus(None), None)
@@ -272,7 +276,9 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
     try:
         if limit_from == "imports":
             _set_limit(limit, base, budget)
-        model = train.build_model(args, vocab)
+        model = train.build_model(args, vocab if variant is None else variant.vocab)
+        if variant is not None:
+            variant.prepare(model)
         engine, _, mesh, _ = initialize(model, train._config_with_lr(args), ulysses=ulysses, ring=ring)
     finally:
         _lift_limit(limit)  # set again (from the same base) for the step below
@@ -289,8 +295,9 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
         step_start = time.perf_counter()
         try:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                loss = train.train_step(engine, mesh, windows, 0, engine.train_micro_batch_size_per_gpu(),
-                                        engine.gradient_accumulation_steps())
+                step_fn = train.train_step if variant is None else variant.train_step
+                loss = step_fn(engine, mesh, windows, 0, engine.train_micro_batch_size_per_gpu(),
+                               engine.gradient_accumulation_steps())
             step_s = time.perf_counter() - step_start
         finally:
             _lift_limit(limit)  # reporting (an error, or the profile) needs memory
@@ -588,22 +595,27 @@ class Settings:
         return max(1, self.cores // world)
 
 
-def run_attempt(name: str, seq_len: int, settings: Settings, timeout: float, log) -> Attempt:
+def run_attempt(name: str, seq_len: int, settings: Settings, timeout: float, log, variant=None) -> Attempt:
     world, ulysses, ring, config = CONFIGS[name]
     attempt = Attempt(name, seq_len, False, timeout_s=timeout, load=[os.getloadavg()[0]],
-                      planner=planner_memory(ulysses, ring, world, seq_len))
+                      planner=planner_memory(ulysses, ring, world, seq_len) if variant is None else {})
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_longest_") as reports:
         try:
             attempt.ranks = run_distributed(
                 attempt_rank, world, ulysses, ring, config, seq_len, settings.budget_total // world, settings.limit,
-                settings.limit_from, settings.mmap_threshold, reports, timeout=timeout, threads=settings.threads(world))
+                settings.limit_from, settings.mmap_threshold, reports, variant, timeout=timeout,
+                threads=settings.threads(world))
             attempt.ok, attempt.worst = True, _worst(attempt.ranks)
         except (AssertionError, TimeoutError) as error:
             attempt.reason, attempt.detail = _classify(error, _rank_reports(reports))
     attempt.wall_s = time.perf_counter() - started
     attempt.load.append(os.getloadavg()[0])
-    if attempt.ok:
+    if attempt.ok and not attempt.planner:
+        w = attempt.worst
+        log(f"  {name} S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s (step {w['step_s']:.0f} s); MiB per rank: "
+            f"allocated {w['alloc_peak'] / MIB:.0f} (step {w['step_alloc_peak'] / MIB:.0f}); load {attempt.load[0]:.0f}")
+    elif attempt.ok:
         w, p = attempt.worst, attempt.planner
         log(f"  {name} S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s (step {w['step_s']:.0f} s); MiB per rank: "
             f"allocated {w['alloc_peak'] / MIB:.0f} (step {w['step_alloc_peak'] / MIB:.0f}), RSS "
@@ -623,7 +635,7 @@ def _timeout_for(seq_len: int, successes: list[Attempt], first: float) -> float:
     return min(1800.0, max(180.0, 3 * predicted + 60))
 
 
-def search(name: str, start: int, settings: Settings, log) -> tuple[int, list[Attempt]]:
+def search(name: str, start: int, settings: Settings, log, variant=None) -> tuple[int, list[Attempt]]:
     """Doubling from ``start`` until a failure, then bisection to the step; returns (longest, attempts)."""
     from hybridsp.layout import check_sequence_length
 
@@ -634,7 +646,7 @@ def search(name: str, start: int, settings: Settings, log) -> tuple[int, list[At
     def fits(seq_len: int) -> bool:
         check_sequence_length(seq_len, ring, ulysses, "zigzag")
         timeout = _timeout_for(seq_len, [a for a in attempts if a.ok], settings.first_timeout)
-        attempt = run_attempt(name, seq_len, settings, timeout, log)
+        attempt = run_attempt(name, seq_len, settings, timeout, log, variant)
         attempts.append(attempt)
         if attempt.reason == "error":
             raise RuntimeError(f"{name} S={seq_len} failed for a reason other than memory: {attempt.detail}")

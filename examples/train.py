@@ -61,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout", type=float, default=300.0,
                         help="seconds a collective may wait before the rank fails (default 300)")
     parser.add_argument("--metrics-out", help="JSON-lines metrics file (default: <save-dir>/metrics.jsonl)")
-    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config)")
+    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config); "
+                        "loaded in the config's precision, partitioned while it loads under ZeRO-3")
+    parser.add_argument("--export-hf", metavar="DIR", help="after training, write a save_pretrained-loadable model here")
     parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
     parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer (default: UTF-8 bytes)")
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -84,7 +86,7 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
 
     torch.manual_seed(args.seed)
     if args.model_path:
-        return AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True, dtype=torch.float32)
+        return load_model(args)
     config = LlamaConfig(
         vocab_size=vocab_size, hidden_size=args.hidden_size, intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
@@ -94,6 +96,29 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+def load_model(args: argparse.Namespace) -> torch.nn.Module:
+    """``--model-path`` the way DeepSpeed and transformers load big models: under ZeRO-3 each rank
+    holds only its partition while loading (hybridsp.integrations.hf_checkpoint.load_pretrained)."""
+    from hybridsp.integrations.hf_checkpoint import load_pretrained
+
+    from preflight import load_ds_config
+
+    config = _config_with_lr(args, load_ds_config(args.ds_config))
+    model = load_pretrained(args.model_path, config, ulysses=args.ulysses, ring=args.ring)
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def export_model(engine, args: argparse.Namespace) -> None:
+    """``--export-hf DIR``: the trained weights as a Hugging Face directory (all ranks call it)."""
+    from hybridsp.integrations.hf_checkpoint import export_hf
+
+    directory = export_hf(engine, args.export_hf)
+    if dist.get_rank() == 0:
+        print(f"exported the trained model to {directory} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -262,14 +287,14 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     from hybridsp.integrations import checkpoint as ckpt
     from hybridsp.integrations.deepspeed import init_distributed, initialize
 
+    _single_process_environment()
+    init_distributed(timeout=datetime.timedelta(seconds=args.collective_timeout))
     torch.manual_seed(args.seed)
     tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
     windows = TokenWindows(tokens, args.seq_len, args.seed)
     separator = tokenize("\n\n", args.tokenizer)[0] if args.pack else None  # --pack: blank lines end documents
-    model = build_model(args, vocab_size)
+    model = build_model(args, vocab_size)  # under ZeRO-3, --model-path loads partitioned (a collective)
     _check_vocabulary(tokens, model)
-    _single_process_environment()
-    init_distributed(timeout=datetime.timedelta(seconds=args.collective_timeout))
     config = _config_with_lr(args, plan.ds_config)
     resume = _plan_resume(args, plan, config)
     if resume is not None and resume.universal:
@@ -305,6 +330,8 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
         if args.save_every and (step + 1) % args.save_every == 0:
             ckpt.save_checkpoint(engine, mesh, save_dir, f"step{step + 1}", {"step": step + 1})
     ckpt.save_checkpoint(engine, mesh, save_dir, f"step{args.max_steps}", {"step": args.max_steps})
+    if args.export_hf:
+        export_model(engine, args)
     if rank0:
         plotted = metrics.plot(save_dir / "loss.png") if not args.no_plot else None
         print(metrics.summary(start_step, plotted, save_dir), flush=True)

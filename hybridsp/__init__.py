@@ -3,10 +3,12 @@
 from hybridsp.attention import HybridAttention, gather_sequence, hybrid_attn_func, shard_sequence
 from hybridsp.batch import ShardedDataLoader, shard_batch
 from hybridsp.comm import CommCounter
+from hybridsp.fused_loss import fused_cross_entropy
 from hybridsp.loss import sharded_cross_entropy
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 from hybridsp.offload import ActivationOffload, offload_activations
 from hybridsp.ring import ring_attention
+from hybridsp.tiled_mlp import apply_tiled_mlp
 
 __all__ = [
     "ActivationOffload",
@@ -15,6 +17,8 @@ __all__ = [
     "HybridMesh",
     "MeshShape",
     "ShardedDataLoader",
+    "apply_tiled_mlp",
+    "fused_cross_entropy",
     "gather_sequence",
     "hybrid_attn_func",
     "init_mesh",

@@ -7,12 +7,23 @@ pieces of ``L`` tokens each):
     heads_to_seq:  [B, U*L, H/U, D] -> [B, L, H, D]      (the inverse)
 
 Each op is the other's adjoint, so each one's backward is the other applied to the
-gradients. Several tensors that share B, L, D and dtype (q, k and v; or dk and dv) are
-packed along the head axis per destination and travel in one all-to-all.
+gradients. Several tensors that share B, L, D and dtype (q, k and v) are packed along the
+head axis per destination and travel in one all-to-all on the way to heads; on the way back
+each tensor travels alone (Note [lean buffers]).
 
 GQA: rank ``u`` receives query heads ``[u*H/U, (u+1)*H/U)``; :func:`expand_kv_heads_for`
 repeats K/V heads just enough that every rank also receives the K/V heads those queries
 use, with a uniform query-group size locally (autograd sums the copies' gradients back).
+
+Note [lean buffers]: at long context these buffers are the size of q, k and v, so copies
+count. To heads (q, k, v packed together, one all-to-all per sequence of the batch): each
+tensor is copied once, straight into its slot of a send buffer, and received straight into
+the rows of the output, so the outputs are *views* of one receive buffer (split along the
+head axis) and the send buffer is freed as soon as its all-to-all returns. To the sequence
+(out; or dq, dk, dv in backward): one all-to-all per tensor, so at most one tensor's send and
+receive buffers exist at a time; the send buffer is the tensor itself when it is contiguous
+and B = 1; the reorder from the receive buffer into [B, L, U*h, D] is the one copy. The
+all-to-all byte count is unchanged.
 """
 
 from __future__ import annotations
@@ -43,9 +54,11 @@ def expand_kv_heads_for(x: torch.Tensor, num_heads: int, ulysses: int) -> torch.
     return x if repeats == 1 else x.repeat_interleave(repeats, dim=2)  # [B, S, Hkv', D]
 
 
-def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter | None) -> torch.Tensor:
-    """all_to_all_single along dim 0 (one slice per rank); counts the bytes that leave this rank."""
-    received = torch.empty_like(send)
+def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """all_to_all_single along dim 0 (one slice per rank), into ``out`` (default a new tensor like
+    ``send``); counts the bytes that leave this rank."""
+    received = torch.empty_like(send) if out is None else out
     dist.all_to_all_single(received, send, group=group)
     if counter is not None:
         size = dist.get_world_size(group)
@@ -54,27 +67,40 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCount
 
 
 def _seq_to_heads(tensors, group, counter):
-    """Each [B, L, H_i, D] -> [B, U*L, H_i/U, D], all in one all-to-all."""
+    """Each [B, L, H_i, D] -> [B, U*L, H_i/U, D] (Note [lean buffers]): views of one receive buffer."""
     size = dist.get_world_size(group)
     b, length, _, d = tensors[0].shape
     per_rank = [t.shape[2] // size for t in tensors]
-    split = [t.reshape(b, length, size, h, d) for t, h in zip(tensors, per_rank)]  # [B, L, U, H_i/U, D]
-    packed = torch.cat(split, dim=3).permute(2, 0, 1, 3, 4).contiguous()  # [U, B, L, sum H_i/U, D]
-    received = _all_to_all(packed, group, counter)  # [U (source), B, L, sum H_i/U, D]
-    joined = received.permute(1, 0, 2, 3, 4).reshape(b, size * length, sum(per_rank), d)  # [B, U*L, sum, D]
-    return [part.contiguous() for part in joined.split(per_rank, dim=2)]  # each [B, U*L, H_i/U, D]
+    packed = sum(per_rank)
+    joined = tensors[0].new_empty(b, size * length, packed, d)  # [B, U*L, sum H_i/U, D]
+    for row in range(b):  # one all-to-all per sequence, received straight into its rows
+        send = tensors[0].new_empty(size, length, packed, d)  # [U (dest), L, sum H_i/U, D]
+        offset = 0
+        for t, h in zip(tensors, per_rank):
+            send[:, :, offset:offset + h].copy_(t[row].reshape(length, size, h, d).transpose(0, 1))
+            offset += h
+        _all_to_all(send, group, counter, out=joined[row].view(size, length, packed, d))  # [U (source), L, sum, D]
+        del send
+    return list(joined.split(per_rank, dim=2))  # views, each [B, U*L, H_i/U, D]
 
 
 def _heads_to_seq(tensors, group, counter):
-    """Each [B, U*L, h_i, D] -> [B, L, U*h_i, D], all in one all-to-all."""
+    """Each [B, U*L, h_i, D] -> [B, L, U*h_i, D] (Note [lean buffers]): one all-to-all per tensor."""
     size = dist.get_world_size(group)
     b, total, _, d = tensors[0].shape
-    length, heads = total // size, [t.shape[2] for t in tensors]
-    split = [t.reshape(b, size, length, h, d) for t, h in zip(tensors, heads)]  # [B, U, L, h_i, D]
-    packed = torch.cat(split, dim=3).permute(1, 0, 2, 3, 4).contiguous()  # [U (dest), B, L, sum h_i, D]
-    received = _all_to_all(packed, group, counter)  # [U (source = head slice), B, L, sum h_i, D]
-    ordered = received.permute(1, 2, 0, 3, 4)  # [B, L, U, sum h_i, D]
-    return [part.reshape(b, length, size * h, d) for part, h in zip(ordered.split(heads, dim=3), heads)]
+    length = total // size
+    results = []
+    for t in tensors:
+        h = t.shape[2]
+        if b == 1 and t.is_contiguous():
+            send = t.view(size, 1, length, h, d)  # [U (dest), 1, L, h, D]: the tensor itself
+        else:
+            send = t.reshape(b, size, length, h, d).transpose(0, 1).contiguous()  # [U (dest), B, L, h, D]
+        received = _all_to_all(send, group, counter)  # [U (source = head slice), B, L, h, D]
+        del send
+        results.append(received.permute(1, 2, 0, 3, 4).reshape(b, length, size * h, d))  # [B, L, U*h, D]
+        del received
+    return results
 
 
 _RESHARD = {True: _seq_to_heads, False: _heads_to_seq}

@@ -455,3 +455,5 @@ def __getattr__(name: str):
 
 
 from hybridsp.integrations.hf_generate import Prefill, generate, prefill  # noqa: E402,F401  (long-context inference)
+
+from hybridsp.integrations.hf_loss import causal_lm_loss  # noqa: E402,F401  (the fused-loss path, issue 12)

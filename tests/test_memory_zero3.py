@@ -1,0 +1,135 @@
+"""The memory helpers under DeepSpeed ZeRO-3 with sequence parallelism (2 gloo ranks, U=2, fp32).
+
+A tiny Llama (untied and tied embeddings) trains 2 SGD steps from the same seed on the same batch
+through ``hybridsp.integrations.deepspeed.initialize``:
+
+- the reference: logits + ``sharded_cross_entropy`` (the path tests/test_deepspeed.py checks
+  against DeepSpeed without sequence parallelism);
+- ``causal_lm_loss`` (fused linear + cross-entropy through the lm_head call);
+- the same plus ``apply_tiled_mlp``; and plus HF activation checkpointing;
+- ``fused_cross_entropy`` called directly on the decoder's output and the *partitioned*
+  ``lm_head`` weight: refused with a ValueError when gradients are wanted; under no_grad it
+  gathers the weight (``GatheredParameters``) and gives the logits path's loss.
+
+Loss, every reduced gradient (as ZeRO-3 holds it) at each step and the final parameters must
+equal the reference's (relative 1e-5). One launch for every case.
+"""
+
+import torch
+import torch.distributed as dist
+
+from hybridsp.testing import run_distributed
+from tests.test_deepspeed import ROOT, _forbid_jit_builds, _full_grads, _full_params
+
+WORLD, SEQ, VOCAB, STEPS, LR = 2, 48, 96, 2, 0.5
+TOLERANCE = 1e-5
+
+
+def _model(tied: bool):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).float()
+
+
+def _config() -> dict:
+    from hybridsp.integrations.deepspeed import load_config
+
+    config = load_config(ROOT / "ds_configs" / "cp2.json")
+    config.pop("optimizer")
+    zero = {**config["zero_optimization"], "stage": 3, "stage3_param_persistence_threshold": 0}
+    return {**config, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "zero_optimization": zero, "steps_per_print": 10**6}
+
+
+def _batch() -> dict:
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (2, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[1, SEQ - 10:] = -100  # some ignored targets
+    return {"input_ids": ids, "labels": labels}
+
+
+def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool, direct: bool = False) -> dict:
+    from hybridsp import fused_cross_entropy, shard_batch, sharded_cross_entropy
+    from hybridsp.integrations import deepspeed as hds
+    from hybridsp.integrations.transformers import causal_lm_loss
+    from hybridsp.tiled_mlp import apply_tiled_mlp
+
+    model = _model(tied)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    if tiled:
+        apply_tiled_mlp(model, tile_tokens=5)
+    engine, _, mesh, _ = hds.initialize(model, _config(), optimizer=torch.optim.SGD(model.parameters(), lr=LR))
+    engine.train()
+    local = shard_batch(_batch(), mesh)
+    trace = {"losses": [], "grads": []}
+    for _ in range(STEPS):
+        if direct:  # the decoder alone, then the partitioned lm_head weight: refused, before any collective
+            hidden = engine.module.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                                         use_cache=False).last_hidden_state
+            trace["status"] = engine.module.lm_head.weight.ds_status.name
+            try:
+                fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"], mesh)
+            except ValueError as error:
+                trace["refused"] = "ZeRO-3 partition that is not gathered" in str(error)
+            with torch.no_grad():  # scoring gathers it (GatheredParameters) and equals the logits path's value
+                trace["scored"] = fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"],
+                                                      mesh, chunk_size=7).item()
+                logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                                use_cache=False).logits
+                trace["expected"] = sharded_cross_entropy(logits, local["shift_labels"], mesh).item()
+            return trace
+        if fused:
+            loss = causal_lm_loss(engine, local, mesh, chunk_size=7)
+        else:
+            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+            loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
+        engine.backward(loss)
+        trace["grads"].append(_full_grads(engine))
+        engine.step()
+        trace["losses"].append(loss.item())
+    trace["params"] = _full_params(engine)
+    return trace
+
+
+def _rel(a, b) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _everything(rank, world, directory):
+    torch.set_num_threads(1)
+    _forbid_jit_builds(directory)
+    out = {}
+    for tied in (False, True):
+        reference = _train(tied, fused=False, tiled=False, checkpointing=False)
+        variants = {"fused": (True, False, False), "fused+tiled": (True, True, False)}
+        if tied:
+            variants["fused+tiled+ckpt"] = (True, True, True)
+        for name, flags in variants.items():
+            run = _train(tied, *flags)
+            out[f"tied={tied} {name}"] = {
+                "loss": max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"])),
+                "grad": max(_rel(a, b) for a, b in zip(run["grads"], reference["grads"])),
+                "params": _rel(run["params"], reference["params"]),
+                "grad_norm": reference["grads"][0].norm().item(),
+            }
+    direct = _train(False, True, False, False, direct=True)
+    out["direct"] = {key: direct[key] for key in ("status", "refused", "scored", "expected")}
+    return out
+
+
+def test_fused_loss_and_tiled_mlp_under_zero3_equal_the_logits_path(tmp_path):
+    errors = run_distributed(_everything, WORLD, str(tmp_path), timeout=300)[0]
+    direct = errors.pop("direct")
+    assert direct["status"] == "NOT_AVAILABLE" and direct["refused"], direct
+    assert abs(direct["scored"] - direct["expected"]) <= 1e-5 * direct["expected"], direct
+    for name, row in errors.items():
+        assert row["grad_norm"] > 0, (name, row)
+        assert max(row["loss"], row["grad"], row["params"]) < TOLERANCE, (name, row)
+    assert len(errors) == 5
