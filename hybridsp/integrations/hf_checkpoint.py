@@ -80,7 +80,7 @@ def load_pretrained(
     kwargs = {"local_files_only": True, "dtype": config_dtype(ds_config), **from_pretrained_kwargs}
     if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    _init_distributed()
+    hds.init_distributed()  # adopts an existing process group
     hybrid.mesh_shape(dist.get_world_size())  # sizes checked before the collective load
     keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds only a weak reference
     try:
@@ -88,13 +88,6 @@ def load_pretrained(
             return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     finally:
         unset_hf_deepspeed_config()
-
-
-def _init_distributed() -> None:
-    import deepspeed
-
-    with hds._without_cpu_shm_comm_build():
-        deepspeed.init_distributed()  # adopts an existing process group
 
 
 def full_state_dict(engine) -> dict | None:
