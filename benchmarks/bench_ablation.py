@@ -134,16 +134,17 @@ def attempt_rank(rank: int, world: int, seq_len: int, vocab: int, layers: int, t
 
 
 def _step(train, engine, mesh, windows, techniques, offload) -> float:
-    """train.train_step, or its fused-loss variant (hidden states -> hybridsp.fused_cross_entropy)."""
+    """train.train_step, or its fused-loss variant (``causal_lm_loss``: the model's decoder and lm_head call
+    through ``hybridsp.fused_cross_entropy``, the ZeRO-3 weight gathered by DeepSpeed's own hooks)."""
     if "fused_loss" not in techniques:
         return train.train_step(engine, mesh, windows, 0, 1, 1, offload=offload)
     import hybridsp
 
     local = hybridsp.shard_batch({"input_ids": windows.batch(0, 1), "labels": windows.batch(0, 1)}, mesh)
+    from hybridsp.integrations.transformers import causal_lm_loss
+
     with offload:
-        hidden = engine.module.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                                     use_cache=False).last_hidden_state
-        loss = hybridsp.fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"], mesh)
+        loss = causal_lm_loss(engine, local, mesh)
     engine.backward(loss)
     engine.step()
     return loss.item()
@@ -164,7 +165,7 @@ def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: i
         function = _tiled_mlp_function()
         if function is None:
             raise NotAvailable("tiled_mlp")
-        function(engine.module, mesh)
+        function(engine.module)
     offload = offload_activations(engine.module, enabled="activation_offload" in techniques,
                                   host_allocator=shared_host_tensor)
     gc.collect()

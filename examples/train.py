@@ -103,9 +103,7 @@ def load_model(args: argparse.Namespace) -> torch.nn.Module:
     holds only its partition while loading (hybridsp.integrations.hf_checkpoint.load_pretrained)."""
     from hybridsp.integrations.hf_checkpoint import load_pretrained
 
-    from preflight import load_ds_config
-
-    config = _config_with_lr(args, load_ds_config(args.ds_config))
+    config = _config_with_lr(args)
     model = load_pretrained(args.model_path, config, ulysses=args.ulysses, ring=args.ring)
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable()
@@ -380,9 +378,11 @@ def _check_finite(loss: float, step: int) -> None:
         raise FloatingPointError(f"step {step + 1}: the loss is {loss}; lower --lr or check the data")
 
 
-def _config_with_lr(args: argparse.Namespace, config: dict) -> dict:
-    """A copy of the DeepSpeed config with ``--lr`` written into its optimizer section."""
-    config = json.loads(json.dumps(config))
+def _config_with_lr(args: argparse.Namespace, config: dict | None = None) -> dict:
+    """A copy of the DeepSpeed config (default: the ``--deepspeed`` file) with ``--lr`` in its optimizer."""
+    from preflight import load_ds_config
+
+    config = json.loads(json.dumps(config if config is not None else load_ds_config(args.ds_config)))
     if args.lr is not None:
         if "optimizer" not in config:
             raise RunConfigError(f"--lr needs an 'optimizer' section in {args.ds_config}")

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridsp.loss import IGNORE_INDEX, _context_totals
+from hybridsp.loss import IGNORE_INDEX, context_totals, raise_on_bad_labels
 from hybridsp.mesh import HybridMesh
 from hybridsp.zero_gather import gathered
 
@@ -89,13 +89,16 @@ def fused_cross_entropy(
             f"its module (hybridsp.integrations.transformers.causal_lm_loss runs it inside the lm_head call, where "
             f"DeepSpeed's hooks gather the weight and take its gradient); a direct call may only score (no grad)"
         )
+    bad = (shift_labels != ignore_index) & ((shift_labels < 0) | (shift_labels >= vocab))  # [B, S_local]
+    safe_labels = shift_labels.masked_fill(bad, ignore_index)  # Note [bad labels] in hybridsp.loss
     with gathered([weight]):
         if needs_grad:
-            local_sum = _FusedLinearCrossEntropy.apply(hidden, weight, shift_labels, ignore_index, chunk)
+            local_sum = _FusedLinearCrossEntropy.apply(hidden, weight, safe_labels, ignore_index, chunk)
         else:
-            local_sum = _chunked_loss(hidden, weight, shift_labels, ignore_index, chunk)
-    local_count = (shift_labels != ignore_index).sum()
-    total_sum, total_count = _context_totals(local_sum.detach(), local_count, mesh)
+            local_sum = _chunked_loss(hidden, weight, safe_labels, ignore_index, chunk)
+    local_count = (safe_labels != ignore_index).sum()
+    total_sum, total_count, total_bad = context_totals(local_sum.detach(), local_count, bad.sum(), mesh)
+    raise_on_bad_labels(total_bad, shift_labels, bad, vocab, ignore_index, mesh)
     others = total_sum - local_sum.detach()  # the rest of the group's loss: value only
     return (local_sum + others) / total_count.clamp_min(1)
 
@@ -198,10 +201,4 @@ def _check_inputs(hidden, weight, shift_labels, ignore_index, chunk_size) -> int
         raise ValueError(f"shift_labels must hold integer token ids; got dtype {shift_labels.dtype}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive number of tokens; got {chunk_size!r}")
-    valid = shift_labels[shift_labels != ignore_index]
-    if valid.numel() and (int(valid.min()) < 0 or int(valid.max()) >= shape[0]):
-        raise ValueError(
-            f"shift_labels hold token ids in [{int(valid.min())}, {int(valid.max())}] but the vocabulary has "
-            f"{shape[0]} entries (and {ignore_index} marks ignored tokens); check the tokenizer and lm_head"
-        )
     return shape[0]

@@ -165,7 +165,7 @@ def test_bad_inputs_raise_value_errors():
         fused_cross_entropy(hidden, weight.t(), labels, mesh)
     with pytest.raises(ValueError, match="share a dtype"):
         fused_cross_entropy(hidden, weight.double(), labels, mesh)
-    with pytest.raises(ValueError, match=r"token ids in \[10, 10\] but the vocabulary has 10"):
+    with pytest.raises(ValueError, match=r"16 target id\(s\) in shift_labels lie outside the vocabulary \[0, 10\)"):
         fused_cross_entropy(hidden, weight, labels.fill_(10), mesh)
     with pytest.raises(ValueError, match="chunk_size must be a positive"):
         fused_cross_entropy(hidden, weight, labels.fill_(1), mesh, chunk_size=0)

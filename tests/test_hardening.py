@@ -346,19 +346,23 @@ def test_context_ranks_with_swapped_tokens_all_raise():
     assert all(m and "loaded different batches" in m for m in messages)
 
 
-def _bad_label_on_one_rank(rank, world):
+def _bad_label_on_one_rank(rank, world, fused):
     mesh = init_mesh(1, world)
-    logits = torch.randn(1, 8, 11, requires_grad=True)
+    hidden, weight = torch.randn(1, 8, 4, requires_grad=True), torch.randn(11, 4, requires_grad=True)
     labels = torch.randint(0, 11, (1, 8))
     if rank == world - 1:
         labels[0, 3] = 11  # outside [0, V)
     try:
-        hybridsp.sharded_cross_entropy(logits, labels, mesh)
+        if fused:
+            hybridsp.fused_cross_entropy(hidden, weight, labels, mesh)
+        else:
+            hybridsp.sharded_cross_entropy(hidden @ weight.T, labels, mesh)
     except ValueError as error:
         return str(error)
     return None
 
 
-def test_out_of_range_label_on_one_rank_raises_on_every_rank():
-    messages = run_distributed(_bad_label_on_one_rank, 2)
+@pytest.mark.parametrize("fused", [False, True])
+def test_out_of_range_label_on_one_rank_raises_on_every_rank(fused):
+    messages = run_distributed(_bad_label_on_one_rank, 2, fused)
     assert all(m and "outside the vocabulary [0, 11)" in m for m in messages), messages
