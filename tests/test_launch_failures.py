@@ -137,7 +137,6 @@ def test_config_errors_are_one_sentence_before_the_expensive_imports(tmp_path):
     assert "3 query heads are not divisible by ulysses=2" in heads
 
 
-@pytest.mark.slow  # the direct preflight test above covers the messages; this adds the launcher's own output
 def test_config_error_under_the_launcher_is_reported_once(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"hybridsp": {"ulysses": 2, "ring": 2},, }')
