@@ -31,23 +31,17 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import add_mesh_arguments, add_model_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import return_freed_memory_to_os, share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, RunPlan, exit_once, preflight  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--deepspeed", dest="ds_config", default=str(ROOT / "ds_configs" / "cp8.json"),
-                        help="DeepSpeed JSON config with a 'hybridsp' section (default: ds_configs/cp8.json)")
-    parser.add_argument("--deepspeed_config", dest="ds_config", help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--ulysses", type=int, help="Ulysses degree (overrides the config)")
-    parser.add_argument("--ring", type=int, help="ring degree (overrides the config)")
-    parser.add_argument("--backend", help="attention kernel backend: auto, torch, flash, reference")
+    add_mesh_arguments(parser)
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, written into the config's optimizer (default 1e-3 suits the small built-in model)")
@@ -61,15 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--collective-timeout", type=float, default=300.0,
                         help="seconds a collective may wait before the rank fails (default 300)")
     parser.add_argument("--metrics-out", help="JSON-lines metrics file (default: <save-dir>/metrics.jsonl)")
-    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config); "
-                        "loaded in the config's precision, partitioned while it loads under ZeRO-3")
     parser.add_argument("--export-hf", metavar="DIR", help="after training, write a save_pretrained-loadable model here")
-    parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
-    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer (default: UTF-8 bytes)")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    add_model_arguments(parser)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--offload-activations", action="store_true",
                         help="keep the checkpointed layers' inputs in host memory (needs --activation-checkpointing)")

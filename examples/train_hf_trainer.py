@@ -24,21 +24,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import add_mesh_arguments, add_model_arguments  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 from train import build_model  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--deepspeed", dest="ds_config", default=str(ROOT / "ds_configs" / "cp8.json"),
-                        help="DeepSpeed JSON config with a 'hybridsp' section (default: ds_configs/cp8.json)")
-    parser.add_argument("--deepspeed_config", dest="ds_config", help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--ulysses", type=int, help="Ulysses degree (overrides the config)")
-    parser.add_argument("--ring", type=int, help="ring degree (overrides the config)")
-    parser.add_argument("--backend", help="attention kernel backend: auto, torch, flash, reference")
+    add_mesh_arguments(parser)
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (written into the config's optimizer)")
@@ -46,13 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default="runs/hf_trainer")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
-    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config)")
-    parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
-    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer (default: UTF-8 bytes)")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    add_model_arguments(parser)
     parser.add_argument("--activation-checkpointing", action="store_true")
     return parser.parse_args(argv)
 

@@ -1,0 +1,32 @@
+"""Command-line options the examples share: the DeepSpeed config and mesh, and the model and data."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--deepspeed`` (and the launcher's ``--deepspeed_config`` / ``--local_rank``), ``--ulysses``,
+    ``--ring``, ``--backend``."""
+    parser.add_argument("--deepspeed", dest="ds_config", default=str(ROOT / "ds_configs" / "cp8.json"),
+                        help="DeepSpeed JSON config with a 'hybridsp' section (default: ds_configs/cp8.json)")
+    parser.add_argument("--deepspeed_config", dest="ds_config", help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--ulysses", type=int, help="Ulysses degree (overrides the config)")
+    parser.add_argument("--ring", type=int, help="ring degree (overrides the config)")
+    parser.add_argument("--backend", help="attention kernel backend: auto, torch, flash, reference")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model-path``, ``--data``, ``--tokenizer`` and the built-in model's shape."""
+    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config); "
+                        "loaded in the config's precision, partitioned while it loads under ZeRO-3")
+    parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
+    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer (default: UTF-8 bytes)")
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
