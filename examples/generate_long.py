@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import add_model_arguments  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 from train import build_model, peak_memory_bytes  # noqa: E402
 
@@ -44,14 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--backend", default="auto", help="attention kernel: auto, torch, flash, reference")
     parser.add_argument("--seed", type=int, default=0, help="model init, prompt window and sampling seed")
-    parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: train.py's small Llama)")
     parser.add_argument("--checkpoint", help="a DeepSpeed checkpoint folder saved by train.py (--save-dir)")
-    parser.add_argument("--data", help="a local .txt file, folder of .txt files, or .jsonl with a 'text' field")
-    parser.add_argument("--tokenizer", help="a local Hugging Face tokenizer (default: UTF-8 bytes)")
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
+    add_model_arguments(parser)
     args = parser.parse_args(argv)
     args.seq_len, args.activation_checkpointing = args.prompt_len + args.new_tokens, False  # for build_model
     return args

@@ -72,6 +72,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(args.seed)
+    if args.model_path and getattr(args, "ds_config", None) is None:  # e.g. generate_long.py: no DeepSpeed
+        return AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True, dtype=torch.float32)
     if args.model_path:
         return load_model(args)
     config = LlamaConfig(
