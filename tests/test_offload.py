@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.testing import run_distributed
+from tests.test_deepspeed import _full_grads, _full_params
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD, BATCH, SEQ, VOCAB, LAYERS, STEPS, LR = 4, 2, 64, 128, 3, 2, 1e-3
@@ -48,24 +49,6 @@ def _model(checkpointing: bool):
 def _batches() -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
-
-
-def _flat(tensors) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
-
-
-def _full_grads(engine) -> torch.Tensor:
-    from deepspeed.utils import safe_get_full_grad
-
-    return _flat(safe_get_full_grad(p) for p in engine.module.parameters())
-
-
-def _full_params(engine) -> torch.Tensor:
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params):
-        return _flat(params)
 
 
 def _world_mean(value: torch.Tensor) -> float:
