@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_mesh_arguments, add_model_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import return_freed_memory_to_os, share_cpu_cores  # noqa: E402
-from preflight import RunConfigError, RunPlan, exit_once, preflight  # noqa: E402
+from preflight import RunConfigError, RunPlan, exit_once, load_ds_config, preflight  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
 
@@ -369,8 +369,6 @@ def _check_finite(loss: float, step: int) -> None:
 
 def _config_with_lr(args: argparse.Namespace, config: dict | None = None) -> dict:
     """A copy of the DeepSpeed config (default: the ``--deepspeed`` file) with ``--lr`` in its optimizer."""
-    from preflight import load_ds_config
-
     config = json.loads(json.dumps(config if config is not None else load_ds_config(args.ds_config)))
     if args.lr is not None:
         if "optimizer" not in config:
