@@ -33,7 +33,7 @@ import torch
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels.reference import attention_in_input_dtype
 from hybridsp.merge import merge_into
-from hybridsp.ring import block_plan
+from hybridsp.masks import build_plan
 
 
 def _synchronize(device):
@@ -97,8 +97,9 @@ def _blocked_fwd_bwd(kernel, q, k, v, dout, ring: int, scale: float):
     for rank in range(ring):
         out = torch.zeros(qs[rank].shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], local), -math.inf, device=q.device)
-        pieces = [(src, p) for step in range(ring) for src in [(rank - step) % ring]
-                  for p in block_plan(src, rank, True, "zigzag", local)]
+        plan = build_plan(q.shape[1], ring, "zigzag", causal=True, docs=None, window=None, batch=q.shape[0])
+        pieces = [(src, (p.rows, p.keys, p.kind == "causal")) for step in range(ring) for src in [(rank - step) % ring]
+                  for p in plan.pieces[(rank, src)]]
         for src, (rows, keys, causal) in pieces:
             block_out, block_lse = kernel.forward(qs[rank][:, rows], ks[src][:, keys], vs[src][:, keys],
                                                   causal=causal, softmax_scale=scale)

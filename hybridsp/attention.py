@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridsp.allgather import check_kv_chunks
 from hybridsp.comm import CommCounter
 from hybridsp.kernels import AttentionKernel, check_qkv, resolve_kernel
 from hybridsp.layout import check_sequence_length, join_shards, take_shard
 from hybridsp.masks import check_sliding_window, normalize_cu_seqlens
 from hybridsp.mesh import HybridMesh
-from hybridsp.ring import check_softmax_scale, ring_attention
+from hybridsp.ring import check_kv_comm, check_softmax_scale, ring_attention
 from hybridsp.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
 
 
@@ -54,6 +55,7 @@ def hybrid_attn_func(
     softmax_scale: float | None = None,
     backend: str | AttentionKernel = "auto",
     counter: CommCounter | None = None,
+    kv_comm: str | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the mesh's context ranks.
 
@@ -75,6 +77,10 @@ def hybrid_attn_func(
         backend: ``auto``, ``torch``, ``flash``, ``reference`` or a kernel object.
         counter: optional :class:`~hybridsp.comm.CommCounter` recording bytes sent; defaults to
             ``mesh.comm_counter`` (None unless set).
+        kv_comm: how K/V travel inside the ring group: ``"ring"`` (point-to-point steps that
+            send only the rows each rank reads) or ``"allgather"`` (chunked all-gather of K/V,
+            dK/dV by reduce-scatter); None: ``mesh.kv_comm`` (default ``"ring"``). Both are
+            exact; README says when to pick which.
 
     Returns:
         out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
@@ -85,6 +91,10 @@ def hybrid_attn_func(
     """
     check_hybrid_inputs(q, k, v, mesh, softmax_scale)
     check_sliding_window(sliding_window)
+    kv_comm = mesh.kv_comm if kv_comm is None else kv_comm
+    check_kv_comm(kv_comm)
+    if kv_comm == "allgather":
+        check_kv_chunks(mesh.kv_chunks, q.shape[1] * mesh.ulysses)
     normalize_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1] * mesh.context)  # ValueError before any collective
     kernel = resolve_kernel(backend, q)
     counter = mesh.comm_counter if counter is None else counter
@@ -96,6 +106,7 @@ def hybrid_attn_func(
     out = ring_attention(
         q, k, v, ring_group, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window,
         softmax_scale=softmax_scale, backend=kernel, layout=mesh.layout, counter=counter,
+        kv_comm=kv_comm, kv_chunks=mesh.kv_chunks,
     )  # [B, S/R, H/U, D]
     if mesh.ulysses > 1:
         (out,) = heads_to_seq([out], mesh.ulysses_group, counter)  # [B, S/C, H, D]
@@ -105,8 +116,9 @@ def hybrid_attn_func(
 class HybridAttention(nn.Module):
     """``nn.Module`` around :func:`hybrid_attn_func`: ``forward(q, k, v, cu_seqlens=None) -> out``.
 
-    ``sliding_window`` is fixed per module (a layer's property); ``cu_seqlens`` may be given
-    at construction or per call (packed batches change every step). Shapes as there.
+    ``sliding_window`` and ``kv_comm`` are fixed per module (a layer's property; ``kv_comm=None``:
+    the mesh's); ``cu_seqlens`` may be given at construction or per call (packed batches change
+    every step). Shapes as there.
     """
 
     def __init__(
@@ -118,16 +130,20 @@ class HybridAttention(nn.Module):
         sliding_window: int | None = None,
         softmax_scale: float | None = None,
         backend: str | AttentionKernel = "auto",
+        kv_comm: str | None = None,
     ):
         super().__init__()
         check_sliding_window(sliding_window)
+        if kv_comm is not None:
+            check_kv_comm(kv_comm)
         self.mesh, self.causal, self.softmax_scale, self.backend = mesh, causal, softmax_scale, backend
+        self.kv_comm = kv_comm
         self.cu_seqlens, self.sliding_window = cu_seqlens, sliding_window
 
     def forward(self, q, k, v, counter: CommCounter | None = None, cu_seqlens=None):
         return hybrid_attn_func(
             q, k, v, mesh=self.mesh, causal=self.causal, softmax_scale=self.softmax_scale,
-            backend=self.backend, counter=counter,
+            backend=self.backend, counter=counter, kv_comm=self.kv_comm,
             cu_seqlens=self.cu_seqlens if cu_seqlens is None else cu_seqlens, sliding_window=self.sliding_window,
         )
 

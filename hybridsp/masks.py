@@ -88,6 +88,13 @@ class BlockPlan:
     batch_rows: int
     pieces: dict[tuple[int, int], tuple[Piece, ...]] = field(repr=False)
     hulls: dict[tuple[int, int], tuple[int, int] | None] = field(repr=False)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)  # memo of what transports derive
+
+    def memo(self, key, compute):
+        """``compute()`` once per plan and ``key`` (plans are immutable, so derived tables are too)."""
+        if key not in self.derived:
+            self.derived[key] = compute()
+        return self.derived[key]
 
     def work(self, rank: int) -> int:
         """Score cells ``rank`` computes in one forward, summed over batch rows."""
@@ -274,20 +281,82 @@ def _pair_pieces(q_runs, k_runs, causal: bool, window: int | None, batch: slice)
                 piece = _trimmed((q_off + t, q_off + t + n), (k_off, k_off + k_len), lo, hi, batch)
                 if piece is not None:
                     pieces.append(piece)
-    return _merged(pieces)
+    return merge_pieces(pieces)
 
 
-def _merged(pieces: list[Piece]) -> list[Piece]:
-    """Join full pieces that share their key rows and have adjacent query rows (fewer calls)."""
+def merge_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Fewer, larger calls for the same cells: full pieces that share their key rows and have
+    adjacent query rows (or share their query rows and have adjacent keys) become one, and a
+    zigzag-style diagonal (causal square, the full block below it, the causal square after it)
+    becomes one causal square."""
+    merged = _joined_causal(_joined_full(pieces))
+    while len(merged) < len(pieces):
+        pieces, merged = merged, _joined_causal(_joined_full(merged))
+    return merged
+
+
+def _joined_full(pieces: list[Piece]) -> list[Piece]:
+    """Full pieces joined along the query rows, then along the keys."""
+    by_rows = _join_adjacent(pieces, along="rows")
+    return _join_adjacent(by_rows, along="keys")
+
+
+def _join_adjacent(pieces: list[Piece], along: str) -> list[Piece]:
+    """Join full pieces of the same batch rows that agree on the other axis and touch along ``along``."""
+    other = "keys" if along == "rows" else "rows"
+
+    def key(p: Piece):
+        fixed, moving = getattr(p, other), getattr(p, along)
+        return (p.kind != "full", _batch_key(p.batch), fixed.start, fixed.stop, moving.start)
+
     out: list[Piece] = []
-    for piece in sorted(pieces, key=lambda p: (p.kind != "full", p.keys.start, p.keys.stop, p.rows.start)):
+    for piece in sorted(pieces, key=key):
         last = out[-1] if out else None
-        if (last is not None and piece.kind == last.kind == "full" and piece.keys == last.keys
-                and piece.batch == last.batch and piece.rows.start == last.rows.stop):
-            out[-1] = Piece(slice(last.rows.start, piece.rows.stop), piece.keys, "full", batch=piece.batch)
+        if (last is not None and piece.kind == last.kind == "full" and piece.batch == last.batch
+                and getattr(piece, other) == getattr(last, other)
+                and getattr(piece, along).start == getattr(last, along).stop):
+            span = slice(getattr(last, along).start, getattr(piece, along).stop)
+            rows, keys = (span, piece.keys) if along == "rows" else (piece.rows, span)
+            out[-1] = Piece(rows, keys, "full", batch=piece.batch)
         else:
             out.append(piece)
     return out
+
+
+def _batch_key(batch: slice) -> tuple[int, int]:
+    return (-1, -1) if batch == _ALL else (batch.start, batch.stop)
+
+
+def _joined_causal(pieces: list[Piece]) -> list[Piece]:
+    """Join ``causal A | full B below A | causal C right of B`` into the causal square ``A + B + C``
+    (rows of A then C, keys of A then C: exactly the zigzag slot's own-block diagonal)."""
+    squares = [p for p in pieces if p.kind == "causal"]
+    for a in squares:
+        for c in squares:
+            if c is a or c.batch != a.batch or c.rows.start != a.rows.stop or c.keys.start != a.keys.stop:
+                continue
+            below = Piece(c.rows, a.keys, "full", batch=a.batch)
+            if below in pieces:
+                joined = Piece(slice(a.rows.start, c.rows.stop), slice(a.keys.start, c.keys.stop), "causal",
+                               batch=a.batch)
+                rest = [p for p in pieces if p is not a and p is not c and p != below]
+                return _joined_causal([*rest, joined])
+    return pieces
+
+
+def cut_keys(piece: Piece, start: int, stop: int) -> Piece | None:
+    """The part of ``piece`` whose key rows lie in ``[start, stop)``, trimmed and reclassified
+    (a causal or band piece cut off its diagonal becomes a band or full piece); None if empty."""
+    lo_key, hi_key = max(piece.keys.start, start), min(piece.keys.stop, stop)
+    if lo_key >= hi_key:
+        return None
+    if piece.kind == "full":
+        return Piece(piece.rows, slice(lo_key, hi_key), "full", batch=piece.batch)
+    lo, hi = (0, None) if piece.kind == "causal" else piece.band
+    shift = lo_key - piece.keys.start  # i - j in the cut's own columns is larger by this much
+    lo = None if lo is None else lo + shift
+    hi = None if hi is None else hi + shift
+    return _trimmed((piece.rows.start, piece.rows.stop), (lo_key, hi_key), lo, hi, piece.batch)
 
 
 @functools.lru_cache(maxsize=16)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from hybridsp.layout import LAYOUTS
 
 ORDERS = ("ulysses_inner", "ring_inner")
+KV_COMMS = ("ring", "allgather")  # how K/V blocks travel inside the ring group (hybridsp.ring)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class MeshShape:
     ring: int
     order: str = "ulysses_inner"
     layout: str = "zigzag"
+    kv_comm: str = "ring"
+    kv_chunks: int | None = None
 
     def __post_init__(self):
         for name in ("ulysses", "ring"):
@@ -49,6 +52,11 @@ class MeshShape:
             raise ValueError(f"unknown rank order {self.order!r}; choose one of {', '.join(ORDERS)}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown token layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
+        if self.kv_comm not in KV_COMMS:
+            raise ValueError(f"unknown kv_comm {self.kv_comm!r}; choose one of {', '.join(KV_COMMS)}")
+        if self.kv_chunks is not None and (isinstance(self.kv_chunks, bool) or not isinstance(self.kv_chunks, int)
+                                           or self.kv_chunks < 1):
+            raise ValueError(f"kv_chunks must be a positive integer or None; got {self.kv_chunks!r}")
         context = self.ulysses * self.ring
         if self.world_size % context != 0:
             raise ValueError(
@@ -117,6 +125,8 @@ class HybridMesh:
     dp = property(lambda self: self.shape.dp)
     context = property(lambda self: self.shape.context)
     layout = property(lambda self: self.shape.layout)
+    kv_comm = property(lambda self: self.shape.kv_comm)
+    kv_chunks = property(lambda self: self.shape.kv_chunks)
     world_size = property(lambda self: self.shape.world_size)
 
     @property
@@ -131,7 +141,7 @@ class HybridMesh:
     def __repr__(self) -> str:
         return (
             f"HybridMesh(dp={self.dp}, ring={self.ring}, ulysses={self.ulysses}, order={self.shape.order!r}, "
-            f"layout={self.layout!r}, rank={self.rank} -> dp={self.dp_rank}, r={self.ring_rank}, u={self.ulysses_rank})"
+            f"layout={self.layout!r}, kv_comm={self.kv_comm!r}, rank={self.rank} -> dp={self.dp_rank}, r={self.ring_rank}, u={self.ulysses_rank})"
         )
 
 
@@ -179,6 +189,8 @@ def init_mesh(
     *,
     order: str = "ulysses_inner",
     layout: str = "zigzag",
+    kv_comm: str = "ring",
+    kv_chunks: int | None = None,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
@@ -194,6 +206,8 @@ def init_mesh(
     the ring; that needs ``num_heads`` (and uses ``num_kv_heads``, ``head_dim``, ``seq_len``
     and ``context_size`` (default: the whole world) when given). Raises ValueError, before any
     collective, when the degrees do not divide the world size or cannot be chosen.
+    ``kv_comm`` (``"ring"`` or ``"allgather"``) and ``kv_chunks`` are the default K/V transport
+    of every :func:`~hybridsp.hybrid_attn_func` call over the mesh (see :mod:`hybridsp.ring`).
     """
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs torch.distributed to be initialised first (init_process_group)")
@@ -202,7 +216,7 @@ def init_mesh(
     attention = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_len=seq_len,
                      context_size=context_size)
     ulysses, ring = _resolve_degrees(ulysses, ring, world_size, local, attention)
-    shape = MeshShape(world_size, ulysses, ring, order, layout)
+    shape = MeshShape(world_size, ulysses, ring, order, layout, kv_comm, kv_chunks)
     _warn_if_ulysses_crosses_nodes(shape, local)
     rank = dist.get_rank()
     groups = {}

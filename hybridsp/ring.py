@@ -1,24 +1,20 @@
 """Ring attention: exact attention over a sequence sharded across a ring of ranks.
 
 Each of the ``R`` ranks of ``group`` holds ``S/R`` query tokens and the matching key/value
-tokens. For ``R`` steps every rank attends its queries to the key/value block it holds,
-merges the partial result by log-sum-exp (:mod:`hybridsp.merge`), and passes the block on
-to the next rank; the next block's transfer is posted before the current block is computed
-so communication overlaps compute.
+tokens. Which local query rows see which rows of every other rank's K/V block is a
+:class:`~hybridsp.masks.BlockPlan` that every rank derives without communication, for
+dense causal attention, packed documents and sliding windows alike. Two transports bring
+the blocks (``kv_comm``), both computing exactly the plan's pieces and merging them by
+log-sum-exp in fp32 (fp64 for fp64 inputs):
 
-Backward re-runs every block's kernel backward with the *final* out and lse (so each block
-returns its exact share of the gradients). dq accumulates locally; dk/dv accumulators travel
-around the ring with the blocks and arrive home after ``R`` hops. All accumulation is fp32
-(fp64 for fp64 inputs), cast to the input dtype once.
+- ``"ring"`` (default, :mod:`hybridsp.p2p_ring`): ``R - 1`` point-to-point steps, each
+  sending only the rows the receiver reads; dK/dV go straight home in the input dtype.
+  Memory: two K/V blocks in flight.
+- ``"allgather"`` (:mod:`hybridsp.allgather`): K/V gathered in chunks over the ring group,
+  one collective per chunk (no per-step latency), dK/dV back by a reduce-scatter. Memory:
+  two gathered chunks (``2 R / kv_chunks`` blocks).
 
-Note [block plan]: which part of (local queries x visiting block) is computed at each step
-depends on the layout and on where the block comes from; :func:`block_plan` answers that
-for one step as a list of ``(query rows, key rows, causal)`` pieces, so one loop serves
-every layout and both directions.
-
-With ``cu_seqlens`` (packed documents) or ``sliding_window`` the call goes to
-:mod:`hybridsp.masked_ring` instead (Note [masked ring] there): the pieces come from
-:mod:`hybridsp.masks` and blocks travel by direct sends that skip what nobody sees.
+A ring of one runs one kernel call on the whole local sequence.
 """
 
 from __future__ import annotations
@@ -26,100 +22,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridsp.comm import CommCounter, RingExchange
-from hybridsp.kernels import AttentionKernel, accumulation_dtype, check_qkv, default_softmax_scale, resolve_kernel
+from hybridsp.allgather import AllGatherFunction, check_kv_chunks, resolve_kv_chunks
+from hybridsp.comm import CommCounter
+from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, resolve_kernel
 from hybridsp.layout import LAYOUTS
-from hybridsp.masked_ring import MaskedRingFunction, masked_plan
-from hybridsp.merge import merge_into
-
-Piece = tuple[slice, slice, bool]
-_ALL = slice(None)
-
-
-def block_plan(source: int, rank: int, causal: bool, layout: str, local_len: int) -> list[Piece]:
-    """The pieces of ``local queries x block from ring rank source`` that hold visible keys.
-
-    Returns a list of ``(query slice, key slice, causal)`` along the local sequence.
-    Zigzag (causal): the diagonal block is causal; a block from an earlier slot is seen by
-    all queries through its first half; a block from a later slot is seen whole by the second
-    half of the queries. Contiguous (causal): earlier blocks whole, later blocks not at all.
-    """
-    if not causal:
-        return [(_ALL, _ALL, False)]
-    if source == rank:
-        return [(_ALL, _ALL, True)]
-    if layout == "contiguous":
-        return [(_ALL, _ALL, False)] if source < rank else []
-    half = local_len // 2
-    if source < rank:
-        return [(_ALL, slice(0, half), False)]
-    return [(slice(half, None), _ALL, False)]
-
-
-def _ring_forward(q, k, v, group, kernel, causal, scale, layout, counter):
-    """q [B, S, H, D], k/v [B, S, Hkv, D] (local shards) -> (out [B, S, H, D], lse [B, H, S] fp32/fp64)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    acc = accumulation_dtype(q.dtype)
-    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=acc, device=q.device)
-    exchange = RingExchange(group, counter)
-    kv = [k, v]
-    for step in range(size):
-        pending = exchange.start(kv) if step + 1 < size else None
-        for rows, keys, piece_causal in block_plan((rank - step) % size, rank, causal, layout, q.shape[1]):
-            block_out, block_lse = kernel.forward(
-                q[:, rows], kv[0][:, keys], kv[1][:, keys], causal=piece_causal, softmax_scale=scale
-            )
-            merge_into(out_acc[:, rows], lse_acc[:, :, rows], block_out, block_lse)
-        if pending is not None:
-            kv = pending.wait()
-    return out_acc.to(q.dtype), lse_acc
-
-
-def _ring_backward(dout, q, k, v, out, lse, group, kernel, causal, scale, layout, counter):
-    """Gradients of the local shards: (dq [B, S, H, D], dk, dv [B, S, Hkv, D]) in the input dtype."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    kv_exchange, grad_exchange = RingExchange(group, counter), RingExchange(group, counter)
-    acc = accumulation_dtype(q.dtype)
-    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv, grad_pending = [k, v], None
-    for step in range(size):
-        kv_pending = kv_exchange.start(kv) if step + 1 < size else None
-        block_dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        block_dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for rows, keys, piece_causal in block_plan((rank - step) % size, rank, causal, layout, q.shape[1]):
-            dq, dk, dv = kernel.backward(
-                dout[:, rows], q[:, rows], kv[0][:, keys], kv[1][:, keys], out[:, rows], lse[:, :, rows],
-                causal=piece_causal, softmax_scale=scale,
-            )
-            dq_acc[:, rows] += dq
-            block_dk[:, keys] += dk
-            block_dv[:, keys] += dv
-        if grad_pending is not None:  # the accumulators of this block, from the previous rank
-            travelling_dk, travelling_dv = grad_pending.wait()
-            block_dk += travelling_dk
-            block_dv += travelling_dv
-        grad_pending = grad_exchange.start([block_dk, block_dv])
-        if kv_pending is not None:
-            kv = kv_pending.wait()
-    dk_home, dv_home = grad_pending.wait()
-    return dq_acc.to(q.dtype), dk_home.to(k.dtype), dv_home.to(v.dtype)
-
-
-class _RingAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, kernel, causal, scale, layout, counter):
-        out, lse = _ring_forward(q, k, v, group, kernel, causal, scale, layout, counter)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (group, kernel, causal, scale, layout, counter)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.settings)
-        return dq, dk, dv, None, None, None, None, None, None
-
+from hybridsp.masks import BlockPlan, build_plan, check_sliding_window, normalize_cu_seqlens
+from hybridsp.mesh import KV_COMMS
+from hybridsp.p2p_ring import P2PRingFunction, ring_size_rank
 
 class _SingleKernelFunction(torch.autograd.Function):
     """Ring size 1: one kernel call on the whole local sequence, no communication."""
@@ -168,6 +77,27 @@ def check_ring_inputs(
         )
 
 
+def check_kv_comm(kv_comm: str) -> None:
+    """Raise ValueError unless ``kv_comm`` names a K/V transport."""
+    if kv_comm not in KV_COMMS:
+        raise ValueError(f"unknown kv_comm {kv_comm!r}; choose one of {', '.join(map(repr, KV_COMMS))}")
+
+
+def attention_plan(q: torch.Tensor, group, causal: bool, layout: str, cu_seqlens, sliding_window) -> BlockPlan | None:
+    """The block plan of one call, or None for a ring of one that nothing masks (one kernel call).
+
+    Validates ``cu_seqlens`` and ``sliding_window`` (ValueError, before any communication).
+    """
+    check_sliding_window(sliding_window)
+    size, _ = ring_size_rank(group)
+    seq_len = q.shape[1] * size
+    docs = normalize_cu_seqlens(cu_seqlens, q.shape[0], seq_len)
+    window = None if sliding_window is None or sliding_window >= seq_len else sliding_window
+    if size == 1 and docs is None and window is None:
+        return None
+    return build_plan(seq_len, size, layout, causal=causal, docs=docs, window=window, batch=q.shape[0])
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -181,6 +111,8 @@ def ring_attention(
     backend: str | AttentionKernel = "auto",
     layout: str = "zigzag",
     counter: CommCounter | None = None,
+    kv_comm: str = "ring",
+    kv_chunks: int | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
@@ -199,16 +131,24 @@ def ring_attention(
         backend: a kernel name (``auto``, ``torch``, ``flash``, ``reference``) or kernel object.
         layout: ``zigzag`` (balanced causal work) or ``contiguous``.
         counter: optional :class:`CommCounter` that records the bytes this rank sends.
+        kv_comm: ``"ring"`` (point-to-point steps) or ``"allgather"`` (chunked all-gather of
+            K/V, reduce-scatter of dK/dV); see the module docstring for when to pick which.
+        kv_chunks: all-gather mode only: chunks per rank's block (divides S_local); None picks
+            :func:`hybridsp.allgather.default_kv_chunks` (gathered chunks of at most two blocks).
 
     Returns:
         out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
     """
     check_ring_inputs(q, k, v, causal, layout, softmax_scale)
-    plan = masked_plan(q, group, causal, layout, cu_seqlens, sliding_window)
+    check_kv_comm(kv_comm)
+    if kv_comm == "allgather":
+        check_kv_chunks(kv_chunks, q.shape[1])
+    plan = attention_plan(q, group, causal, layout, cu_seqlens, sliding_window)
     kernel = resolve_kernel(backend, q)
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
-    if plan is not None:
-        return MaskedRingFunction.apply(q, k, v, group, kernel, scale, plan, counter)
-    if group is None or dist.get_world_size(group) == 1:
+    if plan is None:
         return _SingleKernelFunction.apply(q, k, v, kernel, causal, scale)
-    return _RingAttentionFunction.apply(q, k, v, group, kernel, causal, scale, layout, counter)
+    if kv_comm == "allgather" and plan.ring > 1:
+        chunks = resolve_kv_chunks(kv_chunks, plan.ring, q.shape[1])
+        return AllGatherFunction.apply(q, k, v, group, kernel, scale, plan, chunks, counter)
+    return P2PRingFunction.apply(q, k, v, group, kernel, scale, plan, counter)

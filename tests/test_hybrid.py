@@ -105,19 +105,21 @@ def _bytes_sent(rank, world):
     q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in random_qkv(1, 64, 8, 2, 16))
     counter = hybridsp.CommCounter()
     hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch", counter=counter).backward(dout)
-    return dict(counter.bytes_sent)
+    return mesh.ring_rank, dict(counter.bytes_sent)
 
 
 def test_bytes_sent_equal_the_analytic_minimum():
-    sent = run_distributed(_bytes_sent, 4)
     element = 4  # fp32
-    local, heads, kv_heads, d, u, r = 16, 8, 2, 16, 2, 2
+    local, heads, kv_heads, d, u = 16, 8, 2, 16, 2
     qkv = local * (heads + 2 * kv_heads) * d * element  # one rank's q, k, v
     out = local * heads * d * element
     # forward: q/k/v and out all-to-all; backward: dout and dq/dk/dv; (U-1)/U of each leaves the rank
     all_to_all = (qkv + out) * 2 * (u - 1) // u
-    kv_block = (local * u) * (kv_heads // u) * 2 * d * element  # k and v after the all-to-all
-    # forward and backward each pass K/V R-1 times; backward's fp32 dK/dV travel R times
-    ring = kv_block * (r - 1) * 2 + kv_block * r
-    for rank_sent in sent:
+    slot, row = local * u, 2 * (kv_heads // u) * d * element  # tokens per ring slot; one token's k and v
+    # zigzag, R = 2: slot 1 reads the first half of slot 0's block, slot 0 reads all of slot 1's.
+    # K/V rows go out in the forward and again in the backward; dK/dV of what a rank read go home once.
+    sent_rows = {0: slot // 2, 1: slot}
+    read_rows = {0: slot, 1: slot // 2}
+    for ring_rank, rank_sent in run_distributed(_bytes_sent, 4):
+        ring = (2 * sent_rows[ring_rank] + read_rows[ring_rank]) * row
         assert rank_sent == {"all_to_all": all_to_all, "ring": ring}

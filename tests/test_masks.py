@@ -199,10 +199,10 @@ def _cases(windows, full_matrix, seq=SEQ):
     return cases
 
 
-def _check_meshes(rank, world, meshes, windows, full_matrix, seq=SEQ, kv_list=(8, 1)):
+def _check_meshes(rank, world, meshes, windows, full_matrix, seq=SEQ, kv_list=(8, 1), kv_comm="ring"):
     failures = []
     for (ulysses, ring), layout in meshes:
-        mesh = init_mesh(ulysses=ulysses, ring=ring, layout=layout)
+        mesh = init_mesh(ulysses=ulysses, ring=ring, layout=layout, kv_comm=kv_comm)
         for kv_heads in ([8, 2, 1] if full_matrix else kv_list):
             full = random_qkv(2, seq, 8, kv_heads, 16, seed=3 + mesh.dp_rank)
             for rows_bounds, causal, window in _cases(windows, full_matrix, seq):

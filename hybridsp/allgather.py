@@ -1,0 +1,213 @@
+"""All-gather K/V transport for ring attention (``kv_comm="allgather"``).
+
+Note [all-gather K/V]: instead of ``R - 1`` point-to-point steps, the ring group gathers
+K/V in ``n`` chunks: chunk ``j`` is rows ``[j m, (j + 1) m)`` (``m = S_local / n``) of every
+rank's block, one all-gather each for K and V into ``[R, B, m, Hkv, D]`` (rank-major, so
+the gathered keys read as one ``[B, R m, Hkv, D]`` sequence: a view when B = 1). The local
+queries attend to the plan's pieces cut to the chunk (:func:`chunk_pieces`; full pieces of
+neighbouring ranks join into one call). The own block is computed first, from local K/V,
+while chunk 0 travels; chunk ``j + 1`` travels while chunk ``j`` computes, so at most two
+gathered chunks are alive (``2 R / n`` blocks).
+
+Backward: K/V chunks are gathered again; a chunk's partial dK/dV (fp32, all ranks'
+rows) is rounded once to the input dtype and returned by a reduce-scatter done as an
+all-to-all plus an fp32 sum at the owner (the same ``(R - 1) / R`` of the buffer on the wire
+as a ring reduce-scatter, but every partial is rounded once instead of at every hop). The
+reduce-scatter of chunk ``j`` travels while chunk ``j + 1`` computes.
+
+Bytes per rank per call (K and V each, ``row = B Hkv D`` elements):
+forward ``(R - 1) S_local`` rows gathered; backward the same again plus ``(R - 1) S_local``
+rows of dK/dV. Unlike the p2p ring, an all-gather ships whole blocks even where the
+receiver reads half of one (causal zigzag), but it has ``n`` collective latencies instead
+of ``R - 1`` step latencies, and few large kernel calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hybridsp.comm import CommCounter
+from hybridsp.kernels import accumulation_dtype
+from hybridsp.masks import BlockPlan, Piece, cut_keys, merge_pieces
+from hybridsp.p2p_ring import ring_size_rank
+from hybridsp.pieces import backward_pieces, forward_pieces
+
+_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def default_kv_chunks(ring: int, local_len: int) -> int:
+    """Chunks per block so a gathered chunk holds at most two blocks: the largest divisor of
+    ``local_len`` not above ``max(1, ring // 2)``."""
+    chunks = max(1, ring // 2)
+    while local_len % chunks:
+        chunks -= 1
+    return chunks
+
+
+def check_kv_chunks(kv_chunks: int | None, local_len: int) -> None:
+    """Raise ValueError unless ``kv_chunks`` is None or a positive divisor of the local length."""
+    if kv_chunks is None:
+        return
+    if isinstance(kv_chunks, bool) or not isinstance(kv_chunks, int) or kv_chunks < 1 or local_len % kv_chunks:
+        raise ValueError(
+            f"kv_chunks must be a positive integer dividing the {local_len} local tokens per ring rank; "
+            f"got {kv_chunks!r}"
+        )
+
+
+def resolve_kv_chunks(kv_chunks: int | None, ring: int, local_len: int) -> int:
+    """The chunk count of one call: the given one, else :func:`default_kv_chunks`."""
+    return default_kv_chunks(ring, local_len) if kv_chunks is None else kv_chunks
+
+
+def chunk_pieces(plan: BlockPlan, rank: int, chunks: int) -> tuple[tuple[Piece, ...], ...]:
+    """Per chunk ``j``: ``rank``'s pieces against the gathered keys ``[R m]`` (other ranks only).
+
+    Source ``s``'s rows ``[j m, (j + 1) m)`` sit at ``[s m, (s + 1) m)`` of the gathered chunk.
+    Memoised on the plan.
+    """
+    return plan.memo(("chunk_pieces", rank, chunks), lambda: _chunk_pieces(plan, rank, chunks))
+
+
+def _chunk_pieces(plan: BlockPlan, rank: int, chunks: int) -> tuple[tuple[Piece, ...], ...]:
+    rows = plan.local_len // chunks
+    table = []
+    for j in range(chunks):
+        found = []
+        for source in range(plan.ring):
+            if source == rank:
+                continue
+            for piece in plan.pieces[(rank, source)]:
+                cut = cut_keys(piece, j * rows, (j + 1) * rows)
+                if cut is not None:
+                    found.append(cut.shifted(j * rows - source * rows))
+        table.append(tuple(merge_pieces(found)))
+    return tuple(table)
+
+
+def needed_chunks(plan: BlockPlan, chunks: int) -> tuple[bool, ...]:
+    """Per chunk: whether any rank reads any of it (a chunk nobody reads is not gathered)."""
+    tables = [chunk_pieces(plan, rank, chunks) for rank in range(plan.ring)]
+    return tuple(any(table[j] for table in tables) for j in range(chunks))
+
+
+def _gathered_keys(buffer: torch.Tensor) -> torch.Tensor:
+    """[R, B, m, Hkv, D] gathered chunk -> [B, R m, Hkv, D] (a view when B = 1)."""
+    ring, batch, rows = buffer.shape[:3]
+    return buffer.transpose(0, 1).reshape(batch, ring * rows, *buffer.shape[3:])  # [B, R m, Hkv, D]
+
+
+class _ChunkGathers:
+    """Asynchronous all-gathers of K/V chunks, one chunk ahead, two buffers alternating."""
+
+    def __init__(self, group, k, v, chunks: int, needed: tuple[bool, ...], counter: CommCounter | None):
+        self._group, self._k, self._v, self._counter = group, k, v, counter
+        self._size = dist.get_world_size(group)
+        self._rows, self._needed = k.shape[1] // chunks, needed
+        self._pending = self._post(0)
+
+    def _post(self, j: int):
+        if j >= len(self._needed) or not self._needed[j]:
+            return None
+        rows = slice(j * self._rows, (j + 1) * self._rows)
+        works, gathered = [], []
+        for x in (self._k, self._v):
+            part = x[:, rows].contiguous()  # [B, m, Hkv, D]
+            out = torch.empty((self._size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
+            works.append(_gather_single(out, part, group=self._group, async_op=True))
+            gathered.append(out.view(self._size, *part.shape))  # [R, B, m, Hkv, D]
+            if self._counter is not None:
+                self._counter.record("allgather", (self._size - 1) * part.numel() * part.element_size())
+        return works, gathered
+
+    def take(self, j: int):
+        """Chunk ``j``'s gathered (k, v), each [B, R m, Hkv, D] (None if nobody reads it); posts ``j + 1``."""
+        pending, self._pending = self._pending, None
+        self._pending = self._post(j + 1)
+        if pending is None:
+            return None
+        works, gathered = pending
+        for work in works:
+            work.wait()
+        return [_gathered_keys(g) for g in gathered]
+
+
+def _allgather_forward(q, k, v, group, kernel, scale, plan: BlockPlan, chunks: int, counter):
+    """q [B, S, H, D], k/v [B, S, Hkv, D] (local) -> (out [B, S, H, D], lse [B, H, S] fp32/fp64)."""
+    _, rank = ring_size_rank(group)
+    acc = accumulation_dtype(q.dtype)
+    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=acc, device=q.device)
+    gathers = _ChunkGathers(group, k, v, chunks, needed_chunks(plan, chunks), counter)
+    forward_pieces(kernel, q, k, v, plan.pieces[(rank, rank)], 0, scale, out_acc, lse_acc)
+    for j, pieces in enumerate(chunk_pieces(plan, rank, chunks)):
+        gathered = gathers.take(j)
+        if gathered is not None:
+            forward_pieces(kernel, q, gathered[0], gathered[1], pieces, 0, scale, out_acc, lse_acc)
+    return out_acc.to(q.dtype), lse_acc
+
+
+def _post_reduce(group, dk_all, dv_all, dtype, counter):
+    """Start returning a chunk's partial dK/dV [B, R m, Hkv, D] to their owners: all-to-all of
+    ``[R, 2, B, m, Hkv, D]`` in ``dtype``; returns (work, received)."""
+    size = dist.get_world_size(group)
+    batch, rows = dk_all.shape[0], dk_all.shape[1] // size
+    parts = torch.stack([dk_all, dv_all]).to(dtype)  # [2, B, R m, Hkv, D]
+    send = parts.view(2, batch, size, rows, *dk_all.shape[2:]).permute(2, 0, 1, 3, 4, 5).contiguous()  # [R, 2, B, m, Hkv, D]
+    received = torch.empty_like(send)
+    if counter is not None:
+        counter.record("reduce_scatter", (size - 1) * send[0].numel() * send.element_size())
+    return dist.all_to_all_single(received, send, group=group, async_op=True), received
+
+
+def _add_reduced(pending, dk_acc, dv_acc) -> None:
+    """Wait for a chunk's reduce-scatter ``(work, received, rows)`` and add the summed partials
+    (fp32) into those rows of dk/dv_acc."""
+    if pending is None:
+        return
+    work, received, rows = pending
+    work.wait()
+    summed = received.sum(0, dtype=dk_acc.dtype)  # [2, B, m, Hkv, D]
+    dk_acc[:, rows] += summed[0]
+    dv_acc[:, rows] += summed[1]
+
+
+def _allgather_backward(dout, q, k, v, out, lse, group, kernel, scale, plan: BlockPlan, chunks: int, counter):
+    """Gradients of the local shards: (dq [B, S, H, D], dk, dv [B, S, Hkv, D]) in the input dtype."""
+    size, rank = ring_size_rank(group)
+    acc = accumulation_dtype(q.dtype)
+    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+    gathers = _ChunkGathers(group, k, v, chunks, needed_chunks(plan, chunks), counter)
+    backward_pieces(kernel, dout, q, k, v, out, lse, plan.pieces[(rank, rank)], 0, scale, dq_acc, dk_acc, dv_acc)
+    rows, pending = k.shape[1] // chunks, None
+    for j, pieces in enumerate(chunk_pieces(plan, rank, chunks)):
+        gathered = gathers.take(j)
+        if gathered is None:
+            continue
+        dk_all = torch.zeros(gathered[0].shape, dtype=acc, device=k.device)  # [B, R m, Hkv, D]
+        dv_all = torch.zeros(gathered[1].shape, dtype=acc, device=v.device)
+        backward_pieces(kernel, dout, q, gathered[0], gathered[1], out, lse, pieces, 0, scale, dq_acc, dk_all, dv_all)
+        _add_reduced(pending, dk_acc, dv_acc)
+        pending = (*_post_reduce(group, dk_all, dv_all, k.dtype, counter), slice(j * rows, (j + 1) * rows))
+    _add_reduced(pending, dk_acc, dv_acc)
+    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+class AllGatherFunction(torch.autograd.Function):
+    """Ring attention over all-gathered K/V chunks (Note [all-gather K/V])."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, kernel, scale, plan, chunks, counter):
+        out, lse = _allgather_forward(q, k, v, group, kernel, scale, plan, chunks, counter)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.settings = (group, kernel, scale, plan, chunks, counter)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, *ctx.settings)
+        return dq, dk, dv, None, None, None, None, None, None
