@@ -11,7 +11,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass

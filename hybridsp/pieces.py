@@ -13,7 +13,6 @@ piece keys are counted from ``offset`` in the block's own coordinates (``Piece.s
 
 from __future__ import annotations
 
-import torch
 
 from hybridsp.kernels import ReferenceKernel
 from hybridsp.merge import merge_into
