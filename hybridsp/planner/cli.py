@@ -19,7 +19,7 @@ from hybridsp.planner.search import PlanResult, SearchSpace, longest_context, pl
 from hybridsp.planner.specs import (
     GIB, GPUS, INTER_LINKS, INTRA_LINKS, MODELS, ClusterSpec, ModelSpec, Workload, preset_cluster,
 )
-from hybridsp.planner.techniques import KV_MODES, PLANNED_KV_MODES, Techniques
+from hybridsp.planner.techniques import KV_MODES, Techniques
 
 HELP = "rank Ulysses x ring x DP x ZeRO plans for a model on a cluster"
 _MODEL_FIELDS = {  # option dest -> ModelSpec field
@@ -68,8 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="newest checkpointed inputs kept on the device (default 1)")
     tech.add_argument("--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer to CPU (ZeRO >= 1)")
     tech.add_argument("--offload-params", action="store_true", help="DeepSpeed offload_param to CPU (ZeRO-3)")
-    tech.add_argument("--kv-mode", choices=KV_MODES + PLANNED_KV_MODES, default="ring",
-                      help="how K/V blocks travel (allgather: issue 10, not built yet)")
+    tech.add_argument("--kv-mode", choices=KV_MODES, default="auto",
+                      help="how K/V travel inside the ring group: ring (point-to-point steps), allgather "
+                           "(chunked all-gather), auto (default: the faster that fits, per mesh)")
     tech.add_argument("--reduce-bucket", type=int, default=Techniques.reduce_bucket,
                       help="DeepSpeed reduce_bucket_size, elements (engine state)")
     search = parser.add_argument_group("search")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridsp.comm_volume import ring_rows
 from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
 from hybridsp.ulysses import kv_repeats_for
 
@@ -84,8 +85,12 @@ class CommVolume:
     """Bytes one rank sends for one step, and the tensors they come from (per layer).
 
     ``qkv_bytes`` / ``out_bytes``: one rank's packed q,k,v (after GQA expansion) and out
-    before an all-to-all; ``(U-1)/U`` of each leaves the rank. ``kv_block_bytes``: one K/V
-    block on the ring (input dtype); ``grad_block_bytes``: its fp32 dK/dV accumulators.
+    before an all-to-all; ``(U-1)/U`` of each leaves the rank. ``kv_block_bytes``: one whole
+    K/V block of a ring slot (input dtype); ``grad_block_bytes``: its dK/dV, sent in the input
+    dtype too. ``sent_blocks`` / ``read_blocks``: the K/V a rank sends / reads per pass, in
+    blocks, averaged over the ring's ranks (:func:`hybridsp.comm_volume.ring_rows`; causal
+    zigzag: 3/4 (R-1) each) for ``kv_comm="ring"``; ``kv_comm="allgather"`` gathers whole blocks,
+    (R-1) per pass, and returns (R-1) dK/dV blocks by reduce-scatter.
     """
 
     ulysses: int
@@ -97,6 +102,9 @@ class CommVolume:
     grad_block_bytes: int
     forward_passes: int  # 1, or 2 when activation checkpointing recomputes the forward
     backward: bool
+    kv_comm: str = "ring"
+    sent_blocks: float = 0.0
+    read_blocks: float = 0.0
 
     @property
     def all_to_all_per_layer_pass(self) -> int:
@@ -112,13 +120,19 @@ class CommVolume:
 
     @property
     def ring_forward_per_layer(self) -> int:
-        return (self.ring - 1) * self.kv_block_bytes
+        """K/V bytes one rank sends in one forward pass of one layer (mean over the ring)."""
+        if self.kv_comm == "allgather":
+            return (self.ring - 1) * self.kv_block_bytes
+        return round(self.sent_blocks * self.kv_block_bytes)
 
     @property
     def ring_backward_per_layer(self) -> int:
+        """K/V again plus the dK/dV of what the rank read, home once (ring) / reduce-scattered."""
         if not self.backward or self.ring == 1:
             return 0
-        return (self.ring - 1) * self.kv_block_bytes + self.ring * self.grad_block_bytes
+        if self.kv_comm == "allgather":
+            return (self.ring - 1) * (self.kv_block_bytes + self.grad_block_bytes)
+        return round(self.sent_blocks * self.kv_block_bytes + self.read_blocks * self.grad_block_bytes)
 
     @property
     def ring_total(self) -> int:
@@ -131,15 +145,33 @@ def comm_volume(model: ModelSpec, workload: Workload, config: MeshConfig) -> Com
     tokens, kv_heads = local_tokens(workload, config), expanded_kv_heads(model, u)
     block_tokens = workload.micro_batch * workload.seq_len // config.ring
     kv_block_elements = block_tokens * (kv_heads // u) * 2 * d
+    sent, read = _mean_ring_blocks(config.ring, workload.seq_len // config.ring, workload.causal)
     return CommVolume(
         ulysses=u, ring=config.ring, layers=model.num_layers,
         qkv_bytes=tokens * (model.num_heads + 2 * kv_heads) * d * e,
         out_bytes=tokens * model.num_heads * d * e,
         kv_block_bytes=kv_block_elements * e,
-        grad_block_bytes=kv_block_elements * FP32,
+        grad_block_bytes=kv_block_elements * e,
         forward_passes=2 if config.checkpointing and not workload.forward_only else 1,
         backward=not workload.forward_only,
+        kv_comm=resolved_kv_mode(workload), sent_blocks=sent, read_blocks=read,
     )
+
+
+def resolved_kv_mode(workload: Workload) -> str:
+    """The workload's K/V mode; ``"auto"`` counts as ``"ring"`` here (the leaner one) until
+    :func:`hybridsp.planner.plans.evaluate` compares both."""
+    mode = workload.techniques.kv_mode
+    return "ring" if mode == "auto" else mode
+
+
+def _mean_ring_blocks(ring: int, slot: int, causal: bool) -> tuple[float, float]:
+    """(blocks sent, blocks read) per pass, averaged over ring ranks (zigzag layout)."""
+    if ring == 1:
+        return 0.0, 0.0
+    rows = [ring_rows(ring, r, slot - slot % 2, "zigzag", causal) for r in range(ring)]
+    block = slot - slot % 2
+    return sum(s for s, _ in rows) / ring / block, sum(r for _, r in rows) / ring / block
 
 
 def zero_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> tuple[int, int]:

@@ -61,6 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridsp.planner.costs import FP32, comm_volume, expanded_kv_heads, local_tokens
+from hybridsp.planner.kv_modes import kv_workspace_bytes, planner_chunks
 from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
 
 ADAM_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v
@@ -224,15 +225,14 @@ def loss_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
 
 def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
     """Transient buffers of one attention call: all-to-all send+receive of q/k/v, the fp32
-    out (or dq) accumulator and LSE, two K/V receive buffers and, in backward, three fp32
-    dK/dV blocks (local, travelling, received). The K/V mode's term (ring only, for now)."""
+    out (or dq) accumulator and LSE, and the K/V transport's buffers
+    (:func:`hybridsp.planner.kv_modes.kv_workspace_bytes`: ring or all-gather)."""
     volume = comm_volume(model, workload, config)
     tokens = local_tokens(workload, config)
     accumulators = tokens * model.num_heads * (model.head_dim + 1) * FP32
     a2a = 2 * volume.qkv_bytes if config.ulysses > 1 else 0
-    ring = 0
-    if config.ring > 1:
-        ring = 2 * volume.kv_block_bytes + (0 if workload.forward_only else 3 * volume.grad_block_bytes)
+    ring = kv_workspace_bytes(volume.kv_comm, volume.kv_block_bytes, volume.grad_block_bytes, workload.dtype_bytes,
+                              config.ring, planner_chunks(workload, config), not workload.forward_only)
     return accumulators + a2a + ring
 
 

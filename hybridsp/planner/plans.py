@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from hybridsp.layout import check_sequence_length
 from hybridsp.planner.costs import CommVolume, Flops, comm_volume, expanded_kv_heads, flops_per_rank
+from hybridsp.planner.kv_modes import best_of
 from hybridsp.planner.memory import MemoryUse, memory_use
 from hybridsp.planner.specs import GIB, ClusterSpec, MeshConfig, ModelSpec, Workload
 from hybridsp.planner.timing import Timing, Topology, mesh_topology, step_timing
@@ -104,7 +105,7 @@ class Plan:
                 memory_gib=self.memory.total / GIB, usable_gib=self.usable_bytes / GIB,
                 host_gib=self.memory.host / GIB, peak_phase=self.memory.peak_phase,
                 all_to_all_crosses_nodes=self.topology.ulysses_crosses_nodes,
-                ring_crosses_nodes=self.topology.ring_crosses_nodes,
+                ring_crosses_nodes=self.topology.ring_crosses_nodes, kv_comm=self.comm.kv_comm,
             )
         return row
 
@@ -145,16 +146,17 @@ def _ring_note(timing: Timing) -> list[str]:
     if ring is None:
         return []
     where = "crosses nodes" if ring.link == "inter" else "inside a node"
+    what = "ring" if ring.mode == "ring" else "K/V all-gather"
     if not ring.forward_hidden:
-        return [f"ring ({where}) transfer {format_seconds(ring.forward_transfer_s)} > compute "
+        return [f"{what} ({where}) transfer {format_seconds(ring.forward_transfer_s)} > compute "
                 f"{format_seconds(ring.forward_compute_s)} per step: exposed {format_seconds(ring.exposed_s)} per step"]
     if not ring.backward_hidden:
-        return [f"ring ({where}) backward transfer {format_seconds(ring.backward_transfer_s)} > compute "
+        return [f"{what} ({where}) backward transfer {format_seconds(ring.backward_transfer_s)} > compute "
                 f"{format_seconds(ring.backward_compute_s)} per step: exposed "
                 f"{format_seconds(ring.exposed_s)} per step"]
     tail = f" except the last dK/dV hop home ({format_seconds(ring.exposed_s)})" if ring.exposed_s > 0 else ""
-    return [f"ring ({where}) transfer {format_seconds(ring.forward_transfer_s)} <= compute "
-            f"{format_seconds(ring.forward_compute_s)} per step: hidden{tail}"]
+    return [f"{what} ({where}) transfer {format_seconds(ring.forward_transfer_s)} <= compute "
+            f"{format_seconds(ring.forward_compute_s)} per {'step' if ring.mode == 'ring' else 'chunk'}: hidden{tail}"]
 
 
 def _memory_note(memory: MemoryUse, usable: float, host_usable: float = float("inf")) -> str:
@@ -188,7 +190,14 @@ def evaluate(
     model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig,
     topology: Topology | None = None, order: str = "ulysses_inner",
 ) -> Plan:
-    """Validate ``config`` and, when valid, compute its FLOPs, bytes, memory, timing and notes."""
+    """Validate ``config`` and, when valid, compute its FLOPs, bytes, memory, timing and notes.
+
+    ``kv_mode="auto"`` evaluates the ring and the all-gather transport and keeps the faster
+    one that fits (:func:`hybridsp.planner.kv_modes.best_of`).
+    """
+    if workload.techniques.kv_mode == "auto":
+        modes = [replace(workload, techniques=replace(workload.techniques, kv_mode=mode)) for mode in ("ring", "allgather")]
+        return best_of([evaluate(model, w, cluster, config, topology, order) for w in modes])
     problems = tuple(mesh_problems(model, workload, cluster, config))
     base = dict(config=config, usable_bytes=cluster.usable_bytes, micro_batch=workload.micro_batch,
                 seq_len=workload.seq_len, host_usable_bytes=cluster.host_bytes_per_gpu)

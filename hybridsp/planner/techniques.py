@@ -10,8 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 ABLATION_ORDER = ("fused_loss", "tiled_mlp", "activation_offload", "optimizer_offload")
-KV_MODES = ("ring",)  # "allgather" (issue 10: all-gather K/V, reduce-scatter dK/dV) is not built yet
-PLANNED_KV_MODES = ("allgather",)
+KV_MODES = ("auto", "ring", "allgather")  # auto: the planner prices both per mesh (hybridsp.planner.kv_modes)
 
 
 @dataclass(frozen=True)
@@ -27,7 +26,9 @@ class Techniques:
         0 on CPU, where the copies are synchronous).
     optimizer_offload / param_offload: DeepSpeed ``offload_optimizer`` / ``offload_param`` to
         CPU (``ds_configs/cp8_offload.json``); the optimizer needs ZeRO >= 1, parameters ZeRO-3.
-    kv_mode: how K/V blocks travel; only ``"ring"`` is built (``"allgather"`` is planned).
+    kv_mode: how K/V blocks travel inside the ring group: ``"ring"``, ``"allgather"``, or
+        ``"auto"`` (default): each mesh gets the faster of the two among those that fit
+        (:mod:`hybridsp.planner.kv_modes` has both cost models).
     reduce_bucket: DeepSpeed's ``reduce_bucket_size`` (elements; 5e7 in ``ds_configs/``).
     prefetch_bucket: ZeRO-3's ``stage3_prefetch_bucket_size`` (elements; 5e7): parameters
         gathered ahead of the module that runs.
@@ -42,7 +43,7 @@ class Techniques:
     offload_in_flight: int = 2
     optimizer_offload: bool = False
     param_offload: bool = False
-    kv_mode: str = "ring"
+    kv_mode: str = "auto"
     reduce_bucket: int = 50_000_000
     prefetch_bucket: int = 50_000_000
 
@@ -57,8 +58,6 @@ class Techniques:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Techniques.{name} must be an integer >= 0; got {value!r}")
-        if self.kv_mode in PLANNED_KV_MODES:
-            raise ValueError(f"K/V mode {self.kv_mode!r} is not built yet (issue 10); use 'ring'")
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"unknown K/V mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
 

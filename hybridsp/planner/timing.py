@@ -12,6 +12,7 @@ from hybridsp.mesh import MeshShape
 from hybridsp.planner.costs import (
     CommVolume, Flops, comm_volume, flops_per_rank, local_tokens, ring_step_forward_flops, zero_bytes,
 )
+from hybridsp.planner.kv_modes import RingTiming, kv_timing
 from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
 
 
@@ -52,30 +53,6 @@ def mesh_topology(config: MeshConfig, gpus_per_node: int, order: str = "ulysses_
             nodes = [rank // gpus_per_node for rank in members]
             hops.update("intra" if a == b else "inter" for a, b in zip(nodes, nodes[1:] + nodes[:1]))
     return Topology(gpus_per_node, tuple(sorted(peers)), frozenset(hops))
-
-
-@dataclass(frozen=True)
-class RingTiming:
-    """One ring step's compute and transfer (seconds), and the step's total exposed ring time.
-
-    ``backward_transfer_s`` is a steady-state backward step: a K/V block and an fp32 dK/dV
-    block in flight together.
-    """
-
-    link: str
-    forward_compute_s: float
-    forward_transfer_s: float
-    backward_compute_s: float
-    backward_transfer_s: float
-    exposed_s: float
-
-    @property
-    def forward_hidden(self) -> bool:
-        return self.forward_transfer_s <= self.forward_compute_s
-
-    @property
-    def backward_hidden(self) -> bool:
-        return self.backward_transfer_s <= self.backward_compute_s
 
 
 @dataclass(frozen=True)
@@ -132,30 +109,17 @@ def ring_timing(
     model: ModelSpec, workload: Workload, config: MeshConfig, volume: CommVolume, topology: Topology,
     cluster: ClusterSpec,
 ) -> RingTiming | None:
-    """Per-step overlap of the ring's transfers with its compute; ``None`` for a ring of one.
+    """Overlap of the K/V transport (``volume.kv_comm``) with the ring's compute; ``None`` for a
+    ring of one. Formulas: :mod:`hybridsp.planner.kv_modes`.
 
     The ring moves in lockstep, so a step's transfer runs at the slowest hop's bandwidth.
-
-    Forward: R-1 steps each hide one K/V block behind one step's compute. Backward (2.5x the
-    compute per step): step 0 carries a K/V block, steps 1..R-2 a K/V block plus a dK/dV
-    block, step R-1 a dK/dV block, and the last dK/dV hop home is fully exposed.
     """
-    r = config.ring
-    if r == 1:
+    if config.ring == 1:
         return None
     link = "inter" if topology.ring_crosses_nodes else "intra"
     bandwidth = min({"intra": cluster.intra_bw, "inter": cluster.inter_bw}[hop] for hop in topology.ring_hops)
     fwd_c = ring_step_forward_flops(model, workload, config) / cluster.achieved_flops
-    kv_x, grad_x = volume.kv_block_bytes / bandwidth, volume.grad_block_bytes / bandwidth
-    forward = (r - 1) * _exposed(kv_x, fwd_c)
-    bwd_c, backward = 2.5 * fwd_c, 0.0
-    if volume.backward:
-        backward = (
-            _exposed(kv_x, bwd_c) + (r - 2) * _exposed(kv_x + grad_x, bwd_c) + _exposed(grad_x, bwd_c) + grad_x
-        )
-    exposed = volume.layers * (volume.forward_passes * forward + backward)
-    bwd_x = kv_x + grad_x if r > 2 else max(kv_x, grad_x)
-    return RingTiming(link, fwd_c, kv_x, bwd_c, bwd_x if volume.backward else 0.0, exposed)
+    return kv_timing(model, workload, config, volume, link, bandwidth, fwd_c)
 
 
 def offload_timing(model: ModelSpec, workload: Workload, config: MeshConfig, cluster: ClusterSpec,
