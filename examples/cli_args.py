@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     """``--deepspeed`` (and the launcher's ``--deepspeed_config`` / ``--local_rank``), ``--ulysses``,
-    ``--ring``, ``--backend``."""
+    ``--ring``, ``--backend``, ``--kv-comm``."""
     parser.add_argument("--deepspeed", dest="ds_config", default=str(ROOT / "ds_configs" / "cp8.json"),
                         help="DeepSpeed JSON config with a 'hybridsp' section (default: ds_configs/cp8.json)")
     parser.add_argument("--deepspeed_config", dest="ds_config", help=argparse.SUPPRESS)
@@ -18,6 +18,8 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ulysses", type=int, help="Ulysses degree (overrides the config)")
     parser.add_argument("--ring", type=int, help="ring degree (overrides the config)")
     parser.add_argument("--backend", help="attention kernel backend: auto, torch, flash, reference")
+    parser.add_argument("--kv-comm", choices=("ring", "allgather"),
+                        help="how K/V travel inside the ring group (overrides the config's kv_comm)")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

@@ -68,14 +68,18 @@ def default_save_dir(config_path: str, ulysses: int, ring: int) -> Path:
 def preflight(args) -> RunPlan:
     """Validate the run before anything expensive; RunConfigError with one readable sentence."""
     from hybridsp.integrations.deepspeed import HybridConfig
+    from hybridsp.allgather import check_kv_chunks
     from hybridsp.layout import check_sequence_length
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     config = load_ds_config(args.ds_config)
     try:
-        hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend)
+        hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
+                                             kv_comm=getattr(args, "kv_comm", None))
         hybrid.mesh_shape(world)
         check_sequence_length(args.seq_len, hybrid.ring, hybrid.ulysses, hybrid.layout)
+        if hybrid.kv_comm == "allgather":
+            check_kv_chunks(hybrid.kv_chunks, args.seq_len // hybrid.ring)
     except ValueError as error:
         raise RunConfigError(f"{args.ds_config} on {world} ranks: {error}") from None
     heads = model_heads(args)

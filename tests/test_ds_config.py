@@ -149,3 +149,13 @@ def test_scale_gradients_multiplies_and_is_removable():
     layer.zero_grad()
     layer(x).sum().backward()
     assert all(torch.equal(p.grad, e) for p, e in zip(layer.parameters(), expected))
+
+
+def test_kv_comm_from_the_config_section_and_overrides():
+    section = {"hybridsp": {"ulysses": 2, "ring": 2, "kv_comm": "allgather", "kv_chunks": 2}}
+    shape = HybridConfig.from_ds_config(section).mesh_shape(8)
+    assert (shape.kv_comm, shape.kv_chunks, shape.dp) == ("allgather", 2, 2)
+    assert HybridConfig.from_ds_config(section, kv_comm="ring").mesh_shape(4).kv_comm == "ring"
+    assert HybridConfig.from_ds_config({"hybridsp": {"ring": 2}}).kv_comm == "ring"  # the default
+    _raises(lambda: HybridConfig.from_ds_config({"hybridsp": {"kv_comm": "p2p"}}), "unknown kv_comm 'p2p'",
+            "ring, allgather")

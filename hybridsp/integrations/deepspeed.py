@@ -19,7 +19,9 @@ The config section (everything else in the file is plain DeepSpeed)::
         "ring": 2,                    # R: ring-attention degree
         "order": "ulysses_inner",     # or "ring_inner" (which axis gets consecutive ranks)
         "layout": "zigzag",           # or "contiguous" (token layout over the ring)
-        "backend": "auto"             # local kernel: auto, torch, flash, reference
+        "backend": "auto",            # local kernel: auto, torch, flash, reference
+        "kv_comm": "ring",            # or "allgather" (how K/V travel inside the ring group)
+        "kv_chunks": null             # all-gather chunks per block (null: at most two blocks gathered)
     }
 
 The ``C = U * R`` context ranks of a replica hold the same weights and different tokens of
@@ -100,7 +102,7 @@ from hybridsp.kernels import BACKEND_NAMES
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 
 SECTION = "hybridsp"
-SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend")
+SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend", "kv_comm", "kv_chunks")
 OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size")
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -114,6 +116,8 @@ class HybridConfig:
     order: str = "ulysses_inner"
     layout: str = "zigzag"
     backend: str = "auto"
+    kv_comm: str = "ring"
+    kv_chunks: int | None = None
     sequence_parallel_size: int | None = None
     data_parallel_size: int | None = None
 
@@ -121,7 +125,7 @@ class HybridConfig:
         for name in ("ulysses", "ring"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} degree must be a positive integer; got {getattr(self, name)!r}")
-        MeshShape(self.context, self.ulysses, self.ring, self.order, self.layout)  # checks order and layout
+        MeshShape(self.context, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks)  # checks
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
         if self.sequence_parallel_size is not None and self.sequence_parallel_size != self.context:
@@ -158,7 +162,7 @@ class HybridConfig:
 
     def mesh_shape(self, world_size: int) -> MeshShape:
         """The mesh for ``world_size`` ranks; ValueError (no communication) when the sizes disagree."""
-        shape = MeshShape(world_size, self.ulysses, self.ring, self.order, self.layout)
+        shape = MeshShape(world_size, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks)
         if self.data_parallel_size is not None and self.data_parallel_size != shape.dp:
             raise ValueError(
                 f"data_parallel_size={self.data_parallel_size} disagrees with world size {world_size} / "
@@ -184,7 +188,8 @@ def build_mesh(hybrid: HybridConfig) -> HybridMesh:
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs torch.distributed initialised (deepspeed.init_distributed() does it)")
     shape = hybrid.mesh_shape(dist.get_world_size())
-    return init_mesh(shape.ulysses, shape.ring, order=shape.order, layout=shape.layout)
+    return init_mesh(shape.ulysses, shape.ring, order=shape.order, layout=shape.layout, kv_comm=shape.kv_comm,
+                     kv_chunks=shape.kv_chunks)
 
 
 class HybridMPU:
@@ -366,11 +371,12 @@ def initialize(
     ring: int | None = None,
     backend: str | None = None,
     precision: str | None = None,
+    kv_comm: str | None = None,
 ) -> HybridEngine:
     """``deepspeed.initialize`` with the hybrid mesh: returns ``(engine, optimizer, mesh, undo)``.
 
-    Reads the ``"hybridsp"`` section of ``config`` (a dict or a JSON path; ``ulysses``, ``ring``
-    and ``backend`` override it), builds the mesh over all ranks (initialising torch.distributed
+    Reads the ``"hybridsp"`` section of ``config`` (a dict or a JSON path; ``ulysses``, ``ring``,
+    ``backend`` and ``kv_comm`` override it), builds the mesh over all ranks (initialising torch.distributed
     through DeepSpeed if needed), switches a transformers model to hybrid attention, passes
     DeepSpeed a :class:`HybridMPU` and the cleaned config, and on ZeRO-3 with ``C > 1`` adds the
     gradient hooks of Note [gradient scale]. ``precision`` forces the value of
@@ -381,7 +387,7 @@ def initialize(
     import deepspeed
 
     raw = load_config(config)
-    hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend)
+    hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm)
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
     with _without_cpu_shm_comm_build():
         deepspeed.init_distributed()  # adopts an existing process group
