@@ -33,7 +33,50 @@ from hybridsp.masks import BlockPlan, Piece, cut_keys, merge_pieces
 from hybridsp.p2p_ring import ring_size_rank
 from hybridsp.pieces import backward_pieces, forward_pieces
 
-_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+ALLGATHER_TAG = 13  # point-to-point all-gather (hybridsp.block_exchange uses 11 and 12)
+
+
+
+class _Requests:
+    """Several posted point-to-point requests waited as one."""
+
+    def __init__(self, requests):
+        self._requests = requests
+
+    def wait(self) -> None:
+        for request in self._requests:
+            request.wait()
+
+
+def _direct_gather(output: torch.Tensor, part: torch.Tensor, group) -> _Requests:
+    """The all-gather as one batch of point-to-point sends: ``part`` to every peer, every peer's
+    part into its slot of ``output`` (the same bytes as a ring all-gather, one round)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    slots = output.view(size, *part.shape)  # [R, B, m, Hkv, D]
+    slots[rank].copy_(part)
+    ops = []
+    for peer in range(size):
+        if peer != rank:
+            global_peer = dist.get_global_rank(group, peer)
+            ops.append(dist.P2POp(dist.isend, part, global_peer, group, ALLGATHER_TAG))
+            ops.append(dist.P2POp(dist.irecv, slots[peer], global_peer, group, ALLGATHER_TAG))
+    return _Requests(dist.batch_isend_irecv(ops))
+
+
+def gather_chunk(output: torch.Tensor, part: torch.Tensor, group, direct: bool | None = None):
+    """Start gathering every rank's ``part`` [B, m, Hkv, D] into ``output`` [R * B, m, Hkv, D]
+    (rank-major); returns an object with ``wait()``.
+
+    ``direct`` (default: when the group is gloo's) posts point-to-point sends instead of the
+    library's all-gather: gloo's all-gather runs 2-3x slower than the same bytes sent directly
+    (measured on this CPU, 4 ranks, 1-4 MB); NCCL's collective is the one to use on GPUs.
+    """
+    if direct is None:
+        direct = dist.get_backend(group) == "gloo"
+    if direct:
+        return _direct_gather(output, part, group)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # per call: wrappers see it
+    return gather(output, part, group=group, async_op=True)
 
 
 def default_kv_chunks(ring: int, local_len: int) -> int:
@@ -115,7 +158,7 @@ class _ChunkGathers:
         for x in (self._k, self._v):
             part = x[:, rows].contiguous()  # [B, m, Hkv, D]
             out = torch.empty((self._size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
-            works.append(_gather_single(out, part, group=self._group, async_op=True))
+            works.append(gather_chunk(out, part, self._group))
             gathered.append(out.view(self._size, *part.shape))  # [R, B, m, Hkv, D]
             if self._counter is not None:
                 self._counter.record("allgather", (self._size - 1) * part.numel() * part.element_size())

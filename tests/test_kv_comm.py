@@ -147,3 +147,22 @@ def _bytes_match_formula(rank, world, cases):
 def test_bytes_sent_equal_the_formula_for_every_mesh_at_world8():
     meshes = [(1, 8), (2, 4), (4, 2), (8, 1)]
     run_distributed(_bytes_match_formula, 8, list(itertools.product(meshes, ["ring", "allgather"])))
+
+
+def _both_gathers(rank, world):
+    import torch.distributed as dist
+
+    from hybridsp.allgather import gather_chunk
+
+    part = torch.full((2, 3, 1, 4), float(rank)) + torch.arange(4.0)  # [B, m, Hkv, D]
+    outputs = []
+    for direct in (True, False):
+        out = torch.empty(world * 2, 3, 1, 4)
+        gather_chunk(out, part, dist.group.WORLD, direct=direct).wait()
+        outputs.append(out)
+    expected = torch.cat([torch.full((2, 3, 1, 4), float(r)) + torch.arange(4.0) for r in range(world)])
+    assert torch.equal(outputs[0], expected) and torch.equal(outputs[1], expected)
+
+
+def test_direct_and_collective_gathers_place_every_rank_alike():
+    run_distributed(_both_gathers, 3)

@@ -1,0 +1,196 @@
+"""The two K/V transports side by side: bytes on the wire, bf16 error, time (issue 10).
+
+    python benchmarks/bench_kv_comm.py            # W = 8 bytes + errors, W = 4 timing (~10 min, 2 cores)
+    python benchmarks/bench_kv_comm.py --quick    # smaller; writes to the temp dir
+
+1. **Bytes per rank / analytic minimum**, every U x R of W = 8, fp32 and bf16, GQA 8:8 and
+   8:1, both modes: bytes are counted by wrapping torch.distributed itself (``batch_isend_irecv``
+   isends, ``all_to_all_single`` minus the own slice, ``all_gather_single`` / ``_into_tensor``
+   times R - 1), not by hybridsp's counter, and divided by :func:`hybridsp.comm_volume.hybrid_bytes`.
+2. **bf16 error ratios at R = 8** (U1 x R8): max |x - ref| of out/dq/dk/dv against an fp32
+   reference on the same bf16 inputs, over the same error of one bf16 kernel call on the whole
+   sequence (flash-attn's rule: <= 2).
+3. **Time, ring vs all-gather**, interleaved in one process group (A B A B ...), bf16 causal
+   fwd+bwd, W = 4, S = 4096, H = 8, D = 64, GQA 8:8 and 8:1, at U1 x R4 and U2 x R2: medians of
+   the per-iteration maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridsp import hybrid_attn_func, init_mesh, shard_sequence  # noqa: E402
+from hybridsp.comm_volume import hybrid_bytes  # noqa: E402
+from hybridsp.testing import run_distributed  # noqa: E402
+
+HEADS, HEAD_DIM = 8, 64
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def wire_bytes(group_size_of):
+    """Count bytes this rank puts on the wire through torch.distributed while active."""
+    sent = {"bytes": 0}
+    originals = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_to_all_single",
+                                                         "all_gather_single", "all_gather_into_tensor")
+                 if hasattr(dist, name)}
+
+    def batch(ops):
+        sent["bytes"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return originals["batch_isend_irecv"](ops)
+
+    def a2a(output, input, *args, group=None, **kwargs):
+        size = group_size_of(group)
+        sent["bytes"] += input.numel() * input.element_size() * (size - 1) // size
+        return originals["all_to_all_single"](output, input, *args, group=group, **kwargs)
+
+    def gather(name):
+        def wrapped(output, input, *args, group=None, **kwargs):
+            sent["bytes"] += input.numel() * input.element_size() * (group_size_of(group) - 1)
+            return originals[name](output, input, *args, group=group, **kwargs)
+        return wrapped
+
+    patched = {"batch_isend_irecv": batch, "all_to_all_single": a2a,
+               **{name: gather(name) for name in ("all_gather_single", "all_gather_into_tensor") if name in originals}}
+    for name, fn in patched.items():
+        setattr(dist, name, fn)
+    try:
+        yield sent
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _inputs(seq, kv_heads, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(1, seq, HEADS, HEAD_DIM), (1, seq, kv_heads, HEAD_DIM), (1, seq, kv_heads, HEAD_DIM),
+              (1, seq, HEADS, HEAD_DIM)]
+    return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def _bytes_rows(rank, world, seq):
+    rows = []
+    meshes = [(u, world // u) for u in (1, 2, 4, 8) if world % u == 0]
+    for (ulysses, ring), mode, dtype_name, kv_heads in (
+        (m, mode, d, kv) for m in meshes for mode in ("ring", "allgather") for d in _DTYPES for kv in (HEADS, 1)
+    ):
+        mesh = init_mesh(ulysses, ring, kv_comm=mode)
+        q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in _inputs(seq, kv_heads, _DTYPES[dtype_name]))
+        with wire_bytes(lambda g: dist.get_world_size(g)) as sent:
+            hybrid_attn_func(q, k, v, mesh=mesh, backend="torch").backward(dout)
+        want = sum(hybrid_bytes(batch=1, seq_len=seq, heads=HEADS, kv_heads=kv_heads, head_dim=HEAD_DIM,
+                                ulysses=ulysses, ring=ring, ring_rank=mesh.ring_rank, element_size=q.element_size(),
+                                kv_comm=mode).values())
+        rows.append(dict(ulysses=ulysses, ring=ring, kv_comm=mode, dtype=dtype_name, kv_heads=kv_heads,
+                         rank=rank, sent=sent["bytes"], minimum=want))
+    return rows
+
+
+def _gather_full(local, mesh):
+    from hybridsp import gather_sequence
+    return gather_sequence(local.detach().float(), mesh)
+
+
+def _bf16_errors(rank, world, seq):
+    full16 = _inputs(seq, 2, torch.bfloat16, seed=3)
+    ref_inputs = [t.float().requires_grad_() for t in full16[:3]]
+    from hybridsp.kernels import get_kernel
+    kernel = get_kernel("torch")
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *[t.transpose(1, 2) for t in ref_inputs], is_causal=True, enable_gqa=True).transpose(1, 2)
+    ref.backward(full16[3].float())
+    reference = [ref.detach(), *(t.grad for t in ref_inputs)]
+    single_in = [t.clone().requires_grad_() for t in full16[:3]]
+    out, lse = kernel.forward(*single_in, causal=True, softmax_scale=None)
+    single = [out, *kernel.backward(full16[3], *single_in, out, lse, causal=True, softmax_scale=None)]
+    rows = []
+    for mode in ("ring", "allgather"):
+        mesh = init_mesh(1, world, kv_comm=mode)
+        q, k, v = (shard_sequence(t, mesh).clone().requires_grad_() for t in full16[:3])
+        out = hybrid_attn_func(q, k, v, mesh=mesh, backend="torch")
+        out.backward(shard_sequence(full16[3], mesh))
+        ours = [_gather_full(t, mesh) for t in (out, q.grad, k.grad, v.grad)]
+        ratios = [float((a - r).abs().max() / (s.float() - r).abs().max()) for a, s, r in zip(ours, single, reference)]
+        rows.append(dict(kv_comm=mode, ring=world, ratios_out_dq_dk_dv=ratios))
+    return rows if rank == 0 else None
+
+
+def _timing_rows(rank, world, seq, iters, meshes):
+    rows = []
+    for (ulysses, ring), kv_heads in ((m, kv) for m in meshes for kv in (HEADS, 1)):
+        mesh = init_mesh(ulysses, ring)
+        q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in _inputs(seq, kv_heads, torch.bfloat16))
+        times = {"ring": [], "allgather": []}
+        for i in range(iters + 1):
+            for mode in (("ring", "allgather") if i % 2 == 0 else ("allgather", "ring")):
+                dist.barrier()
+                start = time.perf_counter()
+                hybrid_attn_func(q, k, v, mesh=mesh, backend="torch", kv_comm=mode).backward(dout)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if i > 0:  # the first round warms up
+                    times[mode].append(float(elapsed))
+        ring_s, gather_s = statistics.median(times["ring"]), statistics.median(times["allgather"])
+        rows.append(dict(ulysses=ulysses, ring=ring, kv_heads=kv_heads, ring_s=ring_s, allgather_s=gather_s,
+                         allgather_over_ring=gather_s / ring_s, iters=iters))
+    return rows if rank == 0 else None
+
+
+def _markdown(result) -> str:
+    lines = [f"# K/V transports (`bench_kv_comm.py`), {result['date']}, load {result['load']}", "",
+             "## Bytes per rank / analytic minimum (max over ranks, W = 8)", "",
+             "| U x R | mode | dtype | K/V heads | max sent/minimum | min sent/minimum |", "|---|---|---|---|---|---|"]
+    groups = {}
+    for row in result["bytes"]:
+        key = (row["ulysses"], row["ring"], row["kv_comm"], row["dtype"], row["kv_heads"])
+        groups.setdefault(key, []).append(row["sent"] / row["minimum"] if row["minimum"] else 1.0)
+    for (u, r, mode, dtype, kv), ratios in groups.items():
+        lines.append(f"| {u}x{r} | {mode} | {dtype} | {kv} | {max(ratios):.4f} | {min(ratios):.4f} |")
+    lines += ["", "## bf16 error / single-kernel bf16 error at R = 8 (out, dq, dk, dv)", ""]
+    for row in result["errors"]:
+        lines.append(f"- {row['kv_comm']}: " + ", ".join(f"{x:.2f}" for x in row["ratios_out_dq_dk_dv"]))
+    lines += ["", f"## Time, bf16 causal fwd+bwd, W = {result['timing_world']}, S = {result['timing_seq']}, "
+              "interleaved medians", "", "| U x R | K/V heads | ring s | allgather s | allgather / ring |",
+              "|---|---|---|---|---|"]
+    for row in result["timing"]:
+        lines.append(f"| {row['ulysses']}x{row['ring']} | {row['kv_heads']} | {row['ring_s']:.3f} | "
+                     f"{row['allgather_s']:.3f} | {row['allgather_over_ring']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--iters", type=int, default=7)
+    args = parser.parse_args()
+    bytes_seq, err_seq, time_seq = (256, 1024, 1024) if args.quick else (1024, 4096, 4096)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
+    result["bytes"] = [row for rows in run_distributed(_bytes_rows, 8, bytes_seq, timeout=1800) for row in rows]
+    result["errors"] = run_distributed(_bf16_errors, 8, err_seq, timeout=1800)[0]
+    meshes = [(1, 4), (2, 2)]
+    result.update(timing_world=4, timing_seq=time_seq)
+    result["timing"] = run_distributed(_timing_rows, 4, time_seq, 3 if args.quick else args.iters, meshes,
+                                       timeout=3600)[0]
+    result["load_after"] = os.getloadavg()[0]
+    out = Path(tempfile.gettempdir()) / "results_kv_comm_quick" if args.quick else ROOT / "benchmarks" / "results_kv_comm"
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(_markdown(result))
+    print(_markdown(result))
+
+
+if __name__ == "__main__":
+    main()
