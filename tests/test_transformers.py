@@ -90,10 +90,10 @@ def case_errors(model, mesh, batch, expected):
     return errors, finite, valid
 
 
-def _check_families(rank, world, meshes, families):
+def _check_families(rank, world, meshes, families, kv_comm="ring"):
     failures, empty_shards = [], 0
     for ulysses, ring in meshes:
-        mesh = init_mesh(ulysses=ulysses, ring=ring)
+        mesh = init_mesh(ulysses=ulysses, ring=ring, kv_comm=kv_comm)
         for family in families:
             model = build(family)
             expected = {name: reference(model, batch) for name, batch in BATCHES.items()}
@@ -117,6 +117,10 @@ def _check_families(rank, world, meshes, families):
 def test_world_4_llama_qwen2_mistral_qwen3_equal_the_single_process_model():
     empty = run_distributed(_check_families, 4, [(2, 2)], ["llama", "qwen2", "mistral", "qwen3"], timeout=300)
     assert sum(empty) > 0, "no rank had a shard without valid tokens"
+
+
+def test_kv_allgather_mesh_through_a_switched_model_equals_the_single_process_model():
+    run_distributed(_check_families, 4, [(1, 4)], ["llama", "mistral"], "allgather", timeout=300)
 
 
 def test_world_8_llama_and_qwen2_equal_the_single_process_model():
