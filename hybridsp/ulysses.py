@@ -80,7 +80,7 @@ def _seq_to_heads(tensors, group, counter):
     b, length, _, d = tensors[0].shape
     per_rank = [t.shape[2] // size for t in tensors]
     packed = sum(per_rank)
-    joined = tensors[0].new_empty(b, packed, size * length, d)  # [B, sum H_i/U, U*L, D]
+    joined = None  # allocated once the first send buffer is freed: at most 2 of the 3 buffers live at once
     for row in range(b):  # one all-to-all per sequence
         send = tensors[0].new_empty(size, packed, length, d)  # [U (dest), sum H_i/U, L, D]
         offset = 0
@@ -89,6 +89,8 @@ def _seq_to_heads(tensors, group, counter):
             offset += h
         received = _all_to_all(send, group, counter)  # [U (source = sequence piece), sum H_i/U, L, D]
         del send
+        if joined is None:
+            joined = received.new_empty(b, packed, size * length, d)  # [B, sum H_i/U, U*L, D]
         joined[row].unflatten(1, (size, length)).copy_(received.transpose(0, 1))  # [sum H_i/U, U, L, D]
         del received
     return [part.transpose(1, 2) for part in joined.split(per_rank, dim=1)]  # views, each [B, U*L, H_i/U, D]
