@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
-from peer_kernels import LocalCpuAttention, patch_yunchang_cpu_kernel, patch_yunchang_fp32_alias  # noqa: E402
+from peer_kernels import (  # noqa: E402
+    LocalCpuAttention, patch_yunchang_cpu_kernel, patch_yunchang_fp32_alias, prebuild_deepspeed_ops)
 
 _aten = torch.ops.aten
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -363,21 +364,6 @@ def summary(row: dict) -> str:
         parts.append(f"{method} {e['median_wall']:.3f} s" + (f" ({e['ratio_wall']:.3f}x)" if "ratio_wall" in e else "")
                      if e.get("ok") else f"{method} n/a ({e.get('error') or 'wrong'})")
     return "; ".join(parts) + f"; load {row['load'][0]} -> {row['load'][1]}"
-
-
-def prebuild_deepspeed_ops() -> float:
-    """Build DeepSpeed's CPU shared-memory comm op once, before any rank needs it (``init_distributed``
-    JIT-compiles it on first use; ranks racing to build it would blow the launch's timeout)."""
-    start = time.monotonic()
-    try:
-        from deepspeed.accelerator import get_accelerator
-
-        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-        if builder is not None:
-            builder.load(verbose=False)
-    except Exception as error:  # noqa: BLE001 - the ranks will report the real problem
-        print(f"note: could not pre-build DeepSpeed's shm comm op: {error}", flush=True)
-    return time.monotonic() - start
 
 
 if __name__ == "__main__":

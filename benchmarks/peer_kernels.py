@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 _aten = torch.ops.aten
@@ -90,3 +92,16 @@ def patch_yunchang_fp32_alias() -> None:
     zigzag.zigzag_ring_flash_attn_backward = namespace["zigzag_ring_flash_attn_backward"]
 
 
+def prebuild_deepspeed_ops() -> float:
+    """Build DeepSpeed's CPU shared-memory comm op once, before any rank needs it (``init_distributed``
+    JIT-compiles it on first use; ranks racing to build it would blow the launch's timeout)."""
+    start = time.monotonic()
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+        if builder is not None:
+            builder.load(verbose=False)
+    except Exception as error:  # noqa: BLE001 - the ranks will report the real problem
+        print(f"note: could not pre-build DeepSpeed's shm comm op: {error}", flush=True)
+    return time.monotonic() - start
