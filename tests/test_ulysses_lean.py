@@ -23,6 +23,7 @@ def _check(rank, world):
         heads = (2 * world, world)  # q-like and k-like head counts, packed in one all-to-all
         full = [_full(batch, h, seed=10 * batch + i) for i, h in enumerate(heads)]
         local = [t[:, rank * LENGTH:(rank + 1) * LENGTH].clone().requires_grad_() for t in full]
+        local[1] = local[1].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # heads-first input
         out = seq_to_heads(local, group)
         for t, o, h in zip(full, out, heads):
             per = h // world
@@ -30,10 +31,15 @@ def _check(rank, world):
                 failures.append(f"B={batch} H={h}: seq_to_heads wrong")
         if len({o.untyped_storage().data_ptr() for o in out}) != 1:
             failures.append(f"B={batch}: outputs are not views of one receive buffer")
+        if not all(o.transpose(1, 2)[0, 0].is_contiguous() for o in out):  # Note [heads-first]
+            failures.append(f"B={batch}: outputs do not have dense heads-first planes")
         back = heads_to_seq(out, group)
         for t, b in zip(local, back):
             if not torch.equal(b, t):
                 failures.append(f"B={batch}: heads_to_seq is not the inverse")
+        seq_first = heads_to_seq([o.contiguous() for o in out], group)  # any input strides
+        if not all(torch.equal(b, t) for t, b in zip(local, seq_first)):
+            failures.append(f"B={batch}: heads_to_seq of seq-first storage is wrong")
         weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(out)]
         sum((o * w).sum() for o, w in zip(out, weights)).backward()
         for t, w, h, leaf in zip(full, weights, heads, local):  # the adjoint: each rank's weights, back home

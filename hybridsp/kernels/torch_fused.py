@@ -56,9 +56,12 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return unit_stride(x).transpose(1, 2)  # [B, H, S, D]
 
 
-def _heads_first_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """[B, S, H, D] -> [B, H, S, D], copied to contiguous memory."""
-    return x.transpose(1, 2).contiguous()  # [B, H, S, D]
+def _heads_first_dense(x: torch.Tensor) -> torch.Tensor:
+    """[B, S, H, D] -> [B, H, S, D] with every head's [S, D] plane dense: a view when it already is
+    (hybridsp.ulysses hands out such views, Note [heads-first] there), else a contiguous copy."""
+    y = x.transpose(1, 2)  # [B, H, S, D]
+    dense = y.stride(-1) == 1 and (y.shape[-2] <= 1 or y.stride(-2) == y.shape[-1])
+    return y if dense else y.contiguous()
 
 
 def _seq_first(x: torch.Tensor) -> torch.Tensor:
@@ -91,8 +94,9 @@ class TorchFusedKernel:
             return _empty_key_result(q)
         if q.is_cuda:
             return _cuda_forward(q, k, v, causal, softmax_scale)
+        layout = _heads_first_dense if q.dtype in _HALF else _heads_first  # bf16/fp16: Note [heads-first]
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=softmax_scale
+            layout(q), layout(k), layout(v), 0.0, causal, scale=softmax_scale
         )
         return _seq_first(out), lse.to(accumulation_dtype(q.dtype))
 
@@ -139,9 +143,9 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     low_precision_gqa = low_precision and hkv < q.shape[2]
     if low_precision_gqa:
         k, v = _expand_kv_heads(k, q.shape[2]), _expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
-    # The bf16/fp16 CPU backward runs 12-40% faster on heads-first contiguous inputs
-    # (measured in benchmarks/bench_peers.py); fp32 does not care, so it skips the copies.
-    layout = _heads_first_contiguous if low_precision else _heads_first
+    # The bf16/fp16 CPU kernel runs faster on dense heads-first planes (Note [heads-first] in
+    # hybridsp.ulysses, whose outputs already are); fp32 does not care, so it skips the copies.
+    layout = _heads_first_dense if low_precision else _heads_first
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
         layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, causal, attn_mask=mask, scale=scale,
     )
