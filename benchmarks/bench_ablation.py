@@ -205,7 +205,8 @@ def _planner_techniques(techniques):
     from hybridsp.planner import Techniques
 
     return Techniques(fused_loss="fused_loss" in techniques, tiled_mlp="tiled_mlp" in techniques,
-                      activation_offload="activation_offload" in techniques, offload_in_flight=0)
+                      activation_offload="activation_offload" in techniques, offload_in_flight=0,
+                      collective_copies=1)  # gloo: one temporary per all-gather / reduce-scatter
 
 
 def planner_memory(vocab: int, layers: int, techniques, seq_len: int):
@@ -499,11 +500,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the rows already in the results file (a row measured again replaces its old one)")
     parser.add_argument("--max-attempts", type=int, default=8, help="attempts per row (the search stops there)")
     parser.add_argument("--at", type=int, help="no search: one attempt per row at this length (memory side by side)")
+    parser.add_argument("--start", type=int, help="the search's first length (default: the planner's prediction)")
+    parser.add_argument("--replan", action="store_true", help="measure nothing: recompute the planner's numbers of "
+                                                              "the stored rows (with --append) and rewrite the results")
     parser.add_argument("--from-log", type=Path, help="add the rows of a run's log (see rows_from_log); with no "
                                                       "--rows nothing is measured")
     args = parser.parse_args(argv)
     rows = [_parse_row(text, args.vocab, args.layers, args.budget_mib) for text in args.rows] if args.rows \
-        else [] if args.from_log else list(DEFAULT_ROWS)
+        else [] if (args.from_log or args.replan) else list(DEFAULT_ROWS)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     log = lambda text: print(text, flush=True)  # noqa: E731
     blc.warm_forkserver()
@@ -511,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     previous = json.loads((out / "results_ablation_cpu.json").read_text()) if args.append and (
         out / "results_ablation_cpu.json").exists() else {"rows": [], "runs": []}
-    results = [replan(row, args.granularity) for row in previous["rows"]]
+    results = [replan(row, row.get("granularity", args.granularity)) for row in previous["rows"]]
     runs = previous.get("runs", [])
     run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": "python benchmarks/bench_ablation.py" + (f" {' '.join(argv)}" if argv else ""),
@@ -548,9 +552,10 @@ def main(argv: list[str] | None = None) -> int:
             attempt = run_attempt(vocab, layers, techniques, args.at, budget, args.timeout, log)
             keep({**row, "at": args.at, "attempt_list": [attempt.__dict__]})
             continue
-        longest, attempts, complete = search(vocab, layers, techniques, budget, args.granularity, predicted, log,
-                                             args.timeout, args.max_attempts)
-        keep({**row, "longest": longest, "complete": complete, "attempt_list": [a.__dict__ for a in attempts]})
+        longest, attempts, complete = search(vocab, layers, techniques, budget, args.granularity,
+                                             args.start or predicted, log, args.timeout, args.max_attempts)
+        keep({**row, "longest": longest, "complete": complete, "granularity": args.granularity,
+              "attempt_list": [a.__dict__ for a in attempts]})
         log(f"  measured {longest:,}" + ("" if complete else " (search cut at --max-attempts: a lower bound)"))
     save()
     print(markdown(results, run_meta, runs))

@@ -168,10 +168,13 @@ def _loss_and_grad_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: in
     """Sum of CE over the valid rows of ``logits`` [c, V] fp32; turns ``logits`` into d sum / d logits."""
     valid = labels != ignore_index  # [c]
     safe = torch.where(valid, labels, torch.zeros_like(labels))  # [c]
-    lse = torch.logsumexp(logits, dim=-1)  # [c]
     target = logits.gather(1, safe[:, None]).squeeze(1)  # [c]
+    top = logits.amax(dim=-1, keepdim=True)  # [c, 1]
+    logits.sub_(top).exp_()  # in place (torch.logsumexp would allocate a second [c, V])
+    total = logits.sum(dim=-1, keepdim=True)  # [c, 1]
+    lse = (top + total.log()).squeeze(1)  # [c]
     loss = ((lse - target) * valid).sum()
-    logits.sub_(lse[:, None]).exp_()  # softmax
+    logits.div_(total)  # softmax
     logits.scatter_add_(1, safe[:, None], torch.full_like(lse[:, None], -1.0))  # softmax - onehot
     logits.mul_(valid[:, None])  # ignored rows: no gradient
     return loss
