@@ -204,10 +204,17 @@ def test_offload_moves_states_and_checkpoints_to_host():
     assert memory.host_activations == 9 * one and memory.host == 9 * one
     from hybridsp.planner.memory import staged_gradient_bytes
 
-    # gradients before ZeRO reduces them: the whole model with checkpointing, LM head + a layer without
-    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * deep.total_params
-    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, False)) == 2 * (
-        deep.embedding_params + deep.layer_params)
+    # gradients alive before ZeRO's bucket takes them: the LM head's and the running layer's, with or without
+    # checkpointing (the whole model's worth at the end of the backward is the reduce-scatter's copy, a phase)
+    for checkpointing in (True, False):
+        assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, checkpointing)) == 2 * (
+            deep.embedding_params + deep.layer_params)
+    from hybridsp.planner.memory import reduction_bytes
+
+    assert reduction_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * (deep.total_params + deep.embedding_params)
+    gloo = Workload(4096, techniques=Techniques(collective_copies=1))  # gloo clones the flat bucket once more
+    assert reduction_bytes(deep, gloo, MeshConfig(1, 2, 2, 3)) == 2 * (2 * deep.total_params + deep.embedding_params)
+    assert reduction_bytes(deep, gloo, MeshConfig(1, 2, 2, 2)) == 0  # ZeRO-2 reduces differently (not modelled)
     assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 1, True)) == 0  # full gradients are states
     assert memory.total == (memory.model_states + memory.engine_state + memory.checkpoints + memory.activations
                             + memory.logits + memory.workspace)

@@ -46,10 +46,14 @@ Transients
     MLP backward: t x 2 I e gradients (t = T untiled); tiled: t x 6 I e (the tile's recomputed
         intermediate and its gradients), t = mlp_tile (default h tokens).
     gradient flowing between layers: T h e.
-    gradients awaiting ZeRO's reduction (ZeRO >= 2, backward phases): e x min(Psi (with
-        checkpointing) or V h + one layer (without), reduce_bucket).
-    ZeRO-3 re-gather (backward phases): ``collective_copies`` x e x max(layer, embedding), the
-        backend's temporary while a unit is all-gathered (gloo: 1, measured; NCCL: 0).
+    gradients awaiting ZeRO's reduction (ZeRO >= 2, layer backward phases): e x min(V h + one
+        layer, reduce_bucket) (the LM head's, held until the tied embedding's backward, and the
+        running layer's; the others wait in DeepSpeed's preallocated bucket, ``engine state``).
+    ZeRO-3 re-gather: ``collective_copies`` x e x the unit being all-gathered (a layer in the
+        layer phases, the head in the head's backward): the backend's temporary (gloo: 1,
+        measured; NCCL: 0).
+    LM head backward: the loss's gradients (fused: V h 4 + T h e; logits path: T V (e + 4))
+        + the head's re-gather, or on the logits path its weight gradient V h e if larger.
     gradient reduction (ZeRO-3, the end of the backward): (1 + ``collective_copies``) x e x
         min(Psi, reduce_bucket) (the flat rank-ordered copy of the bucket DeepSpeed's
         reduce-scatter makes, and gloo's clone of it) + e x embedding (the first module's full
@@ -59,6 +63,7 @@ Peak = persistent + checkpoints + the largest phase (checkpointing keeps nothing
 layers until the backward recomputes one; without it all L layers' A stay until their own
 backward):
     loss:               [no checkpointing] L A + G + loss
+    head backward:      [no checkpointing] L A + G + the loss's gradients + re-gather / V h e
     MLP backward:       layers + T h e + MLP transient + staged gradients + re-gather
     attention backward: layers - MLP region + T h e + attention workspace + staged gradients + re-gather
     gradient reduction: the reduce-scatter's copies + the first module's gradient (ZeRO-3)
@@ -283,9 +288,10 @@ def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tu
     mlp, attention = mlp_transient_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)
     at_loss = 0 if config.checkpointing else layers  # checkpointed layers keep nothing inside until recomputed
     staged = staged_gradient_bytes(model, workload, config)
-    regather = gather_copy_bytes(model, workload, config)
+    regather = gather_copy_bytes(model, workload, config, model.layer_params)
     phases = [
         ("loss", at_loss + outside + loss, at_loss + outside, loss, 0),
+        head_backward_phase(model, workload, config, at_loss + outside),
         ("mlp backward", layers + flow + mlp + staged + regather, layers + flow, 0, mlp + staged + regather),
         ("attention backward", layers - mlp_region + flow + attention + staged + regather, layers - mlp_region + flow,
          0, attention + staged + regather),
@@ -296,13 +302,27 @@ def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tu
     return phases
 
 
-def gather_copy_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """ZeRO-3 re-gathers each module's parameters for its backward; a backend that all-gathers
-    through a temporary (``collective_copies``: gloo, measured) holds one more unit, e x
-    max(layer, embedding), while the largest unit is gathered. 0 on NCCL or below ZeRO-3."""
+def head_backward_phase(model: ModelSpec, workload: Workload, config: MeshConfig, saved: int) -> tuple:
+    """The LM head's backward (measured at V = 32000, benchmarks/results_ablation_cpu.md): ZeRO-3
+    gathers the head's weight again (``collective_copies`` temporaries of V h e on gloo) while the
+    loss's gradients are alive: the fused loss's fp32 weight gradient V h 4 and hidden gradient
+    T h e; on the logits path the logits and their gradient, T V (e + 4), and the weight gradient
+    the backward makes, V h e (after the gather's temporary is freed)."""
+    tokens, e, h, vocab = local_tokens(workload, config), workload.dtype_bytes, model.hidden_size, model.vocab_size
+    regather = gather_copy_bytes(model, workload, config, model.embedding_params)
+    if workload.fused_loss:
+        held, transient = vocab * h * FP32 + tokens * h * e, regather
+    else:
+        held, transient = tokens * vocab * (e + FP32), max(regather, vocab * h * e)
+    return ("head backward", saved + held + transient, saved, held, transient)
+
+
+def gather_copy_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, unit: int) -> int:
+    """ZeRO-3 re-gathers each module's parameters (``unit`` of them) for its backward; a backend
+    that all-gathers through a temporary (``collective_copies``: gloo, measured) holds that many
+    more, e each. 0 on NCCL or below ZeRO-3."""
     if config.zero_stage < 3 or config.world_size == 1:
         return 0
-    unit = max(model.layer_params, model.embedding_params)
     return workload.techniques.collective_copies * unit * workload.dtype_bytes
 
 
@@ -320,18 +340,14 @@ def reduction_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) ->
 
 
 def staged_gradient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Full-size gradients produced in the backward before ZeRO (>= 2) reduces and partitions
-    them, up to ``reduce_bucket`` elements of e. With checkpointing the recomputed layer's
-    activations do not shrink while gradients pile up, so the worst is the end of the backward
-    (the whole model; measured: a 9.9M-parameter model at L=16 holds ~40 MB of them in fp32);
-    without it the worst is the first layer's backward (the LM head's and one layer's)."""
+    """Full-size gradients alive in a layer's backward before ZeRO (>= 2) takes them into its
+    bucket (preallocated: ``engine_state``): the LM head's (a tied embedding's waits for the
+    embedding's backward) and the running layer's, up to ``reduce_bucket`` elements of e. (The
+    whole model's worth that an earlier revision counted here with checkpointing, measured at
+    L=16, is the end-of-backward reduce-scatter copy: :func:`reduction_bytes`.)"""
     if config.zero_stage < 2:
         return 0
-    if config.checkpointing:
-        elements = model.total_params
-    else:
-        head = model.embedding_params
-        elements = head + model.layer_params
+    elements = model.embedding_params + model.layer_params
     return workload.dtype_bytes * min(elements, workload.techniques.reduce_bucket)
 
 
