@@ -137,8 +137,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if grad_weight is not None and flat.dtype == torch.float32:
                 grad_weight.addmm_(grad_logits.t(), flat[rows])  # [V, h], in place: no [V, h] temporary
-            elif grad_weight is not None:
-                grad_weight += (grad_logits.t() @ flat[rows]).float()  # [V, h] (bf16 product, fp32 sum)
+            elif grad_weight is not None:  # [V, h]: the product in the input dtype, summed in fp32 (no fp32 copy)
+                grad_weight.add_(grad_logits.t() @ flat[rows])
             del logits, grad_logits
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.hidden_shape, ctx.weight_dtype, ctx.consumed = hidden.shape, weight.dtype, False
