@@ -17,6 +17,7 @@ is the last op of the forward), so the step's peak does not grow by more than th
 cost in backward. The loss's scale ``1 / N`` (N = valid tokens of the whole context group) is
 applied outside, by autograd, exactly as :func:`hybridsp.sharded_cross_entropy` does; backward
 scales the kept gradients in place (no second copy), so it runs once (``retain_graph`` refused).
+
 Note [ZeRO-3]: through a module call (``causal_lm_loss``) DeepSpeed's own hooks gather the
 ``lm_head`` weight once for the forward and take its gradient as for any ``lm_head`` call. Called
 directly on a partitioned weight, the weight is gathered once for the call
