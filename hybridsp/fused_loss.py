@@ -33,7 +33,8 @@ chunk's logits are as large as the hidden states): ``c x V x 4`` bytes for the c
 logits/gradient (the gradient is made in place), ``V x h x 4`` for the fp32 weight-gradient
 accumulator (added into in place: ``addmm_``) and ``T x h x 4`` for the hidden gradient,
 instead of ``~4 x T x V x 4`` on the logits path. bf16 inputs add the chunk's bf16 logits
-``c x V x 2`` and the chunk's bf16 weight-gradient product ``V x h x 2``, keep the hidden
+``c x V x 2`` and the chunk's bf16 weight-gradient product ``V x h x 2`` with its fp32 cast
+``V x h x 4`` (measured: 188 MiB at T = 8192, V = 32000, h = 512, c = 132), keep the hidden
 gradient in bf16 (``T x h x 2``) and cast the weight gradient once in backward (one more
 ``V x h x 2``).
 
@@ -138,8 +139,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad_logits, weight, out=grad_hidden[rows])
             if grad_weight is not None and flat.dtype == torch.float32:
                 grad_weight.addmm_(grad_logits.t(), flat[rows])  # [V, h], in place: no [V, h] temporary
-            elif grad_weight is not None:  # [V, h]: the product in the input dtype, summed in fp32 (no fp32 copy)
-                grad_weight.add_(grad_logits.t() @ flat[rows])
+            elif grad_weight is not None:  # [V, h]: the product in the input dtype, cast to fp32 and summed
+                grad_weight += (grad_logits.t() @ flat[rows]).float()
             del logits, grad_logits
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.hidden_shape, ctx.weight_dtype, ctx.consumed = hidden.shape, weight.dtype, False

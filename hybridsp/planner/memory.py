@@ -37,7 +37,8 @@ Loss
         c = ``loss_chunk`` or the library's default ceil(T h / V) (at most 64 MiB of logits):
         one chunk's fp32 logits, turned into their gradient in place; the fp32 LM-head gradient
         accumulator (added into in place); the hidden-state gradient kept for backward. bf16
-        adds the chunk's bf16 logits c V e and the chunk's bf16 weight-gradient product V h e.
+        adds the chunk's bf16 logits c V e and the chunk's bf16 weight-gradient product with
+        its fp32 cast, V h (e + 4) (measured: 188 MiB at T = 8192, V = 32000, h = 512).
     forward-only: T V (e + 4), fused c V (4 + e if not fp32).
 
 Transients
@@ -249,7 +250,7 @@ def loss_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
     if workload.forward_only:
         return chunk * vocab * (FP32 + low) if workload.fused_loss else tokens * vocab * (e + FP32)
     if workload.fused_loss:
-        return chunk * vocab * (FP32 + low) + vocab * h * (FP32 + low) + tokens * h * e
+        return chunk * vocab * (FP32 + low) + vocab * h * (FP32 + (low and low + FP32)) + tokens * h * e
     return tokens * vocab * (e + 3 * FP32)
 
 
