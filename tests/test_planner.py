@@ -578,4 +578,3 @@ def test_bytes_equal_what_the_comm_counter_records():
         expected.append({"all_to_all": volume.all_to_all, "ring": volume.ring_total})
     for rank_sent in run_distributed(_counted_bytes, 8, timeout=300):
         assert rank_sent == expected
-
