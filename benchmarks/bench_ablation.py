@@ -1,7 +1,7 @@
 """Measured CPU analog of the planner's ablation: the longest trainable context at cp8 as memory
 techniques are added, with the planner's prediction for each row beside it.
 
-    python benchmarks/bench_ablation.py                 # the default rows below (~20-30 min on 2 cores)
+    python benchmarks/bench_ablation.py                 # the default rows below (~1.5 h on 2 cores)
     python benchmarks/bench_ablation.py --rows none checkpointing+activation_offload --vocab 32000
 
 Each technique is a flag of a row (``+``-joined names in ``--rows``): ``fused_loss``
@@ -28,7 +28,7 @@ Planner: ``hybridsp.planner.longest_context`` on a "cluster" of 8 ranks whose me
 budget plus what exists after the engine build in the planner's own terms (the parameter,
 gradient and optimizer partitions and DeepSpeed's gradient bucket; the gathered units are
 allocated during the step, so they count against the budget), nothing reserved, the same mesh,
-ZeRO-3 and checkpointing as the row, ``dtype_bytes=4``. Search: start at the planner's
+ZeRO-3 and checkpointing as the row, ``dtype_bytes=4``, ``collective_copies=1`` (gloo's temporaries). Search: start at the planner's
 prediction, step by 15% until the outcome flips, then bisect to ``lcm(granularity, 2 R U)``.
 """
 
@@ -59,14 +59,12 @@ from hybridsp.testing import run_distributed  # noqa: E402
 MIB = 2**20
 WORLD, ULYSSES, RING, CONFIG = 8, 4, 2, "cp8.json"
 TECHNIQUES = ("fused_loss", "tiled_mlp", "checkpointing", "activation_offload")
-DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the issue's ablation at V=32000 (4 GiB: at
-    # 1 GiB the gathered 32000 x 256 embedding alone takes half a rank's 128 MiB), then what offload does where
-    # the layers' inputs matter (V=256, 16 layers; 512 MiB: ZeRO-3 prefetches the whole 40 MiB model, and the
-    # sequences stay short enough for the quadratic attention's steps on 2 cores)
-    (32000, 4, 4096, ()), (32000, 4, 4096, ("fused_loss",)), (32000, 4, 4096, ("fused_loss", "tiled_mlp")),
-    (32000, 4, 4096, ("fused_loss", "tiled_mlp", "checkpointing", "activation_offload")),
-    (32000, 4, 4096, ("checkpointing",)), (32000, 4, 4096, ("checkpointing", "activation_offload")),
-    (256, 16, 512, ("checkpointing",)), (256, 16, 512, ("checkpointing", "activation_offload")),
+DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the issues' ablation at V=32000, 1.5 GiB (192 MiB
+    # per rank: at bench_longest_context's 1 GiB / 8 = 128 MiB nothing trains at V=32000, measured: the step's fixed
+    # ZeRO-3 part (the tied 31 MiB embedding re-gathered, the gradient bucket's reduce-scatter copies) is ~146 MiB)
+    (32000, 4, 1536, ()), (32000, 4, 1536, ("fused_loss",)), (32000, 4, 1536, ("fused_loss", "tiled_mlp")),
+    (32000, 4, 1536, ("checkpointing", "fused_loss", "tiled_mlp")),
+    (32000, 4, 1536, ("checkpointing", "fused_loss", "tiled_mlp", "activation_offload")),
 )
 
 
@@ -205,7 +203,8 @@ def _planner_techniques(techniques):
     from hybridsp.planner import Techniques
 
     return Techniques(fused_loss="fused_loss" in techniques, tiled_mlp="tiled_mlp" in techniques,
-                      activation_offload="activation_offload" in techniques, offload_in_flight=0)
+                      activation_offload="activation_offload" in techniques, offload_in_flight=0,
+                      collective_copies=1)  # gloo: one temporary per all-gather / reduce-scatter
 
 
 def planner_memory(vocab: int, layers: int, techniques, seq_len: int):
@@ -491,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "the issue's ablation and offload alone at V=256, L=16)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of --rows")
     parser.add_argument("--layers", type=int, default=4, help="layers of --rows")
-    parser.add_argument("--budget-mib", type=int, default=1024, help="total budget of --rows, split over the 8 ranks")
+    parser.add_argument("--budget-mib", type=int, default=1536, help="total budget of --rows, split over the 8 ranks")
     parser.add_argument("--granularity", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results_ablation_cpu.{json,md}")
@@ -499,11 +498,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="keep the rows already in the results file (a row measured again replaces its old one)")
     parser.add_argument("--max-attempts", type=int, default=8, help="attempts per row (the search stops there)")
     parser.add_argument("--at", type=int, help="no search: one attempt per row at this length (memory side by side)")
+    parser.add_argument("--start", type=int, help="the search's first length (default: the planner's prediction)")
+    parser.add_argument("--replan", action="store_true", help="measure nothing: recompute the planner's numbers of "
+                                                              "the stored rows (with --append) and rewrite the results")
     parser.add_argument("--from-log", type=Path, help="add the rows of a run's log (see rows_from_log); with no "
                                                       "--rows nothing is measured")
     args = parser.parse_args(argv)
     rows = [_parse_row(text, args.vocab, args.layers, args.budget_mib) for text in args.rows] if args.rows \
-        else [] if args.from_log else list(DEFAULT_ROWS)
+        else [] if (args.from_log or args.replan) else list(DEFAULT_ROWS)
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     log = lambda text: print(text, flush=True)  # noqa: E731
     blc.warm_forkserver()
@@ -511,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     previous = json.loads((out / "results_ablation_cpu.json").read_text()) if args.append and (
         out / "results_ablation_cpu.json").exists() else {"rows": [], "runs": []}
-    results = [replan(row, args.granularity) for row in previous["rows"]]
+    results = [replan(row, row.get("granularity", args.granularity)) for row in previous["rows"]]
     runs = previous.get("runs", [])
     run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": "python benchmarks/bench_ablation.py" + (f" {' '.join(argv)}" if argv else ""),
@@ -548,9 +550,10 @@ def main(argv: list[str] | None = None) -> int:
             attempt = run_attempt(vocab, layers, techniques, args.at, budget, args.timeout, log)
             keep({**row, "at": args.at, "attempt_list": [attempt.__dict__]})
             continue
-        longest, attempts, complete = search(vocab, layers, techniques, budget, args.granularity, predicted, log,
-                                             args.timeout, args.max_attempts)
-        keep({**row, "longest": longest, "complete": complete, "attempt_list": [a.__dict__ for a in attempts]})
+        longest, attempts, complete = search(vocab, layers, techniques, budget, args.granularity,
+                                             args.start or predicted, log, args.timeout, args.max_attempts)
+        keep({**row, "longest": longest, "complete": complete, "granularity": args.granularity,
+              "attempt_list": [a.__dict__ for a in attempts]})
         log(f"  measured {longest:,}" + ("" if complete else " (search cut at --max-attempts: a lower bound)"))
     save()
     print(markdown(results, run_meta, runs))

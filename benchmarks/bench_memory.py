@@ -12,8 +12,10 @@ the loss's only collective is over the context group), interleaved, the median o
 Measured: torch's allocations inside the block (profiler memory events; the inputs, made
 before, are not counted; ``weight.grad`` is) and the OS's view (VmHWM - VmRSS before, with
 glibc serving every allocation >= 256 KiB by mmap). Analytic: the logits path keeps ~3 [T, V]
-fp32 tensors at its peak; the fused path ``c x V x (4 + dtype bytes)`` for one chunk, plus
-``V x h x 4`` (the fp32 weight gradient) and ``T x h x dtype`` (the hidden gradient).
+fp32 tensors at its peak; the fused path ``c x V x 4`` for one chunk (``+ c x V x dtype bytes``
+below fp32), plus ``V x h x 4`` (the fp32 weight-gradient accumulator, which becomes
+``weight.grad`` in fp32; ``+ V x h x dtype`` below fp32) and ``T x h x dtype`` (the hidden gradient).
+The default chunk is ``ceil(T h / V)`` rows (``hybridsp.fused_loss.default_chunk_size``).
 
 Part 2, the longest trainable context at cp8 (U=4 x R=2, ZeRO-3, fp32) of the example model of
 ``examples/train.py`` with a V = 32000 vocabulary (tied embeddings; the byte corpus's ids are a
@@ -102,7 +104,7 @@ def part_loss(repeats: int, log) -> list[dict]:
         from hybridsp.fused_loss import default_chunk_size
 
         for (mode, chunk), results in runs.items():
-            c = default_chunk_size(VOCAB) if (mode == "fused" and chunk is None) else chunk
+            c = default_chunk_size(VOCAB, tokens, hidden_size) if (mode == "fused" and chunk is None) else chunk
             row = {"dtype": dtype, "mode": mode, "chunk": c, "tokens": tokens, "vocab": VOCAB, "hidden": hidden_size,
                    "alloc_peak_mib": statistics.median(r["alloc_peak"] for r in results) / MIB,
                    "rss_peak_mib": statistics.median(r["rss_peak"] for r in results) / MIB,

@@ -7,9 +7,9 @@ llama3-8b --gpu h100 --nodes N --gpus-per-node 8 --longest-context --ablation``)
 tiled MLP, activation offload and optimizer offload one at a time; each row is the longest
 sequence (a multiple of 1,024) some DP x U x R x ZeRO x checkpointing plan fits, with every memory
 term of that plan (``hybridsp.planner.memory``). Planner defaults: bf16, micro-batch 1, 50% of
-peak FLOP/s, 4 GiB reserved per GPU, 2 TiB host memory per node, PCIe 64 GB/s per GPU, fused-loss
-chunk 8,192 tokens, MLP tile = h tokens, the newest layer input kept on the device and two copies
-in flight. Modelled, not measured. Writes results_ablation_planner.{json,md}.
+peak FLOP/s, 4 GiB reserved per GPU, 2 TiB host memory per node, PCIe 64 GB/s per GPU, the
+library's fused-loss chunk (ceil(T h / V) rows), MLP tile = h tokens, the newest layer input kept
+on the device and two copies in flight, NCCL (no collective temporaries). Modelled, not measured. Writes results_ablation_planner.{json,md}.
 """
 
 from __future__ import annotations

@@ -142,10 +142,15 @@ def test_activation_bytes_hand_computed():
     assert memory.logits == tokens * 100 * (2 + 12)  # bf16 logits, fp32 log-softmax, two fp32 gradients
     ckpt = memory_use(SMALL, workload, MeshConfig(1, 2, 2, zero_stage=3, checkpointing=True))
     assert ckpt.checkpoints == 2 * tokens * 32 * 2  # every layer's input [T, h]
-    head_grad = 100 * 32 * 2  # the LM head's weight gradient appears while the logits' gradients live
-    assert dict(ckpt.phases)["loss"] == tokens * outside + ckpt.logits + head_grad  # nothing inside the layers yet
+    # nothing inside the layers yet; the LM head's weight gradient comes after the log-softmax's backward
+    # freed two [T, V] tensors (calibrated at V = 32000, benchmarks/results_ablation_cpu.md)
+    assert dict(ckpt.phases)["loss"] == tokens * outside + ckpt.logits
     chunked = memory_use(SMALL, Workload(4096, chunked_loss=True), config)
-    assert dict(chunked.phases)["loss"] - tokens * (2 * layer + outside) == 1024 * 100 * 8 + 100 * 32 * 4 + tokens * 32 * 2
+    chunk = -(-tokens * 32 // 100)  # the library's default chunk: ceil(T h / V) rows
+    # bf16: the chunk's fp32 logits + their bf16 copy, the fp32 accumulator + the bf16 product and its fp32 cast,
+    # the hidden gradient
+    assert dict(chunked.phases)["loss"] - tokens * (2 * layer + outside) == (
+        chunk * 100 * (4 + 2) + 100 * 32 * (4 + 2 + 4) + tokens * 32 * 2)
 
 
 # Measured in benchmarks/results_longest_context.md (examples/train.py's model, fp32, ZeRO-3 on CPU):
@@ -209,10 +214,17 @@ def test_offload_moves_states_and_checkpoints_to_host():
     assert memory.host_activations == 9 * one and memory.host == 9 * one
     from hybridsp.planner.memory import staged_gradient_bytes
 
-    # gradients before ZeRO reduces them: the whole model with checkpointing, LM head + a layer without
-    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * deep.total_params
-    assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, False)) == 2 * (
-        deep.embedding_params + deep.layer_params)
+    # gradients alive before ZeRO's bucket takes them: the LM head's and the running layer's, with or without
+    # checkpointing (the whole model's worth at the end of the backward is the reduce-scatter's copy, a phase)
+    for checkpointing in (True, False):
+        assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, checkpointing)) == 2 * (
+            deep.embedding_params + deep.layer_params)
+    from hybridsp.planner.memory import reduction_bytes
+
+    assert reduction_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * (deep.total_params + deep.embedding_params)
+    gloo = Workload(4096, techniques=Techniques(collective_copies=1))  # gloo clones the flat bucket once more
+    assert reduction_bytes(deep, gloo, MeshConfig(1, 2, 2, 3)) == 2 * (2 * deep.total_params + deep.embedding_params)
+    assert reduction_bytes(deep, gloo, MeshConfig(1, 2, 2, 2)) == 0  # ZeRO-2 reduces differently (not modelled)
     assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 1, True)) == 0  # full gradients are states
     assert memory.total == (memory.model_states + memory.engine_state + memory.checkpoints + memory.activations
                             + memory.logits + memory.workspace)
@@ -228,9 +240,26 @@ def test_tiled_mlp_and_fused_loss_terms():
     assert mlp_transient_bytes(SMALL, tiled, config) == 32 * 6 * 64 * 2  # a tile of h = 32 tokens
     assert mlp_transient_bytes(SMALL, Workload(4096, techniques=Techniques(tiled_mlp=True, mlp_tile=100)),
                                config) == 100 * 6 * 64 * 2
-    fused = Workload(4096, techniques=Techniques(fused_loss=True, loss_chunk=256))
-    assert loss_bytes(SMALL, fused, config) == 256 * 100 * 8 + 100 * 32 * 4 + tokens * 32 * 2
+    fused = Workload(4096, techniques=Techniques(fused_loss=True, loss_chunk=256))  # bf16
+    assert loss_bytes(SMALL, fused, config) == 256 * 100 * (4 + 2) + 100 * 32 * (4 + 2 + 4) + tokens * 32 * 2
+    fp32 = Workload(4096, dtype_bytes=4, techniques=Techniques(fused_loss=True, loss_chunk=256))
+    assert loss_bytes(SMALL, fp32, config) == 256 * 100 * 4 + 100 * 32 * 4 + tokens * 32 * 4  # measured formula
     assert loss_bytes(SMALL, Workload(4096), config) == tokens * 100 * 14
+
+
+def test_fused_loss_chunk_follows_the_library_default():
+    from hybridsp.fused_loss import CHUNK_LOGITS_BYTES, default_chunk_size
+    from hybridsp.planner import Techniques
+    from hybridsp.planner.memory import FUSED_CHUNK_LOGITS_BYTES, fused_loss_chunk
+
+    assert FUSED_CHUNK_LOGITS_BYTES == CHUNK_LOGITS_BYTES
+    for model in (SMALL, EXAMPLE, MODELS["llama3-8b"]):
+        for seq_len in (4096, 65536, 1 << 22):
+            workload = Workload(seq_len, techniques=Techniques(fused_loss=True))
+            config = MeshConfig(1, 2, 2)
+            tokens = seq_len // 4
+            assert fused_loss_chunk(model, workload, config) == min(
+                tokens, default_chunk_size(model.vocab_size, tokens, model.hidden_size))
 
 
 def test_host_memory_bounds_activation_offload():

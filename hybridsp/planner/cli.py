@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--dtype-bytes", type=int, default=2, help="activation element size (2 = bf16)")
     tech = parser.add_argument_group("memory techniques (hybridsp.planner.memory states each term)")
     tech.add_argument("--fused-loss", action="store_true", help="hybridsp.fused_cross_entropy: no [T, V] logits")
-    tech.add_argument("--loss-chunk", type=int, default=Techniques.loss_chunk, help="fused-loss chunk, tokens")
+    tech.add_argument("--loss-chunk", type=int, default=Techniques.loss_chunk,
+                      help="fused-loss chunk, tokens (default: the library's, ceil(T h / V) capped at 64 MiB of logits)")
     tech.add_argument("--tiled-mlp", action="store_true", help="MLP over sequence tiles with recomputation")
     tech.add_argument("--mlp-tile", type=int, help="tiled-MLP tile, tokens (default: the hidden size)")
     tech.add_argument("--offload-activations", action="store_true",

@@ -30,10 +30,16 @@ of benchmarks/results_longest_context.md, 82,356 B/token at U=1 and 86,452 at U=
 
 Loss
     logits path: T V (e + 12): the logits (e), the fp32 log-softmax the loss saves, and two
-        fp32 gradients at the start of the backward (measured: 16 B/entry fp32, 14 bf16).
-    fused loss: c V 8 + V h 4 + T h e with c = min(loss_chunk, T): one chunk's fp32 logits and
-        their gradient, the fp32 LM-head gradient accumulator, and the hidden-state gradient.
-    forward-only: T V (e + 4), fused c V 4.
+        fp32 gradients at the start of the backward (measured: 16 B/entry fp32, 14 bf16); the LM
+        head's weight gradient comes after the log-softmax's backward has freed two of them
+        (measured at V = 32000: the peak holds the gathered head weight, not its gradient).
+    fused loss (measured, benchmarks/results_memory.md): c V 4 + V h 4 + T h e in fp32, with
+        c = ``loss_chunk`` or the library's default ceil(T h / V) (at most 64 MiB of logits):
+        one chunk's fp32 logits, turned into their gradient in place; the fp32 LM-head gradient
+        accumulator (added into in place); the hidden-state gradient kept for backward. bf16
+        adds the chunk's bf16 logits c V e and the chunk's bf16 weight-gradient product with
+        its fp32 cast, V h (e + 4) (measured: 188 MiB at T = 8192, V = 32000, h = 512).
+    forward-only: T V (e + 4), fused c V (4 + e if not fp32).
 
 Transients
     attention workspace: 4 T H (D + 1) fp32 accumulators + 2 qkv all-to-all buffers (U > 1)
@@ -41,16 +47,27 @@ Transients
     MLP backward: t x 2 I e gradients (t = T untiled); tiled: t x 6 I e (the tile's recomputed
         intermediate and its gradients), t = mlp_tile (default h tokens).
     gradient flowing between layers: T h e.
-    gradients awaiting ZeRO's reduction (ZeRO >= 2, backward phases): e x min(Psi (with
-        checkpointing) or V h + one layer (without), reduce_bucket); at the loss phase the LM head's weight gradient, V h e (the fused loss
-        counts its own fp32 one).
+    gradients awaiting ZeRO's reduction (ZeRO >= 2, layer backward phases): e x min(V h + one
+        layer, reduce_bucket) (the LM head's, held until the tied embedding's backward, and the
+        running layer's; the others wait in DeepSpeed's preallocated bucket, ``engine state``).
+    ZeRO-3 re-gather: ``collective_copies`` x e x the unit being all-gathered (a layer in the
+        layer phases, the head in the head's backward): the backend's temporary (gloo: 1,
+        measured; NCCL: 0).
+    LM head backward: the loss's gradients (fused: V h 4 + T h e; logits path: T V (e + 4))
+        + the head's re-gather, or on the logits path its weight gradient V h e if larger.
+    gradient reduction (ZeRO-3, the end of the backward): (1 + ``collective_copies``) x e x
+        min(Psi, reduce_bucket) (the flat rank-ordered copy of the bucket DeepSpeed's
+        reduce-scatter makes, and gloo's clone of it) + e x embedding (the first module's full
+        gradient, still alive).
 
 Peak = persistent + checkpoints + the largest phase (checkpointing keeps nothing inside the
 layers until the backward recomputes one; without it all L layers' A stay until their own
 backward):
-    loss:               [no checkpointing] L A + G + loss + V h e
-    MLP backward:       layers + T h e + MLP transient + staged gradients
-    attention backward: layers - MLP region + T h e + attention workspace + staged gradients
+    loss:               [no checkpointing] L A + G + loss
+    head backward:      [no checkpointing] L A + G + the loss's gradients + re-gather / V h e
+    MLP backward:       layers + T h e + MLP transient + staged gradients + re-gather
+    attention backward: layers - MLP region + T h e + attention workspace + staged gradients + re-gather
+    gradient reduction: the reduce-scatter's copies + the first module's gradient (ZeRO-3)
 with layers = L A (no checkpointing) or A (one layer recomputed). Forward-only keeps one
 layer: T (A + 2 h e) + loss + workspace. The peak's parts are reported as ``activations``
 (saved), ``logits`` (the loss, when the loss phase is the peak) and ``workspace``.
@@ -212,14 +229,29 @@ def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -
     return min(layers, kept + tech.offload_in_flight) * one, (layers - kept) * one
 
 
+FUSED_CHUNK_LOGITS_BYTES = 64 * 2**20  # = hybridsp.fused_loss.CHUNK_LOGITS_BYTES (a test keeps them equal)
+
+
+def fused_loss_chunk(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
+    """Rows per fused-loss chunk: ``loss_chunk``, or the library's default
+    (``hybridsp.fused_loss.default_chunk_size``: ceil(T h / V), at most 64 MiB of fp32 logits); <= T."""
+    tokens, vocab = local_tokens(workload, config), model.vocab_size
+    chunk = workload.techniques.loss_chunk
+    if chunk is None:
+        cap = max(1, FUSED_CHUNK_LOGITS_BYTES // (FP32 * vocab))
+        chunk = max(1, min(cap, _ceil_div(tokens * model.hidden_size, vocab)))
+    return min(chunk, tokens)
+
+
 def loss_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """The loss's bytes at the loss phase: logits path T V (e + 12), fused c V 8 + V h 4 + T h e."""
-    tokens, vocab, e = local_tokens(workload, config), model.vocab_size, workload.dtype_bytes
-    chunk = min(workload.techniques.loss_chunk, tokens)
+    """The loss's bytes at the loss phase (module docstring, "Loss")."""
+    tokens, vocab, e, h = local_tokens(workload, config), model.vocab_size, workload.dtype_bytes, model.hidden_size
+    chunk = fused_loss_chunk(model, workload, config)
+    low = 0 if e == FP32 else e  # bf16/fp16: the chunk's logits and weight-gradient product in e, then cast
     if workload.forward_only:
-        return chunk * vocab * FP32 if workload.fused_loss else tokens * vocab * (e + FP32)
+        return chunk * vocab * (FP32 + low) if workload.fused_loss else tokens * vocab * (e + FP32)
     if workload.fused_loss:
-        return chunk * vocab * 2 * FP32 + vocab * model.hidden_size * FP32 + tokens * model.hidden_size * e
+        return chunk * vocab * (FP32 + low) + vocab * h * (FP32 + (low and low + FP32)) + tokens * h * e
     return tokens * vocab * (e + 3 * FP32)
 
 
@@ -257,28 +289,66 @@ def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tu
     mlp, attention = mlp_transient_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)
     at_loss = 0 if config.checkpointing else layers  # checkpointed layers keep nothing inside until recomputed
     staged = staged_gradient_bytes(model, workload, config)
-    head_grad = 0 if workload.fused_loss else model.vocab_size * model.hidden_size * e
-    return [
-        ("loss", at_loss + outside + loss + head_grad, at_loss + outside, loss, head_grad),
-        ("mlp backward", layers + flow + mlp + staged, layers + flow, 0, mlp + staged),
-        ("attention backward", layers - mlp_region + flow + attention + staged, layers - mlp_region + flow, 0,
-         attention + staged),
+    regather = gather_copy_bytes(model, workload, config, model.layer_params)
+    phases = [
+        ("loss", at_loss + outside + loss, at_loss + outside, loss, 0),
+        head_backward_phase(model, workload, config, at_loss + outside),
+        ("mlp backward", layers + flow + mlp + staged + regather, layers + flow, 0, mlp + staged + regather),
+        ("attention backward", layers - mlp_region + flow + attention + staged + regather, layers - mlp_region + flow,
+         0, attention + staged + regather),
     ]
+    reduction = reduction_bytes(model, workload, config)
+    if reduction:
+        phases.append(("gradient reduction", reduction, 0, 0, reduction))
+    return phases
+
+
+def head_backward_phase(model: ModelSpec, workload: Workload, config: MeshConfig, saved: int) -> tuple:
+    """The LM head's backward (measured at V = 32000, benchmarks/results_ablation_cpu.md): ZeRO-3
+    gathers the head's weight again (``collective_copies`` temporaries of V h e on gloo) while the
+    loss's gradients are alive: the fused loss's fp32 weight gradient V h 4 and hidden gradient
+    T h e; on the logits path the logits and their gradient, T V (e + 4), and the weight gradient
+    the backward makes, V h e (after the gather's temporary is freed)."""
+    tokens, e, h, vocab = local_tokens(workload, config), workload.dtype_bytes, model.hidden_size, model.vocab_size
+    regather = gather_copy_bytes(model, workload, config, model.embedding_params)
+    if workload.fused_loss:
+        held, transient = vocab * h * FP32 + tokens * h * e, regather
+    else:
+        held, transient = tokens * vocab * (e + FP32), max(regather, vocab * h * e)
+    return ("head backward", saved + held + transient, saved, held, transient)
+
+
+def gather_copy_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, unit: int) -> int:
+    """ZeRO-3 re-gathers each module's parameters (``unit`` of them) for its backward; a backend
+    that all-gathers through a temporary (``collective_copies``: gloo, measured) holds that many
+    more, e each. 0 on NCCL or below ZeRO-3."""
+    if config.zero_stage < 3 or config.world_size == 1:
+        return 0
+    return workload.techniques.collective_copies * unit * workload.dtype_bytes
+
+
+def reduction_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
+    """The end of the backward under ZeRO-3 (measured, benchmarks/results_ablation_cpu.md): the last
+    gradient hook flushes DeepSpeed's bucket, whose reduce-scatter copies the bucket's contents
+    into one flat rank-ordered buffer (``reduce_scatter_coalesced``), e x min(Psi, reduce_bucket),
+    plus ``collective_copies`` more (gloo clones its input), while the first module's full
+    gradient, e x embedding, still exists. 0 below ZeRO-3 or on one rank."""
+    if config.zero_stage < 3 or config.world_size == 1 or workload.forward_only:
+        return 0
+    tech, e = workload.techniques, workload.dtype_bytes
+    bucket = min(model.total_params, tech.reduce_bucket)
+    return (1 + tech.collective_copies) * bucket * e + model.embedding_params * e
 
 
 def staged_gradient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Full-size gradients produced in the backward before ZeRO (>= 2) reduces and partitions
-    them, up to ``reduce_bucket`` elements of e. With checkpointing the recomputed layer's
-    activations do not shrink while gradients pile up, so the worst is the end of the backward
-    (the whole model; measured: a 9.9M-parameter model at L=16 holds ~40 MB of them in fp32);
-    without it the worst is the first layer's backward (the LM head's and one layer's)."""
+    """Full-size gradients alive in a layer's backward before ZeRO (>= 2) takes them into its
+    bucket (preallocated: ``engine_state``): the LM head's (a tied embedding's waits for the
+    embedding's backward) and the running layer's, up to ``reduce_bucket`` elements of e. (The
+    whole model's worth that an earlier revision counted here with checkpointing, measured at
+    L=16, is the end-of-backward reduce-scatter copy: :func:`reduction_bytes`.)"""
     if config.zero_stage < 2:
         return 0
-    if config.checkpointing:
-        elements = model.total_params
-    else:
-        head = model.embedding_params
-        elements = head + model.layer_params
+    elements = model.embedding_params + model.layer_params
     return workload.dtype_bytes * min(elements, workload.techniques.reduce_bucket)
 
 

@@ -18,8 +18,10 @@ class Techniques:
     """What the step does beyond plain Ulysses x ring attention with ZeRO.
 
     fused_loss: ``hybridsp.fused_cross_entropy`` (LM head + loss over chunks of ``loss_chunk``
-        tokens; the ``[T, V]`` logits never exist). tiled_mlp: each MLP runs over tiles of
-        ``mlp_tile`` tokens (None: the hidden size, Arctic/ALST's rule) with recomputation.
+        tokens; None: the library's default ``ceil(T h / V)``, at most 64 MiB of fp32 logits,
+        ``hybridsp.fused_loss.default_chunk_size``; the ``[T, V]`` logits never exist).
+        tiled_mlp: each MLP runs over tiles of ``mlp_tile`` tokens (None: the hidden size,
+        Arctic/ALST's rule) with recomputation.
     activation_offload: with activation checkpointing, the checkpointed layers' inputs live in
         host memory (``hybridsp.offload_activations``); the newest ``keep_last`` stay, and
         ``offload_in_flight`` more are on the device while copied (2 on CUDA: one each way;
@@ -32,10 +34,13 @@ class Techniques:
     reduce_bucket: DeepSpeed's ``reduce_bucket_size`` (elements; 5e7 in ``ds_configs/``).
     prefetch_bucket: ZeRO-3's ``stage3_prefetch_bucket_size`` (elements; 5e7): parameters
         gathered ahead of the module that runs.
+    collective_copies: full-size temporaries the communication backend makes of a collective's
+        buffer: 0 for NCCL (in place), 1 for gloo (measured on CPU: its all-gather receives into
+        a temporary, its reduce-scatter clones the input).
     """
 
     fused_loss: bool = False
-    loss_chunk: int = 8192
+    loss_chunk: int | None = None
     tiled_mlp: bool = False
     mlp_tile: int | None = None
     activation_offload: bool = False
@@ -46,15 +51,18 @@ class Techniques:
     kv_mode: str = "auto"
     reduce_bucket: int = 50_000_000
     prefetch_bucket: int = 50_000_000
+    collective_copies: int = 0
 
     def __post_init__(self):
-        for name in ("loss_chunk", "reduce_bucket", "prefetch_bucket"):
+        for name in ("reduce_bucket", "prefetch_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Techniques.{name} must be a positive integer; got {value!r}")
-        if self.mlp_tile is not None and (not isinstance(self.mlp_tile, int) or self.mlp_tile < 1):
-            raise ValueError(f"Techniques.mlp_tile must be a positive integer or None; got {self.mlp_tile!r}")
-        for name in ("keep_last", "offload_in_flight"):
+        for name in ("loss_chunk", "mlp_tile"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"Techniques.{name} must be a positive integer or None; got {value!r}")
+        for name in ("keep_last", "offload_in_flight", "collective_copies"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Techniques.{name} must be an integer >= 0; got {value!r}")
