@@ -163,16 +163,16 @@ def build_reference(case: Case, directory: str) -> tuple[str, dict, dict]:
 
 
 def analytic_bytes(case: Case) -> int:
-    """Bytes one rank must send per forward + backward, element size e, L = S / (U R) local tokens:
-    Ulysses 2 (U-1)/U B L D e (2H + 2Hkv'), Hkv' = max(Hkv, U); ring (K or V block b = B S/R Hkv'/U D e):
-    K/V R-1 hops forward and again backward, each block's dK/dV home once (R-1 sends), input dtype."""
-    e = _DTYPES[case.dtype].itemsize
-    u, r = case.ulysses, case.ring
-    hkv = max(case.kv_heads, u)
-    local = case.seq // (u * r)
-    a2a = 0 if u == 1 else 2 * (u - 1) * case.batch * local * case.head_dim * e * (2 * case.heads + 2 * hkv) // u
-    block = case.batch * (case.seq // r) * (hkv // u) * case.head_dim * e
-    return a2a + 3 * 2 * block * (r - 1)
+    """The most bytes a rank must send per forward + backward (max over ring ranks) in the issue's
+    minimum: Ulysses (U-1)/U of q, k, v, out each way; K/V rows only where the receiver reads them,
+    forward and again backward, each visited block's dK/dV home once, in the input dtype
+    (:func:`hybridsp.comm_volume.hybrid_bytes` with ``kv_comm="ring"``)."""
+    from hybridsp.comm_volume import hybrid_bytes
+
+    return max(sum(hybrid_bytes(batch=case.batch, seq_len=case.seq, heads=case.heads, kv_heads=case.kv_heads,
+                                head_dim=case.head_dim, ulysses=case.ulysses, ring=case.ring, ring_rank=r,
+                                element_size=_DTYPES[case.dtype].itemsize).values())
+               for r in range(case.ring))
 
 
 def _setup_method(case: Case, rank: int):
