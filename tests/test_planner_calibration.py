@@ -66,3 +66,42 @@ def test_planner_against_the_checkpointed_cpu_ablation_rows():
         best = next(a for a in row["attempt_list"] if a["ok"] and a["seq_len"] == row["longest"])
         step = ablation.planner_row(row["vocab"], row["layers"], techniques, row["longest"])["step"]
         assert abs(step / best["worst"]["step_alloc_peak"] - 1) <= 0.10, (techniques, step, best["worst"])
+
+
+def test_checkpointed_terms_by_hand():
+    """The three checkpointed-step terms, against arithmetic written out here (fp32, the CPU
+    ablation's model at U4 x R2, T = 1024 local tokens): the attention workspace holds the fp32
+    accumulators and the larger of the all-to-all's two q/k/v buffers and the ring's blocks (not
+    both); the gradient reduction, after every layer's backward, holds no checkpoint; a
+    recomputed fp32 layer's first-norm x is its checkpoint (counted once)."""
+    import sys
+
+    from hybridsp.planner import MeshConfig, Techniques, Workload, memory_use
+    from hybridsp.planner.memory import attention_workspace_bytes, reduction_bytes
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        import bench_ablation as ablation
+    finally:
+        sys.path.remove(str(bench))
+    model = ablation.model_spec(32000, 4)  # h 256, 8 q heads and 4 K/V heads of 32, I 640
+    tokens, e = 1024, 4
+    config = MeshConfig(1, 4, 2, 3, True)
+    workload = Workload(8 * tokens, dtype_bytes=e, techniques=Techniques(fused_loss=True, tiled_mlp=True,
+                                                                      collective_copies=1))
+    accumulators = tokens * 8 * (32 + 1) * 4
+    qkv = tokens * (8 + 4 + 4) * 32 * e  # 4 K/V heads, one per Ulysses rank: none repeated
+    kv_block = grad_block = tokens * 2 * 4 * 32 * e  # K+V (dK+dV) of the U-group's sequence, 1 K/V head per rank
+    ring = 2 * kv_block + grad_block + 2 * grad_block  # 2 receive blocks, fp32 dK/dV, 2 travelling blocks
+    assert attention_workspace_bytes(model, workload, config) == accumulators + max(2 * qkv, ring)
+    assert ring > 2 * qkv  # the sum, an earlier revision's term, would add 2 qkv more
+    short = memory_use(model, Workload(1024, dtype_bytes=e, techniques=workload.techniques), config)
+    assert short.peak_phase == "gradient reduction" and short.checkpoints == 0
+    assert short.total == short.persistent + reduction_bytes(model, workload, config)
+    for d, alias in ((4, 4 * 256), (2, 0)):  # bf16: the norm's fp32 x is a new tensor, not the checkpoint
+        run = Workload(8 * tokens, dtype_bytes=d, techniques=workload.techniques)
+        one = dict(memory_use(model, run, MeshConfig(1, 4, 2, 3, True)).phases)["attention backward"]
+        every = dict(memory_use(model, run, MeshConfig(1, 4, 2, 3, False)).phases)["attention backward"]
+        layer = 2 * ((4 + 2 * d) * 256 + 4) + (2 * 256 + 2 * 128 + 256) * d + 8 * 4  # norms, attention (tiled MLP)
+        assert every - one == tokens * (3 * layer + alias)  # L = 4 layers' saved tensors vs one recomputed
