@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 
 def test_planner_against_the_measured_cpu_ablation():
     """benchmarks/results_ablation_cpu.json (bench_ablation.py: cp8 = U4 x R2, ZeRO-3, fp32,
@@ -105,3 +107,71 @@ def test_checkpointed_terms_by_hand():
         every = dict(memory_use(model, run, MeshConfig(1, 4, 2, 3, False)).phases)["attention backward"]
         layer = 2 * ((4 + 2 * d) * 256 + 4) + (2 * 256 + 2 * 128 + 256) * d + 8 * 4  # norms, attention (tiled MLP)
         assert every - one == tokens * (3 * layer + alias)  # L = 4 layers' saved tensors vs one recomputed
+
+
+_T, _H, _HKV, _D = 2048, 8, 4, 32  # local tokens, heads, K/V heads, head dim of the measured attention call
+_MARKER = 77_777  # bytes of a marker allocation (no tensor of the call has this size)
+
+
+def _backward_peak(rank, world, ulysses, ring):
+    """Torch's allocation peak (profiler memory events) of one fp32 hybrid attention backward,
+    above what exists when it starts (the saved tensors, which it frees, included): its
+    workspace, dout's reshard and its dq/dk/dv."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from hybridsp import hybrid_attn_func, init_mesh
+
+    torch.manual_seed(rank)
+    mesh = init_mesh(ulysses=ulysses, ring=ring)
+    q = torch.randn(1, _T, _H, _D, requires_grad=True)  # [B, S/C, H, D]
+    k, v = (torch.randn(1, _T, _HKV, _D, requires_grad=True) for _ in range(2))  # [B, S/C, Hkv, D]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:  # the forward too: every
+        out = hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch")  # saved tensor's free is seen
+        dout = torch.randn_like(out)
+        torch.empty(_MARKER, dtype=torch.uint8)  # a marker, freed at once: the backward starts after it
+        out.backward(dout)
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live, start, peak = 0, None, 0
+    for event in events:
+        live += event.nbytes()
+        if start is None and event.nbytes() == _MARKER:
+            start = live - _MARKER  # what exists when the backward begins
+        if start is not None:
+            peak = max(peak, live - start)
+    assert start is not None
+    return peak
+
+
+def _planner_workspace(ulysses, ring):
+    from hybridsp.planner import MeshConfig, ModelSpec, Techniques, Workload
+    from hybridsp.planner.memory import attention_workspace_bytes
+
+    model = ModelSpec(_H, _HKV, _D, _H * _D, 640, 1, 32000, tied_embeddings=True)
+    workload = Workload(ulysses * ring * _T, dtype_bytes=4, techniques=Techniques(kv_mode="ring"))
+    return attention_workspace_bytes(model, workload, MeshConfig(1, ulysses, ring, 3, False))
+
+
+def test_ring_attention_workspace_against_a_measured_backward():
+    """The planner's attention workspace (accumulators + the ring's K/V and dK/dV blocks) against
+    torch's measured peak of one backward on a ring of 2 gloo ranks (2026-12-01, three runs:
+    6,160 B per local token, planner 6,176). (U2 x R1 measured 4,640 B in most runs against the
+    planner's 5,152, but 6,688 on one rank in one run of three, unexplained: not asserted.)"""
+    from hybridsp.testing import run_distributed
+
+    measured = max(run_distributed(_backward_peak, 2, 1, 2, timeout=120))
+    planned = _planner_workspace(1, 2)
+    assert 0.9 * planned <= measured <= 1.05 * planned, (measured / _T, planned / _T)
+
+
+@pytest.mark.slow
+def test_attention_workspace_is_the_larger_of_all_to_all_and_ring():
+    """U2 x R2 on 4 ranks: the all-to-all's buffers and the ring's blocks do not coexist, so the
+    backward's peak stays within the planner's accumulators + max(all-to-all, ring), well below
+    the sum an earlier revision counted. (Not run by its author: the brief allowed 2 ranks.)"""
+    from hybridsp.testing import run_distributed
+
+    measured = max(run_distributed(_backward_peak, 4, 2, 2, timeout=180))
+    planned = _planner_workspace(2, 2)  # 6,176 B per local token; the sum would be 10,272
+    assert 0.7 * planned <= measured <= 1.25 * planned, (measured / _T, planned / _T)
