@@ -23,6 +23,8 @@ of benchmarks/results_longest_context.md, 82,356 B/token at U=1 and 86,452 at U=
         norm's output, already counted)
     layer A = 2 norms + attention + MLP; MLP region = 1 norm + MLP.
     outside the layers G: final norm + RoPE cos/sin 2 D e + token ids and labels 16.
+    recomputed layer (checkpointing): A, less the first norm's fp32 x when e = 4 and the
+        checkpoint stays on the device (``.to(float32)`` of fp32 returns the checkpoint itself).
     checkpoints (activation checkpointing): the layers' inputs, L T h e; with activation
         offload min(L, keep_last + in_flight) T h e stay on the device (the newest
         ``keep_last``, ``offload_in_flight`` = 2 copies in flight on CUDA, one each way) and
@@ -42,8 +44,11 @@ Loss
     forward-only: T V (e + 4), fused c V (4 + e if not fp32).
 
 Transients
-    attention workspace: 4 T H (D + 1) fp32 accumulators + 2 qkv all-to-all buffers (U > 1)
-        + 2 K/V receive blocks + 3 fp32 dK/dV blocks (R > 1) (the K/V mode's term: ring only).
+    attention workspace: 4 T H (D + 1) fp32 accumulators + the larger of 2 qkv all-to-all
+        buffers (U > 1) and 2 K/V receive blocks + 3 fp32 dK/dV blocks (R > 1) (the K/V mode's
+        term: ring only): the all-to-alls run before and after the ring call, each freeing its
+        buffers first, so the two never coexist (an earlier revision added them, 4 KB per
+        local token too much in the checkpointed CPU ablation rows).
     MLP backward: t x 2 I e gradients (t = T untiled); tiled: t x 6 I e (the tile's recomputed
         intermediate and its gradients), t = mlp_tile (default h tokens).
     gradient flowing between layers: T h e.
@@ -60,9 +65,10 @@ Transients
         reduce-scatter makes, and gloo's clone of it) + e x embedding (the first module's full
         gradient, still alive).
 
-Peak = persistent + checkpoints + the largest phase (checkpointing keeps nothing inside the
-layers until the backward recomputes one; without it all L layers' A stay until their own
-backward):
+Peak = persistent + the largest of (checkpoints + phase) (checkpointing keeps nothing inside
+the layers until the backward recomputes one; without it all L layers' A stay until their own
+backward; the gradient reduction comes after the last layer's backward has freed every
+checkpoint, so it holds none):
     loss:               [no checkpointing] L A + G + loss
     head backward:      [no checkpointing] L A + G + the loss's gradients + re-gather / V h e
     MLP backward:       layers + T h e + MLP transient + staged gradients + re-gather
@@ -91,8 +97,9 @@ class MemoryUse:
     """Bytes one rank holds at its peak, by kind; ``host_*``: this rank's offloaded bytes.
 
     ``total = model_states + engine_state + checkpoints + activations + logits + workspace``;
-    ``phases``: (name, bytes) of every phase's S-dependent part (checkpoints excluded), the
-    largest is ``peak_phase``.
+    ``phases``: (name, bytes) of every phase's S-dependent part (checkpoints excluded); the
+    largest with the checkpoints it holds (``checkpoints``: those of the peak phase; none at the
+    gradient reduction) is ``peak_phase``.
     """
 
     params: int
@@ -214,6 +221,16 @@ def outside_layers_bytes_per_token(model: ModelSpec, dtype_bytes: int) -> int:
     return norm_bytes_per_token(model, dtype_bytes) + 2 * model.head_dim * dtype_bytes + IDS_BYTES_PER_TOKEN
 
 
+def checkpoint_alias_bytes_per_token(model: ModelSpec, workload: Workload) -> int:
+    """Bytes of a recomputed layer that are its checkpoint, already counted by :func:`checkpoint_bytes`:
+    the first RMSNorm's fp32 x (its ``.to(float32)`` returns the input itself when e = 4) while
+    the checkpoint stays on the device (no activation offload; offload brings a new device copy
+    back for the recompute, which the norm's x term counts). h x 4 in fp32, else 0."""
+    if workload.dtype_bytes != FP32 or workload.techniques.activation_offload:
+        return 0
+    return FP32 * model.hidden_size
+
+
 # ----------------------------------------------------------------------------- step terms
 
 
@@ -227,6 +244,9 @@ def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -
         return layers * one, 0
     kept = min(layers, tech.keep_last)
     return min(layers, kept + tech.offload_in_flight) * one, (layers - kept) * one
+
+
+AFTER_LAYERS_BACKWARD = ("gradient reduction",)  # phases after every layer's backward: no checkpoint is left
 
 
 FUSED_CHUNK_LOGITS_BYTES = 64 * 2**20  # = hybridsp.fused_loss.CHUNK_LOGITS_BYTES (a test keeps them equal)
@@ -256,16 +276,20 @@ def loss_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
 
 
 def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Transient buffers of one attention call: all-to-all send+receive of q/k/v, the fp32
-    out (or dq) accumulator and LSE, and the K/V transport's buffers
-    (:func:`hybridsp.planner.kv_modes.kv_workspace_bytes`: ring or all-gather)."""
+    """Transient buffers of one attention call: the fp32 out (or dq) accumulator and LSE, plus
+    the larger of the all-to-all's send+receive of q/k/v and the K/V transport's buffers
+    (:func:`hybridsp.planner.kv_modes.kv_workspace_bytes`: ring or all-gather). Not their sum:
+    ``hybridsp.ulysses`` reshards before the ring call (forward: q/k/v; backward: dout) and after
+    it (forward: out; backward: dq/dk/dv), and each side frees its buffers before the other
+    starts (``del send`` / ``received`` in ``_seq_to_heads`` / ``_heads_to_seq``; the ring's
+    receive and dK/dV blocks die with ``_ring_backward``)."""
     volume = comm_volume(model, workload, config)
     tokens = local_tokens(workload, config)
     accumulators = tokens * model.num_heads * (model.head_dim + 1) * FP32
     a2a = 2 * volume.qkv_bytes if config.ulysses > 1 else 0
     ring = kv_workspace_bytes(volume.kv_comm, volume.kv_block_bytes, volume.grad_block_bytes, workload.dtype_bytes,
                               config.ring, planner_chunks(workload, config), not workload.forward_only)
-    return accumulators + a2a + ring
+    return accumulators + max(a2a, ring)  # one after the other, never both (docstring)
 
 
 def mlp_transient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
@@ -281,6 +305,8 @@ def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tu
     """(phase, total, saved, loss, transient) of every training phase (checkpoints excluded)."""
     tokens, e, tech = local_tokens(workload, config), workload.dtype_bytes, workload.techniques
     layer = tokens * layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp)
+    if config.checkpointing:
+        layer -= tokens * checkpoint_alias_bytes_per_token(model, workload)
     mlp_region = tokens * (norm_bytes_per_token(model, e) + mlp_bytes_per_token(model, e, tech.tiled_mlp))
     layers = layer if config.checkpointing else model.num_layers * layer
     outside = tokens * outside_layers_bytes_per_token(model, e)
@@ -372,7 +398,8 @@ def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> Memo
                          phases=(("forward", saved + loss + workspace),), **states)
     device_ckpt, host_ckpt = checkpoint_bytes(model, workload, config)
     phases = _phases(model, workload, config)
-    name, _, saved, loss, transient = max(phases, key=lambda phase: phase[1])
-    return MemoryUse(activations=saved, logits=loss, workspace=transient, checkpoints=device_ckpt,
+    held = {phase[0]: 0 if phase[0] in AFTER_LAYERS_BACKWARD else device_ckpt for phase in phases}
+    name, _, saved, loss, transient = max(phases, key=lambda phase: phase[1] + held[phase[0]])
+    return MemoryUse(activations=saved, logits=loss, workspace=transient, checkpoints=held[name],
                      host_activations=host_ckpt, peak_phase=name,
                      phases=tuple((phase[0], phase[1]) for phase in phases), **states)
