@@ -27,28 +27,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridsp.block_exchange import PendingBlocks
 from hybridsp.comm import CommCounter
 from hybridsp.kernels import accumulation_dtype
 from hybridsp.masks import BlockPlan, Piece, cut_keys, merge_pieces
 from hybridsp.p2p_ring import ring_size_rank
 from hybridsp.pieces import backward_pieces, forward_pieces
 
-ALLGATHER_TAG = 13  # point-to-point all-gather (hybridsp.block_exchange uses 11 and 12)
+ALLGATHER_TAG = 13  # point-to-point all-gather (hybridsp.block_exchange's K/V and dK/dV use 11 and 12)
 
 
 
-class _Requests:
-    """Several posted point-to-point requests waited as one."""
-
-    def __init__(self, requests):
-        self._requests = requests
-
-    def wait(self) -> None:
-        for request in self._requests:
-            request.wait()
-
-
-def _direct_gather(output: torch.Tensor, part: torch.Tensor, group) -> _Requests:
+def _direct_gather(output: torch.Tensor, part: torch.Tensor, group) -> PendingBlocks:
     """The all-gather as one batch of point-to-point sends: ``part`` to every peer, every peer's
     part into its slot of ``output`` (the same bytes as a ring all-gather, one round)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -60,7 +50,7 @@ def _direct_gather(output: torch.Tensor, part: torch.Tensor, group) -> _Requests
             global_peer = dist.get_global_rank(group, peer)
             ops.append(dist.P2POp(dist.isend, part, global_peer, group, ALLGATHER_TAG))
             ops.append(dist.P2POp(dist.irecv, slots[peer], global_peer, group, ALLGATHER_TAG))
-    return _Requests(dist.batch_isend_irecv(ops))
+    return PendingBlocks(dist.batch_isend_irecv(ops), None)
 
 
 def gather_chunk(output: torch.Tensor, part: torch.Tensor, group, direct: bool | None = None):

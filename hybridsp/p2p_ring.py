@@ -29,7 +29,7 @@ import torch.distributed as dist
 from hybridsp.block_exchange import GRAD_TAG, KV_TAG, post
 from hybridsp.kernels import accumulation_dtype
 from hybridsp.masks import BlockPlan
-from hybridsp.pieces import piece_backward, backward_pieces, forward_pieces
+from hybridsp.pieces import backward_pieces, forward_pieces
 
 
 def ring_size_rank(group) -> tuple[int, int]:
@@ -83,28 +83,13 @@ def _ring_forward(q, k, v, group, kernel, scale, plan: BlockPlan, counter):
 
 def _visitor_grads(dout, q, k_rows, v_rows, out, lse, kernel, scale, pieces, offset, dq_acc):
     """A visiting block's (dk, dv) [B, rows, Hkv, D] in the input dtype (summed in fp32, rounded
-    once); adds its dq share into dq_acc. None when the block has no piece. A block that is one
-    piece over all its rows (dense causal blocks) sends the kernel's own dk/dv as they are."""
+    once); adds its dq share into dq_acc. None when the block has no piece."""
     if not pieces:
         return None
-    if _one_whole_piece(pieces, k_rows.shape[1], offset) and not getattr(kernel, "supports_varlen", False):
-        piece = pieces[0]
-        dq, dk, dv = piece_backward(kernel, dout[:, piece.rows], q[:, piece.rows], k_rows, v_rows,
-                                     out[:, piece.rows], lse[:, :, piece.rows], piece, scale)
-        dq_acc[:, piece.rows] += dq
-        return [dk.to(k_rows.dtype), dv.to(v_rows.dtype)]
     dk = torch.zeros(k_rows.shape, dtype=dq_acc.dtype, device=k_rows.device)
     dv = torch.zeros(v_rows.shape, dtype=dq_acc.dtype, device=v_rows.device)
     backward_pieces(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk, dv)
     return [dk.to(k_rows.dtype), dv.to(v_rows.dtype)]
-
-
-def _one_whole_piece(pieces, rows: int, offset: int) -> bool:
-    """One piece, for every batch row, reading all ``rows`` key rows of the block."""
-    if len(pieces) != 1:
-        return False
-    piece = pieces[0]
-    return piece.batch == slice(None) and piece.keys == slice(offset, offset + rows)
 
 
 def _post_grads(group, plan: BlockPlan, rank: int, step: int, grads, like_k, counter):

@@ -24,14 +24,14 @@ def _band_kernel(kernel):
     return kernel if hasattr(kernel, "forward_band") else ReferenceKernel()
 
 
-def piece_forward(kernel, q, k, v, piece, scale):
+def _piece_forward(kernel, q, k, v, piece, scale):
     """(out, lse) of one plan piece; q/k/v already cut to the piece."""
     if piece.kind == "band":
         return _band_kernel(kernel).forward_band(q, k, v, band=piece.band, softmax_scale=scale)
     return kernel.forward(q, k, v, causal=piece.kind == "causal", softmax_scale=scale)
 
 
-def piece_backward(kernel, dout, q, k, v, out, lse, piece, scale):
+def _piece_backward(kernel, dout, q, k, v, out, lse, piece, scale):
     """(dq, dk, dv) of one plan piece given the final out/lse cut to its rows."""
     if piece.kind == "band":
         return _band_kernel(kernel).backward_band(dout, q, k, v, out, lse, band=piece.band, softmax_scale=scale)
@@ -47,7 +47,7 @@ def forward_pieces(kernel, q, k_rows, v_rows, pieces, offset: int, scale: float,
         return
     for piece in pieces:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
-        block_out, block_lse = piece_forward(kernel, q[b, rows], k_rows[b, keys], v_rows[b, keys], piece, scale)
+        block_out, block_lse = _piece_forward(kernel, q[b, rows], k_rows[b, keys], v_rows[b, keys], piece, scale)
         merge_into(out_acc[b, rows], lse_acc[b, :, rows], block_out, block_lse)
 
 
@@ -62,7 +62,7 @@ def backward_pieces(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset: i
         return
     for piece in pieces:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
-        dq, dk, dv = piece_backward(
+        dq, dk, dv = _piece_backward(
             kernel, dout[b, rows], q[b, rows], k_rows[b, keys], v_rows[b, keys], out[b, rows], lse[b, :, rows],
             piece, scale,
         )

@@ -169,8 +169,8 @@ def _mean_ring_blocks(ring: int, slot: int, causal: bool) -> tuple[float, float]
     """(blocks sent, blocks read) per pass, averaged over ring ranks (zigzag layout)."""
     if ring == 1:
         return 0.0, 0.0
-    rows = [ring_rows(ring, r, slot - slot % 2, "zigzag", causal) for r in range(ring)]
-    block = slot - slot % 2
+    block = slot - slot % 2  # zigzag's two halves
+    rows = [ring_rows(ring, r, block, "zigzag", causal) for r in range(ring)]
     return sum(s for s, _ in rows) / ring / block, sum(r for _, r in rows) / ring / block
 
 

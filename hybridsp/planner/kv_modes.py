@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 from hybridsp.allgather import default_kv_chunks
-from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
+from hybridsp.planner.specs import MeshConfig, Workload
 
 FP32 = 4
 STEP_LATENCY_S = {"intra": 10e-6, "inter": 30e-6}  # one point-to-point step / collective round (assumed)
@@ -76,7 +76,8 @@ class RingTiming:
         return self.backward_transfer_s <= self.backward_compute_s
 
 
-def _exposed(transfer: float, compute: float) -> float:
+def exposed(transfer: float, compute: float) -> float:
+    """What of a transfer does not hide behind the compute it overlaps (seconds)."""
     return max(0.0, transfer - compute)
 
 
@@ -84,13 +85,13 @@ def p2p_ring_timing(r: int, kv_x: float, grad_x: float, latency: float, fwd_c: f
                     passes: int, layers: int, link: str) -> RingTiming:
     """The ring formulas of the module docstring (``kv_x``, ``grad_x``: bytes / bandwidth)."""
     bwd_c, o = 2.5 * fwd_c, CALL_OVERHEAD_S
-    forward = (r - 1) * (_exposed(kv_x + latency, fwd_c) + o)
+    forward = (r - 1) * (exposed(kv_x + latency, fwd_c) + o)
     back = 0.0
     if backward and r == 2:
-        back = _exposed(kv_x + latency, bwd_c) + grad_x + latency + o
+        back = exposed(kv_x + latency, bwd_c) + grad_x + latency + o
     elif backward:
-        back = (2 * _exposed(kv_x + latency, bwd_c) + (r - 3) * _exposed(kv_x + grad_x + latency, bwd_c)
-                + _exposed(grad_x + latency, bwd_c) + grad_x + latency + (r - 1) * o)
+        back = (2 * exposed(kv_x + latency, bwd_c) + (r - 3) * exposed(kv_x + grad_x + latency, bwd_c)
+                + exposed(grad_x + latency, bwd_c) + grad_x + latency + (r - 1) * o)
     bwd_x = (kv_x + grad_x if r > 2 else max(kv_x, grad_x)) + latency
     return RingTiming(link, fwd_c, kv_x + latency, bwd_c, bwd_x if backward else 0.0,
                       layers * (passes * forward + back))
@@ -103,10 +104,10 @@ def allgather_timing(r: int, chunks: int, kv_x: float, grad_x: float, latency: f
     gather, reduce = (r - 1) * kv_x / chunks + rounds, (r - 1) * grad_x / chunks + rounds
     chunk_c, bwd_c = (r - 1) * fwd_c / chunks, 2.5 * fwd_c
     o = chunks * CALL_OVERHEAD_S
-    forward = _exposed(gather, fwd_c) + (chunks - 1) * _exposed(gather, chunk_c) + o
+    forward = exposed(gather, fwd_c) + (chunks - 1) * exposed(gather, chunk_c) + o
     back = 0.0
     if backward:
-        back = _exposed(gather, bwd_c) + (chunks - 1) * _exposed(gather + reduce, 2.5 * chunk_c) + reduce + o
+        back = exposed(gather, bwd_c) + (chunks - 1) * exposed(gather + reduce, 2.5 * chunk_c) + reduce + o
     return RingTiming(link, chunk_c, gather, 2.5 * chunk_c, gather + reduce if backward else 0.0,
                       layers * (passes * forward + back), mode="allgather")
 
@@ -127,7 +128,7 @@ def kv_workspace_bytes(mode: str, kv_block: int, grad_block: int, dtype_bytes: i
     return 2 * kv_block + (round(grad_block * FP32 / dtype_bytes) + 2 * grad_block if backward else 0)
 
 
-def kv_timing(model: ModelSpec, workload: Workload, config: MeshConfig, volume, link: str, bandwidth: float,
+def kv_timing(workload: Workload, config: MeshConfig, volume, link: str, bandwidth: float,
               fwd_c: float) -> RingTiming:
     """The exposed K/V time of ``volume.kv_comm`` for one step of one rank."""
     kv_x, grad_x = volume.kv_block_bytes / bandwidth, volume.grad_block_bytes / bandwidth

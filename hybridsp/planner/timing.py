@@ -13,6 +13,7 @@ from hybridsp.planner.costs import (
     CommVolume, Flops, comm_volume, flops_per_rank, local_tokens, ring_step_forward_flops, zero_bytes,
 )
 from hybridsp.planner.kv_modes import RingTiming, kv_timing
+from hybridsp.planner.kv_modes import exposed as _exposed  # offload_timing keeps a running total named exposed
 from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
 
 
@@ -101,10 +102,6 @@ def all_to_all_seconds(volume: CommVolume, topology: Topology, cluster: ClusterS
     return volume.layers * passes * per_pass
 
 
-def _exposed(transfer: float, compute: float) -> float:
-    return max(0.0, transfer - compute)
-
-
 def ring_timing(
     model: ModelSpec, workload: Workload, config: MeshConfig, volume: CommVolume, topology: Topology,
     cluster: ClusterSpec,
@@ -119,7 +116,7 @@ def ring_timing(
     link = "inter" if topology.ring_crosses_nodes else "intra"
     bandwidth = min({"intra": cluster.intra_bw, "inter": cluster.inter_bw}[hop] for hop in topology.ring_hops)
     fwd_c = ring_step_forward_flops(model, workload, config) / cluster.achieved_flops
-    return kv_timing(model, workload, config, volume, link, bandwidth, fwd_c)
+    return kv_timing(workload, config, volume, link, bandwidth, fwd_c)
 
 
 def offload_timing(model: ModelSpec, workload: Workload, config: MeshConfig, cluster: ClusterSpec,
