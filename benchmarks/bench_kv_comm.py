@@ -6,22 +6,21 @@
 1. **Bytes per rank / analytic minimum**, every U x R of W = 8, fp32 and bf16, GQA 8:8 and
    8:1, both modes: bytes are counted by wrapping torch.distributed itself (``batch_isend_irecv``
    isends, ``all_to_all_single`` minus the own slice, ``all_gather_single`` / ``_into_tensor``
-   times R - 1), not by hybridsp's counter, and divided by :func:`hybridsp.comm_volume.hybrid_bytes`.
+   times R - 1: ``harness.ByteCounter``), not by hybridsp's counter, and divided by :func:`hybridsp.comm_volume.hybrid_bytes`.
 2. **bf16 error ratios at R = 8** (U1 x R8): max |x - ref| of out/dq/dk/dv against an fp32
    reference on the same bf16 inputs, over the same error of one bf16 kernel call on the whole
    sequence (flash-attn's rule: <= 2).
 3. **Time, ring vs all-gather**, interleaved in one process group (A B A B ...), bf16 causal
-   fwd+bwd, W = 4, S = 4096, H = 8, D = 64, GQA 8:8 and 8:1, at U1 x R4 and U2 x R2: medians of
-   the per-iteration maximum over ranks.
+   fwd+bwd, W = 4, S = 4096, H = 8, D = 64, GQA 8:8 and 8:1, at U1 x R4 and U2 x R2 (one warm-up
+   call each, then ``harness.interleave``): medians of the per-iteration maximum over ranks.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -32,47 +31,14 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence  # noqa: E402
 from hybridsp.comm_volume import hybrid_bytes  # noqa: E402
-from hybridsp.testing import run_distributed  # noqa: E402
+from harness import ByteCounter, combine, interleave, launch  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@contextlib.contextmanager
-def wire_bytes(group_size_of):
-    """Count bytes this rank puts on the wire through torch.distributed while active."""
-    sent = {"bytes": 0}
-    originals = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_to_all_single",
-                                                         "all_gather_single", "all_gather_into_tensor")
-                 if hasattr(dist, name)}
-
-    def batch(ops):
-        sent["bytes"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
-        return originals["batch_isend_irecv"](ops)
-
-    def a2a(output, input, *args, group=None, **kwargs):
-        size = group_size_of(group)
-        sent["bytes"] += input.numel() * input.element_size() * (size - 1) // size
-        return originals["all_to_all_single"](output, input, *args, group=group, **kwargs)
-
-    def gather(name):
-        def wrapped(output, input, *args, group=None, **kwargs):
-            sent["bytes"] += input.numel() * input.element_size() * (group_size_of(group) - 1)
-            return originals[name](output, input, *args, group=group, **kwargs)
-        return wrapped
-
-    patched = {"batch_isend_irecv": batch, "all_to_all_single": a2a,
-               **{name: gather(name) for name in ("all_gather_single", "all_gather_into_tensor") if name in originals}}
-    for name, fn in patched.items():
-        setattr(dist, name, fn)
-    try:
-        yield sent
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def _inputs(seq, kv_heads, dtype, seed=0):
@@ -90,13 +56,13 @@ def _bytes_rows(rank, world, seq):
     ):
         mesh = init_mesh(ulysses, ring, kv_comm=mode)
         q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in _inputs(seq, kv_heads, _DTYPES[dtype_name]))
-        with wire_bytes(lambda g: dist.get_world_size(g)) as sent:
+        with ByteCounter() as sent:
             hybrid_attn_func(q, k, v, mesh=mesh, backend="torch").backward(dout)
         want = sum(hybrid_bytes(batch=1, seq_len=seq, heads=HEADS, kv_heads=kv_heads, head_dim=HEAD_DIM,
                                 ulysses=ulysses, ring=ring, ring_rank=mesh.ring_rank, element_size=q.element_size(),
                                 kv_comm=mode).values())
         rows.append(dict(ulysses=ulysses, ring=ring, kv_comm=mode, dtype=dtype_name, kv_heads=kv_heads,
-                         rank=rank, sent=sent["bytes"], minimum=want))
+                         rank=rank, sent=sum(sent.bytes.values()), minimum=want))
     return rows
 
 
@@ -129,22 +95,22 @@ def _bf16_errors(rank, world, seq):
     return rows if rank == 0 else None
 
 
+def _fwd_bwd(q, k, v, dout, mesh, mode) -> None:
+    hybrid_attn_func(q, k, v, mesh=mesh, backend="torch", kv_comm=mode).backward(dout)
+
+
 def _timing_rows(rank, world, seq, iters, meshes):
     rows = []
     for (ulysses, ring), kv_heads in ((m, kv) for m in meshes for kv in (HEADS, 1)):
         mesh = init_mesh(ulysses, ring)
         q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in _inputs(seq, kv_heads, torch.bfloat16))
-        times = {"ring": [], "allgather": []}
-        for i in range(iters + 1):
-            for mode in (("ring", "allgather") if i % 2 == 0 else ("allgather", "ring")):
-                dist.barrier()
-                start = time.perf_counter()
-                hybrid_attn_func(q, k, v, mesh=mesh, backend="torch", kv_comm=mode).backward(dout)
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                if i > 0:  # the first round warms up
-                    times[mode].append(float(elapsed))
-        ring_s, gather_s = statistics.median(times["ring"]), statistics.median(times["allgather"])
+        calls = {mode: functools.partial(_fwd_bwd, q, k, v, dout, mesh, mode) for mode in ("ring", "allgather")}
+        for call in calls.values():  # warm-up
+            call()
+        times = interleave(calls, iters)
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, times)
+        ring_s, gather_s = (combine([r[mode] for r in per_rank])["median_wall"] for mode in ("ring", "allgather"))
         rows.append(dict(ulysses=ulysses, ring=ring, kv_heads=kv_heads, ring_s=ring_s, allgather_s=gather_s,
                          allgather_over_ring=gather_s / ring_s, iters=iters))
     return rows if rank == 0 else None
@@ -179,11 +145,11 @@ def main() -> None:
     args = parser.parse_args()
     bytes_seq, err_seq, time_seq = (256, 1024, 1024) if args.quick else (1024, 4096, 4096)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
-    result["bytes"] = [row for rows in run_distributed(_bytes_rows, 8, bytes_seq, timeout=1800) for row in rows]
-    result["errors"] = run_distributed(_bf16_errors, 8, err_seq, timeout=1800)[0]
+    result["bytes"] = [row for rows in launch(_bytes_rows, 8, bytes_seq, timeout=1800) for row in rows]
+    result["errors"] = launch(_bf16_errors, 8, err_seq, timeout=1800)[0]
     meshes = [(1, 4), (2, 2)]
     result.update(timing_world=4, timing_seq=time_seq)
-    result["timing"] = run_distributed(_timing_rows, 4, time_seq, 3 if args.quick else args.iters, meshes,
+    result["timing"] = launch(_timing_rows, 4, time_seq, 3 if args.quick else args.iters, meshes,
                                        timeout=3600)[0]
     result["load_after"] = os.getloadavg()[0]
     out = Path(tempfile.gettempdir()) / "results_kv_comm_quick" if args.quick else ROOT / "benchmarks" / "results_kv_comm"

@@ -274,7 +274,7 @@ class ByteCounter:
     their bytes are counted in batch_isend_irecv.
     """
 
-    _NAMES = ("all_to_all_single", "batch_isend_irecv", "send", "all_gather_into_tensor",
+    _NAMES = ("all_to_all_single", "batch_isend_irecv", "send", "all_gather_into_tensor", "all_gather_single",
               "reduce_scatter_tensor", "all_to_all", "all_gather")
 
     def __init__(self):
@@ -285,7 +285,7 @@ class ByteCounter:
         self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
 
     def __enter__(self):
-        self._saved = {n: getattr(dist, n) for n in self._NAMES}
+        self._saved = {n: getattr(dist, n) for n in self._NAMES if hasattr(dist, n)}
         saved, add = self._saved, self._add
 
         def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
@@ -315,8 +315,9 @@ class ByteCounter:
         dist.all_to_all_single = all_to_all_single
         dist.batch_isend_irecv = batch_isend_irecv
         dist.send = collective("send", "p2p", lambda a, _: nbytes(a[0]))
-        dist.all_gather_into_tensor = collective(  # ring all-gather: each rank sends its shard W-1 times
-            "all_gather_into_tensor", "all_gather", lambda a, w: nbytes(a[1]) * (w - 1))
+        for name in ("all_gather_into_tensor", "all_gather_single"):  # torch 2.13 renames the first
+            if name in saved:  # ring all-gather: each rank sends its shard W-1 times
+                setattr(dist, name, collective(name, "all_gather", lambda a, w: nbytes(a[1]) * (w - 1)))
         dist.reduce_scatter_tensor = collective(  # ring reduce-scatter: (W-1)/W of the input
             "reduce_scatter_tensor", "reduce_scatter", lambda a, w: nbytes(a[1]) * (w - 1) // w)
         for name in ("all_to_all", "all_gather"):
