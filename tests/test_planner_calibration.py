@@ -6,12 +6,8 @@ from pathlib import Path
 import pytest
 
 
-def test_planner_against_the_measured_cpu_ablation():
-    """benchmarks/results_ablation_cpu.json (bench_ablation.py: cp8 = U4 x R2, ZeRO-3, fp32,
-    V = 32000, 1.5 GiB in all): for every completely searched row, the planner's longest context
-    within 15% of the measured one (issue 15) and its step memory at that length within 10% of
-    the worst rank's allocated peak (issue 12, item 6); at 1 GiB the planner, like the
-    measurement, fits nothing at S = 512."""
+def _ablation_and_rows():
+    """(benchmarks/bench_ablation as a module, the rows of benchmarks/results_ablation_cpu.json)."""
     import sys
 
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -20,7 +16,16 @@ def test_planner_against_the_measured_cpu_ablation():
         import bench_ablation as ablation
     finally:
         sys.path.remove(str(bench))
-    rows = json.loads((bench / "results_ablation_cpu.json").read_text())["rows"]
+    return ablation, json.loads((bench / "results_ablation_cpu.json").read_text())["rows"]
+
+
+def test_planner_against_the_measured_cpu_ablation():
+    """benchmarks/results_ablation_cpu.json (bench_ablation.py: cp8 = U4 x R2, ZeRO-3, fp32,
+    V = 32000, 1.5 GiB in all): for every completely searched row, the planner's longest context
+    within 15% of the measured one (issue 15) and its step memory at that length within 10% of
+    the worst rank's allocated peak (issue 12, item 6); at 1 GiB the planner, like the
+    measurement, fits nothing at S = 512."""
+    ablation, rows = _ablation_and_rows()
     searched = [r for r in rows if not r.get("at") and r.get("complete") and r.get("longest")]
     assert {tuple(r["techniques"]) for r in searched} >= {(), ("fused_loss",), ("fused_loss", "tiled_mlp")}
     for row in searched:
@@ -44,15 +49,7 @@ def test_planner_against_the_checkpointed_cpu_ablation_rows():
     the measurement brackets the longest: ``longest`` trained, the smallest failed attempt (if
     any) did not. The planner's longest lies within 15% of that bracket (issue 15) and its step
     memory at the longest measured length within 10% of the worst rank's allocated peak."""
-    import sys
-
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        import bench_ablation as ablation
-    finally:
-        sys.path.remove(str(bench))
-    rows = json.loads((bench / "results_ablation_cpu.json").read_text())["rows"]
+    ablation, rows = _ablation_and_rows()
     checkpointed = {tuple(r["techniques"]): r for r in rows
                     if not r.get("at") and r.get("longest") and "checkpointing" in r["techniques"]}
     assert set(checkpointed) >= {("checkpointing", "fused_loss", "tiled_mlp"),
