@@ -22,6 +22,15 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how K/V travel inside the ring group (overrides the config's kv_comm)")
 
 
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--max-steps``, ``--seq-len``, ``--lr`` and ``--seed``, the same in both training examples."""
+    parser.add_argument("--max-steps", type=int, default=30)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, written into the config's optimizer "
+                        "(default 1e-3 suits the small built-in model)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model-path``, ``--data``, ``--tokenizer`` and the built-in model's shape."""
     parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config); "

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import add_mesh_arguments, add_model_arguments  # noqa: E402
+from cli_args import add_mesh_arguments, add_model_arguments, add_step_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import return_freed_memory_to_os, share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, RunPlan, exit_once, load_ds_config, preflight  # noqa: E402
@@ -42,10 +42,7 @@ from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_mesh_arguments(parser)
-    parser.add_argument("--max-steps", type=int, default=30)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, written into the config's optimizer (default 1e-3 suits the small built-in model)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_step_arguments(parser)
     parser.add_argument("--save-dir", help="run directory (default: runs/<config name>-u<U>r<R>)")
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")

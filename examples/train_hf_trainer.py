@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import add_mesh_arguments, add_model_arguments  # noqa: E402
+from cli_args import add_mesh_arguments, add_model_arguments, add_step_arguments  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 from train import build_model  # noqa: E402
 
@@ -32,10 +32,7 @@ from train import build_model  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_mesh_arguments(parser)
-    parser.add_argument("--max-steps", type=int, default=30)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (written into the config's optimizer)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_step_arguments(parser)
     parser.add_argument("--output-dir", default="runs/hf_trainer")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
