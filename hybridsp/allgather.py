@@ -27,12 +27,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from typing import Iterator
+
 from hybridsp.block_exchange import PendingBlocks
 from hybridsp.comm import CommCounter
-from hybridsp.kernels import accumulation_dtype
 from hybridsp.masks import BlockPlan, Piece, cut_keys, merge_pieces
-from hybridsp.p2p_ring import ring_size_rank
-from hybridsp.pieces import backward_pieces, forward_pieces
+from hybridsp.ring_function import Block
 
 ALLGATHER_TAG = 13  # point-to-point all-gather (hybridsp.block_exchange's K/V and dK/dV use 11 and 12)
 
@@ -166,21 +166,6 @@ class _ChunkGathers:
         return [_gathered_keys(g) for g in gathered]
 
 
-def _allgather_forward(q, k, v, group, kernel, scale, plan: BlockPlan, chunks: int, counter):
-    """q [B, S, H, D], k/v [B, S, Hkv, D] (local) -> (out [B, S, H, D], lse [B, H, S] fp32/fp64)."""
-    _, rank = ring_size_rank(group)
-    acc = accumulation_dtype(q.dtype)
-    out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=acc, device=q.device)
-    gathers = _ChunkGathers(group, k, v, chunks, needed_chunks(plan, chunks), counter)
-    forward_pieces(kernel, q, k, v, plan.pieces[(rank, rank)], 0, scale, out_acc, lse_acc)
-    for j, pieces in enumerate(chunk_pieces(plan, rank, chunks)):
-        gathered = gathers.take(j)
-        if gathered is not None:
-            forward_pieces(kernel, q, gathered[0], gathered[1], pieces, 0, scale, out_acc, lse_acc)
-    return out_acc.to(q.dtype), lse_acc
-
-
 def _post_reduce(group, dk_all, dv_all, dtype, counter):
     """Start returning a chunk's partial dK/dV [B, R m, Hkv, D] to their owners: all-to-all of
     ``[R, 2, B, m, Hkv, D]`` in ``dtype``; returns (work, received)."""
@@ -206,41 +191,34 @@ def _add_reduced(pending, dk_acc, dv_acc) -> None:
     dv_acc[:, rows] += summed[1]
 
 
-def _allgather_backward(dout, q, k, v, out, lse, group, kernel, scale, plan: BlockPlan, chunks: int, counter):
-    """Gradients of the local shards: (dq [B, S, H, D], dk, dv [B, S, Hkv, D]) in the input dtype."""
-    size, rank = ring_size_rank(group)
-    acc = accumulation_dtype(q.dtype)
-    dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-    dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-    gathers = _ChunkGathers(group, k, v, chunks, needed_chunks(plan, chunks), counter)
-    backward_pieces(kernel, dout, q, k, v, out, lse, plan.pieces[(rank, rank)], 0, scale, dq_acc, dk_acc, dv_acc)
-    rows, pending = k.shape[1] // chunks, None
-    for j, pieces in enumerate(chunk_pieces(plan, rank, chunks)):
-        gathered = gathers.take(j)
-        if gathered is None:
-            continue
-        dk_all = torch.zeros(gathered[0].shape, dtype=acc, device=k.device)  # [B, R m, Hkv, D]
-        dv_all = torch.zeros(gathered[1].shape, dtype=acc, device=v.device)
-        backward_pieces(kernel, dout, q, gathered[0], gathered[1], out, lse, pieces, 0, scale, dq_acc, dk_all, dv_all)
+class AllGatherTransport:
+    """K/V gathered in chunks; dK/dV returned by a reduce-scatter (Note [all-gather K/V])."""
+
+    def __init__(self, call, k, v):
+        self._group, self._plan, self._rank, self._counter = call.group, call.plan, call.rank, call.counter
+        self._chunks, self._k, self._v = call.kv_chunks, k, v
+        self._rows = k.shape[1] // call.kv_chunks
+        self._pending = None
+
+    def blocks(self) -> Iterator[Block]:
+        """The own block (while chunk 0 travels), then one block per gathered chunk ``[B, R m, Hkv, D]``."""
+        plan, rank = self._plan, self._rank
+        gathers = _ChunkGathers(self._group, self._k, self._v, self._chunks, needed_chunks(plan, self._chunks),
+                                self._counter)
+        yield Block(plan.pieces[(rank, rank)], self._k, self._v, own=True)
+        for j, pieces in enumerate(chunk_pieces(plan, rank, self._chunks)):
+            gathered = gathers.take(j)
+            if gathered is not None:
+                yield Block(pieces, gathered[0], gathered[1], tag=slice(j * self._rows, (j + 1) * self._rows))
+
+    def send_home(self, block: Block, grads, dk_acc, dv_acc) -> None:
+        """Start the chunk's reduce-scatter (in the input dtype); add the previous chunk's sums."""
+        self.finish(dk_acc, dv_acc)
+        if grads is None:
+            grads = [g.new_zeros(g.shape, dtype=dk_acc.dtype) for g in (block.k, block.v)]
+        self._pending = (*_post_reduce(self._group, grads[0], grads[1], self._k.dtype, self._counter), block.tag)
+
+    def finish(self, dk_acc, dv_acc) -> None:
+        """Wait for the posted reduce-scatter and add its sums into the own-block accumulators."""
+        pending, self._pending = self._pending, None
         _add_reduced(pending, dk_acc, dv_acc)
-        pending = (*_post_reduce(group, dk_all, dv_all, k.dtype, counter), slice(j * rows, (j + 1) * rows))
-    _add_reduced(pending, dk_acc, dv_acc)
-    return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
-
-
-class AllGatherFunction(torch.autograd.Function):
-    """Ring attention over all-gathered K/V chunks (Note [all-gather K/V])."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, group, kernel, scale, plan, chunks, counter):
-        out, lse = _allgather_forward(q, k, v, group, kernel, scale, plan, chunks, counter)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.settings = (group, kernel, scale, plan, chunks, counter)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _allgather_backward(dout, q, k, v, out, lse, *ctx.settings)
-        return dq, dk, dv, None, None, None, None, None, None

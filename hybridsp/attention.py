@@ -14,33 +14,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridsp.allgather import check_kv_chunks
 from hybridsp.comm import CommCounter
-from hybridsp.kernels import AttentionKernel, check_qkv, resolve_kernel
-from hybridsp.layout import check_sequence_length, join_shards, take_shard
-from hybridsp.masks import check_sliding_window, normalize_cu_seqlens
+from hybridsp.documents import as_documents
+from hybridsp.kernels import AttentionKernel
+from hybridsp.layout import join_shards, take_shard
+from hybridsp.masks import check_sliding_window
 from hybridsp.mesh import HybridMesh
-from hybridsp.ring import check_kv_comm, check_softmax_scale, ring_attention
+from hybridsp.resolve import check_causal, check_kv_comm, resolve_ring_call
+from hybridsp.ring import run_ring
 from hybridsp.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
 
 
-def check_hybrid_inputs(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: HybridMesh, softmax_scale: float | None = None
-) -> None:
-    """Raise ValueError, quoting the numbers, for inputs the mesh cannot run (no communication)."""
+def check_mesh(mesh) -> None:
+    """Raise ValueError unless ``mesh`` is a :class:`~hybridsp.mesh.HybridMesh`."""
     if not isinstance(mesh, HybridMesh):
         raise ValueError(f"mesh must be a hybridsp.HybridMesh (from hybridsp.init_mesh); got {type(mesh).__name__}")
-    check_qkv(q, k, v, causal=False)
-    check_softmax_scale(softmax_scale)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}")
-    heads = q.shape[2]
-    if heads % mesh.ulysses != 0:
-        raise ValueError(
-            f"query heads ({heads}) must be divisible by the Ulysses degree ({mesh.ulysses}); choose a "
-            f"Ulysses degree that divides {heads} and move the rest of the context ranks to the ring"
-        )
-    check_sequence_length(q.shape[1] * mesh.context, mesh.ring, mesh.ulysses, mesh.layout)
 
 
 def hybrid_attn_func(
@@ -68,8 +56,10 @@ def hybrid_attn_func(
             sequence of ``S = S_local x C`` tokens in natural order): an int tensor
             ``[num_docs + 1]`` from 0 to S, the same on every context rank and shared by all
             batch rows; or ``[B, num_docs + 1]``, or a list of B boundary tensors/lists (rows
-            may hold different numbers of documents). A query attends keys of its own
-            document only. Any document lengths; None: one document per row.
+            may hold different numbers of documents), or the batch's
+            :class:`~hybridsp.documents.Documents` (``shard_batch(...)["documents"]``: checked and
+            planned once per batch instead of once per call). A query attends keys of its own
+            document only. With ``layout="balanced"`` the same boundaries that sharded the tokens.
         sliding_window: W: query i attends keys j with ``i - W < j <= i`` (transformers'
             convention, flash-attn's ``window_size=(W - 1, 0)``; ``|i - j| < W`` when not
             causal). Combines with ``cu_seqlens``. None: no window.
@@ -80,41 +70,36 @@ def hybrid_attn_func(
         kv_comm: how K/V travel inside the ring group: ``"ring"`` (point-to-point steps that
             send only the rows each rank reads) or ``"allgather"`` (chunked all-gather of K/V,
             dK/dV by reduce-scatter); None: ``mesh.kv_comm`` (default ``"ring"``). Both are
-            exact; README says when to pick which.
+            exact; docs/choosing-degrees.md says when to pick which.
 
     Returns:
         out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
 
     Raises:
         ValueError, on every rank and before any communication, for inputs the mesh or the
-        kernel cannot run (shapes, dtypes, devices, heads, sequence length, backend).
+        kernel cannot run (shapes, dtypes, devices, heads, sequence length, backend), and on
+        every rank when the context ranks disagree on them (Note [agreement] in :mod:`hybridsp.resolve`).
     """
-    check_hybrid_inputs(q, k, v, mesh, softmax_scale)
-    check_sliding_window(sliding_window)
+    check_mesh(mesh)
     kv_comm = mesh.kv_comm if kv_comm is None else kv_comm
-    check_kv_comm(kv_comm)
-    if kv_comm == "allgather":
-        check_kv_chunks(mesh.kv_chunks, q.shape[1] * mesh.ulysses)
-    normalize_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1] * mesh.context)  # ValueError before any collective
-    kernel = resolve_kernel(backend, q)
-    counter = mesh.comm_counter if counter is None else counter
+    call = resolve_ring_call(
+        q, k, v, mesh.ring_group if mesh.ring > 1 else None, ring=mesh.ring, ulysses=mesh.ulysses, causal=causal,
+        cu_seqlens=cu_seqlens, sliding_window=sliding_window, softmax_scale=softmax_scale, backend=backend,
+        layout=mesh.token_layout, counter=mesh.comm_counter if counter is None else counter, kv_comm=kv_comm,
+        kv_chunks=mesh.kv_chunks, agreement_group=mesh.context_group if mesh.context > 1 else None,
+    )
+    if mesh.ulysses == 1:
+        return run_ring(q, k, v, call)  # [B, S/C, H, D]
     heads = q.shape[2]
-    if mesh.ulysses > 1:
-        k, v = expand_kv_heads_for(k, heads, mesh.ulysses), expand_kv_heads_for(v, heads, mesh.ulysses)
-        q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group, counter)  # each [B, S/R, H/U, D]
-    ring_group = mesh.ring_group if mesh.ring > 1 else None
-    out = ring_attention(
-        q, k, v, ring_group, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window,
-        softmax_scale=softmax_scale, backend=kernel, layout=mesh.layout, counter=counter,
-        kv_comm=kv_comm, kv_chunks=mesh.kv_chunks,
-    )  # [B, S/R, H/U, D]
-    if mesh.ulysses > 1:
-        (out,) = heads_to_seq([out], mesh.ulysses_group, counter)  # [B, S/C, H, D]
+    k, v = expand_kv_heads_for(k, heads, mesh.ulysses), expand_kv_heads_for(v, heads, mesh.ulysses)
+    q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group, call.counter)  # each [B, S/R, H/U, D]
+    out = run_ring(q, k, v, call)  # [B, S/R, H/U, D]
+    (out,) = heads_to_seq([out], mesh.ulysses_group, call.counter)  # [B, S/C, H, D]
     return out
 
 
 class HybridAttention(nn.Module):
-    """``nn.Module`` around :func:`hybrid_attn_func`: ``forward(q, k, v, cu_seqlens=None) -> out``.
+    """``nn.Module`` around :func:`hybrid_attn_func`: ``forward(q, k, v, cu_seqlens=None, *, counter=None) -> out``.
 
     ``sliding_window`` and ``kv_comm`` are fixed per module (a layer's property; ``kv_comm=None``:
     the mesh's); ``cu_seqlens`` may be given at construction or per call (packed batches change
@@ -133,6 +118,7 @@ class HybridAttention(nn.Module):
         kv_comm: str | None = None,
     ):
         super().__init__()
+        check_causal(causal)
         check_sliding_window(sliding_window)
         if kv_comm is not None:
             check_kv_comm(kv_comm)
@@ -140,7 +126,9 @@ class HybridAttention(nn.Module):
         self.kv_comm = kv_comm
         self.cu_seqlens, self.sliding_window = cu_seqlens, sliding_window
 
-    def forward(self, q, k, v, counter: CommCounter | None = None, cu_seqlens=None):
+    def forward(self, q, k, v, cu_seqlens=None, *, counter: CommCounter | None = None):
+        """q [B, S_local, H, D], k/v [B, S_local, Hkv, D] -> out [B, S_local, H, D]; ``cu_seqlens`` as in
+        :func:`hybrid_attn_func` (default: the module's own)."""
         return hybrid_attn_func(
             q, k, v, mesh=self.mesh, causal=self.causal, softmax_scale=self.softmax_scale,
             backend=self.backend, counter=counter, kv_comm=self.kv_comm,
@@ -152,25 +140,37 @@ class HybridAttention(nn.Module):
                 f"backend={self.backend!r}")
 
 
-def shard_sequence(x: torch.Tensor, mesh: HybridMesh, dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
     """This rank's tokens of the full tensor ``x`` along ``dim``, in the mesh's token layout.
 
-    No communication; identical across data-parallel replicas. Raises ValueError when the
-    layout cannot split ``x.shape[dim]`` evenly.
+    ``cu_seqlens``: the batch's global document boundaries (any form :func:`hybrid_attn_func`
+    takes); needed by ``layout="balanced"``, which places tokens by document (ignored by the
+    other layouts). No communication; identical across data-parallel replicas. Raises
+    ValueError when the layout cannot split ``x.shape[dim]`` evenly.
     """
-    return take_shard(x, mesh.ring_rank, mesh.ulysses_rank, mesh.ring, mesh.ulysses, mesh.layout, dim)
+    bounds = _layout_bounds(x, mesh, dim, cu_seqlens)
+    return take_shard(x, mesh.ring_rank, mesh.ulysses_rank, mesh.ring, mesh.ulysses, mesh.token_layout, dim, bounds)
 
 
-def gather_sequence(x_local: torch.Tensor, mesh: HybridMesh, dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`shard_sequence`: the full tensor, on every rank of the context group.
+def gather_sequence(x_local: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: the full tensor in original order, on every rank of the context group.
 
-    A collective over ``mesh.context_group``; not differentiable.
+    A collective over ``mesh.context_group``; not differentiable. ``cu_seqlens`` as there.
     """
     x_local = x_local.contiguous()
     if mesh.context == 1:
         return x_local
+    bounds = _layout_bounds(x_local, mesh, dim, cu_seqlens, local=True)
     gathered = [torch.empty_like(x_local) for _ in range(mesh.context)]
     dist.all_gather(gathered, x_local, group=mesh.context_group)  # in ascending global rank order
     by_rank = dict(zip(sorted(mesh.context_members()), gathered))
     shards = [by_rank[member] for member in mesh.context_members()]  # in shard order r * U + u
-    return join_shards(shards, mesh.ring, mesh.ulysses, mesh.layout, dim)
+    return join_shards(shards, mesh.ring, mesh.ulysses, mesh.token_layout, dim, bounds)
+
+
+def _layout_bounds(x: torch.Tensor, mesh: HybridMesh, dim: int, cu_seqlens, local: bool = False):
+    """Per-row document boundaries for a layout that places tokens by document, else None."""
+    if not mesh.token_layout.uses_documents or cu_seqlens is None:
+        return None
+    seq_len = x.shape[dim] * (mesh.context if local else 1)
+    return as_documents(cu_seqlens, x.shape[0] if dim != 0 else 1, seq_len).rows

@@ -14,7 +14,9 @@ pair, each tagged with how a kernel computes it exactly:
 
 plus the hull of key rows any piece of a pair reads (so a sender ships only those rows,
 and a pair with no piece is neither computed nor sent). The plan does not know how a block
-arrives (ring relay, direct sends, all-gather), so every K/V transport can share it.
+arrives (point-to-point steps, all-gather), so every K/V transport shares it. Building it is
+linear in the number of documents (each slot's runs are cut at the boundaries once and indexed
+by document; a slot pair only looks at the documents both hold).
 
 Visibility, for global positions i (query) and j (key) in the same document:
     causal:                  i - W < j <= i        (W = sliding_window, infinite if None)
@@ -22,7 +24,7 @@ Visibility, for global positions i (query) and j (key) in the same document:
 ``W`` follows transformers (flash-attn's ``window_size=(W - 1, 0)``).
 
 Note [pieces]: the local tokens of a slot are runs of consecutive global positions (zigzag:
-two chunks; contiguous: one). Cutting every run at document boundaries gives sub-runs that
+two chunks; contiguous: one; balanced: a few per document, see :mod:`hybridsp.layout`). Cutting every run at document boundaries gives sub-runs that
 lie in one document; a (query sub-run, key sub-run) pair of the same document sees a band of
 the difference ``i - j`` and is trimmed to the rows and columns that see anything, so no
 piece has a row without a visible key. Without a window a pair is then either full, the
@@ -33,20 +35,24 @@ the sequence: about ``tile x (tile + W)`` per tile.
 
 from __future__ import annotations
 
+import bisect
 import functools
+import gc
 from dataclasses import dataclass, field
 
 import torch
 
-from hybridsp.layout import check_sequence_length, layout_permutation
+from hybridsp.documents import normalize_cu_seqlens  # noqa: F401  (re-exported: its historical home)
+from hybridsp.layout import TokenLayout, get_layout
 
 MIN_TILE = 64  # fewest query rows per window tile (smaller tiles cost more calls than they save)
 _ALL = slice(None)
 
 Band = tuple[int | None, int | None]
+SubRun = tuple[int, int, int]  # (global start, length, local offset) inside one document
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """One kernel call: ``q[batch, rows] x kv_block[batch, keys]`` (slices along the local sequence).
 
@@ -117,66 +123,6 @@ class BlockPlan:
         return 0 if hull is None else hull[1] - hull[0]
 
 
-# --------------------------------------------------------------------------- inputs
-
-
-def normalize_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> tuple[tuple[int, ...], ...] | None:
-    """Document boundaries per batch row as tuples, or None when every row is one document.
-
-    Accepts an int tensor/list ``[N + 1]`` (the same documents in every row), a ``[B, N + 1]``
-    tensor, or a list of ``B`` such 1-D tensors/lists (one per row; rows may hold different
-    numbers of documents). Each must start at 0, end at ``seq_len`` (the global, unsharded
-    length) and never decrease (empty documents are dropped). Raises ValueError otherwise.
-    """
-    if cu_seqlens is None:
-        return None
-    rows = _rows_of(cu_seqlens, batch)
-    checked = tuple(_checked_row(row, index, seq_len) for index, row in enumerate(rows))
-    if all(len(row) == 2 for row in checked):
-        return None
-    return checked
-
-
-def _rows_of(cu_seqlens, batch: int) -> list[list[int]]:
-    """cu_seqlens in any accepted form -> B lists of ints."""
-    if torch.is_tensor(cu_seqlens):
-        if cu_seqlens.is_floating_point() or cu_seqlens.dim() not in (1, 2):
-            raise ValueError(
-                f"cu_seqlens must be an integer tensor [num_docs + 1] or [B, num_docs + 1]; got "
-                f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
-            )
-        if cu_seqlens.dim() == 1:
-            return [cu_seqlens.tolist()] * batch
-        rows = cu_seqlens.tolist()
-    else:
-        rows = list(cu_seqlens)
-        if rows and not isinstance(rows[0], (list, tuple)) and not torch.is_tensor(rows[0]):
-            return [[int(x) for x in rows]] * batch
-        rows = [r.tolist() if torch.is_tensor(r) else list(r) for r in rows]
-    if len(rows) != batch:
-        raise ValueError(
-            f"cu_seqlens gives documents for {len(rows)} batch rows but the batch has {batch}; give one "
-            f"[num_docs + 1] boundary list per row (or a single 1-D tensor shared by every row)"
-        )
-    return rows
-
-
-def _checked_row(row: list[int], index: int, seq_len: int) -> tuple[int, ...]:
-    """One row's boundaries, validated against the global sequence length; empty docs dropped."""
-    row = [int(x) for x in row]
-    if len(row) < 2 or row[0] != 0 or row[-1] != seq_len:
-        raise ValueError(
-            f"cu_seqlens row {index} must run from 0 to the global sequence length {seq_len} (the unsharded "
-            f"length, local tokens x context ranks); got {row[:4]}{'...' if len(row) > 4 else ''} ending at "
-            f"{row[-1] if row else None}"
-        )
-    drops = [i for i in range(1, len(row)) if row[i] < row[i - 1]]
-    if drops:
-        i = drops[0]
-        raise ValueError(f"cu_seqlens row {index} decreases from {row[i - 1]} to {row[i]} at entry {i}")
-    return tuple(b for i, b in enumerate(row) if i == 0 or b != row[i - 1])
-
-
 def check_sliding_window(sliding_window) -> None:
     """Raise ValueError unless the window is None or a positive int (tokens, query included)."""
     if sliding_window is None:
@@ -191,48 +137,31 @@ def check_sliding_window(sliding_window) -> None:
 # --------------------------------------------------------------------------- runs
 
 
-def slot_runs(seq_len: int, ring: int, layout: str) -> list[list[tuple[int, int, int]]]:
+def slot_runs(seq_len: int, ring: int, layout: str | TokenLayout, bounds=None) -> list[list[tuple[int, int, int]]]:
     """Per ring slot, its local tokens as runs ``(global start, length, local offset)``."""
-    check_sequence_length(seq_len, ring, 1, layout)
-    local = seq_len // ring
-    if layout == "contiguous":
-        return [[(r * local, local, 0)] for r in range(ring)]
-    if layout == "zigzag":  # chunks r and 2R-1-r of S/2R tokens (see hybridsp.layout)
-        chunk = seq_len // (2 * ring)
-        return [[(r * chunk, chunk, 0), ((2 * ring - 1 - r) * chunk, chunk, chunk)] for r in range(ring)]
-    perm = layout_permutation(seq_len, ring, 1, layout)  # [S]: any other layout, read from its permutation
-    runs = []
-    for slot in perm.view(ring, local):  # [S/R] each
-        breaks = ((slot[1:] - slot[:-1]) != 1).nonzero().flatten() + 1  # where a new run begins
-        starts = [0, *breaks.tolist(), local]
-        runs.append([(int(slot[a]), b - a, a) for a, b in zip(starts[:-1], starts[1:])])
-    return runs
+    out = []
+    for slot in get_layout(layout).slot_runs(seq_len, ring, bounds):
+        offset, runs = 0, []
+        for start, length in slot:
+            runs.append((start, length, offset))
+            offset += length
+        out.append(runs)
+    return out
 
 
-def _split_at_docs(runs, bounds: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
-    """Runs cut at document boundaries: ``(global start, length, local offset, doc)`` each."""
-    pieces = []
+def _runs_by_doc(runs, bounds: tuple[int, ...]) -> dict[int, list[SubRun]]:
+    """One slot's runs cut at document boundaries, indexed by document (linear in runs + documents)."""
+    by_doc: dict[int, list[SubRun]] = {}
     for start, length, offset in runs:
-        position = start
-        while position < start + length:
-            doc = _doc_of(bounds, position)
-            stop = min(start + length, bounds[doc + 1])
-            pieces.append((position, stop - position, offset + position - start, doc))
-            position = stop
-    return pieces
-
-
-def _doc_of(bounds: tuple[int, ...], position: int) -> int:
-    """Index of the document holding global ``position`` (bounds strictly increasing)."""
-    low, high = 0, len(bounds) - 1
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if bounds[middle] <= position else (low, middle)
-    return low
+        doc, position, end = bisect.bisect_right(bounds, start) - 1, start, start + length
+        while position < end:
+            stop = min(end, bounds[doc + 1])
+            by_doc.setdefault(doc, []).append((position, stop - position, offset + position - start))
+            position, doc = stop, doc + 1
+    return by_doc
 
 
 # --------------------------------------------------------------------------- pieces
-
 
 def _diff_range(causal: bool, window: int | None) -> Band:
     """Visible values of ``i - j`` (global query minus key position) inside one document."""
@@ -262,33 +191,51 @@ def _trimmed(rows: tuple[int, int], keys: tuple[int, int], lo, hi, batch: slice)
     return Piece(row_slice, key_slice, "band", (None if lo <= -(m - 1) else lo, None if hi >= n - 1 else hi), batch)
 
 
-def _pair_pieces(q_runs, k_runs, causal: bool, window: int | None, batch: slice) -> list[Piece]:
-    """Pieces of one (query slot, key slot) pair for one set of documents (Note [pieces])."""
+def _pair_pieces(q_docs: dict, k_docs: dict, causal: bool, window: int | None, batch: slice) -> list[Piece]:
+    """Pieces of one (query slot, key slot) pair for one set of documents (Note [pieces]):
+    only the documents both slots hold are looked at."""
+    common = q_docs.keys() & k_docs.keys() if len(q_docs) > len(k_docs) else k_docs.keys() & q_docs.keys()
+    if window is None:
+        return merge_pieces(_unwindowed_pieces(q_docs, k_docs, sorted(common), causal, batch))
     low, high = _diff_range(causal, window)
-    tile = None if window is None else max(window, MIN_TILE)
-    by_doc: dict[int, list] = {}
-    for run in k_runs:
-        by_doc.setdefault(run[3], []).append(run)
+    tile = max(window, MIN_TILE)
     pieces = []
-    for q_start, q_len, q_off, doc in q_runs:
-        step = q_len if tile is None else tile
-        for t in range(0, q_len, step):
-            n = min(step, q_len - t)
-            for k_start, k_len, k_off, _ in by_doc.get(doc, ()):
-                shift = (q_start + t) - k_start  # global i - j at the tile's corner
-                lo = None if low is None else low - shift
-                hi = None if high is None else high - shift
-                piece = _trimmed((q_off + t, q_off + t + n), (k_off, k_off + k_len), lo, hi, batch)
-                if piece is not None:
-                    pieces.append(piece)
+    for doc in sorted(common):
+        for q_start, q_len, q_off in q_docs[doc]:
+            for t in range(0, q_len, tile):
+                n = min(tile, q_len - t)
+                for k_start, k_len, k_off in k_docs[doc]:
+                    shift = (q_start + t) - k_start  # global i - j at the tile's corner
+                    lo = None if low is None else low - shift
+                    hi = None if high is None else high - shift
+                    piece = _trimmed((q_off + t, q_off + t + n), (k_off, k_off + k_len), lo, hi, batch)
+                    if piece is not None:
+                        pieces.append(piece)
     return merge_pieces(pieces)
+
+
+def _unwindowed_pieces(q_docs: dict, k_docs: dict, docs, causal: bool, batch: slice) -> list[Piece]:
+    """Without a window a (query sub-run, key sub-run) pair of one document is the causal square
+    (the same run), full (keys before the queries, or not causal) or nothing (keys after)."""
+    pieces = []
+    for doc in docs:
+        for q_start, q_len, q_off in q_docs[doc]:
+            rows = slice(q_off, q_off + q_len)
+            for k_start, k_len, k_off in k_docs[doc]:
+                if causal and k_start == q_start:
+                    pieces.append(Piece(rows, slice(k_off, k_off + k_len), "causal", batch=batch))
+                elif not causal or k_start + k_len <= q_start:
+                    pieces.append(Piece(rows, slice(k_off, k_off + k_len), "full", batch=batch))
+    return pieces
 
 
 def merge_pieces(pieces: list[Piece]) -> list[Piece]:
     """Fewer, larger calls for the same cells: full pieces that share their key rows and have
     adjacent query rows (or share their query rows and have adjacent keys) become one, and a
     zigzag-style diagonal (causal square, the full block below it, the causal square after it)
-    becomes one causal square."""
+    becomes one causal square. Sort-based: O(n log n) in the number of pieces."""
+    if sum(p.kind == "full" for p in pieces) < 1:
+        return pieces
     merged = _joined_causal(_joined_full(pieces))
     while len(merged) < len(pieces):
         pieces, merged = merged, _joined_causal(_joined_full(merged))
@@ -327,21 +274,43 @@ def _batch_key(batch: slice) -> tuple[int, int]:
     return (-1, -1) if batch == _ALL else (batch.start, batch.stop)
 
 
+def _corner(p: Piece) -> tuple:
+    return (_batch_key(p.batch), p.rows.start, p.keys.start)
+
+
+def _box(p: Piece) -> tuple:
+    return (_batch_key(p.batch), p.rows.start, p.rows.stop, p.keys.start, p.keys.stop)
+
+
 def _joined_causal(pieces: list[Piece]) -> list[Piece]:
     """Join ``causal A | full B below A | causal C right of B`` into the causal square ``A + B + C``
-    (rows of A then C, keys of A then C: exactly the zigzag slot's own-block diagonal)."""
-    squares = [p for p in pieces if p.kind == "causal"]
-    for a in squares:
-        for c in squares:
-            if c is a or c.batch != a.batch or c.rows.start != a.rows.stop or c.keys.start != a.keys.stop:
-                continue
-            below = Piece(c.rows, a.keys, "full", batch=a.batch)
-            if below in pieces:
-                joined = Piece(slice(a.rows.start, c.rows.stop), slice(a.keys.start, c.keys.stop), "causal",
-                               batch=a.batch)
-                rest = [p for p in pieces if p is not a and p is not c and p != below]
-                return _joined_causal([*rest, joined])
-    return pieces
+    (rows of A then C, keys of A then C: exactly the zigzag slot's own-block diagonal). Chains
+    fold left to right; dictionary lookups keep it linear."""
+    squares = {_corner(p): p for p in pieces if p.kind == "causal"}
+    if len(squares) < 2:
+        return pieces
+    fulls = {_box(p) for p in pieces if p.kind == "full"}
+    absorbed, joined = set(), {}
+    for corner in sorted(squares):
+        if corner in absorbed:
+            continue
+        a = squares[corner]
+        while (c := squares.get((corner[0], a.rows.stop, a.keys.stop))) is not None:
+            below = (corner[0], c.rows.start, c.rows.stop, a.keys.start, a.keys.stop)
+            if below not in fulls:
+                break
+            fulls.discard(below)
+            absorbed.add(_corner(c))
+            a = Piece(slice(a.rows.start, c.rows.stop), slice(a.keys.start, c.keys.stop), "causal", batch=a.batch)
+        joined[corner] = a
+    out = []
+    for p in pieces:
+        if p.kind == "causal":
+            if _corner(p) not in absorbed:
+                out.append(joined[_corner(p)])
+        elif p.kind != "full" or _box(p) in fulls:
+            out.append(p)
+    return out
 
 
 def cut_keys(piece: Piece, start: int, stop: int) -> Piece | None:
@@ -359,11 +328,10 @@ def cut_keys(piece: Piece, start: int, stop: int) -> Piece | None:
     return _trimmed((piece.rows.start, piece.rows.stop), (lo_key, hi_key), lo, hi, piece.batch)
 
 
-@functools.lru_cache(maxsize=16)
 def build_plan(
     seq_len: int,
     ring: int,
-    layout: str,
+    layout: str | TokenLayout,
     *,
     causal: bool,
     docs: tuple[tuple[int, ...], ...] | None,
@@ -375,29 +343,45 @@ def build_plan(
     Args:
         seq_len: global (unsharded) sequence length S.
         ring: ring degree R (slots of S / R tokens each, in ``layout`` order).
-        layout: ``zigzag`` or ``contiguous`` (see :mod:`hybridsp.layout`).
+        layout: a :class:`~hybridsp.layout.TokenLayout` or its name (see :mod:`hybridsp.layout`);
+            a layout that uses documents places each row by its own boundaries.
         causal: causal masking by global position.
-        docs: per batch row document boundaries from :func:`normalize_cu_seqlens` (None: one document).
+        docs: per batch row document boundaries (:class:`~hybridsp.documents.Documents` ``.rows``;
+            None: one document per row).
         window: sliding window W or None.
         batch: B; rows with identical documents share their pieces.
 
-    Every layer of a model asks for the same plan within one forward, so plans are memoised
-    (a small LRU cache keyed by these arguments; plans are immutable and hold no tensors).
+    Linear in the number of documents. Memoised (a small LRU keyed by these arguments); the
+    attention keeps the plan of a batch on its :class:`~hybridsp.documents.Documents` as well, so
+    the layers of one forward never hash the boundaries again.
     """
-    runs = slot_runs(seq_len, ring, layout)
-    groups = _row_groups(docs, batch, seq_len)
-    pieces, hulls = {}, {}
-    for rank in range(ring):
-        for source in range(ring):
-            found = []
-            for bounds, rows in groups:
-                q_runs, k_runs = _split_at_docs(runs[rank], bounds), _split_at_docs(runs[source], bounds)
-                found += _pair_pieces(q_runs, k_runs, causal, window, rows)
-            pieces[(rank, source)] = tuple(found)
-            hulls[(rank, source)] = (
-                (min(p.keys.start for p in found), max(p.keys.stop for p in found)) if found else None
-            )
-    return BlockPlan(ring, seq_len // ring, batch, pieces, hulls)
+    paused = gc.isenabled()
+    gc.disable()  # building allocates many small objects: collector passes would cost more than the build
+    try:
+        return _build_plan(seq_len, ring, get_layout(layout), causal, docs, window, batch)
+    finally:
+        if paused:
+            gc.enable()
+
+
+@functools.lru_cache(maxsize=16)
+def _build_plan(seq_len, ring, layout: TokenLayout, causal, docs, window, batch) -> BlockPlan:
+    layout.check_sequence_length(seq_len, ring)
+    pieces = {(rank, source): [] for rank in range(ring) for source in range(ring)}
+    for bounds, rows in _row_groups(docs, batch, seq_len):
+        slots = [_runs_by_doc(runs, bounds) for runs in slot_runs(seq_len, ring, layout, bounds)]
+        for rank in range(ring):
+            for source in range(ring):
+                pieces[(rank, source)] += _pair_pieces(slots[rank], slots[source], causal, window, rows)
+    hulls = {pair: _hull(found) for pair, found in pieces.items()}
+    return BlockPlan(ring, seq_len // ring, batch, {pair: tuple(found) for pair, found in pieces.items()}, hulls)
+
+
+def _hull(found: list[Piece]) -> tuple[int, int] | None:
+    """The key rows ``(start, stop)`` any of the pieces reads, or None."""
+    if not found:
+        return None
+    return min(p.keys.start for p in found), max(p.keys.stop for p in found)
 
 
 def _row_groups(docs, batch: int, seq_len: int) -> list[tuple[tuple[int, ...], slice]]:

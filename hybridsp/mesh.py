@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from hybridsp.layout import LAYOUTS
+from hybridsp.layout import TokenLayout, get_layout
 
 ORDERS = ("ulysses_inner", "ring_inner")
 KV_COMMS = ("ring", "allgather")  # how K/V blocks travel inside the ring group (hybridsp.ring)
@@ -50,8 +50,7 @@ class MeshShape:
                 raise ValueError(f"{name} degree must be a positive integer; got {value!r}")
         if self.order not in ORDERS:
             raise ValueError(f"unknown rank order {self.order!r}; choose one of {', '.join(ORDERS)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"unknown token layout {self.layout!r}; choose one of {', '.join(LAYOUTS)}")
+        get_layout(self.layout)  # ValueError for an unknown name
         if self.kv_comm not in KV_COMMS:
             raise ValueError(f"unknown kv_comm {self.kv_comm!r}; choose one of {', '.join(KV_COMMS)}")
         if self.kv_chunks is not None and (isinstance(self.kv_chunks, bool) or not isinstance(self.kv_chunks, int)
@@ -124,7 +123,12 @@ class HybridMesh:
     ring = property(lambda self: self.shape.ring)
     dp = property(lambda self: self.shape.dp)
     context = property(lambda self: self.shape.context)
-    layout = property(lambda self: self.shape.layout)
+    layout = property(lambda self: self.shape.layout)  # the layout's name
+
+    @property
+    def token_layout(self) -> TokenLayout:
+        """The :class:`~hybridsp.layout.TokenLayout` object of ``layout``."""
+        return get_layout(self.shape.layout)
     kv_comm = property(lambda self: self.shape.kv_comm)
     kv_chunks = property(lambda self: self.shape.kv_chunks)
     world_size = property(lambda self: self.shape.world_size)
