@@ -213,7 +213,8 @@ def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int,
             batch["position_ids"] = packed_position_ids(tokens, separator)  # [b, S]
         local = {k: v.to(engine.device) for k, v in shard_batch(batch, mesh).items()}
         with offload if offload is not None else contextlib.nullcontext():
-            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                            hybridsp_documents=local["documents"], use_cache=False).logits
             loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
         engine.backward(loss)
         engine.step()

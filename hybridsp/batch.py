@@ -29,9 +29,10 @@ Note [packed rows]: a row may hold several documents, ``position_ids`` restartin
 each one (transformers' ``DataCollatorWithFlattening``, TRL's packing). The positions are
 kept as given (RoPE restarts per document), the target of every document's last token
 becomes ``ignore_index`` (no loss across a boundary, whatever the labels say), and the
-attention finds the documents from the same restarts (the transformers integration derives
-``cu_seqlens`` from the sharded ``position_ids``; :func:`packed_cu_seqlens` gives them from
-the full batch). Any other jump in ``position_ids`` is refused.
+attention finds the documents from the same restarts: :func:`batch_documents` turns them into the
+batch's :class:`~hybridsp.documents.Documents` once, on the host, and :func:`shard_batch` hands
+them on (``local["documents"]``) to the model and to layouts that place tokens by document
+(``layout="balanced"``). Any other jump in ``position_ids`` is refused.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.attention import shard_sequence
+from hybridsp.documents import Documents, normalize_cu_seqlens
 from hybridsp.layout import required_multiple
 from hybridsp.loss import IGNORE_INDEX
 from hybridsp.mesh import HybridMesh
@@ -93,12 +95,18 @@ def shard_batch(
 
     Returns:
         ``input_ids``, ``shift_labels`` and ``position_ids``, each [B, S_pad / C] on the
-        input's device, with ``S_pad = padded_length(S, mesh)`` and ``C = U * R``. Pass
-        ``input_ids`` and ``position_ids`` to the model and ``shift_labels`` to
+        input's device, with ``S_pad = padded_length(S, mesh)`` and ``C = U * R``, and
+        ``documents``: the batch's packed documents (:class:`~hybridsp.documents.Documents`, host
+        data; ``.to(device)`` returns it unchanged). Pass ``input_ids`` and ``position_ids`` to the
+        model (a switched HF model also takes ``hybridsp_documents=local["documents"]``: the
+        attention then plans once per batch and needs no collective to find the documents; the
+        balanced layout requires it) and ``shift_labels`` to
         :func:`~hybridsp.loss.sharded_cross_entropy`. No communication.
     """
     full = prepare_batch(batch, mesh, pad_token_id=pad_token_id, ignore_index=ignore_index)
-    return {key: shard_sequence(value, mesh) for key, value in full.items()}
+    documents = batch_documents(full["position_ids"])
+    local = {key: shard_sequence(value, mesh, cu_seqlens=documents) for key, value in full.items()}
+    return {**local, "documents": documents}
 
 
 def _validated(batch: Mapping[str, Any]):
@@ -254,6 +262,13 @@ def check_same_across_context(input_ids: torch.Tensor, mesh: HybridMesh) -> None
             f"input_ids {tuple(input_ids.shape)}): every context rank of a replica must load the same full batch; "
             f"use hybridsp.batch.replica_sampler(dataset, mesh) with the same seed on every rank"
         )
+
+
+def batch_documents(position_ids: torch.Tensor) -> Documents:
+    """The packed documents of full (padded, unsharded) ``position_ids`` [B, S] as host data: a
+    document starts at each row's first token and wherever the position is 0."""
+    batch, seq_len = position_ids.shape
+    return Documents(batch, seq_len, normalize_cu_seqlens(packed_cu_seqlens(position_ids.cpu()), batch, seq_len))
 
 
 def packed_cu_seqlens(position_ids: torch.Tensor) -> list[torch.Tensor]:

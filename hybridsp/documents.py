@@ -62,6 +62,10 @@ class Documents:
             self._digest = tuple(int.from_bytes(raw[i : i + 8], "little") & ((1 << 62) - 1) for i in (0, 8))
         return self._digest
 
+    def to(self, *args, **kwargs) -> Documents:
+        """Host data: unchanged (so ``{k: v.to(device) for k, v in shard_batch(...).items()}`` works)."""
+        return self
+
     def remember(self, key, compute):
         """``compute()`` once per object and ``key``."""
         if key not in self.memo:

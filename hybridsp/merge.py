@@ -9,7 +9,9 @@ If a query row attends to key blocks ``A`` and ``B`` separately, with results
 (the two weights are exp(lse_a - lse) and exp(lse_b - lse), written through the difference
 of the lse values so that nothing overflows or loses digits when the lse are large). A block in which a row saw no key carries
 ``lse = -inf`` (weight 0); some kernels say ``+inf`` for that, which is normalised to
-``-inf`` first. A row that has seen no key in any block keeps ``out = 0, lse = -inf``.
+``-inf`` first. A row that has seen no key in any block keeps ``out = 0, lse = -inf``. A NaN
+log-sum-exp (a NaN in the inputs) is not "no key": it propagates to the row's output, as it would
+in one kernel call over the whole sequence.
 """
 
 from __future__ import annotations
@@ -28,9 +30,9 @@ def _block_weight(lse_acc: torch.Tensor, block_lse: torch.Tensor) -> torch.Tenso
     Computed from the difference alone, so it stays exact when both lse are huge; the
     accumulator's own weight is ``1 - weight``, which :meth:`torch.Tensor.lerp_` applies.
     """
-    diff = block_lse - lse_acc  # [B, H, S]; nan where both are -inf
-    weight = torch.sigmoid(diff).nan_to_num_(nan=0.0)
-    return weight.transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    diff = block_lse - lse_acc  # [B, H, S]; nan where both are -inf, or where either is nan
+    weight = torch.sigmoid(diff).masked_fill_(torch.isneginf(block_lse), 0.0)  # a block with no key weighs 0;
+    return weight.transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]     a nan lse (nan input) stays nan
 
 
 def merge_into(

@@ -38,12 +38,13 @@ def _piece_backward(kernel, dout, q, k, v, out, lse, piece, scale):
     return kernel.backward(dout, q, k, v, out, lse, causal=piece.kind == "causal", softmax_scale=scale)
 
 
-def forward_pieces(kernel, q, k_rows, v_rows, pieces, offset: int, scale: float, out_acc, lse_acc) -> None:
-    """Attend q's piece rows to the block's piece keys; merge into out_acc [B, S, H, D] / lse_acc [B, H, S]."""
+def forward_pieces(kernel, q, k_rows, v_rows, pieces, offset: int, scale: float, out_acc, lse_acc, plan=None) -> None:
+    """Attend q's piece rows to the block's piece keys; merge into out_acc [B, S, H, D] / lse_acc [B, H, S].
+    ``plan``: the plan that owns ``pieces`` (varlen index tables are kept on it)."""
     if not pieces:
         return
     if getattr(kernel, "supports_varlen", False):
-        forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc)
+        forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc, plan)
         return
     for piece in pieces:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
@@ -52,13 +53,13 @@ def forward_pieces(kernel, q, k_rows, v_rows, pieces, offset: int, scale: float,
 
 
 def backward_pieces(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset: int, scale: float,
-                    dq_acc, dk_acc, dv_acc) -> None:
+                    dq_acc, dk_acc, dv_acc, plan=None) -> None:
     """Add the pieces' gradients: dq into dq_acc [B, S, H, D], dk/dv into dk_acc/dv_acc [B, rows, Hkv, D]
     (accumulators in the accumulation dtype; the block's keys counted from ``offset``)."""
     if not pieces:
         return
     if getattr(kernel, "supports_varlen", False):
-        backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk_acc, dv_acc)
+        backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk_acc, dv_acc, plan)
         return
     for piece in pieces:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys

@@ -69,7 +69,8 @@ def _forward(q, k, v, call):
     out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=acc, device=q.device)
     for block in call.transport(k, v).blocks():
-        forward_pieces(call.kernel, q, block.k, block.v, block.pieces, block.offset, call.scale, out_acc, lse_acc)
+        forward_pieces(call.kernel, q, block.k, block.v, block.pieces, block.offset, call.scale, out_acc, lse_acc,
+                       call.plan)
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -84,14 +85,15 @@ def _backward(dout, q, k, v, out, lse, call):
     transport = call.transport(k, v)
     for block in transport.blocks():
         if block.own:
-            backward_pieces(call.kernel, dout, q, k, v, out, lse, block.pieces, 0, call.scale, dq_acc, dk_acc, dv_acc)
+            backward_pieces(call.kernel, dout, q, k, v, out, lse, block.pieces, 0, call.scale, dq_acc, dk_acc, dv_acc,
+                            call.plan)
             continue
         grads = None
         if block.pieces:
             grads = [torch.zeros(block.k.shape, dtype=acc, device=k.device),
                      torch.zeros(block.v.shape, dtype=acc, device=v.device)]
             backward_pieces(call.kernel, dout, q, block.k, block.v, out, lse, block.pieces, block.offset,
-                            call.scale, dq_acc, *grads)
+                            call.scale, dq_acc, *grads, call.plan)
         transport.send_home(block, grads, dk_acc, dv_acc)
     transport.finish(dk_acc, dv_acc)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

@@ -33,6 +33,7 @@ class _Group:
     cu_k: torch.Tensor  # [N + 1] int32
     max_q: int
     max_k: int
+    q_bounds: list[int]  # cu_q on the host (no device read per call)
 
 
 def _window_of(piece: Piece) -> tuple[int, int]:
@@ -41,8 +42,14 @@ def _window_of(piece: Piece) -> tuple[int, int]:
     return flash_window(n, m, band)
 
 
-def varlen_groups(pieces, offset: int, batch: int, seq_q: int, seq_k: int, device) -> list[_Group]:
-    """Group one block's pieces by flash window; ``offset``: first key row of the block held."""
+def varlen_groups(pieces, offset: int, batch: int, seq_q: int, seq_k: int, device, plan=None) -> list[_Group]:
+    """Group one block's pieces by flash window; ``offset``: first key row of the block held.
+
+    With ``plan`` (the :class:`~hybridsp.masks.BlockPlan` that owns ``pieces``) the groups and their
+    index tensors are built once per plan and reused by every layer and the backward."""
+    if plan is not None:
+        key = ("varlen", id(pieces), offset, batch, seq_q, seq_k, str(device))
+        return plan.memo(key, lambda: varlen_groups(pieces, offset, batch, seq_q, seq_k, device))
     by_window: dict[tuple[int, int], list[tuple[Piece, int]]] = {}
     for piece in pieces:
         shifted = piece.shifted(offset)
@@ -59,7 +66,7 @@ def varlen_groups(pieces, offset: int, batch: int, seq_q: int, seq_k: int, devic
             window, members, torch.cat(q_parts).to(device), torch.cat(k_parts).to(device),
             torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(device),
             torch.cat([k_lens.new_zeros(1), k_lens.cumsum(0)]).to(torch.int32).to(device),
-            int(q_lens.max()), int(k_lens.max()),
+            int(q_lens.max()), int(k_lens.max()), [0, *q_lens.cumsum(0).tolist()],
         ))
     return groups
 
@@ -74,26 +81,26 @@ def _flat_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.transpose(1, 2).reshape(lse.shape[0] * lse.shape[2], lse.shape[1])  # [B*S, H]
 
 
-def forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc) -> None:
+def forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc, plan=None) -> None:
     """Merge one visiting block's pieces into ``out_acc`` [B, S, H, D] / ``lse_acc`` [B, H, S] (fp32)."""
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
-    for group in varlen_groups(pieces, offset, batch, seq_q, seq_k, q.device):
+    for group in varlen_groups(pieces, offset, batch, seq_q, seq_k, q.device, plan):
         out, lse = kernel.forward_varlen(
             _flat(q).index_select(0, group.q_index), _flat(k_rows).index_select(0, group.k_index),
             _flat(v_rows).index_select(0, group.k_index), cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k,
             max_seqlen_q=group.max_q, max_seqlen_k=group.max_k, window=group.window, softmax_scale=scale,
         )  # out [Tq, H, D], lse [H, Tq]
-        bounds = group.cu_q.tolist()
+        bounds = group.q_bounds
         for (piece, b), start, stop in zip(group.members, bounds, bounds[1:]):
             merge_into(out_acc[b : b + 1, piece.rows], lse_acc[b : b + 1, :, piece.rows],
                        out[start:stop].unsqueeze(0), lse[:, start:stop].unsqueeze(0))
 
 
-def backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk, dv) -> None:
+def backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk, dv, plan=None) -> None:
     """Add one visiting block's gradients into ``dq_acc`` [B, S, H, D] and ``dk``/``dv`` [B, S_block, Hkv, D] (fp32)."""
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
     flat_lse = _flat_lse(lse)  # [B*S, H]
-    for group in varlen_groups(pieces, offset, batch, seq_q, seq_k, q.device):
+    for group in varlen_groups(pieces, offset, batch, seq_q, seq_k, q.device, plan):
         rows, keys = group.q_index, group.k_index
         dq, dk_packed, dv_packed = kernel.backward_varlen(
             _flat(dout).index_select(0, rows), _flat(q).index_select(0, rows),

@@ -64,7 +64,8 @@ def causal_lm_loss(
             f"{type(inner).__name__}'s lm_head has a bias; fused_cross_entropy supports a bias-free lm_head only"
         )
     with _loss_as_head_output(head, local_batch["shift_labels"], mesh, ignore_index, chunk_size):
-        out = model(input_ids=local_batch["input_ids"], position_ids=local_batch["position_ids"], use_cache=False)
+        out = model(input_ids=local_batch["input_ids"], position_ids=local_batch["position_ids"],
+                    hybridsp_documents=local_batch.get("documents"), use_cache=False)
     return out.logits
 
 

@@ -210,7 +210,8 @@ class HybridSPMixin:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
         local = shard_batch(_batch_tensors(inputs), self.hybrid_mesh, pad_token_id=self._pad_token_id())
         shift_labels = local.pop("shift_labels")  # [B, S_local]
-        outputs = model(**local, use_cache=False)
+        documents = local.pop("documents")  # host data: every layer plans once, no collective to find them
+        outputs = model(**local, hybridsp_documents=documents, use_cache=False)
         loss = _share_of_loss(outputs.logits, shift_labels, num_items_in_batch, self.hybrid_mesh)
         return (loss, outputs) if return_outputs else loss
 
@@ -227,7 +228,8 @@ class HybridSPMixin:
                 batch["labels"] = batch["input_ids"]  # only to cut the batch; no loss is reported
             local = shard_batch(batch, self.hybrid_mesh, pad_token_id=self._pad_token_id())
             shift_labels = local.pop("shift_labels")  # [B, S_local]
-            logits = model(**local, use_cache=False).logits  # [B, S_local, V]
+            documents = local.pop("documents")
+            logits = model(**local, hybridsp_documents=documents, use_cache=False).logits  # [B, S_local, V]
             loss = None
             if has_labels:
                 count = self._get_num_items_in_batch([inputs], self.args.device)

@@ -21,16 +21,18 @@ already holds tokens outside :func:`generate` (long-context generation against a
 cache: :mod:`hybridsp.integrations.hf_generate`).
 
 Note [packed documents]: a packed row restarts ``position_ids`` at 0 at each document. The
-forward pre-hook that :func:`apply` installs on the model gathers, once per forward, which
-of the context group's tokens have position 0 (one small ``all_gather`` of ``[B, S/C]``
-int32 over ``mesh.context_group``), turns that into global document boundaries and hands
-them to every layer as the ``cu_seq_lens_q`` / ``cu_seq_lens_k`` keyword arguments of that
-forward call (transformers passes model kwargs through to the attention function), so no
-state is kept and gradient checkpointing's recomputation sees the same documents. The form
-is transformers' flattened one, but over the *global* sequence: boundaries over the ``B x S``
-tokens of the unsharded batch, row ``b`` occupying ``[b S, (b + 1) S)``. A caller may pass
-``cu_seq_lens_q/k`` in that form themselves; then the hook leaves them alone. A row without
-restarts is one document (the unpacked path, unchanged).
+batch's documents reach every layer as one :class:`~hybridsp.documents.Documents` object under
+the model-call keyword ``hybridsp_documents`` (transformers passes model kwargs through to the
+attention function, and gradient checkpointing's recomputation sees the same object), so every
+layer of a forward shares one block plan and one agreement check. The best source is
+:func:`hybridsp.shard_batch`, which knows the boundaries on the host: pass
+``hybridsp_documents=local["documents"]`` (the Trainer and the examples do). Without it, the
+forward pre-hook that :func:`apply` installs derives them once per forward: from ``cu_seq_lens_q
+/ cu_seq_lens_k`` given in transformers' flattened form over the *global* sequence (row ``b``
+occupying ``[b S, (b + 1) S)``), else by gathering which of the context group's tokens have
+position 0 (one small ``all_gather`` of ``[B, S/C]`` int32 over ``mesh.context_group``). The
+balanced layout places tokens by document, so it needs the documents handed down. A row without
+restarts is one document.
 
 Note [registration]: :func:`register` adds the module-level function
 :func:`hybridsp_attention_forward` to transformers' ``AttentionInterface`` under the name
@@ -85,6 +87,7 @@ from packaging.version import Version
 from torch import nn
 
 from hybridsp.attention import hybrid_attn_func
+from hybridsp.documents import Documents, as_documents
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh import HybridMesh
 
@@ -94,6 +97,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _BINDING_ATTR = "_hybridsp_binding"
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
 DECODE_KWARG = "hybridsp_decode"  # the model-call kwarg that carries a decode step (hf_generate)
+DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,9 @@ def hybridsp_attention_forward(
     if decode is not None:
         return decode.attend(module, query, key, value, binding, module.scaling if scaling is None else scaling, kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
-    cu_seqlens = _documents_from_kwargs(kwargs, q.shape[0], q.shape[1] * binding.mesh.context)
+    cu_seqlens = kwargs.get(DOCUMENTS_KWARG)  # the batch's Documents: planned and checked once per forward
+    if cu_seqlens is None:
+        cu_seqlens = _documents_from_kwargs(kwargs, q.shape[0], q.shape[1] * binding.mesh.context)
     out = hybrid_attn_func(
         q, k, v, mesh=binding.mesh, causal=True, backend=binding.backend,
         softmax_scale=module.scaling if scaling is None else scaling,
@@ -389,13 +395,35 @@ def _batch_positions(arguments: dict) -> torch.Tensor | None:
 
 
 def _with_documents(args: tuple, kwargs: dict, position_ids, mesh: HybridMesh):
-    """The hook's result: kwargs plus ``cu_seq_lens_q/k`` when this forward's rows are packed."""
-    if position_ids is None or any(kwargs.get(name) is not None for name in _DOC_KWARGS):
-        return None  # nothing to derive, or the caller gave the documents
+    """The hook's result: kwargs plus this forward's :class:`~hybridsp.documents.Documents` under
+    ``hybridsp_documents`` (derived once per forward, shared by every layer), or None."""
+    if kwargs.get(DOCUMENTS_KWARG) is not None:
+        return None  # the caller passed shard_batch's documents: nothing to derive, no collective
+    tokens = position_ids if position_ids is not None else None
+    if any(kwargs.get(name) is not None for name in _DOC_KWARGS):
+        if tokens is None:
+            return None  # the attention converts cu_seq_lens_q/k itself
+        batch, seq_len = tokens.shape[0], tokens.shape[1] * mesh.context
+        documents = as_documents(_documents_from_kwargs(kwargs, batch, seq_len), batch, seq_len)
+    elif position_ids is None:
+        return None
+    else:
+        documents = _documents_of_positions(position_ids, mesh)
+    return args, {**kwargs, DOCUMENTS_KWARG: documents}
+
+
+def _documents_of_positions(position_ids: torch.Tensor, mesh: HybridMesh) -> Documents:
+    """The batch's documents from this rank's ``position_ids`` [B, S/C] (one collective when C > 1)."""
+    batch, seq_len = position_ids.shape[0], position_ids.shape[1] * mesh.context
+    if mesh.token_layout.uses_documents and mesh.context > 1:
+        raise ValueError(
+            f"the {mesh.layout} layout places tokens by document, so the documents cannot be found from the "
+            f"sharded position_ids: pass hybridsp_documents=shard_batch(...)['documents'] to the model"
+        )
     cu_seq_lens = global_cu_seq_lens(position_ids, mesh)
     if cu_seq_lens is None:
-        return None
-    return args, {**kwargs, "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens}
+        return Documents(batch, seq_len)
+    return as_documents(_documents_from_kwargs({"cu_seq_lens_q": cu_seq_lens}, batch, seq_len), batch, seq_len)
 
 
 def global_cu_seq_lens(position_ids: torch.Tensor, mesh: HybridMesh) -> torch.Tensor | None:

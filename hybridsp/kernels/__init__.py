@@ -14,6 +14,7 @@ An object that already has ``forward``/``backward`` is returned unchanged.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 
+@functools.lru_cache(maxsize=None)
 def _flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
@@ -63,6 +65,12 @@ def get_kernel(
     if backend == "auto":
         device_type = torch.device(device).type if device is not None else "cpu"
         backend = choose_backend(device_type, dtype, head_dim, flash_installed=_flash_attn_installed())
+    return _kernel_named(backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_named(backend: str) -> AttentionKernel:
+    """One stateless kernel object per backend and process (flash's reads flash-attn's signatures once)."""
     if backend == "torch":
         return TorchFusedKernel()
     if backend == "reference":
