@@ -85,10 +85,10 @@ def _cases():
     ]
 
 
-def _check(rank, world, meshes, names):
+def _check(rank, world, meshes, names, layout="zigzag"):
     failures = []
     for ulysses, ring in meshes:
-        mesh = init_mesh(ulysses=ulysses, ring=ring)
+        mesh = init_mesh(ulysses=ulysses, ring=ring, layout=layout)
         for name, family, overrides, batch, rows in _cases():
             if name not in names:
                 continue
@@ -109,10 +109,17 @@ def test_world4_packed_and_windowed_models_equal_the_unmodified_model():
     run_distributed(_check, 4, [(2, 2)], ALL, timeout=400)
 
 
+def test_world4_balanced_layout_packed_models_equal_the_unmodified_model():
+    packed = [name for name in ALL if "packed" in name]
+    run_distributed(_check, 4, [(1, 4)], packed, "balanced", timeout=400)
+
+
 @pytest.mark.slow
 def test_world4_ring_only_and_world8():
     run_distributed(_check, 4, [(1, 4), (4, 1)], ALL, timeout=600)
     run_distributed(_check, 8, [(2, 4), (1, 8)], ALL, timeout=600)
+    run_distributed(_check, 4, [(2, 2)], ALL, "balanced", timeout=600)
+    run_distributed(_check, 8, [(2, 4)], ALL, "balanced", timeout=600)
 
 
 # ---- one process: the references really exercise what they claim -----------------------------

@@ -67,7 +67,8 @@ def sharded(model, mesh, batch):
     """(gathered logits [B, S_pad, V], loss, {name: grad summed over the context group}, local valid count)."""
     model.zero_grad(set_to_none=True)
     local = shard_batch(batch, mesh, pad_token_id=PAD)
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                hybridsp_documents=local["documents"], use_cache=False)
     loss = sharded_cross_entropy(out.logits, local["shift_labels"], mesh)
     loss.backward()
     names, params = zip(*model.named_parameters())
@@ -75,7 +76,7 @@ def sharded(model, mesh, batch):
     dist.all_reduce(flat, group=mesh.context_group)
     grads = dict(zip(names, (g.view_as(p) for g, p in zip(flat.split([p.numel() for p in params]), params))))
     valid = int((local["shift_labels"] != -100).sum())
-    return gather_sequence(out.logits.detach(), mesh), loss.detach(), grads, valid
+    return gather_sequence(out.logits.detach(), mesh, cu_seqlens=local["documents"]), loss.detach(), grads, valid
 
 
 def case_errors(model, mesh, batch, expected):
