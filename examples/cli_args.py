@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     """``--deepspeed`` (and the launcher's ``--deepspeed_config`` / ``--local_rank``), ``--ulysses``,
-    ``--ring``, ``--backend``, ``--kv-comm``."""
+    ``--ring``, ``--backend``, ``--kv-comm``, ``--layout``."""
     parser.add_argument("--deepspeed", dest="ds_config", default=str(ROOT / "ds_configs" / "cp8.json"),
                         help="DeepSpeed JSON config with a 'hybridsp' section (default: ds_configs/cp8.json)")
     parser.add_argument("--deepspeed_config", dest="ds_config", help=argparse.SUPPRESS)
@@ -20,6 +20,9 @@ def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", help="attention kernel backend: auto, torch, flash, reference")
     parser.add_argument("--kv-comm", choices=("ring", "allgather"),
                         help="how K/V travel inside the ring group (overrides the config's kv_comm)")
+    parser.add_argument("--layout", choices=("zigzag", "contiguous", "balanced"),
+                        help="token layout over the ring (overrides the config's layout); 'balanced' places packed "
+                             "documents so every ring rank does the same attention work (use with --pack)")
 
 
 def add_step_arguments(parser: argparse.ArgumentParser) -> None:

@@ -75,7 +75,7 @@ def preflight(args) -> RunPlan:
     config = load_ds_config(args.ds_config)
     try:
         hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
-                                             kv_comm=getattr(args, "kv_comm", None))
+                                             kv_comm=getattr(args, "kv_comm", None), layout=getattr(args, "layout", None))
         hybrid.mesh_shape(world)
         check_sequence_length(args.seq_len, hybrid.ring, hybrid.ulysses, hybrid.layout)
         if hybrid.kv_comm == "allgather":

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     windows = TokenWindows(tokens, args.seq_len, args.seed)
     model = build_model(args, vocab_size)
     config = load_ds_config(args)
-    chosen = (("ulysses", args.ulysses), ("ring", args.ring), ("backend", args.backend), ("kv_comm", args.kv_comm))
+    chosen = (("ulysses", args.ulysses), ("ring", args.ring), ("backend", args.backend), ("kv_comm", args.kv_comm),
+              ("layout", args.layout))
     overrides = {k: v for k, v in chosen if v}
     with _without_cpu_shm_comm_build():  # on CPU, skip DeepSpeed's shm all-reduce build (gloo never uses it)
         training = training_arguments(args, config)

@@ -47,8 +47,13 @@ def ring_rows(ring: int, rank: int, local_len: int, layout: str, causal: bool) -
 def hybrid_bytes(
     *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
     ring_rank: int, element_size: int, layout: str = "zigzag", causal: bool = True, kv_comm: str = "ring",
+    plan=None,
 ) -> dict[str, int]:
-    """Bytes one rank sends per forward + backward, by collective kind (only kinds that send)."""
+    """Bytes one rank sends per forward + backward, by collective kind (only kinds that send).
+
+    ``plan``: the call's :class:`~hybridsp.masks.BlockPlan` (packed documents, windows, the balanced
+    layout): the ring rows are then the plan's hulls (``rows_sent``/``rows_received``) instead of the
+    dense formula :func:`ring_rows`."""
     sent: dict[str, int] = {}
     kv_heads_sent = kv_heads * kv_repeats_for(heads, kv_heads, ulysses)
     if ulysses > 1:
@@ -64,6 +69,9 @@ def hybrid_bytes(
         sent["allgather"] = 2 * (ring - 1) * slot * row
         sent["reduce_scatter"] = (ring - 1) * slot * row
         return sent
-    rows_sent, rows_read = ring_rows(ring, ring_rank, slot, layout, causal)
+    if plan is None:
+        rows_sent, rows_read = ring_rows(ring, ring_rank, slot, layout, causal)
+    else:
+        rows_sent, rows_read = plan.rows_sent(ring_rank), plan.rows_received(ring_rank)
     sent["ring"] = (2 * rows_sent + rows_read) * row
     return sent

@@ -139,3 +139,31 @@ def test_world8_balanced_equals_float64_per_document_attention():
 def test_balanced_full_matrix():
     run_distributed(_check, 4, [(2, 2), (1, 4), (4, 1)], ("ring", "allgather"), (8, 2, 1), CASES)
     run_distributed(_check, 8, [(2, 4), (1, 8), (4, 2)], ("ring", "allgather"), (8, 1), CASES)
+
+
+def _bytes(rank, world):
+    from hybridsp import CommCounter
+    from hybridsp.comm_volume import hybrid_bytes
+    from hybridsp.documents import as_documents
+    from hybridsp.resolve import plan_for
+
+    out = []
+    for layout in ("zigzag", "balanced"):
+        mesh = init_mesh(ulysses=2, ring=world // 2, layout=layout)
+        rows = [ROW_LONG, ROW_EDGES]
+        full = random_qkv(2, SEQ, 4, 2, 8, seed=6)
+        q, k, v = (shard_sequence(t, mesh, cu_seqlens=rows).clone().requires_grad_() for t in full[:3])
+        counter = CommCounter()
+        out_ = hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=rows, backend="torch", counter=counter)
+        out_.backward(torch.ones_like(out_))
+        plan = plan_for(as_documents(rows, 2, SEQ), mesh.token_layout, mesh.ring, True, None)
+        want = hybrid_bytes(batch=2, seq_len=SEQ, heads=4, kv_heads=2, head_dim=8, ulysses=2, ring=mesh.ring,
+                            ring_rank=mesh.ring_rank, element_size=4, plan=plan)
+        out.append((dict(counter.bytes_sent), want))
+    return out
+
+
+def test_bytes_sent_equal_the_plan_formula_for_both_layouts():
+    for per_layout in run_distributed(_bytes, 4):
+        for sent, want in per_layout:
+            assert sent == want, (sent, want)

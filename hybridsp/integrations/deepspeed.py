@@ -18,7 +18,7 @@ The config section (everything else in the file is plain DeepSpeed)::
         "ulysses": 4,                 # U: all-to-all degree (divides the query heads)
         "ring": 2,                    # R: ring-attention degree
         "order": "ulysses_inner",     # or "ring_inner" (which axis gets consecutive ranks)
-        "layout": "zigzag",           # or "contiguous" (token layout over the ring)
+        "layout": "zigzag",           # "contiguous", or "balanced" (by packed documents; token layout over the ring)
         "backend": "auto",            # local kernel: auto, torch, flash, reference
         "kv_comm": "ring",            # or "allgather" (how K/V travel inside the ring group)
         "kv_chunks": null             # all-gather chunks per block (null: at most two blocks gathered)
@@ -372,11 +372,12 @@ def initialize(
     backend: str | None = None,
     precision: str | None = None,
     kv_comm: str | None = None,
+    layout: str | None = None,
 ) -> HybridEngine:
     """``deepspeed.initialize`` with the hybrid mesh: returns ``(engine, optimizer, mesh, undo)``.
 
     Reads the ``"hybridsp"`` section of ``config`` (a dict or a JSON path; ``ulysses``, ``ring``,
-    ``backend`` and ``kv_comm`` override it), builds the mesh over all ranks (initialising torch.distributed
+    ``backend``, ``kv_comm`` and ``layout`` override it), builds the mesh over all ranks (initialising torch.distributed
     through DeepSpeed if needed), switches a transformers model to hybrid attention, passes
     DeepSpeed a :class:`HybridMPU` and the cleaned config, and on ZeRO-3 with ``C > 1`` adds the
     gradient hooks of Note [gradient scale]. ``precision`` forces the value of
@@ -387,7 +388,8 @@ def initialize(
     import deepspeed
 
     raw = load_config(config)
-    hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm)
+    hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm,
+                                         layout=layout)
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
     with _without_cpu_shm_comm_build():
         deepspeed.init_distributed()  # adopts an existing process group
