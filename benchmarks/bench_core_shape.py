@@ -115,6 +115,8 @@ class CallCounter:
     def __enter__(self):
         import hybridsp.masks as masks
 
+        self._cache = _plan_cache()  # before wrapping: masks.build_plan itself is the cache before
+        self._misses = self._cache.cache_info().misses
         for name in COLLECTIVES:
             if hasattr(dist, name):
                 extra = (lambda ops: self._bump("p2p ops", len(ops))) if name == "batch_isend_irecv" else None
@@ -123,11 +125,10 @@ class CallCounter:
         for module in [m for n, m in sys.modules.items() if n.startswith("hybridsp") and m is not None]:
             if getattr(module, "build_plan", None) is builder:
                 self._wrap(module, "build_plan", "build_plan calls")
-        self._misses = _plan_cache().cache_info().misses
         return self
 
     def __exit__(self, *exc):
-        self.calls["plans built"] = _plan_cache().cache_info().misses - self._misses
+        self.calls["plans built"] = self._cache.cache_info().misses - self._misses
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         return False
@@ -156,7 +157,6 @@ def _model_rank(rank: int, world: int, variants: list[str], iters: int) -> dict:
     batch = packed_batch()
 
     def step(variant: str) -> float:
-        _plan_cache().cache_clear()  # a new batch: its plan is not cached yet
         model.zero_grad(set_to_none=True)
         local = hybridsp.shard_batch(batch, mesh)
         extra = {"hybridsp_documents": local["documents"]} if variant == "documents" else {}
@@ -164,15 +164,16 @@ def _model_rank(rank: int, world: int, variants: list[str], iters: int) -> dict:
                        **extra).logits
         loss = hybridsp.sharded_cross_entropy(logits, local["shift_labels"], mesh)
         loss.backward()
-        return float(loss)
+        return loss.detach().item()
 
     result = {}
     for variant in variants:
         step(variant)  # warm-up
+        _plan_cache().cache_clear()  # a new batch: its plan is not cached yet (clearing resets the counts)
         with CallCounter() as counter:
             loss = step(variant)
         result[variant] = {"calls": counter.calls, "loss": loss}
-    times = interleave({v: (lambda v=v: step(v)) for v in variants}, iters, group=mesh.context_group)
+    times = interleave({v: (lambda v=v: (_plan_cache().cache_clear(), step(v))) for v in variants}, iters, group=mesh.context_group)
     handle.undo()
     for variant in variants:
         result[variant]["times"] = times[variant]

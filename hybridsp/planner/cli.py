@@ -14,6 +14,7 @@ import json
 from dataclasses import replace
 
 from hybridsp.planner.ablation import ablation, format_ablation
+from hybridsp.planner.packing import packing_imbalance, packing_report
 from hybridsp.planner.plans import Plan, format_seconds
 from hybridsp.planner.search import PlanResult, SearchSpace, longest_context, plan
 from hybridsp.planner.specs import (
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--chunked-loss", action="store_true", help="the loss never materialises all logits")
     work.add_argument("--non-causal", action="store_true", help="bidirectional attention")
     work.add_argument("--dtype-bytes", type=int, default=2, help="activation element size (2 = bf16)")
+    work.add_argument("--doc-lengths", type=_lengths, metavar="N,N,...",
+                      help="packed documents: the lengths of one row's documents (repeated to fill --seq-len); "
+                           "reports each layout's ring imbalance and what layout='balanced' buys")
     tech = parser.add_argument_group("memory techniques (hybridsp.planner.memory states each term)")
     tech.add_argument("--fused-loss", action="store_true", help="hybridsp.fused_cross_entropy: no [T, V] logits")
     tech.add_argument("--loss-chunk", type=int, default=Techniques.loss_chunk,
@@ -90,6 +94,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--top", type=int, default=12, help="table rows (0: all)")
+
+
+def _lengths(text: str) -> list[int]:
+    """``--doc-lengths``: comma-separated positive integers."""
+    try:
+        lengths = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 4000,1200,300; got {text!r}")
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"document lengths must be positive integers; got {text!r}")
+    return lengths
 
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
@@ -249,6 +264,10 @@ def run(args: argparse.Namespace) -> int:
             result, extra = plan(model, Workload(args.seq_len, **workload_args, techniques=techniques), cluster, space), {}
     except ValueError as error:
         raise SystemExit(f"python -m hybridsp plan: error: {error}") from None
+    if args.doc_lengths and result is not None and result.recommended is not None:
+        ring, seq_len = result.recommended.config.ring, result.workload.seq_len
+        extra["packing"] = {"ring": ring, **packing_imbalance(args.doc_lengths, seq_len, ring),
+                            "report": packing_report(args.doc_lengths, seq_len, ring)}
     if args.json:
         print(json.dumps({**(result.to_dict() if result else {"recommended": None, "ranked": []}), **extra}))
     else:
@@ -256,4 +275,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"Longest context: {extra['longest_context']['seq_len']:,} tokens "
                   f"(multiple of {args.granularity}) under the plans below\n")
         print(format_result(result, args.top) if result else "Nothing fits even at the granularity.")
+        if "packing" in extra:
+            print("\n" + extra["packing"]["report"])
     return 0 if result is not None and result.recommended is not None else 1
