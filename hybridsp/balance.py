@@ -34,6 +34,7 @@ plus O(R log S) for the balancer; 8,000 documents at S = 65,536, R = 4 take ~6 m
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 
 DEFAULT_SPLIT_SHARE = 0.25
@@ -68,7 +69,7 @@ def design_slot_runs(
     bounds: tuple[int, ...], seq_len: int, ring: int, *, window: int | None = None,
     split_share: float = DEFAULT_SPLIT_SHARE, split_length: float = DEFAULT_SPLIT_LENGTH,
     unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
-    reserve: float = DEFAULT_RESERVE, balancer: bool = True,
+    reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
 ) -> tuple[Runs, ...]:
     """:func:`balanced_slot_runs` with its design knobs (for benchmarks of the choices).
 
@@ -90,17 +91,16 @@ def design_slot_runs(
     largest = max(range(len(lengths)), key=lengths.__getitem__) if balancer else -1
     slots = [_Slot() for _ in range(ring)]
     capacity = seq_len // ring
-    whole = []
+    room = capacity - (int(reserve * lengths[largest] / ring) if balancer else 0)
+    split, whole = [], []
     min_work, min_length = split_share * mean_work, max(split_length * capacity, 2 * ring)
     for d, (n, w) in enumerate(zip(lengths, works)):
-        if d == largest:
-            continue
-        if (w >= min_work or n >= min_length) and n >= 2 * ring:
-            _split_document(slots, bounds[d], n, window)
-        else:
-            whole.append(d)
+        if d != largest:
+            (split if (w >= min_work or n >= min_length) and n >= 2 * ring else whole).append(d)
+    for d in sorted(split, key=works.__getitem__, reverse=True):
+        k = ring if spread_all or not balancer else _pieces(works[d], lengths[d], min_work, split_length * capacity, ring)
+        _split_document(slots, bounds, d, k, room, capacity, window)
     units = _group_units(whole, bounds, works, unit_share * capacity, unit_work * mean_work)
-    room = capacity - (int(reserve * lengths[largest] / ring) if balancer else 0)
     left_work = sum(u[2] for u in units) + (works[largest] if balancer else 0)
     left_tokens = sum(u[1] for u in units) + (lengths[largest] if balancer else 0)
     for start, n, work in sorted(units, key=lambda u: -u[2]):
@@ -165,21 +165,45 @@ def _piece_work(lo: int, hi: int, window: int | None) -> int:
     return _prefix_work(hi, window) - _prefix_work(lo, window)
 
 
-def _split_document(slots: list[_Slot], start: int, n: int, window: int | None) -> None:
-    """Per-document zigzag: 2R chunks of n // 2R tokens (+1 for the chunks the emptiest slots
-    take first), slot i takes chunks i and 2R-1-i."""
-    ring = len(slots)
-    base, extra = divmod(n, 2 * ring)
-    # the `extra` one-token surpluses go to the chunks of the slots with the fewest tokens
-    order = sorted(range(ring), key=lambda r: slots[r].tokens)
-    sizes = [base] * (2 * ring)
-    for k in range(extra):
-        r = order[k // 2 % ring]
-        sizes[r if k % 2 == 0 else 2 * ring - 1 - r] += 1
+def _pieces(work: int, n: int, min_work: float, max_length: float, ring: int) -> int:
+    """Over how many slots (2..R) a split document goes: enough that each slot's share has less
+    than ``min_work`` work and ``max_length`` tokens."""
+    by_work = math.ceil(work / min_work) if min_work > 0 else ring
+    by_length = math.ceil(n / max_length) if max_length > 0 else ring
+    return max(2, min(ring, max(by_work, by_length)))
+
+
+def _split_document(slots, bounds, d: int, k: int, room: int, capacity: int, window) -> None:
+    """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the least work
+    whose tokens stay within ``room`` (else ``capacity``); cut like a unit if no k slots fit."""
+    start, n = bounds[d], bounds[d + 1] - bounds[d]
+    by_work = sorted(slots, key=lambda s: (s.work, s.tokens))
+    for limit in (room, capacity):
+        for count in range(k, len(slots) + 1):
+            share = -(-n // count) + 1
+            chosen = [s for s in by_work if s.tokens + share <= limit][:count]
+            if len(chosen) == count:
+                _head_tail(chosen, start, n, window)
+                return
+    _cut_unit(slots, bounds, start, n, room, capacity, window)
+
+
+def _head_tail(chosen: list[_Slot], start: int, n: int, window) -> None:
+    """Per-document zigzag over the k chosen slots: 2k chunks of n // 2k tokens, the i-th slot
+    takes chunks i and 2k-1-i. The n % 2k surplus tokens go one at a time to the slot with the
+    fewest tokens (its head chunk, then its tail chunk), so that with k = R split documents alone
+    keep the slots within one token."""
+    k = len(chosen)
+    base, extra = divmod(n, 2 * k)
+    sizes = [base] * (2 * k)
+    tokens = [slot.tokens + 2 * base for slot in chosen]
+    for _ in range(extra):
+        i = min(range(k), key=tokens.__getitem__)
+        sizes[i if sizes[i] == base else 2 * k - 1 - i] += 1
+        tokens[i] += 1
     offset = 0
     for j, size in enumerate(sizes):
-        r = j if j < ring else 2 * ring - 1 - j
-        slots[r].take(start + offset, size, _piece_work(offset, offset + size, window))
+        chosen[j if j < k else 2 * k - 1 - j].take(start + offset, size, _piece_work(offset, offset + size, window))
         offset += size
 
 
