@@ -18,9 +18,9 @@ For each pack set (one batch row's document boundaries) and each design, from th
 Designs (all ``hybridsp.balance.design_slot_runs`` knobs, except zigzag):
 zigzag; ``headtail`` (every document of >= 2R tokens per-document zigzag over all slots, as
 TransformerEngine's THD; shorter ones whole); ``lpt`` (every document whole, most work first,
-cut only to make token counts exact); ``lpt+balancer``; ``hybrid`` (the chosen split rule and
-units, no balancer); **``balanced``** (the default: ``balanced_slot_runs``); and one-knob
-variants of it. Writes benchmarks/results_balance.md and .json.
+cut only to make token counts exact); ``lpt+balancer``; ``hybrid (no balancer)`` (the split
+rule and units of the default try, no balancer); ``one try`` (the first of ``TRIES``) and
+one-knob variants of it; **``balanced (tries)``** (``balanced_slot_runs``, what ships). Writes benchmarks/results_balance.md and .json.
 """
 
 from __future__ import annotations
@@ -46,13 +46,15 @@ DESIGNS = {
     "headtail": dict(split_share=0, split_length=0, unit_share=0, unit_work=0, balancer=False, spread_all=True),
     "lpt": dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0, balancer=False),
     "lpt+balancer": dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0),
-    "hybrid": dict(balancer=False),
-    "balanced, split over all R": dict(spread_all=True),
-    "balanced": {},
-    "balanced, split 0.5 W*": dict(split_share=0.5),
-    "balanced, split 0.1 W*": dict(split_share=0.1),
-    "balanced, no units": dict(unit_share=0, unit_work=0),
-    "balanced, reserve 0.25": dict(reserve=0.25),
+    "hybrid (no balancer)": dict(balancer=False),
+    "one try": {},
+    "one try, split over all R": dict(spread_all=True),
+    "one try, split 0.5 W*": dict(split_share=0.5),
+    "one try, split 0.25 W*": dict(split_share=0.25),
+    "one try, split 0.1 W*": dict(split_share=0.1),
+    "one try, no units": dict(unit_share=0, unit_work=0),
+    "one try, reserve 0.25": dict(reserve=0.25),
+    "balanced (tries)": {},
 }
 
 
@@ -98,7 +100,7 @@ def pack_sets(seeds: int) -> list[dict]:
 def layout(design: str, bounds, seq_len: int, ring: int, window):
     if DESIGNS[design] is None:
         return zigzag_slot_runs(seq_len, ring)
-    if design == "balanced":
+    if design == "balanced (tries)":
         return balanced_slot_runs(bounds, seq_len, ring, window=window)
     return design_slot_runs(bounds, seq_len, ring, window=window, **DESIGNS[design])
 
@@ -120,10 +122,12 @@ def holdings(runs_per_slot, bounds) -> list[dict[int, list[tuple[int, int]]]]:
     return out
 
 
-def kv_rows(runs_per_slot, bounds) -> tuple[int, int, int]:
-    """(rows of other slots in shared documents, the causal subset of them, document pieces)."""
+def kv_rows(runs_per_slot, bounds) -> tuple[int, int, int, int]:
+    """(rows of other slots in shared documents, the causal subset of them, document pieces,
+    ordered slot pairs (q, s), q != s, where a query of q sees a key of s: blocks a ring sends)."""
     held = holdings(runs_per_slot, bounds)
     rows = causal = pieces = 0
+    pairs = set()
     for r, docs in enumerate(held):
         for d, mine in docs.items():
             pieces += 1
@@ -131,8 +135,11 @@ def kv_rows(runs_per_slot, bounds) -> tuple[int, int, int]:
             for s, other in enumerate(held):
                 if s != r and d in other:
                     rows += sum(stop - start for start, stop in other[d])
-                    causal += sum(max(0, min(stop, last) - start) for start, stop in other[d])
-    return rows, causal, pieces
+                    seen = sum(max(0, min(stop, last) - start) for start, stop in other[d])
+                    causal += seen
+                    if seen:
+                        pairs.add((r, s))
+    return rows, causal, pieces, len(pairs)
 
 
 def check(runs_per_slot, seq_len: int, ring: int) -> None:
@@ -148,18 +155,19 @@ def measure(pack_set: dict) -> dict:
     seq_len, ring, window = pack_set["seq_len"], pack_set["ring"], pack_set["window"]
     out = {}
     for design in DESIGNS:
-        ratios, runs, pieces, rows, causal = [], [], [], 0, 0
+        ratios, runs, pieces, pairs, rows, causal = [], [], [], [], 0, 0
         for bounds in pack_set["packs"]:
             slots = layout(design, bounds, seq_len, ring, window)
             check(slots, seq_len, ring)
             work = slot_work(slots, bounds, window)
             ratios.append(max(work) * ring / sum(work))
             runs.append(sum(len(r) for r in slots))
-            kv, kv_causal, doc_pieces = kv_rows(slots, bounds)
-            rows, causal, pieces = rows + kv, causal + kv_causal, pieces + [doc_pieces]
+            kv, kv_causal, doc_pieces, visible = kv_rows(slots, bounds)
+            rows, causal, pieces, pairs = rows + kv, causal + kv_causal, pieces + [doc_pieces], pairs + [visible]
         out[design] = dict(work_max=max(ratios), work_mean=statistics.fmean(ratios),
                            over_105=sum(x > 1.05 for x in ratios), runs=statistics.fmean(runs),
-                           pieces=statistics.fmean(pieces), kv_rows=rows, kv_causal=causal)
+                           pieces=statistics.fmean(pieces), pairs=statistics.fmean(pairs), kv_rows=rows,
+                           kv_causal=causal)
     for design in DESIGNS:
         for key in ("kv_rows", "kv_causal"):
             out[design][key + "_vs_zigzag"] = out[design][key] / max(1, out["zigzag"][key])
@@ -167,18 +175,21 @@ def measure(pack_set: dict) -> dict:
 
 
 def build_times(repeats: int) -> list[dict]:
-    """Host time of balanced_slot_runs for 1,000 / 8,000 / 32,000 documents (min over repeats)."""
+    """Host time of balanced_slot_runs for 1,000 / 8,000 / 32,000 documents: wall and CPU time
+    (``time.process_time``, less disturbed by other jobs on a shared machine), min and median."""
     rows = []
     for documents, seq_len in ((1000, 65536), (8000, 65536), (32000, 262144)):
         for ring in (4, 8):
             bounds = uniform_cuts(seq_len, documents, 0)
-            times = []
+            wall, cpu = [], []
             for _ in range(repeats):
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 balanced_slot_runs(bounds, seq_len, ring)
-                times.append(time.perf_counter() - start)
-            rows.append(dict(documents=documents, seq_len=seq_len, ring=ring, min_ms=min(times) * 1e3,
-                             median_ms=statistics.median(times) * 1e3))
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - cpu_start)
+            rows.append(dict(documents=documents, seq_len=seq_len, ring=ring, min_ms=min(wall) * 1e3,
+                             median_ms=statistics.median(wall) * 1e3, cpu_min_ms=min(cpu) * 1e3,
+                             cpu_median_ms=statistics.median(cpu) * 1e3))
     return rows
 
 
@@ -187,19 +198,23 @@ def markdown(results: list[dict], timing: list[dict], info: dict) -> str:
              f"{info['machine']}; load {info['load']}; hybridsp {info['revision']}.", "",
              "work = busiest slot / mean (worst pack, mean over packs, packs over 1.05); runs and doc",
              "pieces summed over slots (mean over packs); K/V rows = rows of other slots in shared",
-             "documents (all, and the causal subset), summed over packs, / zigzag's.", ""]
+             "documents (all, and the causal subset), summed over packs, / zigzag's; visible slot pairs =",
+             "ordered pairs of different slots where some query sees some key (the K/V blocks a ring that",
+             "skips invisible blocks sends; R (R - 1) at most), mean over packs.", ""]
     for pack_set in results:
         lines += [f"## {pack_set['name']} ({pack_set['packs']} packs)", "",
-                  "| design | work max | work mean | >1.05 | runs | doc pieces | K/V rows vs zigzag | causal rows vs zigzag |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| design | work max | work mean | >1.05 | runs | doc pieces | K/V rows vs zigzag | causal rows vs zigzag "
+                  "| visible slot pairs |", "|---|---|---|---|---|---|---|---|---|"]
         for design, m in pack_set["designs"].items():
             lines.append(f"| {design} | {m['work_max']:.3f} | {m['work_mean']:.3f} | {m['over_105']} | {m['runs']:.1f} | "
-                         f"{m['pieces']:.1f} | {m['kv_rows_vs_zigzag']:.2f} | {m['kv_causal_vs_zigzag']:.2f} |")
+                         f"{m['pieces']:.1f} | {m['kv_rows_vs_zigzag']:.2f} | {m['kv_causal_vs_zigzag']:.2f} | "
+                         f"{m['pairs']:.1f} |")
         lines.append("")
     lines += ["## Build time of `balanced_slot_runs` (uniform random cut points)", "",
-              "| documents | S | R | min ms | median ms |", "|---|---|---|---|---|"]
-    lines += [f"| {t['documents']:,} | {t['seq_len']:,} | {t['ring']} | {t['min_ms']:.1f} | {t['median_ms']:.1f} |"
-              for t in timing]
+              "| documents | S | R | wall min ms | wall median ms | CPU min ms | CPU median ms |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {t['documents']:,} | {t['seq_len']:,} | {t['ring']} | {t['min_ms']:.1f} | {t['median_ms']:.1f} | "
+              f"{t['cpu_min_ms']:.1f} | {t['cpu_median_ms']:.1f} |" for t in timing]
     return "\n".join(lines) + "\n"
 
 

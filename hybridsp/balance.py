@@ -9,22 +9,30 @@ work is the sum over its tokens. Every slot holds exactly ``T = S / R`` tokens.
 
 The layout (Note [balanced layout]); ``W*`` = total work / R, ``T`` = S / R:
 
-1. **Split documents**: every document except the largest with work >= ``split_share`` x ``W*``
-   (0.25) or at least ``T`` tokens goes to every slot by per-document zigzag (TransformerEngine's
-   THD split): ``2R`` chunks of ``len // 2R`` or one more tokens, slot ``i`` takes chunks ``i``
-   and ``2R-1-i``, so every slot gets the same tokens (+-1) and work from it.
+1. **Split documents**: every document except the largest with work >= 0.35 ``W*`` or at least
+   ``T`` tokens is split by per-document zigzag (TransformerEngine THD's split) over ``k`` slots,
+   ``k`` (2..R) just large enough that each share has < 0.35 ``W*`` work and < ``T`` tokens: ``2k``
+   chunks, the i-th slot takes chunks ``i`` and ``2k-1-i`` (equal tokens +-1 and, without a
+   window, equal work). The ``k`` slots are those with the fewest tokens; most work first.
 2. **Whole units**: the other documents, except the largest, grouped into consecutive runs of at
    most ``T / 8`` tokens and ``0.02 W*`` work (a document over either is a unit alone). Units go
    whole to one slot, most work first (LPT), keeping ``3/4`` of the largest document's even share
-   of every slot free. Each goes to the slot whose *projected* work (its work plus its free tokens
-   times the mean work per token of everything not placed yet) it brings closest to the mean. A
-   unit that fits no slot is cut into consecutive pieces over the slots with the most free tokens
+   of every slot free: to the slot whose *projected* work (its work plus its free tokens times
+   the mean work per token of everything not placed yet) it brings closest to the mean. A unit
+   that fits no slot is cut into consecutive pieces over the slots with the most free tokens
    (the only way a short document is split).
 3. **The balancer**: the largest document fills every slot's free tokens, so token counts are
    exact. Nested from the outside in like zigzag (the slot whose target is farthest from that
    document's mean work per token takes the outermost pieces), each slot takes a head and a tail
    piece whose sizes are bisected so that its total work is closest to ``W*``; the innermost slot
    takes the middle. Shares of the largest document are therefore unequal.
+
+Steps 1-3 are one try; :func:`balanced_slot_runs` runs the tries of :data:`TRIES` (split
+threshold 0.35 / 0.25 / 0.15 / 0.1 ``W*``, reserve 1/4 .. 1 share) in order and keeps the first
+whose busiest slot is within 2% of the mean (else the best). Without a window the first try
+nearly always is; sliding windows (whose work is nearly proportional to tokens, so only the
+first ``W`` tokens of a document can move work) need later ones more often.
+``benchmarks/bench_balance.py`` measures the choices.
 
 With one document (``bounds == (0, S)``) the result is exactly the zigzag layout. Runs inside a
 slot are ordered by global start (ascending) and touching runs are merged; local offsets are the
@@ -37,11 +45,14 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 
-DEFAULT_SPLIT_SHARE = 0.25
+DEFAULT_SPLIT_SHARE = 0.35
 DEFAULT_SPLIT_LENGTH = 1.0
 DEFAULT_UNIT_SHARE = 0.125
 DEFAULT_UNIT_WORK = 0.02
 DEFAULT_RESERVE = 0.75
+# (split_share, reserve) tried in order by balanced_slot_runs until max/mean work <= GOOD_ENOUGH
+TRIES = ((0.35, 0.75), (0.35, 0.5), (0.35, 1.0), (0.25, 0.5), (0.15, 0.5), (0.1, 0.25))
+GOOD_ENOUGH = 1.02
 
 Runs = tuple[tuple[int, int], ...]
 
@@ -60,9 +71,23 @@ def balanced_slot_runs(
 
     ``bounds``: the row's document boundaries ``0 = b0 < b1 < ... < bn = seq_len``; ``seq_len``
     a multiple of ``2 * ring``. Every slot holds exactly ``seq_len // ring`` tokens; the runs of
-    all slots partition ``range(seq_len)``. One document gives the zigzag layout.
+    all slots partition ``range(seq_len)``. One document gives the zigzag layout. The layout of
+    the first of :data:`TRIES` whose busiest slot has <= 1.02 x the mean work, else the best.
     """
-    return design_slot_runs(bounds, seq_len, ring, window=window)
+    _check_bounds(bounds, seq_len, ring, window)
+    if len(bounds) == 2 or ring == 1:
+        return zigzag_slot_runs(seq_len, ring)
+    docs = _documents(bounds, window)
+    best_ratio, best = math.inf, None
+    for split_share, reserve in TRIES:
+        slots = _build(docs, seq_len, ring, window, split_share=split_share, reserve=reserve)
+        works = [slot.work for slot in slots]
+        ratio = max(works) * ring / sum(works)
+        if ratio < best_ratio:
+            best_ratio, best = ratio, slots
+        if ratio <= GOOD_ENOUGH:
+            break
+    return tuple(_merged(slot.runs) for slot in best)
 
 
 def design_slot_runs(
@@ -71,44 +96,24 @@ def design_slot_runs(
     unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
     reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
 ) -> tuple[Runs, ...]:
-    """:func:`balanced_slot_runs` with its design knobs (for benchmarks of the choices).
+    """One layout with explicit design knobs (:func:`balanced_slot_runs` tries several; benchmarks).
 
-    ``split_share``: documents with work >= this x the mean slot work are split over every slot
-    (0: every document, TransformerEngine-THD style; ``inf``: none). ``unit_share``: consecutive
-    whole documents are grouped into units of at most this x ``S/R`` tokens (0: one unit per
-    document). ``balancer=False``: the largest document is handled like the others (no work
-    correction); token counts are then made exact by cutting units that fit nowhere.
+    ``split_share`` / ``split_length``: documents with work >= split_share x the mean slot work or
+    >= split_length x S/R tokens are split (0: every document of >= 2R tokens; ``inf``: none)
+    over as many slots as keep each share under both (``spread_all``: over every slot, as
+    TransformerEngine's THD). ``unit_share`` / ``unit_work``: consecutive whole documents are
+    grouped into units of at most this x S/R tokens and x the mean slot work (0: one unit per
+    document). ``reserve``: the fraction of the largest document's even share kept free in every
+    slot for it. ``balancer=False``: the largest document is a document like the others (no work
+    correction; split documents then go over every slot), token counts are made exact by cutting
+    units that fit nowhere.
     """
     _check_bounds(bounds, seq_len, ring, window)
     if len(bounds) == 2 or ring == 1:
         return zigzag_slot_runs(seq_len, ring)
-    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
-    if window is None:
-        works = [n * (n + 1) // 2 for n in lengths]
-    else:
-        works = [_prefix_work(n, window) for n in lengths]
-    mean_work = sum(works) / ring
-    largest = max(range(len(lengths)), key=lengths.__getitem__) if balancer else -1
-    slots = [_Slot() for _ in range(ring)]
-    capacity = seq_len // ring
-    room = capacity - (int(reserve * lengths[largest] / ring) if balancer else 0)
-    split, whole = [], []
-    min_work, min_length = split_share * mean_work, max(split_length * capacity, 2 * ring)
-    for d, (n, w) in enumerate(zip(lengths, works)):
-        if d != largest:
-            (split if (w >= min_work or n >= min_length) and n >= 2 * ring else whole).append(d)
-    for d in sorted(split, key=works.__getitem__, reverse=True):
-        k = ring if spread_all or not balancer else _pieces(works[d], lengths[d], min_work, split_length * capacity, ring)
-        _split_document(slots, bounds, d, k, room, capacity, window)
-    units = _group_units(whole, bounds, works, unit_share * capacity, unit_work * mean_work)
-    left_work = sum(u[2] for u in units) + (works[largest] if balancer else 0)
-    left_tokens = sum(u[1] for u in units) + (lengths[largest] if balancer else 0)
-    for start, n, work in sorted(units, key=lambda u: -u[2]):
-        rho = left_work / left_tokens  # what a free token will carry on average
-        _place_unit(slots, bounds, start, n, work, rho, room, capacity, window)
-        left_work, left_tokens = left_work - work, left_tokens - n
-    if balancer:
-        _place_balancer(slots, bounds[largest], lengths[largest], mean_work, capacity, window)
+    slots = _build(_documents(bounds, window), seq_len, ring, window, split_share=split_share,
+                   split_length=split_length, unit_share=unit_share, unit_work=unit_work,
+                   reserve=reserve, balancer=balancer, spread_all=spread_all)
     return tuple(_merged(slot.runs) for slot in slots)
 
 
@@ -122,6 +127,48 @@ def slot_work(runs_per_slot, bounds: tuple[int, ...], window: int | None = None)
 
 
 # --------------------------------------------------------------------------------------------
+
+
+def _documents(bounds, window) -> tuple:
+    """(bounds, lengths, works) of the row's documents."""
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if window is None:
+        works = [n * (n + 1) // 2 for n in lengths]
+    else:
+        works = [_prefix_work(n, window) for n in lengths]
+    return bounds, lengths, works
+
+
+def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve: float,
+           split_length: float = DEFAULT_SPLIT_LENGTH, unit_share: float = DEFAULT_UNIT_SHARE,
+           unit_work: float = DEFAULT_UNIT_WORK, balancer: bool = True, spread_all: bool = False):
+    """The slots (runs unsorted, exact tokens and work) of one design (Note [balanced layout])."""
+    bounds, lengths, works = docs
+    total = sum(works)
+    mean_work, capacity = total / ring, seq_len // ring
+    largest = max(range(len(lengths)), key=lengths.__getitem__) if balancer else -1
+    room = capacity - (int(reserve * lengths[largest] / ring) if balancer else 0)
+    min_work, max_length = split_share * mean_work, split_length * capacity
+    split, whole = [], []
+    for d, (n, w) in enumerate(zip(lengths, works)):
+        if d != largest:
+            (split if (w >= min_work or n >= max(max_length, 2 * ring)) and n >= 2 * ring else whole).append(d)
+    slots = [_Slot() for _ in range(ring)]
+    for d in sorted(split, key=works.__getitem__, reverse=True):
+        k = ring if spread_all or not balancer else _pieces(works[d], lengths[d], min_work, max_length, ring)
+        _split_document(slots, bounds, d, k, total / seq_len, room, capacity, window)
+    units = _group_units(whole, bounds, works, unit_share * capacity, unit_work * mean_work)
+    left_work = sum(u[2] for u in units) + (works[largest] if balancer else 0)
+    left_tokens = sum(u[1] for u in units) + (lengths[largest] if balancer else 0)
+    for start, n, work in sorted(units, key=lambda u: -u[2]):
+        rho = left_work / left_tokens  # what a free token will carry on average
+        _place_unit(slots, bounds, start, n, work, rho, room, capacity, window)
+        left_work, left_tokens = left_work - work, left_tokens - n
+    if balancer:
+        _place_balancer(slots, bounds[largest], lengths[largest], mean_work, capacity, window)
+    return slots
+
+
 
 
 class _Slot:
@@ -173,26 +220,29 @@ def _pieces(work: int, n: int, min_work: float, max_length: float, ring: int) ->
     return max(2, min(ring, max(by_work, by_length)))
 
 
-def _split_document(slots, bounds, d: int, k: int, room: int, capacity: int, window) -> None:
-    """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the least work
-    whose tokens stay within ``room`` (else ``capacity``); cut like a unit if no k slots fit."""
+def _split_document(slots, bounds, d: int, k: int, rho: float, room: int, capacity: int, window) -> None:
+    """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the lowest
+    projected work (work + ``rho`` x free tokens) whose tokens stay within ``room`` (else
+    ``capacity``); cut like a unit if no k slots fit."""
     start, n = bounds[d], bounds[d + 1] - bounds[d]
-    by_work = sorted(slots, key=lambda s: (s.work, s.tokens))
+    by_tokens = sorted(slots, key=lambda s: (s.tokens, s.work))
     for limit in (room, capacity):
         for count in range(k, len(slots) + 1):
             share = -(-n // count) + 1
-            chosen = [s for s in by_work if s.tokens + share <= limit][:count]
+            chosen = [s for s in by_tokens if s.tokens + share <= limit][:count]
             if len(chosen) == count:
+                chosen.sort(key=lambda s: s.work - rho * s.tokens)
                 _head_tail(chosen, start, n, window)
                 return
     _cut_unit(slots, bounds, start, n, room, capacity, window)
 
 
 def _head_tail(chosen: list[_Slot], start: int, n: int, window) -> None:
-    """Per-document zigzag over the k chosen slots: 2k chunks of n // 2k tokens, the i-th slot
-    takes chunks i and 2k-1-i. The n % 2k surplus tokens go one at a time to the slot with the
-    fewest tokens (its head chunk, then its tail chunk), so that with k = R split documents alone
-    keep the slots within one token."""
+    """Per-document zigzag over the k chosen slots: 2k chunks of n // 2k tokens (the n % 2k surplus
+    tokens one at a time to the chunk pair with the fewest tokens, head chunk first), pair i =
+    chunks i and 2k-1-i. Without a window every pair has the same work (+- one token's) and pair
+    i goes to slot i; with one the pairs are handed out heaviest first (the head pair, which
+    holds the document's cheap first W tokens, to the slot with the highest projected work)."""
     k = len(chosen)
     base, extra = divmod(n, 2 * k)
     sizes = [base] * (2 * k)
@@ -201,10 +251,15 @@ def _head_tail(chosen: list[_Slot], start: int, n: int, window) -> None:
         i = min(range(k), key=tokens.__getitem__)
         sizes[i if sizes[i] == base else 2 * k - 1 - i] += 1
         tokens[i] += 1
-    offset = 0
-    for j, size in enumerate(sizes):
-        chosen[j if j < k else 2 * k - 1 - j].take(start + offset, size, _piece_work(offset, offset + size, window))
-        offset += size
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    pieces = [[(offsets[j], offsets[j + 1]) for j in (i, 2 * k - 1 - i)] for i in range(k)]
+    if window is not None:
+        pieces.sort(key=lambda pair: -sum(_piece_work(lo, hi, window) for lo, hi in pair))
+    for slot, pair in zip(chosen, pieces):
+        for lo, hi in pair:
+            slot.take(start + lo, hi - lo, _piece_work(lo, hi, window))
 
 
 def _group_units(whole: list[int], bounds, works: list[int], limit: float, work_limit: float) -> list[list[int]]:
