@@ -18,9 +18,11 @@ For each pack set (one batch row's document boundaries) and each design, from th
 Designs (all ``hybridsp.balance.design_slot_runs`` knobs, except zigzag):
 zigzag; ``headtail`` (every document of >= 2R tokens per-document zigzag over all slots, as
 TransformerEngine's THD; shorter ones whole); ``lpt`` (every document whole, most work first,
-cut only to make token counts exact); ``lpt+balancer``; ``hybrid (no balancer)`` (the split
-rule and units of the default try, no balancer); ``one try`` (the first of ``TRIES``) and
-one-knob variants of it; **``balanced (tries)``** (``balanced_slot_runs``, what ships). Writes benchmarks/results_balance.md and .json.
+cut only to make token counts exact); ``lpt+balancer``; ``hybrid 0.35 (no balancer)`` (documents
+with >= 0.35 W* work split over all slots, the rest whole in units, no balancer); ``first try``
+(the first of ``TRIES``: only documents of >= S/R tokens split, units, balancer) and one-knob
+variants; ``split x W*`` (tries with a split threshold; ``over all R``: TE-style spread instead
+of just enough slots); **``balanced (tries)``** (``balanced_slot_runs``, what ships). Writes benchmarks/results_balance.md and .json.
 """
 
 from __future__ import annotations
@@ -46,14 +48,14 @@ DESIGNS = {
     "headtail": dict(split_share=0, split_length=0, unit_share=0, unit_work=0, balancer=False, spread_all=True),
     "lpt": dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0, balancer=False),
     "lpt+balancer": dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0),
-    "hybrid (no balancer)": dict(balancer=False),
-    "one try": {},
-    "one try, split over all R": dict(spread_all=True),
-    "one try, split 0.5 W*": dict(split_share=0.5),
-    "one try, split 0.25 W*": dict(split_share=0.25),
-    "one try, split 0.1 W*": dict(split_share=0.1),
-    "one try, no units": dict(unit_share=0, unit_work=0),
-    "one try, reserve 0.25": dict(reserve=0.25),
+    "hybrid 0.35 (no balancer)": dict(split_share=0.35, balancer=False),
+    "first try": {},
+    "first try, no units": dict(unit_share=0, unit_work=0),
+    "first try, reserve 0.25": dict(reserve=0.25),
+    "split 0.5 W*": dict(split_share=0.5),
+    "split 0.35 W*": dict(split_share=0.35),
+    "split 0.35 W* over all R": dict(split_share=0.35, spread_all=True),
+    "split 0.1 W*": dict(split_share=0.1),
     "balanced (tries)": {},
 }
 

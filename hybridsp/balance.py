@@ -9,29 +9,32 @@ work is the sum over its tokens. Every slot holds exactly ``T = S / R`` tokens.
 
 The layout (Note [balanced layout]); ``W*`` = total work / R, ``T`` = S / R:
 
-1. **Split documents**: every document except the largest with work >= 0.35 ``W*`` or at least
-   ``T`` tokens is split by per-document zigzag (TransformerEngine THD's split) over ``k`` slots,
-   ``k`` (2..R) just large enough that each share has < 0.35 ``W*`` work and < ``T`` tokens: ``2k``
-   chunks, the i-th slot takes chunks ``i`` and ``2k-1-i`` (equal tokens +-1 and, without a
-   window, equal work). The ``k`` slots are those with the fewest tokens; most work first.
+1. **Split documents**: every document except the largest with at least ``T`` tokens or work
+   >= ``split_share`` x ``W*`` (none in the first try) is split by per-document zigzag
+   (TransformerEngine THD's split) over ``k`` slots, ``k`` (2..R) just large enough that each
+   share has less work and fewer tokens than that: ``2k`` chunks, the i-th slot takes chunks
+   ``i`` and ``2k-1-i`` (equal tokens +-1 and, without a window, equal work). The ``k`` slots
+   are those with the fewest tokens; most work first.
 2. **Whole units**: the other documents, except the largest, grouped into consecutive runs of at
    most ``T / 8`` tokens and ``0.02 W*`` work (a document over either is a unit alone). Units go
-   whole to one slot, most work first (LPT), keeping ``3/4`` of the largest document's even share
-   of every slot free: to the slot whose *projected* work (its work plus its free tokens times
-   the mean work per token of everything not placed yet) it brings closest to the mean. A unit
-   that fits no slot is cut into consecutive pieces over the slots with the most free tokens
-   (the only way a short document is split).
+   whole to one slot, most work first (LPT), keeping ``reserve`` (3/4) of the largest document's
+   even share of every slot free: to the slot whose *projected* work (its work plus its free
+   tokens times the mean work per token of everything not placed yet) it brings closest to the
+   mean. A unit that fits no slot is cut into consecutive pieces over the slots with the most
+   free tokens (the only way a short document is split).
 3. **The balancer**: the largest document fills every slot's free tokens, so token counts are
    exact. Nested from the outside in like zigzag (the slot whose target is farthest from that
    document's mean work per token takes the outermost pieces), each slot takes a head and a tail
    piece whose sizes are bisected so that its total work is closest to ``W*``; the innermost slot
    takes the middle. Shares of the largest document are therefore unequal.
 
-Steps 1-3 are one try; :func:`balanced_slot_runs` runs the tries of :data:`TRIES` (split
-threshold 0.35 / 0.25 / 0.15 / 0.1 ``W*``, reserve 1/4 .. 1 share) in order and keeps the first
-whose busiest slot is within 2% of the mean (else the best). Without a window the first try
-nearly always is; sliding windows (whose work is nearly proportional to tokens, so only the
-first ``W`` tokens of a document can move work) need later ones more often.
+Steps 1-3 are one try; :func:`balanced_slot_runs` runs the tries of :data:`TRIES` in order
+(split threshold none / 0.5 / 0.35 / 0.25 / 0.15 / 0.1 ``W*``, reserve 1/4 .. 1 share: fewest
+split documents, hence least K/V traffic, first) and keeps the first whose busiest slot is within
+1% of the mean, else the best. Without a window one or two tries nearly always do; sliding
+windows (whose work is nearly proportional to tokens, so only the first ``W`` tokens of a
+document can move work) need later ones more often. Tries stop once they have handled 16,000
+documents (at least two), so that many-document rows stay linear and fast.
 ``benchmarks/bench_balance.py`` measures the choices.
 
 With one document (``bounds == (0, S)``) or R = 1 the result is exactly the zigzag layout (whose middle
@@ -45,14 +48,17 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 
-DEFAULT_SPLIT_SHARE = 0.35
+DEFAULT_SPLIT_SHARE = math.inf
 DEFAULT_SPLIT_LENGTH = 1.0
 DEFAULT_UNIT_SHARE = 0.125
 DEFAULT_UNIT_WORK = 0.02
 DEFAULT_RESERVE = 0.75
-# (split_share, reserve) tried in order by balanced_slot_runs until max/mean work <= GOOD_ENOUGH
-TRIES = ((0.35, 0.75), (0.35, 0.5), (0.35, 1.0), (0.25, 0.5), (0.15, 0.5), (0.1, 0.25))
-GOOD_ENOUGH = 1.02
+# (split_share, reserve) tried in order by balanced_slot_runs until max/mean work <= GOOD_ENOUGH:
+# fewest split documents (least K/V traffic) first
+TRIES = ((math.inf, 0.75), (math.inf, 0.5), (0.5, 0.75), (0.5, 0.5), (0.35, 0.75), (0.35, 0.5),
+         (0.35, 1.0), (0.25, 0.5), (0.15, 0.5), (0.1, 0.25))
+GOOD_ENOUGH = 1.01
+TRY_DOCUMENTS = 16000  # tries stop once they have handled this many documents (at least 2 tries)
 
 Runs = tuple[tuple[int, int], ...]
 
@@ -72,14 +78,14 @@ def balanced_slot_runs(
     ``bounds``: the row's document boundaries ``0 = b0 < b1 < ... < bn = seq_len``; ``seq_len``
     a multiple of ``2 * ring``. Every slot holds exactly ``seq_len // ring`` tokens; the runs of
     all slots partition ``range(seq_len)``. One document gives the zigzag layout. The layout of
-    the first of :data:`TRIES` whose busiest slot has <= 1.02 x the mean work, else the best.
+    the first of :data:`TRIES` whose busiest slot has <= 1.01 x the mean work, else the best.
     """
     _check_bounds(bounds, seq_len, ring, window)
     if len(bounds) == 2 or ring == 1:
         return zigzag_slot_runs(seq_len, ring)
     docs = _documents(bounds, window)
     best_ratio, best = math.inf, None
-    for split_share, reserve in TRIES:
+    for split_share, reserve in TRIES[:max(2, TRY_DOCUMENTS // len(docs[1]))]:
         slots = _build(docs, seq_len, ring, window, split_share=split_share, reserve=reserve)
         works = [slot.work for slot in slots]
         ratio = max(works) * ring / sum(works)
@@ -149,10 +155,10 @@ def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve
     largest = max(range(len(lengths)), key=lengths.__getitem__) if balancer else -1
     room = capacity - (int(reserve * lengths[largest] / ring) if balancer else 0)
     min_work, max_length = split_share * mean_work, split_length * capacity
-    split, whole = [], []
-    for d, (n, w) in enumerate(zip(lengths, works)):
-        if d != largest:
-            (split if (w >= min_work or n >= max(max_length, 2 * ring)) and n >= 2 * ring else whole).append(d)
+    # work grows with length: "work >= min_work or length >= max_length" is one length threshold
+    cut = max(2 * ring, min(_shortest_with_work(min_work, seq_len, window), math.ceil(min(max_length, seq_len + 1))))
+    split = [d for d, n in enumerate(lengths) if n >= cut and d != largest]
+    whole = [d for d, n in enumerate(lengths) if n < cut and d != largest]
     slots = [_Slot() for _ in range(ring)]
     for d in sorted(split, key=works.__getitem__, reverse=True):
         k = ring if spread_all or not balancer else _pieces(works[d], lengths[d], min_work, max_length, ring)
@@ -193,6 +199,18 @@ def _prefix_work(x: int, window: int | None) -> int:
     if window is None or x <= window:
         return x * (x + 1) // 2
     return window * (window + 1) // 2 + (x - window) * window
+
+
+def _shortest_with_work(work: float, limit: int, window: int | None) -> int:
+    """The smallest document length (at most ``limit + 1``) whose work is >= ``work``."""
+    lo, hi = 0, limit + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _prefix_work(mid, window) >= work:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _run_work(start: int, n: int, bounds, window: int | None) -> int:
@@ -238,27 +256,31 @@ def _split_document(slots, bounds, d: int, k: int, rho: float, room: int, capaci
 
 
 def _head_tail(chosen: list[_Slot], start: int, n: int, window) -> None:
-    """Per-document zigzag over the k chosen slots: 2k chunks of n // 2k tokens (the n % 2k surplus
-    tokens one at a time to the chunk pair with the fewest tokens, head chunk first), pair i =
-    chunks i and 2k-1-i. Without a window every pair has the same work (+- one token's) and pair
-    i goes to slot i; with one the pairs are handed out heaviest first (the head pair, which
-    holds the document's cheap first W tokens, to the slot with the highest projected work)."""
+    """Per-document zigzag over the k chosen slots: 2k chunks of n // 2k tokens, pair i = chunks i
+    and 2k-1-i. Without a window every pair has the same work (+- one token's) and pair i goes to
+    the i-th slot; with one, pairs go heaviest first (the head pair, holding the document's cheap
+    first W tokens, to the last chosen slot). The n % 2k surplus tokens go one at a time to the
+    slot with the fewest tokens (its head chunk, then its tail chunk), so that with k = R split
+    documents alone keep the slots within one token."""
     k = len(chosen)
     base, extra = divmod(n, 2 * k)
+    order = list(range(k))  # order[j]: the pair the j-th chosen slot takes
+    if window is not None:
+        order.sort(key=lambda i: -(_piece_work(i * base, (i + 1) * base, window)
+                                   + _piece_work((2 * k - 1 - i) * base, (2 * k - i) * base, window)))
     sizes = [base] * (2 * k)
     tokens = [slot.tokens + 2 * base for slot in chosen]
     for _ in range(extra):
-        i = min(range(k), key=tokens.__getitem__)
+        j = min(range(k), key=tokens.__getitem__)
+        i = order[j]
         sizes[i if sizes[i] == base else 2 * k - 1 - i] += 1
-        tokens[i] += 1
+        tokens[j] += 1
     offsets = [0]
     for size in sizes:
         offsets.append(offsets[-1] + size)
-    pieces = [[(offsets[j], offsets[j + 1]) for j in (i, 2 * k - 1 - i)] for i in range(k)]
-    if window is not None:
-        pieces.sort(key=lambda pair: -sum(_piece_work(lo, hi, window) for lo, hi in pair))
-    for slot, pair in zip(chosen, pieces):
-        for lo, hi in pair:
+    for slot, i in zip(chosen, order):
+        for c in (i, 2 * k - 1 - i):
+            lo, hi = offsets[c], offsets[c + 1]
             slot.take(start + lo, hi - lo, _piece_work(lo, hi, window))
 
 
