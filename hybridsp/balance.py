@@ -37,10 +37,11 @@ document can move work) need later ones more often. Tries stop once they have ha
 documents (at least two), so that many-document rows stay linear and fast.
 ``benchmarks/bench_balance.py`` measures the choices.
 
-With one document (``bounds == (0, S)``) or R = 1 the result is exactly the zigzag layout (whose middle
-slot keeps its two touching chunks). Otherwise runs inside a slot are ordered by global start
-(ascending) and touching runs are merged; local offsets are the running sum of the lengths. Time: O(n log n + n R) for n documents (the sort and the slot choice),
-plus O(R log S) for the balancer; 8,000 documents at S = 65,536, R = 4 take ~6 ms (CPython).
+With one document (``bounds == (0, S)``) or R = 1 the result is exactly the zigzag layout
+(whose middle slot keeps its two touching chunks). Otherwise runs inside a slot are ordered by
+global start (ascending) and touching runs are merged; local offsets are the running sum of the
+lengths. Time per try: O(n log n + n R) for n documents (the sorts and the slot choice) plus
+O(R log S); 8,000 documents at S = 65,536, R = 4: ~8 ms CPU on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ Runs = tuple[tuple[int, int], ...]
 
 
 def zigzag_slot_runs(seq_len: int, ring: int) -> tuple[Runs, ...]:
-    """Slot ``r`` holds chunks ``r`` and ``2R-1-r`` of ``2R`` equal chunks: ((r c, c), ((2R-1-r) c, c))."""
+    """Slot r holds chunks r and 2R-1-r of 2R equal chunks: ((r c, c), ((2R-1-r) c, c)), c = S / 2R."""
     _check_sizes(seq_len, ring)
     chunk = seq_len // (2 * ring)
     return tuple(((r * chunk, chunk), ((2 * ring - 1 - r) * chunk, chunk)) for r in range(ring))
@@ -156,12 +157,14 @@ def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve
     room = capacity - (int(reserve * lengths[largest] / ring) if balancer else 0)
     min_work, max_length = split_share * mean_work, split_length * capacity
     # work grows with length: "work >= min_work or length >= max_length" is one length threshold
-    cut = max(2 * ring, min(_shortest_with_work(min_work, seq_len, window), math.ceil(min(max_length, seq_len + 1))))
+    by_length = math.ceil(min(max_length, seq_len + 1))
+    cut = max(2 * ring, min(_shortest_with_work(min_work, seq_len, window), by_length))
     split = [d for d, n in enumerate(lengths) if n >= cut and d != largest]
     whole = [d for d, n in enumerate(lengths) if n < cut and d != largest]
     slots = [_Slot() for _ in range(ring)]
     for d in sorted(split, key=works.__getitem__, reverse=True):
-        k = ring if spread_all or not balancer else _pieces(works[d], lengths[d], min_work, max_length, ring)
+        spread = spread_all or not balancer
+        k = ring if spread else _pieces(works[d], lengths[d], min_work, max_length, ring)
         _split_document(slots, bounds, d, k, total / seq_len, room, capacity, window)
     units = _group_units(whole, bounds, works, unit_share * capacity, unit_work * mean_work)
     left_work = sum(u[2] for u in units) + (works[largest] if balancer else 0)
@@ -173,8 +176,6 @@ def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve
     if balancer:
         _place_balancer(slots, bounds[largest], lengths[largest], mean_work, capacity, window)
     return slots
-
-
 
 
 class _Slot:
@@ -239,9 +240,9 @@ def _pieces(work: int, n: int, min_work: float, max_length: float, ring: int) ->
 
 
 def _split_document(slots, bounds, d: int, k: int, rho: float, room: int, capacity: int, window) -> None:
-    """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the lowest
-    projected work (work + ``rho`` x free tokens) whose tokens stay within ``room`` (else
-    ``capacity``); cut like a unit if no k slots fit."""
+    """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the fewest
+    tokens that stay within ``room`` (else ``capacity``), taken in order of projected work (work
+    - ``rho`` x tokens, lowest first); cut like a unit if no k slots fit."""
     start, n = bounds[d], bounds[d + 1] - bounds[d]
     by_tokens = sorted(slots, key=lambda s: (s.tokens, s.work))
     for limit in (room, capacity):
@@ -284,7 +285,7 @@ def _head_tail(chosen: list[_Slot], start: int, n: int, window) -> None:
             slot.take(start + lo, hi - lo, _piece_work(lo, hi, window))
 
 
-def _group_units(whole: list[int], bounds, works: list[int], limit: float, work_limit: float) -> list[list[int]]:
+def _group_units(whole: list[int], bounds, works: list[int], limit: float, work_limit: float) -> list:
     """Consecutive whole documents grouped into units ``[start, tokens, work]`` of at most ``limit``
     tokens and ``work_limit`` work (a document over either is a unit alone)."""
     units: list[list[int]] = []
@@ -303,7 +304,8 @@ def _group_units(whole: list[int], bounds, works: list[int], limit: float, work_
     return units
 
 
-def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, room: int, capacity: int, window) -> None:
+def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, room: int, capacity: int,
+                window) -> None:
     """Give the unit whole to the slot that most lacks work (projected: its free tokens at ``rho``
     work each), among those with room; else cut it over the slots with the most free tokens."""
     best, best_key = None, None
