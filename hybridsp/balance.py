@@ -1,36 +1,405 @@
-"""Temporary stand-in (replaced by the balance branch): per-document head-tail split."""
+"""Document-balanced token layout: which global tokens each ring slot holds for one packed row.
+
+Pure Python (no torch): computed on the host once per batch row from the row's document
+boundaries ``bounds = (0, b1, ..., S)`` (flash-attn's ``cu_seqlens`` of the row).
+
+Work model: attention is causal inside each document; the token at offset ``p`` of its document
+(0-based) attends to ``min(p + 1, W)`` keys (``W`` = window, unbounded when ``None``). A slot's
+work is the sum over its tokens. Every slot holds exactly ``T = S / R`` tokens.
+
+The layout (Note [balanced layout]); ``W*`` = total work / R, ``T`` = S / R:
+
+1. **Split documents**: every document except the largest with at least ``T`` tokens or work
+   >= ``split_share`` x ``W*`` (none in the first try) is split by per-document zigzag
+   (TransformerEngine THD's split) over ``k`` slots, ``k`` (2..R) just large enough that each
+   share has less work and fewer tokens than that: ``2k`` chunks, the i-th slot takes chunks
+   ``i`` and ``2k-1-i`` (equal tokens +-1 and, without a window, equal work). The ``k`` slots
+   are those with the fewest tokens; most work first.
+2. **Whole units**: the other documents, except the largest, grouped into consecutive runs of at
+   most ``T / 8`` tokens and ``0.02 W*`` work (a document over either is a unit alone). Units go
+   whole to one slot, most work first (LPT), keeping ``reserve`` (3/4) of the largest document's
+   even share of every slot free: to the slot whose *projected* work (its work plus its free
+   tokens times the mean work per token of everything not placed yet) it brings closest to the
+   mean. A unit that fits no slot is cut into consecutive pieces over the slots with the most
+   free tokens (the only way a short document is split).
+3. **The balancer**: the largest document fills every slot's free tokens, so token counts are
+   exact. Nested from the outside in like zigzag (the slot whose target is farthest from that
+   document's mean work per token takes the outermost pieces), each slot takes a head and a tail
+   piece whose sizes are bisected so that its total work is closest to ``W*``; the innermost slot
+   takes the middle. Shares of the largest document are therefore unequal.
+
+Steps 1-3 are one try; :func:`balanced_slot_runs` runs the tries of :data:`TRIES` in order
+(split threshold none / 0.5 / 0.35 / 0.25 / 0.15 / 0.1 ``W*``, reserve 1/4 .. 1 share: fewest
+split documents, hence least K/V traffic, first) and keeps the first whose busiest slot is within
+1% of the mean, else the best. Without a window one or two tries nearly always do; sliding
+windows (whose work is nearly proportional to tokens, so only the first ``W`` tokens of a
+document can move work) need later ones more often. Tries stop once they have handled 16,000
+documents (at least two), so that many-document rows stay linear and fast.
+``benchmarks/bench_balance.py`` measures the choices.
+
+With one document (``bounds == (0, S)``) or R = 1 the result is exactly the zigzag layout
+(whose middle slot keeps its two touching chunks). Otherwise runs inside a slot are ordered by
+global start (ascending) and touching runs are merged; local offsets are the running sum of the
+lengths. Time per try: O(n log n + n R) for n documents (the sorts and the slot choice) plus
+O(R log S); 8,000 documents at S = 65,536, R = 4: ~8 ms CPU on a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+
+DEFAULT_SPLIT_SHARE = math.inf
+DEFAULT_SPLIT_LENGTH = 1.0
+DEFAULT_UNIT_SHARE = 0.125
+DEFAULT_UNIT_WORK = 0.02
+DEFAULT_RESERVE = 0.75
+# (split_share, reserve) tried in order by balanced_slot_runs until max/mean work <= GOOD_ENOUGH:
+# fewest split documents (least K/V traffic) first
+TRIES = ((math.inf, 0.75), (math.inf, 0.5), (0.5, 0.75), (0.5, 0.5), (0.35, 0.75), (0.35, 0.5),
+         (0.35, 1.0), (0.25, 0.5), (0.15, 0.5), (0.1, 0.25))
+GOOD_ENOUGH = 1.01
+TRY_DOCUMENTS = 16000  # tries stop once they have handled this many documents (at least 2 tries)
+
+Runs = tuple[tuple[int, int], ...]
 
 
-def balanced_slot_runs(bounds, seq_len, ring, *, window=None):
-    per_slot = seq_len // ring
-    slots = [[] for _ in range(ring)]
-    counts = [0] * ring
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        n = b - a
-        sizes = [n // (2 * ring)] * (2 * ring)
-        for j in range(n - sum(sizes)):
-            sizes[j] += 1
-        pos = a
-        for j, size in enumerate(sizes):
-            slot = j if j < ring else 2 * ring - 1 - j
-            if size:
-                slots[slot].append((pos, size))
-                counts[slot] += size
-            pos += size
-    # rebalance token counts: move tail tokens from over-full slots to under-full ones
-    flat = []
-    for r in range(ring):
-        for run in slots[r]:
-            flat.append((run[0], run[1], r))
-    flat.sort()
-    out = [[] for _ in range(ring)]
-    fill = [0] * ring
-    for start, length, r in flat:
-        while length:
-            target = r if fill[r] < per_slot else min(range(ring), key=lambda s: fill[s])
-            take = min(length, per_slot - fill[target])
-            out[target].append((start, take))
-            fill[target] += take
-            start += take
-            length -= take
-    return tuple(tuple(sorted(s)) for s in out)
+def zigzag_slot_runs(seq_len: int, ring: int) -> tuple[Runs, ...]:
+    """Slot r holds chunks r and 2R-1-r of 2R equal chunks: ((r c, c), ((2R-1-r) c, c)), c = S / 2R."""
+    _check_sizes(seq_len, ring)
+    chunk = seq_len // (2 * ring)
+    return tuple(((r * chunk, chunk), ((2 * ring - 1 - r) * chunk, chunk)) for r in range(ring))
+
+
+def balanced_slot_runs(
+    bounds: tuple[int, ...], seq_len: int, ring: int, *, window: int | None = None
+) -> tuple[Runs, ...]:
+    """Per ring slot, its tokens as runs ``(global_start, length)`` (ascending start, merged).
+
+    ``bounds``: the row's document boundaries ``0 = b0 < b1 < ... < bn = seq_len``; ``seq_len``
+    a multiple of ``2 * ring``. Every slot holds exactly ``seq_len // ring`` tokens; the runs of
+    all slots partition ``range(seq_len)``. One document gives the zigzag layout. The layout of
+    the first of :data:`TRIES` whose busiest slot has <= 1.01 x the mean work, else the best.
+    """
+    _check_bounds(bounds, seq_len, ring, window)
+    if len(bounds) == 2 or ring == 1:
+        return zigzag_slot_runs(seq_len, ring)
+    docs = _documents(bounds, window)
+    best_ratio, best = math.inf, None
+    for split_share, reserve in TRIES[:max(2, TRY_DOCUMENTS // len(docs[1]))]:
+        slots = _build(docs, seq_len, ring, window, split_share=split_share, reserve=reserve)
+        works = [slot.work for slot in slots]
+        ratio = max(works) * ring / sum(works)
+        if ratio < best_ratio:
+            best_ratio, best = ratio, slots
+        if ratio <= GOOD_ENOUGH:
+            break
+    return tuple(_merged(slot.runs) for slot in best)
+
+
+def design_slot_runs(
+    bounds: tuple[int, ...], seq_len: int, ring: int, *, window: int | None = None,
+    split_share: float = DEFAULT_SPLIT_SHARE, split_length: float = DEFAULT_SPLIT_LENGTH,
+    unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
+    reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
+) -> tuple[Runs, ...]:
+    """One layout with explicit design knobs (:func:`balanced_slot_runs` tries several; benchmarks).
+
+    ``split_share`` / ``split_length``: documents with work >= split_share x the mean slot work or
+    >= split_length x S/R tokens are split (0: every document of >= 2R tokens; ``inf``: none)
+    over as many slots as keep each share under both (``spread_all``: over every slot, as
+    TransformerEngine's THD). ``unit_share`` / ``unit_work``: consecutive whole documents are
+    grouped into units of at most this x S/R tokens and x the mean slot work (0: one unit per
+    document). ``reserve``: the fraction of the largest document's even share kept free in every
+    slot for it. ``balancer=False``: the largest document is a document like the others (no work
+    correction; split documents then go over every slot), token counts are made exact by cutting
+    units that fit nowhere.
+    """
+    _check_bounds(bounds, seq_len, ring, window)
+    if len(bounds) == 2 or ring == 1:
+        return zigzag_slot_runs(seq_len, ring)
+    slots = _build(_documents(bounds, window), seq_len, ring, window, split_share=split_share,
+                   split_length=split_length, unit_share=unit_share, unit_work=unit_work,
+                   reserve=reserve, balancer=balancer, spread_all=spread_all)
+    return tuple(_merged(slot.runs) for slot in slots)
+
+
+def slot_work(runs_per_slot, bounds: tuple[int, ...], window: int | None = None) -> list[int]:
+    """Cells per slot under the work model (sum over its tokens of min(offset + 1, W)).
+
+    O(m log n) for m runs and n documents (a bisection per run, then a walk over the documents
+    the run covers).
+    """
+    return [sum(_run_work(start, n, bounds, window) for start, n in runs) for runs in runs_per_slot]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _documents(bounds, window) -> tuple:
+    """(bounds, lengths, works) of the row's documents."""
+    lengths = [b - a for a, b in zip(bounds, bounds[1:])]
+    if window is None:
+        works = [n * (n + 1) // 2 for n in lengths]
+    else:
+        works = [_prefix_work(n, window) for n in lengths]
+    return bounds, lengths, works
+
+
+def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve: float,
+           split_length: float = DEFAULT_SPLIT_LENGTH, unit_share: float = DEFAULT_UNIT_SHARE,
+           unit_work: float = DEFAULT_UNIT_WORK, balancer: bool = True, spread_all: bool = False):
+    """The slots (runs unsorted, exact tokens and work) of one design (Note [balanced layout])."""
+    bounds, lengths, works = docs
+    total = sum(works)
+    mean_work, capacity = total / ring, seq_len // ring
+    largest = max(range(len(lengths)), key=lengths.__getitem__) if balancer else -1
+    room = capacity - (int(reserve * lengths[largest] / ring) if balancer else 0)
+    min_work, max_length = split_share * mean_work, split_length * capacity
+    # work grows with length: "work >= min_work or length >= max_length" is one length threshold
+    by_length = math.ceil(min(max_length, seq_len + 1))
+    cut = max(2 * ring, min(_shortest_with_work(min_work, seq_len, window), by_length))
+    split = [d for d, n in enumerate(lengths) if n >= cut and d != largest]
+    whole = [d for d, n in enumerate(lengths) if n < cut and d != largest]
+    slots = [_Slot() for _ in range(ring)]
+    for d in sorted(split, key=works.__getitem__, reverse=True):
+        spread = spread_all or not balancer
+        k = ring if spread else _pieces(works[d], lengths[d], min_work, max_length, ring)
+        _split_document(slots, bounds, d, k, total / seq_len, room, capacity, window)
+    units = _group_units(whole, bounds, works, unit_share * capacity, unit_work * mean_work)
+    left_work = sum(u[2] for u in units) + (works[largest] if balancer else 0)
+    left_tokens = sum(u[1] for u in units) + (lengths[largest] if balancer else 0)
+    for start, n, work in sorted(units, key=lambda u: -u[2]):
+        rho = left_work / left_tokens  # what a free token will carry on average
+        _place_unit(slots, bounds, start, n, work, rho, room, capacity, window)
+        left_work, left_tokens = left_work - work, left_tokens - n
+    if balancer:
+        _place_balancer(slots, bounds[largest], lengths[largest], mean_work, capacity, window)
+    return slots
+
+
+class _Slot:
+    """One ring slot while it is built: its runs, tokens and work so far."""
+
+    __slots__ = ("runs", "tokens", "work")
+
+    def __init__(self):
+        self.runs: list[tuple[int, int]] = []
+        self.tokens = 0
+        self.work = 0
+
+    def take(self, start: int, n: int, work: int) -> None:
+        if n > 0:
+            self.runs.append((start, n))
+            self.tokens += n
+            self.work += work
+
+
+def _prefix_work(x: int, window: int | None) -> int:
+    """Work of the first ``x`` tokens of a document: sum_{p < x} min(p + 1, W)."""
+    if window is None or x <= window:
+        return x * (x + 1) // 2
+    return window * (window + 1) // 2 + (x - window) * window
+
+
+def _shortest_with_work(work: float, limit: int, window: int | None) -> int:
+    """The smallest document length (at most ``limit + 1``) whose work is >= ``work``."""
+    lo, hi = 0, limit + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _prefix_work(mid, window) >= work:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _run_work(start: int, n: int, bounds, window: int | None) -> int:
+    """Work of global tokens [start, start + n), which may cover several documents."""
+    end = start + n
+    d = bisect_right(bounds, start) - 1
+    total = 0
+    while start < end:
+        lo, stop = bounds[d], min(end, bounds[d + 1])
+        total += _prefix_work(stop - lo, window) - _prefix_work(start - lo, window)
+        start, d = stop, d + 1
+    return total
+
+
+def _piece_work(lo: int, hi: int, window: int | None) -> int:
+    """Work of document offsets [lo, hi)."""
+    return _prefix_work(hi, window) - _prefix_work(lo, window)
+
+
+def _pieces(work: int, n: int, min_work: float, max_length: float, ring: int) -> int:
+    """Over how many slots (2..R) a split document goes: enough that each slot's share has less
+    than ``min_work`` work and ``max_length`` tokens."""
+    by_work = math.ceil(work / min_work) if min_work > 0 else ring
+    by_length = math.ceil(n / max_length) if max_length > 0 else ring
+    return max(2, min(ring, max(by_work, by_length)))
+
+
+def _split_document(slots, bounds, d: int, k: int, rho: float, room: int, capacity: int, window) -> None:
+    """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the fewest
+    tokens that stay within ``room`` (else ``capacity``), taken in order of projected work (work
+    - ``rho`` x tokens, lowest first); cut like a unit if no k slots fit."""
+    start, n = bounds[d], bounds[d + 1] - bounds[d]
+    by_tokens = sorted(slots, key=lambda s: (s.tokens, s.work))
+    for limit in (room, capacity):
+        for count in range(k, len(slots) + 1):
+            share = -(-n // count) + 1
+            chosen = [s for s in by_tokens if s.tokens + share <= limit][:count]
+            if len(chosen) == count:
+                chosen.sort(key=lambda s: s.work - rho * s.tokens)
+                _head_tail(chosen, start, n, window)
+                return
+    _cut_unit(slots, bounds, start, n, room, capacity, window)
+
+
+def _head_tail(chosen: list[_Slot], start: int, n: int, window) -> None:
+    """Per-document zigzag over the k chosen slots: 2k chunks of n // 2k tokens, pair i = chunks i
+    and 2k-1-i. Without a window every pair has the same work (+- one token's) and pair i goes to
+    the i-th slot; with one, pairs go heaviest first (the head pair, holding the document's cheap
+    first W tokens, to the last chosen slot). The n % 2k surplus tokens go one at a time to the
+    slot with the fewest tokens (its head chunk, then its tail chunk), so that with k = R split
+    documents alone keep the slots within one token."""
+    k = len(chosen)
+    base, extra = divmod(n, 2 * k)
+    order = list(range(k))  # order[j]: the pair the j-th chosen slot takes
+    if window is not None:
+        order.sort(key=lambda i: -(_piece_work(i * base, (i + 1) * base, window)
+                                   + _piece_work((2 * k - 1 - i) * base, (2 * k - i) * base, window)))
+    sizes = [base] * (2 * k)
+    tokens = [slot.tokens + 2 * base for slot in chosen]
+    for _ in range(extra):
+        j = min(range(k), key=tokens.__getitem__)
+        i = order[j]
+        sizes[i if sizes[i] == base else 2 * k - 1 - i] += 1
+        tokens[j] += 1
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    for slot, i in zip(chosen, order):
+        for c in (i, 2 * k - 1 - i):
+            lo, hi = offsets[c], offsets[c + 1]
+            slot.take(start + lo, hi - lo, _piece_work(lo, hi, window))
+
+
+def _group_units(whole: list[int], bounds, works: list[int], limit: float, work_limit: float) -> list:
+    """Consecutive whole documents grouped into units ``[start, tokens, work]`` of at most ``limit``
+    tokens and ``work_limit`` work (a document over either is a unit alone)."""
+    units: list[list[int]] = []
+    end = tokens = work = -1
+    unit = None
+    for d in whole:
+        start, n, w = bounds[d], bounds[d + 1] - bounds[d], works[d]
+        if start == end and tokens + n <= limit and work + w <= work_limit:
+            tokens, work = tokens + n, work + w
+            unit[1], unit[2] = tokens, work
+        else:
+            unit = [start, n, w]
+            units.append(unit)
+            tokens, work = n, w
+        end = start + n
+    return units
+
+
+def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, room: int, capacity: int,
+                window) -> None:
+    """Give the unit whole to the slot that most lacks work (projected: its free tokens at ``rho``
+    work each), among those with room; else cut it over the slots with the most free tokens."""
+    best, best_key = None, None
+    for slot in slots:
+        if slot.tokens + n <= room:
+            # projection: the slot's work if its free tokens got ``rho`` work each; the unit
+            # changes it by delta: to the lowest projection if delta > 0, else the highest
+            key = (work - rho * n) * (slot.work + rho * (capacity - slot.tokens))
+            if best is None or key < best_key:
+                best, best_key = slot, key
+    if best is not None:
+        best.take(start, n, work)
+        return
+    _cut_unit(slots, bounds, start, n, room, capacity, window)
+
+
+def _cut_unit(slots, bounds, start: int, n: int, room: int, capacity: int, window) -> None:
+    """Cut [start, start + n) into consecutive pieces filling the slots with the most free tokens
+    (up to ``room``, then up to ``capacity``)."""
+    for limit in (room, capacity):
+        for slot in sorted(slots, key=lambda s: s.tokens):
+            take = min(n, limit - slot.tokens)
+            if take > 0:
+                slot.take(start, take, _run_work(start, take, bounds, window))
+                start, n = start + take, n - take
+
+
+def _place_balancer(slots, start: int, n: int, mean_work: float, capacity: int, window) -> None:
+    """The largest document fills every slot's free tokens, head + tail pieces nested from the
+    outside in, each slot's head size bisected so its work hits ``mean_work``."""
+    rho = _prefix_work(n, window) / n
+    need = [(capacity - s.tokens, mean_work - s.work, s) for s in slots]
+    # the slot whose target is farthest from the average work per token takes the widest range
+    need.sort(key=lambda t: -abs(t[1] - rho * t[0]) / max(t[0], 1))
+    lo, hi = 0, n
+    for free, target, slot in need:
+        head = _best_head(lo, hi, free, target, window)
+        slot.take(start + lo, head, _piece_work(lo, lo + head, window))
+        tail = free - head
+        slot.take(start + hi - tail, tail, _piece_work(hi - tail, hi, window))
+        lo, hi = lo + head, hi - tail
+
+
+def _best_head(lo: int, hi: int, free: int, target: float, window) -> int:
+    """Head size h in [0, free] whose head [lo, lo+h) + tail [hi-free+h, hi) work is closest to
+    ``target`` (that work does not increase with h: bisection)."""
+
+    def work(h: int) -> int:
+        return _piece_work(lo, lo + h, window) + _piece_work(hi - free + h, hi, window)
+
+    left, right = 0, free  # smallest h with work(h) <= target, or free
+    while left < right:
+        mid = (left + right) // 2
+        if work(mid) <= target:
+            right = mid
+        else:
+            left = mid + 1
+    if left > 0 and abs(work(left - 1) - target) <= abs(work(left) - target):
+        return left - 1
+    return left
+
+
+def _merged(runs: list[tuple[int, int]]) -> Runs:
+    """Runs sorted by start, touching ones merged."""
+    out: list[list[int]] = []
+    for start, n in sorted(runs):
+        if out and out[-1][0] + out[-1][1] == start:
+            out[-1][1] += n
+        else:
+            out.append([start, n])
+    return tuple((s, n) for s, n in out)
+
+
+def _check_sizes(seq_len: int, ring: int) -> None:
+    if ring < 1 or seq_len <= 0 or seq_len % (2 * ring) != 0:
+        raise ValueError(
+            f"the balanced/zigzag layout needs a sequence length that is a positive multiple of "
+            f"2 x ring = {2 * ring}; got seq_len={seq_len}, ring={ring}: pad the sequence to "
+            f"{max(1, -(-seq_len // (2 * ring))) * 2 * ring} tokens"
+        )
+
+
+def _check_bounds(bounds, seq_len: int, ring: int, window) -> None:
+    _check_sizes(seq_len, ring)
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None; got {window}")
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
+        raise ValueError(
+            f"document boundaries must start at 0 and end at seq_len={seq_len}; got "
+            f"{tuple(bounds[:3])}...{tuple(bounds[-2:])} ({len(bounds)} entries)"
+        )
+    if not all(a < b for a, b in zip(bounds, bounds[1:])):
+        i = next(i for i in range(len(bounds) - 1) if bounds[i + 1] <= bounds[i])
+        raise ValueError(
+            f"document boundaries must be strictly increasing; got bounds[{i}]={bounds[i]} and "
+            f"bounds[{i + 1}]={bounds[i + 1]} (empty documents are not allowed)"
+        )

@@ -1,0 +1,243 @@
+"""Document-balanced token layouts at the plan level: design choices side by side (no kernels).
+
+Run:  python benchmarks/bench_balance.py [--seeds 100] [--repeats 15]
+
+For each pack set (one batch row's document boundaries) and each design, from the runs that
+``hybridsp.balance`` returns for every ring slot:
+
+* **work max/mean**: cells per slot (a token at offset p of its document attends to
+  min(p + 1, W) keys), the busiest slot over the mean; the worst pack of the set and the mean;
+* **runs**: contiguous runs summed over the slots (gather/scatter pieces), mean over packs;
+* **doc pieces**: (slot, document) pairs summed over the slots (varlen segments);
+* **K/V rows**: sum over slots of the rows of *other* slots that belong to documents the slot
+  also holds (a proxy for the K/V a slot must read), and **causal rows**: only those rows that
+  precede the slot's last token of that document (what causal attention can see); both as a
+  ratio to zigzag on the same packs (sum over the packs);
+* **build ms**: host time of one layout (min over ``--repeats``; the machine is shared).
+
+Designs (all ``hybridsp.balance.design_slot_runs`` knobs, except zigzag):
+zigzag; ``headtail`` (every document of >= 2R tokens per-document zigzag over all slots, as
+TransformerEngine's THD; shorter ones whole); ``lpt`` (every document whole, most work first,
+cut only to make token counts exact); ``lpt+balancer``; ``hybrid 0.35 (no balancer)`` (documents
+with >= 0.35 W* work split over all slots, the rest whole in units, no balancer); ``first try``
+(the first of ``TRIES``: only documents of >= S/R tokens split, units, balancer) and one-knob
+variants; ``split x W*`` (tries with a split threshold; ``over all R``: TE-style spread instead
+of just enough slots); **``balanced (tries)``** (``balanced_slot_runs``, what ships). Writes benchmarks/results_balance.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from hybridsp.balance import balanced_slot_runs, design_slot_runs, slot_work, zigzag_slot_runs  # noqa: E402
+from harness import load, machine_info, revision, write_results  # noqa: E402
+
+INF = math.inf
+DESIGNS = {
+    "zigzag": None,
+    "headtail": dict(split_share=0, split_length=0, unit_share=0, unit_work=0, balancer=False, spread_all=True),
+    "lpt": dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0, balancer=False),
+    "lpt+balancer": dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0),
+    "hybrid 0.35 (no balancer)": dict(split_share=0.35, balancer=False),
+    "first try": {},
+    "first try, no units": dict(unit_share=0, unit_work=0),
+    "first try, reserve 0.25": dict(reserve=0.25),
+    "split 0.5 W*": dict(split_share=0.5),
+    "split 0.35 W*": dict(split_share=0.35),
+    "split 0.35 W* over all R": dict(split_share=0.35, spread_all=True),
+    "split 0.1 W*": dict(split_share=0.1),
+    "balanced (tries)": {},
+}
+
+
+def lognormal_pack(seq_len: int, seed: int, mu: float = 6.4, sigma: float = 1.2) -> tuple[int, ...]:
+    """Boundaries of documents with lengths exp(N(mu, sigma)) clipped to [16, 8000] (median ~600;
+    the last one truncated to end at S)."""
+    rng = random.Random(seed)
+    bounds = [0]
+    while bounds[-1] < seq_len:
+        length = min(8000, max(16, round(math.exp(rng.gauss(mu, sigma)))))
+        bounds.append(min(seq_len, bounds[-1] + length))
+    return tuple(bounds)
+
+
+def uniform_cuts(seq_len: int, documents: int, seed: int) -> tuple[int, ...]:
+    """``documents`` documents at uniformly random cut points (exponential-like lengths)."""
+    cuts = sorted(random.Random(seed).sample(range(1, seq_len), documents - 1))
+    return (0, *cuts, seq_len)
+
+
+ISSUE_PACK = (2396, 840, 420, 1731, 708, 1070, 135, 296, 595, 1)  # RESULTS.md, bench_masks.py
+
+
+def pack_sets(seeds: int) -> list[dict]:
+    """(name, S, R, window, list of bounds) of every pack set."""
+    issue = tuple(sum(ISSUE_PACK[:i]) for i in range(len(ISSUE_PACK) + 1))
+    sets = [dict(name=f"lognormal S=16384 R={r}", seq_len=16384, ring=r, window=None,
+                 packs=[lognormal_pack(16384, s) for s in range(seeds)]) for r in (2, 4, 8)]
+    sets += [
+        dict(name="lognormal S=16384 R=4 W=512", seq_len=16384, ring=4, window=512,
+             packs=[lognormal_pack(16384, s) for s in range(seeds)]),
+        dict(name="issue's 10 documents S=8192 R=4", seq_len=8192, ring=4, window=None, packs=[issue]),
+        dict(name="4 documents S=8192 R=4", seq_len=8192, ring=4, window=None,
+             packs=[uniform_cuts(8192, 4, s) for s in range(seeds)]),
+        dict(name="100 documents S=65536 R=8", seq_len=65536, ring=8, window=None,
+             packs=[uniform_cuts(65536, 100, s) for s in range(min(seeds, 20))]),
+        dict(name="8000 documents S=65536 R=4", seq_len=65536, ring=4, window=None,
+             packs=[uniform_cuts(65536, 8000, s) for s in range(min(seeds, 5))]),
+    ]
+    return sets
+
+
+def layout(design: str, bounds, seq_len: int, ring: int, window):
+    if DESIGNS[design] is None:
+        return zigzag_slot_runs(seq_len, ring)
+    if design == "balanced (tries)":
+        return balanced_slot_runs(bounds, seq_len, ring, window=window)
+    return design_slot_runs(bounds, seq_len, ring, window=window, **DESIGNS[design])
+
+
+def holdings(runs_per_slot, bounds) -> list[dict[int, list[tuple[int, int]]]]:
+    """Per slot: document -> its pieces (global start, end) in that slot."""
+    from bisect import bisect_right
+
+    out = []
+    for runs in runs_per_slot:
+        docs: dict[int, list[tuple[int, int]]] = {}
+        for start, n in runs:
+            end, d = start + n, bisect_right(bounds, start) - 1
+            while start < end:
+                stop = min(end, bounds[d + 1])
+                docs.setdefault(d, []).append((start, stop))
+                start, d = stop, d + 1
+        out.append(docs)
+    return out
+
+
+def kv_rows(runs_per_slot, bounds) -> tuple[int, int, int, int]:
+    """(rows of other slots in shared documents, the causal subset of them, document pieces,
+    ordered slot pairs (q, s), q != s, where a query of q sees a key of s: blocks a ring sends)."""
+    held = holdings(runs_per_slot, bounds)
+    rows = causal = pieces = 0
+    pairs = set()
+    for r, docs in enumerate(held):
+        for d, mine in docs.items():
+            pieces += 1
+            last = max(stop for _, stop in mine)
+            for s, other in enumerate(held):
+                if s != r and d in other:
+                    rows += sum(stop - start for start, stop in other[d])
+                    seen = sum(max(0, min(stop, last) - start) for start, stop in other[d])
+                    causal += seen
+                    if seen:
+                        pairs.add((r, s))
+    return rows, causal, pieces, len(pairs)
+
+
+def check(runs_per_slot, seq_len: int, ring: int) -> None:
+    """Exact partition with S/R tokens per slot (the benchmark refuses to report a broken layout)."""
+    spans = sorted(run for runs in runs_per_slot for run in runs)
+    assert all(sum(n for _, n in runs) == seq_len // ring for runs in runs_per_slot)
+    assert spans[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:]))
+    assert spans[-1][0] + spans[-1][1] == seq_len
+
+
+def measure(pack_set: dict) -> dict:
+    """Every design's numbers on one pack set."""
+    seq_len, ring, window = pack_set["seq_len"], pack_set["ring"], pack_set["window"]
+    out = {}
+    for design in DESIGNS:
+        ratios, runs, pieces, pairs, rows, causal = [], [], [], [], 0, 0
+        for bounds in pack_set["packs"]:
+            slots = layout(design, bounds, seq_len, ring, window)
+            check(slots, seq_len, ring)
+            work = slot_work(slots, bounds, window)
+            ratios.append(max(work) * ring / sum(work))
+            runs.append(sum(len(r) for r in slots))
+            kv, kv_causal, doc_pieces, visible = kv_rows(slots, bounds)
+            rows, causal, pieces, pairs = rows + kv, causal + kv_causal, pieces + [doc_pieces], pairs + [visible]
+        out[design] = dict(work_max=max(ratios), work_mean=statistics.fmean(ratios),
+                           over_105=sum(x > 1.05 for x in ratios), runs=statistics.fmean(runs),
+                           pieces=statistics.fmean(pieces), pairs=statistics.fmean(pairs), kv_rows=rows,
+                           kv_causal=causal)
+    for design in DESIGNS:
+        for key in ("kv_rows", "kv_causal"):
+            out[design][key + "_vs_zigzag"] = out[design][key] / max(1, out["zigzag"][key])
+    return out
+
+
+def build_times(repeats: int) -> list[dict]:
+    """Host time of balanced_slot_runs for 1,000 / 8,000 / 32,000 documents: wall and CPU time
+    (``time.process_time``, less disturbed by other jobs on a shared machine), min and median."""
+    rows = []
+    for documents, seq_len in ((1000, 65536), (8000, 65536), (32000, 262144)):
+        for ring in (4, 8):
+            bounds = uniform_cuts(seq_len, documents, 0)
+            wall, cpu = [], []
+            for _ in range(repeats):
+                start, cpu_start = time.perf_counter(), time.process_time()
+                balanced_slot_runs(bounds, seq_len, ring)
+                wall.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - cpu_start)
+            rows.append(dict(documents=documents, seq_len=seq_len, ring=ring, min_ms=min(wall) * 1e3,
+                             median_ms=statistics.median(wall) * 1e3, cpu_min_ms=min(cpu) * 1e3,
+                             cpu_median_ms=statistics.median(cpu) * 1e3))
+    return rows
+
+
+def markdown(results: list[dict], timing: list[dict], info: dict) -> str:
+    lines = [f"# Document-balanced layouts at the plan level ({info['date']})", "",
+             f"{info['machine']}; load {info['load']}; hybridsp {info['revision']}.", "",
+             "work = busiest slot / mean (worst pack, mean over packs, packs over 1.05); runs and doc",
+             "pieces summed over slots (mean over packs); K/V rows = rows of other slots in shared",
+             "documents (all, and the causal subset), summed over packs, / zigzag's; visible slot pairs =",
+             "ordered pairs of different slots where some query sees some key (the K/V blocks a ring that",
+             "skips invisible blocks sends; R (R - 1) at most), mean over packs.", ""]
+    for pack_set in results:
+        lines += [f"## {pack_set['name']} ({pack_set['packs']} packs)", "",
+                  "| design | work max | work mean | >1.05 | runs | doc pieces | K/V rows vs zigzag | causal rows vs zigzag "
+                  "| visible slot pairs |", "|---|---|---|---|---|---|---|---|---|"]
+        for design, m in pack_set["designs"].items():
+            lines.append(f"| {design} | {m['work_max']:.3f} | {m['work_mean']:.3f} | {m['over_105']} | {m['runs']:.1f} | "
+                         f"{m['pieces']:.1f} | {m['kv_rows_vs_zigzag']:.2f} | {m['kv_causal_vs_zigzag']:.2f} | "
+                         f"{m['pairs']:.1f} |")
+        lines.append("")
+    lines += ["## Build time of `balanced_slot_runs` (uniform random cut points)", "",
+              "| documents | S | R | wall min ms | wall median ms | CPU min ms | CPU median ms |",
+              "|---|---|---|---|---|---|---|"]
+    lines += [f"| {t['documents']:,} | {t['seq_len']:,} | {t['ring']} | {t['min_ms']:.1f} | {t['median_ms']:.1f} | "
+              f"{t['cpu_min_ms']:.1f} | {t['cpu_median_ms']:.1f} |" for t in timing]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=100, help="packs per random pack set")
+    parser.add_argument("--repeats", type=int, default=15, help="build-time repeats (min reported)")
+    args = parser.parse_args()
+    info = dict(date=time.strftime("%Y-%m-%d"), machine=machine_info(), load=load(), revision=revision())
+    results = []
+    for pack_set in pack_sets(args.seeds):
+        print(f"{pack_set['name']} ...", flush=True)
+        results.append(dict(name=pack_set["name"], seq_len=pack_set["seq_len"], ring=pack_set["ring"],
+                            window=pack_set["window"], packs=len(pack_set["packs"]), designs=measure(pack_set)))
+    timing = build_times(args.repeats)
+    info["load_after"] = load()
+    text = markdown(results, timing, info)
+    print(text)
+    write_results(str(ROOT / "benchmarks" / "results_balance"), text,
+                  dict(info=info, designs={k: v for k, v in DESIGNS.items()}, pack_sets=results, build_times=timing))
+
+
+if __name__ == "__main__":
+    main()
