@@ -48,6 +48,7 @@ DOC_COUNTS = (1_000, 8_000, 32_000)
 MODEL_SEQ, MODEL_DOCS = 1024, 16
 MODEL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=2048, attn_implementation="sdpa")
+OVERHEAD_SMALL, OVERHEAD_LARGE = (1, 64, 2, 16), (1, 512, 4, 32)  # [B, S, H, D]; the larger for context
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
                "all_to_all", "all_to_all_single", "batch_isend_irecv", "send", "recv", "reduce_scatter",
                "reduce_scatter_tensor", "broadcast", "barrier")
@@ -173,23 +174,31 @@ def _model_rank(rank: int, world: int, variants: list[str], iters: int) -> dict:
         with CallCounter() as counter:
             loss = step(variant)
         result[variant] = {"calls": counter.calls, "loss": loss}
-    times = interleave({v: (lambda v=v: (_plan_cache().cache_clear(), step(v))) for v in variants}, iters, group=mesh.context_group)
+    fresh = {v: (lambda v=v: (_plan_cache().cache_clear(), step(v))) for v in variants}  # a new batch each step
+    times = interleave(fresh, iters, group=mesh.context_group)
     handle.undo()
     for variant in variants:
         result[variant]["times"] = times[variant]
     return result
 
 
-def _overhead_rank(rank: int, world: int, iters: int) -> dict:
-    """harness.interleave times of hybrid_attn_func / bare kernel / SDPA fwd+bwd on a 1 x 1 mesh."""
+def _overhead_rank(rank: int, world: int, shapes: list) -> dict:
+    """Per ([B, S, H, D], iters): harness.interleave times of hybrid_attn_func / bare kernel / SDPA
+    fwd+bwd (fp32, causal) on a 1 x 1 mesh."""
+    import hybridsp
+
+    mesh = hybridsp.init_mesh(ulysses=1, ring=1)
+    return {"x".join(map(str, shape)): _overhead_times(mesh, tuple(shape), iters) for shape, iters in shapes}
+
+
+def _overhead_times(mesh, shape: tuple, iters: int) -> dict:
     import hybridsp
     from hybridsp.kernels import get_kernel
 
-    mesh = hybridsp.init_mesh(ulysses=1, ring=1)
     gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(1, 64, 2, 16, generator=gen) for _ in range(4))  # [B, S, H, D]
+    q, k, v, dout = (torch.randn(shape, generator=gen) for _ in range(4))  # [B, S, H, D]
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    kernel, scale = get_kernel("torch"), 16 ** -0.5
+    kernel, scale = get_kernel("torch"), shape[-1] ** -0.5
 
     def hybrid():
         hybridsp.hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch").backward(dout)
@@ -205,7 +214,7 @@ def _overhead_rank(rank: int, world: int, iters: int) -> dict:
 
     calls = {"hybrid_attn_func": hybrid, "bare kernel": bare, "torch SDPA": sdpa}
     for call in calls.values():
-        for _ in range(20):
+        for _ in range(10):
             call()
     return interleave(calls, iters)
 
@@ -216,14 +225,14 @@ def worker(part: str, args: dict) -> dict:
 
     out = {"hybridsp": hybridsp.__file__}
     if part == "plan":
-        out["plan"] = {str(n): plan_times(n, r) for n, r in args["repeats"].items() if r > 0}
+        out["plan"] = {str(n): plan_times(int(n), r) for n, r in args["repeats"].items() if r > 0}
     elif part == "model":
         ranks = launch(_model_rank, 4, args["variants"], args["iters"])
         out["model"] = {v: {"calls": [r[v]["calls"] for r in ranks], "loss": ranks[0][v]["loss"],
                             "time": combine([r[v]["times"] for r in ranks])} for v in args["variants"]}
     elif part == "overhead":
-        times = launch(_overhead_rank, 1, args["iters"])[0]
-        out["overhead"] = {name: combine([t]) for name, t in times.items()}
+        shapes = launch(_overhead_rank, 1, args["shapes"])[0]
+        out["overhead"] = {shape: {name: combine([t]) for name, t in times.items()} for shape, times in shapes.items()}
     return out
 
 
@@ -231,17 +240,27 @@ def worker(part: str, args: dict) -> dict:
 # the driver (this checkout's Python; each measurement in a subprocess)
 
 
-def run_worker(tree: str, part: str, args: dict, timeout: float) -> dict:
+def _command(tree: str, part: str, args: dict):
     env = {**os.environ, "PYTHONPATH": tree}
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", part, "--args", json.dumps(args)]
-    started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd="/tmp")
-    if done.returncode != 0:
-        raise RuntimeError(f"{part} in {tree} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return command, env
+
+
+def _parse(tree: str, part: str, returncode: int, stdout: str, stderr: str) -> dict:
+    if returncode != 0:
+        raise RuntimeError(f"{part} in {tree} failed:\n{stderr[-3000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
     if not result["hybridsp"].startswith(tree):
         raise RuntimeError(f"{tree}: imported {result['hybridsp']}")
-    print(f"  {part} {tree}: {time.perf_counter() - started:.1f} s (load {load()})", flush=True)
+    return result
+
+
+def run_worker(tree: str, part: str, args: dict, timeout: float = 900) -> dict:
+    command, env = _command(tree, part, args)
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd="/tmp")
+    result = _parse(tree, part, done.returncode, done.stdout, done.stderr)
+    print(f"  {part} {tree}: {time.perf_counter() - started:.0f} s (load {load()})", flush=True)
     return result
 
 
@@ -249,8 +268,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--before", default="/work/wt-before")
     parser.add_argument("--after", default=str(HERE.parent))
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--only", choices=("plan", "model", "overhead"), action="append")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--slow-timeout", type=float, default=1800,
+                        help="wall seconds for the old builder's one 32,000-document build (runs alongside)")
     parser.add_argument("--prefix", default=str(HERE / "results_core_shape"))
     parser.add_argument("--worker")
     parser.add_argument("--args")
@@ -258,35 +278,155 @@ def main() -> None:
     if opts.worker:
         print(json.dumps(worker(opts.worker, json.loads(opts.args))))
         return
-    from bench_core_shape_report import report
-
     trees = {"before": opts.before, "after": opts.after}
-    parts = opts.only or ["plan", "model", "overhead"]
     raw = {"before": [], "after": []}
-    start_load = load()
+    start_load, started = load(), time.perf_counter()
+    command, env = _command(opts.before, "plan", {"repeats": {str(DOC_COUNTS[-1]): 1}})
+    slow = subprocess.Popen(command, env=env, cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for i in range(opts.rounds):
         order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
         print(f"round {i + 1}/{opts.rounds}", flush=True)
-        for part in parts:
+        for part in ("plan", "overhead", "model"):
+            if part == "model" and i > 0:
+                continue  # counts are exact; one step-time sample per tree is enough here
             for name in order:
-                raw[name].append(run_worker(trees[name], part, _part_args(part, name, i), timeout=900))
-    data = {"machine": machine_info(), "software": software_info(), "load_start": start_load,
-            "load_end": load(), "rounds": opts.rounds, "trees": trees, "raw": raw}
-    markdown, summary = report(data)
-    data["summary"] = summary
+                raw[name].append(run_worker(trees[name], part, _part_args(part, name)))
+    try:
+        stdout, stderr = slow.communicate(timeout=max(1.0, opts.slow_timeout - (time.perf_counter() - started)))
+        raw["before"].append(_parse(opts.before, "plan", slow.returncode, stdout, stderr))
+        slow_note = None
+    except subprocess.TimeoutExpired:
+        slow.kill()
+        slow_note = f"not finished within {opts.slow_timeout:.0f} s wall"
+    data = {"machine": machine_info(), "software": software_info(), "load_start": start_load, "load_end": load(),
+            "uptime": _uptime(), "rounds": opts.rounds, "trees": trees, "slow_note": slow_note, "raw": raw}
+    with open(opts.prefix + ".json", "w") as handle:  # the raw data first, in case the report fails
+        json.dump(data, handle, indent=1)
+    markdown, data["summary"] = report(data)
     write_results(opts.prefix, markdown, data)
     print(markdown)
 
 
-def _part_args(part: str, tree: str, round_index: int) -> dict:
-    """Repeats per round: the old quadratic builder gets one 32,000-document build in round 1 only."""
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def _part_args(part: str, tree: str) -> dict:
+    """Repeats per round (the old builder's 32,000-document build runs once, alongside: see main)."""
     if part == "plan":
-        if tree == "before":
-            return {"repeats": {1000: 3, 8000: 1, 32000: 1 if round_index == 0 else 0}}
-        return {"repeats": {1000: 5, 8000: 5, 32000: 3}}
+        return {"repeats": {"1000": 3, "8000": 1} if tree == "before" else {"1000": 5, "8000": 5, "32000": 3}}
     if part == "model":
         return {"variants": ["plain"] if tree == "before" else ["plain", "documents"], "iters": 4}
-    return {"iters": 1500}
+    return {"shapes": [[list(OVERHEAD_SMALL), 600], [list(OVERHEAD_LARGE), 30]]}
+
+
+# --------------------------------------------------------------------------------------------
+# the report
+
+
+def _med(values: list) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarise(raw: dict) -> dict:
+    """Merge the rounds: plan times per document count, overhead times per shape and call, model counts."""
+    out = {}
+    for tree, results in raw.items():
+        plan, overhead, model = {}, {}, {}
+        for result in results:
+            for n, times in result.get("plan", {}).items():
+                entry = plan.setdefault(n, {"cpu": [], "wall": [], "pieces": times["pieces"]})
+                entry["cpu"] += times["cpu"]
+                entry["wall"] += times["wall"]
+            for shape, calls in result.get("overhead", {}).items():
+                for name, times in calls.items():
+                    entry = overhead.setdefault(shape, {}).setdefault(name, {"cpu": [], "wall": []})
+                    entry["cpu"] += times["cpu"]
+                    entry["wall"] += times["wall"]
+            model.update(result.get("model", {}))
+        out[tree] = {
+            "plan": {n: {"repeats": len(t["cpu"]), "cpu_s": _med(t["cpu"]), "wall_s": _med(t["wall"]),
+                         "pieces": t["pieces"]} for n, t in plan.items()},
+            "overhead": {shape: {name: {"iters": len(t["cpu"]), "cpu_us": 1e6 * _med(t["cpu"]),
+                                        "wall_us": 1e6 * _med(t["wall"])} for name, t in calls.items()}
+                         for shape, calls in overhead.items()},
+            "model": {v: {"calls_rank0": m["calls"][0], "ranks_agree": all(c == m["calls"][0] for c in m["calls"]),
+                          "loss": m["loss"], "step_wall_s": m["time"]["median_wall"],
+                          "step_cpu_s_all_ranks": m["time"]["median_cpu"]} for v, m in model.items()},
+        }
+    return out
+
+
+def _plan_table(summary: dict, slow_note) -> list[str]:
+    lines = ["| documents | before CPU s | after CPU s | CPU ratio | before wall s | after wall s | wall ratio | "
+             "repeats b/a | pieces b/a |", "|---|---|---|---|---|---|---|---|---|"]
+    for n in map(str, DOC_COUNTS):
+        b, a = summary["before"]["plan"].get(n), summary["after"]["plan"].get(n)
+        if a is None:
+            continue
+        if b is None:
+            lines.append(f"| {int(n):,} | ({slow_note}) | {a['cpu_s'] * 1e3:.1f} ms | | | {a['wall_s'] * 1e3:.1f} ms "
+                         f"| | 0/{a['repeats']} | -/{a['pieces']} |")
+            continue
+        lines.append(f"| {int(n):,} | {b['cpu_s']:.3f} | {a['cpu_s']:.4f} | {b['cpu_s'] / a['cpu_s']:.0f}x | "
+                     f"{b['wall_s']:.3f} | {a['wall_s']:.4f} | {b['wall_s'] / a['wall_s']:.0f}x | "
+                     f"{b['repeats']}/{a['repeats']} | {b['pieces']}/{a['pieces']} |")
+    return lines
+
+
+def _model_table(summary: dict) -> list[str]:
+    rows = {"before": summary["before"]["model"].get("plain"), "after": summary["after"]["model"].get("plain"),
+            "after + hybridsp_documents": summary["after"]["model"].get("documents")}
+    names = sorted({k for r in rows.values() if r for k in r["calls_rank0"]})
+    lines = ["| variant | " + " | ".join(n for n in names) + " | ranks agree | step wall s (median) | loss |",
+             "|---|" + "---|" * (len(names) + 3)]
+    for label, r in rows.items():
+        if r:
+            counts = " | ".join(str(r["calls_rank0"].get(n, 0)) for n in names)
+            lines.append(f"| {label} | {counts} | {r['ranks_agree']} | {r['step_wall_s']:.3f} | {r['loss']:.6f} |")
+    return lines
+
+
+def _overhead_table(summary: dict) -> list[str]:
+    lines = ["| shape B x S x H x D | tree | hybrid_attn_func us | bare kernel us | torch SDPA us | "
+             "hybrid / kernel (CPU) | hybrid / kernel (wall) | hybrid / SDPA (CPU) | iters |", "|---|" + "---|" * 8]
+    for shape in summary["after"]["overhead"]:
+        for tree in ("before", "after"):
+            t = summary[tree]["overhead"].get(shape)
+            if not t:
+                continue
+            h, k, s = t["hybrid_attn_func"], t["bare kernel"], t["torch SDPA"]
+            lines.append(f"| {shape} | {tree} | {h['cpu_us']:.0f} | {k['cpu_us']:.0f} | {s['cpu_us']:.0f} | "
+                         f"{h['cpu_us'] / k['cpu_us']:.2f} | {h['wall_us'] / k['wall_us']:.2f} | "
+                         f"{h['cpu_us'] / s['cpu_us']:.2f} | {h['iters']} |")
+    return lines
+
+
+def report(data: dict) -> tuple[str, dict]:
+    """(markdown, summary) of a run."""
+    summary = summarise(data["raw"])
+    lines = [
+        "# Issue 19: the core reshaping, before (4a51805) vs after", "",
+        f"`python benchmarks/bench_core_shape.py` ({data['rounds']} rounds, before/after alternating; "
+        f"after = `{data['trees']['after']}`). {data['machine']}; {data['software']}.",
+        f"Load average (1/5/15 min) at start {data['load_start']}, at end {data['load_end']}; `{data['uptime']}`. "
+        "The machine was shared with other jobs: CPU times (process_time) are the steadier measure, "
+        "wall times include waiting for a core.", "",
+        f"## 1. Plan building: S = {SEQ_PLAN:,}, R = {RING_PLAN}, zigzag, causal, random documents (seed 0)", "",
+        "Medians over cold builds (plan cache cleared before each). The old builder's 32,000-document build ran once, "
+        "alongside the rest.", "", *_plan_table(summary, data.get("slow_note")), "",
+        f"## 2. One step of a switched 4-layer Llama, packed batch (S = {MODEL_SEQ}, {MODEL_DOCS} documents), "
+        "U2 x R2, 4 gloo ranks", "",
+        "Calls per rank (rank 0; `ranks agree`: all 4 ranks counted the same) during one step: shard_batch, forward, "
+        "sharded_cross_entropy, backward, plan cache cleared first. `p2p ops`: isend/irecv ops inside "
+        "batch_isend_irecv; `build_plan calls`: calls of masks.build_plan; `plans built`: plan cache misses. "
+        "Step wall: median of 4 interleaved steps (max over ranks).", "", *_model_table(summary), "",
+        "## 3. Per-call overhead of hybrid_attn_func on a 1 x 1 mesh (world-1 gloo group), fp32 causal fwd+bwd", "",
+        "Medians per call (us, process CPU time) over interleaved repeats (harness.interleave); bare kernel = "
+        "`get_kernel(\"torch\").forward` + `.backward`; torch SDPA = F.scaled_dot_product_attention with autograd.",
+        "", *_overhead_table(summary), "",
+    ]
+    return "\n".join(lines), summary
 
 
 if __name__ == "__main__":

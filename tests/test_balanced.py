@@ -167,3 +167,20 @@ def test_bytes_sent_equal_the_plan_formula_for_both_layouts():
     for per_layout in run_distributed(_bytes, 4):
         for sent, want in per_layout:
             assert sent == want, (sent, want)
+
+
+def test_planner_reports_what_the_balanced_layout_buys():
+    import json
+    import subprocess
+    import sys
+
+    from hybridsp.planner.packing import pack_bounds, packing_imbalance
+
+    assert pack_bounds([5, 3], 12) == (0, 5, 8, 12)
+    skewed = packing_imbalance([3000, 500, 100, 4000, 200], 16384, 4)
+    assert skewed["zigzag"] > 1.2 and skewed["balanced"] < 1.05, skewed
+    out = subprocess.run([sys.executable, "-m", "hybridsp", "plan", "--model", "llama3-8b", "--seq-len", "131072",
+                          "--ulysses", "2", "--ring", "4", "--doc-lengths", "5000,120,800,20000,300", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    packing = json.loads(out)["packing"]
+    assert packing["ring"] == 4 and packing["zigzag"] > packing["balanced"] and "balanced" in packing["report"]

@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**(result.to_dict() if result else {"recommended": None, "ranked": []}), **extra}))
     else:
-        if extra:
+        if "longest_context" in extra:
             print(f"Longest context: {extra['longest_context']['seq_len']:,} tokens "
                   f"(multiple of {args.granularity}) under the plans below\n")
         print(format_result(result, args.top) if result else "Nothing fits even at the granularity.")
