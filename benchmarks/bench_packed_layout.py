@@ -1,0 +1,151 @@
+"""Packed batches: the zigzag and the document-balanced layout side by side, in one run (issue 20).
+
+Run:  python benchmarks/bench_packed_layout.py [--packs 3] [--repeats 3]
+
+For mixed packs (lognormal document lengths from ~16 to ~8,000 tokens, S = 16,384; seeded), at
+U1 x R4 and U2 x R2 on 4 gloo ranks, for each layout:
+
+* **plan work max/mean**: score cells each ring rank computes (``BlockPlan.work``), busiest over the mean;
+  **total work** over ranks, as a ratio to zigzag's;
+* **bytes**: what the busiest rank sends per forward + backward (``comm_volume.hybrid_bytes`` with the
+  call's plan, which the byte counter tests equal), as a ratio to zigzag's;
+* **measured**: each rank's process CPU time of one forward + backward of ``hybrid_attn_func`` (fp32,
+  H = 4, Hkv = 2, D = 64; the torch CPU kernel), median over repeats, layouts interleaved. The
+  busiest rank's time is what a step costs with one device per rank (every ring step waits for
+  it); max/mean is the measured balance. CPU time, not wall time: on a shared 2-core machine four
+  ranks' wall clocks measure the scheduler, their CPU times measure the work.
+
+Writes benchmarks/results_packed_layout.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from harness import launch, load, machine_info, revision, write_results  # noqa: E402
+
+SEQ, HEADS, KV_HEADS, HEAD_DIM = 16384, 4, 2, 64
+MESHES = ((1, 4), (2, 2))
+LAYOUTS = ("zigzag", "balanced")
+
+
+def lognormal_pack(seed: int, seq: int = SEQ) -> tuple[int, ...]:
+    """Document boundaries of one row: lognormal lengths clipped to [16, 8000], the last one cut at ``seq``."""
+    rng = random.Random(seed)
+    bounds = [0]
+    while bounds[-1] < seq:
+        length = int(min(8000, max(16, rng.lognormvariate(6.0, 1.3))))
+        bounds.append(min(seq, bounds[-1] + length))
+    return tuple(bounds)
+
+
+def plan_metrics(bounds, ulysses: int, ring: int) -> dict:
+    """Plan-level work and bytes of each layout on one pack (no processes)."""
+    from hybridsp.comm_volume import hybrid_bytes
+    from hybridsp.masks import build_plan
+
+    out = {}
+    for layout in LAYOUTS:
+        plan = build_plan(SEQ, ring, layout, causal=True, docs=(bounds,), window=None, batch=1)
+        work = [plan.work(r) for r in range(ring)]
+        sent = [sum(hybrid_bytes(batch=1, seq_len=SEQ, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                 ulysses=ulysses, ring=ring, ring_rank=r, element_size=4, plan=plan).values())
+                for r in range(ring)]
+        out[layout] = {"work_max_over_mean": max(work) * ring / sum(work), "total_work": sum(work),
+                       "max_bytes": max(sent)}
+    return out
+
+
+def _measure(rank, world, ulysses, ring, packs, repeats):
+    """Per layout and pack: this rank's CPU seconds of one forward + backward, each repeat."""
+    from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
+
+    meshes = {layout: init_mesh(ulysses=ulysses, ring=ring, layout=layout) for layout in LAYOUTS}
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, SEQ, h, HEAD_DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)]
+    times = {layout: [[] for _ in packs] for layout in LAYOUTS}
+    for repeat in range(repeats):
+        order = LAYOUTS if repeat % 2 == 0 else LAYOUTS[::-1]  # interleaved
+        for index, bounds in enumerate(packs):
+            for layout in order:
+                mesh, cu = meshes[layout], torch.tensor(bounds)
+                q, k, v = (shard_sequence(t, mesh, cu_seqlens=cu).clone().requires_grad_() for t in full[:3])
+                dout = shard_sequence(full[3], mesh, cu_seqlens=cu)
+                torch.distributed.barrier()
+                start = time.process_time()
+                hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu, backend="torch").backward(dout)
+                times[layout][index].append(time.process_time() - start)
+    return times
+
+
+def summarise(per_rank: list[dict], packs) -> dict:
+    """Medians over repeats; per layout and pack: busiest rank, max/mean, total over ranks."""
+    out = {}
+    for layout in LAYOUTS:
+        rows = []
+        for index in range(len(packs)):
+            medians = [statistics.median(times[layout][index]) for times in per_rank]
+            rows.append({"busiest_s": max(medians), "max_over_mean": max(medians) * len(medians) / sum(medians),
+                         "total_s": sum(medians)})
+        out[layout] = rows
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--packs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    packs = [lognormal_pack(seed) for seed in range(args.packs)]
+    rows, before = [], load()
+    for ulysses, ring in MESHES:
+        plans = [plan_metrics(bounds, ulysses, ring) for bounds in packs]
+        measured = summarise(launch(_measure, 4, ulysses, ring, packs, args.repeats, timeout=3600), packs)
+        for index, bounds in enumerate(packs):
+            zig, bal = plans[index]["zigzag"], plans[index]["balanced"]
+            mz, mb = measured["zigzag"][index], measured["balanced"][index]
+            rows.append({
+                "mesh": f"U{ulysses}xR{ring}", "pack": index, "documents": len(bounds) - 1,
+                "work_max_over_mean": {"zigzag": zig["work_max_over_mean"], "balanced": bal["work_max_over_mean"]},
+                "total_work_ratio": bal["total_work"] / zig["total_work"],
+                "bytes_ratio": bal["max_bytes"] / zig["max_bytes"],
+                "measured_max_over_mean": {"zigzag": mz["max_over_mean"], "balanced": mb["max_over_mean"]},
+                "busiest_speedup": mz["busiest_s"] / mb["busiest_s"],
+                "total_time_ratio": mb["total_s"] / mz["total_s"],
+                "busiest_s": {"zigzag": mz["busiest_s"], "balanced": mb["busiest_s"]},
+            })
+    lines = [
+        "# Packed batches: zigzag vs balanced layout", "",
+        f"{machine_info()}; load {before} -> {load()}; revision {revision()}", "",
+        f"S = {SEQ}, H = {HEADS}, Hkv = {KV_HEADS}, D = {HEAD_DIM}, fp32, 4 gloo ranks, lognormal packs "
+        f"(16..8,000 tokens), medians of {args.repeats} interleaved repeats of one forward + backward "
+        "(each rank's CPU time).", "",
+        "| mesh | pack | docs | plan work max/mean zigzag -> balanced | total work bal/zig | bytes (busiest) bal/zig "
+        "| measured max/mean zigzag -> balanced | busiest rank zigzag/balanced | total CPU bal/zig |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mesh']} | {r['pack']} | {r['documents']} | {r['work_max_over_mean']['zigzag']:.3f} -> "
+            f"{r['work_max_over_mean']['balanced']:.3f} | {r['total_work_ratio']:.3f} | {r['bytes_ratio']:.3f} | "
+            f"{r['measured_max_over_mean']['zigzag']:.3f} -> {r['measured_max_over_mean']['balanced']:.3f} | "
+            f"{r['busiest_speedup']:.2f}x | {r['total_time_ratio']:.3f} |")
+    write_results(str(ROOT / "benchmarks" / "results_packed_layout"), "\n".join(lines) + "\n",
+                  {"rows": rows, "packs": packs, "args": vars(args)})
+    print("\n".join(lines))
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()
