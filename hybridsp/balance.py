@@ -1,51 +1,45 @@
 """Document-balanced token layout: which global tokens each ring slot holds for one packed row.
 
-Pure Python (no torch): computed on the host once per batch row from the row's document
-boundaries ``bounds = (0, b1, ..., S)`` (flash-attn's ``cu_seqlens`` of the row).
+Pure Python (no torch), computed on the host once per batch row from its document boundaries
+``bounds = (0, b1, ..., S)`` (the row's ``cu_seqlens``). Work model: attention is causal inside
+each document; the token at offset ``p`` of its document attends to ``min(p + 1, W)`` keys
+(``W`` = window, unbounded if None); a slot's work is the sum over its tokens. Every slot holds
+exactly ``T = S / R`` tokens. ``W*`` = total work / R.
 
-Work model: attention is causal inside each document; the token at offset ``p`` of its document
-(0-based) attends to ``min(p + 1, W)`` keys (``W`` = window, unbounded when ``None``). A slot's
-work is the sum over its tokens. Every slot holds exactly ``T = S / R`` tokens.
+Note [balanced layout]. One *try* (:func:`design_slot_runs`):
 
-The layout (Note [balanced layout]); ``W*`` = total work / R, ``T`` = S / R:
-
-1. **Split documents**: every document except the largest with at least ``T`` tokens or work
-   >= ``split_share`` x ``W*`` (none in the first try) is split by per-document zigzag
-   (TransformerEngine THD's split) over ``k`` slots, ``k`` (2..R) just large enough that each
-   share has less work and fewer tokens than that: ``2k`` chunks, the i-th slot takes chunks
-   ``i`` and ``2k-1-i`` (equal tokens +-1 and, without a window, equal work). The ``k`` slots
-   are those with the fewest tokens; most work first.
-2. **Whole units**: the other documents, except the largest, grouped into consecutive runs of at
-   most ``T / 8`` tokens and ``0.02 W*`` work (a document over either is a unit alone). Units go
-   whole to one slot, most work first (LPT), keeping ``reserve`` (3/4) of the largest document's
-   even share of every slot free: to the slot whose *projected* work (its work plus its free
-   tokens times the mean work per token of everything not placed yet) it brings closest to the
-   mean. A unit that fits no slot is cut into consecutive pieces over the slots with the most
+1. **Split documents**: each document except the largest with >= ``T`` tokens or work >=
+   ``split_share`` x ``W*`` goes by per-document zigzag (TransformerEngine THD's split) to ``k``
+   slots, ``k`` (2..R) just large enough that each share is under both: ``2k`` chunks, the i-th
+   slot takes chunks ``i`` and ``2k-1-i`` (equal tokens +-1 and, without a window, equal work);
+   most work first, to the slots with the fewest tokens.
+2. **Whole units**: the other documents except the largest, in consecutive groups of at most
+   ``T / 8`` tokens and ``0.02 W*`` work, go whole to one slot, most work first (LPT), keeping
+   ``reserve`` (3/4) of the largest document's even share of every slot free: to the slot whose
+   *projected* work (its work + its free tokens x the mean work per token not placed yet) it
+   brings closest to the mean. A unit that fits nowhere is cut over the slots with the most
    free tokens (the only way a short document is split).
-3. **The balancer**: the largest document fills every slot's free tokens, so token counts are
-   exact. Nested from the outside in like zigzag (the slot whose target is farthest from that
-   document's mean work per token takes the outermost pieces), each slot takes a head and a tail
-   piece whose sizes are bisected so that its total work is closest to ``W*``; the innermost slot
-   takes the middle. Shares of the largest document are therefore unequal.
+3. **The balancer**: the largest document fills every slot's free tokens (token counts exact).
+   Nested from the outside in like zigzag (the slot whose target is farthest from that
+   document's mean work per token outermost), each slot takes a head and a tail piece, the head
+   size bisected so that the slot's work is closest to ``W*``; the innermost takes the middle.
 
-Steps 1-3 are one try; :func:`balanced_slot_runs` runs the tries of :data:`TRIES` in order
-(split threshold none / 0.5 / 0.35 / 0.25 / 0.15 / 0.1 ``W*``, reserve 1/4 .. 1 share: fewest
-split documents, hence least K/V traffic, first) and keeps the first whose busiest slot is within
-1% of the mean, else the best. Without a window one or two tries nearly always do; sliding
-windows (whose work is nearly proportional to tokens, so only the first ``W`` tokens of a
-document can move work) need later ones more often. Tries stop once they have handled 16,000
-documents (at least two), so that many-document rows stay linear and fast.
+:func:`balanced_slot_runs` runs the tries of :data:`TRIES` in order (split threshold none / 0.5
+/ 0.35 / 0.25 / 0.15 / 0.1 ``W*``, reserve 1/4 .. 1: fewest split documents, so least K/V
+traffic, first) and keeps the first whose busiest slot is within 1% of the mean, else the best.
+Without a window one or two tries nearly always do; sliding windows (work nearly proportional
+to tokens: only the first ``W`` tokens of a document can move work) need more. Tries stop after
+16,000 documents' worth (at least two), so many-document rows stay linear and fast.
 ``benchmarks/bench_balance.py`` measures the choices.
 
-With one document (``bounds == (0, S)``) or R = 1 the result is exactly the zigzag layout
-(whose middle slot keeps its two touching chunks). Otherwise the runs inside a slot come in two
-groups, each by ascending global start with touching runs merged: first the documents the slot
-holds whole, then the pieces of documents other slots hold too (split documents, the balancer,
-cut units). A sender ships the hull of the local K/V rows a peer reads, and only shared
-documents are read, so keeping them together makes that hull tighter (``bench_balance.py``:
--6% rows at R = 4 on the lognormal packs, -30% with 100 documents at R = 8, against plain
-ascending order). Local offsets are the running sum of the lengths. Time per try: O(n log n + n R) for n documents (the sorts and the slot choice) plus
-O(R log S); 8,000 documents at S = 65,536, R = 4: ~8 ms CPU on a loaded 2-core machine.
+With one document or R = 1 the result is exactly the zigzag layout (whose middle slot keeps its
+two touching chunks). Otherwise a slot's runs come in two groups, each by ascending global
+start with touching runs merged: the documents it holds whole, then pieces of documents other
+slots hold too. A sender ships the hull of the local K/V rows a peer reads, and peers read only
+shared documents, so this order tightens the hull (-6% rows at R = 4 on lognormal packs, -30%
+with 100 documents at R = 8, against plain ascending order). Local offsets are the running sum
+of the lengths. Time per try: O(n log n + n R) for n documents plus O(R log S); 8,000
+documents at S = 65,536, R = 4: ~6-9 ms CPU on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -107,17 +101,15 @@ def design_slot_runs(
     unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
     reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
 ) -> tuple[Runs, ...]:
-    """One layout with explicit design knobs (:func:`balanced_slot_runs` tries several; benchmarks).
+    """One try with explicit knobs (Note [balanced layout]; for benchmarks of the choices).
 
-    ``split_share`` / ``split_length``: documents with work >= split_share x the mean slot work or
-    >= split_length x S/R tokens are split (0: every document of >= 2R tokens; ``inf``: none)
-    over as many slots as keep each share under both (``spread_all``: over every slot, as
-    TransformerEngine's THD). ``unit_share`` / ``unit_work``: consecutive whole documents are
-    grouped into units of at most this x S/R tokens and x the mean slot work (0: one unit per
-    document). ``reserve``: the fraction of the largest document's even share kept free in every
-    slot for it. ``balancer=False``: the largest document is a document like the others (no work
-    correction; split documents then go over every slot), token counts are made exact by cutting
-    units that fit nowhere.
+    ``split_share`` / ``split_length``: documents with work >= split_share x W* or >=
+    split_length x S/R tokens are split (0: all of >= 2R tokens; inf: none) over as many slots
+    as keep each share under both (``spread_all``: over every slot, as TransformerEngine THD).
+    ``unit_share`` / ``unit_work``: whole documents travel in consecutive groups of at most this
+    x S/R tokens and x W* work (0: one per document). ``reserve``: the share of the largest
+    document's even share kept free in every slot. ``balancer=False``: no balancer (split
+    documents go over every slot; units that fit nowhere are cut to make token counts exact).
     """
     _check_bounds(bounds, seq_len, ring, window)
     if len(bounds) == 2 or ring == 1:
