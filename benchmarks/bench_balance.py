@@ -10,9 +10,10 @@ For each pack set (one batch row's document boundaries) and each design, from th
 * **runs**: contiguous runs summed over the slots (gather/scatter pieces), mean over packs;
 * **doc pieces**: (slot, document) pairs summed over the slots (varlen segments);
 * **K/V rows**: sum over slots of the rows of *other* slots that belong to documents the slot
-  also holds (a proxy for the K/V a slot must read), and **causal rows**: only those rows that
-  precede the slot's last token of that document (what causal attention can see); both as a
-  ratio to zigzag on the same packs (sum over the packs);
+  also holds (a proxy for the K/V a slot must read), **causal rows**: only those rows that
+  precede the slot's last token of that document (what causal attention can see), and **hull
+  rows**: per slot pair the span of the sender's local rows from the first to the last row the
+  receiver sees (what hybridsp's block plan ships); ratios to zigzag on the same packs;
 * **build ms**: host time of one layout (min over ``--repeats``; the machine is shared).
 
 Designs (all ``hybridsp.balance.design_slot_runs`` knobs, except zigzag):
@@ -107,41 +108,54 @@ def layout(design: str, bounds, seq_len: int, ring: int, window):
     return design_slot_runs(bounds, seq_len, ring, window=window, **DESIGNS[design])
 
 
-def holdings(runs_per_slot, bounds) -> list[dict[int, list[tuple[int, int]]]]:
-    """Per slot: document -> its pieces (global start, end) in that slot."""
+def holdings(runs_per_slot, bounds) -> list[dict[int, list[tuple[int, int, int]]]]:
+    """Per slot: document -> its pieces (global start, global end, local offset) in that slot."""
     from bisect import bisect_right
 
     out = []
     for runs in runs_per_slot:
-        docs: dict[int, list[tuple[int, int]]] = {}
+        docs: dict[int, list[tuple[int, int, int]]] = {}
+        offset = 0
         for start, n in runs:
-            end, d = start + n, bisect_right(bounds, start) - 1
-            while start < end:
+            pos, end, d = start, start + n, bisect_right(bounds, start) - 1
+            while pos < end:
                 stop = min(end, bounds[d + 1])
-                docs.setdefault(d, []).append((start, stop))
-                start, d = stop, d + 1
+                docs.setdefault(d, []).append((pos, stop, offset + pos - start))
+                pos, d = stop, d + 1
+            offset += n
         out.append(docs)
     return out
 
 
-def kv_rows(runs_per_slot, bounds) -> tuple[int, int, int, int]:
-    """(rows of other slots in shared documents, the causal subset of them, document pieces,
-    ordered slot pairs (q, s), q != s, where a query of q sees a key of s: blocks a ring sends)."""
+def kv_rows(runs_per_slot, bounds) -> dict[str, int]:
+    """K/V traffic proxies of one layout (causal, window ignored), summed over ordered slot pairs
+    (q, s), q != s: ``rows``: s's rows of documents q also holds; ``causal``: those before q's
+    last token of the document (the rows q's queries see); ``hull``: the span of s's *local*
+    rows from the first to the last row q sees (what a sender that ships a hull per peer, as
+    hybridsp's plan does, sends); ``pairs``: pairs with anything visible; ``pieces``: (slot,
+    document) pairs."""
     held = holdings(runs_per_slot, bounds)
-    rows = causal = pieces = 0
-    pairs = set()
-    for r, docs in enumerate(held):
-        for d, mine in docs.items():
-            pieces += 1
-            last = max(stop for _, stop in mine)
-            for s, other in enumerate(held):
-                if s != r and d in other:
-                    rows += sum(stop - start for start, stop in other[d])
-                    seen = sum(max(0, min(stop, last) - start) for start, stop in other[d])
-                    causal += seen
-                    if seen:
-                        pairs.add((r, s))
-    return rows, causal, pieces, len(pairs)
+    out = dict(rows=0, causal=0, hull=0, pairs=0, pieces=sum(len(docs) for docs in held))
+    for q, mine in enumerate(held):
+        last = {d: max(stop for _, stop, _ in pieces) for d, pieces in mine.items()}
+        for s, theirs in enumerate(held):
+            if s == q:
+                continue
+            lo = hi = None
+            for d, pieces in theirs.items():
+                if d not in last:
+                    continue
+                for start, stop, local in pieces:
+                    out["rows"] += stop - start
+                    seen = min(stop, last[d]) - start
+                    if seen > 0:
+                        out["causal"] += seen
+                        lo = local if lo is None else min(lo, local)
+                        hi = local + seen if hi is None else max(hi, local + seen)
+            if lo is not None:
+                out["hull"] += hi - lo
+                out["pairs"] += 1
+    return out
 
 
 def check(runs_per_slot, seq_len: int, ring: int) -> None:
@@ -157,21 +171,21 @@ def measure(pack_set: dict) -> dict:
     seq_len, ring, window = pack_set["seq_len"], pack_set["ring"], pack_set["window"]
     out = {}
     for design in DESIGNS:
-        ratios, runs, pieces, pairs, rows, causal = [], [], [], [], 0, 0
+        ratios, runs, traffic = [], [], []
         for bounds in pack_set["packs"]:
             slots = layout(design, bounds, seq_len, ring, window)
             check(slots, seq_len, ring)
             work = slot_work(slots, bounds, window)
             ratios.append(max(work) * ring / sum(work))
             runs.append(sum(len(r) for r in slots))
-            kv, kv_causal, doc_pieces, visible = kv_rows(slots, bounds)
-            rows, causal, pieces, pairs = rows + kv, causal + kv_causal, pieces + [doc_pieces], pairs + [visible]
+            traffic.append(kv_rows(slots, bounds))
+        total = {key: sum(t[key] for t in traffic) for key in traffic[0]}
         out[design] = dict(work_max=max(ratios), work_mean=statistics.fmean(ratios),
                            over_105=sum(x > 1.05 for x in ratios), runs=statistics.fmean(runs),
-                           pieces=statistics.fmean(pieces), pairs=statistics.fmean(pairs), kv_rows=rows,
-                           kv_causal=causal)
+                           pieces=total["pieces"] / len(traffic), pairs=total["pairs"] / len(traffic),
+                           kv_rows=total["rows"], kv_causal=total["causal"], kv_hull=total["hull"])
     for design in DESIGNS:
-        for key in ("kv_rows", "kv_causal"):
+        for key in ("kv_rows", "kv_causal", "kv_hull"):
             out[design][key + "_vs_zigzag"] = out[design][key] / max(1, out["zigzag"][key])
     return out
 
@@ -200,17 +214,19 @@ def markdown(results: list[dict], timing: list[dict], info: dict) -> str:
              f"{info['machine']}; load {info['load']}; hybridsp {info['revision']}.", "",
              "work = busiest slot / mean (worst pack, mean over packs, packs over 1.05); runs and doc",
              "pieces summed over slots (mean over packs); K/V rows = rows of other slots in shared",
-             "documents (all, and the causal subset), summed over packs, / zigzag's; visible slot pairs =",
-             "ordered pairs of different slots where some query sees some key (the K/V blocks a ring that",
-             "skips invisible blocks sends; R (R - 1) at most), mean over packs.", ""]
+             "documents (all, and the causal subset), summed over packs, / zigzag's; hull rows = per ordered",
+             "slot pair the span of the sender's local rows from the first to the last row the receiver",
+             "sees (what hybridsp's plan ships per pass; window ignored), / zigzag's and per pack; visible",
+             "slot pairs = ordered pairs with any visible key (R (R - 1) at most), mean over packs.", ""]
     for pack_set in results:
         lines += [f"## {pack_set['name']} ({pack_set['packs']} packs)", "",
                   "| design | work max | work mean | >1.05 | runs | doc pieces | K/V rows vs zigzag | causal rows vs zigzag "
-                  "| visible slot pairs |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| hull rows vs zigzag | hull rows / pack | visible slot pairs |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for design, m in pack_set["designs"].items():
             lines.append(f"| {design} | {m['work_max']:.3f} | {m['work_mean']:.3f} | {m['over_105']} | {m['runs']:.1f} | "
                          f"{m['pieces']:.1f} | {m['kv_rows_vs_zigzag']:.2f} | {m['kv_causal_vs_zigzag']:.2f} | "
-                         f"{m['pairs']:.1f} |")
+                         f"{m['kv_hull_vs_zigzag']:.2f} | {m['kv_hull'] / pack_set['packs']:,.0f} | {m['pairs']:.1f} |")
         lines.append("")
     lines += ["## Build time of `balanced_slot_runs` (uniform random cut points)", "",
               "| documents | S | R | wall min ms | wall median ms | CPU min ms | CPU median ms |",

@@ -1,47 +1,45 @@
 """Document-balanced token layout: which global tokens each ring slot holds for one packed row.
 
-Pure Python (no torch): computed on the host once per batch row from the row's document
-boundaries ``bounds = (0, b1, ..., S)`` (flash-attn's ``cu_seqlens`` of the row).
+Pure Python (no torch), computed on the host once per batch row from its document boundaries
+``bounds = (0, b1, ..., S)`` (the row's ``cu_seqlens``). Work model: attention is causal inside
+each document; the token at offset ``p`` of its document attends to ``min(p + 1, W)`` keys
+(``W`` = window, unbounded if None); a slot's work is the sum over its tokens. Every slot holds
+exactly ``T = S / R`` tokens. ``W*`` = total work / R.
 
-Work model: attention is causal inside each document; the token at offset ``p`` of its document
-(0-based) attends to ``min(p + 1, W)`` keys (``W`` = window, unbounded when ``None``). A slot's
-work is the sum over its tokens. Every slot holds exactly ``T = S / R`` tokens.
+Note [balanced layout]. One *try* (:func:`design_slot_runs`):
 
-The layout (Note [balanced layout]); ``W*`` = total work / R, ``T`` = S / R:
-
-1. **Split documents**: every document except the largest with at least ``T`` tokens or work
-   >= ``split_share`` x ``W*`` (none in the first try) is split by per-document zigzag
-   (TransformerEngine THD's split) over ``k`` slots, ``k`` (2..R) just large enough that each
-   share has less work and fewer tokens than that: ``2k`` chunks, the i-th slot takes chunks
-   ``i`` and ``2k-1-i`` (equal tokens +-1 and, without a window, equal work). The ``k`` slots
-   are those with the fewest tokens; most work first.
-2. **Whole units**: the other documents, except the largest, grouped into consecutive runs of at
-   most ``T / 8`` tokens and ``0.02 W*`` work (a document over either is a unit alone). Units go
-   whole to one slot, most work first (LPT), keeping ``reserve`` (3/4) of the largest document's
-   even share of every slot free: to the slot whose *projected* work (its work plus its free
-   tokens times the mean work per token of everything not placed yet) it brings closest to the
-   mean. A unit that fits no slot is cut into consecutive pieces over the slots with the most
+1. **Split documents**: each document except the largest with >= ``T`` tokens or work >=
+   ``split_share`` x ``W*`` goes by per-document zigzag (TransformerEngine THD's split) to ``k``
+   slots, ``k`` (2..R) just large enough that each share is under both: ``2k`` chunks, the i-th
+   slot takes chunks ``i`` and ``2k-1-i`` (equal tokens +-1 and, without a window, equal work);
+   most work first, to the slots with the fewest tokens.
+2. **Whole units**: the other documents except the largest, in consecutive groups of at most
+   ``T / 8`` tokens and ``0.02 W*`` work, go whole to one slot, most work first (LPT), keeping
+   ``reserve`` (3/4) of the largest document's even share of every slot free: to the slot whose
+   *projected* work (its work + its free tokens x the mean work per token not placed yet) it
+   brings closest to the mean. A unit that fits nowhere is cut over the slots with the most
    free tokens (the only way a short document is split).
-3. **The balancer**: the largest document fills every slot's free tokens, so token counts are
-   exact. Nested from the outside in like zigzag (the slot whose target is farthest from that
-   document's mean work per token takes the outermost pieces), each slot takes a head and a tail
-   piece whose sizes are bisected so that its total work is closest to ``W*``; the innermost slot
-   takes the middle. Shares of the largest document are therefore unequal.
+3. **The balancer**: the largest document fills every slot's free tokens (token counts exact).
+   Nested from the outside in like zigzag (the slot whose target is farthest from that
+   document's mean work per token outermost), each slot takes a head and a tail piece, the head
+   size bisected so that the slot's work is closest to ``W*``; the innermost takes the middle.
 
-Steps 1-3 are one try; :func:`balanced_slot_runs` runs the tries of :data:`TRIES` in order
-(split threshold none / 0.5 / 0.35 / 0.25 / 0.15 / 0.1 ``W*``, reserve 1/4 .. 1 share: fewest
-split documents, hence least K/V traffic, first) and keeps the first whose busiest slot is within
-1% of the mean, else the best. Without a window one or two tries nearly always do; sliding
-windows (whose work is nearly proportional to tokens, so only the first ``W`` tokens of a
-document can move work) need later ones more often. Tries stop once they have handled 16,000
-documents (at least two), so that many-document rows stay linear and fast.
+:func:`balanced_slot_runs` runs the tries of :data:`TRIES` in order (split threshold none / 0.5
+/ 0.35 / 0.25 / 0.15 / 0.1 ``W*``, reserve 1/4 .. 1: fewest split documents, so least K/V
+traffic, first) and keeps the first whose busiest slot is within 1% of the mean, else the best.
+Without a window one or two tries nearly always do; sliding windows (work nearly proportional
+to tokens: only the first ``W`` tokens of a document can move work) need more. Tries stop after
+16,000 documents' worth (at least two), so many-document rows stay linear and fast.
 ``benchmarks/bench_balance.py`` measures the choices.
 
-With one document (``bounds == (0, S)``) or R = 1 the result is exactly the zigzag layout
-(whose middle slot keeps its two touching chunks). Otherwise runs inside a slot are ordered by
-global start (ascending) and touching runs are merged; local offsets are the running sum of the
-lengths. Time per try: O(n log n + n R) for n documents (the sorts and the slot choice) plus
-O(R log S); 8,000 documents at S = 65,536, R = 4: ~8 ms CPU on a loaded 2-core machine.
+With one document or R = 1 the result is exactly the zigzag layout (whose middle slot keeps its
+two touching chunks). Otherwise a slot's runs come in two groups, each by ascending global
+start with touching runs merged: the documents it holds whole, then pieces of documents other
+slots hold too. A sender ships the hull of the local K/V rows a peer reads, and peers read only
+shared documents, so this order tightens the hull (-6% rows at R = 4 on lognormal packs, -30%
+with 100 documents at R = 8, against plain ascending order). Local offsets are the running sum
+of the lengths. Time per try: O(n log n + n R) for n documents plus O(R log S); 8,000
+documents at S = 65,536, R = 4: ~6-9 ms CPU on a loaded 2-core machine.
 """
 
 from __future__ import annotations
@@ -74,7 +72,7 @@ def zigzag_slot_runs(seq_len: int, ring: int) -> tuple[Runs, ...]:
 def balanced_slot_runs(
     bounds: tuple[int, ...], seq_len: int, ring: int, *, window: int | None = None
 ) -> tuple[Runs, ...]:
-    """Per ring slot, its tokens as runs ``(global_start, length)`` (ascending start, merged).
+    """Per ring slot, its tokens as runs ``(global_start, length)`` (whole documents, then shared).
 
     ``bounds``: the row's document boundaries ``0 = b0 < b1 < ... < bn = seq_len``; ``seq_len``
     a multiple of ``2 * ring``. Every slot holds exactly ``seq_len // ring`` tokens; the runs of
@@ -94,7 +92,7 @@ def balanced_slot_runs(
             best_ratio, best = ratio, slots
         if ratio <= GOOD_ENOUGH:
             break
-    return tuple(_merged(slot.runs) for slot in best)
+    return _finish(best, bounds)
 
 
 def design_slot_runs(
@@ -103,17 +101,15 @@ def design_slot_runs(
     unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
     reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
 ) -> tuple[Runs, ...]:
-    """One layout with explicit design knobs (:func:`balanced_slot_runs` tries several; benchmarks).
+    """One try with explicit knobs (Note [balanced layout]; for benchmarks of the choices).
 
-    ``split_share`` / ``split_length``: documents with work >= split_share x the mean slot work or
-    >= split_length x S/R tokens are split (0: every document of >= 2R tokens; ``inf``: none)
-    over as many slots as keep each share under both (``spread_all``: over every slot, as
-    TransformerEngine's THD). ``unit_share`` / ``unit_work``: consecutive whole documents are
-    grouped into units of at most this x S/R tokens and x the mean slot work (0: one unit per
-    document). ``reserve``: the fraction of the largest document's even share kept free in every
-    slot for it. ``balancer=False``: the largest document is a document like the others (no work
-    correction; split documents then go over every slot), token counts are made exact by cutting
-    units that fit nowhere.
+    ``split_share`` / ``split_length``: documents with work >= split_share x W* or >=
+    split_length x S/R tokens are split (0: all of >= 2R tokens; inf: none) over as many slots
+    as keep each share under both (``spread_all``: over every slot, as TransformerEngine THD).
+    ``unit_share`` / ``unit_work``: whole documents travel in consecutive groups of at most this
+    x S/R tokens and x W* work (0: one per document). ``reserve``: the share of the largest
+    document's even share kept free in every slot. ``balancer=False``: no balancer (split
+    documents go over every slot; units that fit nowhere are cut to make token counts exact).
     """
     _check_bounds(bounds, seq_len, ring, window)
     if len(bounds) == 2 or ring == 1:
@@ -121,7 +117,7 @@ def design_slot_runs(
     slots = _build(_documents(bounds, window), seq_len, ring, window, split_share=split_share,
                    split_length=split_length, unit_share=unit_share, unit_work=unit_work,
                    reserve=reserve, balancer=balancer, spread_all=spread_all)
-    return tuple(_merged(slot.runs) for slot in slots)
+    return _finish(slots, bounds)
 
 
 def slot_work(runs_per_slot, bounds: tuple[int, ...], window: int | None = None) -> list[int]:
@@ -368,15 +364,33 @@ def _best_head(lo: int, hi: int, free: int, target: float, window) -> int:
     return left
 
 
-def _merged(runs: list[tuple[int, int]]) -> Runs:
-    """Runs sorted by start, touching ones merged."""
-    out: list[list[int]] = []
-    for start, n in sorted(runs):
-        if out and out[-1][0] + out[-1][1] == start:
-            out[-1][1] += n
-        else:
-            out.append([start, n])
-    return tuple((s, n) for s, n in out)
+def _finish(slots: list[_Slot], bounds) -> tuple[Runs, ...]:
+    """Each slot's runs: those of documents no other slot holds first, then those touching a
+    document another slot holds too; each group by ascending start, touching runs merged. (Only
+    the first and last document of a run can be shared: the ones between lie wholly inside it.)"""
+    holders: dict[int, set[int]] = {}
+    ends = []
+    for r, slot in enumerate(slots):
+        for start, n in slot.runs:
+            first, last = bisect_right(bounds, start) - 1, bisect_right(bounds, start + n - 1) - 1
+            holders.setdefault(first, set()).add(r)
+            holders.setdefault(last, set()).add(r)
+            ends.append((first, last))
+    out = []
+    it = iter(ends)
+    for slot in slots:
+        keyed = sorted((len(holders[a]) > 1 or len(holders[b]) > 1, start, n)
+                       for (start, n), (a, b) in zip(slot.runs, it))
+        runs: list[list[int]] = []
+        group = None
+        for shared, start, n in keyed:
+            if runs and shared == group and runs[-1][0] + runs[-1][1] == start:
+                runs[-1][1] += n
+            else:
+                runs.append([start, n])
+            group = shared
+        out.append(tuple((s, n) for s, n in runs))
+    return tuple(out)
 
 
 def _check_sizes(seq_len: int, ring: int) -> None:
