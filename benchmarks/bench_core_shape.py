@@ -299,12 +299,18 @@ def main() -> None:
         slow.kill()
         slow_note = f"not finished within {opts.slow_timeout:.0f} s wall"
     data = {"machine": machine_info(), "software": software_info(), "load_start": start_load, "load_end": load(),
-            "uptime": _uptime(), "rounds": opts.rounds, "trees": trees, "slow_note": slow_note, "raw": raw}
+            "uptime": _uptime(), "rounds": opts.rounds, "trees": trees,
+            "revisions": {name: _head(tree) for name, tree in trees.items()}, "slow_note": slow_note, "raw": raw}
     with open(opts.prefix + ".json", "w") as handle:  # the raw data first, in case the report fails
         json.dump(data, handle, indent=1)
     markdown, data["summary"] = report(data)
     write_results(opts.prefix, markdown, data)
     print(markdown)
+
+
+def _head(tree: str) -> str:
+    done = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
 
 
 def _uptime() -> str:
@@ -408,7 +414,7 @@ def report(data: dict) -> tuple[str, dict]:
     lines = [
         "# Issue 19: the core reshaping, before (4a51805) vs after", "",
         f"`python benchmarks/bench_core_shape.py` ({data['rounds']} rounds, before/after alternating; "
-        f"after = `{data['trees']['after']}`). {data['machine']}; {data['software']}.",
+        f"revisions {data.get('revisions', 'not recorded')}). {data['machine']}; {data['software']}.",
         f"Load average (1/5/15 min) at start {data['load_start']}, at end {data['load_end']}; `{data['uptime']}`. "
         "The machine was shared with other jobs: CPU times (process_time) are the steadier measure, "
         "wall times include waiting for a core.", "",
