@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridsp.allgather import check_kv_chunks
+from hybridsp.formulas import heads_divisible
 from hybridsp.comm import CommCounter
 from hybridsp.kernels import AttentionKernel, check_qkv, resolve_kernel
 from hybridsp.layout import check_sequence_length, join_shards, take_shard
@@ -35,7 +36,7 @@ def check_hybrid_inputs(
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}")
     heads = q.shape[2]
-    if heads % mesh.ulysses != 0:
+    if not heads_divisible(heads, mesh.ulysses):
         raise ValueError(
             f"query heads ({heads}) must be divisible by the Ulysses degree ({mesh.ulysses}); choose a "
             f"Ulysses degree that divides {heads} and move the rest of the context ranks to the ring"

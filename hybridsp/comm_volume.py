@@ -26,44 +26,4 @@ point sends.
 
 from __future__ import annotations
 
-from hybridsp.ulysses import kv_repeats_for
-
-
-def ring_rows(ring: int, rank: int, local_len: int, layout: str, causal: bool) -> tuple[int, int]:
-    """(rows of its own K/V block ``rank`` sends to others, rows of others' blocks it reads), per pass.
-
-    Zigzag causal: a later slot reads the first half of an earlier slot's block, an earlier
-    slot reads all of a later one; contiguous causal: only later slots read, all of it.
-    """
-    others = ring - 1
-    if not causal:
-        return others * local_len, others * local_len
-    if layout == "contiguous":
-        return (ring - 1 - rank) * local_len, rank * local_len
-    half = local_len // 2
-    return rank * local_len + (ring - 1 - rank) * half, rank * half + (ring - 1 - rank) * local_len
-
-
-def hybrid_bytes(
-    *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-    ring_rank: int, element_size: int, layout: str = "zigzag", causal: bool = True, kv_comm: str = "ring",
-) -> dict[str, int]:
-    """Bytes one rank sends per forward + backward, by collective kind (only kinds that send)."""
-    sent: dict[str, int] = {}
-    kv_heads_sent = kv_heads * kv_repeats_for(heads, kv_heads, ulysses)
-    if ulysses > 1:
-        token = batch * head_dim * element_size  # one token of one head
-        local = seq_len // (ulysses * ring)
-        per_pass = local * token * (heads + 2 * kv_heads_sent + heads)  # q, k, v and out
-        sent["all_to_all"] = 2 * per_pass * (ulysses - 1) // ulysses
-    if ring == 1:
-        return sent
-    slot = seq_len // ring
-    row = 2 * batch * (kv_heads_sent // ulysses) * head_dim * element_size
-    if kv_comm == "allgather":
-        sent["allgather"] = 2 * (ring - 1) * slot * row
-        sent["reduce_scatter"] = (ring - 1) * slot * row
-        return sent
-    rows_sent, rows_read = ring_rows(ring, ring_rank, slot, layout, causal)
-    sent["ring"] = (2 * rows_sent + rows_read) * row
-    return sent
+from hybridsp.formulas import hybrid_bytes, ring_rows  # noqa: F401  (the definitions live there)

@@ -85,6 +85,7 @@ from packaging.version import Version
 from torch import nn
 
 from hybridsp.attention import hybrid_attn_func
+from hybridsp.formulas import heads_divisible
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh import HybridMesh
 
@@ -317,7 +318,7 @@ def _check_module(module: nn.Module, mesh: HybridMesh) -> None:
     if not getattr(module, "is_causal", True) or not getattr(config, "is_causal", True):
         raise ValueError(f"layer {layer} is not causal; hybridsp's transformers integration supports causal LMs only")
     heads = config.num_attention_heads
-    if heads % mesh.ulysses != 0:
+    if not heads_divisible(heads, mesh.ulysses):
         raise ValueError(
             f"the model's {heads} query heads are not divisible by the Ulysses degree {mesh.ulysses}; choose a "
             f"Ulysses degree that divides {heads} and move the rest of the context ranks to the ring"
