@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from hybridsp.degrees import divisors
+from hybridsp.formulas import heads_divisible
 from hybridsp.planner.memory import memory_use
 from hybridsp.planner.plans import Plan, evaluate, mesh_problems
 from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
@@ -45,10 +47,6 @@ class SearchSpace:
     def admits(self, dp: int, ulysses: int, ring: int) -> bool:
         pairs = ((self.dp, dp), (self.ulysses, ulysses), (self.ring, ring))
         return all(want is None or want == got for want, got in pairs)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def degree_triples(world_size: int) -> list[tuple[int, int, int]]:
@@ -200,7 +198,7 @@ def longest_context(
                         techniques or Techniques())
     longest = 0
     for dp, u, r in degree_triples(cluster.world_size):
-        if not space.admits(dp, u, r) or model.num_heads % u != 0:
+        if not space.admits(dp, u, r) or not heads_divisible(model.num_heads, u):
             continue
         for config in _configs(workload, space, dp, u, r):
             longest = max(longest, _longest_for(model, workload, cluster, config, _sequence_step(granularity, u, r)))
