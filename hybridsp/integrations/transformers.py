@@ -77,7 +77,6 @@ them; the model's default 0..S/C-1 would be wrong RoPE), and ``labels`` must not
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 import transformers
@@ -86,23 +85,16 @@ from torch import nn
 
 from hybridsp.attention import hybrid_attn_func
 from hybridsp.formulas import heads_divisible
+from hybridsp.integrations.binding import BINDING_ATTR as _BINDING_ATTR  # the names hf_generate shares
+from hybridsp.integrations.binding import DECODE_KWARG
+from hybridsp.integrations.binding import Binding as _Binding
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh import HybridMesh
 
 NAME = "hybridsp"
 MIN_TRANSFORMERS_VERSION = "4.53.0"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_BINDING_ATTR = "_hybridsp_binding"
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
-DECODE_KWARG = "hybridsp_decode"  # the model-call kwarg that carries a decode step (hf_generate)
-
-
-@dataclass(frozen=True)
-class _Binding:
-    """What one attention module needs at call time (set by :func:`apply`)."""
-
-    mesh: HybridMesh
-    backend: str | AttentionKernel
 
 
 def check_transformers_version(found: str | None = None) -> None:
