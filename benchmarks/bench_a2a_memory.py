@@ -55,13 +55,13 @@ def rank_main(rank, world, method, seq, heads, kv_heads, batch, before_source):
 
     from bench_longest_context import Allocations
     from bench_peers import Case, _setup_method, make_inputs
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
 
     case = Case("deepspeed" if method == "deepspeed" else "hybridsp", world, world, 1, "fp32", seq, heads,
                 kv_heads, batch=batch)
     if method == "hybridsp-before":
         _patch_before(before_source)
-    with _without_cpu_shm_comm_build():
+    with without_cpu_shm_comm_build():
         attention, shard = _setup_method(case, rank)
     inputs = make_inputs(case)
     q, k, v = (shard(inputs[n]).detach().clone().requires_grad_(True) for n in ("q", "k", "v"))

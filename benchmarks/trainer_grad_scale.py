@@ -45,7 +45,7 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from transformers import Trainer
 
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from tests.trainer_workers import _arguments, _step_logs, ds_config, samples, tiny_llama
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -55,7 +55,7 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
         sp_backend="deepspeed", sp_size=world_size,
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
     )
-    with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
+    with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         import deepspeed
 
         deepspeed.init_distributed()  # with use_cpu accelerate leaves deepspeed.comm uninitialised; ALST needs it

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.attention import shard_sequence
-from hybridsp.layout import _required_multiple
+from hybridsp.layout import required_multiple
 from hybridsp.loss import IGNORE_INDEX
 from hybridsp.mesh import HybridMesh
 
@@ -52,7 +52,7 @@ BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 def padded_length(seq_len: int, mesh: HybridMesh) -> int:
     """The shortest length >= ``seq_len`` that the mesh's token layout splits evenly."""
-    step = _required_multiple(mesh.ring, mesh.ulysses, mesh.layout)
+    step = required_multiple(mesh.ring, mesh.ulysses, mesh.layout)
     return -(-seq_len // step) * step
 
 

@@ -31,7 +31,7 @@ def check_sequence_length(seq_len: int, ring: int, ulysses: int, layout: str) ->
         raise ValueError(f"unknown token layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     chunks = 2 * ring if layout == "zigzag" else ring
     if seq_len % chunks != 0 or (seq_len // ring) % ulysses != 0:
-        multiple = _required_multiple(ring, ulysses, layout)
+        multiple = required_multiple(ring, ulysses, layout)
         raise ValueError(
             f"sequence length {seq_len} cannot be split by the {layout} layout over ring={ring} x "
             f"ulysses={ulysses}: it must be a multiple of {multiple}; pad the sequence to "
@@ -39,7 +39,7 @@ def check_sequence_length(seq_len: int, ring: int, ulysses: int, layout: str) ->
         )
 
 
-def _required_multiple(ring: int, ulysses: int, layout: str) -> int:
+def required_multiple(ring: int, ulysses: int, layout: str) -> int:
     """The smallest step of valid sequence lengths for this layout."""
     base = 2 * ring if layout == "zigzag" else ring
     length = base
