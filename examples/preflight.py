@@ -69,7 +69,6 @@ def preflight(args) -> RunPlan:
     """Validate the run before anything expensive; RunConfigError with one readable sentence."""
     from hybridsp.integrations.deepspeed import HybridConfig
     from hybridsp.allgather import check_kv_chunks
-    from hybridsp.formulas import heads_divisible
     from hybridsp.layout import check_sequence_length
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -84,7 +83,7 @@ def preflight(args) -> RunPlan:
     except ValueError as error:
         raise RunConfigError(f"{args.ds_config} on {world} ranks: {error}") from None
     heads = model_heads(args)
-    if not heads_divisible(heads, hybrid.ulysses):
+    if heads % hybrid.ulysses != 0:
         raise RunConfigError(
             f"the model's {heads} query heads are not divisible by ulysses={hybrid.ulysses}; pass --ulysses with a "
             f"divisor of {heads} (and a larger --ring)"
