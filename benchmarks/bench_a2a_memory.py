@@ -33,7 +33,8 @@ for path in (ROOT, ROOT / "benchmarks"):
 
 import torch  # noqa: E402
 
-from hybridsp.testing import run_distributed  # noqa: E402
+import harness  # noqa: E402
+
 
 MIB = 2**20
 METHODS = ("hybridsp", "hybridsp-before", "deepspeed")
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
         runs = {m: [] for m in METHODS}
         for _ in range(args.repeats):
             for method in METHODS:  # interleaved
-                ranks = run_distributed(rank_main, world, method, args.seq, heads, kv, batch, before, timeout=600,
+                ranks = harness.launch(rank_main, world, method, args.seq, heads, kv, batch, before, timeout=600,
                                         threads=max(1, 2 // world))
                 runs[method].append(ranks)
         row = {"world": world, "seq": args.seq, "heads": heads, "kv_heads": kv, "batch": batch, "head_dim": 64,

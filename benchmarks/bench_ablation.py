@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 import bench_longest_context as blc  # noqa: E402
 from hybridsp.planner import calibration  # noqa: E402
-from hybridsp.testing import run_distributed  # noqa: E402
+import harness  # noqa: E402
 
 MIB = 2**20
 WORLD, ULYSSES, RING, CONFIG = calibration.WORLD, calibration.ULYSSES, calibration.RING, "cp8.json"
@@ -128,7 +128,7 @@ def attempt_rank(rank: int, world: int, seq_len: int, vocab: int, layers: int, t
     try:
         return _attempt(seq_len, vocab, layers, techniques, budget)
     except BaseException as error:
-        blc._lift_limit("data")
+        harness.lift_limit("data")
         Path(report_dir, f"rank{rank}.txt").write_text(f"{time.time():.6f}\n{type(error).__name__}: {error}")
         raise
 
@@ -153,8 +153,8 @@ def _step(train, engine, mesh, windows, techniques, offload) -> float:
 def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: int) -> dict:
     from hybridsp import offload_activations
 
-    blc._tensors_via_mmap(256 * 1024)
-    train, text_data, initialize = blc._imports()
+    harness.tensors_via_mmap(256 * 1024)
+    train, text_data, initialize = blc.example_imports()
     tokens, _ = text_data.tokenize(text_data.load_corpus(None), None)
     windows = text_data.TokenWindows(tokens, seq_len, 0)
     argv = ["--deepspeed", str(ROOT / "ds_configs" / CONFIG), "--seq-len", str(seq_len), "--layers", str(layers)]
@@ -169,17 +169,17 @@ def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: i
     offload = offload_activations(engine.module, enabled="activation_offload" in techniques,
                                   host_allocator=shared_host_tensor)
     gc.collect()
-    blc._malloc_trim()
-    init, init_tensors = blc._status(), blc._live_tensor_bytes()
-    with blc.Allocations() as step_alloc:
-        blc._set_limit("data", init, budget)
+    harness.malloc_trim()
+    init, init_tensors = harness.memory_status(), harness.live_tensor_bytes()
+    with harness.Allocations() as step_alloc:
+        harness.set_limit("data", init, budget)
         started = time.perf_counter()
         try:
             loss = _step(train, engine, mesh, windows, techniques, offload)
             step_s = time.perf_counter() - started
         finally:
-            blc._lift_limit("data")
-    end = blc._status()
+            harness.lift_limit("data")
+    end = harness.memory_status()
     host = offload.stats.offloaded_bytes
     return {"loss": loss, "step_s": step_s, "init_alloc_end": init_tensors,
             # the profiler also records the /dev/shm host copies: subtract them (they are alive at the peak)
@@ -269,11 +269,11 @@ def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Att
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_ablation_") as reports:
         try:
-            ranks = run_distributed(attempt_rank, WORLD, seq_len, vocab, layers, tuple(techniques), budget, reports,
+            ranks = harness.launch(attempt_rank, WORLD, seq_len, vocab, layers, tuple(techniques), budget, reports,
                                     timeout=timeout, threads=1)
-            attempt.ok, attempt.worst = True, blc._worst([{**r, "rank": i} for i, r in enumerate(ranks)])
+            attempt.ok, attempt.worst = True, blc.worst_rank([{**r, "rank": i} for i, r in enumerate(ranks)])
         except (AssertionError, TimeoutError) as error:
-            attempt.reason, attempt.detail = blc._classify(error, _rank_reports(reports))
+            attempt.reason, attempt.detail = blc.classify_failure(error, _rank_reports(reports))
     attempt.wall_s = time.perf_counter() - started
     attempt.load.append(os.getloadavg()[0])
     if attempt.ok:
@@ -508,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = previous.get("runs", [])
     run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": "python benchmarks/bench_ablation.py" + (f" {' '.join(argv)}" if argv else ""),
-                "load_before": load_before, "machine": blc.machine_info(), "software": blc.software_info(),
+                "load_before": load_before, "machine": harness.machine_info(), "software": harness.software_info(),
                 "step": math.lcm(args.granularity, 2 * RING * ULYSSES)}
     runs.append(run_meta)
 

@@ -10,7 +10,7 @@ import json
 MIB, GIB = 2**20, 2**30
 
 
-def _error(predicted: float, measured: float) -> float | None:
+def relative_error(predicted: float, measured: float) -> float | None:
     return None if not measured else (predicted - measured) / measured
 
 
@@ -99,8 +99,8 @@ def markdown(rows: list[dict], meta: dict, checks: list[dict], clusters: str | N
                           r["planner_activations_per_token"])
         lines.append(
             f"| {r['config']} | {_slope(sa)} | {_slope(ps)} | "
-            f"{_pct(_error(ps['slope'], sa['slope'])) if sa and ps else '-'} | {_slope(sv)} | {_slope(pa)} | "
-            f"{_pct(_error(pa['slope'], sv['slope'])) if sv and pa else '-'} | {_slope(r['step_rss_per_token'])} | "
+            f"{_pct(relative_error(ps['slope'], sa['slope'])) if sa and ps else '-'} | {_slope(sv)} | {_slope(pa)} | "
+            f"{_pct(relative_error(pa['slope'], sv['slope'])) if sv and pa else '-'} | {_slope(r['step_rss_per_token'])} | "
             f"{_mib(m['init_alloc_end'])} / {_mib(m['init_anon_delta'])} / {_mib(m['init_data_delta'])} | "
             f"{_mib(m['step_alloc_end'])} | {_mib(p['model_states'])} | {_mib(m.get('heap_free_at_limit'))} | "
             f"{_mib(m['base_rss'])} | {m['threads_end']} |")
@@ -275,6 +275,6 @@ def reading(rows: list[dict], meta: dict) -> str:
     ])
 
 
-def _clusters_section(module, rows: list[dict]) -> str:
+def clusters_section(module, rows: list[dict]) -> str:
     return ("## Planner predictions for real clusters (`python benchmarks/predict_clusters.py`)\n\n"
             + module.__doc__.split("\n\n", 2)[2].strip() + "\n\n" + module.markdown(rows))

@@ -70,16 +70,16 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_trainer_grad_scale.json"))
     args = parser.parse_args()
-    from hybridsp.testing import run_distributed
+    import harness
     from tests.trainer_workers import several
 
-    reference = run_distributed(several, 1, [None], timeout=600)[0][0]["grad_norm"]
+    reference = harness.launch(several, 1, [None], timeout=600)[0][0]["grad_norm"]
     results = {"reference_grad_norm": reference, "hybridsp": {}, "deepspeed_sp": {}}
     for stage in args.stages:
-        ours = run_distributed(several, 2, [dict(ulysses=2, ring=1, stage=stage)], timeout=600)[0][0]["grad_norm"]
+        ours = harness.launch(several, 2, [dict(ulysses=2, ring=1, stage=stage)], timeout=600)[0][0]["grad_norm"]
         results["hybridsp"][stage] = [round(a / b, 4) for a, b in zip(ours, reference)]
         try:
-            theirs = run_distributed(deepspeed_sp, 2, stage, timeout=600)[0]["grad_norm"]
+            theirs = harness.launch(deepspeed_sp, 2, stage, timeout=600)[0]["grad_norm"]
             results["deepspeed_sp"][stage] = [round(a / b, 4) for a, b in zip(theirs, reference)]
         except AssertionError as error:  # report a failing peer instead of hiding it
             results["deepspeed_sp"][stage] = f"failed: {str(error).strip().splitlines()[-1]}"
