@@ -604,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(Path(args.render).read_text())
         clusters = None
         if data.get("clusters"):
-            import predict_clusters
+            from hybridsp.planner import clusters as predict_clusters
 
             clusters = clusters_section(predict_clusters, data["clusters"])
         Path(args.render).with_suffix(".md").write_text(markdown(data["configs"], data["meta"], data["limit_checks"],
@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
         f"B/(token x h)")
     clusters = cluster_rows = None
     if not args.no_clusters:
-        import predict_clusters
+        from hybridsp.planner import clusters as predict_clusters
 
         cluster_rows, _ = predict_clusters.run()
         clusters = clusters_section(predict_clusters, cluster_rows)

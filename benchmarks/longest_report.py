@@ -276,5 +276,5 @@ def reading(rows: list[dict], meta: dict) -> str:
 
 
 def clusters_section(module, rows: list[dict]) -> str:
-    return ("## Planner predictions for real clusters (`python benchmarks/predict_clusters.py`)\n\n"
+    return ("## Planner predictions for real clusters (`python -m hybridsp plan --clusters`)\n\n"
             + module.__doc__.split("\n\n", 2)[2].strip() + "\n\n" + module.markdown(rows))
