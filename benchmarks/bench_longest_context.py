@@ -91,6 +91,7 @@ from harness import (  # noqa: E402
 from longest_report import clusters_section, relative_error, markdown  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
+FIXTURE = ROOT / "tests" / "data" / "planner_memory_cpu.json"  # what tests/test_planner.py reads
 BREAKDOWN_LEN = 2048  # sequence length of the saved-tensor breakdowns
 OOM_MARKERS = ("can't allocate memory", "MemoryError", "std::bad_alloc", "Cannot allocate memory",
                "out of memory", "ENOMEM")
@@ -598,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-timeout", type=float, default=600.0, help="timeout of a config's first attempt, s")
     parser.add_argument("--no-clusters", action="store_true", help="skip the cluster prediction table")
     parser.add_argument("--out", help="output prefix (default benchmarks/results_longest_context; quick: temp dir)")
+    parser.add_argument("--fixture", default=str(FIXTURE), help="where to write the successful attempts the "
+                        "planner's memory test reads ('' for nowhere; never with --quick)")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown beside a results JSON")
     args = parser.parse_args(argv)
     if args.render:
@@ -672,9 +675,22 @@ def main(argv: list[str] | None = None) -> int:
     Path(prefix + ".md").write_text(text)
     Path(prefix + ".json").write_text(json.dumps({"meta": meta, "limit_checks": checks, "configs": rows,
                                                   "clusters": cluster_rows}, indent=1, default=str) + "\n")
+    if args.fixture and not quick:
+        Path(args.fixture).write_text(json.dumps(memory_fixture(rows), indent=1) + "\n")
     print(text)
     log(f"wrote {prefix}.md and {prefix}.json")
     return 0
+
+
+def memory_fixture(rows: list[dict]) -> dict:
+    """Every successful attempt's measured peaks: what tests/test_planner.py checks the planner against."""
+    return {
+        "source": "benchmarks/bench_longest_context.py (results_longest_context.json), written with its results",
+        "attempts": [{"config": row["config"], "ulysses": row["ulysses"], "ring": row["ring"],
+                      "seq_len": attempt["seq_len"], "step_alloc_peak": attempt["worst"]["step_alloc_peak"],
+                      "alloc_peak": attempt["worst"]["alloc_peak"]}
+                     for row in rows for attempt in row["attempt_list"] if attempt["ok"]],
+    }
 
 
 if __name__ == "__main__":

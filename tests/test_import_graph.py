@@ -192,3 +192,21 @@ LONG_TODAY = {"hybridsp/integrations/transformers.py", "hybridsp/kernels/flash.p
 def test_no_module_is_over_450_lines():
     offenders = [f"{path}: {count} lines" for path, count in _too_long().items()]
     assert not offenders, f"modules over {MAX_LINES} lines:\n  " + "\n  ".join(offenders)
+
+
+def test_tests_use_nothing_from_benchmarks():
+    """No test imports a benchmark script or reads a committed results file (fixtures live in tests/data)."""
+    tests = Path(__file__).resolve().parent
+    scripts = {path.stem for path in (tests.parent / "benchmarks").glob("*.py")}
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        if path.resolve() == Path(__file__).resolve():
+            continue  # this test names what it looks for
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in scripts]
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    node.value == "benchmarks" or node.value.startswith("results_")):
+                offenders.append(f"{path.name}:{node.lineno} names {node.value!r}")
+    assert not offenders, "tests reach into benchmarks/:\n  " + "\n  ".join(offenders)
