@@ -33,7 +33,8 @@ for path in (ROOT, ROOT / "benchmarks"):
 
 import torch  # noqa: E402
 
-from hybridsp.testing import run_distributed  # noqa: E402
+import harness  # noqa: E402
+
 
 MIB = 2**20
 METHODS = ("hybridsp", "hybridsp-before", "deepspeed")
@@ -55,13 +56,13 @@ def rank_main(rank, world, method, seq, heads, kv_heads, batch, before_source):
 
     from bench_longest_context import Allocations
     from bench_peers import Case, _setup_method, make_inputs
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
 
     case = Case("deepspeed" if method == "deepspeed" else "hybridsp", world, world, 1, "fp32", seq, heads,
                 kv_heads, batch=batch)
     if method == "hybridsp-before":
         _patch_before(before_source)
-    with _without_cpu_shm_comm_build():
+    with without_cpu_shm_comm_build():
         attention, shard = _setup_method(case, rank)
     inputs = make_inputs(case)
     q, k, v = (shard(inputs[n]).detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
         runs = {m: [] for m in METHODS}
         for _ in range(args.repeats):
             for method in METHODS:  # interleaved
-                ranks = run_distributed(rank_main, world, method, args.seq, heads, kv, batch, before, timeout=600,
+                ranks = harness.launch(rank_main, world, method, args.seq, heads, kv, batch, before, timeout=600,
                                         threads=max(1, 2 // world))
                 runs[method].append(ranks)
         row = {"world": world, "seq": args.seq, "heads": heads, "kv_heads": kv, "batch": batch, "head_dim": 64,

@@ -43,7 +43,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,10 +54,12 @@ for path in (ROOT / "benchmarks", ROOT / "examples", ROOT):
 import torch  # noqa: E402
 
 import bench_longest_context as blc  # noqa: E402
-from hybridsp.testing import run_distributed  # noqa: E402
+from hybridsp.planner import calibration  # noqa: E402
+import harness  # noqa: E402
 
 MIB = 2**20
-WORLD, ULYSSES, RING, CONFIG = 8, 4, 2, "cp8.json"
+WORLD, ULYSSES, RING, CONFIG = calibration.WORLD, calibration.ULYSSES, calibration.RING, "cp8.json"
+FIXTURE = ROOT / "tests" / "data" / "planner_calibration_cpu.json"  # what tests/test_planner_calibration.py reads
 TECHNIQUES = ("fused_loss", "tiled_mlp", "checkpointing", "activation_offload")
 DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the issues' ablation at V=32000, 1.5 GiB (192 MiB
     # per rank: at bench_longest_context's 1 GiB / 8 = 128 MiB nothing trains at V=32000, measured: the step's fixed
@@ -126,7 +128,7 @@ def attempt_rank(rank: int, world: int, seq_len: int, vocab: int, layers: int, t
     try:
         return _attempt(seq_len, vocab, layers, techniques, budget)
     except BaseException as error:
-        blc._lift_limit("data")
+        harness.lift_limit("data")
         Path(report_dir, f"rank{rank}.txt").write_text(f"{time.time():.6f}\n{type(error).__name__}: {error}")
         raise
 
@@ -151,8 +153,8 @@ def _step(train, engine, mesh, windows, techniques, offload) -> float:
 def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: int) -> dict:
     from hybridsp import offload_activations
 
-    blc._tensors_via_mmap(256 * 1024)
-    train, text_data, initialize = blc._imports()
+    harness.tensors_via_mmap(256 * 1024)
+    train, text_data, initialize = blc.example_imports()
     tokens, _ = text_data.tokenize(text_data.load_corpus(None), None)
     windows = text_data.TokenWindows(tokens, seq_len, 0)
     argv = ["--deepspeed", str(ROOT / "ds_configs" / CONFIG), "--seq-len", str(seq_len), "--layers", str(layers)]
@@ -167,17 +169,17 @@ def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: i
     offload = offload_activations(engine.module, enabled="activation_offload" in techniques,
                                   host_allocator=shared_host_tensor)
     gc.collect()
-    blc._malloc_trim()
-    init, init_tensors = blc._status(), blc._live_tensor_bytes()
-    with blc.Allocations() as step_alloc:
-        blc._set_limit("data", init, budget)
+    harness.malloc_trim()
+    init, init_tensors = harness.memory_status(), harness.live_tensor_bytes()
+    with harness.Allocations() as step_alloc:
+        harness.set_limit("data", init, budget)
         started = time.perf_counter()
         try:
             loss = _step(train, engine, mesh, windows, techniques, offload)
             step_s = time.perf_counter() - started
         finally:
-            blc._lift_limit("data")
-    end = blc._status()
+            harness.lift_limit("data")
+    end = harness.memory_status()
     host = offload.stats.offloaded_bytes
     return {"loss": loss, "step_s": step_s, "init_alloc_end": init_tensors,
             # the profiler also records the /dev/shm host copies: subtract them (they are alive at the peak)
@@ -192,40 +194,16 @@ def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: i
 
 
 def model_spec(vocab: int, layers: int):
-    from hybridsp.planner import ModelSpec
-
-    spec = blc.example_model_spec()
-    return ModelSpec(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size, spec.intermediate_size,
-                     layers, vocab, tied_embeddings=True, name=f"examples/train.py, L={layers}, V={vocab}")
-
-
-def _planner_techniques(techniques):
-    from hybridsp.planner import Techniques
-
-    return Techniques(fused_loss="fused_loss" in techniques, tiled_mlp="tiled_mlp" in techniques,
-                      activation_offload="activation_offload" in techniques, offload_in_flight=0,
-                      collective_copies=1)  # gloo: one temporary per all-gather / reduce-scatter
+    return calibration.model_spec(blc.example_model_spec(), vocab, layers)
 
 
 def planner_memory(vocab: int, layers: int, techniques, seq_len: int):
-    from hybridsp.planner import MeshConfig, Workload, memory_use
-
-    return memory_use(model_spec(vocab, layers), Workload(seq_len, dtype_bytes=4, techniques=_planner_techniques(techniques)),
-                      MeshConfig(WORLD // (ULYSSES * RING), ULYSSES, RING, 3, "checkpointing" in techniques))
+    return calibration.memory(blc.example_model_spec(), vocab, layers, techniques, seq_len)
 
 
 def planner_longest(vocab: int, layers: int, techniques, budget: int, granularity: int) -> int:
     """Longest context in the planner's model for the measured rules (module docstring)."""
-    from hybridsp.planner import SearchSpace, longest_context, preset_cluster
-
-    m = planner_memory(vocab, layers, techniques, 2 * ULYSSES * RING)
-    after_build = m.params + m.grads + m.optimizer + m.engine_state
-    cluster = preset_cluster("h100", 1, WORLD, memory_bytes=float(budget + after_build), reserved_bytes=0.0,
-                             name=f"this machine: 1 x {WORLD} ranks")
-    space = SearchSpace(zero_stages=(3,), checkpointing=("checkpointing" in techniques,), dp=1, ulysses=ULYSSES,
-                        ring=RING)
-    return longest_context(model_spec(vocab, layers), cluster, granularity=granularity, dtype_bytes=4, space=space,
-                           techniques=_planner_techniques(techniques)).seq_len
+    return calibration.longest(blc.example_model_spec(), vocab, layers, techniques, budget, granularity)
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,10 +235,21 @@ def _rank_reports(directory: str) -> list[tuple[float, int, str]]:
 
 
 def planner_row(vocab: int, layers: int, techniques, seq_len: int) -> dict:
-    """The planner's numbers for one attempt; ``step`` includes the gathered ZeRO-3 parameters,
-    which the measured step allocates (the limit starts after the engine build)."""
-    m = planner_memory(vocab, layers, techniques, seq_len)
-    return {"total": m.total, "step": m.step + m.gathered_params, "host": m.host, "peak_phase": m.peak_phase}
+    return calibration.attempt(blc.example_model_spec(), vocab, layers, techniques, seq_len)
+
+
+def calibration_fixture(rows: list[dict]) -> dict:
+    """The measured rows reduced to what the planner's calibration test reads, with the base model."""
+    keep = ("vocab", "layers", "budget_total", "techniques", "at", "longest", "complete", "granularity")
+    return {
+        "source": "benchmarks/bench_ablation.py (results_ablation_cpu.json), written by its save step",
+        "model": asdict(blc.example_model_spec()),
+        "rows": [{**{key: row[key] for key in keep if key in row},
+                  "attempt_list": [{"seq_len": a["seq_len"], "ok": a["ok"],
+                                    "step_alloc_peak": (a.get("worst") or {}).get("step_alloc_peak")}
+                                   for a in row.get("attempt_list", [])]}
+                 for row in rows if not row.get("not_available")],
+    }
 
 
 def replan(row: dict, granularity: int) -> dict:
@@ -280,11 +269,11 @@ def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Att
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_ablation_") as reports:
         try:
-            ranks = run_distributed(attempt_rank, WORLD, seq_len, vocab, layers, tuple(techniques), budget, reports,
+            ranks = harness.launch(attempt_rank, WORLD, seq_len, vocab, layers, tuple(techniques), budget, reports,
                                     timeout=timeout, threads=1)
-            attempt.ok, attempt.worst = True, blc._worst([{**r, "rank": i} for i, r in enumerate(ranks)])
+            attempt.ok, attempt.worst = True, blc.worst_rank([{**r, "rank": i} for i, r in enumerate(ranks)])
         except (AssertionError, TimeoutError) as error:
-            attempt.reason, attempt.detail = blc._classify(error, _rank_reports(reports))
+            attempt.reason, attempt.detail = blc.classify_failure(error, _rank_reports(reports))
     attempt.wall_s = time.perf_counter() - started
     attempt.load.append(os.getloadavg()[0])
     if attempt.ok:
@@ -494,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--granularity", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt")
     parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results_ablation_cpu.{json,md}")
+    parser.add_argument("--fixture", default=str(FIXTURE), help="where to write the rows the planner's calibration "
+                                                                "test reads ('' for nowhere)")
     parser.add_argument("--append", action="store_true",
                         help="keep the rows already in the results file (a row measured again replaces its old one)")
     parser.add_argument("--max-attempts", type=int, default=8, help="attempts per row (the search stops there)")
@@ -517,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = previous.get("runs", [])
     run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "command": "python benchmarks/bench_ablation.py" + (f" {' '.join(argv)}" if argv else ""),
-                "load_before": load_before, "machine": blc.machine_info(), "software": blc.software_info(),
+                "load_before": load_before, "machine": harness.machine_info(), "software": harness.software_info(),
                 "step": math.lcm(args.granularity, 2 * RING * ULYSSES)}
     runs.append(run_meta)
 
@@ -526,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results_ablation_cpu.json").write_text(json.dumps({"meta": run_meta, "runs": runs, "rows": results},
                                                                   indent=1))
         (out / "results_ablation_cpu.md").write_text(markdown(results, run_meta, runs))
+        if args.fixture:
+            Path(args.fixture).write_text(json.dumps(calibration_fixture(results), indent=1) + "\n")
 
     def keep(row):
         key = (row["vocab"], row["layers"], row["budget_total"], tuple(row["techniques"]))

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
@@ -101,10 +103,8 @@ def run_rank(rank: int, world: int, ulysses: int, ring: int, context: int, steps
 
 
 def measure(name: str, context: int, steps: int) -> dict:
-    from hybridsp.testing import run_distributed
-
     ulysses, ring = MESHES[name]
-    ranks = run_distributed(run_rank, ulysses * ring, ulysses, ring, context, steps, timeout=1800)
+    ranks = harness.launch(run_rank, ulysses * ring, ulysses, ring, context, steps, timeout=1800)
     return dict(
         mesh=name, context=context, world=ulysses * ring,
         cache_mib=max(r["cache"] for r in ranks) / 2**20,

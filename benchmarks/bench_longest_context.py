@@ -79,31 +79,19 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from longest_setup import CONFIGS, ROOT, VOCAB, example_model_spec, planner_memory  # noqa: F401  (first: it sets sys.path)
 
 import torch  # noqa: E402
 
-from hybridsp.testing import run_distributed  # noqa: E402
 
 import harness  # noqa: E402
-from harness import (  # noqa: E402,F401 - re-exported: bench_ablation and bench_memory use them from here
-    Allocations, _heap_free, _lift_limit, _live_tensor_bytes, _malloc_trim, _reset_peak, _set_limit, _status,
-    _tensors_via_mmap, machine_info, software_info)
-from longest_report import _clusters_section, _error, markdown  # noqa: E402
+from harness import (  # noqa: E402
+    Allocations, heap_free, lift_limit, live_tensor_bytes, machine_info, malloc_trim, memory_status, reset_peak,
+    set_limit, software_info, tensors_via_mmap)
+from longest_report import clusters_section, relative_error, markdown  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
-CONFIGS = {  # name -> (world, ulysses, ring, ds config)
-    "w1": (1, 1, 1, "cp1.json"),
-    "cp2": (2, 2, 1, "cp2.json"),
-    "cp4": (4, 2, 2, "cp4.json"),
-    "cp8": (8, 4, 2, "cp8.json"),
-}
-VOCAB = 256  # examples/text_data.py BYTE_VOCAB
+FIXTURE = ROOT / "tests" / "data" / "planner_memory_cpu.json"  # what tests/test_planner.py reads
 BREAKDOWN_LEN = 2048  # sequence length of the saved-tensor breakdowns
 OOM_MARKERS = ("can't allocate memory", "MemoryError", "std::bad_alloc", "Cannot allocate memory",
                "out of memory", "ENOMEM")
@@ -139,7 +127,7 @@ class SavedTensors:
         return sum(self.storages.values())
 
 
-def _imports():
+def example_imports():
     """Everything an attempt needs, imported before the baseline (preloaded in the forkserver)."""
     import deepspeed  # noqa: F401
     import transformers  # noqa: F401
@@ -164,7 +152,7 @@ def attempt_rank(rank: int, world: int, ulysses: int, ring: int, config: str, se
         return _attempt(rank, world, ulysses, ring, config, seq_len, budget, limit, limit_from, mmap_threshold,
                         variant)
     except BaseException as error:
-        _lift_limit(limit)
+        lift_limit(limit)
         Path(report_dir, f"rank{rank}.txt").write_text(f"{time.time():.6f}\n{type(error).__name__}: {error}")
         raise
 
@@ -173,35 +161,35 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
              budget: int, limit: str, limit_from: str, mmap_threshold: int, variant=None) -> dict:
     """``variant`` (benchmarks/bench_memory.py): an object with ``vocab``, ``prepare(model)`` and
     ``train_step`` (train.train_step's signature) that changes the model and the step; None: the example."""
-    _tensors_via_mmap(mmap_threshold)
-    train, text_data, initialize = _imports()
+    tensors_via_mmap(mmap_threshold)
+    train, text_data, initialize = example_imports()
     tokens, vocab = text_data.tokenize(text_data.load_corpus(None), None)
     windows = text_data.TokenWindows(tokens, seq_len, 0)
     gc.collect()
-    _malloc_trim()
-    base = _status()
-    reset = _reset_peak()
+    malloc_trim()
+    base = memory_status()
+    reset = reset_peak()
     started = time.perf_counter()
     args = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / config), "--seq-len", str(seq_len)])
     try:
         if limit_from == "imports":
-            _set_limit(limit, base, budget)
+            set_limit(limit, base, budget)
         model = train.build_model(args, vocab if variant is None else variant.vocab)
         if variant is not None:
             variant.prepare(model)
         engine, _, mesh, _ = initialize(model, train._config_with_lr(args), ulysses=ulysses, ring=ring)
     finally:
-        _lift_limit(limit)  # set again (from the same base) for the step below
+        lift_limit(limit)  # set again (from the same base) for the step below
     gc.collect()
-    _malloc_trim()
-    init = _status()
-    heap_free = _heap_free()
-    init_tensors = _live_tensor_bytes()
+    malloc_trim()
+    init = memory_status()
+    heap_free = heap_free()
+    init_tensors = live_tensor_bytes()
     init_s = time.perf_counter() - started
-    _reset_peak()
+    reset_peak()
     saved = SavedTensors()
     with Allocations() as step_alloc:
-        _set_limit(limit, base if limit_from == "imports" else init, budget)
+        set_limit(limit, base if limit_from == "imports" else init, budget)
         step_start = time.perf_counter()
         try:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
@@ -210,8 +198,8 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
                                engine.gradient_accumulation_steps())
             step_s = time.perf_counter() - step_start
         finally:
-            _lift_limit(limit)  # reporting (an error, or the profile) needs memory
-    end = _status()
+            lift_limit(limit)  # reporting (an error, or the profile) needs memory
+    end = memory_status()
     init_rss = init["VmRSS"] - base["VmRSS"]
     init_file = init["RssFile"] - base["RssFile"]
     step_peak = end["VmHWM"] - init["VmRSS"]
@@ -245,7 +233,7 @@ def breakdown_rank(rank: int, world: int, ulysses: int, ring: int, config: str, 
     """What autograd keeps for backward after one forward of the example (no limit): walk the graph
     from the loss, collect every saved tensor (``_saved_*`` and custom Functions' ``saved_tensors``),
     dedup by storage, group by (node, last dimension, dtype). Returns rows with bytes per local token."""
-    train, text_data, initialize = _imports()
+    train, text_data, initialize = example_imports()
     from hybridsp import shard_batch, sharded_cross_entropy
 
     tokens, vocab = text_data.tokenize(text_data.load_corpus(None), None)
@@ -335,10 +323,10 @@ def bf16_checks() -> dict:
 def limit_check_rank(rank: int, world: int, limit: str) -> dict:
     """Does an allocation past ``limit`` (data, as, rss) raise inside torch? 256 MiB allowed,
     then a 512 MiB tensor is allocated (and touched, so RSS would grow if nothing stops it)."""
-    _imports()
+    example_imports()
     gc.collect()
-    _malloc_trim()
-    base = _status()
+    malloc_trim()
+    base = memory_status()
     kind = {"data": resource.RLIMIT_DATA, "as": resource.RLIMIT_AS, "rss": resource.RLIMIT_RSS}[limit]
     current = {"data": base["VmData"], "as": base["VmSize"], "rss": base["VmRSS"]}[limit]
     resource.setrlimit(kind, (current + 256 * MIB, resource.getrlimit(kind)[1]))
@@ -346,7 +334,7 @@ def limit_check_rank(rank: int, world: int, limit: str) -> dict:
     outcome = {"limit": limit, "base_data": base["VmData"], "base_size": base["VmSize"], "base_rss": base["VmRSS"]}
     try:
         big = torch.ones(512 * MIB // 4)
-        outcome.update(raised=False, rss_after=_status()["VmRSS"], error="")
+        outcome.update(raised=False, rss_after=memory_status()["VmRSS"], error="")
         del big
     except BaseException as error:  # noqa: BLE001 - report what was raised
         outcome.update(raised=True, error_type=type(error).__name__, error=str(error).splitlines()[0][:200])
@@ -361,29 +349,6 @@ def warm_forkserver() -> float:
 
 # --------------------------------------------------------------------------------------------
 # the planner's view
-
-
-def example_model_spec():
-    """The example model of examples/train.py (defaults, byte vocabulary) as a planner ModelSpec."""
-    import train
-    from hybridsp.planner import ModelSpec
-
-    args = train.parse_args([])
-    intermediate = int(args.hidden_size * 8 / 3) // 64 * 64  # as train.build_model computes it
-    return ModelSpec(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.hidden_size // args.heads,
-                     hidden_size=args.hidden_size, intermediate_size=intermediate, num_layers=args.layers,
-                     vocab_size=VOCAB, tied_embeddings=True, name="examples/train.py default")
-
-
-def planner_memory(ulysses: int, ring: int, world: int, seq_len: int) -> dict:
-    """The planner's per-rank memory for one fp32 (dtype_bytes=4) ZeRO-3 step, no checkpointing."""
-    from hybridsp.planner import MeshConfig, Workload, memory_use
-
-    use = memory_use(example_model_spec(), Workload(seq_len, dtype_bytes=4),
-                     MeshConfig(world // (ulysses * ring), ulysses, ring, zero_stage=3, checkpointing=False))
-    row = asdict(use)
-    row.update(model_states=use.model_states, step=use.step, total=use.total)
-    return row
 
 
 def planner_longest(ulysses: int, ring: int, world: int, budget_per_rank: int, granularity: int,
@@ -428,7 +393,7 @@ class Attempt:
     planner: dict = field(default_factory=dict)
 
 
-def _worst(ranks: list[dict]) -> dict:
+def worst_rank(ranks: list[dict]) -> dict:
     keys = [k for k, v in ranks[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "rank"]
     return {k: max(r[k] for r in ranks if r[k] is not None) if any(r[k] is not None for r in ranks) else None
             for k in keys}
@@ -443,7 +408,7 @@ def _rank_reports(directory: str) -> list[tuple[float, int, str]]:
     return sorted(reports)
 
 
-def _classify(error: BaseException, reports: list[tuple[float, int, str]]) -> tuple[str, str]:
+def classify_failure(error: BaseException, reports: list[tuple[float, int, str]]) -> tuple[str, str]:
     """("oom" | "timeout" | "crash" | "error", detail): out of memory when any rank ran out of memory."""
     for _, rank, text in reports:
         if any(marker in text for marker in OOM_MARKERS):
@@ -484,13 +449,13 @@ def run_attempt(name: str, seq_len: int, settings: Settings, timeout: float, log
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_longest_") as reports:
         try:
-            attempt.ranks = run_distributed(
+            attempt.ranks = harness.launch(
                 attempt_rank, world, ulysses, ring, config, seq_len, settings.budget_total // world, settings.limit,
                 settings.limit_from, settings.mmap_threshold, reports, variant, timeout=timeout,
                 threads=settings.threads(world))
-            attempt.ok, attempt.worst = True, _worst(attempt.ranks)
+            attempt.ok, attempt.worst = True, worst_rank(attempt.ranks)
         except (AssertionError, TimeoutError) as error:
-            attempt.reason, attempt.detail = _classify(error, _rank_reports(reports))
+            attempt.reason, attempt.detail = classify_failure(error, _rank_reports(reports))
     attempt.wall_s = time.perf_counter() - started
     attempt.load.append(os.getloadavg()[0])
     if attempt.ok and not attempt.planner:
@@ -584,12 +549,12 @@ def summarize(name: str, longest: int, attempts: list[Attempt], settings: Settin
     if best is not None:
         w, p = best.worst, best.planner
         row.update(measured=w, planner=p, step_s=w["step_s"], errors={
-            "total_vs_allocated": _error(p["total"], w["alloc_peak"]),
-            "step_vs_allocated": _error(p["step"], w["step_alloc_peak"]),
-            "activations_vs_saved": _error(p["activations"], w["saved_bytes"]),
-            "total_vs_rss": _error(p["total"], w["peak_anon_delta"]),
-            "step_vs_rss": _error(p["step"], w["step_peak_anon_delta"]),
-            "model_states_vs_init_allocated": _error(p["model_states"], w["init_alloc_end"] + w["step_alloc_end"]),
+            "total_vs_allocated": relative_error(p["total"], w["alloc_peak"]),
+            "step_vs_allocated": relative_error(p["step"], w["step_alloc_peak"]),
+            "activations_vs_saved": relative_error(p["activations"], w["saved_bytes"]),
+            "total_vs_rss": relative_error(p["total"], w["peak_anon_delta"]),
+            "step_vs_rss": relative_error(p["step"], w["step_peak_anon_delta"]),
+            "model_states_vs_init_allocated": relative_error(p["model_states"], w["init_alloc_end"] + w["step_alloc_end"]),
         })
     ok = [a for a in attempts if a.ok]
     for key, source in (("step_alloc", "step_alloc_peak"), ("step_rss", "step_peak_anon_delta"), ("saved", "saved_bytes")):
@@ -608,7 +573,7 @@ def check_limits(log) -> list[dict]:
     checks = []
     for limit in ("data", "as", "rss"):
         try:
-            checks.append(run_distributed(limit_check_rank, 1, limit, timeout=300)[0])
+            checks.append(harness.launch(limit_check_rank, 1, limit, timeout=300)[0])
         except (AssertionError, TimeoutError) as error:
             checks.append({"limit": limit, "raised": False, "error": f"rank failed: {str(error).splitlines()[-1]}"})
         c = checks[-1]
@@ -634,15 +599,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--first-timeout", type=float, default=600.0, help="timeout of a config's first attempt, s")
     parser.add_argument("--no-clusters", action="store_true", help="skip the cluster prediction table")
     parser.add_argument("--out", help="output prefix (default benchmarks/results_longest_context; quick: temp dir)")
+    parser.add_argument("--fixture", default=str(FIXTURE), help="where to write the successful attempts the "
+                        "planner's memory test reads ('' for nowhere; never with --quick)")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown beside a results JSON")
     args = parser.parse_args(argv)
     if args.render:
         data = json.loads(Path(args.render).read_text())
         clusters = None
         if data.get("clusters"):
-            import predict_clusters
+            from hybridsp.planner import clusters as predict_clusters
 
-            clusters = _clusters_section(predict_clusters, data["clusters"])
+            clusters = clusters_section(predict_clusters, data["clusters"])
         Path(args.render).with_suffix(".md").write_text(markdown(data["configs"], data["meta"], data["limit_checks"],
                                                                  clusters))
         return 0
@@ -678,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     breakdowns = {}
     for name in ("w1", "cp4"):
         world, ulysses, ring, config = CONFIGS[name]
-        breakdowns[name] = run_distributed(breakdown_rank, world, ulysses, ring, config, BREAKDOWN_LEN,
+        breakdowns[name] = harness.launch(breakdown_rank, world, ulysses, ring, config, BREAKDOWN_LEN,
                                            timeout=600)[0]
     checks_bf16 = bf16_checks()
     log(f"saved-tensor breakdowns (w1, cp4 at S={BREAKDOWN_LEN}) and bf16 checks: loss peak "
@@ -686,10 +653,10 @@ def main(argv: list[str] | None = None) -> int:
         f"B/(token x h)")
     clusters = cluster_rows = None
     if not args.no_clusters:
-        import predict_clusters
+        from hybridsp.planner import clusters as predict_clusters
 
         cluster_rows, _ = predict_clusters.run()
-        clusters = _clusters_section(predict_clusters, cluster_rows)
+        clusters = clusters_section(predict_clusters, cluster_rows)
     model = example_model_spec()
     meta = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -708,9 +675,22 @@ def main(argv: list[str] | None = None) -> int:
     Path(prefix + ".md").write_text(text)
     Path(prefix + ".json").write_text(json.dumps({"meta": meta, "limit_checks": checks, "configs": rows,
                                                   "clusters": cluster_rows}, indent=1, default=str) + "\n")
+    if args.fixture and not quick:
+        Path(args.fixture).write_text(json.dumps(memory_fixture(rows), indent=1) + "\n")
     print(text)
     log(f"wrote {prefix}.md and {prefix}.json")
     return 0
+
+
+def memory_fixture(rows: list[dict]) -> dict:
+    """Every successful attempt's measured peaks: what tests/test_planner.py checks the planner against."""
+    return {
+        "source": "benchmarks/bench_longest_context.py (results_longest_context.json), written with its results",
+        "attempts": [{"config": row["config"], "ulysses": row["ulysses"], "ring": row["ring"],
+                      "seq_len": attempt["seq_len"], "step_alloc_peak": attempt["worst"]["step_alloc_peak"],
+                      "alloc_peak": attempt["worst"]["alloc_peak"]}
+                     for row in rows for attempt in row["attempt_list"] if attempt["ok"]],
+    }
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from hybridsp import CommCounter, ring_attention
 from hybridsp.layout import take_shard
 from hybridsp.masks import build_plan, normalize_cu_seqlens
-from hybridsp.testing import run_distributed
+
+import harness
 
 HEADS, HEAD_DIM = 8, 64
 HERE = Path(__file__).resolve().parent
@@ -107,7 +108,7 @@ def main() -> None:
     args = parser.parse_args()
     specs = workloads(args.seq_len, args.window)
     load_before = os.getloadavg()
-    per_rank = run_distributed(_rank_run, args.ring, args.seq_len, specs, args.repeats, timeout=3600)
+    per_rank = harness.launch(_rank_run, args.ring, args.seq_len, specs, args.repeats, timeout=3600)
     load_after = os.getloadavg()
     dense_total = sum(plan_work(args.seq_len, args.ring, specs["full causal"]))
     rows = []

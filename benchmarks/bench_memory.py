@@ -48,7 +48,7 @@ for path in (ROOT, ROOT / "benchmarks", ROOT / "examples"):
 import torch  # noqa: E402
 
 import bench_longest_context as longest  # noqa: E402
-from hybridsp.testing import run_distributed  # noqa: E402
+import harness  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 VOCAB = 32000
@@ -62,7 +62,7 @@ def loss_rank(rank, world, mode, dtype_name, tokens, vocab, hidden_size, chunk):
     """One loss forward + backward on one rank; returns torch's and the OS's peak, bytes."""
     from hybridsp import fused_cross_entropy, init_mesh, sharded_cross_entropy
 
-    longest._tensors_via_mmap(256 * 1024)
+    harness.tensors_via_mmap(256 * 1024)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     mesh = init_mesh(1, 1)
     gen = torch.Generator().manual_seed(0)
@@ -70,11 +70,11 @@ def loss_rank(rank, world, mode, dtype_name, tokens, vocab, hidden_size, chunk):
     weight = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(dtype).requires_grad_()
     labels = torch.randint(0, vocab, (1, tokens), generator=gen)
     gc.collect()
-    longest._malloc_trim()
-    before = longest._status()
-    longest._reset_peak()
+    harness.malloc_trim()
+    before = harness.memory_status()
+    harness.reset_peak()
     started = time.perf_counter()
-    with longest.Allocations() as allocations:
+    with harness.Allocations() as allocations:
         if mode == "logits":
             logits = hidden @ weight.t()  # [1, T, V], held until the step ends (as train.py does)
             loss = sharded_cross_entropy(logits, labels, mesh)
@@ -84,7 +84,7 @@ def loss_rank(rank, world, mode, dtype_name, tokens, vocab, hidden_size, chunk):
             loss = fused_cross_entropy(hidden, weight, labels, mesh, chunk_size=chunk)
             loss.backward()
     seconds = time.perf_counter() - started
-    end = longest._status()
+    end = harness.memory_status()
     return {"alloc_peak": allocations.peak, "rss_peak": end["VmHWM"] - before["VmRSS"], "loss": loss.item(),
             "seconds": seconds, "grad_norm": float(weight.grad.float().norm())}
 
@@ -99,7 +99,7 @@ def part_loss(repeats: int, log) -> list[dict]:
         runs = {m: [] for m in modes}
         for _ in range(repeats):
             for mode, chunk in modes:  # interleaved, a fresh process each
-                runs[(mode, chunk)].append(run_distributed(this.loss_rank, 1, mode, dtype, tokens, VOCAB, hidden_size,
+                runs[(mode, chunk)].append(harness.launch(this.loss_rank, 1, mode, dtype, tokens, VOCAB, hidden_size,
                                                            chunk, timeout=600)[0])
         from hybridsp.fused_loss import default_chunk_size
 
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     names = ("today (logits)", "fused loss", "fused loss + tiled MLP")
     starts = dict(zip(names, map(int, args.starts.split(","))))
     result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "budget_gib": args.budget_gib,
-              "machine": longest.machine_info() if hasattr(longest, "machine_info") else None,
+              "machine": harness.machine_info() if hasattr(longest, "machine_info") else None,
               "load_start": os.getloadavg()[0]}
     started = time.perf_counter()
     if args.part in ("loss", "both"):

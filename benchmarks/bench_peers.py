@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from hybridsp.formulas import heads_divisible
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from peer_kernels import (  # noqa: E402
@@ -167,7 +169,7 @@ def analytic_bytes(case: Case) -> int:
     minimum: Ulysses (U-1)/U of q, k, v, out each way; K/V rows only where the receiver reads them,
     forward and again backward, each visited block's dK/dV home once, in the input dtype
     (:func:`hybridsp.comm_volume.hybrid_bytes` with ``kv_comm="ring"``)."""
-    from hybridsp.comm_volume import hybrid_bytes
+    from hybridsp.formulas import hybrid_bytes
 
     return max(sum(hybrid_bytes(batch=case.batch, seq_len=case.seq, heads=case.heads, kv_heads=case.kv_heads,
                                 head_dim=case.head_dim, ulysses=case.ulysses, ring=case.ring, ring_rank=r,
@@ -305,7 +307,7 @@ def blocks(worlds, dtypes, seq, heads, kv_heads, iters, extras) -> list[Case]:
     for world in worlds:
         for dtype in dtypes:
             out += [Case("hybridsp", world, u, world // u, dtype, seq, heads, kv_heads, iters=iters)
-                    for u in range(world, 0, -1) if world % u == 0 and heads % u == 0]
+                    for u in range(world, 0, -1) if world % u == 0 and heads_divisible(heads, u)]
     if extras:  # GQA (2 K/V heads) at world 4, bf16
         out += [Case("hybridsp", 4, u, 4 // u, "bf16", seq, heads, 2, iters=iters) for u in (4, 2)]
     return out

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from hybridsp import ring_attention
 from hybridsp.kernels import TorchFusedKernel
 from hybridsp.layout import take_shard
-from hybridsp.testing import run_distributed
+
+import harness
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -87,11 +88,11 @@ def _single_cost(rank, world, seq_len, repeats):
 
 
 def measure(seq_len: int, ring: int, repeats: int) -> dict:
-    single = run_distributed(_single_cost, 1, seq_len, repeats, timeout=1800)[0]
+    single = harness.launch(_single_cost, 1, seq_len, repeats, timeout=1800)[0]
     result = {"seq_len": seq_len, "ring": ring, "heads": HEADS, "head_dim": HEAD_DIM, "repeats": repeats,
               "single_cpu_s": statistics.median(c for c, _ in single)}
     for layout in ("zigzag", "contiguous"):
-        per_rank = run_distributed(_rank_costs, ring, seq_len, repeats, layout, timeout=1800)
+        per_rank = harness.launch(_rank_costs, ring, seq_len, repeats, layout, timeout=1800)
         totals = [sum(per_rank[r][i][0] for r in range(ring)) for i in range(repeats)]
         imbalance = [
             max(per_rank[r][i][1] for r in range(ring)) / statistics.mean(per_rank[r][i][1] for r in range(ring))

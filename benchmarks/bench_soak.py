@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,7 +55,7 @@ def report(metrics: Path, after: int) -> dict:
 def markdown(result: dict, command: str) -> str:
     growth = ", ".join(f"{g:+.2%}" for g in result["rss_growth_per_rank"])
     return (
-        f"\n## Soak ({result['steps']} steps)\n\n- Command: `{command}`; load: {os.getloadavg()[0]:.1f} (1-min)\n"
+        f"\n## Soak ({result['steps']} steps)\n\n- Command: `{command}`; load: {harness.load()} (1, 5, 15 min)\n"
         f"- RSS per rank after step {result['after_step']} (MiB): {result['rss_mib_at_after']}\n"
         f"- RSS per rank after step {result['last_step']} (MiB): {result['rss_mib_at_end']}\n"
         f"- Growth per rank: {growth} (max {result['max_rss_growth']:+.2%}; goal < 1%)\n"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import time
 from pathlib import Path
@@ -34,6 +33,8 @@ from hybridsp.kernels import get_kernel
 from hybridsp.kernels.reference import attention_in_input_dtype
 from hybridsp.merge import merge_into
 from hybridsp.masks import build_plan
+
+import harness
 
 
 def _synchronize(device):
@@ -235,8 +236,7 @@ def main() -> None:
             report["flash_fp32"] = f"refused: {error}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    (out / "gpu_check.md").write_text(_markdown(report))
+    harness.write_results(str(out / "gpu_check"), _markdown(report), report)
     print(_markdown(report))
     if not all(r["ok"] for r in report["correctness"]):
         raise SystemExit("a backend exceeded twice the same-dtype rounding error")

@@ -114,7 +114,7 @@ def passes(errors: dict[str, float], ref_max: dict[str, float], dtype: str, kern
 # memory (inside a rank)
 
 
-def _status() -> dict[str, int]:
+def memory_status() -> dict[str, int]:
     """Memory fields of /proc/self/status, bytes."""
     fields = {}
     with open("/proc/self/status") as handle:
@@ -125,14 +125,14 @@ def _status() -> dict[str, int]:
     return fields
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
 
 
-def _reset_peak() -> bool:
+def reset_peak() -> bool:
     """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
     try:
         with open("/proc/self/clear_refs", "w") as handle:
@@ -150,16 +150,16 @@ class PeakMemory:
     """
 
     def __enter__(self):
-        _malloc_trim()
-        self.before = _status()["VmRSS"]
-        reset = _reset_peak()
+        malloc_trim()
+        self.before = memory_status()["VmRSS"]
+        reset = reset_peak()
         self.measure = ("VmHWM (reset via /proc/self/clear_refs) - VmRSS before" if reset
                         else "ru_maxrss - VmRSS before (lower bound)")
         return self
 
     def __exit__(self, *exc):
         if self.measure.startswith("VmHWM"):
-            peak = _status()["VmHWM"]
+            peak = memory_status()["VmHWM"]
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.peak_mb = max(0, peak - self.before) / 2**20
@@ -195,7 +195,7 @@ class Allocations:
         return False
 
 
-def _live_tensor_bytes() -> int:
+def live_tensor_bytes() -> int:
     """Bytes of the unique CPU storages of every tensor the garbage collector tracks (parameters,
     ZeRO partitions and buffers, optimizer states). (Not profiled: the profiler's own event
     records would leave ~100 MiB of free glibc heap behind, which later tensors reuse.)"""
@@ -211,7 +211,7 @@ def _live_tensor_bytes() -> int:
     return sum(storages.values())
 
 
-def _heap_free() -> int:
+def heap_free() -> int:
     """Free bytes inside glibc's arenas (mallinfo2().fordblks): VmData that allocations can reuse."""
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
@@ -224,13 +224,13 @@ def _heap_free() -> int:
         return -1
 
 
-def _tensors_via_mmap(threshold: int) -> None:
+def tensors_via_mmap(threshold: int) -> None:
     """glibc: serve every allocation >= ``threshold`` by mmap and unmap it at free."""
     if threshold > 0:
         ctypes.CDLL("libc.so.6").mallopt(-3, threshold)  # M_MMAP_THRESHOLD; also stops its dynamic growth
 
 
-def _set_limit(limit: str, status: dict[str, int], budget: int) -> None:
+def set_limit(limit: str, status: dict[str, int], budget: int) -> None:
     """Soft rlimit ``limit`` ("data" or "as") = the current VmData / VmSize + ``budget``."""
     if limit == "none":
         return
@@ -239,7 +239,7 @@ def _set_limit(limit: str, status: dict[str, int], budget: int) -> None:
     resource.setrlimit(kind, (current + budget, resource.getrlimit(kind)[1]))
 
 
-def _lift_limit(limit: str) -> None:
+def lift_limit(limit: str) -> None:
     """Soft limit back to the hard limit."""
     if limit != "none":
         kind = {"data": resource.RLIMIT_DATA, "as": resource.RLIMIT_AS}[limit]

@@ -10,7 +10,7 @@ import json
 MIB, GIB = 2**20, 2**30
 
 
-def _error(predicted: float, measured: float) -> float | None:
+def relative_error(predicted: float, measured: float) -> float | None:
     return None if not measured else (predicted - measured) / measured
 
 
@@ -99,8 +99,8 @@ def markdown(rows: list[dict], meta: dict, checks: list[dict], clusters: str | N
                           r["planner_activations_per_token"])
         lines.append(
             f"| {r['config']} | {_slope(sa)} | {_slope(ps)} | "
-            f"{_pct(_error(ps['slope'], sa['slope'])) if sa and ps else '-'} | {_slope(sv)} | {_slope(pa)} | "
-            f"{_pct(_error(pa['slope'], sv['slope'])) if sv and pa else '-'} | {_slope(r['step_rss_per_token'])} | "
+            f"{_pct(relative_error(ps['slope'], sa['slope'])) if sa and ps else '-'} | {_slope(sv)} | {_slope(pa)} | "
+            f"{_pct(relative_error(pa['slope'], sv['slope'])) if sv and pa else '-'} | {_slope(r['step_rss_per_token'])} | "
             f"{_mib(m['init_alloc_end'])} / {_mib(m['init_anon_delta'])} / {_mib(m['init_data_delta'])} | "
             f"{_mib(m['step_alloc_end'])} | {_mib(p['model_states'])} | {_mib(m.get('heap_free_at_limit'))} | "
             f"{_mib(m['base_rss'])} | {m['threads_end']} |")
@@ -178,7 +178,7 @@ def breakdown_lines(meta: dict) -> list[str]:
             cells = " | ".join(f"{values[n]:,.0f}" if n in values else "-" for n in names)
             lines.append(f"| {node} | {dim} | {dtype} | {cells} | {_what(node, dim, dtype)} |")
         totals = " | ".join(f"**{sum(row[3] for row in breakdowns[n]):,.0f}**" for n in names)
-        from bench_longest_context import CONFIGS, VOCAB, planner_memory  # the planner's view of the example
+        from longest_setup import CONFIGS, VOCAB, planner_memory  # the planner's view of the example
 
         length = meta["breakdown_len"]
         planned = []
@@ -219,7 +219,7 @@ def reading(rows: list[dict], meta: dict) -> str:
     norm_saved = checks.get("rmsnorm_saved_bytes_per_hidden", float("nan"))
     slopes = [r["step_alloc_per_token"]["slope"] for r in done if r.get("step_alloc_per_token")]
     spread = max(slopes) / min(slopes) - 1 if slopes else float("nan")
-    from bench_longest_context import ROOT, example_model_spec
+    from longest_setup import ROOT, example_model_spec
 
     zero = json.loads((ROOT / "ds_configs" / w1["ds_config"]).read_text())["zero_optimization"]
     bucket_bytes = int(zero["reduce_bucket_size"]) * 4  # fp32 gradients
@@ -275,6 +275,6 @@ def reading(rows: list[dict], meta: dict) -> str:
     ])
 
 
-def _clusters_section(module, rows: list[dict]) -> str:
-    return ("## Planner predictions for real clusters (`python benchmarks/predict_clusters.py`)\n\n"
+def clusters_section(module, rows: list[dict]) -> str:
+    return ("## Planner predictions for real clusters (`python -m hybridsp plan --clusters`)\n\n"
             + module.__doc__.split("\n\n", 2)[2].strip() + "\n\n" + module.markdown(rows))

@@ -45,7 +45,7 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from transformers import Trainer
 
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from tests.trainer_workers import _arguments, _step_logs, ds_config, samples, tiny_llama
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -55,7 +55,7 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
         sp_backend="deepspeed", sp_size=world_size,
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
     )
-    with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
+    with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         import deepspeed
 
         deepspeed.init_distributed()  # with use_cpu accelerate leaves deepspeed.comm uninitialised; ALST needs it
@@ -70,16 +70,16 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_trainer_grad_scale.json"))
     args = parser.parse_args()
-    from hybridsp.testing import run_distributed
+    import harness
     from tests.trainer_workers import several
 
-    reference = run_distributed(several, 1, [None], timeout=600)[0][0]["grad_norm"]
+    reference = harness.launch(several, 1, [None], timeout=600)[0][0]["grad_norm"]
     results = {"reference_grad_norm": reference, "hybridsp": {}, "deepspeed_sp": {}}
     for stage in args.stages:
-        ours = run_distributed(several, 2, [dict(ulysses=2, ring=1, stage=stage)], timeout=600)[0][0]["grad_norm"]
+        ours = harness.launch(several, 2, [dict(ulysses=2, ring=1, stage=stage)], timeout=600)[0][0]["grad_norm"]
         results["hybridsp"][stage] = [round(a / b, 4) for a, b in zip(ours, reference)]
         try:
-            theirs = run_distributed(deepspeed_sp, 2, stage, timeout=600)[0]["grad_norm"]
+            theirs = harness.launch(deepspeed_sp, 2, stage, timeout=600)[0]["grad_norm"]
             results["deepspeed_sp"][stage] = [round(a / b, 4) for a, b in zip(theirs, reference)]
         except AssertionError as error:  # report a failing peer instead of hiding it
             results["deepspeed_sp"][stage] = f"failed: {str(error).strip().splitlines()[-1]}"

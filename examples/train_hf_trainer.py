@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from transformers import default_data_collator
 
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
 
     tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     chosen = (("ulysses", args.ulysses), ("ring", args.ring), ("backend", args.backend), ("kv_comm", args.kv_comm),
               ("layout", args.layout))
     overrides = {k: v for k, v in chosen if v}
-    with _without_cpu_shm_comm_build():  # on CPU, skip DeepSpeed's shm all-reduce build (gloo never uses it)
+    with without_cpu_shm_comm_build():  # on CPU, skip DeepSpeed's shm all-reduce build (gloo never uses it)
         training = training_arguments(args, config)
         dataset = WindowDataset(windows, training.per_device_train_batch_size * training.gradient_accumulation_steps
                                 * training.world_size * args.max_steps)

@@ -31,6 +31,7 @@ from typing import Iterator
 
 from hybridsp.block_exchange import PendingBlocks
 from hybridsp.comm import CommCounter
+from hybridsp.formulas import default_kv_chunks
 from hybridsp.masks import BlockPlan, Piece, cut_keys, merge_pieces
 from hybridsp.ring_function import Block
 
@@ -67,15 +68,6 @@ def gather_chunk(output: torch.Tensor, part: torch.Tensor, group, direct: bool |
         return _direct_gather(output, part, group)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # per call: wrappers see it
     return gather(output, part, group=group, async_op=True)
-
-
-def default_kv_chunks(ring: int, local_len: int) -> int:
-    """Chunks per block so a gathered chunk holds at most two blocks: the largest divisor of
-    ``local_len`` not above ``max(1, ring // 2)``."""
-    chunks = max(1, ring // 2)
-    while local_len % chunks:
-        chunks -= 1
-    return chunks
 
 
 def check_kv_chunks(kv_chunks: int | None, local_len: int) -> None:

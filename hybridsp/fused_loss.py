@@ -47,27 +47,11 @@ from __future__ import annotations
 
 import torch
 
+from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size  # noqa: F401  (re-exported)
 from hybridsp.loss import IGNORE_INDEX, context_totals, raise_on_bad_labels
 from hybridsp.mesh import HybridMesh
 from hybridsp.zero_gather import gathered
 from hybridsp.zero_grad import land_full_gradient
-
-CHUNK_LOGITS_BYTES = 64 * 2**20  # default chunk: its fp32 logits take at most 64 MiB
-
-
-def default_chunk_size(vocab_size: int, tokens: int | None = None, hidden_size: int | None = None) -> int:
-    """Tokens per chunk when ``chunk_size=None``.
-
-    ``ceil(tokens x hidden_size / vocab_size)`` rows: the chunk's logits [c, V] are as large as the
-    hidden states [T, h] (the rule of Liger-Kernel's fused linear cross-entropy), so the loss's
-    memory grows like the activations' rather than like V; at most 64 MiB of fp32 logits
-    (``CHUNK_LOGITS_BYTES``), at least one token. Without ``tokens`` / ``hidden_size``: the cap.
-    """
-    cap = max(1, CHUNK_LOGITS_BYTES // (4 * vocab_size))
-    if tokens is None or hidden_size is None:
-        return cap
-    return max(1, min(cap, -(-tokens * hidden_size // vocab_size)))
-
 
 def fused_cross_entropy(
     hidden: torch.Tensor,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from hybridsp.degrees import choose_degrees
 from hybridsp.layout import TokenLayout, get_layout
 
 ORDERS = ("ulysses_inner", "ring_inner")
@@ -159,7 +160,7 @@ def _local_world_size(explicit: int | None, world_size: int) -> int:
 def _resolve_degrees(
     ulysses: int | str, ring: int | str, world_size: int, local_world_size: int, attention: dict
 ) -> tuple[int, int]:
-    """Explicit degrees as given; "auto" ones from :func:`hybridsp.planner.plan_degrees`."""
+    """Explicit degrees as given; "auto" ones from :func:`hybridsp.degrees.choose_degrees`."""
     if ulysses != "auto" and ring != "auto":
         return ulysses, ring
     if attention.get("num_heads") is None:
@@ -167,10 +168,8 @@ def _resolve_degrees(
             "ulysses='auto' or ring='auto' needs the attention shape: pass num_heads= (and num_kv_heads=, "
             "head_dim=, seq_len= when known) to init_mesh"
         )
-    from hybridsp.planner import plan_degrees
-
     heads = attention["num_heads"]
-    return plan_degrees(
+    return choose_degrees(
         world_size, local_world_size, heads, attention.get("num_kv_heads") or heads,
         attention.get("head_dim") or 128, attention.get("seq_len"),
         context_size=attention.get("context_size"),

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hybridsp.allgather import AllGatherTransport, check_kv_chunks, resolve_kv_chunks
 from hybridsp.comm import CommCounter
 from hybridsp.documents import Documents, as_documents
+from hybridsp.formulas import heads_divisible
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, resolve_kernel
 from hybridsp.layout import LAYOUTS, TokenLayout, get_layout
 from hybridsp.masks import BlockPlan, build_plan, check_sliding_window
@@ -93,7 +94,7 @@ def check_ring_inputs(q, k, v, *, causal, layout: TokenLayout, ring: int, ulysse
         raise ValueError(
             f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}"
         )
-    if q.shape[2] % ulysses:
+    if not heads_divisible(q.shape[2], ulysses):
         raise ValueError(
             f"query heads ({q.shape[2]}) must be divisible by the Ulysses degree ({ulysses}); choose a "
             f"Ulysses degree that divides {q.shape[2]} and move the rest of the context ranks to the ring"

@@ -35,24 +35,11 @@ attention does) gets its gradients back in that layout. Any input strides are ac
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from hybridsp.comm import CommCounter, tensor_bytes
-
-
-def kv_repeats_for(num_heads: int, num_kv_heads: int, ulysses: int) -> int:
-    """How many times each K/V head must be repeated before a U-way head scatter.
-
-    With query group size ``g = H / Hkv`` and ``H/U`` query heads per rank, the local
-    group size becomes ``gcd(g, H/U)``, so each K/V head is repeated ``g / gcd(g, H/U)``
-    times: 1 when Hkv % U == 0 (no copies), Hkv' = U copies in total when a rank's
-    queries all share one K/V head.
-    """
-    group = num_heads // num_kv_heads
-    return group // math.gcd(group, num_heads // ulysses)
+from hybridsp.formulas import kv_repeats_for
 
 
 def expand_kv_heads_for(x: torch.Tensor, num_heads: int, ulysses: int) -> torch.Tensor:

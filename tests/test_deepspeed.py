@@ -52,14 +52,13 @@ def _forbid_jit_builds(directory: str) -> str:
 
 
 def _model(seed: int = SEED):
-    import transformers
+    from tests.tiny_models import tiny_causal_lm
 
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD, attn_implementation="sdpa",
+    return tiny_causal_lm(
+        "llama", seed=seed, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD,
+        attn_implementation="sdpa",
     )
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).float()
 
 
 def _batches() -> list[dict]:

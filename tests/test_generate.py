@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from hybridsp import gather_sequence, init_mesh
 from hybridsp.inference import ShardedKVCache, assign_new_tokens, decode_attention
@@ -15,6 +14,7 @@ from hybridsp.integrations import transformers as hf
 from hybridsp.integrations.hf_generate import choose_next_tokens
 from hybridsp.testing import run_distributed
 from tests.test_batch import mesh_at
+from tests.tiny_models import tiny_causal_lm
 
 TOLERANCE = 1e-4
 PROMPT, NEW = 128, 8
@@ -36,10 +36,7 @@ MIN_MARGIN = 1e-3
 
 
 def build(family: str, seed: int = 0, dtype=torch.float32):
-    config_cls, model_cls, overrides = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides})
-    torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(config).to(dtype).eval()
+    return tiny_causal_lm(family, seed=seed, dtype=dtype, **COMMON, **FAMILIES[family][2]).eval()
 
 
 def prompt(batch: int, seq: int, seed: int = 0) -> torch.Tensor:

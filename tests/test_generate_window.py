@@ -2,23 +2,21 @@
 decode step (the sharded cache), against the unmodified model's own generate."""
 
 import torch
-import transformers
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from tests.test_generate import COMMON, FAMILIES, launch, portable, prompt, reference_generate
+from tests.tiny_models import tiny_causal_lm
 
 WINDOW, PROMPT, NEW = 12, 64, 8
 
 
 def _windowed(family: str):
     """Mistral with a window on every layer; Qwen2 with one sliding and one full layer (max_window_layers=1)."""
-    config_cls, model_cls, overrides = FAMILIES[family]
+    overrides = FAMILIES[family][2]
     window = {"mistral": dict(sliding_window=WINDOW),
               "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)}[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **overrides, **window})
-    torch.manual_seed(0)
-    return getattr(transformers, model_cls)(config).eval()
+    return tiny_causal_lm(family, seed=0, dtype=None, **{**COMMON, **overrides, **window}).eval()
 
 
 def _generate_windowed(rank, world, family):

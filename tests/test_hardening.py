@@ -11,7 +11,7 @@ import torch.distributed as dist
 import hybridsp
 from hybridsp import CommCounter, hybrid_attn_func, init_mesh, ring_attention
 from hybridsp.kernels import choose_backend, get_kernel
-from hybridsp.kernels.torch_fused import _cuda_backward, _cuda_forward, cuda_variant
+from hybridsp.kernels.torch_fused import cuda_backward, cuda_forward, cuda_variant
 from hybridsp.testing import run_distributed
 from tests.reference import random_qkv, reference_with_grads, rel_err
 
@@ -307,9 +307,9 @@ def test_cuda_calls_have_the_right_shapes_on_the_meta_device(dtype, head_dim, kv
     for argument order and shapes through their meta kernels; values need a GPU."""
     q = torch.empty(2, 30, 4, head_dim, device="meta", dtype=dtype)
     k = torch.empty(2, 30, kv_heads, head_dim, device="meta", dtype=dtype)
-    out, lse = _cuda_forward(q, k, k, True, 1 / math.sqrt(head_dim))
+    out, lse = cuda_forward(q, k, k, True, 1 / math.sqrt(head_dim))
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (2, 4, 30) and lse.dtype == torch.float32
-    dq, dk, dv = _cuda_backward(out, q, k, k, out, lse, True, 0.1)
+    dq, dk, dv = cuda_backward(out, q, k, k, out, lse, True, 0.1)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape and dk.dtype == dtype
 
 

@@ -20,12 +20,11 @@ SEQ, VOCAB = 32, 96
 
 
 def _write_model(directory: Path) -> None:
-    import transformers
+    from tests.tiny_models import tiny_causal_lm
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(3)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tiny_causal_lm("llama", seed=3, dtype=None, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=128).save_pretrained(directory)
 
 
 def _config() -> dict:

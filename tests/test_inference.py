@@ -70,12 +70,11 @@ def test_no_grad_and_inference_mode_keep_nothing_for_backward():
 
 
 def _tiny_model_dir(directory: Path):
-    import transformers
+    from tests.tiny_models import tiny_causal_lm
 
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-    torch.manual_seed(1)
-    model = transformers.LlamaForCausalLM(config)
+    model = tiny_causal_lm("llama", seed=1, dtype=None, vocab_size=256, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=4096)
     model.save_pretrained(directory)
     return model
 

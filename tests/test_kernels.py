@@ -85,12 +85,12 @@ def test_torch_kernel_bf16_same_on_heads_first_and_seq_first_storage(kv_heads):
     """bf16 CPU kernel: q/k/v/dout as [B, S, H, D] views of heads-first storage (what the Ulysses
     all-to-all hands out; used without a copy) give bitwise the results of [B, S, H, D] storage
     (which is copied to dense planes), and both are close to float64."""
-    from hybridsp.kernels.torch_fused import _heads_first_dense
+    from hybridsp.kernels.torch_fused import heads_first_dense
 
     q, k, v, dout = (t.bfloat16() for t in random_qkv(2, 40, 4, kv_heads, 32, seed=7))
     heads_first = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout)]  # [B, S, H, D] views
-    assert _heads_first_dense(heads_first[0]).data_ptr() == heads_first[0].data_ptr()  # no copy
-    assert _heads_first_dense(q).is_contiguous() and _heads_first_dense(q[:, ::2]).is_contiguous()
+    assert heads_first_dense(heads_first[0]).data_ptr() == heads_first[0].data_ptr()  # no copy
+    assert heads_first_dense(q).is_contiguous() and heads_first_dense(q[:, ::2]).is_contiguous()
     kernel, results = get_kernel("torch"), []
     for qq, kk, vv, dd in (heads_first, (q, k, v, dout)):
         out, lse = kernel.forward(qq, kk, vv, causal=True, softmax_scale=0.2)

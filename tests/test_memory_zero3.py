@@ -28,14 +28,12 @@ TOLERANCE = 1e-5
 
 
 def _model(tied: bool):
-    import transformers
+    from tests.tiny_models import tiny_causal_lm
 
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=tied,
+    return tiny_causal_lm(
+        "llama", seed=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=tied,
     )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float()
 
 
 def _config() -> dict:

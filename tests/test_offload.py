@@ -33,14 +33,12 @@ TOLERANCE = 1e-5
 
 
 def _model(checkpointing: bool):
-    import transformers
+    from tests.tiny_models import tiny_causal_lm
 
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa",
+    model = tiny_causal_lm(
+        "llama", seed=0, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).float()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

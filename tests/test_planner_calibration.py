@@ -1,22 +1,24 @@
-"""The planner against the measured CPU ablation of benchmarks/bench_ablation.py (issues 12 and 15)."""
+"""The planner against the measured CPU ablation of benchmarks/bench_ablation.py (issues 12 and 15),
+as its rows are kept in tests/data/planner_calibration_cpu.json."""
 
 import json
 from pathlib import Path
 
 import pytest
 
+from hybridsp.planner import calibration
 
-def _ablation_and_rows():
-    """(benchmarks/bench_ablation as a module, the rows of benchmarks/results_ablation_cpu.json)."""
-    import sys
 
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        import bench_ablation as ablation
-    finally:
-        sys.path.remove(str(bench))
-    return ablation, json.loads((bench / "results_ablation_cpu.json").read_text())["rows"]
+FIXTURE = Path(__file__).resolve().parent / "data" / "planner_calibration_cpu.json"
+
+
+def _base_and_rows():
+    """(the measured model as a ModelSpec, the measured rows): tests/data/planner_calibration_cpu.json,
+    which benchmarks/bench_ablation.py writes with its results."""
+    from hybridsp.planner import ModelSpec
+
+    data = json.loads(FIXTURE.read_text())
+    return ModelSpec(**data["model"]), data["rows"]
 
 
 def test_planner_against_the_measured_cpu_ablation():
@@ -25,21 +27,21 @@ def test_planner_against_the_measured_cpu_ablation():
     within 15% of the measured one (issue 15) and its step memory at that length within 10% of
     the worst rank's allocated peak (issue 12, item 6); at 1 GiB the planner, like the
     measurement, fits nothing at S = 512."""
-    ablation, rows = _ablation_and_rows()
+    base, rows = _base_and_rows()
     searched = [r for r in rows if not r.get("at") and r.get("complete") and r.get("longest")]
     assert {tuple(r["techniques"]) for r in searched} >= {(), ("fused_loss",), ("fused_loss", "tiled_mlp")}
     for row in searched:
         techniques, budget = tuple(row["techniques"]), row["budget_total"] // 8
-        predicted = ablation.planner_longest(row["vocab"], row["layers"], techniques, budget, row["granularity"])
+        predicted = calibration.longest(base, row["vocab"], row["layers"], techniques, budget, row["granularity"])
         assert abs(predicted / row["longest"] - 1) <= 0.15, (techniques, predicted, row["longest"])
         best = next(a for a in row["attempt_list"] if a["ok"] and a["seq_len"] == row["longest"])
-        step = ablation.planner_row(row["vocab"], row["layers"], techniques, row["longest"])["step"]
-        assert abs(step / best["worst"]["step_alloc_peak"] - 1) <= 0.10, (techniques, step, best["worst"])
+        step = calibration.attempt(base, row["vocab"], row["layers"], techniques, row["longest"])["step"]
+        assert abs(step / best["step_alloc_peak"] - 1) <= 0.10, (techniques, step, best)
         failed = [a for a in row["attempt_list"] if not a["ok"]]
         assert min(a["seq_len"] for a in failed) - row["longest"] <= row["granularity"]  # the search is complete
     for row in (r for r in rows if r.get("at")):
         assert not row["attempt_list"][0]["ok"]
-        assert ablation.planner_row(row["vocab"], row["layers"], tuple(row["techniques"]), row["at"])["step"] > \
+        assert calibration.attempt(base, row["vocab"], row["layers"], tuple(row["techniques"]), row["at"])["step"] > \
             row["budget_total"] // 8
 
 
@@ -49,22 +51,22 @@ def test_planner_against_the_checkpointed_cpu_ablation_rows():
     the measurement brackets the longest: ``longest`` trained, the smallest failed attempt (if
     any) did not. The planner's longest lies within 15% of that bracket (issue 15) and its step
     memory at the longest measured length within 10% of the worst rank's allocated peak."""
-    ablation, rows = _ablation_and_rows()
+    base, rows = _base_and_rows()
     checkpointed = {tuple(r["techniques"]): r for r in rows
                     if not r.get("at") and r.get("longest") and "checkpointing" in r["techniques"]}
     assert set(checkpointed) >= {("checkpointing", "fused_loss", "tiled_mlp"),
                                  ("checkpointing", "fused_loss", "tiled_mlp", "activation_offload")}
     for techniques, row in checkpointed.items():
         budget = row["budget_total"] // 8
-        predicted = ablation.planner_longest(row["vocab"], row["layers"], techniques, budget, row["granularity"])
+        predicted = calibration.longest(base, row["vocab"], row["layers"], techniques, budget, row["granularity"])
         failed = [a["seq_len"] for a in row["attempt_list"] if not a["ok"]]
         low, high = row["longest"], min(failed) if failed else None
         assert predicted >= 0.85 * low, (techniques, predicted, low)
         if high is not None:
             assert predicted <= 1.15 * high, (techniques, predicted, high)
         best = next(a for a in row["attempt_list"] if a["ok"] and a["seq_len"] == row["longest"])
-        step = ablation.planner_row(row["vocab"], row["layers"], techniques, row["longest"])["step"]
-        assert abs(step / best["worst"]["step_alloc_peak"] - 1) <= 0.10, (techniques, step, best["worst"])
+        step = calibration.attempt(base, row["vocab"], row["layers"], techniques, row["longest"])["step"]
+        assert abs(step / best["step_alloc_peak"] - 1) <= 0.10, (techniques, step, best)
 
 
 def test_checkpointed_terms_by_hand():
@@ -73,18 +75,10 @@ def test_checkpointed_terms_by_hand():
     accumulators and the larger of the all-to-all's two q/k/v buffers and the ring's blocks (not
     both); the gradient reduction, after every layer's backward, holds no checkpoint; a
     recomputed fp32 layer's first-norm x is its checkpoint (counted once)."""
-    import sys
-
     from hybridsp.planner import MeshConfig, Techniques, Workload, memory_use
     from hybridsp.planner.memory import attention_workspace_bytes, reduction_bytes
 
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench))
-    try:
-        import bench_ablation as ablation
-    finally:
-        sys.path.remove(str(bench))
-    model = ablation.model_spec(32000, 4)  # h 256, 8 q heads and 4 K/V heads of 32, I 640
+    model = calibration.model_spec(_base_and_rows()[0], 32000, 4)  # h 256, 8 q heads and 4 K/V heads of 32, I 640
     tokens, e = 1024, 4
     config = MeshConfig(1, 4, 2, 3, True)
     workload = Workload(8 * tokens, dtype_bytes=e, techniques=Techniques(fused_loss=True, tiled_mlp=True,

@@ -5,21 +5,19 @@
 
 import pytest
 import torch
-import transformers
 
 from hybridsp.tiled_mlp import apply_tiled_mlp, tiled_mlp_forward
 from tests.reference import rel_err
+from tests.tiny_models import tiny_causal_lm
 
 VOCAB, SEQ = 64, 50
 
 
 def _model(bias=False, dtype=torch.float32):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, mlp_bias=bias, attn_implementation="sdpa",
+    return tiny_causal_lm(
+        "llama", seed=0, dtype=dtype, vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, mlp_bias=bias, attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).to(dtype)
 
 
 def _loss_and_grads(model, ids):

@@ -145,12 +145,12 @@ def _engine_config_check():
     from types import SimpleNamespace
 
     from hybridsp.integrations import deepspeed as hds
-    from hybridsp.integrations.trainer import _engine_config
+    from hybridsp.integrations.trainer import engine_config
 
     raw = {"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": 4, "data_parallel_size": 2,
            "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5, "train_batch_size": 120,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
-    cleaned = _engine_config(raw, hds.HybridConfig.from_ds_config(raw), SimpleNamespace(dp=2))
+    cleaned = engine_config(raw, hds.HybridConfig.from_ds_config(raw), SimpleNamespace(dp=2))
     return {"cleaned": cleaned, "raw_after": raw}
 
 

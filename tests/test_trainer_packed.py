@@ -42,11 +42,11 @@ def packed_collate(rows: list[dict]) -> dict[str, torch.Tensor]:
 def _train(rank, world, packed: bool):
     from transformers import Trainer
 
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
 
     docs = samples(16, seed=1)
-    with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
+    with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         if packed:
             args = _arguments(out, ds_config(2, 1, 2, False), per_device_train_batch_size=1,
                               train_sampling_strategy="sequential")

@@ -15,6 +15,7 @@ from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
 from tests.reference import rel_err
 from tests.test_batch import mesh_at
+from tests.tiny_models import tiny_causal_lm
 
 TOLERANCE = 1e-4
 SEQ, PAD = 64, 0
@@ -31,10 +32,7 @@ FAMILIES = {  # (config class, model class, overrides); heads: H / H_kv
 
 def build(family: str, seed: int = 0, **overrides):
     """A small fp32 causal LM of ``family`` with weights fixed by ``seed``."""
-    config_cls, model_cls, defaults = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**{**COMMON, **defaults, **overrides})
-    torch.manual_seed(seed)
-    return getattr(transformers, model_cls)(config).float()
+    return tiny_causal_lm(family, seed=seed, **{**COMMON, **FAMILIES[family][2], **overrides})
 
 
 def make_batch(seq: int, lengths: tuple[int, ...], seed: int = 0) -> dict:

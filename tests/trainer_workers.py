@@ -16,15 +16,13 @@ STEPS, ACCUMULATION, MICRO_BATCH = 4, 2, 2
 
 def tiny_llama(seed: int = 0):
     """The same tiny Llama (hidden 64, 2 layers, 4 query / 2 K/V heads) on every call."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tests.tiny_models import tiny_causal_lm
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
-        pad_token_id=0, attn_implementation="sdpa",
+    return tiny_causal_lm(
+        "llama", seed=seed, dtype=None, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256, pad_token_id=0, attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config)
 
 
 def samples(count: int, seed: int, min_len: int = 17, max_len: int = 40) -> list[dict]:
@@ -107,10 +105,10 @@ def _step_logs(trainer) -> dict:
 
 def train_and_evaluate(rank: int, world_size: int, hybrid: dict | None) -> dict | None:
     """Train 4 steps, evaluate, predict; rank 0 returns the per-step logs, eval loss and predictions."""
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
 
     train, evaluation = samples(40, seed=1), samples(5, seed=2)
-    with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
+    with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         trainer = _trainer(out, hybrid, train, evaluation)
         if hybrid is not None and hybrid.get("evaluate_first"):  # an inference engine first (ZeRO-3)
             trainer.evaluate()
@@ -132,10 +130,10 @@ def save_and_resume(rank: int, world_size: int, hybrid: dict, out: str) -> dict 
     import json
     import os
 
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
 
     train = samples(40, seed=1)
-    with _without_cpu_shm_comm_build():
+    with without_cpu_shm_comm_build():
         first = _trainer(out, hybrid, train, None, save_strategy="steps", save_steps=2)
         first.train()
         checkpoint = os.path.join(out, "checkpoint-2")

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, get_kernel
-from hybridsp.kernels.reference import _expand_kv_heads
+from hybridsp.kernels.reference import expand_kv_heads
 from hybridsp.mesh import HybridMesh
 from hybridsp.merge import merge_blocks
 
@@ -116,8 +116,8 @@ def _visibility(t: int, length: int, query_positions, key_positions, window) -> 
 def _masked_attention(q, k, v, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention over the keys some query sees: (out [B, T, H, D] in q's dtype, lse [B, H, T])."""
     keep = visible.any(dim=0).nonzero().squeeze(1)  # [L'] columns visible to some query
-    keys = _expand_kv_heads(k.index_select(1, keep), q.shape[2]).float()  # [B, L', H, D]
-    values = _expand_kv_heads(v.index_select(1, keep), q.shape[2]).float()  # [B, L', H, D]
+    keys = expand_kv_heads(k.index_select(1, keep), q.shape[2]).float()  # [B, L', H, D]
+    values = expand_kv_heads(v.index_select(1, keep), q.shape[2]).float()  # [B, L', H, D]
     scores = torch.einsum("bthd,blhd->bhtl", q.float(), keys) * scale  # [B, H, T, L']
     scores = scores.masked_fill(~visible[:, keep], -torch.inf)
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]

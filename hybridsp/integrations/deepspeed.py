@@ -326,7 +326,7 @@ def _switch_transformers(model: nn.Module, mesh: HybridMesh, backend: str) -> Ca
 
 
 @contextlib.contextmanager
-def _without_cpu_shm_comm_build():
+def without_cpu_shm_comm_build():
     """On a CPU accelerator, stop DeepSpeed from JIT-compiling its shared-memory all-reduce.
 
     DeepSpeed's comm backend builds ``deepspeed_shm_comm`` when it first initialises on CPU
@@ -356,7 +356,7 @@ def init_distributed(timeout: datetime.timedelta | None = None) -> None:
     if dist.is_initialized():
         return
     kwargs = {} if timeout is None else {"timeout": timeout}
-    with _without_cpu_shm_comm_build():
+    with without_cpu_shm_comm_build():
         deepspeed.init_distributed(**kwargs)
 
 
@@ -391,7 +391,7 @@ def initialize(
     hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm,
                                          layout=layout)
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
-    with _without_cpu_shm_comm_build():
+    with without_cpu_shm_comm_build():
         deepspeed.init_distributed()  # adopts an existing process group
         mesh = build_mesh(hybrid)
         undo_switch = _switch_transformers(model, mesh, hybrid.backend)

@@ -84,7 +84,7 @@ def load_pretrained(
     hybrid.mesh_shape(dist.get_world_size())  # sizes checked before the collective load
     keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds only a weak reference
     try:
-        with hds._without_cpu_shm_comm_build():
+        with hds.without_cpu_shm_comm_build():
             return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     finally:
         unset_hf_deepspeed_config()

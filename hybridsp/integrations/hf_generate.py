@@ -57,17 +57,11 @@ from transformers.cache_utils import Cache
 from hybridsp.attention import shard_sequence
 from hybridsp.batch import padded_length
 from hybridsp.inference import ShardedKVCache, decode_attention
+from hybridsp.integrations.binding import BINDING_ATTR, DECODE_KWARG
 from hybridsp.layout import layout_permutation
 from hybridsp.mesh import HybridMesh
 
 PROMPT_PAD_ID = 0  # fills the prompt up to the layout's multiple; never attended (Note [padding])
-
-
-def _integration():
-    """hybridsp.integrations.transformers, imported at call time: it imports this module at its end."""
-    from hybridsp.integrations import transformers as integration
-
-    return integration
 
 
 class HybridCache(Cache):
@@ -275,7 +269,7 @@ def decode_step(model: nn.Module, state: Prefill, tokens: torch.Tensor, position
     state.cache.store.begin_token(position)
     positions = torch.full_like(tokens[:, None], position)  # [B, 1]
     out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
-                **{_cache_argument(model): state.cache, _integration().DECODE_KWARG: DecodeStep(state.cache.store)})
+                **{_cache_argument(model): state.cache, DECODE_KWARG: DecodeStep(state.cache.store)})
     return out.logits[:, -1].float()  # [B, V]
 
 
@@ -318,7 +312,7 @@ def _cache_argument(model: nn.Module) -> str:
 
 
 def _bound_modules(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, _integration()._BINDING_ATTR)]
+    return [m for m in model.modules() if hasattr(m, BINDING_ATTR)]
 
 
 def _num_layers(model: nn.Module) -> int:
@@ -333,7 +327,7 @@ def _check_inputs(model: nn.Module, input_ids, mesh: HybridMesh, max_new_tokens)
             f"{type(model).__name__} is not switched to hybridsp: call "
             f"hybridsp.integrations.transformers.apply(model, mesh) before generate/prefill"
         )
-    if any(getattr(m, _integration()._BINDING_ATTR).mesh is not mesh for m in modules):
+    if any(getattr(m, BINDING_ATTR).mesh is not mesh for m in modules):
         raise ValueError("the model was switched with a different mesh than the one passed to generate/prefill")
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise ValueError(

@@ -132,7 +132,7 @@ class HybridSPMixin:
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's accelerator, then the mesh, then our hook on DeepSpeed's engine creation."""
-        with hds._without_cpu_shm_comm_build():
+        with hds.without_cpu_shm_comm_build():
             super().create_accelerator_and_postprocess()
         raw = self.args.hf_deepspeed_config.config if self.is_deepspeed_enabled else {}
         self.hybrid_config = hds.HybridConfig.from_ds_config(raw, **self._hybridsp_overrides)
@@ -318,9 +318,9 @@ def _deepspeed_initialize_with_mesh(trainer: HybridSPMixin):
                 "ParallelismConfig(sp_backend='deepspeed') (see the README's migration note)"
             )
         key = "config_params" if "config_params" in kwargs else "config"
-        kwargs[key] = _engine_config(kwargs[key], hybrid, mesh)
+        kwargs[key] = engine_config(kwargs[key], hybrid, mesh)
         kwargs["mpu"] = hds.HybridMPU(mesh)
-        with hds._without_cpu_shm_comm_build():
+        with hds.without_cpu_shm_comm_build():
             result = original(*args, **kwargs)
         engine = result[0]
         if engine.zero_optimization_stage() == 3:  # Note [gradient scale here]
@@ -347,7 +347,7 @@ def _remove_owned_keys(plugin, args) -> None:
             config.pop(key, None)
 
 
-def _engine_config(config: dict, hybrid: hds.HybridConfig, mesh: HybridMesh) -> dict:
+def engine_config(config: dict, hybrid: hds.HybridConfig, mesh: HybridMesh) -> dict:
     """The config DeepSpeed sees: our keys removed, torch Adam on CPU, the batch of DP replicas."""
     cleaned = hds.deepspeed_config(hds.load_config(config), hybrid)
     micro = cleaned.get("train_micro_batch_size_per_gpu")

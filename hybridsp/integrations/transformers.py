@@ -79,7 +79,6 @@ them; the model's default 0..S/C-1 would be wrong RoPE), and ``labels`` must not
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
 import torch
 import transformers
@@ -88,24 +87,18 @@ from torch import nn
 
 from hybridsp.attention import hybrid_attn_func
 from hybridsp.documents import Documents, as_documents
+from hybridsp.formulas import heads_divisible
+from hybridsp.integrations.binding import BINDING_ATTR as _BINDING_ATTR  # the names hf_generate shares
+from hybridsp.integrations.binding import DECODE_KWARG
+from hybridsp.integrations.binding import Binding as _Binding
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh import HybridMesh
 
 NAME = "hybridsp"
 MIN_TRANSFORMERS_VERSION = "4.53.0"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_BINDING_ATTR = "_hybridsp_binding"
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
-DECODE_KWARG = "hybridsp_decode"  # the model-call kwarg that carries a decode step (hf_generate)
 DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)
-
-
-@dataclass(frozen=True)
-class _Binding:
-    """What one attention module needs at call time (set by :func:`apply`)."""
-
-    mesh: HybridMesh
-    backend: str | AttentionKernel
 
 
 def check_transformers_version(found: str | None = None) -> None:
@@ -323,7 +316,7 @@ def _check_module(module: nn.Module, mesh: HybridMesh) -> None:
     if not getattr(module, "is_causal", True) or not getattr(config, "is_causal", True):
         raise ValueError(f"layer {layer} is not causal; hybridsp's transformers integration supports causal LMs only")
     heads = config.num_attention_heads
-    if heads % mesh.ulysses != 0:
+    if not heads_divisible(heads, mesh.ulysses):
         raise ValueError(
             f"the model's {heads} query heads are not divisible by the Ulysses degree {mesh.ulysses}; choose a "
             f"Ulysses degree that divides {heads} and move the rest of the context ranks to the ring"

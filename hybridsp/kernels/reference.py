@@ -8,12 +8,12 @@ from hybridsp.kernels.band import math_backward_band, math_forward_band
 from hybridsp.kernels.base import check_qkv
 
 
-def _expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+def expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
     """[B, S, Hkv, D] -> [B, S, H, D] by repeating each K/V head for its query group."""
     return x.repeat_interleave(num_q_heads // x.shape[2], dim=2)  # [B, S, H, D]
 
 
-def _reduce_kv_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def reduce_kv_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[B, S, H, D] -> [B, S, Hkv, D] by summing the gradients of each query group."""
     b, s, h, d = x.shape
     return x.reshape(b, s, num_kv_heads, h // num_kv_heads, d).sum(dim=3)  # [B, S, Hkv, D]
@@ -55,7 +55,7 @@ def attention_in_input_dtype(q, k, v, dout, *, causal: bool, softmax_scale: floa
     reference should be at most about twice the error of this computation.
     """
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    keys, values = _expand_kv_heads(k, q.shape[2]), _expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
+    keys, values = expand_kv_heads(k, q.shape[2]), expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
     scores = torch.einsum("bqhd,bkhd->bhqk", q, keys) * softmax_scale  # [B, H, Sq, Sk]
     if causal:
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()

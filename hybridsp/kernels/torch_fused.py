@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from hybridsp.kernels.band import additive_mask, band_mask, math_backward_band, math_forward_band, rows_without_keys_to_neg_inf
 from hybridsp.kernels.base import accumulation_dtype, check_qkv, lse_for_backward, unit_stride
-from hybridsp.kernels.reference import _expand_kv_heads, _reduce_kv_heads
+from hybridsp.kernels.reference import expand_kv_heads, reduce_kv_heads
 
 _aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -56,7 +56,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return unit_stride(x).transpose(1, 2)  # [B, H, S, D]
 
 
-def _heads_first_dense(x: torch.Tensor) -> torch.Tensor:
+def heads_first_dense(x: torch.Tensor) -> torch.Tensor:
     """[B, S, H, D] -> [B, H, S, D] with every head's [S, D] plane dense: a view when it already is
     (hybridsp.ulysses hands out such views, Note [heads-first] there), else a contiguous copy."""
     y = x.transpose(1, 2)  # [B, H, S, D]
@@ -93,8 +93,8 @@ class TorchFusedKernel:
         if k.shape[1] == 0 or q.shape[1] == 0:
             return _empty_key_result(q)
         if q.is_cuda:
-            return _cuda_forward(q, k, v, causal, softmax_scale)
-        layout = _heads_first_dense if q.dtype in _HALF else _heads_first  # bf16/fp16: Note [heads-first]
+            return cuda_forward(q, k, v, causal, softmax_scale)
+        layout = heads_first_dense if q.dtype in _HALF else _heads_first  # bf16/fp16: Note [heads-first]
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             layout(q), layout(k), layout(v), 0.0, causal, scale=softmax_scale
         )
@@ -107,7 +107,7 @@ class TorchFusedKernel:
         lse = lse_for_backward(lse.to(accumulation_dtype(q.dtype)))
         dout, out = dout.to(q.dtype), out.to(q.dtype)
         if q.is_cuda:
-            return _cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
+            return cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
 
     def forward_band(self, q, k, v, *, band, softmax_scale: float):
@@ -142,10 +142,10 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     low_precision = q.dtype in _HALF
     low_precision_gqa = low_precision and hkv < q.shape[2]
     if low_precision_gqa:
-        k, v = _expand_kv_heads(k, q.shape[2]), _expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
+        k, v = expand_kv_heads(k, q.shape[2]), expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
     # The bf16/fp16 CPU kernel runs faster on dense heads-first planes (Note [heads-first] in
     # hybridsp.ulysses, whose outputs already are); fp32 does not care, so it skips the copies.
-    layout = _heads_first_dense if low_precision else _heads_first
+    layout = heads_first_dense if low_precision else _heads_first
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
         layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, causal, attn_mask=mask, scale=scale,
     )
@@ -157,7 +157,7 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
 
 def _sum_query_groups(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[B, S, H, D] per-query-head K/V gradients -> [B, S, Hkv, D], summed in fp32 (or fp64)."""
-    return _reduce_kv_heads(grad.to(accumulation_dtype(grad.dtype)), num_kv_heads).to(grad.dtype)
+    return reduce_kv_heads(grad.to(accumulation_dtype(grad.dtype)), num_kv_heads).to(grad.dtype)
 
 
 def _empty_key_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,11 +174,11 @@ def _pad_head_dim(x: torch.Tensor, padded: int) -> torch.Tensor:
 def _cuda_inputs(q, k, v, *extra):
     """Expand K/V to the query heads and pad the head dim: each [B, H, S, Dp] heads-first."""
     h, padded = q.shape[2], _padded_head_dim(q.shape[-1])
-    k, v = _expand_kv_heads(k, h), _expand_kv_heads(v, h)  # [B, S, H, D]
+    k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)  # [B, S, H, D]
     return [_heads_first(_pad_head_dim(x, padded)) for x in (q, k, v, *extra)]  # each [B, H, S, Dp]
 
 
-def _cuda_forward(q, k, v, causal, scale):
+def cuda_forward(q, k, v, causal, scale):
     """aten CUDA flash or memory-efficient forward (Note [CUDA kernels])."""
     head_dim, sq = q.shape[-1], q.shape[1]
     qh, kh, vh = _cuda_inputs(q, k, v)
@@ -190,7 +190,7 @@ def _cuda_forward(q, k, v, causal, scale):
     return _seq_first(out[..., :head_dim]), _no_key_rows_to_neg_inf(lse.float())
 
 
-def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
+def cuda_backward(dout, q, k, v, out, lse, causal, scale):
     """aten CUDA backward of the kernel :func:`cuda_variant` picks; K/V gradients summed per query group."""
     head_dim, hkv, (sq, sk) = q.shape[-1], k.shape[2], (q.shape[1], k.shape[1])
     qh, kh, vh, outh, douth = _cuda_inputs(q, k, v, out, dout)

@@ -5,14 +5,19 @@ options (``--heads``, ``--flops``, ``--memory-gib``, ``--intra-bw`` ...) overrid
 Memory techniques (``--fused-loss``, ``--tiled-mlp``, ``--offload-activations``,
 ``--offload-optimizer``, ``--offload-params``) change the memory model
 (:mod:`hybridsp.planner.memory`); ``--longest-context --ablation`` adds them one at a time.
+``--clusters`` prints the longest-context table of :mod:`hybridsp.planner.clusters` (Llama-3
+8B / 70B on 8 to 512 H100 / H200; ``--out PATH.json`` also writes its rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
 from dataclasses import replace
 
+from hybridsp.planner import clusters
 from hybridsp.planner.ablation import ablation, format_ablation
 from hybridsp.planner.packing import packing_imbalance, packing_report
 from hybridsp.planner.plans import Plan, format_seconds
@@ -91,9 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--ablation", action="store_true",
                         help="with --longest-context: add fused_loss, tiled_mlp, activation_offload, "
                              "optimizer_offload one at a time (a row each)")
+    search.add_argument("--clusters", action="store_true",
+                        help="the longest-context table for Llama-3 8B / 70B on 8-512 H100 / H200 "
+                             "(hybridsp.planner.clusters; --granularity applies); other options are ignored")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--top", type=int, default=12, help="table rows (0: all)")
+    out.add_argument("--out", help="with --clusters: also write the rows and how they were made to this JSON file")
 
 
 def _lengths(text: str) -> list[int]:
@@ -242,8 +251,23 @@ def run_ablation(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpe
     return 0 if rows[-1].plan is not None else 1
 
 
+def run_clusters(args: argparse.Namespace) -> int:
+    """``--clusters``: the table (or ``--json`` rows); ``--out`` writes ``{"meta", "rows"}``."""
+    rows, seconds = clusters.run(args.granularity)
+    if args.out:
+        meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                "command": "python -m hybridsp " + " ".join(sys.argv[1:]), "seconds": seconds,
+                "assumptions": clusters.__doc__.split("\n\n", 2)[2].strip()}
+        with open(args.out, "w") as sink:
+            sink.write(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(json.dumps({"clusters": rows}) if args.json else clusters.markdown(rows))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``plan``; print a table or JSON. Returns the exit status (1: nothing fits)."""
+    if args.clusters:
+        return run_clusters(args)
     try:
         model, cluster, space = model_from_args(args), cluster_from_args(args), space_from_args(args)
         techniques = techniques_from_args(args)

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridsp.comm_volume import ring_rows
+from hybridsp import formulas
+from hybridsp.formulas import FP32, all_to_all_sent, kv_row_bytes, kv_transport, ring_rows
 from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
-from hybridsp.ulysses import kv_repeats_for
-
-FP32 = 4
 
 
 def local_tokens(workload: Workload, config: MeshConfig) -> int:
@@ -23,10 +21,8 @@ def local_tokens(workload: Workload, config: MeshConfig) -> int:
 
 
 def expanded_kv_heads(model: ModelSpec, ulysses: int) -> int:
-    """K/V heads after :func:`hybridsp.ulysses.kv_repeats_for` expansion (Hkv' ; Hkv' % U == 0)."""
-    if ulysses == 1:
-        return model.num_kv_heads
-    return model.num_kv_heads * kv_repeats_for(model.num_heads, model.num_kv_heads, ulysses)
+    """K/V heads after :func:`hybridsp.formulas.kv_repeats_for` expansion (Hkv' ; Hkv' % U == 0)."""
+    return formulas.expanded_kv_heads(model.num_heads, model.num_kv_heads, ulysses)
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -88,7 +84,7 @@ class CommVolume:
     before an all-to-all; ``(U-1)/U`` of each leaves the rank. ``kv_block_bytes``: one whole
     K/V block of a ring slot (input dtype); ``grad_block_bytes``: its dK/dV, sent in the input
     dtype too. ``sent_blocks`` / ``read_blocks``: the K/V a rank sends / reads per pass, in
-    blocks, averaged over the ring's ranks (:func:`hybridsp.comm_volume.ring_rows`; causal
+    blocks, averaged over the ring's ranks (:func:`hybridsp.formulas.ring_rows`; causal
     zigzag: 3/4 (R-1) each) for ``kv_comm="ring"``; ``kv_comm="allgather"`` gathers whole blocks,
     (R-1) per pass, and returns (R-1) dK/dV blocks by reduce-scatter.
     """
@@ -110,8 +106,7 @@ class CommVolume:
     def all_to_all_per_layer_pass(self) -> int:
         """Bytes leaving the rank in one pass of one layer: the q/k/v op plus the out op
         (forward), or the dout op plus the dq/dk/dv op (backward): the same sizes."""
-        u = self.ulysses
-        return self.qkv_bytes * (u - 1) // u + self.out_bytes * (u - 1) // u
+        return all_to_all_sent(self.qkv_bytes, self.ulysses) + all_to_all_sent(self.out_bytes, self.ulysses)
 
     @property
     def all_to_all(self) -> int:
@@ -121,18 +116,16 @@ class CommVolume:
     @property
     def ring_forward_per_layer(self) -> int:
         """K/V bytes one rank sends in one forward pass of one layer (mean over the ring)."""
-        if self.kv_comm == "allgather":
-            return (self.ring - 1) * self.kv_block_bytes
-        return round(self.sent_blocks * self.kv_block_bytes)
+        forward, _, _ = kv_transport(self.kv_comm, self.ring, 1, self.sent_blocks, self.read_blocks)
+        return round(forward * self.kv_block_bytes)
 
     @property
     def ring_backward_per_layer(self) -> int:
         """K/V again plus the dK/dV of what the rank read, home once (ring) / reduce-scattered."""
         if not self.backward or self.ring == 1:
             return 0
-        if self.kv_comm == "allgather":
-            return (self.ring - 1) * (self.kv_block_bytes + self.grad_block_bytes)
-        return round(self.sent_blocks * self.kv_block_bytes + self.read_blocks * self.grad_block_bytes)
+        _, kv, grads = kv_transport(self.kv_comm, self.ring, 1, self.sent_blocks, self.read_blocks)
+        return round(kv * self.kv_block_bytes + grads * self.grad_block_bytes)
 
     @property
     def ring_total(self) -> int:
@@ -143,15 +136,14 @@ def comm_volume(model: ModelSpec, workload: Workload, config: MeshConfig) -> Com
     """Bytes of every all-to-all and ring transfer of one rank for one step."""
     e, d, u = workload.dtype_bytes, model.head_dim, config.ulysses
     tokens, kv_heads = local_tokens(workload, config), expanded_kv_heads(model, u)
-    block_tokens = workload.micro_batch * workload.seq_len // config.ring
-    kv_block_elements = block_tokens * (kv_heads // u) * 2 * d
+    kv_block = (workload.seq_len // config.ring) * kv_row_bytes(workload.micro_batch, kv_heads, u, d, e)
     sent, read = _mean_ring_blocks(config.ring, workload.seq_len // config.ring, workload.causal)
     return CommVolume(
         ulysses=u, ring=config.ring, layers=model.num_layers,
         qkv_bytes=tokens * (model.num_heads + 2 * kv_heads) * d * e,
         out_bytes=tokens * model.num_heads * d * e,
-        kv_block_bytes=kv_block_elements * e,
-        grad_block_bytes=kv_block_elements * e,
+        kv_block_bytes=kv_block,
+        grad_block_bytes=kv_block,
         forward_passes=2 if config.checkpointing and not workload.forward_only else 1,
         backward=not workload.forward_only,
         kv_comm=resolved_kv_mode(workload), sent_blocks=sent, read_blocks=read,

@@ -1,45 +1,11 @@
-"""``plan_degrees``: Ulysses and ring degrees from what a launcher knows, for ``init_mesh("auto")``."""
+"""``plan_degrees``: Ulysses and ring degrees from what a launcher knows; the rule lives in
+:mod:`hybridsp.degrees` (what ``init_mesh("auto")`` uses), this adds the cost-model choice."""
 
 from __future__ import annotations
 
-from hybridsp.layout import check_sequence_length
+from hybridsp.degrees import check_launch, largest_inside_node, ulysses_candidates
 from hybridsp.planner.plans import LAYOUT, evaluate
-from hybridsp.planner.search import divisors
 from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
-
-
-def _check_positive(**values) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer; got {value!r}")
-
-
-def _sequence_ok(seq_len: int | None, ulysses: int, ring: int) -> bool:
-    if seq_len is None:
-        return True
-    try:
-        check_sequence_length(seq_len, ring, ulysses, LAYOUT)
-    except ValueError:
-        return False
-    return True
-
-
-def _candidates(context: int, num_heads: int, seq_len: int | None, ulysses: int | None, ring: int | None) -> list[int]:
-    """Ulysses degrees that divide the context ranks and the heads and split the sequence."""
-    if ulysses is not None and ring is not None and ulysses * ring != context:
-        raise ValueError(f"ulysses={ulysses} x ring={ring} = {ulysses * ring} != {context} context ranks")
-    if ring is not None:
-        if context % ring != 0:
-            raise ValueError(f"ring={ring} does not divide the {context} context ranks")
-        ulysses = context // ring
-    options = [ulysses] if ulysses is not None else divisors(context)
-    valid = [u for u in options if context % u == 0 and num_heads % u == 0 and _sequence_ok(seq_len, u, context // u)]
-    if not valid:
-        raise ValueError(
-            f"no Ulysses degree among {options} divides both {context} context ranks and {num_heads} query heads"
-            + (f" and splits {seq_len} tokens with the {LAYOUT} layout" if seq_len is not None else "")
-        )
-    return valid
 
 
 def _by_cost(candidates: list[int], context: int, model: ModelSpec, workload: Workload, cluster: ClusterSpec,
@@ -71,15 +37,8 @@ def plan_degrees(
     (``ulysses=4``) to get the other. Raises ValueError, quoting the numbers, when nothing fits.
     """
     context = world_size if context_size is None else context_size
-    _check_positive(world_size=world_size, local_world_size=local_world_size, num_heads=num_heads,
-                    num_kv_heads=num_kv_heads, head_dim=head_dim, context_size=context, micro_batch=micro_batch)
-    if world_size % local_world_size != 0:
-        raise ValueError(f"local world size {local_world_size} does not divide the world size {world_size}")
-    if world_size % context != 0:
-        raise ValueError(f"context size {context} does not divide the world size {world_size}")
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of K/V heads ({num_kv_heads})")
-    candidates = _candidates(context, num_heads, seq_len, ulysses, ring)
+    check_launch(world_size, local_world_size, context, num_heads, num_kv_heads, head_dim, micro_batch)
+    candidates = ulysses_candidates(context, num_heads, seq_len, ulysses, ring, LAYOUT)
     if seq_len is not None and cluster is not None:
         if (cluster.world_size, cluster.gpus_per_node) != (world_size, local_world_size):
             raise ValueError(
@@ -97,6 +56,5 @@ def plan_degrees(
         workload = Workload(seq_len, micro_batch)
         chosen = _by_cost(candidates, context, model, workload, cluster, tie_tolerance)
         return chosen, context // chosen
-    inside = [u for u in candidates if local_world_size % u == 0]
-    chosen = max(inside or candidates)
+    chosen = largest_inside_node(candidates, local_world_size)
     return chosen, context // chosen

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridsp.allgather import default_kv_chunks
+from hybridsp.formulas import default_kv_chunks
 from hybridsp.planner.specs import MeshConfig, Workload
 
 FP32 = 4

@@ -83,6 +83,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size
 from hybridsp.planner.costs import FP32, comm_volume, expanded_kv_heads, local_tokens
 from hybridsp.planner.kv_modes import kv_workspace_bytes, planner_chunks
 from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
@@ -249,17 +250,16 @@ def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -
 AFTER_LAYERS_BACKWARD = ("gradient reduction",)  # phases after every layer's backward: no checkpoint is left
 
 
-FUSED_CHUNK_LOGITS_BYTES = 64 * 2**20  # = hybridsp.fused_loss.CHUNK_LOGITS_BYTES (a test keeps them equal)
+FUSED_CHUNK_LOGITS_BYTES = CHUNK_LOGITS_BYTES  # the library's own (hybridsp.formulas)
 
 
 def fused_loss_chunk(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
     """Rows per fused-loss chunk: ``loss_chunk``, or the library's default
-    (``hybridsp.fused_loss.default_chunk_size``: ceil(T h / V), at most 64 MiB of fp32 logits); <= T."""
-    tokens, vocab = local_tokens(workload, config), model.vocab_size
+    (:func:`hybridsp.formulas.default_chunk_size`: ceil(T h / V), at most 64 MiB of fp32 logits); <= T."""
+    tokens = local_tokens(workload, config)
     chunk = workload.techniques.loss_chunk
     if chunk is None:
-        cap = max(1, FUSED_CHUNK_LOGITS_BYTES // (FP32 * vocab))
-        chunk = max(1, min(cap, _ceil_div(tokens * model.hidden_size, vocab)))
+        chunk = default_chunk_size(model.vocab_size, tokens, model.hidden_size)
     return min(chunk, tokens)
 
 

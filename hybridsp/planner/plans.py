@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
+from hybridsp.formulas import heads_divisible
 from hybridsp.layout import check_sequence_length
 from hybridsp.planner.costs import CommVolume, Flops, comm_volume, expanded_kv_heads, flops_per_rank
 from hybridsp.planner.kv_modes import best_of
@@ -33,7 +34,7 @@ def mesh_problems(model: ModelSpec, workload: Workload, cluster: ClusterSpec, co
             f"DP={config.dp} x U={config.ulysses} x R={config.ring} = {config.world_size} ranks, "
             f"but the cluster has {cluster.world_size}"
         )
-    if model.num_heads % config.ulysses != 0:
+    if not heads_divisible(model.num_heads, config.ulysses):
         problems.append(f"heads {model.num_heads} not divisible by U={config.ulysses}")
     try:
         check_sequence_length(workload.seq_len, config.ring, config.ulysses, LAYOUT)

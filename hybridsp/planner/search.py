@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from hybridsp.degrees import divisors
+from hybridsp.formulas import heads_divisible
 from hybridsp.planner.memory import memory_use
 from hybridsp.planner.plans import Plan, evaluate, mesh_problems
 from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload
@@ -45,10 +47,6 @@ class SearchSpace:
     def admits(self, dp: int, ulysses: int, ring: int) -> bool:
         pairs = ((self.dp, dp), (self.ulysses, ulysses), (self.ring, ring))
         return all(want is None or want == got for want, got in pairs)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def degree_triples(world_size: int) -> list[tuple[int, int, int]]:
@@ -162,16 +160,18 @@ def _sequence_step(granularity: int, ulysses: int, ring: int) -> int:
     return math.lcm(granularity, ring * math.lcm(2, ulysses))
 
 
-def _fits(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig) -> bool:
+def _fits(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig,
+          memory_of=memory_use) -> bool:
     if mesh_problems(model, workload, cluster, config):
         return False
-    memory = memory_use(model, workload, config)
+    memory = memory_of(model, workload, config)
     return memory.total <= cluster.usable_bytes and memory.host <= cluster.host_bytes_per_gpu
 
 
-def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig, step: int) -> int:
+def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig, step: int,
+                 memory_of=memory_use) -> int:
     """Largest multiple of ``step`` that fits with ``config`` (memory grows with S), or 0."""
-    fits = lambda k: _fits(model, replace(workload, seq_len=k * step), cluster, config)  # noqa: E731
+    fits = lambda k: _fits(model, replace(workload, seq_len=k * step), cluster, config, memory_of)  # noqa: E731
     if not fits(1):
         return 0
     low, high = 1, 2
@@ -188,11 +188,13 @@ def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, con
 def longest_context(
     model: ModelSpec, cluster: ClusterSpec, *, granularity: int = 1024, micro_batch: int = 1,
     forward_only: bool = False, chunked_loss: bool = False, dtype_bytes: int = 2, causal: bool = True,
-    space: SearchSpace | None = None, techniques: Techniques | None = None,
+    space: SearchSpace | None = None, techniques: Techniques | None = None, memory_of=memory_use,
 ) -> LongestContext:
     """The largest ``seq_len`` (a multiple of ``granularity``) that fits in memory (device and
     host) under some plan, with the ranked plans at that length (their recommendation fits by
-    construction). ``techniques``: fused loss, tiled MLP, offload (default: none)."""
+    construction). ``techniques``: fused loss, tiled MLP, offload (default: none). ``memory_of``:
+    the memory model the fit test uses (default :func:`~hybridsp.planner.memory.memory_use`; a
+    what-if passes a variant; the ranked plans always use the planner's own)."""
     if not isinstance(granularity, int) or granularity < 1:
         raise ValueError(f"granularity must be a positive integer; got {granularity!r}")
     space = space or SearchSpace()
@@ -200,10 +202,11 @@ def longest_context(
                         techniques or Techniques())
     longest = 0
     for dp, u, r in degree_triples(cluster.world_size):
-        if not space.admits(dp, u, r) or model.num_heads % u != 0:
+        if not space.admits(dp, u, r) or not heads_divisible(model.num_heads, u):
             continue
         for config in _configs(workload, space, dp, u, r):
-            longest = max(longest, _longest_for(model, workload, cluster, config, _sequence_step(granularity, u, r)))
+            step = _sequence_step(granularity, u, r)
+            longest = max(longest, _longest_for(model, workload, cluster, config, step, memory_of))
     if longest == 0:
         return LongestContext(0, granularity, None)
     return LongestContext(longest, granularity, plan(model, replace(workload, seq_len=longest), cluster, space))

@@ -1,7 +1,7 @@
 """The planner's longest context for Llama-3 8B / 70B on H100 / H200 clusters (pure arithmetic).
 
-    python benchmarks/predict_clusters.py                 # prints a markdown table, writes JSON
-    python benchmarks/predict_clusters.py --out PATH.json
+    python -m hybridsp plan --clusters                    # prints a markdown table
+    python -m hybridsp plan --clusters --out PATH.json    # and writes the rows
 
 For each model, GPU and cluster size (8 GPUs per node, NVLink inside a node, InfiniBand between
 nodes: ``hybridsp.planner.preset_cluster(gpu, nodes, 8, "nvlink", "ib")``), bf16 activations,
@@ -20,21 +20,13 @@ saved log-softmax and two fp32 gradients at the start of the backward; see
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import datetime
-import json
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hybridsp.planner import MODELS, SearchSpace, longest_context, preset_cluster  # noqa: E402
-from hybridsp.planner.specs import GIB  # noqa: E402
+from hybridsp.planner.costs import local_tokens
+from hybridsp.planner.memory import memory_use
+from hybridsp.planner.search import SearchSpace, longest_context
+from hybridsp.planner.specs import GIB, MODELS, preset_cluster
 
 MEASURED_LOSS_BYTES = 14  # bf16 loss path's peak per token x vocabulary entry (bench_longest_context.bf16_checks)
 MODEL_NAMES = ("llama3-8b", "llama3-70b")
@@ -43,26 +35,18 @@ SIZES = (8, 16, 32, 64, 128, 256, 512)
 PER_NODE = 8
 
 
-@contextlib.contextmanager
-def loss_bytes_per_entry(value: int):
-    """What-if: the longest-context search counts the loss at ``value`` bytes per token x vocabulary
-    entry (only the search's fit test is changed; plans evaluated afterwards use the planner's own)."""
-    from hybridsp.planner import search as search_module
-    from hybridsp.planner.costs import local_tokens
+def loss_at(bytes_per_entry: int):
+    """What-if memory model: :func:`~hybridsp.planner.memory.memory_use` with the (unfused) training
+    loss counted at ``bytes_per_entry`` bytes per token x vocabulary entry (for ``longest_context``'s
+    ``memory_of``; the plans it ranks keep the planner's own)."""
 
-    original = search_module.memory_use
-
-    def patched(model, workload, config):
-        use = original(model, workload, config)
+    def memory_of(model, workload, config):
+        use = memory_use(model, workload, config)
         if workload.chunked_loss or workload.forward_only:
             return use
-        return dataclasses.replace(use, logits=local_tokens(workload, config) * model.vocab_size * value)
+        return dataclasses.replace(use, logits=local_tokens(workload, config) * model.vocab_size * bytes_per_entry)
 
-    search_module.memory_use = patched
-    try:
-        yield
-    finally:
-        search_module.memory_use = original
+    return memory_of
 
 
 def predict(model_name: str, gpu: str, world: int, granularity: int) -> dict:
@@ -72,8 +56,8 @@ def predict(model_name: str, gpu: str, world: int, granularity: int) -> dict:
     space = SearchSpace(zero_stages=(3,), checkpointing=(False, True))
     found = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space)
     chunked = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space, chunked_loss=True)
-    with loss_bytes_per_entry(MEASURED_LOSS_BYTES):
-        what_if = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space).seq_len
+    what_if = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space,
+                              memory_of=loss_at(MEASURED_LOSS_BYTES)).seq_len
     row = {"model": model_name, "gpu": gpu, "gpus": world, "nodes": world // PER_NODE, "seq_len": found.seq_len,
            "seq_len_chunked_loss": chunked.seq_len, "seq_len_loss_14b": what_if, "granularity": granularity}
     best = found.result.recommended if found.result else None
@@ -126,25 +110,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(granularity: int = 1024) -> tuple[list[dict], float]:
+    """Every model x GPU x size of the module's lists: (rows, seconds)."""
     started = time.perf_counter()
     rows = [predict(model, gpu, world, granularity) for model in MODEL_NAMES for gpu in GPUS for world in SIZES]
     return rows, time.perf_counter() - started
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--granularity", type=int, default=1024, help="sequence-length step, tokens")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_predict_clusters.json"))
-    args = parser.parse_args(argv)
-    rows, seconds = run(args.granularity)
-    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": "python benchmarks/predict_clusters.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
-            "seconds": seconds, "assumptions": __doc__.split("\n\n", 2)[2].strip()}
-    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    print(markdown(rows))
-    print(f"\n{len(rows)} predictions in {seconds:.1f} s; wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
