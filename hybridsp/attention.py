@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridsp.allgather import check_kv_chunks
-from hybridsp.formulas import heads_divisible
 from hybridsp.comm import CommCounter
+from hybridsp.formulas import heads_divisible
 from hybridsp.kernels import AttentionKernel, check_qkv, resolve_kernel
 from hybridsp.layout import check_sequence_length, join_shards, take_shard
 from hybridsp.masks import check_sliding_window, normalize_cu_seqlens
