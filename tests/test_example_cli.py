@@ -64,3 +64,11 @@ def test_summary_leaves_the_warm_up_step_out():
     ]
     line = metrics.summary(0, None, Path("runs/x"))
     assert "800 tokens/s" in line and "5.000 -> 3.000" in line and "50.0 s of warm-up" in line
+
+
+def test_layout_flag_reaches_the_mesh_config(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / "cp8.json"), "--ulysses", "2", "--ring", "2",
+                             "--pack", "--layout", "balanced"])
+    plan = preflight.preflight(args)
+    assert plan.hybrid.layout == "balanced" and args.pack
