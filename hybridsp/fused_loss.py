@@ -48,8 +48,9 @@ from __future__ import annotations
 import torch
 
 from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size  # noqa: F401  (re-exported)
-from hybridsp.loss import IGNORE_INDEX, context_totals, raise_on_bad_labels
+from hybridsp.loss import IGNORE_INDEX
 from hybridsp.mesh import HybridMesh
+from hybridsp.token_loss import guard_labels, token_weighted_share
 from hybridsp.zero_gather import gathered
 from hybridsp.zero_grad import land_full_gradient
 
@@ -88,19 +89,14 @@ def fused_cross_entropy(
     tokens = hidden.shape[0] * hidden.shape[1]
     chunk = default_chunk_size(vocab, tokens, hidden.shape[-1]) if chunk_size is None else chunk_size
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    bad = (shift_labels != ignore_index) & ((shift_labels < 0) | (shift_labels >= vocab))  # [B, S_local]
-    safe_labels = shift_labels.masked_fill(bad, ignore_index)  # Note [bad labels] in hybridsp.loss
+    safe_labels, bad = guard_labels(shift_labels, vocab, ignore_index)  # [B, S_local]; Note [bad labels]
     with gathered([weight]):
         if needs_grad:
             local_sum = _FusedLinearCrossEntropy.apply(hidden, weight, safe_labels, ignore_index, chunk)
             land_full_gradient(local_sum, 1, weight)  # ZeRO-3: Note [ZeRO-3]
         else:
             local_sum = _chunked_loss(hidden, weight, safe_labels, ignore_index, chunk)
-    local_count = (safe_labels != ignore_index).sum()
-    total_sum, total_count, total_bad = context_totals(local_sum.detach(), local_count, bad.sum(), mesh)
-    raise_on_bad_labels(total_bad, shift_labels, bad, vocab, ignore_index, mesh)
-    others = total_sum - local_sum.detach()  # the rest of the group's loss: value only
-    return (local_sum + others) / total_count.clamp_min(1)
+    return token_weighted_share(local_sum, safe_labels, bad, shift_labels, mesh, vocab=vocab, ignore_index=ignore_index)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
@@ -193,8 +189,6 @@ def _check_inputs(hidden, weight, shift_labels, ignore_index, chunk_size) -> int
         )
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype; cast one of them")
-    if shift_labels.is_floating_point():
-        raise ValueError(f"shift_labels must hold integer token ids; got dtype {shift_labels.dtype}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive number of tokens; got {chunk_size!r}")
     return shape[0]

@@ -24,10 +24,10 @@ A shard, or the whole batch, with no valid token gives loss 0 and zero gradients
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridsp.mesh import HybridMesh
+from hybridsp.token_loss import guard_labels, token_weighted_share
 
 IGNORE_INDEX = -100
 
@@ -51,39 +51,11 @@ def sharded_cross_entropy(
     """
     _check_shapes(logits, shift_labels)
     vocab = logits.shape[-1]
-    bad = (shift_labels != ignore_index) & ((shift_labels < 0) | (shift_labels >= vocab))  # [B, S_local]
-    safe_labels = shift_labels.masked_fill(bad, ignore_index)  # Note [bad labels]
+    safe_labels, bad = guard_labels(shift_labels, vocab, ignore_index)  # [B, S_local]; Note [bad labels]
     local_sum = F.cross_entropy(
         logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=ignore_index, reduction="sum",
     )  # an all-ignored shard sums to exactly 0
-    local_count = (safe_labels != ignore_index).sum()
-    total_sum, total_count, total_bad = context_totals(local_sum.detach(), local_count, bad.sum(), mesh)
-    raise_on_bad_labels(total_bad, shift_labels, bad, vocab, ignore_index, mesh)
-    others = total_sum - local_sum.detach()  # the rest of the group's loss: value only
-    return (local_sum + others) / total_count.clamp_min(1)
-
-
-def context_totals(local_sum: torch.Tensor, local_count: torch.Tensor, local_bad: torch.Tensor, mesh: HybridMesh):
-    """(loss sum, valid-token count, bad-label count) over the context group: one no-grad fp64 all_reduce."""
-    totals = torch.stack([local_sum.double(), local_count.double(), local_bad.double()])  # [3]
-    if mesh.context > 1:
-        with torch.no_grad():
-            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=mesh.context_group)
-    return totals[0].float(), totals[1].float(), int(totals[2].item())
-
-
-def raise_on_bad_labels(total_bad: int, shift_labels, bad, vocab: int, ignore_index: int, mesh: HybridMesh) -> None:
-    """Note [bad labels]: a target outside ``[0, V)`` would make ``cross_entropy`` raise on one rank
-    before the all-reduce (with NCCL the others would hang). Bad targets are masked, counted in
-    the same all-reduce, and every rank of the context group raises together."""
-    if total_bad == 0:
-        return
-    local = shift_labels[bad][:4].tolist()
-    raise ValueError(
-        f"{total_bad} target id(s) in shift_labels lie outside the vocabulary [0, {vocab}) of the logits "
-        f"(ignore_index={ignore_index}); this rank ({mesh.rank}) has {int(bad.sum())}, e.g. {local}. "
-        f"Check the tokenizer's vocabulary against the model's vocab_size"
-    )
+    return token_weighted_share(local_sum, safe_labels, bad, shift_labels, mesh, vocab=vocab, ignore_index=ignore_index)
 
 
 def _check_shapes(logits: torch.Tensor, shift_labels: torch.Tensor) -> None:
@@ -94,5 +66,3 @@ def _check_shapes(logits: torch.Tensor, shift_labels: torch.Tensor) -> None:
             f"expected logits [B, S_local, V] and shift_labels [B, S_local]; pass this rank's logits and "
             f"the shift_labels that shard_batch returned for the same rank"
         )
-    if shift_labels.is_floating_point():
-        raise ValueError(f"shift_labels must hold integer token ids; got dtype {shift_labels.dtype}")

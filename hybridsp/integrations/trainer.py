@@ -96,6 +96,7 @@ from hybridsp.integrations import deepspeed as hds
 from hybridsp.integrations.trainer_data import gather_over_replicas, shard_loader_over_replicas
 from hybridsp.loss import IGNORE_INDEX
 from hybridsp.mesh import HybridMesh
+from hybridsp.token_loss import guard_labels, raise_on_bad_labels, token_weighted_share
 
 
 class HybridSPMixin:
@@ -185,11 +186,26 @@ class HybridSPMixin:
         """
         if not batch_samples or any("labels" not in batch for batch in batch_samples):
             return None
-        count = sum(int((self._full(batch)["shift_labels"] != IGNORE_INDEX).sum()) for batch in batch_samples)
-        total = torch.tensor(float(count), dtype=torch.float64, device=device)
+        labels = [self._full(batch)["shift_labels"] for batch in batch_samples]  # each [B, S]
+        vocab = self._vocab_size()
+        bad = [guard_labels(x, vocab, IGNORE_INDEX)[1] if vocab else torch.zeros_like(x, dtype=torch.bool)
+               for x in labels]  # [B, S] each: targets outside the vocabulary
+        count = sum(int((x != IGNORE_INDEX).sum()) for x in labels)
+        totals = torch.tensor([float(count), float(sum(int(b.sum()) for b in bad))], dtype=torch.float64,
+                              device=device)  # [2]: valid targets, bad targets
         if self.hybrid_mesh.dp > 1:
-            dist.all_reduce(total, group=self.hybrid_mesh.data_group)
-        return total
+            dist.all_reduce(totals, group=self.hybrid_mesh.data_group)
+        # a bad label on one replica: every replica raises here, before the forward (Note [bad labels])
+        raise_on_bad_labels(int(totals[1]), torch.cat([x.flatten() for x in labels]),
+                            torch.cat([b.flatten() for b in bad]), vocab, IGNORE_INDEX, self.hybrid_mesh)
+        return totals[0]
+
+    def _vocab_size(self) -> int | None:
+        """The model's vocabulary size (``config.vocab_size`` of its text config), or None if unknown."""
+        config = getattr(self.model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(config, "vocab_size", None)
+        return int(vocab) if vocab else None
 
     def _full(self, batch) -> dict[str, torch.Tensor]:
         return prepare_batch(_batch_tensors(batch), self.hybrid_mesh, pad_token_id=self._pad_token_id())
@@ -265,19 +281,18 @@ def _share_of_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items, 
     """Value ``DP * replica_sum / N``, gradient ``DP * d(local_sum) / N`` (Note [the loss]).
 
     ``logits`` [B, S_local, V], ``shift_labels`` [B, S_local]; ``num_items`` the global count N.
-    One no-grad all_reduce over the context group.
+    One no-grad all_reduce over the context group, which also carries the bad-label count
+    (:mod:`hybridsp.token_loss`: a bad label is an error on every rank, never a hang).
     """
+    vocab = logits.shape[-1]
+    safe_labels, bad = guard_labels(shift_labels, vocab, IGNORE_INDEX)  # [B, S_local]
     local_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), shift_labels.reshape(-1), ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum",
     )
-    replica_sum = local_sum.detach().double()
-    if mesh.context > 1:
-        with torch.no_grad():
-            dist.all_reduce(replica_sum, group=mesh.context_group)
-    others = (replica_sum - local_sum.detach().double()).float()  # the rest of the replica: value only
-    count = torch.as_tensor(num_items, device=local_sum.device).double().clamp_min(1.0)
-    return (local_sum + others) * (mesh.dp / count).float()
+    return token_weighted_share(
+        local_sum, safe_labels, bad, shift_labels, mesh, vocab=vocab, ignore_index=IGNORE_INDEX,
+        denominator=num_items, scale=mesh.dp,
+    )
 
 
 def _mesh(hybrid: hds.HybridConfig) -> HybridMesh:
