@@ -50,23 +50,27 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, tile_tokens: int) -> torc
     Returns:
         [..., h] in x's dtype.
     """
-    params = _params_of(mlp)
+    params, biased = _params_of(mlp)
     with gathered(params):
-        return _TiledMLP.apply(x, mlp.act_fn, tile_tokens, len(params) == 6, *params)
+        return _TiledMLP.apply(x, mlp.act_fn, tile_tokens, biased, *params)
 
 
-def _params_of(mlp: nn.Module) -> list[torch.Tensor]:
-    """[gate.w, up.w, down.w] (+ [gate.b, up.b, down.b] when the MLP has biases)."""
+def _params_of(mlp: nn.Module) -> tuple[list[torch.Tensor], tuple[bool, bool, bool]]:
+    """([gate.w, up.w, down.w] + the biases that exist, in that order; which of the three have a bias).
+
+    Any subset of the projections may carry a bias (e.g. only ``down_proj``); each is used."""
     linears = [getattr(mlp, name) for name in _PARTS]
-    weights = [linear.weight for linear in linears]
-    biases = [linear.bias for linear in linears]
-    return weights + biases if all(b is not None for b in biases) else weights
+    biased = tuple(linear.bias is not None for linear in linears)
+    biases = [linear.bias for linear in linears if linear.bias is not None]
+    return [linear.weight for linear in linears] + biases, biased
 
 
 def _mlp_math(x, act, params, biased):
-    """down(act(gate(x)) * up(x)) with explicit weights; x [t, h] -> [t, h]."""
+    """down(act(gate(x)) * up(x)) with explicit weights; x [t, h] -> [t, h]. ``biased``: which of
+    gate/up/down have a bias (those follow the three weights in ``params``, in that order)."""
+    extra = iter(params[3:])
+    gate_b, up_b, down_b = (next(extra) if has else None for has in biased)
     gate_w, up_w, down_w = params[:3]
-    gate_b, up_b, down_b = params[3:] if biased else (None, None, None)
     return F.linear(act(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
 
 
