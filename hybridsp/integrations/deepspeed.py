@@ -128,14 +128,19 @@ class HybridConfig:
         MeshShape(self.context, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks)  # checks
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        for name in ("sequence_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise ValueError(
+                    f"{name} must be a positive integer; got {value!r} ({type(value).__name__}): write it as a "
+                    f"JSON number, e.g. {self.context if name == 'sequence_parallel_size' else 1}, or remove it"
+                )
         if self.sequence_parallel_size is not None and self.sequence_parallel_size != self.context:
             raise ValueError(
                 f"sequence_parallel_size={self.sequence_parallel_size} disagrees with the {SECTION} section: "
                 f"ulysses={self.ulysses} x ring={self.ring} = {self.context} context ranks; set it to "
                 f"{self.context} or remove it"
             )
-        if self.data_parallel_size is not None and not _positive_int(self.data_parallel_size):
-            raise ValueError(f"data_parallel_size must be a positive integer; got {self.data_parallel_size!r}")
 
     @property
     def context(self) -> int:
