@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 from dataclasses import replace
 
@@ -34,65 +35,88 @@ _MODEL_FIELDS = {  # option dest -> ModelSpec field
 }
 
 
+def _number(kind: type, lowest: float, inclusive: bool, what: str):
+    """An argparse ``type`` that accepts finite ``kind`` values above ``lowest`` (or equal, if
+    ``inclusive``); anything else (0, negatives, inf, nan) is a usage error (exit code 2) quoting it."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}") from None
+        if not math.isfinite(value) or value < lowest or (value == lowest and not inclusive):
+            raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+_POSITIVE_INT = _number(int, 0, False, "a positive integer")
+_COUNT = _number(int, 0, True, "an integer >= 0")
+_POSITIVE = _number(float, 0.0, False, "a positive finite number")
+_NON_NEGATIVE = _number(float, 0.0, True, "a finite number >= 0")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` subcommand's options."""
     model = parser.add_argument_group("model (a preset, explicit numbers override it)")
     model.add_argument("--model", choices=sorted(MODELS), help="model preset")
     for option, field in _MODEL_FIELDS.items():
-        model.add_argument(f"--{option.replace('_', '-')}", type=int, help=f"ModelSpec.{field}")
+        model.add_argument(f"--{option.replace('_', '-')}", type=_POSITIVE_INT, help=f"ModelSpec.{field}")
     cluster = parser.add_argument_group("cluster (presets, explicit numbers override them)")
     cluster.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     cluster.add_argument("--intra", choices=INTRA_LINKS, default="nvlink", help="intra-node link")
     cluster.add_argument("--inter", choices=sorted(INTER_LINKS), default="ib", help="inter-node link")
-    cluster.add_argument("--nodes", type=int, default=1)
-    cluster.add_argument("--gpus-per-node", type=int, default=8)
-    cluster.add_argument("--flops", type=float, help="peak dense FLOP/s per accelerator")
-    cluster.add_argument("--memory-gib", type=float, help="memory per accelerator, GiB")
-    cluster.add_argument("--intra-bw", type=float, help="intra-node bytes/s per accelerator per direction")
-    cluster.add_argument("--inter-bw", type=float, help="inter-node bytes/s per accelerator per direction")
-    cluster.add_argument("--efficiency", type=float, help="achieved fraction of peak FLOP/s (default 0.5)")
-    cluster.add_argument("--reserved-gib", type=float, help="memory kept from the model per accelerator (default 4)")
-    cluster.add_argument("--host-memory-gib", type=float, help="host memory per node for offload, GiB (default 2048)")
-    cluster.add_argument("--host-bw", type=float, help="host<->accelerator (PCIe) bytes/s per accelerator per direction")
-    cluster.add_argument("--host-adam-params-per-s", type=float,
+    cluster.add_argument("--nodes", type=_POSITIVE_INT, default=1)
+    cluster.add_argument("--gpus-per-node", type=_POSITIVE_INT, default=8)
+    cluster.add_argument("--flops", type=_POSITIVE, help="peak dense FLOP/s per accelerator")
+    cluster.add_argument("--memory-gib", type=_POSITIVE, help="memory per accelerator, GiB")
+    cluster.add_argument("--intra-bw", type=_POSITIVE, help="intra-node bytes/s per accelerator per direction")
+    cluster.add_argument("--inter-bw", type=_POSITIVE, help="inter-node bytes/s per accelerator per direction")
+    cluster.add_argument("--efficiency", type=_POSITIVE, help="achieved fraction of peak FLOP/s (default 0.5)")
+    cluster.add_argument("--reserved-gib", type=_NON_NEGATIVE, help="memory kept from the model per accelerator (default 4)")
+    cluster.add_argument("--host-memory-gib", type=_POSITIVE, help="host memory per node for offload, GiB (default 2048)")
+    cluster.add_argument("--host-bw", type=_POSITIVE, help="host<->accelerator (PCIe) bytes/s per accelerator per direction")
+    cluster.add_argument("--host-adam-params-per-s", type=_POSITIVE,
                          help="parameters per second a node's CPU Adam updates (optimizer offload; default 1e9)")
     work = parser.add_argument_group("workload")
-    work.add_argument("--seq-len", type=int, help="tokens per sequence (required unless --longest-context)")
-    work.add_argument("--micro-batch", type=int, default=1, help="sequences per replica per step")
+    work.add_argument("--seq-len", type=_POSITIVE_INT, help="tokens per sequence (required unless --longest-context)")
+    work.add_argument("--micro-batch", type=_POSITIVE_INT, default=1, help="sequences per replica per step")
     work.add_argument("--forward-only", action="store_true", help="inference: no backward, grads or optimizer")
     work.add_argument("--chunked-loss", action="store_true", help="the loss never materialises all logits")
     work.add_argument("--non-causal", action="store_true", help="bidirectional attention")
-    work.add_argument("--dtype-bytes", type=int, default=2, help="activation element size (2 = bf16)")
+    work.add_argument("--dtype-bytes", type=_POSITIVE_INT, default=2, help="activation element size (2 = bf16)")
     work.add_argument("--doc-lengths", type=_lengths, metavar="N,N,...",
                       help="packed documents: the lengths of one row's documents (repeated to fill --seq-len); "
                            "reports each layout's ring imbalance and what layout='balanced' buys")
     tech = parser.add_argument_group("memory techniques (hybridsp.planner.memory states each term)")
     tech.add_argument("--fused-loss", action="store_true", help="hybridsp.fused_cross_entropy: no [T, V] logits")
-    tech.add_argument("--loss-chunk", type=int, default=Techniques.loss_chunk,
+    tech.add_argument("--loss-chunk", type=_POSITIVE_INT, default=Techniques.loss_chunk,
                       help="fused-loss chunk, tokens (default: the library's, ceil(T h / V) capped at 64 MiB of logits)")
     tech.add_argument("--tiled-mlp", action="store_true", help="MLP over sequence tiles with recomputation")
-    tech.add_argument("--mlp-tile", type=int, help="tiled-MLP tile, tokens (default: the hidden size)")
+    tech.add_argument("--mlp-tile", type=_POSITIVE_INT, help="tiled-MLP tile, tokens (default: the hidden size)")
     tech.add_argument("--offload-activations", action="store_true",
                       help="checkpointed layers' inputs in host memory (needs activation checkpointing)")
-    tech.add_argument("--keep-last", type=int, default=Techniques.keep_last,
+    tech.add_argument("--keep-last", type=_COUNT, default=Techniques.keep_last,
                       help="newest checkpointed inputs kept on the device (default 1)")
     tech.add_argument("--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer to CPU (ZeRO >= 1)")
     tech.add_argument("--offload-params", action="store_true", help="DeepSpeed offload_param to CPU (ZeRO-3)")
     tech.add_argument("--kv-mode", choices=KV_MODES, default="auto",
                       help="how K/V travel inside the ring group: ring (point-to-point steps), allgather "
                            "(chunked all-gather), auto (default: the faster that fits, per mesh)")
-    tech.add_argument("--reduce-bucket", type=int, default=Techniques.reduce_bucket,
+    tech.add_argument("--reduce-bucket", type=_POSITIVE_INT, default=Techniques.reduce_bucket,
                       help="DeepSpeed reduce_bucket_size, elements (engine state)")
     search = parser.add_argument_group("search")
     search.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), help="ZeRO stage(s) (default: all)")
     search.add_argument("--activation-checkpointing", nargs="?", const="on", default="auto",
                         choices=("on", "off", "auto"), help="on, off, or auto (try both; default)")
-    search.add_argument("--dp", type=int, help="fix the data-parallel degree")
-    search.add_argument("--ulysses", type=int, help="fix the Ulysses degree")
-    search.add_argument("--ring", type=int, help="fix the ring degree")
+    search.add_argument("--dp", type=_POSITIVE_INT, help="fix the data-parallel degree")
+    search.add_argument("--ulysses", type=_POSITIVE_INT, help="fix the Ulysses degree")
+    search.add_argument("--ring", type=_POSITIVE_INT, help="fix the ring degree")
     search.add_argument("--order", choices=("ulysses_inner", "ring_inner"), default="ulysses_inner")
     search.add_argument("--longest-context", action="store_true", help="find the longest sequence that fits")
-    search.add_argument("--granularity", type=int, default=1024, help="--longest-context step, tokens")
+    search.add_argument("--granularity", type=_POSITIVE_INT, default=1024, help="--longest-context step, tokens")
     search.add_argument("--ablation", action="store_true",
                         help="with --longest-context: add fused_loss, tiled_mlp, activation_offload, "
                              "optimizer_offload one at a time (a row each)")
@@ -118,7 +142,8 @@ def _lengths(text: str) -> list[int]:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The preset with explicit numbers applied, or a model from explicit numbers alone."""
-    given = {field: getattr(args, option) for option, field in _MODEL_FIELDS.items() if getattr(args, option)}
+    given = {field: getattr(args, option) for option, field in _MODEL_FIELDS.items()
+             if getattr(args, option) is not None}
     if args.model:
         return replace(MODELS[args.model], **given)
     missing = [f"--{o.replace('_', '-')}" for o in ("heads", "hidden", "intermediate", "layers", "vocab")
@@ -133,9 +158,9 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     overrides = {
         "peak_flops": args.flops, "intra_bw": args.intra_bw, "inter_bw": args.inter_bw, "efficiency": args.efficiency,
-        "memory_bytes": args.memory_gib * GIB if args.memory_gib else None,
+        "memory_bytes": args.memory_gib * GIB if args.memory_gib is not None else None,
         "reserved_bytes": args.reserved_gib * GIB if args.reserved_gib is not None else None,
-        "host_memory_bytes": args.host_memory_gib * GIB if args.host_memory_gib else None,
+        "host_memory_bytes": args.host_memory_gib * GIB if args.host_memory_gib is not None else None,
         "host_bw": args.host_bw, "host_adam_params_per_s": args.host_adam_params_per_s,
     }
     given = {key: value for key, value in overrides.items() if value is not None}
