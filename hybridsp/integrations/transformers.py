@@ -58,9 +58,10 @@ shard's tokens are the sequence 0..S/C-1). transformers' mask builders
 (``masking_utils._preprocess_mask_arguments``, since 4.53) return no mask at all for an
 implementation that has no entry in ``AttentionMaskInterface``: that is the path for custom
 kernels that mask by themselves. ``"hybridsp"`` deliberately has no mask entry (and
-:func:`register` refuses if someone added one), so no mask tensor is built; a 2D padding
-mask passed to the model is dropped, which is exact for right padding once the loss ignores
-the padding (see :mod:`hybridsp.batch`). Causal masking is done by the hybrid attention
+:func:`register` refuses if someone added one), so no mask tensor is built. A 2D padding
+mask passed to the model (this rank's shard of it when ``C > 1``) is turned by the forward
+pre-hook into documents instead (:mod:`hybridsp.integrations.hf_padding`: left, right and
+between-document padding are exact on real tokens; a hole inside one sequence is refused). Causal masking is done by the hybrid attention
 itself, by global token position, with ``causal=True``.
 
 Note [minimum version]: 4.53 is the first release with ``masking_utils`` and its
@@ -91,6 +92,7 @@ from hybridsp.formulas import heads_divisible
 from hybridsp.integrations.binding import BINDING_ATTR as _BINDING_ATTR  # the names hf_generate shares
 from hybridsp.integrations.binding import DECODE_KWARG
 from hybridsp.integrations.binding import Binding as _Binding
+from hybridsp.integrations.hf_padding import padded_cu_seq_lens
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh import HybridMesh
 
@@ -350,7 +352,7 @@ def _input_check(model: nn.Module, mesh: HybridMesh):
             _refuse_missing_positions_or_labels(arguments)
         if kwargs.get(DECODE_KWARG) is not None:  # a decode step: every rank holds the same new tokens
             return None
-        return _with_documents(args, kwargs, _batch_positions(arguments), mesh)
+        return _with_documents(args, kwargs, _batch_positions(arguments), mesh, arguments.get("attention_mask"))
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
 
@@ -387,9 +389,10 @@ def _batch_positions(arguments: dict) -> torch.Tensor | None:
     return positions.expand(tokens.shape[0], -1)  # [B, S]
 
 
-def _with_documents(args: tuple, kwargs: dict, position_ids, mesh: HybridMesh):
+def _with_documents(args: tuple, kwargs: dict, position_ids, mesh: HybridMesh, mask=None):
     """The hook's result: kwargs plus this forward's :class:`~hybridsp.documents.Documents` under
-    ``hybridsp_documents`` (derived once per forward, shared by every layer), or None."""
+    ``hybridsp_documents`` (derived once per forward, shared by every layer), or None. A 2-D
+    ``attention_mask`` adds its padding as segments (:mod:`hybridsp.integrations.hf_padding`)."""
     if kwargs.get(DOCUMENTS_KWARG) is not None:
         return None  # the caller passed shard_batch's documents: nothing to derive, no collective
     tokens = position_ids if position_ids is not None else None
@@ -398,6 +401,8 @@ def _with_documents(args: tuple, kwargs: dict, position_ids, mesh: HybridMesh):
             return None  # the attention converts cu_seq_lens_q/k itself
         batch, seq_len = tokens.shape[0], tokens.shape[1] * mesh.context
         documents = as_documents(_documents_from_kwargs(kwargs, batch, seq_len), batch, seq_len)
+    elif torch.is_tensor(mask) and mask.dim() == 2:
+        documents = _documents_of_positions(position_ids, mesh, mask)
     elif position_ids is None:
         return None
     else:
@@ -405,15 +410,20 @@ def _with_documents(args: tuple, kwargs: dict, position_ids, mesh: HybridMesh):
     return args, {**kwargs, DOCUMENTS_KWARG: documents}
 
 
-def _documents_of_positions(position_ids: torch.Tensor, mesh: HybridMesh) -> Documents:
-    """The batch's documents from this rank's ``position_ids`` [B, S/C] (one collective when C > 1)."""
-    batch, seq_len = position_ids.shape[0], position_ids.shape[1] * mesh.context
+def _documents_of_positions(position_ids: torch.Tensor | None, mesh: HybridMesh, mask=None) -> Documents:
+    """The batch's documents from this rank's ``position_ids`` [B, S/C] and, if given, its 2-D padding
+    ``mask`` [B, S/C] (``position_ids`` may then be None on a 1 x 1 mesh); one collective when C > 1."""
+    local = position_ids if position_ids is not None else mask
+    batch, seq_len = local.shape[0], local.shape[1] * mesh.context
     if mesh.token_layout.uses_documents and mesh.context > 1:
         raise ValueError(
             f"the {mesh.layout} layout places tokens by document, so the documents cannot be found from the "
             f"sharded position_ids: pass hybridsp_documents=shard_batch(...)['documents'] to the model"
         )
-    cu_seq_lens = global_cu_seq_lens(position_ids, mesh)
+    if mask is not None:
+        cu_seq_lens = padded_cu_seq_lens(mask, position_ids, mesh)
+    else:
+        cu_seq_lens = global_cu_seq_lens(position_ids, mesh)
     if cu_seq_lens is None:
         return Documents(batch, seq_len)
     return as_documents(_documents_from_kwargs({"cu_seq_lens_q": cu_seq_lens}, batch, seq_len), batch, seq_len)
