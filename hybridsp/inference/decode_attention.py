@@ -45,6 +45,7 @@ def decode_attention(
     query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
     window: int | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of the new queries over the whole sharded cache of the context group.
 
@@ -57,13 +58,15 @@ def decode_attention(
         query_positions: [T] global positions of the new tokens (needed for ``window`` or T > 1).
         key_positions: [L] global positions of this rank's cached tokens (same condition).
         window: sliding window in tokens, or None.
+        key_mask: [B, L] bool, False for this rank's cached keys a row must not see (the left
+            padding of a batch of prompts), or None.
 
     Returns:
         out [B, T, H, D] in q's dtype, identical on every context rank.
     """
     out, lse = local_decode_attention(
         q, k, v, softmax_scale=softmax_scale, backend=backend,
-        query_positions=query_positions, key_positions=key_positions, window=window,
+        query_positions=query_positions, key_positions=key_positions, window=window, key_mask=key_mask,
     )
     return merge_over_context(out, lse, mesh).to(q.dtype)
 
@@ -78,11 +81,13 @@ def local_decode_attention(
     query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
     window: int | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's partial: (out [B, T, H, D], lse [B, H, T] fp32); a row that sees no key gives 0, -inf."""
     check_qkv(q, k, v, causal=False)
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
-    visible = _visibility(q.shape[1], k.shape[1], query_positions, key_positions, window)
+    visible = _with_key_mask(_visibility(q.shape[1], k.shape[1], query_positions, key_positions, window),
+                             key_mask, q.shape[0], q.shape[1], k.shape[1])  # None, [T, L] or [B, T, L]
     if k.shape[1] == 0 or (visible is not None and not bool(visible.any())):
         b, t, h, _ = q.shape
         return torch.zeros_like(q), torch.full((b, h, t), -torch.inf, device=q.device)
@@ -113,13 +118,28 @@ def _visibility(t: int, length: int, query_positions, key_positions, window) -> 
     return visible
 
 
+def _with_key_mask(visible, key_mask, batch: int, t: int, length: int) -> torch.Tensor | None:
+    """``visible`` ([T, L] or None) restricted per row by ``key_mask`` [B, L]: [B, T, L], or unchanged."""
+    if key_mask is None:
+        return visible
+    if tuple(key_mask.shape) != (batch, length) or key_mask.dtype != torch.bool:
+        raise ValueError(f"key_mask must be a bool tensor [B, L] = [{batch}, {length}]; got {key_mask.dtype} "
+                         f"of shape {tuple(key_mask.shape)}")
+    if bool(key_mask.all()):
+        return visible
+    base = torch.ones(t, length, dtype=torch.bool, device=key_mask.device) if visible is None else visible  # [T, L]
+    return base[None] & key_mask[:, None, :]  # [B, T, L]
+
+
 def _masked_attention(q, k, v, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 attention over the keys some query sees: (out [B, T, H, D] in q's dtype, lse [B, H, T])."""
-    keep = visible.any(dim=0).nonzero().squeeze(1)  # [L'] columns visible to some query
+    """fp32 attention over the keys some query sees (``visible`` [T, L] or per row [B, T, L]):
+    (out [B, T, H, D] in q's dtype, lse [B, H, T])."""
+    per_row = visible if visible.dim() == 3 else visible[None]  # [B or 1, T, L]
+    keep = per_row.any(dim=1).any(dim=0).nonzero().squeeze(1)  # [L'] columns visible to some query
     keys = expand_kv_heads(k.index_select(1, keep), q.shape[2]).float()  # [B, L', H, D]
     values = expand_kv_heads(v.index_select(1, keep), q.shape[2]).float()  # [B, L', H, D]
     scores = torch.einsum("bthd,blhd->bhtl", q.float(), keys) * scale  # [B, H, T, L']
-    scores = scores.masked_fill(~visible[:, keep], -torch.inf)
+    scores = scores.masked_fill(~per_row[:, None][..., keep], -torch.inf)  # mask [B or 1, 1, T, L']
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
     probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))  # [B, H, T, L']
     out = torch.einsum("bhtl,blhd->bthd", probs, values)  # [B, T, H, D]

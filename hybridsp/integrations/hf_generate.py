@@ -37,6 +37,15 @@ its K/V are never stored in the cache (the padded positions are dropped before `
 writes), so decode cannot see them: results equal the unpadded prompt's. New tokens continue
 at position ``S``, not ``S_pad``.
 
+Note [left padding]: prompts of different lengths come left-padded with an ``attention_mask``
+(``tokenizer.padding_side = "left"``), as for ``model.generate``, which this matches: each row's
+RoPE positions count its real tokens (``cumsum(mask) - 1``, 0 on the padding; a new token of
+row ``b`` is at ``S - pads_b + t``), the prefill's mask becomes documents in which the padding
+is its own segment (:mod:`hybridsp.integrations.hf_padding`), and every decode step hides each
+row's padding keys from its query (``decode_attention(key_mask=...)``). The padding's K/V stay in
+the cache (the shards are the same for every row); sliding windows count indices, as
+transformers' masks do. Right padding or holes are refused (ValueError).
+
 Note [EOS and padding of finished rows]: as ``model.generate``: ``eos_token_id=None`` takes
 the model's ``generation_config.eos_token_id`` (pass ``[]`` to never stop early); a row that
 produced an EOS gets ``pad_token_id`` (default: the generation config's, else the first EOS)
@@ -58,6 +67,7 @@ from hybridsp.attention import shard_sequence
 from hybridsp.batch import padded_length
 from hybridsp.inference import ShardedKVCache, decode_attention
 from hybridsp.integrations.binding import BINDING_ATTR, DECODE_KWARG
+from hybridsp.integrations.hf_padding import left_padded_inputs, left_padding_mask
 from hybridsp.layout import layout_permutation
 from hybridsp.mesh import HybridMesh
 
@@ -95,19 +105,28 @@ class HybridCache(Cache):
 
 
 class DecodeStep:
-    """What the ``"hybridsp"`` attention function calls during a decode step (Note [how the model runs])."""
+    """What the ``"hybridsp"`` attention function calls during a decode step (Note [how the model runs]).
 
-    def __init__(self, store: ShardedKVCache):
-        self.store = store
+    ``index``: the new token's index in the sequence (masks count indices, as transformers' do;
+    with left padding a row's RoPE position is smaller). ``real``: [B, S + N] bool, False at each
+    row's left padding (Note [left padding]), or None.
+    """
+
+    def __init__(self, store: ShardedKVCache, index: int | None = None, real: torch.Tensor | None = None):
+        self.store, self.index, self.real = store, index, real
 
     def attend(self, module: nn.Module, query, key, value, binding, scaling: float, kwargs: dict):
         """query [B, H, T, D], key/value [B, Hkv, L, D] this rank's shard -> (out [B, T, H, D], None)."""
-        positions = kwargs.get("position_ids")  # [B, T] (the same for every row)
+        positions = kwargs.get("position_ids")  # [B, T] (the same for every row without left padding)
+        if self.index is not None:
+            positions = torch.full((1, 1), self.index, dtype=torch.long, device=query.device)  # [1, T]
+        keys_at = self.store.key_positions(module.layer_idx)  # [L] indices of this rank's cached tokens
         out = decode_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, T, H, D], [B, L, Hkv, D]
             mesh=binding.mesh, softmax_scale=scaling, backend=binding.backend,
             query_positions=None if positions is None else positions[0],
-            key_positions=self.store.key_positions(module.layer_idx), window=kwargs.get("sliding_window"),
+            key_positions=keys_at, window=kwargs.get("sliding_window"),
+            key_mask=None if self.real is None else self.real[:, keys_at],  # [B, L]
         )  # [B, T, H, D]
         return out, None
 
@@ -121,16 +140,21 @@ class Prefill:
         next_logits: [B, V] fp32 logits of the last prompt token, on every rank.
         local_logits: [B, S_pad / C, V] this rank's logits (in layout order) if asked, else None.
         prompt_length: S.
+        left_padding: [B] int64 pad tokens at the start of each row (an ``attention_mask`` was given), or None.
+        real: [B, S + N] bool, False at the left padding (N = the new tokens the cache was sized for), or None.
     """
 
     cache: HybridCache
     next_logits: torch.Tensor
     local_logits: torch.Tensor | None
     prompt_length: int
+    left_padding: torch.Tensor | None = None
+    real: torch.Tensor | None = None
 
 
 def prefill(
-    model: nn.Module, input_ids: torch.Tensor, *, mesh: HybridMesh, max_new_tokens: int = 0, all_logits: bool = False
+    model: nn.Module, input_ids: torch.Tensor, *, mesh: HybridMesh, max_new_tokens: int = 0, all_logits: bool = False,
+    attention_mask: torch.Tensor | None = None,
 ) -> Prefill:
     """Run the prompt sequence-parallel and fill a K/V cache that stays sharded (a collective).
 
@@ -140,21 +164,26 @@ def prefill(
         mesh: the mesh the model was switched with.
         max_new_tokens: how many tokens :func:`generate` will produce (sizes the cache).
         all_logits: also return this rank's logits of every local token (``local_logits``).
+        attention_mask: [B, S] 0/1, left padding only (Note [left padding]), or None.
 
     Returns:
         a :class:`Prefill`. Raises ValueError, before any collective, for bad arguments.
     """
     _check_inputs(model, input_ids, mesh, max_new_tokens)
+    mask = left_padding_mask(attention_mask, input_ids)
     with torch.inference_mode():
-        return _prefill(model, input_ids, mesh, max_new_tokens, all_logits)
+        return _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask)
 
 
-def _prefill(model, input_ids, mesh, max_new_tokens, all_logits) -> Prefill:
+def _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask=None) -> Prefill:
     batch, seq = input_ids.shape
     seq_pad, device = padded_length(seq, mesh), input_ids.device
     ids = torch.nn.functional.pad(input_ids, (0, seq_pad - seq), value=PROMPT_PAD_ID)  # [B, S_pad]
     shards = layout_permutation(seq_pad, mesh.ring, mesh.ulysses, mesh.layout).view(mesh.context, -1)  # [C, S_pad/C]
     mine = shards[mesh.context_rank].to(device)  # [S_pad/C] global positions of this rank's tokens
+    inputs = {"position_ids": mine.expand(batch, -1)}  # [B, S_pad/C] global positions
+    if mask is not None:
+        inputs = left_padded_inputs(mask, seq_pad, mine)  # per-row position_ids, attention_mask
     real = (mine < seq).nonzero().squeeze(1)  # local indices of the unpadded tokens
     store = ShardedKVCache(
         mesh, _num_layers(model), positions=mine[real], shard_lengths=(shards < seq).sum(1).tolist(),
@@ -165,8 +194,8 @@ def _prefill(model, input_ids, mesh, max_new_tokens, all_logits) -> Prefill:
     keep = 0 if all_logits else torch.tensor([last_index] * (mesh.context_rank == last_shard), dtype=torch.long,
                                              device=device)
     out = model(
-        input_ids=shard_sequence(ids, mesh), position_ids=mine.expand(batch, -1), use_cache=True,
-        logits_to_keep=keep, **{_cache_argument(model): cache},
+        input_ids=shard_sequence(ids, mesh), use_cache=True, logits_to_keep=keep,
+        **{_cache_argument(model): cache, **inputs},
     )
     local = out.logits  # [B, S_pad/C, V], or [B, 1 or 0, V]
     if mesh.context_rank == last_shard:
@@ -175,7 +204,10 @@ def _prefill(model, input_ids, mesh, max_new_tokens, all_logits) -> Prefill:
         next_logits = local.new_empty(batch, local.shape[-1], dtype=torch.float32)  # [B, V]
     if mesh.context > 1:
         dist.broadcast(next_logits, src=mesh.context_members()[last_shard], group=mesh.context_group)
-    return Prefill(cache, next_logits, local if all_logits else None, seq)
+    if mask is None:
+        return Prefill(cache, next_logits, local if all_logits else None, seq)
+    real = torch.nn.functional.pad(mask, (0, max(max_new_tokens, 1)), value=True)  # [B, S + N]
+    return Prefill(cache, next_logits, local if all_logits else None, seq, (~mask).sum(1), real)
 
 
 def generate(
@@ -193,6 +225,7 @@ def generate(
     generator: torch.Generator | None = None,
     output_logits: bool = False,
     streamer=None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Continue ``input_ids`` with a K/V cache that stays sharded over the context group.
 
@@ -211,6 +244,7 @@ def generate(
         output_logits: also return the raw logits that chose each new token.
         streamer: an object with ``put(ids)`` and ``end()`` (transformers' streamer protocol,
             e.g. ``TextStreamer``): ``put`` gets the prompt [B, S] once, then each new token [B].
+        attention_mask: [B, S] 0/1 for left-padded prompts (Note [left padding]); None: no padding.
 
     Returns:
         [B, S + new] int64 on every rank, ``new <= max_new_tokens`` (fewer when all rows hit EOS);
@@ -222,24 +256,26 @@ def generate(
     """
     _check_inputs(model, input_ids, mesh, max_new_tokens)
     _check_sampling(do_sample, temperature, top_k, top_p)
+    mask = left_padding_mask(attention_mask, input_ids)
     eos = _eos_ids(model, eos_token_id)
     pad = _pad_id(model, pad_token_id, eos)
     with torch.inference_mode():
         ids, logits = _generate(model, input_ids, mesh, max_new_tokens, eos, pad,
                                 dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     generator=generator), streamer)
+                                     generator=generator), streamer, mask)
     ids = ids.clone()  # normal tensors, usable outside inference mode
     return (ids, logits.clone()) if output_logits else ids
 
 
-def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int | None, sampling: dict, streamer):
+def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int | None, sampling: dict, streamer,
+              mask=None):
     if streamer is not None:
         streamer.put(input_ids)
     if max_new_tokens == 0:
         if streamer is not None:
             streamer.end()
         return input_ids, input_ids.new_empty(input_ids.shape[0], 0, 0, dtype=torch.float32)
-    state = _prefill(model, input_ids, mesh, max_new_tokens, all_logits=False)
+    state = _prefill(model, input_ids, mesh, max_new_tokens, all_logits=False, mask=mask)
     eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     pieces, logits, all_logits = [input_ids], state.next_logits, []
@@ -268,8 +304,12 @@ def decode_step(model: nn.Module, state: Prefill, tokens: torch.Tensor, position
     """
     state.cache.store.begin_token(position)
     positions = torch.full_like(tokens[:, None], position)  # [B, 1]
+    step = DecodeStep(state.cache.store)
+    if state.left_padding is not None:  # Note [left padding]: RoPE counts real tokens, masks count indices
+        positions = positions - state.left_padding[:, None].to(positions.device)  # [B, 1]
+        step = DecodeStep(state.cache.store, index=position, real=state.real)
     out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
-                **{_cache_argument(model): state.cache, DECODE_KWARG: DecodeStep(state.cache.store)})
+                **{_cache_argument(model): state.cache, DECODE_KWARG: step})
     return out.logits[:, -1].float()  # [B, V]
 
 

@@ -28,7 +28,9 @@ from __future__ import annotations
 import torch
 
 
-def padded_documents(attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+def padded_documents(
+    attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> list[torch.Tensor] | None:
     """Per-row global document boundaries for a 2-D padding mask (module docstring), or None.
 
     Args:
@@ -128,3 +130,41 @@ def padded_cu_seq_lens(attention_mask: torch.Tensor, position_ids: torch.Tensor 
         mask, positions = attention_mask, position_ids
     rows = padded_documents(mask, positions)
     return None if rows is None else flattened_boundaries(rows, mask.shape[1])
+
+
+# --------------------------------------------------------------------------- left-padded prompts (generate)
+
+
+def left_padding_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The prompt's mask as bool [B, S], or None when absent or all ones; ValueError (before any
+    collective) unless it is a 0/1 mask of input_ids' shape, every row ``0 ... 0 1 ... 1`` with a real token."""
+    if attention_mask is None:
+        return None
+    if not torch.is_tensor(attention_mask) or tuple(attention_mask.shape) != tuple(input_ids.shape):
+        shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
+        raise ValueError(f"attention_mask must be a [B, S] tensor like input_ids {tuple(input_ids.shape)}; got {shape}")
+    if attention_mask.dtype != torch.bool and not ((attention_mask == 0) | (attention_mask == 1)).all():
+        raise ValueError(f"attention_mask must hold 0 (padding) and 1 (real token); got values "
+                         f"{sorted(attention_mask.unique().tolist())[:6]}")
+    mask = attention_mask.bool().to(input_ids.device)  # [B, S]
+    drops = (mask[:, :-1] & ~mask[:, 1:]).nonzero()
+    if drops.numel():
+        row, index = (int(i) for i in drops[0])
+        raise ValueError(
+            f"attention_mask row {row} has padding at index {index + 1} after a real token: generate takes left-padded "
+            f"prompts (tokenizer.padding_side = 'left'), as model.generate expects"
+        )
+    empty = (~mask.any(1)).nonzero()
+    if empty.numel():
+        raise ValueError(f"attention_mask row {int(empty[0])} has no real token; drop empty prompts")
+    return None if bool(mask.all()) else mask
+
+
+def left_padded_inputs(mask: torch.Tensor, seq_pad: int, mine: torch.Tensor) -> dict:
+    """This rank's ``position_ids`` (transformers' ``cumsum(mask) - 1``, 0 on the padding) and
+    ``attention_mask`` shards for a left-padded prompt of mask [B, S], padded to ``seq_pad``; ``mine``
+    [S_pad/C] the indices this rank holds (Note [left padding] in :mod:`hybridsp.integrations.hf_generate`)."""
+    real = torch.nn.functional.pad(mask, (0, seq_pad - mask.shape[1]), value=False)  # [B, S_pad]
+    positions = (real.long().cumsum(1) - 1).clamp_min(0)  # [B, S_pad]
+    positions[:, mask.shape[1]:] = torch.arange(mask.shape[1], seq_pad, device=mask.device)  # layout padding
+    return {"position_ids": positions[:, mine], "attention_mask": real[:, mine].long()}  # each [B, S_pad/C]

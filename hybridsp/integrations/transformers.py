@@ -61,8 +61,9 @@ kernels that mask by themselves. ``"hybridsp"`` deliberately has no mask entry (
 :func:`register` refuses if someone added one), so no mask tensor is built. A 2D padding
 mask passed to the model (this rank's shard of it when ``C > 1``) is turned by the forward
 pre-hook into documents instead (:mod:`hybridsp.integrations.hf_padding`: left, right and
-between-document padding are exact on real tokens; a hole inside one sequence is refused). Causal masking is done by the hybrid attention
-itself, by global token position, with ``causal=True``.
+between-document padding are exact on real tokens; a hole inside one sequence is refused).
+Causal masking is done by the hybrid attention itself, by global token position, with
+``causal=True``.
 
 Note [minimum version]: 4.53 is the first release with ``masking_utils`` and its
 "no mask for a custom implementation" exit, and the first in which the Llama, Mistral and

@@ -75,9 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--intra-bw", type=_POSITIVE, help="intra-node bytes/s per accelerator per direction")
     cluster.add_argument("--inter-bw", type=_POSITIVE, help="inter-node bytes/s per accelerator per direction")
     cluster.add_argument("--efficiency", type=_POSITIVE, help="achieved fraction of peak FLOP/s (default 0.5)")
-    cluster.add_argument("--reserved-gib", type=_NON_NEGATIVE, help="memory kept from the model per accelerator (default 4)")
-    cluster.add_argument("--host-memory-gib", type=_POSITIVE, help="host memory per node for offload, GiB (default 2048)")
-    cluster.add_argument("--host-bw", type=_POSITIVE, help="host<->accelerator (PCIe) bytes/s per accelerator per direction")
+    cluster.add_argument("--reserved-gib", type=_NON_NEGATIVE,
+                         help="memory kept from the model per accelerator (default 4)")
+    cluster.add_argument("--host-memory-gib", type=_POSITIVE,
+                         help="host memory per node for offload, GiB (default 2048)")
+    cluster.add_argument("--host-bw", type=_POSITIVE,
+                         help="host<->accelerator (PCIe) bytes/s per accelerator per direction")
     cluster.add_argument("--host-adam-params-per-s", type=_POSITIVE,
                          help="parameters per second a node's CPU Adam updates (optimizer offload; default 1e9)")
     work = parser.add_argument_group("workload")
