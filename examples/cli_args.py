@@ -29,8 +29,8 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     """``--max-steps``, ``--seq-len``, ``--lr`` and ``--seed``, the same in both training examples."""
     parser.add_argument("--max-steps", type=int, default=30)
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate, written into the config's optimizer "
-                        "(default 1e-3 suits the small built-in model)")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate, written into the config's optimizer "
+                        "(default: the config's own optimizer lr)")
     parser.add_argument("--seed", type=int, default=0)
 
 

@@ -7,7 +7,7 @@ The prompt is a window of ``--prompt-len`` tokens of the built-in corpus (the Py
 documentation that ships with CPython, as bytes; ``--data`` / ``--tokenizer`` for local
 files). The model is ``examples/train.py``'s small Llama (its ``--seed``, ``--hidden-size``,
 ``--layers``, ``--heads``, ``--kv-heads``), with the weights of a DeepSpeed checkpoint that
-``train.py`` saved (``--checkpoint runs/example``) or random ones, or a local Hugging Face
+``train.py`` saved (``--checkpoint runs/cp8-u4r2``, the main job's run directory) or random ones, or a local Hugging Face
 model (``--model-path``). The prefill runs sequence-parallel through the hybrid attention,
 every decode step attends to the sharded cache and merges by log-sum-exp
 (``hybridsp.integrations.transformers.generate``). Rank 0 prints the continuation, prefill and
@@ -17,6 +17,7 @@ decode tokens/s, and every rank's peak memory and K/V cache size.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import sys
@@ -28,8 +29,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_model_arguments  # noqa: E402
-from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
-from train import build_model, peak_memory_bytes  # noqa: E402
+from console import quiet_console  # noqa: E402
+from preflight import RunConfigError, argument_problems, exit_once  # noqa: E402
+from train import build_model, load_windows, peak_memory_bytes  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,8 +72,19 @@ def load_model(args: argparse.Namespace, vocab_size: int, device: torch.device) 
     if args.checkpoint:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(args.checkpoint))
+        with quiet_console(dist.get_rank()), _silent_unless(dist.get_rank() == 0):  # DeepSpeed prints per rank
+            model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(args.checkpoint))
     return model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
+
+
+@contextlib.contextmanager
+def _silent_unless(speak: bool):
+    """Standard output discarded inside the block unless ``speak`` (rank 0 reports; errors still show)."""
+    if speak:
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield
 
 
 class Clock:
@@ -98,18 +111,34 @@ def kv_cache_bytes(model: torch.nn.Module, batch: int, tokens: int, dtype: torch
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    problems = argument_problems(args)
+    if problems:
+        exit_once(RunConfigError("; ".join(problems)))
+    try:
+        run(args)
+    except RunConfigError as error:  # the same data on every rank: every rank stops alike
+        exit_once(error)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Prefill and decode; rank 0 reports."""
     device = init_distributed()
     import hybridsp
     from hybridsp.integrations.transformers import apply, generate
 
     world = dist.get_world_size()
     ulysses = args.ulysses or 1
-    mesh = hybridsp.init_mesh(ulysses=ulysses, ring=args.ring or world // ulysses)
-    tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
-    windows = TokenWindows(tokens, args.prompt_len, args.seed)
+    try:  # degrees that do not divide the world: a ValueError on every rank, before any collective
+        mesh = hybridsp.init_mesh(ulysses=ulysses, ring=args.ring or world // ulysses)
+    except ValueError as error:
+        raise RunConfigError(f"--ulysses {args.ulysses} --ring {args.ring} on {world} ranks: {error}") from None
+    _, vocab_size, windows = load_windows(args, args.prompt_len)
     prompt = windows.batch(mesh.dp_rank * args.batch, args.batch).to(device)  # [B, S], one per replica
     model = load_model(args, vocab_size, device)
-    apply(model, mesh, backend=args.backend)
+    try:
+        apply(model, mesh, backend=args.backend)
+    except ValueError as error:  # e.g. heads the Ulysses degree does not divide: the same on every rank
+        raise RunConfigError(str(error)) from None
     dist.barrier()
     clock = Clock()
     ids = generate(model, prompt, mesh=mesh, max_new_tokens=args.new_tokens, do_sample=args.sample,

@@ -11,6 +11,7 @@ one sentence on rank 0 and ends every rank with exit code 2.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -66,36 +67,107 @@ def default_save_dir(config_path: str, ulysses: int, ring: int) -> Path:
 
 
 def preflight(args) -> RunPlan:
-    """Validate the run before anything expensive; RunConfigError with one readable sentence."""
+    """Validate the run before anything expensive; RunConfigError with every problem found, in one line."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    config = load_ds_config(args.ds_config)  # nothing else can be checked without it
+    problems = argument_problems(args)
+    hybrid = _hybrid_section(args, config, world, problems)
+    try:
+        heads = model_heads(args)
+    except RunConfigError as error:
+        problems.append(str(error))
+    else:
+        if hybrid is not None and heads % hybrid.ulysses != 0:
+            problems.append(
+                f"the model's {heads} query heads are not divisible by ulysses={hybrid.ulysses}; pass --ulysses with "
+                f"a divisor of {heads} (and a larger --ring)"
+            )
+    save_dir = _save_dir(args, hybrid)
+    problems += _resume_problems(args, save_dir)
+    if problems:
+        raise RunConfigError(problems[0] if len(problems) == 1 else
+                             f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+    return RunPlan(config, hybrid, world, rank, save_dir)
+
+
+def argument_problems(args) -> list[str]:
+    """Numbers on the command line that cannot work (zero or negative lengths, a non-finite --lr,
+    a --data path that does not exist); each problem one phrase naming the option."""
+    problems = []
+    positive = ("seq_len", "max_steps", "hidden_size", "layers", "heads", "kv_heads", "prompt_len", "batch")
+    for name in positive:
+        value = getattr(args, name, None)
+        if name == "seq_len" and hasattr(args, "prompt_len"):
+            continue  # generate_long.py derives it from --prompt-len and --new-tokens
+        if value is not None and value < 1:
+            problems.append(f"--{name.replace('_', '-')} must be at least 1; got {value}")
+    for name in ("save_every", "save_steps", "new_tokens"):
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            problems.append(f"--{name.replace('_', '-')} must be 0 or more; got {value}")
+    lr = getattr(args, "lr", None)
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        problems.append(f"--lr must be a positive number; got {lr}")
+    timeout = getattr(args, "collective_timeout", None)
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        problems.append(f"--collective-timeout must be a positive number of seconds; got {timeout}")
+    heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
+    if not getattr(args, "model_path", None) and heads and kv_heads and heads >= 1 and kv_heads >= 1:
+        if heads % kv_heads or getattr(args, "hidden_size", heads) % heads:
+            problems.append(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} and divide --hidden-size "
+                            f"{getattr(args, 'hidden_size', None)}")
+    for option in ("data", "checkpoint", "model_path", "tokenizer"):
+        path = getattr(args, option, None)
+        if path is not None and not Path(path).exists():
+            problems.append(f"--{option.replace('_', '-')} {path} does not exist")
+    return problems
+
+
+def _hybrid_section(args, config: dict, world: int, problems: list[str]):
+    """The validated hybrid section (None if it is unusable); problems with it appended to ``problems``."""
     from hybridsp.integrations.deepspeed import HybridConfig
     from hybridsp.allgather import check_kv_chunks
     from hybridsp.layout import check_sequence_length
 
-    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    config = load_ds_config(args.ds_config)
     try:
         hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
                                              kv_comm=getattr(args, "kv_comm", None), layout=getattr(args, "layout", None))
+    except (ValueError, TypeError) as error:
+        problems.append(f"{args.ds_config}: {error}")
+        return None
+    try:
         hybrid.mesh_shape(world)
-        check_sequence_length(args.seq_len, hybrid.ring, hybrid.ulysses, hybrid.layout)
-        if hybrid.kv_comm == "allgather":
-            check_kv_chunks(hybrid.kv_chunks, args.seq_len // hybrid.ring)
     except ValueError as error:
-        raise RunConfigError(f"{args.ds_config} on {world} ranks: {error}") from None
-    heads = model_heads(args)
-    if heads % hybrid.ulysses != 0:
-        raise RunConfigError(
-            f"the model's {heads} query heads are not divisible by ulysses={hybrid.ulysses}; pass --ulysses with a "
-            f"divisor of {heads} (and a larger --ring)"
-        )
-    save_dir = Path(args.save_dir) if args.save_dir else default_save_dir(args.ds_config, hybrid.ulysses, hybrid.ring)
-    if args.resume and not args.resume_from and not (save_dir / "latest").is_file():
-        raise RunConfigError(f"--resume: no checkpoint in {save_dir} (give --save-dir or --resume-from DIR)")
-    if args.resume_from and not _is_checkpoint(Path(args.resume_from)):
-        raise RunConfigError(
-            f"--resume-from {args.resume_from}: neither a run directory with a 'latest' file nor a checkpoint tag folder"
-        )
-    return RunPlan(config, hybrid, world, rank, save_dir)
+        problems.append(f"{args.ds_config} on {world} ranks: {error}")
+    seq_len = getattr(args, "seq_len", None)
+    if seq_len is not None and seq_len >= 1:
+        try:
+            check_sequence_length(seq_len, hybrid.ring, hybrid.ulysses, hybrid.layout)
+            if hybrid.kv_comm == "allgather":
+                check_kv_chunks(hybrid.kv_chunks, seq_len // hybrid.ring)
+        except ValueError as error:
+            problems.append(f"--seq-len {seq_len}: {error}")
+    return hybrid
+
+
+def _save_dir(args, hybrid) -> Path:
+    given = getattr(args, "save_dir", None) or getattr(args, "output_dir", None)
+    if given:
+        return Path(given)
+    ulysses, ring = (hybrid.ulysses, hybrid.ring) if hybrid is not None else (args.ulysses or 1, args.ring or 1)
+    return default_save_dir(args.ds_config, ulysses, ring)
+
+
+def _resume_problems(args, save_dir: Path) -> list[str]:
+    resume_from = getattr(args, "resume_from", None)
+    if not hasattr(args, "resume_from"):  # the HF Trainer example resumes through the Trainer
+        return []
+    if args.resume and not resume_from and not (save_dir / "latest").is_file():
+        return [f"--resume: no checkpoint in {save_dir} (give --save-dir or --resume-from DIR)"]
+    if resume_from and not _is_checkpoint(Path(resume_from)):
+        return [f"--resume-from {resume_from}: neither a run directory with a 'latest' file nor a checkpoint tag "
+                f"folder"]
+    return []
 
 
 def _is_checkpoint(path: Path) -> bool:

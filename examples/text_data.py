@@ -30,16 +30,26 @@ def _read_texts(path: Path) -> str:
     if path.is_dir():
         return "\n\n".join(p.read_text(errors="replace") for p in sorted(path.rglob("*.txt")))
     if path.suffix == ".jsonl":
+        texts = []
         with path.open() as lines:
-            return "\n\n".join(json.loads(line)["text"] for line in lines if line.strip())
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    texts.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise ValueError(f"{path} line {number} is not a JSON object with a 'text' field") from None
+        return "\n\n".join(texts)
     return path.read_text(errors="replace")
 
 
 def load_corpus(data: str | None) -> str:
     """The training text: the built-in documentation, or a local file/folder."""
+    if data is not None and not Path(data).exists():
+        raise ValueError(f"--data {data} does not exist")
     text = _builtin_text() if data is None else _read_texts(Path(data))
     if not text:
-        raise ValueError(f"no text found in {data!r}")
+        raise ValueError(f"no text found in --data {data} (a .txt file, a folder of .txt files or a .jsonl file)")
     return text
 
 
@@ -58,7 +68,8 @@ class TokenWindows:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int):
         if tokens.numel() <= seq_len:
-            raise ValueError(f"the corpus has {tokens.numel()} tokens, fewer than --seq-len {seq_len}")
+            raise ValueError(f"the corpus has {tokens.numel()} tokens, but a window needs more than --seq-len "
+                             f"{seq_len}: give a longer --data file or a smaller --seq-len")
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
 
     def sample(self, index: int) -> torch.Tensor:

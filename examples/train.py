@@ -275,8 +275,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     _single_process_environment()
     init_distributed(timeout=datetime.timedelta(seconds=args.collective_timeout))
     torch.manual_seed(args.seed)
-    tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
-    windows = TokenWindows(tokens, args.seq_len, args.seed)
+    tokens, vocab_size, windows = load_windows(args, args.seq_len)  # the same data (and errors) on every rank
     separator = tokenize("\n\n", args.tokenizer)[0] if args.pack else None  # --pack: blank lines end documents
     model = build_model(args, vocab_size)  # under ZeRO-3, --model-path loads partitioned (a collective)
     _check_vocabulary(tokens, model)
@@ -296,7 +295,8 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     if rank0:
         origin = f", resumed from {resume.tag_dir} ({'universal' if resume.universal else 'direct'})" if resume else ""
-        print(f"hybridsp example: {mesh!r}, seq_len={args.seq_len}, micro_batch={micro_batch}, "
+        lr = config.get("optimizer", {}).get("params", {}).get("lr")
+        print(f"hybridsp example: {mesh!r}, seq_len={args.seq_len}, micro_batch={micro_batch}, lr={lr}, "
               f"accumulation={accumulation}, steps {start_step}..{args.max_steps}, run dir {save_dir}{origin}", flush=True)
     bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
@@ -334,6 +334,16 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
 # touch of fresh memory, kernel set-up), which tests started from a warm forkserver pay far
 # less of (step 1 there is ~1.4x a later step). It is reported as warm-up and kept out of the
 # summary's tokens/s.
+
+
+def load_windows(args: argparse.Namespace, seq_len: int) -> tuple[torch.Tensor, int, TokenWindows]:
+    """(token ids, vocabulary size, windows of ``seq_len``); a data problem (a missing, unreadable or too
+    short ``--data``, a tokenizer that does not load) is a RunConfigError: the same on every rank."""
+    try:
+        tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
+        return tokens, vocab_size, TokenWindows(tokens, seq_len, args.seed)
+    except (ValueError, OSError) as error:
+        raise RunConfigError(str(error)) from None
 
 
 def _single_process_environment() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -25,8 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_mesh_arguments, add_model_arguments, add_step_arguments  # noqa: E402
-from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
-from train import build_model  # noqa: E402
+from console import name_cpu_accelerator, quiet_console  # noqa: E402
+from host import share_cpu_cores  # noqa: E402
+from preflight import RunConfigError, exit_once, preflight  # noqa: E402
+from text_data import TokenWindows  # noqa: E402
+from train import build_model, load_windows  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,10 +59,11 @@ class WindowDataset(torch.utils.data.Dataset):
         return {"input_ids": tokens, "labels": tokens.clone()}
 
 
-def load_ds_config(args: argparse.Namespace) -> dict:
-    """The DeepSpeed config as a dict, with ``--lr`` written into its optimizer section."""
-    config = json.loads(Path(args.ds_config).read_text())
-    if "optimizer" in config:
+def load_ds_config(args: argparse.Namespace, config: dict | None = None) -> dict:
+    """The DeepSpeed config as a dict (a copy of ``config`` if given), with ``--lr`` (when given)
+    written into its optimizer section."""
+    config = json.loads(json.dumps(config) if config is not None else Path(args.ds_config).read_text())
+    if args.lr is not None and "optimizer" in config:
         config["optimizer"].setdefault("params", {})["lr"] = args.lr
     return config
 
@@ -79,13 +84,21 @@ def training_arguments(args: argparse.Namespace, config: dict):
         output_dir=args.output_dir, deepspeed=config, max_steps=args.max_steps, seed=args.seed,
         per_device_train_batch_size=fixed(config.get("train_micro_batch_size_per_gpu"), 1),
         gradient_accumulation_steps=fixed(config.get("gradient_accumulation_steps"), 1),
-        max_grad_norm=fixed(config.get("gradient_clipping"), 1.0), learning_rate=args.lr,
+        max_grad_norm=fixed(config.get("gradient_clipping"), 1.0), learning_rate=learning_rate(args, config),
         adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=fixed(optimizer.get("eps"), 1e-8),
         weight_decay=fixed(optimizer.get("weight_decay"), 0.0),
         bf16=_enabled(config, "bf16", precision), fp16=_enabled(config, "fp16", precision),
         use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to=[], remove_unused_columns=False,
         save_strategy="steps", save_steps=args.save_steps or args.max_steps, lr_scheduler_type="constant",
     )
+
+
+def learning_rate(args: argparse.Namespace, config: dict) -> float:
+    """``--lr``, else the config's optimizer lr, else 1e-3 (an ``"auto"`` lr, or no optimizer section)."""
+    if args.lr is not None:
+        return args.lr
+    lr = config.get("optimizer", {}).get("params", {}).get("lr")
+    return 1e-3 if lr in (None, "auto") else float(lr)
 
 
 def _enabled(config: dict, name: str, precision: str) -> bool:
@@ -96,15 +109,36 @@ def _enabled(config: dict, name: str, precision: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    try:
+        plan = preflight(args)  # one line, exit code 2, before the expensive imports
+    except RunConfigError as error:
+        exit_once(error)
+    name_cpu_accelerator()
+    pin_cpu_threads()
+    with quiet_console(plan.rank):
+        try:
+            run(args, plan)
+        except RunConfigError as error:  # found after start-up (the data), on every rank alike
+            exit_once(error)
+
+
+def pin_cpu_threads() -> None:
+    """CPU runs: share the cores between the node's ranks (host.py) and say so in ``OMP_NUM_THREADS``,
+    so accelerate neither overrides the count nor warns about it on every rank."""
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = str(share_cpu_cores())
+
+
+def run(args: argparse.Namespace, plan) -> None:
+    """Build the data, model and HybridSPTrainer; train; print one summary on rank 0."""
     from transformers import default_data_collator
 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
 
-    tokens, vocab_size = tokenize(load_corpus(args.data), args.tokenizer)
-    windows = TokenWindows(tokens, args.seq_len, args.seed)
+    _, vocab_size, windows = load_windows(args, args.seq_len)
     model = build_model(args, vocab_size)
-    config = load_ds_config(args)
+    config = load_ds_config(args, plan.ds_config)
     chosen = (("ulysses", args.ulysses), ("ring", args.ring), ("backend", args.backend), ("kv_comm", args.kv_comm),
               ("layout", args.layout))
     overrides = {k: v for k, v in chosen if v}
@@ -115,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
         trainer = HybridSPTrainer(model=model, args=training, train_dataset=dataset,
                                   data_collator=default_data_collator, hybridsp=overrides)
         if trainer.is_world_process_zero():
-            print(f"hybridsp HF Trainer example: {trainer.hybrid_mesh!r}, seq_len={args.seq_len}", flush=True)
+            print(f"hybridsp HF Trainer example: {trainer.hybrid_mesh!r}, seq_len={args.seq_len}, "
+                  f"lr={training.learning_rate}", flush=True)
         result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     if trainer.is_world_process_zero():
         print(f"done: {result.global_step} steps, train_loss={result.training_loss:.4f}, "
