@@ -201,7 +201,12 @@ class HybridSPMixin:
         return totals[0]
 
     def _vocab_size(self) -> int | None:
-        """The model's vocabulary size (``config.vocab_size`` of its text config), or None if unknown."""
+        """Rows of the output embedding (its full shape under ZeRO-3), else the text config's
+        ``vocab_size``, else None: the V the loss will see."""
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        weight = getattr(head, "weight", None)
+        if weight is not None:
+            return int(getattr(weight, "ds_shape", weight.shape)[0])
         config = getattr(self.model, "config", None)
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         vocab = getattr(config, "vocab_size", None)
