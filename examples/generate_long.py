@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_model_arguments  # noqa: E402
-from console import quiet_console  # noqa: E402
+from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from preflight import RunConfigError, argument_problems, exit_once  # noqa: E402
 from train import build_model, load_windows, peak_memory_bytes  # noqa: E402
 
@@ -79,11 +79,12 @@ def load_model(args: argparse.Namespace, vocab_size: int, device: torch.device) 
 
 @contextlib.contextmanager
 def _silent_unless(speak: bool):
-    """Standard output discarded inside the block unless ``speak`` (rank 0 reports; errors still show)."""
+    """Standard output and error (DeepSpeed's prints, tqdm bars) discarded inside the block unless
+    ``speak`` (rank 0 reports). An exception still propagates and is reported after the block."""
     if speak:
         yield
         return
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         yield
 
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     problems = argument_problems(args)
     if problems:
         exit_once(RunConfigError("; ".join(problems)))
+    name_cpu_accelerator()  # DeepSpeed's "Setting accelerator to CPU" warning, once per rank, avoided
     try:
         run(args)
     except RunConfigError as error:  # the same data on every rank: every rank stops alike

@@ -68,8 +68,18 @@ def _int32_labels(rank, world):
             float(hybridsp.fused_cross_entropy(h, weight, lab, mesh)), float(full_loss))
 
 
-def test_int32_labels_give_the_int64_loss():
-    for sharded, fused, expected in run_distributed(_int32_labels, 2):
+def _labels_worker(rank, world):
+    return {"int32": _int32_labels(rank, world), "trainer": _trainer_with_a_bad_label(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def labels():
+    return run_distributed(_labels_worker, 2, timeout=240)
+
+
+def test_int32_labels_give_the_int64_loss(labels):
+    for result in labels:
+        sharded, fused, expected = result["int32"]
         assert abs(sharded - expected) < 1e-5 * abs(expected) and abs(fused - expected) < 1e-5 * abs(expected)
 
 
@@ -96,9 +106,9 @@ def _trainer_with_a_bad_label(rank, world):
     return messages
 
 
-def test_trainer_bad_label_on_one_rank_is_an_error_on_every_rank():
-    for messages in run_distributed(_trainer_with_a_bad_label, 2, timeout=240):
-        for name, message in messages.items():
+def test_trainer_bad_label_on_one_rank_is_an_error_on_every_rank(labels):
+    for result in labels:
+        for name, message in result["trainer"].items():
             assert message and f"outside the vocabulary [0, 64)" in message, (name, message)
 
 

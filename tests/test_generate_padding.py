@@ -31,37 +31,22 @@ def _model(name: str):
     return model
 
 
-def _rank(rank, world, ulysses, ring):
-    mesh = init_mesh(ulysses=ulysses, ring=ring)
+def _rank(rank, world):
+    """Both meshes in one launch (1 x 1 is DP = 2 here) and the refusals."""
     ids, mask = left_padded()
     results = {}
-    for name in CASES:
-        model = _model(name)
-        with hf.apply(model, mesh):
-            results[name] = hf.generate(model, ids, mesh=mesh, max_new_tokens=NEW, attention_mask=mask,
-                                        output_logits=True, eos_token_id=[])
+    for ulysses, ring in ((1, 2), (1, 1)):
+        mesh = init_mesh(ulysses=ulysses, ring=ring)
+        for name in CASES:
+            model = _model(name)
+            with hf.apply(model, mesh):
+                results[ulysses, ring, name] = hf.generate(model, ids, mesh=mesh, max_new_tokens=NEW,
+                                                           attention_mask=mask, output_logits=True, eos_token_id=[])
+    results["refusals"] = _refusals(mesh)
     return portable(results)
 
 
-@pytest.mark.parametrize("ulysses, ring", [(1, 1), (1, 2)])
-def test_left_padded_greedy_ids_equal_model_generate(ulysses, ring):
-    results = launch(_rank, ulysses * ring, ulysses, ring)
-    ids, mask = left_padded()
-    for name in CASES:
-        ref_ids, ref_logits = reference_generate(_model(name), ids, attention_mask=mask, max_new_tokens=NEW,
-                                                 eos_token_id=None, pad_token_id=0)
-        for rank, result in enumerate(results):
-            got_ids, got_logits = result[name]
-            error = (got_logits - ref_logits).abs().max().item()
-            top2 = ref_logits.topk(2, dim=-1).values
-            margin = (top2[..., 0] - top2[..., 1]).min().item()
-            assert error < TOLERANCE, f"{name} rank {rank}: logits differ by {error:.1e}"
-            assert margin > 2 * error, f"{name}: near-tie {margin:.1e} vs error {error:.1e}"
-            assert torch.equal(got_ids, ref_ids), f"{name} rank {rank}: {got_ids[:, PROMPT:]} vs {ref_ids[:, PROMPT:]}"
-
-
-def _refusals(rank, world):
-    mesh = init_mesh(ulysses=1, ring=world)
+def _refusals(mesh) -> list:
     model = build("llama")
     ids, mask = left_padded()
     messages = []
@@ -75,10 +60,30 @@ def _refusals(rank, world):
     return messages
 
 
-def test_right_padding_empty_rows_and_wrong_shapes_are_refused():
-    from hybridsp.testing import run_distributed
+@pytest.fixture(scope="module")
+def results():
+    return launch(_rank, 2)
 
-    for messages in run_distributed(_refusals, 2):
+
+@pytest.mark.parametrize("ulysses, ring", [(1, 2), (1, 1)])
+def test_left_padded_greedy_ids_equal_model_generate(results, ulysses, ring):
+    ids, mask = left_padded()
+    for name in CASES:
+        ref_ids, ref_logits = reference_generate(_model(name), ids, attention_mask=mask, max_new_tokens=NEW,
+                                                 eos_token_id=None, pad_token_id=0)
+        for rank, result in enumerate(results):
+            got_ids, got_logits = result[ulysses, ring, name]
+            error = (got_logits - ref_logits).abs().max().item()
+            top2 = ref_logits.topk(2, dim=-1).values
+            margin = (top2[..., 0] - top2[..., 1]).min().item()
+            assert error < TOLERANCE, f"{name} rank {rank}: logits differ by {error:.1e}"
+            assert margin > 2 * error, f"{name}: near-tie {margin:.1e} vs error {error:.1e}"
+            assert torch.equal(got_ids, ref_ids), f"{name} rank {rank}: {got_ids[:, PROMPT:]} vs {ref_ids[:, PROMPT:]}"
+
+
+def test_right_padding_empty_rows_and_wrong_shapes_are_refused(results):
+    for result in results:
+        messages = result["refusals"]
         assert "row 0 has padding at index 12 after a real token" in messages[0], messages[0]
         assert "row 0 has no real token" in messages[1], messages[1]
         assert "must be a [B, S] tensor like input_ids (3, 19)" in messages[2], messages[2]

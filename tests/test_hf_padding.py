@@ -105,12 +105,17 @@ def _padding_worker(rank, world, ulysses, ring):
     return errors
 
 
-@pytest.mark.parametrize("ulysses, ring", [(1, 1), (1, 2)])
-def test_padding_masks_match_the_unmodified_model_on_real_tokens(ulysses, ring):
-    for errors in run_distributed(_padding_worker, ulysses * ring, ulysses, ring):
-        message = errors.pop("hole message")
-        assert message and "row 1 has 3 padding token(s) at indices 6..8 between real tokens" in message, message
-        assert max(errors.values()) < TOLERANCE, errors
+def _two_meshes(rank, world):
+    """One launch, two meshes: a ring of two, and 1 x 1 (DP = 2: each rank is its own context group)."""
+    return {"1x2": _padding_worker(rank, world, 1, 2), "1x1": _padding_worker(rank, world, 1, 1)}
+
+
+def test_padding_masks_match_the_unmodified_model_on_real_tokens():
+    for per_mesh in run_distributed(_two_meshes, 2):
+        for mesh, errors in per_mesh.items():
+            message = errors.pop("hole message")
+            assert message and "row 1 has 3 padding token(s) at indices 6..8 between real tokens" in message, mesh
+            assert max(errors.values()) < TOLERANCE, (mesh, errors)
 
 
 @pytest.mark.slow
