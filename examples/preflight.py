@@ -83,7 +83,7 @@ def preflight(args) -> RunPlan:
                 f"a divisor of {heads} (and a larger --ring)"
             )
     save_dir = _save_dir(args, hybrid)
-    problems += _resume_problems(args, save_dir)
+    problems += _resume_problems(args, save_dir) + _engine_problems(args, config)
     if problems:
         raise RunConfigError(problems[0] if len(problems) == 1 else
                              f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
@@ -156,6 +156,23 @@ def _save_dir(args, hybrid) -> Path:
         return Path(given)
     ulysses, ring = (hybrid.ulysses, hybrid.ring) if hybrid is not None else (args.ulysses or 1, args.ring or 1)
     return default_save_dir(args.ds_config, ulysses, ring)
+
+
+def _engine_problems(args, config: dict) -> list[str]:
+    """train.py hands the config to DeepSpeed as it is: its batch sizes must be numbers (DeepSpeed drops
+    an ``"auto"``, which only the HF Trainer fills) and it needs an optimizer section."""
+    if not hasattr(args, "save_dir"):  # the HF Trainer example fills "auto" and builds the optimizer itself
+        return []
+    problems = [
+        f"{args.ds_config}: {key} must be a positive integer for train.py; got {config[key]!r} ('auto' is only "
+        f"filled by the HF Trainer: examples/train_hf_trainer.py)"
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+        if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1)
+    ]
+    if not isinstance(config.get("optimizer"), dict):
+        problems.append(f"{args.ds_config} has no 'optimizer' section; train.py trains with the config's optimizer "
+                        f"(e.g. {{\"type\": \"AdamW\", \"params\": {{\"lr\": 0.0002}}}}, as ds_configs/cp8.json)")
+    return problems
 
 
 def _resume_problems(args, save_dir: Path) -> list[str]:

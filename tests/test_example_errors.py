@@ -85,3 +85,19 @@ def test_the_configs_learning_rate_is_used_unless_lr_is_given():
     assert train_hf_trainer.learning_rate(hf_args, train_hf_trainer.load_ds_config(hf_args)) == config_lr
     hf_args = train_hf_trainer.parse_args(["--deepspeed", cp8, "--lr", "3e-3"])
     assert train_hf_trainer.learning_rate(hf_args, train_hf_trainer.load_ds_config(hf_args)) == 3e-3
+
+
+def test_train_py_needs_numeric_batch_sizes_and_an_optimizer(tmp_path, monkeypatch):
+    import json
+
+    config = json.loads(Path(CP4).read_text())
+    config["gradient_accumulation_steps"] = "auto"
+    del config["optimizer"]
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(preflight.RunConfigError) as error:
+        preflight.preflight(train.parse_args(["--deepspeed", str(path)]))
+    assert "gradient_accumulation_steps must be a positive integer for train.py; got 'auto'" in str(error.value)
+    assert "has no 'optimizer' section" in str(error.value)
+    preflight.preflight(train_hf_trainer.parse_args(["--deepspeed", str(path)]))  # the Trainer fills both
