@@ -146,3 +146,12 @@ def test_declared_transformers_pin_is_the_code_pin():
     parser.read(ROOT / "setup.cfg")
     pins = [line.strip() for line in parser["options"]["install_requires"].splitlines() if "transformers" in line]
     assert pins == [f"transformers>={MIN_TRANSFORMERS_VERSION.removesuffix('.0')}"], pins
+
+
+def test_plan_needs_head_dim_when_heads_do_not_divide_hidden(capsys):
+    from hybridsp.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--seq-len", "8192", "--heads", "8", "--hidden", "500", "--intermediate", "1024", "--layers",
+              "2", "--vocab", "100"])
+    assert "--hidden 500 is not a multiple of --heads 8: give --head-dim" in str(exit_info.value)

@@ -89,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--forward-only", action="store_true", help="inference: no backward, grads or optimizer")
     work.add_argument("--chunked-loss", action="store_true", help="the loss never materialises all logits")
     work.add_argument("--non-causal", action="store_true", help="bidirectional attention")
-    work.add_argument("--dtype-bytes", type=_POSITIVE_INT, default=2, help="activation element size (2 = bf16)")
+    work.add_argument("--dtype-bytes", type=int, choices=(1, 2, 4), default=2,
+                      help="activation element size (2 = bf16, 4 = fp32, 1 = fp8)")
     work.add_argument("--doc-lengths", type=_lengths, metavar="N,N,...",
                       help="packed documents: the lengths of one row's documents (repeated to fill --seq-len); "
                            "reports each layout's ring imbalance and what layout='balanced' buys")
@@ -154,6 +155,9 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
     if missing:
         raise ValueError(f"give --model or the model's shape; missing {' '.join(missing)}")
     given.setdefault("num_kv_heads", given["num_heads"])
+    if "head_dim" not in given and given["hidden_size"] % given["num_heads"]:
+        raise ValueError(f"--hidden {given['hidden_size']} is not a multiple of --heads {given['num_heads']}: give "
+                         f"--head-dim too (the model's per-head size)")
     given.setdefault("head_dim", given["hidden_size"] // given["num_heads"])
     return ModelSpec(**given)
 
