@@ -155,3 +155,30 @@ def test_plan_needs_head_dim_when_heads_do_not_divide_hidden(capsys):
         main(["plan", "--seq-len", "8192", "--heads", "8", "--hidden", "500", "--intermediate", "1024", "--layers",
               "2", "--vocab", "100"])
     assert "--hidden 500 is not a multiple of --heads 8: give --head-dim" in str(exit_info.value)
+
+
+def _replica_with_a_bad_label(rank, world):
+    """DP 2 x U 2: only replica 1's batch has a bad label; the step's count (one all-reduce over the
+    replicas) makes every rank of both replicas raise before the forward."""
+    import tempfile
+
+    from hybridsp.integrations.transformers import HybridSPTrainer
+    from tests.trainer_workers import VOCAB, _arguments, tiny_llama
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = HybridSPTrainer(model=tiny_llama(), args=_arguments(out, None), hybridsp={"ulysses": 2})
+        ids = torch.randint(1, VOCAB, (1, 16), generator=torch.Generator().manual_seed(trainer.hybrid_mesh.dp_rank))
+        labels = ids.clone()
+        if trainer.hybrid_mesh.dp_rank == 1:
+            labels[0, 3] = -7
+        try:
+            trainer.compute_loss(trainer.model, {"input_ids": ids, "labels": labels})
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+@pytest.mark.slow
+def test_trainer_bad_label_on_one_replica_is_an_error_on_every_replica():
+    for message in run_distributed(_replica_with_a_bad_label, 4, timeout=300):
+        assert message and "1 target id(s) in shift_labels lie outside the vocabulary [0, 64)" in message, message
