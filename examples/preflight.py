@@ -68,6 +68,8 @@ def default_save_dir(config_path: str, ulysses: int, ring: int) -> Path:
 
 def preflight(args) -> RunPlan:
     """Validate the run before anything expensive; RunConfigError with every problem found, in one line."""
+    from hybridsp.formulas import heads_divisible
+
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     config = load_ds_config(args.ds_config)  # nothing else can be checked without it
     problems = argument_problems(args)
@@ -77,7 +79,7 @@ def preflight(args) -> RunPlan:
     except RunConfigError as error:
         problems.append(str(error))
     else:
-        if hybrid is not None and heads % hybrid.ulysses != 0:
+        if hybrid is not None and not heads_divisible(heads, hybrid.ulysses):
             problems.append(
                 f"the model's {heads} query heads are not divisible by ulysses={hybrid.ulysses}; pass --ulysses with "
                 f"a divisor of {heads} (and a larger --ring)"
