@@ -40,9 +40,9 @@ on as its head.
 split thresholds none / 0.5 / 0.35 / 0.25 / 0.15 / 0.1 ``W*`` and reserves 1/4 .. 1, two split
 as needed) and keeps, among those whose busiest slot is within ``ACCEPT`` (3%) of the mean, the
 one whose plan ships the fewest K/V rows (:func:`hull_rows`, what ``build_plan``'s hulls
-cover), else the best balanced. Tries stop after 16,000 documents' worth (at least two) and the
-local search of all tries shares ``REPAIR_EVALS`` layout evaluations, so many-document rows
-stay linear and fast. ``benchmarks/bench_balance.py`` measures the choices: on lognormal packs
+cover), else the best balanced. Tries stop after 4,000 documents' worth (at least two) and the
+local search of all tries shares min(``REPAIR_EVALS``, 100,000 / documents) layout
+evaluations, so many-document rows stay linear and fast. ``benchmarks/bench_balance.py`` measures the choices: on lognormal packs
 (S = 16,384) the rows shipped fell from 1.33 / 1.57 / 1.81 x zigzag's at R = 2 / 4 / 8 (first
 try within 1% balance, nested only) to 1.00 / 1.25 / 1.56 x, busiest slot <= 1.03 x the mean.
 The remaining gap is mostly forced: a document with k x ``W*`` work must spread over >= k slots
@@ -82,11 +82,12 @@ TRIES += (("greedy", 0.5, 0.0), ("greedy", 1.0, 0.0))
 TRIES += tuple(t for (share, reserve) in SPLITS[2:] for t in (("contiguous", share, reserve),
                                                                ("nested", share, reserve)))
 ACCEPT = 1.03  # a try counts as balanced when its busiest slot has at most this x the mean work
-REPAIR_EVALS = 3000  # layouts the contiguous tries of one call may evaluate in all
+REPAIR_EVALS = 3000  # layouts the contiguous tries of one call may evaluate in all (at most)
+REPAIR_DOCUMENTS = 100_000  # ... and at most this / the number of documents
 REPAIR_CANDIDATES = 6
 REPAIR_SLACK = 0.015
 ORDER_SLACK = 0.01
-TRY_DOCUMENTS = 16000  # tries stop once they have handled this many documents (at least 2 tries)
+TRY_DOCUMENTS = 4000  # tries stop once they have handled this many documents (at least 2 tries)
 
 Runs = tuple[tuple[int, int], ...]
 
@@ -114,7 +115,8 @@ def balanced_slot_runs(
     if len(bounds) == 2 or ring == 1:
         return zigzag_slot_runs(seq_len, ring)
     docs = _documents(bounds, window)
-    best_key, best, budget = None, None, [REPAIR_EVALS]
+    best_key, best = None, None
+    budget = [min(REPAIR_EVALS, REPAIR_DOCUMENTS // len(docs[1]))]
     for kind, share, reserve in TRIES[:max(2, TRY_DOCUMENTS // len(docs[1]))]:
         if kind == "greedy":
             slots = _build_greedy(docs, seq_len, ring, window, split_min=share)
