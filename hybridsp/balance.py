@@ -45,9 +45,9 @@ local search of all tries shares min(``REPAIR_EVALS``, 100,000 / documents) layo
 evaluations, so many-document rows stay linear and fast. ``benchmarks/bench_balance.py``
 measures the choices: on lognormal packs (S = 16,384) the rows shipped fell from 1.33 / 1.57 /
 1.81 x zigzag's at R = 2 / 4 / 8 (first nested try within 1% balance) to 1.00 / 1.25 / 1.56 x,
-busiest slot <= 1.03 x the mean. The remaining gap is mostly forced: a document with k x ``W*`` work must spread over >= k slots
-and each holder reads all of it before its last token, where zigzag keeps it on fewer (busier)
-slots.
+busiest slot <= 1.03 x the mean. The remaining gap is mostly forced: a document with k x
+``W*`` work must spread over >= k slots and each holder reads all of it before its last
+token, where zigzag keeps it on fewer (busier) slots.
 
 With one document or R = 1 the result is exactly the zigzag layout (whose middle slot keeps its
 two touching chunks). Otherwise a slot's runs come in two groups, each by ascending global
