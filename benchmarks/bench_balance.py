@@ -23,7 +23,10 @@ cut only to make token counts exact); ``lpt+balancer``; ``hybrid 0.35 (no balanc
 with >= 0.35 W* work split over all slots, the rest whole in units, no balancer); ``first try``
 (the first of ``TRIES``: only documents of >= S/R tokens split, units, balancer) and one-knob
 variants; ``split x W*`` (tries with a split threshold; ``over all R``: TE-style spread instead
-of just enough slots); **``balanced (tries)``** (``balanced_slot_runs``, what ships). Writes benchmarks/results_balance.md and .json.
+of just enough slots); ``contiguous ...`` (the balancer and split documents in consecutive
+pieces plus the local search); ``split as needed`` (``_build_greedy``); ``nested tries
+(before)`` (the nested tries in order, first within 1%: what shipped before the K/V objective);
+**``balanced (tries)``** (``balanced_slot_runs``, what ships: fewest hull rows within 3%). Writes benchmarks/results_balance.md and .json.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hybridsp.balance import balanced_slot_runs, design_slot_runs, slot_work, zigzag_slot_runs  # noqa: E402
+from hybridsp.balance import (SPLITS, balanced_slot_runs, design_slot_runs, slot_work,  # noqa: E402
+                              zigzag_slot_runs)
 from harness import load, machine_info, revision, write_results  # noqa: E402
 
 INF = math.inf
@@ -57,6 +61,10 @@ DESIGNS = {
     "split 0.35 W*": dict(split_share=0.35),
     "split 0.35 W* over all R": dict(split_share=0.35, spread_all=True),
     "split 0.1 W*": dict(split_share=0.1),
+    "contiguous first try": dict(contiguous=True),
+    "contiguous split 0.35 W*": dict(split_share=0.35, contiguous=True),
+    "split as needed 0.5 W*": dict(greedy=0.5),
+    "nested tries (before)": {},
     "balanced (tries)": {},
 }
 
@@ -105,7 +113,25 @@ def layout(design: str, bounds, seq_len: int, ring: int, window):
         return zigzag_slot_runs(seq_len, ring)
     if design == "balanced (tries)":
         return balanced_slot_runs(bounds, seq_len, ring, window=window)
+    if design == "nested tries (before)":
+        return nested_tries(bounds, seq_len, ring, window)
     return design_slot_runs(bounds, seq_len, ring, window=window, **DESIGNS[design])
+
+
+def nested_tries(bounds, seq_len: int, ring: int, window):
+    """What ``balanced_slot_runs`` did before contiguous tries and the K/V objective: the nested
+    tries of ``SPLITS`` in order, the first within 1% of the mean work, else the best."""
+    best = None
+    for split_share, reserve in SPLITS:
+        slots = design_slot_runs(bounds, seq_len, ring, window=window, split_share=split_share,
+                                 reserve=reserve)
+        work = slot_work(slots, bounds, window)
+        ratio = max(work) * ring / sum(work)
+        if best is None or ratio < best[0]:
+            best = (ratio, slots)
+        if ratio <= 1.01:
+            break
+    return best[1]
 
 
 def holdings(runs_per_slot, bounds) -> list[dict[int, list[tuple[int, int, int]]]]:
