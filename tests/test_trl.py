@@ -113,3 +113,46 @@ def test_more_trl_and_peft_cases_match_the_plain_trainers():
     ours, plain = _run(SLOW_CASES)
     for name in SLOW_CASES:
         _check(name, ours[name], plain[_key(SLOW_CASES[name][0])], SLOW_CASES)
+
+
+def _fused_call_checks(rank, world_size):
+    """On one rank (C = 1): a hooked fused call equals TRL's own on the full batch; bad calls are refused."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hybridsp import init_mesh
+    from hybridsp.integrations.transformers import apply
+    from hybridsp.integrations.trl_logprobs import shard_fused_calls
+    from tests.trainer_workers import tiny_llama
+
+    model = tiny_llama()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    ids = torch.randint(1, 64, (2, 13), generator=torch.Generator().manual_seed(0))  # odd length: padded inside
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :4] = -100
+    plain = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    mesh = init_mesh(ulysses=1, ring=1)
+    handle = apply(model, mesh)
+    remove = shard_fused_calls(model, mesh)
+    ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    errors = []
+    for call in (lambda: model(ids, labels=labels, fused_lm_head=True),
+                 lambda: model(input_ids=ids, labels=labels, token_type_ids=mask, fused_lm_head=True)):
+        try:
+            call()
+        except ValueError as error:
+            errors.append(str(error))
+    remove()
+    handle.undo()
+    fields = ("log_probs", "entropy", "is_top1", "label_mask", "loss")
+    return {"plain": {k: getattr(plain, k).tolist() for k in fields},
+            "ours": {k: getattr(ours, k).tolist() for k in fields}, "errors": errors}
+
+
+def test_fused_calls_keep_trls_shapes_and_refuse_what_they_cannot_shard():
+    result = run_distributed(_fused_call_checks, 1, timeout=300)[0]
+    for key, value in result["plain"].items():
+        torch.testing.assert_close(torch.tensor(result["ours"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)
+    assert len(result["errors"]) == 2
+    assert "keyword arguments only" in result["errors"][0] and "token_type_ids" in result["errors"][1]

@@ -124,7 +124,8 @@ def _adapter(trainer, output_dir: str, rank: int) -> dict | None:
     trainer.save_model(output_dir)
     if rank != 0:
         return None
-    return {key: value.tolist() for key, value in load_file(os.path.join(output_dir, "adapter_model.safetensors")).items()}
+    saved = load_file(os.path.join(output_dir, "adapter_model.safetensors"))
+    return {key: value.tolist() for key, value in saved.items()}
 
 
 def run_case(rank: int, case: dict) -> dict | None:

@@ -114,17 +114,18 @@ class HybridSFTTrainer(HybridSPMixin, SFTTrainer):
     def _log_token_metrics(self, outputs, inputs) -> None:
         """TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` from the disjoint shards."""
         mode = "train" if self.model.training else "eval"
-        gather = self.accelerator.gather_for_metrics
+        gather = self.accelerator.gather  # all ranks, nothing dropped: the shards are disjoint
         with torch.no_grad():
             sums = torch.stack([outputs.label_mask.sum(), outputs.entropy.sum(), outputs.is_top1.sum()]).double()
-            valid, entropy, correct = gather(sums[None]).sum(dim=0).tolist()  # shards are disjoint: exact sums
+            valid, entropy, correct = gather(sums[None]).sum(dim=0).tolist()  # [W, 3] -> exact sums
         self._metrics[mode]["entropy"].append(entropy / valid if valid > 0 else 0.0)
         self._metrics[mode]["mean_token_accuracy"].append(correct / valid if valid > 0 else 0.0)
         if mode == "train":
             mask = inputs.get("attention_mask")
             tokens = mask.sum() if mask is not None else torch.tensor(inputs["input_ids"].numel())
             # every context rank holds the replica's full batch: count it once
-            self._total_train_tokens += int(gather(tokens.to(self.args.device)).sum().item()) // self.hybrid_mesh.context
+            tokens = int(gather(tokens.to(self.args.device)).sum().item())
+            self._total_train_tokens += tokens // self.hybrid_mesh.context
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
 
