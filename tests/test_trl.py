@@ -49,6 +49,7 @@ SLOW_CASES = {
     "dpo-lora-U2xR1-zero2": ({"item": "dpo", "peft": True}, 2, U2R1),
     "sft-U2xR2-zero3": ({"item": "sft"}, 4, U2R2),
     "sft-packed-U2xR2-zero3": ({"item": "sft", "packing": True}, 4, U2R2),
+    "sft-packed-checkpointing-U2xR1-zero2": ({"item": "sft", "packing": True, "checkpointing": True}, 2, U2R1),
     "dpo-lora-U2xR2-zero3": ({"item": "dpo", "peft": True}, 4, U2R2),
     "lora-U2xR2-zero2": ({"item": "lora", "peft": True}, 4, {**U2R2, "stage": 2}),
 }
@@ -85,6 +86,8 @@ def _check(name: str, ours: dict, plain: dict, cases: dict) -> None:
                                     "sft": ["mean_token_accuracy", "entropy"]}.get(options["item"], [])
     for key in keys:
         assert worst_relative(ours[key], plain[key]) < RTOL, f"{name} {key}: ours {ours[key]} vs plain {plain[key]}"
+    if options["item"] in ("sft", "dpo"):
+        assert ours["num_tokens"] == plain["num_tokens"], (name, ours["num_tokens"], plain["num_tokens"])
     if options["item"] == "dpo":
         for key, value in plain["eval"].items():
             assert worst_relative([ours["eval"][key]], [value]) < RTOL, (name, key, ours["eval"][key], value)
@@ -116,7 +119,8 @@ def test_more_trl_and_peft_cases_match_the_plain_trainers():
 
 
 def _fused_call_checks(rank, world_size):
-    """On one rank (C = 1): a hooked fused call equals TRL's own on the full batch; bad calls are refused."""
+    """On one rank (C = 1): a hooked fused call equals TRL's own on the full batch (padding to the layout's
+    multiple and the cut back to [B, S - 1] included); bad calls and DPO's precompute are refused."""
     from trl.trainer.utils import add_fused_lm_head
 
     from hybridsp import init_mesh
@@ -145,14 +149,24 @@ def _fused_call_checks(rank, world_size):
             errors.append(str(error))
     remove()
     handle.undo()
+    try:  # refused before TRL's constructor (and its collectives) runs
+        from trl import DPOConfig
+
+        from hybridsp.integrations.trl import HybridDPOTrainer
+
+        config = DPOConfig(output_dir="unused", precompute_ref_log_probs=True, report_to=[], bf16=False)
+        HybridDPOTrainer(model=model, args=config)
+    except ValueError as error:
+        errors.append(str(error))
     fields = ("log_probs", "entropy", "is_top1", "label_mask", "loss")
     return {"plain": {k: getattr(plain, k).tolist() for k in fields},
             "ours": {k: getattr(ours, k).tolist() for k in fields}, "errors": errors}
 
 
-def test_fused_calls_keep_trls_shapes_and_refuse_what_they_cannot_shard():
+def test_fused_calls_keep_trls_values_and_bad_setups_are_refused():
     result = run_distributed(_fused_call_checks, 1, timeout=300)[0]
     for key, value in result["plain"].items():
         torch.testing.assert_close(torch.tensor(result["ours"][key]), torch.tensor(value), rtol=1e-5, atol=1e-6)
-    assert len(result["errors"]) == 2
+    assert len(result["errors"]) == 3
     assert "keyword arguments only" in result["errors"][0] and "token_type_ids" in result["errors"][1]
+    assert "precompute_ref_log_probs" in result["errors"][2]

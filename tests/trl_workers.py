@@ -2,7 +2,7 @@
 
 A case is a dict: ``item`` ("sft", "dpo" or "lora"), ``hybrid`` (None for the plain trainer on
 its own, else ``ulysses``, ``ring`` and ``stage``) and the item's options (``packing``,
-``loss_type``, ``peft``, ``ref_model``). Rank 0 returns the per-step logs and what the test
+``loss_type``, ``peft``, ``checkpointing``, ``precompute``). Rank 0 returns the per-step logs and what the test
 compares; the data and the tiny models are the same on every call.
 """
 
@@ -17,7 +17,7 @@ from tests.trainer_workers import collate, ds_config, samples, tiny_llama
 
 STEPS, ACCUMULATION, MICRO_BATCH = 2, 2, 2
 WORDS = 62  # tokens "t2".."t63"; ids 0 and 1 are <pad> and <eos>
-LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "mean_token_accuracy", "entropy")
+LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "mean_token_accuracy", "entropy", "num_tokens")
 
 
 def tokenizer():
@@ -83,7 +83,8 @@ def _trainer(case: dict, output_dir: str):
 
         from hybridsp.integrations.trl import HybridSFTTrainer
 
-        args = SFTConfig(**settings, bf16=False, gradient_checkpointing=False, packing=case.get("packing", False),
+        args = SFTConfig(**settings, bf16=False, gradient_checkpointing=case.get("checkpointing", False),
+                         packing=case.get("packing", False),
                          max_length=48, loss_type=case.get("loss_type", "nll"), dataset_num_proc=None)
         cls = SFTTrainer if hybrid is None else HybridSFTTrainer
         data = Dataset.from_list(sft_rows(32, seed=1, packing=case.get("packing", False)))
@@ -93,9 +94,11 @@ def _trainer(case: dict, output_dir: str):
 
         from hybridsp.integrations.trl import HybridDPOTrainer
 
-        args = DPOConfig(**settings, bf16=False, gradient_checkpointing=False, beta=0.5)
+        args = DPOConfig(**settings, bf16=False, gradient_checkpointing=False, beta=0.5,
+                         precompute_ref_log_probs=case.get("precompute", False))
         cls = DPOTrainer if hybrid is None else HybridDPOTrainer
-        ref = None if case.get("peft") else tiny_llama()  # PEFT: the reference is the policy without adapters
+        # PEFT: the reference is the policy without adapters; precompute: the policy before training
+        ref = None if case.get("peft") or case.get("precompute") else tiny_llama()
         return cls(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(dpo_rows(24, seed=2)),
                    eval_dataset=Dataset.from_list(dpo_rows(5, seed=3)), processing_class=tokenizer())
     from transformers import Trainer, TrainingArguments

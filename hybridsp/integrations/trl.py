@@ -38,10 +38,10 @@ is a per-micro-batch mean: the Trainer divides it by the accumulation steps
 (``loss_is_scaled_for_ga = False``, as in ``DPOTrainer``).
 
 Refused with a ValueError at construction: MoE auxiliary losses (router logits are not
-sharded), SFT ``loss_type`` other than ``nll``/``dft``, and what the mixin refuses.
-Not sharded: DPO's ``precompute_ref_log_probs`` runs during TRL's construction, before the
-switch, as in TRL (unsharded forwards over accelerate's per-rank shard of the dataset); logits
-for ``compute_metrics`` (``return_outputs=True``) are not supported under sequence parallelism.
+sharded), SFT ``loss_type`` other than ``nll``/``dft``, DPO's ``precompute_ref_log_probs`` (TRL
+scores the reference over accelerate's per-process data shards, which the context ranks do not
+share), and what the mixin refuses. At evaluation, DPO's logits for ``compute_metrics``
+(``return_outputs=True``) are refused: full logits are not gathered.
 """
 
 from __future__ import annotations
@@ -135,6 +135,13 @@ class HybridDPOTrainer(HybridSPMixin, DPOTrainer):
     loss_is_scaled_for_ga = False  # DPO's loss is a micro-batch mean, as in DPOTrainer
 
     def __init__(self, *args, **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if getattr(config, "precompute_ref_log_probs", False):  # before any collective
+            raise ValueError(
+                "HybridDPOTrainer does not support precompute_ref_log_probs=True: TRL scores the reference over "
+                "accelerate's per-process shards of the dataset, which the context ranks of a replica do not share. "
+                "Pass a ref_model (or train a PEFT adapter without one) and leave precompute_ref_log_probs=False"
+            )
         super().__init__(*args, **kwargs)  # the mixin has switched the policy
         _refuse_aux_loss(self)
         policy = base_model(self.model)
