@@ -87,10 +87,11 @@ class HybridSFTTrainer(HybridSPMixin, SFTTrainer):
     """``trl.SFTTrainer`` with hybrid sequence parallelism; same constructor plus ``hybridsp=`` (Note [SFT loss])."""
 
     def __init__(self, *args, **kwargs):
+        loss_type = getattr(_config(args, kwargs, position=1), "loss_type", "nll")
+        if loss_type not in SFT_LOSS_TYPES:  # before TRL's constructor and its collectives
+            raise ValueError(f"HybridSFTTrainer supports loss_type in {SFT_LOSS_TYPES}; got {loss_type!r}")
         super().__init__(*args, **kwargs)
-        _refuse_aux_loss(self)
-        if self.args.loss_type not in SFT_LOSS_TYPES:
-            raise ValueError(f"HybridSFTTrainer supports loss_type in {SFT_LOSS_TYPES}; got {self.args.loss_type!r}")
+        _refuse_aux_loss(self)  # the same decision on every rank
         self.data_collator = _WithoutVarlenKeys(self.data_collator)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
@@ -135,15 +136,14 @@ class HybridDPOTrainer(HybridSPMixin, DPOTrainer):
     loss_is_scaled_for_ga = False  # DPO's loss is a micro-batch mean, as in DPOTrainer
 
     def __init__(self, *args, **kwargs):
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        if getattr(config, "precompute_ref_log_probs", False):  # before any collective
+        if getattr(_config(args, kwargs, position=2), "precompute_ref_log_probs", False):  # before any collective
             raise ValueError(
                 "HybridDPOTrainer does not support precompute_ref_log_probs=True: TRL scores the reference over "
                 "accelerate's per-process shards of the dataset, which the context ranks of a replica do not share. "
                 "Pass a ref_model (or train a PEFT adapter without one) and leave precompute_ref_log_probs=False"
             )
         super().__init__(*args, **kwargs)  # the mixin has switched the policy
-        _refuse_aux_loss(self)
+        _refuse_aux_loss(self)  # the same decision on every rank
         policy = base_model(self.model)
         pad = self._pad_token_id()
         self._hybridsp_removers = [shard_fused_calls(policy, self.hybrid_mesh, pad_token_id=pad)]
@@ -172,6 +172,11 @@ class HybridDPOTrainer(HybridSPMixin, DPOTrainer):
         while self._hybridsp_removers:
             self._hybridsp_removers.pop()()
         super().undo_hybridsp()
+
+
+def _config(args: tuple, kwargs: dict, position: int):
+    """The trainer's ``args`` (its TRL config) from the constructor's arguments, or None."""
+    return kwargs.get("args", args[position] if len(args) > position else None)
 
 
 def _unwrapped(model):
