@@ -8,9 +8,10 @@ ZeRO-3), each on the same data. SFT runs TRL's own dataset preparation on prompt
 rows (``completion_only_loss`` by default) and on packed text (``packing=True``: padding-free
 rows whose ``position_ids`` restart per document); DPO runs with a separate reference model (and
 with PEFT and no reference model, in the slow set). Per-step logged ``loss`` and ``grad_norm``
-(and DPO's ``rewards/chosen``, ``rewards/rejected``, eval loss; SFT's token accuracy and
-entropy) must agree to relative 1e-3 (measured: below 1e-6). PEFT runs train only the LoRA
-weights and save the same ``adapter_model`` as the plain run.
+(and DPO's ``rewards/chosen``, ``rewards/rejected``; SFT's token accuracy, entropy and
+``num_tokens``) and ``evaluate()``'s ``eval_loss`` (and DPO's ``eval_rewards/chosen``) must
+agree to relative 1e-3 (measured: loss and grad_norm below 1e-6). PEFT runs train only the
+LoRA weights and save the same ``adapter_model`` as the plain run.
 """
 
 import os
@@ -88,7 +89,8 @@ def _check(name: str, ours: dict, plain: dict, cases: dict) -> None:
         assert worst_relative(ours[key], plain[key]) < RTOL, f"{name} {key}: ours {ours[key]} vs plain {plain[key]}"
     if options["item"] in ("sft", "dpo"):
         assert ours["num_tokens"] == plain["num_tokens"], (name, ours["num_tokens"], plain["num_tokens"])
-    if options["item"] == "dpo":
+    if options["item"] in ("sft", "dpo"):  # evaluate(): SFT's eval_loss, DPO's eval_loss and rewards
+        assert sorted(ours["eval"]) == sorted(plain["eval"])
         for key, value in plain["eval"].items():
             assert worst_relative([ours["eval"][key]], [value]) < RTOL, (name, key, ours["eval"][key], value)
     if options.get("peft"):

@@ -87,8 +87,9 @@ def _trainer(case: dict, output_dir: str):
                          packing=case.get("packing", False),
                          max_length=48, loss_type=case.get("loss_type", "nll"), dataset_num_proc=None)
         cls = SFTTrainer if hybrid is None else HybridSFTTrainer
-        data = Dataset.from_list(sft_rows(32, seed=1, packing=case.get("packing", False)))
-        return cls(model=model, args=args, train_dataset=data, processing_class=tokenizer())
+        packing = case.get("packing", False)
+        data, held_out = (Dataset.from_list(sft_rows(n, seed=seed, packing=packing)) for n, seed in ((32, 1), (5, 3)))
+        return cls(model=model, args=args, train_dataset=data, eval_dataset=held_out, processing_class=tokenizer())
     if case["item"] == "dpo":
         from trl import DPOConfig, DPOTrainer
 
@@ -141,8 +142,9 @@ def run_case(rank: int, case: dict) -> dict | None:
         before = _frozen_weights(peft_model) if peft_model is not None and case["hybrid"] is None else None
         trainer.train()
         result = {**_logs(trainer)}
-        if case["item"] == "dpo":
-            result["eval"] = {k: v for k, v in trainer.evaluate().items() if k in ("eval_loss", "eval_rewards/chosen")}
+        if case["item"] in ("sft", "dpo"):
+            metrics = trainer.evaluate()
+            result["eval"] = {k: v for k, v in metrics.items() if k in ("eval_loss", "eval_rewards/chosen")}
         if peft_model is not None:
             result["trainable"] = sorted(n for n, p in peft_model.named_parameters() if p.requires_grad)
             if before is not None:  # plain run: the frozen weights did not move (ZeRO-3 shards them in ours)
