@@ -17,6 +17,7 @@ from tests.trainer_workers import collate, ds_config, samples, tiny_llama
 
 STEPS, ACCUMULATION, MICRO_BATCH = 2, 2, 2
 WORDS = 62  # tokens "t2".."t63"; ids 0 and 1 are <pad> and <eos>
+EVALUATED = ("eval_loss", "eval_mean_token_accuracy", "eval_entropy", "eval_rewards/chosen")
 LOGGED = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "mean_token_accuracy", "entropy", "num_tokens")
 
 
@@ -144,7 +145,7 @@ def run_case(rank: int, case: dict) -> dict | None:
         result = {**_logs(trainer)}
         if case["item"] in ("sft", "dpo"):
             metrics = trainer.evaluate()
-            result["eval"] = {k: v for k, v in metrics.items() if k in ("eval_loss", "eval_rewards/chosen")}
+            result["eval"] = {k: v for k, v in metrics.items() if k in EVALUATED}
         if peft_model is not None:
             result["trainable"] = sorted(n for n, p in peft_model.named_parameters() if p.requires_grad)
             if before is not None:  # plain run: the frozen weights did not move (ZeRO-3 shards them in ours)

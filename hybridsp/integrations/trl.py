@@ -24,6 +24,8 @@ and the attention take the documents from them (Note [packed rows] in :mod:`hybr
 so the collator's flash-attention extras (``cu_seq_lens_*``, ``max_length_*``, ``seq_idx``,
 which describe the unsharded row) are dropped. The ``entropy`` and ``mean_token_accuracy``
 metrics are summed over the disjoint shards; ``num_tokens`` counts each replica once.
+``evaluate()`` computes the same loss per batch (and the same metrics) under no_grad; the
+evaluation loop averages it over the replicas, as the plain trainer averages over processes.
 
 Note [DPO]: DPO's loss is a non-linear function of each sequence's summed log-probability
 (and the reference model's). :func:`~hybridsp.integrations.trl_logprobs.shard_fused_calls`
@@ -111,6 +113,16 @@ class HybridSFTTrainer(HybridSPMixin, SFTTrainer):
         loss = context_sum(per_token.sum(), self.hybrid_mesh) * (self.hybrid_mesh.dp / count).float()
         self._log_token_metrics(outputs, inputs)
         return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
+        """Loss only: :meth:`compute_loss` under no_grad (TRL's loss and eval metrics, as in SFTTrainer);
+        with predictions: the mixin's sharded forward that gathers the full logits."""
+        if not prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
 
     def _log_token_metrics(self, outputs, inputs) -> None:
         """TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` from the disjoint shards."""
