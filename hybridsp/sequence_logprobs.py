@@ -7,7 +7,8 @@ context group holds ``S / C`` tokens of every sequence (:func:`hybridsp.shard_ba
 rank sees only part of each sum. The helpers here complete them:
 
     local = shard_batch({"input_ids": ids, "labels": labels, "attention_mask": mask}, mesh)
-    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                   hybridsp_documents=local["documents"]).logits
     logp = sequence_logprobs(logits, local["shift_labels"], mesh)      # [B], the full sums
     loss = -F.logsigmoid(beta * ((logp[:B//2] - ref[:B//2]) - (logp[B//2:] - ref[B//2:]))).mean()
     loss.backward()                                                   # this rank's share
@@ -50,21 +51,23 @@ def context_sum(local: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
     return local + (total - local.detach())  # value: the group's sum; gradient: the identity on local
 
 
-def gather_tokens(local: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
+def gather_tokens(local: torch.Tensor, mesh: HybridMesh, cu_seqlens=None) -> torch.Tensor:
     """Per-token values of this rank's shard [B, S/C, ...] -> the full sequence [B, S, ...] in token order.
 
     Every context rank gets the same values; only this rank's own positions carry a gradient
-    (Note [local gradient]). Works for any dtype (booleans, counts). One all_gather over
-    ``mesh.context_group``.
+    (Note [local gradient]). Works for any dtype (booleans, counts). ``cu_seqlens``: the batch's
+    documents (``shard_batch(...)["documents"]``), needed by layouts that place tokens by
+    document (``layout="balanced"``). One all_gather over ``mesh.context_group``.
     """
     if mesh.context == 1:
         return local
-    full = gather_sequence(local.detach(), mesh)  # [B, S, ...] in token order, no autograd
+    full = gather_sequence(local.detach(), mesh, cu_seqlens=cu_seqlens)  # [B, S, ...] in token order, no autograd
     if not local.requires_grad:
         return full
-    positions = torch.arange(full.shape[1], device=local.device)[None]  # [1, S]
-    mine = shard_sequence(positions, mesh)[0]  # [S/C]: the full positions this rank holds
-    return full.index_copy(1, mine, local)  # [B, S, ...]: own positions differentiable
+    positions = torch.arange(full.shape[1], device=local.device).expand(full.shape[:2])  # [B, S]
+    mine = shard_sequence(positions, mesh, cu_seqlens=cu_seqlens)  # [B, S/C]: the positions this rank holds
+    mine = mine.reshape(*mine.shape, *([1] * (local.dim() - 2))).expand_as(local)  # [B, S/C, ...]
+    return full.scatter(1, mine, local)  # [B, S, ...]: own positions differentiable
 
 
 def token_logprobs(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

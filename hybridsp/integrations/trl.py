@@ -105,7 +105,9 @@ class HybridSFTTrainer(HybridSPMixin, SFTTrainer):
         tensors = {key: value for key, value in inputs.items() if torch.is_tensor(value) and key not in VARLEN_KEYS}
         local = shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
         shift_labels = local.pop("shift_labels")  # [B, S_local]
-        outputs = model(**local, shift_labels=shift_labels, fused_lm_head=True, use_cache=False)
+        documents = local.pop("documents")  # host data: the attention plans once per forward
+        outputs = model(**local, shift_labels=shift_labels, hybridsp_documents=documents, fused_lm_head=True,
+                        use_cache=False)
         per_token = -outputs.log_probs  # [B, S_local], 0 where not scored
         if self.args.loss_type == "dft":
             per_token = per_token * outputs.log_probs.exp().detach()

@@ -10,10 +10,10 @@ log-probabilities, entropies, ... instead of logits), and then build their losse
 ``out.log_probs`` on the full sequence. :func:`shard_fused_calls` makes that same call exact
 on a model whose attention :func:`hybridsp.integrations.transformers.apply` switched:
 
-1. a forward pre-hook (run before any other) cuts the full batch with
-   :func:`hybridsp.batch.prepare_batch` + :func:`hybridsp.shard_sequence` (labels shifted on the
-   full sequence first) and calls the fused head with this rank's ``input_ids``,
-   ``position_ids`` and ``shift_labels`` (the fused head's own pre-shifted path);
+1. a forward pre-hook (run before any other) cuts the full batch as :func:`hybridsp.shard_batch`
+   does (labels shifted on the full sequence first, the batch's documents found once on the
+   host) and calls the fused head with this rank's ``input_ids``, ``position_ids`` and
+   ``shift_labels`` (the fused head's own pre-shifted path) and ``hybridsp_documents``;
 2. a forward hook gathers every per-token field over the context group with
    :func:`hybridsp.sequence_logprobs.gather_tokens` (one all_gather each; only this rank's
    own positions keep their gradient, Note [local gradient] there) and cuts them back to
@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hybridsp.attention import shard_sequence
-from hybridsp.batch import prepare_batch
+from hybridsp.batch import batch_documents, prepare_batch
 from hybridsp.loss import IGNORE_INDEX
 from hybridsp.mesh import HybridMesh
 from hybridsp.sequence_logprobs import gather_tokens
@@ -49,7 +49,7 @@ class _ShardedFusedCalls:
 
     def __init__(self, mesh: HybridMesh, pad_token_id: int):
         self.mesh, self.pad_token_id = mesh, pad_token_id
-        self.pending = None  # (this call's local shift_labels, full length S, full scored mask [B, S - 1])
+        self.pending = None  # (this call's local shift_labels, full length S, scored mask [B, S - 1], documents)
 
     def before(self, module, args, kwargs):
         """Forward pre-hook: a full-sequence fused call -> this rank's tokens."""
@@ -58,24 +58,25 @@ class _ShardedFusedCalls:
         _check_call(args, kwargs)
         batch = {key: kwargs[key] for key in SHARDED_KEYS if kwargs.get(key) is not None}
         full = prepare_batch(batch, self.mesh, pad_token_id=self.pad_token_id)  # each [B, S_pad]
-        local = {key: shard_sequence(value, self.mesh) for key, value in full.items()}  # each [B, S_pad / C]
+        documents = batch_documents(full["position_ids"])  # host data, as shard_batch hands it on
+        local = {key: shard_sequence(value, self.mesh, cu_seqlens=documents) for key, value in full.items()}
         seq_len = batch["input_ids"].shape[1]
         scored = full["shift_labels"][:, : seq_len - 1] != IGNORE_INDEX  # [B, S - 1]
-        self.pending = (local["shift_labels"], seq_len, scored)
+        self.pending = (local["shift_labels"], seq_len, scored, documents)
         rest = {key: value for key, value in kwargs.items() if key not in SHARDED_KEYS}
         return args, {**rest, "input_ids": local["input_ids"], "position_ids": local["position_ids"],
-                      "shift_labels": local["shift_labels"], "use_cache": False}
+                      "shift_labels": local["shift_labels"], "hybridsp_documents": documents, "use_cache": False}
 
     def after(self, module, args, kwargs, output):
         """Forward hook: the per-token fields of this rank's tokens -> the full sequence [B, S - 1]."""
         if self.pending is None or kwargs.get("shift_labels") is not self.pending[0]:
             return None
-        _, seq_len, scored = self.pending
+        _, seq_len, scored, documents = self.pending
         self.pending = None
         for name in PER_TOKEN_FIELDS:
             value = getattr(output, name, None)
             if torch.is_tensor(value):
-                output[name] = gather_tokens(value, self.mesh)[:, : seq_len - 1]  # [B, S - 1]
+                output[name] = gather_tokens(value, self.mesh, cu_seqlens=documents)[:, : seq_len - 1]  # [B, S - 1]
         if getattr(output, "log_probs", None) is not None and getattr(output, "aux_loss", None) is None:
             output["loss"] = -output.log_probs.sum() / scored.sum().clamp(min=1)  # the fused head's mean NLL
         return output
