@@ -135,9 +135,9 @@ def _adapter(trainer, output_dir: str, rank: int) -> dict | None:
 
 def run_case(rank: int, case: dict) -> dict | None:
     """Train one case; rank 0 returns its logs (+ DPO's eval metrics, + the adapter and frozen-weight check)."""
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
 
-    with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
+    with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         trainer = _trainer(case, out)
         peft_model = trainer.model if case.get("peft") else None
         before = _frozen_weights(peft_model) if peft_model is not None and case["hybrid"] is None else None
