@@ -311,9 +311,10 @@ def _mesh(hybrid: hds.HybridConfig) -> HybridMesh:
 
 
 def _switch_attention(model, mesh: HybridMesh, backend: str):
+    from hybridsp.integrations.adapters import base_model
     from hybridsp.integrations.transformers import apply
 
-    return apply(model, mesh, backend=backend)
+    return apply(base_model(model), mesh, backend=backend)  # a PEFT wrapper: the model inside it
 
 
 def _prepare_with_mesh(prepare, trainer: HybridSPMixin, *args, **kwargs):
