@@ -73,3 +73,28 @@ def test_bad_batches_raise_clear_errors():
         shard_vlm_batch({**batch, "token_type_ids": batch["input_ids"]}, mesh, model)
     with pytest.raises(ValueError, match="vision must be one of"):
         shard_vlm_batch(batch, mesh, model, vision="everywhere")
+
+
+def test_apply_switches_the_language_model_only_and_refuses_other_vision_models():
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    from hybridsp.integrations.transformers import apply
+    from tests.test_batch import mesh_at
+
+    model = tiny_vlm()
+    with apply(model, mesh_at(2, 1, 0)):
+        assert model.config.text_config._attn_implementation == "hybridsp"
+        assert model.config.vision_config._attn_implementation == "sdpa"
+        with pytest.raises(ValueError, match="already switched"):
+            apply(model, mesh_at(2, 1, 0))
+    assert model.config.text_config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="divisible by the Ulysses degree 8"):
+        apply(model, mesh_at(8, 1, 0))
+    llava = LlavaForConditionalGeneration(LlavaConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=28, patch_size=14),
+        text_config=dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4)))
+    with pytest.raises(ValueError, match="'llava' has a vision encoder"):
+        apply(llava, mesh_at(2, 1, 0))
+    assert llava.config.vision_config._attn_implementation != "hybridsp"

@@ -278,6 +278,7 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
         if any(hasattr(m, _BINDING_ATTR) for m in model.modules()):
             raise ValueError(f"{type(model).__name__} is already switched to {NAME}: undo the first handle first")
         return vlm.apply_to_language_model(model, mesh, backend, switch_modules)
+    vlm.refuse_other_multimodal(model)
     modules = [m for m in model.modules() if all(hasattr(m, part) for part in _ATTENTION_PARTS)]
     _check_model(model, modules, mesh)
     configs = _configs_of(model, modules)

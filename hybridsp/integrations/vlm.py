@@ -48,6 +48,18 @@ def is_vision_language_model(model: nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "model_type", None) in VLM_MODEL_TYPES
 
 
+def refuse_other_multimodal(model: nn.Module) -> None:
+    """ValueError for a model with a vision tower that is not one of :data:`VLM_MODEL_TYPES` (e.g. LLaVA):
+    switching every config would also reach its vision encoder."""
+    config = getattr(model, "config", None)
+    if getattr(config, "vision_config", None) is not None and not is_vision_language_model(model):
+        raise ValueError(
+            f"model type {config.model_type!r} has a vision encoder; hybridsp supports the vision-language model "
+            f"types {', '.join(VLM_MODEL_TYPES)}. For another one, switch its language model only: "
+            f"apply(model.model.language_model, mesh) and feed it inputs_embeds you build and shard yourself"
+        )
+
+
 def language_model_of(model: nn.Module) -> nn.Module:
     """The decoder (``...TextModel``) of a ``...ForConditionalGeneration`` or ``...Model``."""
     inner = getattr(model, "model", model)
