@@ -62,6 +62,12 @@ def test_generate_equals_model_generate():
     assert result["ours"] == result["expected"]
 
 
+@pytest.mark.slow
+def test_generate_qwen2_5_vl_on_four_ranks_equals_model_generate():
+    result = run_distributed(generate_matches, 4, "qwen2_5_vl", 2, 2, 8, timeout=600)[0]
+    assert result["ours"] == result["expected"]
+
+
 def test_bad_batches_raise_clear_errors():
     from hybridsp.integrations.vlm_batch import shard_vlm_batch
     from tests.test_batch import mesh_at
