@@ -104,3 +104,21 @@ def test_apply_switches_the_language_model_only_and_refuses_other_vision_models(
     with pytest.raises(ValueError, match="'llava' has a vision encoder"):
         apply(llava, mesh_at(2, 1, 0))
     assert llava.config.vision_config._attn_implementation != "hybridsp"
+
+
+def test_auto_splits_clustered_images_and_keeps_a_spread_video_local():
+    from hybridsp.batch import padded_length
+    from hybridsp.integrations.vlm_batch import plan_vision
+    from tests.test_batch import mesh_at
+    from tests.vlm_workers import collate, sample
+
+    model, generator = tiny_vlm(), torch.Generator().manual_seed(0)
+    meshes = [mesh_at(2, 2, r, u) for r in range(2) for u in range(2)]
+    clustered = collate([sample(generator, [("image", (1, 4, 4))] * 6 + [200])])  # images in the first eighth
+    spread = collate([sample(generator, [3, ("video", (96, 4, 4)), 5])])  # 384 video tokens over the whole row
+    for batch, expected in ((clustered, "split"), (spread, "local")):
+        ids = batch["input_ids"]
+        ids = torch.nn.functional.pad(ids, (0, padded_length(ids.shape[1], meshes[0]) - ids.shape[1]))
+        for mesh in meshes:
+            auto, chosen = (plan_vision(batch, ids, mesh, model, mode) for mode in ("auto", expected))
+            assert torch.equal(auto.grid, chosen.grid) and (auto.exchange is None) == (expected == "local")

@@ -21,12 +21,17 @@ layer works per patch or per m x m block. So a grid ``(t, h, w)`` is ``t`` indep
 consecutive features, i.e. consecutive image (or video) tokens of the sequence. Units are the
 granularity at which the encoder's work is divided over the context ranks.
 
-Note [who encodes what]: ``vision="local"`` (default): each rank encodes the units that have
+Note [who encodes what]: ``vision="local"``: each rank encodes the units that have
 at least one token in its shard (a unit that straddles a shard boundary is encoded by each
 rank that holds part of it; at most one extra unit per boundary), no communication.
 ``vision="split"``: the units are cut into C contiguous runs of about equal patch counts, each
 rank encodes one run, and one ``all_to_all`` over the context group sends every feature to the
-rank that holds its token (its backward sends the gradients home). Every rank always calls
+rank that holds its token (its backward sends the gradients home). ``vision="auto"`` (default)
+takes local unless its busiest rank would encode more than ``SPLIT_WHEN`` = 1.25 times the patches
+of split's busiest rank (measured, ``benchmarks/bench_vlm_memory.py``: a long video spreads its
+frames over the shards and both cost the same on the busiest rank, local without the exchange;
+16 images at the start of a 4k-token sequence put them all on one rank in local mode, and split
+is 2.5x cheaper there). Every rank always calls
 the encoder exactly once per forward when the batch has images or videos (a rank with no unit
 encodes one m x m dummy unit whose output it uses zero rows of): ZeRO-3 gathers parameters
 collectively on each encoder call, so all ranks must make the same calls.
@@ -53,7 +58,8 @@ from hybridsp.mesh import HybridMesh
 VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 TEXT_KEYS = ("input_ids", "labels", "attention_mask")
 EXTRA_KEYS = ("mm_token_type_ids", "second_per_grid_ts")
-VISION_MODES = ("local", "split")
+VISION_MODES = ("auto", "local", "split")
+SPLIT_WHEN = 1.25  # "auto" splits when local mode's busiest rank encodes 25% more patches than split's
 
 
 @dataclass
@@ -102,7 +108,7 @@ def text_fields(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def shard_vlm_batch(
-    batch: Mapping[str, Any], mesh: HybridMesh, model, *, vision: str = "local", pad_token_id: int = 0,
+    batch: Mapping[str, Any], mesh: HybridMesh, model, *, vision: str = "auto", pad_token_id: int = 0,
     ignore_index: int = IGNORE_INDEX,
 ) -> dict[str, Any]:
     """This rank's shard of a full vision-language batch. No communication.
@@ -116,7 +122,7 @@ def shard_vlm_batch(
         mesh: the mesh the model was switched with.
         model: the Qwen2-VL / Qwen2.5-VL model (``...ForConditionalGeneration`` or ``...Model``);
             only its config and ``get_rope_index`` are used.
-        vision: ``"local"`` or ``"split"`` (Note [who encodes what]).
+        vision: ``"auto"`` (default), ``"local"`` or ``"split"`` (Note [who encodes what]).
 
     Returns:
         ``input_ids`` [B, S_pad / C], ``position_ids`` [3, B, S_pad / C] (multimodal RoPE),
@@ -251,12 +257,14 @@ def plan_vision(batch: Mapping[str, Any], input_ids: torch.Tensor, mesh: HybridM
     video_feature = torch.repeat_interleave(units.video, counts)  # [n_features]
     shards = _shard_features(feature_of, mesh)  # [C] each [n_j] feature ids in shard j's token order
     needed = shards[mesh.context_rank]
+    owner = _balanced_owners(units.patches, mesh.context)  # [N] shard index of each unit's encoder (split)
+    if vision == "auto":
+        vision = choose_vision_mode(shards, owner, units, unit_of)
     if vision == "local":
         encode = torch.unique(unit_of[needed])  # sorted unit ids
         rows = _rows_in(encode, needed, units, counts, unit_of)
         exchange = None
     else:
-        owner = _balanced_owners(units.patches, mesh.context)  # [N] shard index of each unit's encoder
         encode = (owner == mesh.context_rank).nonzero().squeeze(1)
         rows, exchange = _exchange_plan(shards, owner, encode, units, counts, unit_of, mesh)
     pixels, grid = _unit_pixels(batch, units, encode, merge)
@@ -267,6 +275,14 @@ def plan_vision(batch: Mapping[str, Any], input_ids: torch.Tensor, mesh: HybridM
         has_images=torch.is_tensor(batch.get("image_grid_thw")), has_videos=torch.is_tensor(batch.get("video_grid_thw")),
         exchange=exchange,
     )
+
+
+def choose_vision_mode(shards: list[torch.Tensor], owner: torch.Tensor, units: _Units, unit_of) -> str:
+    """``"split"`` if local mode's busiest rank would encode more than :data:`SPLIT_WHEN` times the
+    patches of split mode's busiest rank, else ``"local"`` (no exchange). The same on every rank."""
+    local = max(int(units.patches[torch.unique(unit_of[ids])].sum()) for ids in shards)
+    split = max(int(units.patches[owner == j].sum()) for j in range(len(shards)))
+    return "split" if local > SPLIT_WHEN * split else "local"
 
 
 def _shard_features(feature_of: torch.Tensor, mesh: HybridMesh) -> list[torch.Tensor]:

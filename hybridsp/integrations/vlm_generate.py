@@ -38,7 +38,7 @@ from hybridsp.mesh import HybridMesh
 
 def generate_vlm(
     model: nn.Module, batch: Mapping[str, Any], *, mesh: HybridMesh, max_new_tokens: int,
-    eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, vision: str = "local",
+    eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, vision: str = "auto",
 ) -> torch.Tensor:
     """Greedy continuation of a multimodal prompt with the K/V cache sharded over the context group.
 
@@ -50,7 +50,7 @@ def generate_vlm(
         mesh: the mesh the model was switched with.
         max_new_tokens: how many tokens to add at most (>= 0).
         eos_token_id, pad_token_id: as ``model.generate`` (None: the generation config's).
-        vision: ``"local"`` or ``"split"`` (who encodes which image, see ``vlm_batch``).
+        vision: ``"auto"``, ``"local"`` or ``"split"`` (who encodes which image, see ``vlm_batch``).
 
     Returns:
         [B, S + new] int64 on every rank (``new <= max_new_tokens``; fewer when every row ended).
