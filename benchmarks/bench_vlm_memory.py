@@ -66,6 +66,7 @@ def measure(rank: int, world: int, frames: int, size: int, iters: int) -> dict:
     apply(model, mesh, backend="torch")
     local = shard_vlm_batch(batch, mesh, model)
     labels, shard = local.pop("shift_labels"), local.pop("hybridsp_vision")
+    local["hybridsp_documents"] = local.pop("documents")
     torch.manual_seed(rank)
     with torch.no_grad():
         features = encode_shard(model, shard, mesh)  # this rank's tokens' features

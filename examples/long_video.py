@@ -130,15 +130,17 @@ def run(args: argparse.Namespace) -> dict:
     apply(model, mesh)
     batch = make_batch(args.frames, args.size)
     local = shard_vlm_batch(batch, mesh, model, vision=args.vision)
-    labels = local.pop("shift_labels")
+    labels, documents = local.pop("shift_labels"), local.pop("documents")
     started = time.perf_counter()
     with torch.inference_mode():
-        score = float(sharded_cross_entropy(model(**local, use_cache=False).logits, labels, mesh))
+        score = float(sharded_cross_entropy(model(**local, hybridsp_documents=documents, use_cache=False).logits,
+                                            labels, mesh))
     scored = time.perf_counter() - started
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for _ in range(args.steps):
-        loss = sharded_cross_entropy(model(**local, use_cache=False).logits, labels, mesh)
+        loss = sharded_cross_entropy(model(**local, hybridsp_documents=documents, use_cache=False).logits, labels,
+                                     mesh)
         loss.backward()
         for parameter in model.parameters():  # sum of the ranks' shares = the unsharded gradient
             if parameter.grad is not None:

@@ -79,6 +79,8 @@ def test_bad_batches_raise_clear_errors():
         shard_vlm_batch({**batch, "token_type_ids": batch["input_ids"]}, mesh, model)
     with pytest.raises(ValueError, match="vision must be one of"):
         shard_vlm_batch(batch, mesh, model, vision="everywhere")
+    with pytest.raises(ValueError, match="zigzag or contiguous layout; got layout 'balanced'"):
+        shard_vlm_batch(batch, mesh_at(2, 1, 0, layout="balanced"), model)
 
 
 def test_apply_switches_the_language_model_only_and_refuses_other_vision_models():

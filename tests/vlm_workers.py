@@ -122,8 +122,8 @@ def _compare(model, batch: dict, mesh, mode: str, expected) -> dict:
 
     logits_ref, loss_ref, grads_ref = expected
     local = shard_vlm_batch(batch, mesh, model, vision=mode)
-    labels = local.pop("shift_labels")
-    logits = model(**local, use_cache=False).logits  # [B, S_pad / C, V]
+    labels, documents = local.pop("shift_labels"), local.pop("documents")
+    logits = model(**local, hybridsp_documents=documents, use_cache=False).logits  # [B, S_pad / C, V]
     loss = sharded_cross_entropy(logits, labels, mesh)
     loss.backward()
     grads = {}

@@ -5,8 +5,8 @@
 
     handle = apply(model, mesh)                     # the language model's attention only
     local = shard_vlm_batch(batch, mesh, model)     # tokens, 3-D positions, this rank's vision work
-    labels = local.pop("shift_labels")
-    logits = model(**local, use_cache=False).logits # [B, S_pad / C, V]
+    labels, documents = local.pop("shift_labels"), local.pop("documents")
+    logits = model(**local, hybridsp_documents=documents, use_cache=False).logits  # [B, S_pad / C, V]
     loss = hybridsp.sharded_cross_entropy(logits, labels, mesh)
 
 :func:`hybridsp.integrations.transformers.apply` hands a model whose ``model_type`` is in

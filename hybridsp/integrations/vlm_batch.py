@@ -1,8 +1,9 @@
 """Vision-language batches (Qwen2-VL, Qwen2.5-VL) -> this rank's tokens, positions and vision work.
 
     local = shard_vlm_batch(batch, mesh, model)            # no communication
-    out = model(**{k: v for k, v in local.items() if k != "shift_labels"}, use_cache=False)
-    loss = hybridsp.sharded_cross_entropy(out.logits, local["shift_labels"], mesh)
+    labels, documents = local.pop("shift_labels"), local.pop("documents")
+    out = model(**local, hybridsp_documents=documents, use_cache=False)
+    loss = hybridsp.sharded_cross_entropy(out.logits, labels, mesh)
 
 ``model`` is a Qwen2-VL / Qwen2.5-VL model switched with ``apply(model, mesh)``: its forward
 pre-hook (:mod:`hybridsp.integrations.vlm`) runs the vision encoder on the work this function
@@ -50,7 +51,7 @@ from typing import Any, Mapping
 import torch
 
 from hybridsp.attention import shard_sequence
-from hybridsp.batch import prepare_batch
+from hybridsp.batch import batch_documents, prepare_batch
 from hybridsp.layout import layout_permutation
 from hybridsp.loss import IGNORE_INDEX
 from hybridsp.mesh import HybridMesh
@@ -126,13 +127,17 @@ def shard_vlm_batch(
 
     Returns:
         ``input_ids`` [B, S_pad / C], ``position_ids`` [3, B, S_pad / C] (multimodal RoPE),
-        ``shift_labels`` [B, S_pad / C] and, when the batch has images or videos,
-        ``hybridsp_vision`` (a :class:`VisionShard`). Pass all but ``shift_labels`` to the model.
+        ``shift_labels`` [B, S_pad / C], ``documents`` (one per row, as :func:`hybridsp.shard_batch`
+        gives them: pass ``hybridsp_documents=local["documents"]``) and, when the batch has images or
+        videos, ``hybridsp_vision`` (a :class:`VisionShard`). Pass the rest to the model.
 
     Raises:
         ValueError for unknown keys, a bad ``vision`` mode, or token counts that do not match the grids.
     """
     _check_keys(batch, vision)
+    if mesh.layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"vision-language batches are cut in the zigzag or contiguous layout; got layout "
+                         f"{mesh.layout!r}: build the mesh with layout='zigzag'")
     text = prepare_batch(text_fields(batch), mesh, pad_token_id=pad_token_id, ignore_index=ignore_index)
     input_ids = text["input_ids"]  # [B, S_pad]
     plan = plan_vision(batch, input_ids, mesh, model, vision) if is_vision_batch(batch) else None  # checks counts
@@ -140,6 +145,7 @@ def shard_vlm_batch(
     local = {
         "input_ids": shard_sequence(input_ids, mesh), "position_ids": shard_sequence(positions, mesh, dim=2),
         "shift_labels": shard_sequence(text["shift_labels"], mesh),
+        "documents": batch_documents(text["position_ids"]),  # one per row; pass as hybridsp_documents=
     }
     return local if plan is None else {**local, "hybridsp_vision": plan}
 
