@@ -48,14 +48,14 @@ def train(rank: int, world_size: int, runs: list) -> list:
 
     from transformers import Trainer
 
-    from hybridsp.integrations.deepspeed import _without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
 
     os.environ["OMP_NUM_THREADS"] = "1"
     results = []
     for run in runs:
         data = samples(STEPS * ACCUMULATION * MICRO_BATCH, seed=1)
-        with tempfile.TemporaryDirectory() as out, _without_cpu_shm_comm_build():
+        with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
             if run is None:
                 trainer = Trainer(model=tiny_vlm(), args=_arguments(out, None), train_dataset=data,
                                   data_collator=collate)
