@@ -5,4 +5,6 @@
 implementation and ``apply(model, mesh)`` for Llama-family causal LMs.
 ``hybridsp.integrations.trainer``       ``HybridSPTrainer`` / ``HybridSPMixin``: the Hugging Face
 Trainer with hybrid sequence parallelism (also importable from ``...integrations.transformers``).
+``hybridsp.integrations.vlm`` / ``vlm_batch`` / ``vlm_generate``  Qwen2-VL and Qwen2.5-VL: the language
+model switched by ``apply``, ``shard_vlm_batch`` (3-D positions, vision work per rank), ``generate_vlm``.
 """

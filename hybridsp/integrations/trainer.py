@@ -93,6 +93,7 @@ from transformers import Trainer
 from hybridsp.attention import gather_sequence
 from hybridsp.batch import prepare_batch, shard_batch
 from hybridsp.integrations import deepspeed as hds
+from hybridsp.integrations import vlm_batch
 from hybridsp.integrations.trainer_data import gather_over_replicas, shard_loader_over_replicas
 from hybridsp.loss import IGNORE_INDEX
 from hybridsp.mesh import HybridMesh
@@ -213,7 +214,16 @@ class HybridSPMixin:
         return int(vocab) if vocab else None
 
     def _full(self, batch) -> dict[str, torch.Tensor]:
-        return prepare_batch(_batch_tensors(batch), self.hybrid_mesh, pad_token_id=self._pad_token_id())
+        tensors = _batch_tensors(batch)
+        tensors = vlm_batch.text_fields(tensors) if vlm_batch.is_vision_batch(tensors) else tensors
+        return prepare_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
+
+    def _shard(self, tensors: dict) -> dict:
+        """This rank's shard: :func:`shard_batch`, or ``shard_vlm_batch`` for image/video batches (issue 23)."""
+        if vlm_batch.is_vision_batch(tensors):
+            model = self.accelerator.unwrap_model(self.model)
+            return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id())
+        return shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
 
     def _pad_token_id(self) -> int:
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
@@ -229,7 +239,7 @@ class HybridSPMixin:
             )
         if num_items_in_batch is None:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
-        local = shard_batch(_batch_tensors(inputs), self.hybrid_mesh, pad_token_id=self._pad_token_id())
+        local = self._shard(_batch_tensors(inputs))
         shift_labels = local.pop("shift_labels")  # [B, S_local]
         documents = local.pop("documents")  # host data: every layer plans once, no collective to find them
         outputs = model(**local, hybridsp_documents=documents, use_cache=False)
@@ -247,7 +257,7 @@ class HybridSPMixin:
         with torch.no_grad():
             if not has_labels:
                 batch["labels"] = batch["input_ids"]  # only to cut the batch; no loss is reported
-            local = shard_batch(batch, self.hybrid_mesh, pad_token_id=self._pad_token_id())
+            local = self._shard(batch)
             shift_labels = local.pop("shift_labels")  # [B, S_local]
             documents = local.pop("documents")
             logits = model(**local, hybridsp_documents=documents, use_cache=False).logits  # [B, S_local, V]

@@ -275,6 +275,13 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
             f"apply(model, mesh) (register() alone makes attn_implementation={NAME!r} loadable)"
         )
     register()
+    from hybridsp.integrations import vlm  # Qwen2-VL / Qwen2.5-VL: the language model only (issue 23)
+
+    if vlm.is_vision_language_model(model):
+        if any(hasattr(m, _BINDING_ATTR) for m in model.modules()):
+            raise ValueError(f"{type(model).__name__} is already switched to {NAME}: undo the first handle first")
+        return vlm.apply_to_language_model(model, mesh, backend, switch_modules)
+    vlm.refuse_other_multimodal(model)
     modules = [m for m in model.modules() if all(hasattr(m, part) for part in _ATTENTION_PARTS)]
     _check_model(model, modules, mesh)
     configs = _configs_of(model, modules)
@@ -285,6 +292,18 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
     for config in configs:
         config._attn_implementation = NAME
     hook = _input_check(model, mesh)
+    return HybridAttentionHandle(model, modules, previous, hook)
+
+
+def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook):
+    """Bind ``modules`` to ``mesh`` and name ``"hybridsp"`` in ``configs`` (no checks); the handle also
+    removes ``hook``. The step :mod:`hybridsp.integrations.vlm` shares with :func:`apply`."""
+    previous = [(config, config._attn_implementation) for config in configs]
+    binding = _Binding(mesh, backend)
+    for module in modules:
+        setattr(module, _BINDING_ATTR, binding)
+    for config in configs:
+        config._attn_implementation = NAME
     return HybridAttentionHandle(model, modules, previous, hook)
 
 
