@@ -198,3 +198,16 @@ def exit_once(error: Exception) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(EXIT_CONFIG_ERROR)
+
+
+def report_placement(mesh, save_dir: Path) -> None:
+    """Where the ranks run (a collective): rank 0 prints one line (hosts, ranks, groups) and writes
+    ``<save_dir>/placement.json``; see :mod:`hybridsp.placement`. Runs before the first step, so a
+    Ulysses group that crosses hosts shows before a long run, not after it."""
+    from hybridsp.placement import gather_placement
+
+    placement = gather_placement(mesh)
+    if mesh.rank == 0:
+        print(placement.describe(), flush=True)
+        save_dir.mkdir(parents=True, exist_ok=True)
+        (save_dir / "placement.json").write_text(json.dumps(placement.to_json()) + "\n")

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_mesh_arguments, add_model_arguments, add_step_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import return_freed_memory_to_os, share_cpu_cores  # noqa: E402
-from preflight import RunConfigError, RunPlan, exit_once, load_ds_config, preflight  # noqa: E402
+from preflight import RunConfigError, RunPlan, exit_once, load_ds_config, preflight, report_placement  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
 
@@ -287,6 +287,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     engine, _, mesh, _ = initialize(model, config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
                                     kv_comm=args.kv_comm, layout=args.layout)
     offload = activation_offload(args, engine.module)
+    report_placement(mesh, plan.save_dir)  # host, ranks, groups: before the first step
     start_step = _load(engine, resume)
     dist.barrier()  # Note [first step]: every rank has finished building before the first timed step
     rank0 = dist.get_rank() == 0

@@ -19,13 +19,13 @@ Groups (each created once, on every rank, in the same order):
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from hybridsp.degrees import choose_degrees
+from hybridsp.launch_env import ranks_per_node
 from hybridsp.layout import TokenLayout, get_layout
 
 ORDERS = ("ulysses_inner", "ring_inner")
@@ -151,10 +151,10 @@ class HybridMesh:
 
 
 def _local_world_size(explicit: int | None, world_size: int) -> int:
-    """Ranks per node: the argument, else the launcher's LOCAL_WORLD_SIZE, else the world."""
+    """Ranks per node: the argument, else the launcher's (:mod:`hybridsp.launch_env`), else the world."""
     if explicit is not None:
         return explicit
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return ranks_per_node(world_size)
 
 
 def _resolve_degrees(
@@ -205,7 +205,7 @@ def init_mesh(
 
     ``DP = world_size / (ulysses * ring)``. Either degree may be ``"auto"``: the planner then
     picks the largest Ulysses degree that divides the query heads and fits inside a node
-    (``local_world_size``, default the launcher's ``LOCAL_WORLD_SIZE``) and puts the rest on
+    (``local_world_size``, default the launcher's ranks per node, see :mod:`hybridsp.launch_env`) and puts the rest on
     the ring; that needs ``num_heads`` (and uses ``num_kv_heads``, ``head_dim``, ``seq_len``
     and ``context_size`` (default: the whole world) when given). Raises ValueError, before any
     collective, when the degrees do not divide the world size or cannot be chosen.

@@ -77,17 +77,26 @@ def save_checkpoint(engine, mesh: HybridMesh, save_dir: str | Path, tag: str, cl
     """``engine.save_checkpoint`` plus the mesh file of Note [resume on another mesh] (a collective).
 
     The client state also carries DeepSpeed's ``universal_checkpoint_info`` marker, which its
-    converter requires of ZeRO-1/2 checkpoints.
+    converter requires of ZeRO-1/2 checkpoints. Note [complete before latest]: DeepSpeed's rank 0
+    writes ``latest`` as soon as its own files are written, while other ranks (other hosts) may
+    still be writing theirs; a host lost at that moment left ``latest`` naming a checkpoint with
+    missing partitions. Here every rank finishes first (a barrier), then rank 0 writes the mesh
+    file and only then points ``latest`` at the tag (atomically), so ``latest`` always names a
+    complete checkpoint.
     """
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
     marker = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    engine.save_checkpoint(str(save_dir), tag=tag, client_state={**marker, **client_state})
+    engine.save_checkpoint(str(save_dir), tag=tag, client_state={**marker, **client_state}, save_latest=False)
+    dist.barrier()  # Note [complete before latest]
     if dist.get_rank() == 0:
         saved = SavedMesh.of(mesh.shape, engine.zero_optimization_stage())
         (Path(save_dir) / tag / MESH_FILE).write_text(json.dumps(asdict(saved)) + "\n")
+        pending = Path(save_dir) / "latest.tmp"
+        pending.write_text(tag)
+        pending.replace(Path(save_dir) / "latest")
     dist.barrier()
 
 

@@ -355,11 +355,16 @@ def without_cpu_shm_comm_build():
 
 def init_distributed(timeout: datetime.timedelta | None = None) -> None:
     """``deepspeed.init_distributed`` (adopting an existing process group) without the CPU shm-comm
-    build, with a collective ``timeout`` (Note [timeouts]); a no-op when already initialised."""
+    build, with a collective ``timeout`` (Note [timeouts]); a no-op when already initialised.
+    Sets ``GLOO_SOCKET_IFNAME`` first where gloo would advertise loopback to other hosts
+    (Note [gloo interface] in :mod:`hybridsp.netif`)."""
     import deepspeed
+
+    from hybridsp.netif import choose_gloo_interface
 
     if dist.is_initialized():
         return
+    choose_gloo_interface()
     kwargs = {} if timeout is None else {"timeout": timeout}
     with without_cpu_shm_comm_build():
         deepspeed.init_distributed(**kwargs)

@@ -1,0 +1,194 @@
+"""Two hosts for real: two Linux network namespaces (tests/netns.py), one launcher per host.
+
+Each namespace has its own network stack (``lo`` and one veth end, 10.77.0.1 and 10.77.0.2);
+the ranks of host B reach host A only over the veth pair, with a master address that is not
+127.0.0.1 and gloo choosing its interface (hybridsp.netif). Where the ranks run is read from
+the processes themselves (the inode of ``/proc/<pid>/ns/net`` against the namespaces'), not
+from the launcher's or the library's belief. Skipped where namespaces cannot be made (not root).
+
+- default run: ``torchrun --nnodes 2`` of tests/scripts/two_node_check.py (hybrid attention
+  against float64; Ulysses groups inside a host, rings across);
+- slow: the main job (``examples/train.py``, ``ds_configs/cp8.json``) on 2 hosts x 4 ranks with
+  ``deepspeed --hostfile H --no_ssh --node_rank i`` and with ``torchrun --nnodes 2``, against the
+  same job on one host; a lost host B (link down, every process killed) and host A resuming alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridsp.testing import run_distributed
+from tests.netns import Hosts, two_hosts
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "examples" / "train.py"
+CP8 = str(ROOT / "ds_configs" / "cp8.json")
+SMALL_MODEL = ["--seq-len", "128", "--layers", "2", "--hidden-size", "64", "--heads", "4", "--kv-heads", "2",
+               "--no-plot", "--lr", "1e-3"]
+PORT = 29400  # inside fresh namespaces every port is free
+JOB_SECONDS = 420
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _netns_inode(name: str) -> int:
+    return os.stat(f"/run/netns/{name}").st_ino
+
+
+def _finish(jobs: list[subprocess.Popen], limit: float) -> list[str]:
+    """Every job's output; all are killed (and the test fails) if one runs past ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    outputs = []
+    try:
+        for job in jobs:
+            outputs.append(job.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the two-host job did not finish within {limit:.0f} s")
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    return outputs
+
+
+def test_torchrun_two_hosts_keep_ulysses_inside_a_host_and_stay_exact(tmp_path):
+    with two_hosts() as hosts:
+        jobs = [hosts.popen(node, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+            "--node-rank", str(node), "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
+            "tests/scripts/two_node_check.py", str(tmp_path)], cwd=ROOT, env={**_env(), "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        outputs = _finish(jobs, 240)
+        namespaces = [_netns_inode(name) for name in hosts.names]
+    assert all(job.returncode == 0 for job in jobs), "\n".join(o[-3000:] for o in outputs)
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(8)]
+    for report in reports:
+        assert report["netns"] == namespaces[report["rank"] // 4], "rank in an unexpected host"
+        assert report["gloo_interface"] == hosts.interfaces[report["rank"] // 4]
+        assert (report["ulysses"], report["ring"], report["dp"]) == (4, 2, 1)
+        assert len(set(report["ulysses_netns"])) == 1, "a Ulysses group crosses hosts"
+        assert sorted(report["ring_netns"]) == sorted(namespaces), "the ring should span both hosts"
+        assert max(report["errors"]) < 1e-5, report["errors"]
+
+
+# ---- the main job (slow: 8 ranks of examples/train.py on 2 cores) ----
+
+
+def _hostfile(tmp: Path) -> Path:
+    path = tmp / "hostfile"
+    path.write_text("hosta slots=4\nhostb slots=4\n")
+    return path
+
+
+def _deepspeed_host(hosts: Hosts, node: int, tmp: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+    """``deepspeed --hostfile H --no_ssh --node_rank node`` inside host ``node``."""
+    command = ["deepspeed", "--hostfile", str(_hostfile(tmp)), "--no_ssh", "--node_rank", str(node),
+               "--master_addr", hosts.addresses[0], "--master_port", str(PORT), str(TRAIN), "--deepspeed", CP8,
+               *SMALL_MODEL, "--save-dir", str(run_dir), *extra]
+    return hosts.popen(node, command, cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+
+
+def _torchrun_host(hosts: Hosts, node: int, tmp: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+               "--node-rank", str(node), "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
+               str(TRAIN), "--deepspeed", CP8, *SMALL_MODEL, "--save-dir", str(run_dir), *extra]
+    return hosts.popen(node, command, cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True)
+
+
+def _train(rank, world, argv):
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train
+
+    train.main(argv)
+
+
+def _one_host(run_dir: Path, world: int, *extra: str) -> dict[int, float]:
+    """The same job on one host: ``world`` gloo ranks on this machine's loopback."""
+    run_distributed(_train, world, ["--deepspeed", CP8, *SMALL_MODEL, "--save-dir", str(run_dir), *extra],
+                    timeout=JOB_SECONDS)
+    return _losses(run_dir)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+def _rank_hosts(hosts: Hosts) -> dict[int, int]:
+    """{global rank: host index} of the running train.py processes, read from /proc (their RANK, their netns)."""
+    found = {}
+    for host in (0, 1):
+        for pid in hosts.pids(host):
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            ranks = [item[5:] for item in environ if item.startswith(b"RANK=")]
+            if b"train.py" in command and ranks and b"deepspeed.launcher" not in command \
+                    and b"torch.distributed.run" not in command:
+                found[int(ranks[0])] = host
+    return found
+
+
+def _watch_ranks(hosts: Hosts, jobs: list[subprocess.Popen], limit: float = 300) -> dict[int, int]:
+    """Poll /proc until all 8 ranks are seen (their host as the OS says)."""
+    deadline, seen = time.monotonic() + limit, {}
+    while time.monotonic() < deadline and len(seen) < 8 and all(job.poll() is None for job in jobs):
+        seen.update(_rank_hosts(hosts))
+        time.sleep(0.5)
+    return seen
+
+
+def _check_placement(run_dir: Path, rank_hosts: dict[int, int], addresses: tuple[str, str]) -> None:
+    """Every Ulysses group inside one host, every ring across both: the OS's view and the job's agree."""
+    assert sorted(rank_hosts) == list(range(8)), rank_hosts
+    placement = json.loads((run_dir / "placement.json").read_text())
+    for group in placement["ulysses"]:
+        assert len({rank_hosts[r] for r in group}) == 1, f"Ulysses group {group} crosses hosts: {rank_hosts}"
+    for group in placement["ring"]:
+        assert {rank_hosts[r] for r in group} == {0, 1}, f"ring group {group} stays on one host: {rank_hosts}"
+    seen = [host.split("/")[-1] for host in placement["hosts"]]  # the address each process reaches A from
+    assert seen == [addresses[rank_hosts[r]] for r in range(8)], seen
+
+
+def _check_run_complete(run_dir: Path, steps: int) -> None:
+    assert sorted(_losses(run_dir)) == list(range(1, steps + 1))
+    tag = run_dir / (run_dir / "latest").read_text().strip()
+    assert tag.name == f"step{steps}"
+    assert json.loads((tag / "hybridsp_mesh.json").read_text())["world_size"] == 8
+    for rank in range(8):
+        assert (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file(), rank
+        assert (tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").is_file(), rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["deepspeed", "torchrun"])
+def test_main_job_on_two_hosts_equals_one_host(tmp_path, launcher):
+    steps = 3
+    start = _deepspeed_host if launcher == "deepspeed" else _torchrun_host
+    run_dir = tmp_path / "two-hosts"
+    with two_hosts() as hosts:
+        jobs = [start(hosts, node, tmp_path, run_dir, "--max-steps", str(steps)) for node in (0, 1)]
+        rank_hosts = _watch_ranks(hosts, jobs)
+        outputs = _finish(jobs, JOB_SECONDS)
+    assert all(job.returncode == 0 for job in jobs), "\n".join(o[-4000:] for o in outputs)
+    _check_placement(run_dir, rank_hosts, hosts.addresses)
+    assert "2 Ulysses groups each inside one host; ring groups span 2 host(s)" in outputs[0]
+    _check_run_complete(run_dir, steps)
+    reference = _one_host(tmp_path / "one-host", 8, "--max-steps", str(steps))
+    two = _losses(run_dir)
+    for step in range(1, steps + 1):
+        assert abs(two[step] - reference[step]) <= 1e-6 * abs(reference[step]), (step, two, reference)
