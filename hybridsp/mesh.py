@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hybridsp.degrees import choose_degrees
 from hybridsp.launch_env import ranks_per_node
 from hybridsp.layout import TokenLayout, get_layout
+from hybridsp.timeouts import default_group_timeout
 
 ORDERS = ("ulysses_inner", "ring_inner")
 KV_COMMS = ("ring", "allgather")  # how K/V blocks travel inside the ring group (hybridsp.ring)
@@ -223,9 +224,10 @@ def init_mesh(
     _warn_if_ulysses_crosses_nodes(shape, local)
     rank = dist.get_rank()
     groups = {}
+    timeout = default_group_timeout()  # Note [group timeouts] in hybridsp/timeouts.py
     for kind, all_members in shape.group_members().items():
         for members in all_members:
-            group = dist.new_group(members)
+            group = dist.new_group(members, timeout=timeout)
             if rank in members:
                 groups[kind] = group
     return HybridMesh(shape, rank, groups)

@@ -192,3 +192,62 @@ def test_main_job_on_two_hosts_equals_one_host(tmp_path, launcher):
     two = _losses(run_dir)
     for step in range(1, steps + 1):
         assert abs(two[step] - reference[step]) <= 1e-6 * abs(reference[step]), (step, two, reference)
+
+
+def _wait_for_checkpoint(run_dir: Path, step: int, jobs: list[subprocess.Popen], limit: float = 400) -> None:
+    """Until ``latest`` names a checkpoint of at least ``step`` (the job must still be running)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        latest = run_dir / "latest"
+        if latest.is_file() and int(latest.read_text().strip().removeprefix("step")) >= step:
+            return
+        if any(job.poll() is not None for job in jobs):
+            raise AssertionError("a host's job ended early:\n" + "\n".join(j.stdout.read()[-3000:] for j in jobs))
+        time.sleep(0.5)
+    raise AssertionError(f"no checkpoint of step {step} within {limit} s")
+
+
+COLLECTIVE_TIMEOUT, EXIT_MARGIN = 30, 30
+
+
+@pytest.mark.slow
+def test_lost_host_ends_host_a_within_the_timeout_and_host_a_resumes_alone(tmp_path):
+    run_dir, alone = tmp_path / "two-hosts", tmp_path / "host-a-alone"
+    with two_hosts() as hosts:
+        jobs = [_deepspeed_host(hosts, node, tmp_path, run_dir, "--max-steps", "200", "--save-every", "1",
+                                "--collective-timeout", str(COLLECTIVE_TIMEOUT)) for node in (0, 1)]
+        try:
+            _wait_for_checkpoint(run_dir, 2, jobs)
+            hosts.unplug(1)  # host B vanishes from the network: A hears nothing, not even a reset
+            hosts.kill_all(1)
+            lost = time.monotonic()
+            try:
+                jobs[0].wait(timeout=COLLECTIVE_TIMEOUT + EXIT_MARGIN + 120)
+            except subprocess.TimeoutExpired:
+                pass
+            took = time.monotonic() - lost
+            time.sleep(1.0)
+            lingering = [pid for pid in hosts.pids(0)]
+        finally:
+            for job in jobs:
+                if job.poll() is None:
+                    job.kill()
+        output_a = jobs[0].stdout.read()
+        assert jobs[0].returncode not in (None, 0), output_a[-3000:]
+        assert took <= COLLECTIVE_TIMEOUT + EXIT_MARGIN, f"host A needed {took:.0f} s to exit:\n{output_a[-3000:]}"
+        assert lingering == [], f"processes of host A still alive: {lingering}"
+
+        saved = int((run_dir / "latest").read_text().strip().removeprefix("step"))
+        resumed = hosts.popen(0, [
+            "deepspeed", "--num_gpus", "4", "--master_port", str(PORT), str(TRAIN), "--deepspeed", CP8, *SMALL_MODEL,
+            "--ulysses", "4", "--ring", "1", "--resume-from", str(run_dir), "--max-steps", str(saved + 2),
+            "--save-dir", str(alone)], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+        output = _finish([resumed], JOB_SECONDS)[0]
+    assert resumed.returncode == 0, output[-4000:]
+    assert f"resumed from {run_dir / f'step{saved}'} (universal)" in output
+    uninterrupted = _one_host(tmp_path / "uninterrupted", 8, "--max-steps", str(saved + 2))
+    losses = _losses(alone)
+    assert sorted(losses) == [saved + 1, saved + 2], losses
+    for step in (saved + 1, saved + 2):
+        assert abs(losses[step] - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, losses, uninterrupted)
