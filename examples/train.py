@@ -33,7 +33,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_mesh_arguments, add_model_arguments, add_step_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
-from host import return_freed_memory_to_os, share_cpu_cores  # noqa: E402
+from host import end_rank_on_error, return_freed_memory_to_os, share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, RunPlan, exit_once, load_ds_config, preflight, report_placement  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     name_cpu_accelerator()
     return_freed_memory_to_os()  # Note [flat RSS] in host.py
     share_cpu_cores()  # Note [threads per rank] in host.py
-    with quiet_console(plan.rank):
+    with quiet_console(plan.rank), end_rank_on_error():  # Note [prompt exit] in host.py
         try:
             run(args, plan)
         except RunConfigError as error:  # found after start-up, on every rank alike

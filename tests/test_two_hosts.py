@@ -70,7 +70,18 @@ def test_torchrun_two_hosts_keep_ulysses_inside_a_host_and_stay_exact(tmp_path):
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
         outputs = _finish(jobs, 240)
         namespaces = [_netns_inode(name) for name in hosts.names]
-    assert all(job.returncode == 0 for job in jobs), "\n".join(o[-3000:] for o in outputs)
+        assert all(job.returncode == 0 for job in jobs), "\n".join(o[-3000:] for o in outputs)
+        checks = [hosts.popen(node, [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
+            "--node-rank", str(node), "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 1),
+            "-m", "hybridsp", "check-mesh", "--ulysses", "4", "--ring", "2"], cwd=ROOT, env=_env(),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        check_outputs = _finish(checks, 240)
+    assert all(job.returncode == 0 for job in checks), "\n".join(o[-3000:] for o in check_outputs)
+    a, b = hosts.addresses
+    assert f"/{a} ranks 0-3; " in check_outputs[0] and f"/{b} ranks 4-7; " in check_outputs[0], check_outputs[0]
+    assert "2 Ulysses groups each inside one host; ring groups span 2 host(s)" in check_outputs[0]
+    assert "launcher: torchrun, 8 ranks, 4 per node" in check_outputs[0]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(8)]
     for report in reports:
         assert report["netns"] == namespaces[report["rank"] // 4], "rank in an unexpected host"
@@ -90,21 +101,29 @@ def _hostfile(tmp: Path) -> Path:
     return path
 
 
-def _deepspeed_host(hosts: Hosts, node: int, tmp: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
-    """``deepspeed --hostfile H --no_ssh --node_rank node`` inside host ``node``."""
+def _disk(tmp: Path, node: int) -> Path:
+    """Host ``node``'s own disk: each host runs in its own directory and saves to the relative
+    ``--save-dir run``, the same path that lands on a different disk on every host."""
+    path = tmp / f"disk{node}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def _deepspeed_host(hosts: Hosts, node: int, tmp: Path, *extra: str) -> subprocess.Popen:
+    """``deepspeed --hostfile H --no_ssh --node_rank node`` inside host ``node``, on its own disk."""
     command = ["deepspeed", "--hostfile", str(_hostfile(tmp)), "--no_ssh", "--node_rank", str(node),
                "--master_addr", hosts.addresses[0], "--master_port", str(PORT), str(TRAIN), "--deepspeed", CP8,
-               *SMALL_MODEL, "--save-dir", str(run_dir), *extra]
-    return hosts.popen(node, command, cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)
+               *SMALL_MODEL, "--save-dir", "run", *extra]
+    return hosts.popen(node, command, cwd=_disk(tmp, node), env=_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
 
 
-def _torchrun_host(hosts: Hosts, node: int, tmp: Path, run_dir: Path, *extra: str) -> subprocess.Popen:
+def _torchrun_host(hosts: Hosts, node: int, tmp: Path, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
                "--node-rank", str(node), "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
-               str(TRAIN), "--deepspeed", CP8, *SMALL_MODEL, "--save-dir", str(run_dir), *extra]
-    return hosts.popen(node, command, cwd=tmp, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True)
+               str(TRAIN), "--deepspeed", CP8, *SMALL_MODEL, "--save-dir", "run", *extra]
+    return hosts.popen(node, command, cwd=_disk(tmp, node), env=_env(), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True)
 
 
 def _train(rank, world, argv):
@@ -164,14 +183,22 @@ def _check_placement(run_dir: Path, rank_hosts: dict[int, int], addresses: tuple
     assert seen == [addresses[rank_hosts[r]] for r in range(8)], seen
 
 
-def _check_run_complete(run_dir: Path, steps: int) -> None:
-    assert sorted(_losses(run_dir)) == list(range(1, steps + 1))
-    tag = run_dir / (run_dir / "latest").read_text().strip()
-    assert tag.name == f"step{steps}"
-    assert json.loads((tag / "hybridsp_mesh.json").read_text())["world_size"] == 8
-    for rank in range(8):
-        assert (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file(), rank
-        assert (tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").is_file(), rank
+def _partitions(tag: Path) -> list[int]:
+    """Ranks whose ZeRO-3 partition (optimizer and parameter files) is in ``tag``."""
+    return [rank for rank in range(8) if (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
+            and (tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").is_file()]
+
+
+def _check_run_complete(tmp: Path, steps: int) -> None:
+    """Rank 0's disk: metrics of every step and a complete checkpoint; host B's disk: its own part."""
+    run_a, run_b = _disk(tmp, 0) / "run", _disk(tmp, 1) / "run"
+    assert sorted(_losses(run_a)) == list(range(1, steps + 1))
+    for run_dir, ranks in ((run_a, list(range(8))), (run_b, [4, 5, 6, 7])):
+        tag = run_dir / (run_dir / "latest").read_text().strip()
+        assert tag.name == f"step{steps}"
+        assert json.loads((tag / "hybridsp_mesh.json").read_text())["world_size"] == 8
+        assert _partitions(tag) == ranks, (run_dir, sorted(p.name for p in tag.iterdir()))
+    assert not (run_b / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -179,15 +206,15 @@ def _check_run_complete(run_dir: Path, steps: int) -> None:
 def test_main_job_on_two_hosts_equals_one_host(tmp_path, launcher):
     steps = 3
     start = _deepspeed_host if launcher == "deepspeed" else _torchrun_host
-    run_dir = tmp_path / "two-hosts"
+    run_dir = _disk(tmp_path, 0) / "run"
     with two_hosts() as hosts:
-        jobs = [start(hosts, node, tmp_path, run_dir, "--max-steps", str(steps)) for node in (0, 1)]
+        jobs = [start(hosts, node, tmp_path, "--max-steps", str(steps)) for node in (0, 1)]
         rank_hosts = _watch_ranks(hosts, jobs)
         outputs = _finish(jobs, JOB_SECONDS)
     assert all(job.returncode == 0 for job in jobs), "\n".join(o[-4000:] for o in outputs)
     _check_placement(run_dir, rank_hosts, hosts.addresses)
     assert "2 Ulysses groups each inside one host; ring groups span 2 host(s)" in outputs[0]
-    _check_run_complete(run_dir, steps)
+    _check_run_complete(tmp_path, steps)
     reference = _one_host(tmp_path / "one-host", 8, "--max-steps", str(steps))
     two = _losses(run_dir)
     for step in range(1, steps + 1):
@@ -212,9 +239,9 @@ COLLECTIVE_TIMEOUT, EXIT_MARGIN = 30, 30
 
 @pytest.mark.slow
 def test_lost_host_ends_host_a_within_the_timeout_and_host_a_resumes_alone(tmp_path):
-    run_dir, alone = tmp_path / "two-hosts", tmp_path / "host-a-alone"
+    run_dir, alone = _disk(tmp_path, 0) / "run", tmp_path / "host-a-alone"
     with two_hosts() as hosts:
-        jobs = [_deepspeed_host(hosts, node, tmp_path, run_dir, "--max-steps", "200", "--save-every", "1",
+        jobs = [_deepspeed_host(hosts, node, tmp_path, "--max-steps", "200", "--save-every", "1",
                                 "--collective-timeout", str(COLLECTIVE_TIMEOUT)) for node in (0, 1)]
         try:
             _wait_for_checkpoint(run_dir, 2, jobs)
@@ -238,6 +265,7 @@ def test_lost_host_ends_host_a_within_the_timeout_and_host_a_resumes_alone(tmp_p
         assert lingering == [], f"processes of host A still alive: {lingering}"
 
         saved = int((run_dir / "latest").read_text().strip().removeprefix("step"))
+        assert _partitions(run_dir / f"step{saved}") == list(range(8))  # host B's parts survive on A's disk
         resumed = hosts.popen(0, [
             "deepspeed", "--num_gpus", "4", "--master_port", str(PORT), str(TRAIN), "--deepspeed", CP8, *SMALL_MODEL,
             "--ulysses", "4", "--ring", "1", "--resume-from", str(run_dir), "--max-steps", str(saved + 2),

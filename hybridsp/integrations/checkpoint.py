@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from hybridsp.integrations.checkpoint_collect import collect_on_rank0
 from hybridsp.mesh import HybridMesh, MeshShape
 
 MESH_FILE = "hybridsp_mesh.json"
@@ -80,9 +81,11 @@ def save_checkpoint(engine, mesh: HybridMesh, save_dir: str | Path, tag: str, cl
     converter requires of ZeRO-1/2 checkpoints. Note [complete before latest]: DeepSpeed's rank 0
     writes ``latest`` as soon as its own files are written, while other ranks (other hosts) may
     still be writing theirs; a host lost at that moment left ``latest`` naming a checkpoint with
-    missing partitions. Here every rank finishes first (a barrier), then rank 0 writes the mesh
-    file and only then points ``latest`` at the tag (atomically), so ``latest`` always names a
-    complete checkpoint.
+    missing partitions. Here every rank finishes first (a barrier), the partitions written on
+    other disks are copied to rank 0's (:mod:`hybridsp.integrations.checkpoint_collect`), then rank
+    0 writes the mesh file and only then points ``latest`` at the tag (atomically), so rank 0's
+    ``latest`` always names a complete checkpoint. Ranks on other disks write the same two files
+    there, so that a restart on every host finds its own partitions and ``latest``.
     """
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE,
@@ -91,10 +94,12 @@ def save_checkpoint(engine, mesh: HybridMesh, save_dir: str | Path, tag: str, cl
     marker = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
     engine.save_checkpoint(str(save_dir), tag=tag, client_state={**marker, **client_state}, save_latest=False)
     dist.barrier()  # Note [complete before latest]
-    if dist.get_rank() == 0:
+    elsewhere = collect_on_rank0(Path(save_dir) / tag)  # Note [node-local disks]
+    rank = dist.get_rank()
+    if rank == 0 or rank in elsewhere:  # other disks get the mesh file and `latest` too
         saved = SavedMesh.of(mesh.shape, engine.zero_optimization_stage())
         (Path(save_dir) / tag / MESH_FILE).write_text(json.dumps(asdict(saved)) + "\n")
-        pending = Path(save_dir) / "latest.tmp"
+        pending = Path(save_dir) / f"latest.tmp{rank}"
         pending.write_text(tag)
         pending.replace(Path(save_dir) / "latest")
     dist.barrier()
