@@ -65,26 +65,32 @@ def test_slurm_tasks_per_node(spec, node, expected):
     assert slurm_tasks_on_node(spec, node) == expected
 
 
-def _mesh_under(rank, world, environ):
+def _meshes_under(rank, world, environments):
+    """(auto U, auto R, ranks-per-node warnings) of meshes built under each launcher environment."""
     import os
 
     from hybridsp import init_mesh
 
-    os.environ.pop("LOCAL_WORLD_SIZE")  # hybridsp.testing sets it; the launcher's environment replaces it
-    os.environ.update(environ)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        auto = init_mesh(ulysses="auto", ring="auto", num_heads=4)
-        init_mesh(ulysses=2, ring=2)
-    return auto.ulysses, auto.ring, [str(w.message) for w in caught if "ranks per node" in str(w.message)]
+    found = []
+    for environ in environments:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)  # hybridsp.testing sets it; the launcher's environment replaces it
+        os.environ.pop("LOCAL_SIZE", None)
+        os.environ.pop("CROSS_RANK", None)
+        os.environ.update(environ)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            auto = init_mesh(ulysses="auto", ring="auto", num_heads=4)
+            init_mesh(ulysses=2, ring=2)
+        found.append((auto.ulysses, auto.ring, [str(w.message) for w in caught if "ranks per node" in str(w.message)]))
+    return found
 
 
 def test_mesh_under_the_deepspeed_launcher_with_accelerate():
     # 2 ranks per node as DeepSpeed says (LOCAL_SIZE) and LOCAL_WORLD_SIZE=1 as accelerate writes:
-    # the planner keeps Ulysses inside the node (U=2, R=2), and U=2 raises no crosses-nodes warning
-    environ = {"LOCAL_SIZE": "2", "CROSS_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    results = run_distributed(_mesh_under, 4, environ, timeout=120)
-    assert all(result == (2, 2, []) for result in results), results
+    # the planner keeps Ulysses inside the node (U=2, R=2), and U=2 raises no crosses-nodes warning;
     # without DeepSpeed's markers the same LOCAL_WORLD_SIZE=1 is believed: the warning the issue saw
-    results = run_distributed(_mesh_under, 4, {"LOCAL_WORLD_SIZE": "1"}, timeout=120)
-    assert all(result[2] and "does not divide the 1 ranks per node" in result[2][0] for result in results), results
+    deepspeed_and_accelerate = {"LOCAL_SIZE": "2", "CROSS_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    results = run_distributed(_meshes_under, 4, [deepspeed_and_accelerate, {"LOCAL_WORLD_SIZE": "1"}], timeout=120)
+    for under_deepspeed, believed in results:
+        assert under_deepspeed == (2, 2, []), under_deepspeed
+        assert believed[2] and "does not divide the 1 ranks per node" in believed[2][0], believed

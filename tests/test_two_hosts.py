@@ -77,6 +77,8 @@ def test_torchrun_two_hosts_keep_ulysses_inside_a_host_and_stay_exact(tmp_path):
             "-m", "hybridsp", "check-mesh", "--ulysses", "4", "--ring", "2"], cwd=ROOT, env=_env(),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
         check_outputs = _finish(checks, 240)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert not any(name in left for name in hosts.names), f"namespaces left behind: {left}"
     assert all(job.returncode == 0 for job in checks), "\n".join(o[-3000:] for o in check_outputs)
     a, b = hosts.addresses
     assert f"/{a} ranks 0-3; " in check_outputs[0] and f"/{b} ranks 4-7; " in check_outputs[0], check_outputs[0]
@@ -262,6 +264,7 @@ def test_lost_host_ends_host_a_within_the_timeout_and_host_a_resumes_alone(tmp_p
         output_a = jobs[0].stdout.read()
         assert jobs[0].returncode not in (None, 0), output_a[-3000:]
         assert took <= COLLECTIVE_TIMEOUT + EXIT_MARGIN, f"host A needed {took:.0f} s to exit:\n{output_a[-3000:]}"
+        print(f"host A's job exited {took:.0f} s after host B was lost (--collective-timeout {COLLECTIVE_TIMEOUT})")
         assert lingering == [], f"processes of host A still alive: {lingering}"
 
         saved = int((run_dir / "latest").read_text().strip().removeprefix("step"))
