@@ -4,7 +4,7 @@ Run it with the launcher and the degrees of the real job, e.g.
 
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE --master-addr $HEAD --master-port 29500 \\
         -m hybridsp check-mesh --ulysses 8 --ring 2
-    deepspeed --hostfile hostfile --module hybridsp check-mesh --ulysses 8 --ring 2
+    deepspeed --hostfile hostfile --no_local_rank --module hybridsp check-mesh --ulysses 8 --ring 2
 
 Every rank initialises the process group (gloo on CPU, NCCL on GPUs; the gloo interface as in
 hybridsp.netif), builds the mesh and reports its host; rank 0 prints what the launcher said
@@ -32,7 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ring", type=_degree, default="auto", help="ring degree (default: auto)")
     parser.add_argument("--heads", type=int, help="query heads of the model (needed for 'auto' degrees)")
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds (default 120)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed adds it
 
 
 def _all_reduce_ms(group, numel: int = 2**18) -> float:
