@@ -138,13 +138,6 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     assert _resolve("hybridsp.planner.cli", 2, None, False) == "hybridsp"
 
 
-# The one edge that closes cycles today: transformers.py's lazy re-export of HybridSPTrainer /
-# HybridSPMixin (test_trainer asserts it), while trainer.py and deepspeed.py import ``apply`` from
-# transformers.py. It goes when issue 19 splits transformers.py (switch vs re-exports): ``apply`` moves
-# below the re-exports; then the strict xfail below passes and this exception must be deleted.
-PENDING_SPLIT = {("hybridsp.integrations.transformers", "hybridsp.integrations.trainer")}
-
-
 def _assert_acyclic(graph: dict[str, dict[str, int]]) -> None:
     cycle = _find_cycle(graph)
     if cycle:
@@ -154,15 +147,7 @@ def _assert_acyclic(graph: dict[str, dict[str, int]]) -> None:
 
 def test_import_graph_has_no_cycles():
     graph = _graph()
-    for source, target in PENDING_SPLIT:
-        graph[source].pop(target, None)
     _assert_acyclic(graph)
-
-
-@pytest.mark.xfail(strict=True, reason="transformers.py re-exports the Trainer that imports its apply "
-                                       "(PENDING_SPLIT); issue 19 splits transformers.py")
-def test_import_graph_has_no_cycles_even_through_the_trainer_re_export():
-    _assert_acyclic(_graph())
 
 
 def test_no_module_imports_a_private_name_of_another():

@@ -19,3 +19,4 @@ class Binding:
 
     mesh: HybridMesh
     backend: str | AttentionKernel
+DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)

@@ -325,7 +325,7 @@ def _switch_transformers(model: nn.Module, mesh: HybridMesh, backend: str) -> Ca
     transformers = sys.modules.get("transformers")  # a transformers model means it is already imported
     if transformers is None or not isinstance(model, transformers.PreTrainedModel):
         return lambda: None
-    from hybridsp.integrations.transformers import apply
+    from hybridsp.integrations.hf_switch import apply
 
     return apply(model, mesh, backend=backend).undo
 

@@ -322,7 +322,7 @@ def _mesh(hybrid: hds.HybridConfig) -> HybridMesh:
 
 def _switch_attention(model, mesh: HybridMesh, backend: str):
     from hybridsp.integrations.adapters import base_model
-    from hybridsp.integrations.transformers import apply
+    from hybridsp.integrations.hf_switch import apply
 
     return apply(base_model(model), mesh, backend=backend)  # a PEFT wrapper: the model inside it
 

@@ -54,7 +54,7 @@ from trl import DPOTrainer, SFTTrainer
 from hybridsp.batch import shard_batch
 from hybridsp.integrations.adapters import base_model
 from hybridsp.integrations.trainer import HybridSPMixin
-from hybridsp.integrations.transformers import apply
+from hybridsp.integrations.hf_switch import apply
 from hybridsp.integrations.trl_logprobs import shard_fused_calls
 from hybridsp.sequence_logprobs import context_sum
 
