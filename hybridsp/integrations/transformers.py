@@ -315,7 +315,7 @@ def _check_module(module: nn.Module, mesh: HybridMesh) -> None:
         raise ValueError(f"layer {layer} uses attention sinks, which hybridsp does not support")
     if not getattr(module, "is_causal", True) or not getattr(config, "is_causal", True):
         raise ValueError(f"layer {layer} is not causal; hybridsp's transformers integration supports causal LMs only")
-    heads = config.num_attention_heads
+    heads = module.q_proj.weight.shape[0] // module.head_dim  # this rank's: H/T once tensor-parallel
     if not heads_divisible(heads, mesh.ulysses):
         raise ValueError(
             f"the model's {heads} query heads are not divisible by the Ulysses degree {mesh.ulysses}; choose a "
@@ -478,3 +478,5 @@ def __getattr__(name: str):
 from hybridsp.integrations.hf_generate import Prefill, generate, prefill  # noqa: E402,F401  (long-context inference)
 
 from hybridsp.integrations.hf_loss import causal_lm_loss  # noqa: E402,F401  (the fused-loss path, issue 12)
+
+from hybridsp.integrations.tensor_parallel import tensor_parallel  # noqa: E402,F401  (tensor parallelism, issue 22)
