@@ -21,8 +21,22 @@ The config section (everything else in the file is plain DeepSpeed)::
         "layout": "zigzag",           # "contiguous", or "balanced" (by packed documents; token layout over the ring)
         "backend": "auto",            # local kernel: auto, torch, flash, reference
         "kv_comm": "ring",            # or "allgather" (how K/V travel inside the ring group)
-        "kv_chunks": null             # all-gather chunks per block (null: at most two blocks gathered)
+        "kv_chunks": null,            # all-gather chunks per block (null: at most two blocks gathered)
+        "tensor": 1,                  # T: tensor-parallel degree (innermost axis; Note [tensor parallel])
+        "tensor_sequence_parallel": false  # Megatron-style SP inside the tensor group (1/T of the tokens)
     }
+
+Note [tensor parallel]: with ``T > 1`` (the section's ``"tensor"``, or DeepSpeed's own
+``"tensor_parallel": {"autotp_size": T}``; they must agree, and ``initialize(tensor=)`` wins)
+the model's attention and MLP linears are split over ``mesh.tensor_group`` by
+:func:`hybridsp.integrations.tensor_parallel.tensor_parallel` before DeepSpeed sees it, and
+the ``tensor_parallel`` key is removed: DeepSpeed's AutoTP would replace the mpu with its own
+groups (engine ``_init_tp_mesh_device``), which know nothing of the context ranks. ZeRO then
+partitions and reduces over the ``DP x C`` ranks of one tensor rank (``mesh.data_context_group``),
+never across the tensor group; the mpu also answers ``get_data_parallel_group`` with that group
+so that ZeRO-3's parameter partitioning (which otherwise takes the world) stays inside it.
+Gradient clipping is refused with ``T > 1``: DeepSpeed's norm would sum each tensor rank's own
+shards only (the reported norm is not the model's).
 
 The ``C = U * R`` context ranks of a replica hold the same weights and different tokens of
 the same sequences; ``DP = world / C``. DeepSpeed's own ``sequence_parallel_size`` and
@@ -102,8 +116,9 @@ from hybridsp.kernels import BACKEND_NAMES
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 
 SECTION = "hybridsp"
-SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend", "kv_comm", "kv_chunks")
-OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size")
+SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend", "kv_comm", "kv_chunks", "tensor",
+                "tensor_sequence_parallel")
+OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size", "tensor_parallel")
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 
@@ -118,14 +133,17 @@ class HybridConfig:
     backend: str = "auto"
     kv_comm: str = "ring"
     kv_chunks: int | None = None
+    tensor: int = 1
+    tensor_sequence_parallel: bool = False
     sequence_parallel_size: int | None = None
     data_parallel_size: int | None = None
 
     def __post_init__(self):
-        for name in ("ulysses", "ring"):
+        for name in ("ulysses", "ring", "tensor"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} degree must be a positive integer; got {getattr(self, name)!r}")
-        MeshShape(self.context, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks)  # checks
+        MeshShape(self.context * self.tensor, self.ulysses, self.ring, self.order, self.layout, self.kv_comm,
+                  self.kv_chunks, self.tensor)  # checks
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
         if self.sequence_parallel_size is not None and self.sequence_parallel_size != self.context:
@@ -154,6 +172,7 @@ class HybridConfig:
         unknown = sorted(set(overrides) - set(SECTION_KEYS))
         if unknown:
             raise TypeError(f"unknown overrides {unknown}; known: {', '.join(SECTION_KEYS)}")
+        section = {**section, **_autotp_size(config, section)}
         return cls(
             **{**section, **{k: v for k, v in overrides.items() if v is not None}},
             sequence_parallel_size=config.get("sequence_parallel_size"),
@@ -162,13 +181,31 @@ class HybridConfig:
 
     def mesh_shape(self, world_size: int) -> MeshShape:
         """The mesh for ``world_size`` ranks; ValueError (no communication) when the sizes disagree."""
-        shape = MeshShape(world_size, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks)
+        shape = MeshShape(world_size, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks,
+                          self.tensor)
         if self.data_parallel_size is not None and self.data_parallel_size != shape.dp:
             raise ValueError(
                 f"data_parallel_size={self.data_parallel_size} disagrees with world size {world_size} / "
                 f"(ulysses={self.ulysses} x ring={self.ring}) = {shape.dp} replicas; set it to {shape.dp} or remove it"
             )
         return shape
+
+
+def _autotp_size(config: dict, section: dict) -> dict:
+    """``{"tensor": T}`` from DeepSpeed's ``"tensor_parallel": {"autotp_size": T}`` (empty when absent);
+    ValueError when it disagrees with the section's ``"tensor"``."""
+    block = config.get("tensor_parallel")
+    if block is None:
+        return {}
+    size = block.get("autotp_size", block.get("tp_size")) if isinstance(block, dict) else None
+    if size is None:
+        return {}
+    if "tensor" in section and section["tensor"] != size:
+        raise ValueError(
+            f"tensor_parallel.autotp_size={size} disagrees with the {SECTION} section's tensor={section['tensor']}; "
+            f"set one of them (or make them equal)"
+        )
+    return {"tensor": size}
 
 
 def _positive_int(value: Any) -> bool:
@@ -189,7 +226,7 @@ def build_mesh(hybrid: HybridConfig) -> HybridMesh:
         raise RuntimeError("build_mesh needs torch.distributed initialised (deepspeed.init_distributed() does it)")
     shape = hybrid.mesh_shape(dist.get_world_size())
     return init_mesh(shape.ulysses, shape.ring, order=shape.order, layout=shape.layout, kv_comm=shape.kv_comm,
-                     kv_chunks=shape.kv_chunks)
+                     kv_chunks=shape.kv_chunks, tensor=shape.tensor)
 
 
 class HybridMPU:
@@ -227,9 +264,15 @@ class HybridMPU:
         return self.mesh.dp_rank
 
     def get_slice_parallel_world_size(self) -> int:
-        """Tensor-parallel degree, 1: DeepSpeed records it in checkpoints and its universal-checkpoint
+        """Tensor-parallel degree T: DeepSpeed records it in checkpoints and its universal-checkpoint
         converter and loader read it (the model-parallel getters below would say C)."""
-        return 1
+        return self.mesh.tensor
+
+    def __getattr__(self, name: str):
+        """``get_data_parallel_group`` exists only with ``T > 1`` (Note [tensor parallel], Note [the mpu])."""
+        if name == "get_data_parallel_group" and self.__dict__["mesh"].tensor > 1:
+            return self.get_sequence_data_parallel_group
+        raise AttributeError(name)
 
     # Model-parallel getters alias the context group: used by stage-0 clipping (Note [the mpu]).
     get_model_parallel_group = get_sequence_parallel_group
@@ -269,6 +312,13 @@ def resolve_precision(config: dict, precision: str | None = None) -> dict:
 def deepspeed_config(config: dict, hybrid: HybridConfig, *, precision: str | None = None) -> dict:
     """The dict to hand ``deepspeed.initialize``: precision resolved, our keys removed, ZeRO-3 checked."""
     zero = config.get("zero_optimization", {})
+    clipping = config.get("gradient_clipping", 1.0)  # DeepSpeed 0.19's default is 1.0
+    if hybrid.tensor > 1 and clipping:
+        raise ValueError(
+            f"gradient_clipping={clipping}{'' if 'gradient_clipping' in config else ' (DeepSpeed default)'} with "
+            f"tensor={hybrid.tensor}: DeepSpeed's gradient norm would count only each tensor rank's own shards "
+            f"(Note [tensor parallel] in hybridsp.integrations.deepspeed); set \"gradient_clipping\": 0 or tensor 1"
+        )
     if hybrid.context > 1 and zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is False:
         raise ValueError(
             f"zero_optimization.reduce_scatter=false with {hybrid.context} context ranks: DeepSpeed's ZeRO-3 then "
@@ -313,6 +363,15 @@ class HybridEngine(NamedTuple):
     optimizer: Any
     mesh: HybridMesh
     undo: Callable[[], None]
+
+
+def _split_tensors(model: nn.Module, mesh: HybridMesh, sequence_parallel: bool) -> None:
+    """Split the model's linears over the tensor group when ``T > 1`` (not undoable)."""
+    if mesh.tensor == 1:
+        return
+    from hybridsp.integrations.tensor_parallel import tensor_parallel
+
+    tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
 
 
 def _switch_transformers(model: nn.Module, mesh: HybridMesh, backend: str) -> Callable[[], None]:
@@ -373,6 +432,7 @@ def initialize(
     precision: str | None = None,
     kv_comm: str | None = None,
     layout: str | None = None,
+    tensor: int | None = None,
 ) -> HybridEngine:
     """``deepspeed.initialize`` with the hybrid mesh: returns ``(engine, optimizer, mesh, undo)``.
 
@@ -389,11 +449,18 @@ def initialize(
 
     raw = load_config(config)
     hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm,
-                                         layout=layout)
+                                         layout=layout, tensor=tensor)
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
+    if hybrid.tensor > 1 and isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(
+            f"tensor={hybrid.tensor} replaces the model's linear weights by their shards, so an optimizer built on the "
+            f"whole weights would update nothing; pass optimizer=lambda params: YourOptimizer(params, ...) (DeepSpeed "
+            f"calls it with the sharded parameters) or an \"optimizer\" section in the config"
+        )
     with without_cpu_shm_comm_build():
         deepspeed.init_distributed()  # adopts an existing process group
         mesh = build_mesh(hybrid)
+        _split_tensors(model, mesh, hybrid.tensor_sequence_parallel)  # Note [tensor parallel]
         undo_switch = _switch_transformers(model, mesh, hybrid.backend)
         try:
             engine, ds_optimizer, _, _ = deepspeed.initialize(
