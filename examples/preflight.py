@@ -75,8 +75,13 @@ def preflight(args) -> RunPlan:
     config = load_ds_config(args.ds_config)
     try:
         hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
-                                             kv_comm=getattr(args, "kv_comm", None), layout=getattr(args, "layout", None))
+                                             kv_comm=getattr(args, "kv_comm", None), layout=getattr(args, "layout", None),
+                                             tensor=getattr(args, "tensor", None))
         hybrid.mesh_shape(world)
+        if hybrid.tensor > 1:
+            from hybridsp.integrations.deepspeed import deepspeed_config
+
+            deepspeed_config(config, hybrid, precision="fp32")  # refusals for tensor parallelism (gradient clipping)
         check_sequence_length(args.seq_len, hybrid.ring, hybrid.ulysses, hybrid.layout)
         if hybrid.kv_comm == "allgather":
             check_kv_chunks(hybrid.kv_chunks, args.seq_len // hybrid.ring)
@@ -87,6 +92,11 @@ def preflight(args) -> RunPlan:
         raise RunConfigError(
             f"the model's {heads} query heads are not divisible by ulysses={hybrid.ulysses}; pass --ulysses with a "
             f"divisor of {heads} (and a larger --ring)"
+        )
+    if heads % (hybrid.ulysses * hybrid.tensor) != 0:
+        raise RunConfigError(
+            f"the model's {heads} query heads are not divisible by tensor={hybrid.tensor} x ulysses={hybrid.ulysses}; "
+            f"pass --tensor and --ulysses whose product divides {heads}"
         )
     save_dir = Path(args.save_dir) if args.save_dir else default_save_dir(args.ds_config, hybrid.ulysses, hybrid.ring)
     if args.resume and not args.resume_from and not (save_dir / "latest").is_file():
