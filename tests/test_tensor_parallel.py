@@ -114,3 +114,19 @@ def test_bad_tensor_degrees_name_the_numbers():
     with pytest.raises(ValueError, match=r"2 key/value heads are not divisible by tensor=4"):
         check_tensor_heads(8, 2, 4, 1)
     check_tensor_heads(8, 2, 2, 4)  # H/(T U) = 1 query head per rank; K/V heads repeated by the all-to-all
+
+
+def test_models_that_cannot_be_split_are_refused_before_any_change():
+    from types import SimpleNamespace
+
+    model = build("qwen2")  # 8 query heads, 2 K/V heads, MLP 128
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    for tensor, ulysses, message in ((4, 1, r"2 key/value heads are not divisible by tensor=4"),
+                                     (2, 8, r"8 query heads are not divisible by tensor=2 x ulysses=8 = 16")):
+        mesh = SimpleNamespace(tensor=tensor, ulysses=ulysses, tensor_rank=0, tensor_group=None)
+        with pytest.raises(ValueError, match=message):
+            hf.tensor_parallel(model, mesh)
+    wide = build("llama", intermediate_size=126)  # 4 query and 4 K/V heads
+    with pytest.raises(ValueError, match=r"intermediate_size=126 is not divisible by tensor=4"):
+        hf.tensor_parallel(wide, SimpleNamespace(tensor=4, ulysses=1, tensor_rank=0, tensor_group=None))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
