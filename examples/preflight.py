@@ -60,9 +60,9 @@ def model_heads(args) -> int:
     return int(json.loads(config.read_text())["num_attention_heads"])
 
 
-def default_save_dir(config_path: str, ulysses: int, ring: int) -> Path:
-    """``runs/<config name>-u<U>r<R>``: each config and mesh gets its own run directory."""
-    return Path("runs") / f"{Path(config_path).stem}-u{ulysses}r{ring}"
+def default_save_dir(config_path: str, ulysses: int, ring: int, tensor: int = 1) -> Path:
+    """``runs/<config name>-u<U>r<R>`` (``t<T>`` appended when T > 1): each config and mesh gets its own run directory."""
+    return Path("runs") / f"{Path(config_path).stem}-u{ulysses}r{ring}{f't{tensor}' if tensor > 1 else ''}"
 
 
 def preflight(args) -> RunPlan:
@@ -98,7 +98,8 @@ def preflight(args) -> RunPlan:
             f"the model's {heads} query heads are not divisible by tensor={hybrid.tensor} x ulysses={hybrid.ulysses}; "
             f"pass --tensor and --ulysses whose product divides {heads}"
         )
-    save_dir = Path(args.save_dir) if args.save_dir else default_save_dir(args.ds_config, hybrid.ulysses, hybrid.ring)
+    save_dir = Path(args.save_dir) if args.save_dir else default_save_dir(args.ds_config, hybrid.ulysses, hybrid.ring,
+                                                                                 hybrid.tensor)
     if args.resume and not args.resume_from and not (save_dir / "latest").is_file():
         raise RunConfigError(f"--resume: no checkpoint in {save_dir} (give --save-dir or --resume-from DIR)")
     if args.resume_from and not _is_checkpoint(Path(args.resume_from)):
