@@ -20,7 +20,7 @@ def _plan(monkeypatch, world, *argv):
 
 
 def test_tensor_flag_overrides_the_config_and_names_the_run(monkeypatch):
-    plan = _plan(monkeypatch, 8, "--deepspeed", str(ROOT / "ds_configs" / "tp2_cp2.json"), "--tensor", "4")
+    plan = _plan(monkeypatch, 8, "--deepspeed", str(ROOT / "ds_configs" / "tensor" / "tp2_cp2.json"), "--tensor", "4")
     assert (plan.hybrid.tensor, plan.hybrid.ulysses, plan.hybrid.ring) == (4, 2, 1)
     assert plan.save_dir == Path("runs/tp2_cp2-u2r1t4")
 
@@ -29,7 +29,7 @@ def test_tensor_with_gradient_clipping_or_indivisible_heads_is_one_readable_erro
     with pytest.raises(preflight.RunConfigError, match="gradient_clipping=1.0 with tensor=2"):
         _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "cp2.json"), "--tensor", "2")
     with pytest.raises(preflight.RunConfigError, match="6 query heads are not divisible by tensor=4 x ulysses=1"):
-        _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "tp2_cp2.json"), "--tensor", "4",
+        _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "tensor" / "tp2_cp2.json"), "--tensor", "4",
               "--ulysses", "1", "--heads", "6")
     with pytest.raises(preflight.RunConfigError, match="x tensor=4 = 8 ranks do not divide the world size 4"):
-        _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "tp2_cp2.json"), "--tensor", "4")
+        _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "tensor" / "tp2_cp2.json"), "--tensor", "4")
