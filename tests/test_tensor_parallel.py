@@ -57,7 +57,16 @@ def tp_errors(family, mesh, sequence_parallel, batch=BATCH):
         errors[f"grad {name}"] = rel_err(grad, shard_of(ref_grads[name], split.get(name), mesh))
     local_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     sharded = (sum(local_bytes[n] for n in split), sum(full_bytes[n] for n in split))
-    return errors, sharded, (sum(local_bytes.values()), sum(full_bytes.values()))
+    return errors, sharded, (sum(local_bytes.values()), sum(full_bytes.values())), model
+
+
+def _uneven_is_refused(model, mesh):
+    """Sequence parallelism with 3 tokens per context rank and T = 2: one ValueError on every rank, raised
+    before the first collective of the forward."""
+    ids = torch.randint(1, 128, (1, 3))  # [1, 3] this rank's tokens
+    positions = torch.arange(3)[None] + 3 * mesh.context_rank  # [1, 3]
+    with pytest.raises(ValueError, match="splits this rank's 3 tokens 2 ways"):
+        model(input_ids=ids, position_ids=positions, use_cache=False)
 
 
 def _check(rank, world, meshes, families, modes):
@@ -66,7 +75,9 @@ def _check(rank, world, meshes, families, modes):
         mesh = init_mesh(ulysses=ulysses, ring=ring, tensor=tensor)
         for family in families:
             for sequence_parallel in modes:
-                errors, (shard, whole), (local, full) = tp_errors(family, mesh, sequence_parallel)
+                errors, (shard, whole), (local, full), model = tp_errors(family, mesh, sequence_parallel)
+                if sequence_parallel and ring == 1:  # (with a ring, zigzag itself keeps tokens per rank even)
+                    _uneven_is_refused(model, mesh)
                 if shard * tensor != whole:
                     failures.append(f"{family}: the split linears hold {shard} bytes per rank, not {whole}/{tensor}")
                 worst = max(errors, key=errors.get)

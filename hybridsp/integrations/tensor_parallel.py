@@ -135,8 +135,15 @@ def _shard_layer(layer: nn.Module, prefix: str, plan: TensorPlan, group) -> None
             plan.handles += [sum_grad_over_tensor(p, group) for p in norm.parameters() if p.requires_grad]
 
 
-def _split_first_layer_input(group):
+def _split_first_layer_input(group, tensor: int):
     def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]  # [B, S/C, h], the same shape on every tensor rank
+        if hidden.shape[1] % tensor:
+            raise ValueError(
+                f"sequence parallelism in the tensor group splits this rank's {hidden.shape[1]} tokens {tensor} ways; "
+                f"pad the sequence so that tokens per context rank are a multiple of tensor={tensor}, or build the "
+                f"model with sequence_parallel=False (decoding one token at a time needs False)"
+            )
         if args:
             return (split_tokens(args[0], group), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": split_tokens(kwargs["hidden_states"], group)}
@@ -154,7 +161,8 @@ def _gather_after(group):
 def _sequence_parallel_ends(model: nn.Module, plan: TensorPlan, group) -> None:
     """Split the hidden states [B, S, h] -> [B, S/T, h] before layer 0; gather them after the final norm."""
     base = getattr(model, "model", model)
-    plan.handles.append(_layers(model)[0].register_forward_pre_hook(_split_first_layer_input(group), with_kwargs=True))
+    plan.handles.append(_layers(model)[0].register_forward_pre_hook(_split_first_layer_input(group, plan.tensor),
+                                                                with_kwargs=True))
     plan.handles.append(base.norm.register_forward_hook(_gather_after(group)))
     plan.handles += [sum_grad_over_tensor(p, group) for p in base.norm.parameters() if p.requires_grad]
 
