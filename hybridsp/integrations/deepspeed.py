@@ -22,21 +22,9 @@ The config section (everything else in the file is plain DeepSpeed)::
         "backend": "auto",            # local kernel: auto, torch, flash, reference
         "kv_comm": "ring",            # or "allgather" (how K/V travel inside the ring group)
         "kv_chunks": null,            # all-gather chunks per block (null: at most two blocks gathered)
-        "tensor": 1,                  # T: tensor-parallel degree (innermost axis; Note [tensor parallel])
+        "tensor": 1,                  # T: tensor-parallel degree (innermost; hybridsp.integrations.deepspeed_tensor)
         "tensor_sequence_parallel": false  # Megatron-style SP inside the tensor group (1/T of the tokens)
     }
-
-Note [tensor parallel]: with ``T > 1`` (the section's ``"tensor"``, or DeepSpeed's own
-``"tensor_parallel": {"autotp_size": T}``; they must agree, and ``initialize(tensor=)`` wins)
-the model's attention and MLP linears are split over ``mesh.tensor_group`` by
-:func:`hybridsp.integrations.tensor_parallel.tensor_parallel` before DeepSpeed sees it, and
-the ``tensor_parallel`` key is removed: DeepSpeed's AutoTP would replace the mpu with its own
-groups (engine ``_init_tp_mesh_device``), which know nothing of the context ranks. ZeRO then
-partitions and reduces over the ``DP x C`` ranks of one tensor rank (``mesh.data_context_group``),
-never across the tensor group; the mpu also answers ``get_data_parallel_group`` with that group
-so that ZeRO-3's parameter partitioning (which otherwise takes the world) stays inside it.
-Gradient clipping is refused with ``T > 1``: DeepSpeed's norm would sum each tensor rank's own
-shards only (the reported norm is not the model's).
 
 The ``C = U * R`` context ranks of a replica hold the same weights and different tokens of
 the same sequences; ``DP = world / C``. DeepSpeed's own ``sequence_parallel_size`` and
@@ -113,6 +101,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridsp.kernels import BACKEND_NAMES
+from hybridsp.integrations.deepspeed_tensor import (
+    autotp_size,
+    check_tensor_config,
+    check_tensor_optimizer,
+    split_tensors,
+    tensor_mpu_getattr,
+)
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 
 SECTION = "hybridsp"
@@ -172,7 +167,7 @@ class HybridConfig:
         unknown = sorted(set(overrides) - set(SECTION_KEYS))
         if unknown:
             raise TypeError(f"unknown overrides {unknown}; known: {', '.join(SECTION_KEYS)}")
-        section = {**section, **_autotp_size(config, section)}
+        section = {**section, **autotp_size(config, section)}
         return cls(
             **{**section, **{k: v for k, v in overrides.items() if v is not None}},
             sequence_parallel_size=config.get("sequence_parallel_size"),
@@ -189,23 +184,6 @@ class HybridConfig:
                 f"(ulysses={self.ulysses} x ring={self.ring}) = {shape.dp} replicas; set it to {shape.dp} or remove it"
             )
         return shape
-
-
-def _autotp_size(config: dict, section: dict) -> dict:
-    """``{"tensor": T}`` from DeepSpeed's ``"tensor_parallel": {"autotp_size": T}`` (empty when absent);
-    ValueError when it disagrees with the section's ``"tensor"``."""
-    block = config.get("tensor_parallel")
-    if block is None:
-        return {}
-    size = block.get("autotp_size", block.get("tp_size")) if isinstance(block, dict) else None
-    if size is None:
-        return {}
-    if "tensor" in section and section["tensor"] != size:
-        raise ValueError(
-            f"tensor_parallel.autotp_size={size} disagrees with the {SECTION} section's tensor={section['tensor']}; "
-            f"set one of them (or make them equal)"
-        )
-    return {"tensor": size}
 
 
 def _positive_int(value: Any) -> bool:
@@ -268,11 +246,7 @@ class HybridMPU:
         converter and loader read it (the model-parallel getters below would say C)."""
         return self.mesh.tensor
 
-    def __getattr__(self, name: str):
-        """``get_data_parallel_group`` exists only with ``T > 1`` (Note [tensor parallel], Note [the mpu])."""
-        if name == "get_data_parallel_group" and self.__dict__["mesh"].tensor > 1:
-            return self.get_sequence_data_parallel_group
-        raise AttributeError(name)
+    __getattr__ = tensor_mpu_getattr  # get_data_parallel_group only with T > 1 (deepspeed_tensor)
 
     # Model-parallel getters alias the context group: used by stage-0 clipping (Note [the mpu]).
     get_model_parallel_group = get_sequence_parallel_group
@@ -312,13 +286,7 @@ def resolve_precision(config: dict, precision: str | None = None) -> dict:
 def deepspeed_config(config: dict, hybrid: HybridConfig, *, precision: str | None = None) -> dict:
     """The dict to hand ``deepspeed.initialize``: precision resolved, our keys removed, ZeRO-3 checked."""
     zero = config.get("zero_optimization", {})
-    clipping = config.get("gradient_clipping", 1.0)  # DeepSpeed 0.19's default is 1.0
-    if hybrid.tensor > 1 and clipping:
-        raise ValueError(
-            f"gradient_clipping={clipping}{'' if 'gradient_clipping' in config else ' (DeepSpeed default)'} with "
-            f"tensor={hybrid.tensor}: DeepSpeed's gradient norm would count only each tensor rank's own shards "
-            f"(Note [tensor parallel] in hybridsp.integrations.deepspeed); set \"gradient_clipping\": 0 or tensor 1"
-        )
+    check_tensor_config(config, hybrid.tensor)
     if hybrid.context > 1 and zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is False:
         raise ValueError(
             f"zero_optimization.reduce_scatter=false with {hybrid.context} context ranks: DeepSpeed's ZeRO-3 then "
@@ -363,15 +331,6 @@ class HybridEngine(NamedTuple):
     optimizer: Any
     mesh: HybridMesh
     undo: Callable[[], None]
-
-
-def _split_tensors(model: nn.Module, mesh: HybridMesh, sequence_parallel: bool) -> None:
-    """Split the model's linears over the tensor group when ``T > 1`` (not undoable)."""
-    if mesh.tensor == 1:
-        return
-    from hybridsp.integrations.tensor_parallel import tensor_parallel
-
-    tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
 
 
 def _switch_transformers(model: nn.Module, mesh: HybridMesh, backend: str) -> Callable[[], None]:
@@ -451,16 +410,11 @@ def initialize(
     hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm,
                                          layout=layout, tensor=tensor)
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
-    if hybrid.tensor > 1 and isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(
-            f"tensor={hybrid.tensor} replaces the model's linear weights by their shards, so an optimizer built on the "
-            f"whole weights would update nothing; pass optimizer=lambda params: YourOptimizer(params, ...) (DeepSpeed "
-            f"calls it with the sharded parameters) or an \"optimizer\" section in the config"
-        )
+    check_tensor_optimizer(optimizer, hybrid.tensor)
     with without_cpu_shm_comm_build():
         deepspeed.init_distributed()  # adopts an existing process group
         mesh = build_mesh(hybrid)
-        _split_tensors(model, mesh, hybrid.tensor_sequence_parallel)  # Note [tensor parallel]
+        split_tensors(model, mesh, hybrid.tensor_sequence_parallel)  # hybridsp.integrations.deepspeed_tensor
         undo_switch = _switch_transformers(model, mesh, hybrid.backend)
         try:
             engine, ds_optimizer, _, _ = deepspeed.initialize(
