@@ -10,13 +10,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def add_mesh_arguments(parser: argparse.ArgumentParser) -> None:
     """``--deepspeed`` (and the launcher's ``--deepspeed_config`` / ``--local_rank``), ``--ulysses``,
-    ``--ring``, ``--backend``, ``--kv-comm``, ``--layout``."""
+    ``--ring``, ``--tensor``, ``--backend``, ``--kv-comm``, ``--layout``."""
     parser.add_argument("--deepspeed", dest="ds_config", default=str(ROOT / "ds_configs" / "cp8.json"),
                         help="DeepSpeed JSON config with a 'hybridsp' section (default: ds_configs/cp8.json)")
     parser.add_argument("--deepspeed_config", dest="ds_config", help=argparse.SUPPRESS)
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--ulysses", type=int, help="Ulysses degree (overrides the config)")
     parser.add_argument("--ring", type=int, help="ring degree (overrides the config)")
+    parser.add_argument("--tensor", type=int, help="tensor-parallel degree T (overrides the config's hybridsp.tensor "
+                        "and tensor_parallel.autotp_size; docs/tensor-parallel.md)")
     parser.add_argument("--backend", help="attention kernel backend: auto, torch, flash, reference")
     parser.add_argument("--kv-comm", choices=("ring", "allgather"),
                         help="how K/V travel inside the ring group (overrides the config's kv_comm)")

@@ -37,7 +37,9 @@ from train import build_model, load_windows, peak_memory_bytes  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 1)")
-    parser.add_argument("--ring", type=int, default=None, help="ring degree (default: world / ulysses)")
+    parser.add_argument("--ring", type=int, default=None, help="ring degree (default: world / (ulysses x tensor))")
+    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree T: 1/T of the layer weights and "
+                        "H/T heads of the K/V cache per rank (default 1; docs/tensor-parallel.md)")
     parser.add_argument("--prompt-len", type=int, default=8192, help="prompt tokens (default 8192)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="prompts continued at once (default 1)")
@@ -126,18 +128,19 @@ def run(args: argparse.Namespace) -> None:
     """Prefill and decode; rank 0 reports."""
     device = init_distributed()
     import hybridsp
-    from hybridsp.integrations.transformers import apply, generate
+    from hybridsp.integrations.transformers import apply, generate, tensor_parallel
 
     world = dist.get_world_size()
     ulysses = args.ulysses or 1
     try:  # degrees that do not divide the world: a ValueError on every rank, before any collective
-        mesh = hybridsp.init_mesh(ulysses=ulysses, ring=args.ring or world // ulysses)
+        mesh = hybridsp.init_mesh(ulysses=ulysses, ring=args.ring or world // (ulysses * args.tensor), tensor=args.tensor)
     except ValueError as error:
-        raise RunConfigError(f"--ulysses {args.ulysses} --ring {args.ring} on {world} ranks: {error}") from None
+        raise RunConfigError(f"--ulysses {args.ulysses} --ring {args.ring} --tensor {args.tensor} on {world} ranks: {error}") from None
     _, vocab_size, windows = load_windows(args, args.prompt_len)
     prompt = windows.batch(mesh.dp_rank * args.batch, args.batch).to(device)  # [B, S], one per replica
     model = load_model(args, vocab_size, device)
     try:
+        model = tensor_parallel(model, mesh)  # T = 1: unchanged
         apply(model, mesh, backend=args.backend)
     except ValueError as error:  # e.g. heads the Ulysses degree does not divide: the same on every rank
         raise RunConfigError(str(error)) from None
@@ -156,7 +159,8 @@ def report(args, mesh, model, prompt, ids, clock: Clock, device) -> None:
     decode_s = clock.arrivals[-1] - clock.arrivals[0]
     local_tokens = -(-args.prompt_len // mesh.context) + -(-args.new_tokens // mesh.context)
     mine = dict(peak=peak_memory_bytes(device), cache=kv_cache_bytes(model, args.batch, local_tokens,
-                                                                     getattr(torch, args.dtype)))
+                                                                     getattr(torch, args.dtype)) // mesh.tensor,
+                params=sum(p.numel() * p.element_size() for p in model.parameters()))  # K/V heads: 1/T per rank
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
@@ -170,7 +174,8 @@ def report(args, mesh, model, prompt, ids, clock: Clock, device) -> None:
         print(f"decode: {decode_s:.2f} s for {new - 1} steps = {batch * (new - 1) / decode_s:,.1f} tokens/s "
               f"({1000 * decode_s / (new - 1):.1f} ms/step)")
     for rank, row in enumerate(everyone):
-        print(f"rank {rank}: peak memory {row['peak'] / 2**20:,.0f} MiB, K/V cache <= {row['cache'] / 2**20:,.1f} MiB "
+        print(f"rank {rank}: peak memory {row['peak'] / 2**20:,.0f} MiB, parameters {row['params'] / 2**20:,.1f} MiB, "
+              f"K/V cache <= {row['cache'] / 2**20:,.1f} MiB "
               f"(one process holding it all: {whole / 2**20:,.1f} MiB)")
     if args.tokenizer is None:
         text = lambda row: bytes(row.tolist()).decode("utf-8", errors="replace")  # noqa: E731

@@ -61,9 +61,9 @@ def model_heads(args) -> int:
     return int(json.loads(config.read_text())["num_attention_heads"])
 
 
-def default_save_dir(config_path: str, ulysses: int, ring: int) -> Path:
-    """``runs/<config name>-u<U>r<R>``: each config and mesh gets its own run directory."""
-    return Path("runs") / f"{Path(config_path).stem}-u{ulysses}r{ring}"
+def default_save_dir(config_path: str, ulysses: int, ring: int, tensor: int = 1) -> Path:
+    """``runs/<config name>-u<U>r<R>`` (``t<T>`` appended when T > 1): each config and mesh gets its own run directory."""
+    return Path("runs") / f"{Path(config_path).stem}-u{ulysses}r{ring}{f't{tensor}' if tensor > 1 else ''}"
 
 
 def preflight(args) -> RunPlan:
@@ -83,6 +83,11 @@ def preflight(args) -> RunPlan:
             problems.append(
                 f"the model's {heads} query heads are not divisible by ulysses={hybrid.ulysses}; pass --ulysses with "
                 f"a divisor of {heads} (and a larger --ring)"
+            )
+        elif hybrid is not None and not heads_divisible(heads, hybrid.ulysses * hybrid.tensor):
+            problems.append(
+                f"the model's {heads} query heads are not divisible by tensor={hybrid.tensor} x ulysses="
+                f"{hybrid.ulysses}; pass --tensor and --ulysses whose product divides {heads}"
             )
     save_dir = _save_dir(args, hybrid)
     problems += _resume_problems(args, save_dir) + _engine_problems(args, config)
@@ -133,12 +138,17 @@ def _hybrid_section(args, config: dict, world: int, problems: list[str]):
 
     try:
         hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
-                                             kv_comm=getattr(args, "kv_comm", None), layout=getattr(args, "layout", None))
+                                             kv_comm=getattr(args, "kv_comm", None), layout=getattr(args, "layout", None),
+                                             tensor=getattr(args, "tensor", None))
     except (ValueError, TypeError) as error:
         problems.append(f"{args.ds_config}: {error}")
         return None
     try:
         hybrid.mesh_shape(world)
+        if hybrid.tensor > 1:
+            from hybridsp.integrations.deepspeed import deepspeed_config
+
+            deepspeed_config(config, hybrid, precision="fp32")  # refusals for tensor parallelism (gradient clipping)
     except ValueError as error:
         problems.append(f"{args.ds_config} on {world} ranks: {error}")
     seq_len = getattr(args, "seq_len", None)
@@ -156,8 +166,9 @@ def _save_dir(args, hybrid) -> Path:
     given = getattr(args, "save_dir", None) or getattr(args, "output_dir", None)
     if given:
         return Path(given)
-    ulysses, ring = (hybrid.ulysses, hybrid.ring) if hybrid is not None else (args.ulysses or 1, args.ring or 1)
-    return default_save_dir(args.ds_config, ulysses, ring)
+    if hybrid is None:
+        return default_save_dir(args.ds_config, args.ulysses or 1, args.ring or 1, getattr(args, "tensor", None) or 1)
+    return default_save_dir(args.ds_config, hybrid.ulysses, hybrid.ring, hybrid.tensor)
 
 
 def _engine_problems(args, config: dict) -> list[str]:

@@ -44,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help="score only the first N tokens (default: the whole text)")
     parser.add_argument("--ulysses", type=int, help="Ulysses degree (default: all ranks, or ranks / --ring)")
     parser.add_argument("--ring", type=int, default=1, help="ring degree (default 1)")
+    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree T: each rank holds 1/T of the "
+                        "layer weights and H/T heads (default 1; docs/tensor-parallel.md)")
     parser.add_argument("--backend", default="auto", help="attention kernel: auto, torch, flash, reference")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: bf16 on CUDA, else fp32)")
     parser.add_argument("--chunk-size", type=int, help="loss chunk in tokens (default: 64 MiB of fp32 logits)")
@@ -64,17 +66,25 @@ def _init_distributed() -> torch.device:
     return device
 
 
-def build_model(args: argparse.Namespace, vocab_size: int, dtype: torch.dtype, seq_len: int):
-    """The model to score with (every rank holds all weights: inference needs no optimizer state)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+def build_model(args: argparse.Namespace, vocab_size: int, dtype: torch.dtype, seq_len: int, mesh=None, device="cpu"):
+    """The model to score with (every rank holds all weights unless ``--tensor`` T > 1: then 1/T of the layers)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+    from hybridsp.integrations.tensor_parallel import load_sharded_safetensors, tensor_parallel
+
+    if args.model_path and mesh is not None and mesh.tensor > 1:  # straight into the shards: never the whole model
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model_path, local_files_only=True))
+        tensor_parallel(model, mesh)
+        return load_sharded_safetensors(model, args.model_path, dtype=dtype, device=device)
     if args.model_path:
         return AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True, dtype=dtype)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=max(seq_len, 2048),
                          tie_word_embeddings=True)
-    return LlamaForCausalLM(config).to(dtype)
+    model = LlamaForCausalLM(config).to(dtype)
+    return model if mesh is None else tensor_parallel(model, mesh)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -104,14 +114,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = _init_distributed()
     world = dist.get_world_size()
-    ulysses = args.ulysses or world // args.ring
-    mesh = init_mesh(ulysses, args.ring)
+    ulysses = args.ulysses or world // (args.ring * args.tensor)
+    mesh = init_mesh(ulysses, args.ring, tensor=args.tensor)
     if mesh.dp != 1:
-        raise ValueError(f"score_long.py scores one sequence over all {world} ranks: set --ulysses x --ring = {world}")
+        raise ValueError(f"score_long.py scores one sequence over all {world} ranks: set --ulysses x --ring x --tensor "
+                         f"= {world}")
     tokens, vocab = tokenize(load_corpus(args.data), args.tokenizer)
     tokens = tokens[: args.max_tokens] if args.max_tokens else tokens
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = build_model(args, vocab, dtype, tokens.numel()).to(device).eval()
+    model = build_model(args, vocab, dtype, tokens.numel(), mesh, device).to(device).eval()
     apply(model, mesh, backend=args.backend)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

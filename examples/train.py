@@ -285,7 +285,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
         ckpt.convert_to_universal(resume)
         config.setdefault("checkpoint", {})["load_universal"] = True
     engine, _, mesh, _ = initialize(model, config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
-                                    kv_comm=args.kv_comm, layout=args.layout)
+                                    kv_comm=args.kv_comm, layout=args.layout, tensor=args.tensor)
     offload = activation_offload(args, engine.module)
     report_placement(mesh, plan.save_dir)  # host, ranks, groups: before the first step
     start_step = _load(engine, resume)

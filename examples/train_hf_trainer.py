@@ -109,6 +109,10 @@ def _enabled(config: dict, name: str, precision: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.tensor not in (None, 1):
+        print(f"{sys.argv[0]}: error: --tensor {args.tensor}: the HF Trainer example has no tensor parallelism yet; "
+              f"use examples/train.py --tensor {args.tensor}", file=sys.stderr)
+        sys.exit(2)
     try:
         plan = preflight(args)  # one line, exit code 2, before the expensive imports
     except RunConfigError as error:

@@ -1,6 +1,7 @@
-"""The data-parallel x ring x Ulysses device mesh.
+"""The data-parallel x ring x Ulysses (x tensor) device mesh.
 
-World ``W = DP * R * U``. With the default ``order="ulysses_inner"`` a rank's coordinates are
+World ``W = DP * R * U * T`` (``T``, the tensor-parallel degree, defaults to 1; see
+Note [tensor axis] below). With the default ``order="ulysses_inner"`` a rank's coordinates are
 
     rank = (dp * R + r) * U + u
 
@@ -14,7 +15,15 @@ Groups (each created once, on every rank, in the same order):
     ring_group      the R ranks that share (dp, u)         ring send/recv
     context_group   the U*R ranks of one replica (dp)      gathering a sequence
     data_group      the DP ranks that share (r, u)         pure data parallelism
-    data_context_group  all DP*U*R ranks                   ZeRO's gradient/optimizer group
+    data_context_group  the DP*U*R ranks that share t       ZeRO's gradient/optimizer group
+    tensor_group    the T ranks that share (dp, r, u)       tensor-parallel all-reduce / all-gather
+
+Note [tensor axis]: the tensor axis is the innermost of all: ``rank = T * base + t`` where
+``base`` is the rank the ``DP x R x U`` order above gives (T consecutive ranks share one
+Ulysses/ring slot; tensor parallelism talks at every linear layer and wants the fastest
+links). Every group above except ``tensor_group`` holds the ranks of one tensor rank ``t``
+only: each tensor rank holds a different shard of the weights, so ZeRO and the context
+collectives never mix shards. With ``T = 1`` every group is what it was without the axis.
 """
 
 from __future__ import annotations
@@ -44,9 +53,10 @@ class MeshShape:
     layout: str = "zigzag"
     kv_comm: str = "ring"
     kv_chunks: int | None = None
+    tensor: int = 1
 
     def __post_init__(self):
-        for name in ("ulysses", "ring"):
+        for name in ("ulysses", "ring", "tensor"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} degree must be a positive integer; got {value!r}")
@@ -59,9 +69,10 @@ class MeshShape:
                                            or self.kv_chunks < 1):
             raise ValueError(f"kv_chunks must be a positive integer or None; got {self.kv_chunks!r}")
         context = self.ulysses * self.ring
-        if self.world_size % context != 0:
+        if self.world_size % (context * self.tensor) != 0:
+            what = f"ulysses={self.ulysses} x ring={self.ring}" + (f" x tensor={self.tensor}" if self.tensor > 1 else "")
             raise ValueError(
-                f"ulysses={self.ulysses} x ring={self.ring} = {context} context ranks do not divide the "
+                f"{what} = {context * self.tensor} {'context ' if self.tensor == 1 else ''}ranks do not divide the "
                 f"world size {self.world_size}; choose degrees whose product divides {self.world_size}"
             )
 
@@ -71,16 +82,23 @@ class MeshShape:
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.context
+        return self.world_size // (self.context * self.tensor)
 
-    def rank_of(self, dp: int, r: int, u: int) -> int:
-        """Global rank of the coordinates (dp, ring rank r, Ulysses rank u)."""
+    def rank_of(self, dp: int, r: int, u: int, t: int = 0) -> int:
+        """Global rank of the coordinates (dp, ring rank r, Ulysses rank u, tensor rank t)."""
         if self.order == "ulysses_inner":
-            return (dp * self.ring + r) * self.ulysses + u
-        return (dp * self.ulysses + u) * self.ring + r
+            base = (dp * self.ring + r) * self.ulysses + u
+        else:
+            base = (dp * self.ulysses + u) * self.ring + r
+        return base * self.tensor + t  # Note [tensor axis]: innermost
+
+    def tensor_rank_of(self, rank: int) -> int:
+        """t of a global rank."""
+        return rank % self.tensor
 
     def coords_of(self, rank: int) -> tuple[int, int, int]:
-        """(dp, r, u) of a global rank."""
+        """(dp, r, u) of a global rank (its tensor rank: :meth:`tensor_rank_of`)."""
+        rank //= self.tensor
         if self.order == "ulysses_inner":
             rest, u = divmod(rank, self.ulysses)
             dp, r = divmod(rest, self.ring)
@@ -91,13 +109,15 @@ class MeshShape:
 
     def group_members(self) -> dict[str, list[list[int]]]:
         """Every group of every kind as sorted global ranks, in a fixed order."""
-        dps, rings, ulys = range(self.dp), range(self.ring), range(self.ulysses)
+        dps, rings, ulys, ts = range(self.dp), range(self.ring), range(self.ulysses), range(self.tensor)
+        at = self.rank_of
         return {
-            "ulysses": [sorted(self.rank_of(d, r, u) for u in ulys) for d in dps for r in rings],
-            "ring": [sorted(self.rank_of(d, r, u) for r in rings) for d in dps for u in ulys],
-            "context": [sorted(self.rank_of(d, r, u) for r in rings for u in ulys) for d in dps],
-            "data": [sorted(self.rank_of(d, r, u) for d in dps) for r in rings for u in ulys],
-            "data_context": [list(range(self.world_size))],
+            "ulysses": [sorted(at(d, r, u, t) for u in ulys) for d in dps for r in rings for t in ts],
+            "ring": [sorted(at(d, r, u, t) for r in rings) for d in dps for u in ulys for t in ts],
+            "context": [sorted(at(d, r, u, t) for r in rings for u in ulys) for d in dps for t in ts],
+            "data": [sorted(at(d, r, u, t) for d in dps) for r in rings for u in ulys for t in ts],
+            "data_context": [list(range(t, self.world_size, self.tensor)) for t in ts],
+            "tensor": [sorted(at(d, r, u, t) for t in ts) for d in dps for r in rings for u in ulys],
         }
 
 
@@ -115,6 +135,8 @@ class HybridMesh:
         self.comm_counter = None
         self.rank = rank
         self.dp_rank, self.ring_rank, self.ulysses_rank = shape.coords_of(rank)
+        self.tensor_rank = shape.tensor_rank_of(rank)
+        self.tensor_group = groups.get("tensor")  # None in a group-less mesh (tests of coordinates)
         self.ulysses_group = groups["ulysses"]
         self.ring_group = groups["ring"]
         self.context_group = groups["context"]
@@ -133,6 +155,7 @@ class HybridMesh:
         return get_layout(self.shape.layout)
     kv_comm = property(lambda self: self.shape.kv_comm)
     kv_chunks = property(lambda self: self.shape.kv_chunks)
+    tensor = property(lambda self: self.shape.tensor)
     world_size = property(lambda self: self.shape.world_size)
 
     @property
@@ -142,12 +165,14 @@ class HybridMesh:
 
     def context_members(self) -> list[int]:
         """Global ranks of this rank's context group, ordered by shard index r * U + u."""
-        return [self.shape.rank_of(self.dp_rank, r, u) for r in range(self.ring) for u in range(self.ulysses)]
+        dp, t = self.dp_rank, self.tensor_rank
+        return [self.shape.rank_of(dp, r, u, t) for r in range(self.ring) for u in range(self.ulysses)]
 
     def __repr__(self) -> str:
         return (
-            f"HybridMesh(dp={self.dp}, ring={self.ring}, ulysses={self.ulysses}, order={self.shape.order!r}, "
-            f"layout={self.layout!r}, kv_comm={self.kv_comm!r}, rank={self.rank} -> dp={self.dp_rank}, r={self.ring_rank}, u={self.ulysses_rank})"
+            f"HybridMesh(dp={self.dp}, ring={self.ring}, ulysses={self.ulysses}, tensor={self.tensor}, "
+            f"order={self.shape.order!r}, layout={self.layout!r}, kv_comm={self.kv_comm!r}, rank={self.rank} -> "
+            f"dp={self.dp_rank}, r={self.ring_rank}, u={self.ulysses_rank}, t={self.tensor_rank})"
         )
 
 
@@ -179,7 +204,7 @@ def _resolve_degrees(
 
 
 def _warn_if_ulysses_crosses_nodes(shape: MeshShape, local_world_size: int) -> None:
-    if shape.order == "ulysses_inner" and local_world_size % shape.ulysses != 0:
+    if shape.order == "ulysses_inner" and local_world_size % (shape.ulysses * shape.tensor) != 0:
         warnings.warn(
             f"Ulysses degree {shape.ulysses} does not divide the {local_world_size} ranks per node, so its "
             f"all-to-all crosses nodes; prefer a Ulysses degree that divides {local_world_size} and a larger ring",
@@ -187,10 +212,30 @@ def _warn_if_ulysses_crosses_nodes(shape: MeshShape, local_world_size: int) -> N
         )
 
 
+def check_tensor_heads(num_heads: int, num_kv_heads: int | None, tensor: int, ulysses: int = 1) -> None:
+    """Raise ValueError (naming the numbers) unless ``tensor`` x ``ulysses`` can split the heads.
+
+    Each tensor rank holds ``H/T`` query heads and ``Hkv/T`` K/V heads; the Ulysses all-to-all
+    then scatters ``H/(T x U)`` query heads (K/V heads are repeated as far as it needs).
+    """
+    if num_heads % (tensor * ulysses) != 0:
+        raise ValueError(
+            f"the model's {num_heads} query heads are not divisible by tensor={tensor} x ulysses={ulysses} = "
+            f"{tensor * ulysses}; choose tensor and Ulysses degrees whose product divides {num_heads}"
+        )
+    kv = num_heads if num_kv_heads is None else num_kv_heads
+    if kv % tensor != 0:
+        raise ValueError(
+            f"the model's {kv} key/value heads are not divisible by tensor={tensor}; choose a tensor degree that "
+            f"divides {kv} (each tensor rank holds {kv}/T whole K/V heads)"
+        )
+
+
 def init_mesh(
     ulysses: int | str = "auto",
     ring: int | str = "auto",
     *,
+    tensor: int = 1,
     order: str = "ulysses_inner",
     layout: str = "zigzag",
     kv_comm: str = "ring",
@@ -202,9 +247,11 @@ def init_mesh(
     context_size: int | None = None,
     local_world_size: int | None = None,
 ) -> HybridMesh:
-    """Build the DP x ring x Ulysses mesh over the initialised world (a collective on all ranks).
+    """Build the DP x ring x Ulysses x tensor mesh over the initialised world (a collective on all ranks).
 
-    ``DP = world_size / (ulysses * ring)``. Either degree may be ``"auto"``: the planner then
+    ``DP = world_size / (ulysses * ring * tensor)``; ``tensor`` (default 1) is the
+    tensor-parallel degree, the innermost axis (Note [tensor axis]); with ``num_heads`` given it
+    must divide them together with the Ulysses degree (:func:`check_tensor_heads`). Either degree may be ``"auto"``: the planner then
     picks the largest Ulysses degree that divides the query heads and fits inside a node
     (``local_world_size``, default the launcher's ranks per node, see :mod:`hybridsp.launch_env`) and puts the rest on
     the ring; that needs ``num_heads`` (and uses ``num_kv_heads``, ``head_dim``, ``seq_len``
@@ -219,8 +266,14 @@ def init_mesh(
     local = _local_world_size(local_world_size, world_size)
     attention = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_len=seq_len,
                      context_size=context_size)
-    ulysses, ring = _resolve_degrees(ulysses, ring, world_size, local, attention)
-    shape = MeshShape(world_size, ulysses, ring, order, layout, kv_comm, kv_chunks)
+    MeshShape(world_size, 1, 1, tensor=tensor)  # the tensor degree alone must divide the world
+    if num_heads is not None and tensor > 1:
+        check_tensor_heads(num_heads, num_kv_heads, tensor)
+        attention.update(num_heads=num_heads // tensor, num_kv_heads=(num_kv_heads or num_heads) // tensor)
+    ulysses, ring = _resolve_degrees(ulysses, ring, world_size // tensor, max(local // tensor, 1), attention)
+    shape = MeshShape(world_size, ulysses, ring, order, layout, kv_comm, kv_chunks, tensor)
+    if num_heads is not None and tensor > 1:
+        check_tensor_heads(num_heads, num_kv_heads, tensor, ulysses)
     _warn_if_ulysses_crosses_nodes(shape, local)
     rank = dist.get_rank()
     groups = {}

@@ -21,7 +21,9 @@ The config section (everything else in the file is plain DeepSpeed)::
         "layout": "zigzag",           # "contiguous", or "balanced" (by packed documents; token layout over the ring)
         "backend": "auto",            # local kernel: auto, torch, flash, reference
         "kv_comm": "ring",            # or "allgather" (how K/V travel inside the ring group)
-        "kv_chunks": null             # all-gather chunks per block (null: at most two blocks gathered)
+        "kv_chunks": null,            # all-gather chunks per block (null: at most two blocks gathered)
+        "tensor": 1,                  # T: tensor-parallel degree (innermost; hybridsp.integrations.deepspeed_tensor)
+        "tensor_sequence_parallel": false  # Megatron-style SP inside the tensor group (1/T of the tokens)
     }
 
 The ``C = U * R`` context ranks of a replica hold the same weights and different tokens of
@@ -99,11 +101,19 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridsp.kernels import BACKEND_NAMES
+from hybridsp.integrations.deepspeed_tensor import (
+    autotp_size,
+    check_tensor_config,
+    check_tensor_optimizer,
+    split_tensors,
+    tensor_mpu_getattr,
+)
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 
 SECTION = "hybridsp"
-SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend", "kv_comm", "kv_chunks")
-OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size")
+SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend", "kv_comm", "kv_chunks", "tensor",
+                "tensor_sequence_parallel")
+OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size", "tensor_parallel")
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 
@@ -118,14 +128,17 @@ class HybridConfig:
     backend: str = "auto"
     kv_comm: str = "ring"
     kv_chunks: int | None = None
+    tensor: int = 1
+    tensor_sequence_parallel: bool = False
     sequence_parallel_size: int | None = None
     data_parallel_size: int | None = None
 
     def __post_init__(self):
-        for name in ("ulysses", "ring"):
+        for name in ("ulysses", "ring", "tensor"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} degree must be a positive integer; got {getattr(self, name)!r}")
-        MeshShape(self.context, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks)  # checks
+        MeshShape(self.context * self.tensor, self.ulysses, self.ring, self.order, self.layout, self.kv_comm,
+                  self.kv_chunks, self.tensor)  # checks
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
         for name in ("sequence_parallel_size", "data_parallel_size"):
@@ -159,6 +172,7 @@ class HybridConfig:
         unknown = sorted(set(overrides) - set(SECTION_KEYS))
         if unknown:
             raise TypeError(f"unknown overrides {unknown}; known: {', '.join(SECTION_KEYS)}")
+        section = {**section, **autotp_size(config, section)}
         return cls(
             **{**section, **{k: v for k, v in overrides.items() if v is not None}},
             sequence_parallel_size=config.get("sequence_parallel_size"),
@@ -167,7 +181,8 @@ class HybridConfig:
 
     def mesh_shape(self, world_size: int) -> MeshShape:
         """The mesh for ``world_size`` ranks; ValueError (no communication) when the sizes disagree."""
-        shape = MeshShape(world_size, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks)
+        shape = MeshShape(world_size, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks,
+                          self.tensor)
         if self.data_parallel_size is not None and self.data_parallel_size != shape.dp:
             raise ValueError(
                 f"data_parallel_size={self.data_parallel_size} disagrees with world size {world_size} / "
@@ -194,7 +209,7 @@ def build_mesh(hybrid: HybridConfig) -> HybridMesh:
         raise RuntimeError("build_mesh needs torch.distributed initialised (deepspeed.init_distributed() does it)")
     shape = hybrid.mesh_shape(dist.get_world_size())
     return init_mesh(shape.ulysses, shape.ring, order=shape.order, layout=shape.layout, kv_comm=shape.kv_comm,
-                     kv_chunks=shape.kv_chunks)
+                     kv_chunks=shape.kv_chunks, tensor=shape.tensor)
 
 
 class HybridMPU:
@@ -232,9 +247,11 @@ class HybridMPU:
         return self.mesh.dp_rank
 
     def get_slice_parallel_world_size(self) -> int:
-        """Tensor-parallel degree, 1: DeepSpeed records it in checkpoints and its universal-checkpoint
+        """Tensor-parallel degree T: DeepSpeed records it in checkpoints and its universal-checkpoint
         converter and loader read it (the model-parallel getters below would say C)."""
-        return 1
+        return self.mesh.tensor
+
+    __getattr__ = tensor_mpu_getattr  # get_data_parallel_group only with T > 1 (deepspeed_tensor)
 
     # Model-parallel getters alias the context group: used by stage-0 clipping (Note [the mpu]).
     get_model_parallel_group = get_sequence_parallel_group
@@ -274,6 +291,7 @@ def resolve_precision(config: dict, precision: str | None = None) -> dict:
 def deepspeed_config(config: dict, hybrid: HybridConfig, *, precision: str | None = None) -> dict:
     """The dict to hand ``deepspeed.initialize``: precision resolved, our keys removed, ZeRO-3 checked."""
     zero = config.get("zero_optimization", {})
+    check_tensor_config(config, hybrid.tensor)
     if hybrid.context > 1 and zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is False:
         raise ValueError(
             f"zero_optimization.reduce_scatter=false with {hybrid.context} context ranks: DeepSpeed's ZeRO-3 then "
@@ -383,6 +401,7 @@ def initialize(
     precision: str | None = None,
     kv_comm: str | None = None,
     layout: str | None = None,
+    tensor: int | None = None,
 ) -> HybridEngine:
     """``deepspeed.initialize`` with the hybrid mesh: returns ``(engine, optimizer, mesh, undo)``.
 
@@ -399,11 +418,13 @@ def initialize(
 
     raw = load_config(config)
     hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm,
-                                         layout=layout)
+                                         layout=layout, tensor=tensor)
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
+    check_tensor_optimizer(optimizer, hybrid.tensor)
     with without_cpu_shm_comm_build():
         deepspeed.init_distributed()  # adopts an existing process group
         mesh = build_mesh(hybrid)
+        split_tensors(model, mesh, hybrid.tensor_sequence_parallel)  # hybridsp.integrations.deepspeed_tensor
         undo_switch = _switch_transformers(model, mesh, hybrid.backend)
         try:
             engine, ds_optimizer, _, _ = deepspeed.initialize(

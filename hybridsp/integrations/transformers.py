@@ -102,3 +102,5 @@ def __getattr__(name: str):
 from hybridsp.integrations.hf_generate import Prefill, generate, prefill  # noqa: E402,F401  (long-context inference)
 
 from hybridsp.integrations.hf_loss import causal_lm_loss  # noqa: E402,F401  (the fused-loss path, issue 12)
+
+from hybridsp.integrations.tensor_parallel import tensor_parallel  # noqa: E402,F401  (tensor parallelism, issue 22)
