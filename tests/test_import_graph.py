@@ -169,11 +169,6 @@ def _too_long() -> dict[str, int]:
     return {path: count for path, count in lengths.items() if count > MAX_LINES}
 
 
-LONG_TODAY = {"hybridsp/integrations/transformers.py", "hybridsp/kernels/flash.py"}  # issue 19: the lead splits these
-
-
-@pytest.mark.xfail(bool(_too_long()) and set(_too_long()) <= LONG_TODAY, strict=True,
-                   reason="over 450 lines until issue 19 splits them: " + ", ".join(sorted(LONG_TODAY)))
 def test_no_module_is_over_450_lines():
     offenders = [f"{path}: {count} lines" for path, count in _too_long().items()]
     assert not offenders, f"modules over {MAX_LINES} lines:\n  " + "\n  ".join(offenders)
