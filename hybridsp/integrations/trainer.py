@@ -74,7 +74,7 @@ Note [composition]: the mixin overrides only Trainer hooks (``compute_loss``,
 ``class HybridSFTTrainer(HybridSPMixin, trl.SFTTrainer)`` composes: TRL's dataset
 preparation and collators run unchanged, the mixin replaces its loss. Features that need the
 full logits inside the loss (TRL's ``padding_free``, entropy/token-accuracy metrics computed in
-``compute_loss``, liger kernels) are not sharded and are refused or bypassed; see the README.
+``compute_loss``, liger kernels) are not sharded and are refused or bypassed; see docs/hf-trainer.md.
 
 Refused with a ValueError (before any collective): ``model_init`` (the switched model must
 exist at construction), ``compute_loss_func`` and ``label_smoothing_factor`` (the loss is
@@ -346,7 +346,7 @@ def _deepspeed_initialize_with_mesh(trainer: HybridSPMixin):
         if kwargs.get("mpu") is not None:
             raise ValueError(
                 "HybridSPTrainer passes DeepSpeed its own mpu; do not combine it with accelerate's "
-                "ParallelismConfig(sp_backend='deepspeed') (see the README's migration note)"
+                "ParallelismConfig(sp_backend='deepspeed') (see the migration note in docs/hf-trainer.md)"
             )
         key = "config_params" if "config_params" in kwargs else "config"
         kwargs[key] = engine_config(kwargs[key], hybrid, mesh)
