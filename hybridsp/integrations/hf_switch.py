@@ -208,15 +208,7 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
     vlm.refuse_other_multimodal(model)
     modules = [m for m in model.modules() if all(hasattr(m, part) for part in _ATTENTION_PARTS)]
     _check_model(model, modules, mesh)
-    configs = _configs_of(model, modules)
-    previous = [(config, config._attn_implementation) for config in configs]
-    binding = _Binding(mesh, backend)
-    for module in modules:
-        setattr(module, _BINDING_ATTR, binding)
-    for config in configs:
-        config._attn_implementation = NAME
-    hook = install_input_check(model, mesh)
-    return HybridAttentionHandle(model, modules, previous, hook)
+    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, install_input_check(model, mesh))
 
 
 def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook):
