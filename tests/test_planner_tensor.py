@@ -39,3 +39,17 @@ def test_llama3_70b_at_1m_tokens_on_2x8_h100_needs_t_greater_than_1():
 
 def test_small_model_keeps_t_1():
     assert recommend_inference(MODELS["llama3-8b"], preset_cluster("h100", 2, 8), 1 << 20).tensor == 1
+
+
+def test_plan_cli_ranks_tensor_meshes_for_a_long_prefill():
+    import json
+    import subprocess
+    import sys
+
+    run = lambda *extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "hybridsp", "plan", "--model", "llama3-70b", "--seq-len", "1000000", "--nodes", "2",
+         "--tensor-inference", "--json", *extra], capture_output=True, text=True)
+    with_sp = run("--tensor-sp")
+    options = json.loads(with_sp.stdout)["tensor_inference"]
+    assert with_sp.returncode == 0 and options[0]["fits"] and options[0]["tensor"] > 1
+    assert all(not o["fits"] for o in options if o["tensor"] == 1)  # 70B weights alone do not fit one H100

@@ -21,6 +21,7 @@ from dataclasses import replace
 from hybridsp.planner import clusters
 from hybridsp.planner.ablation import ablation, format_ablation
 from hybridsp.planner.packing import packing_imbalance, packing_report
+from hybridsp.planner.tensor import inference_options
 from hybridsp.planner.plans import Plan, format_seconds
 from hybridsp.planner.search import PlanResult, SearchSpace, longest_context, plan
 from hybridsp.planner.specs import (
@@ -127,6 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--clusters", action="store_true",
                         help="the longest-context table for Llama-3 8B / 70B on 8-512 H100 / H200 "
                              "(hybridsp.planner.clusters; --granularity applies); other options are ignored")
+    tensor = parser.add_argument_group("tensor parallelism (long-context inference)")
+    tensor.add_argument("--tensor-inference", action="store_true",
+                        help="rank T x Ulysses x ring meshes for a --seq-len prefill of --model on the cluster: weights "
+                             "1/T per rank, K/V cache over sequence and heads (hybridsp.planner.tensor)")
+    tensor.add_argument("--tensor-sp", action="store_true",
+                        help="with --tensor-inference: Megatron-style sequence parallelism inside the tensor group")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--top", type=int, default=12, help="table rows (0: all)")
@@ -296,6 +303,27 @@ def run_clusters(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_tensor_inference(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec) -> int:
+    """``--tensor-inference``: every T x U x R mesh for one prefill, fitting and fastest first."""
+    if args.seq_len is None:
+        raise ValueError("--tensor-inference needs --seq-len (the prompt's tokens)")
+    options = inference_options(model, cluster, args.seq_len, args.dtype_bytes, sequence_parallel=args.tensor_sp)
+    if args.json:
+        print(json.dumps({"tensor_inference": [{**vars(o), "memory": o.memory, "prefill_s": o.prefill_s}
+                                               for o in options]}))
+    else:
+        print(f"{model.name}, {args.seq_len:,}-token prefill on {cluster.name} ({cluster.world_size} GPUs, "
+              f"{cluster.usable_bytes / GIB:.1f} GiB usable each){', SP in the tensor group' if args.tensor_sp else ''}")
+        print(f"{'T':>3} {'U':>3} {'R':>4} {'GiB/rank':>9} {'weights':>8} {'K/V':>8} {'fits':>5} {'prefill s':>10}")
+        for o in options[: args.top or None]:
+            print(f"{o.tensor:>3} {o.ulysses:>3} {o.ring:>4} {o.memory / GIB:>9.1f} {o.params / GIB:>8.1f} "
+                  f"{o.kv_cache / GIB:>8.1f} {'yes' if o.fits else 'no':>5} {o.prefill_s:>10.2f}")
+        best = options[0] if options and options[0].fits else None
+        print(f"Recommended: T={best.tensor} x Ulysses={best.ulysses} x ring={best.ring}" if best else
+              "Nothing fits: more GPUs, --tensor-sp, or a shorter --seq-len.")
+    return 0 if options and options[0].fits else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``plan``; print a table or JSON. Returns the exit status (1: nothing fits)."""
     if args.clusters:
@@ -305,6 +333,8 @@ def run(args: argparse.Namespace) -> int:
         techniques = techniques_from_args(args)
         workload_args = dict(micro_batch=args.micro_batch, forward_only=args.forward_only,
                              chunked_loss=args.chunked_loss, causal=not args.non_causal, dtype_bytes=args.dtype_bytes)
+        if args.tensor_inference:
+            return run_tensor_inference(args, model, cluster)
         if args.ablation:
             if not args.longest_context:
                 raise ValueError("--ablation needs --longest-context")
