@@ -90,56 +90,18 @@ class _ReduceFromTensor(torch.autograd.Function):
         return grad, None
 
 
-class _GatherTokens(torch.autograd.Function):
-    """fwd all-gather, bwd reduce-scatter (the input of column-parallel linears under SP)."""
+class _TokenExchange(torch.autograd.Function):
+    """One exchange along the sequence dim: ``forward_op`` now, ``backward_op`` on the gradient
+    (each ``op(x, group, dim)``: all-gather, reduce-scatter or this rank's slice)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.group, SEQ_DIM), None
-
-
-class _ScatterTokens(torch.autograd.Function):
-    """fwd reduce-scatter, bwd all-gather (the output of row-parallel linears under SP)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter(x, group, SEQ_DIM)
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group, SEQ_DIM)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, SEQ_DIM), None
-
-
-class _SplitTokens(torch.autograd.Function):
-    """fwd this rank's slice of replicated tokens, bwd all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _slice(x, group, SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, SEQ_DIM), None
-
-
-class _GatherReplicated(torch.autograd.Function):
-    """fwd all-gather, bwd this rank's slice (what follows is the same on every tensor rank)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, SEQ_DIM)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _slice(grad, ctx.group, SEQ_DIM), None
+        return ctx.backward_op(grad, ctx.group, SEQ_DIM), None, None, None
 
 
 def copy_to_tensor(x, group):
@@ -151,23 +113,23 @@ def reduce_from_tensor(x, group):
 
 
 def gather_tokens(x, group):
-    """[B, S/T, h] -> [B, S, h]; backward reduce-scatters."""
-    return _GatherTokens.apply(x, group)
+    """[B, S/T, h] -> [B, S, h]; backward reduce-scatters (the input of column-parallel linears under SP)."""
+    return _TokenExchange.apply(x, group, _all_gather, _reduce_scatter)
 
 
 def scatter_tokens(x, group):
-    """[B, S, h] partial sums -> [B, S/T, h] summed; backward all-gathers."""
-    return _ScatterTokens.apply(x, group)
+    """[B, S, h] partial sums -> [B, S/T, h] summed; backward all-gathers (row-parallel outputs under SP)."""
+    return _TokenExchange.apply(x, group, _reduce_scatter, _all_gather)
 
 
 def split_tokens(x, group):
     """[B, S, h] replicated -> [B, S/T, h]; backward all-gathers."""
-    return _SplitTokens.apply(x, group)
+    return _TokenExchange.apply(x, group, _slice, _all_gather)
 
 
 def gather_replicated_tokens(x, group):
     """[B, S/T, h] -> [B, S, h] that every tensor rank then uses identically; backward slices."""
-    return _GatherReplicated.apply(x, group)
+    return _TokenExchange.apply(x, group, _all_gather, _slice)
 
 
 def shard_rows(weight: torch.Tensor, parts: int, index: int) -> torch.Tensor:
