@@ -195,7 +195,7 @@ def _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask=None) -> P
                                              device=device)
     out = model(
         input_ids=shard_sequence(ids, mesh), use_cache=True, logits_to_keep=keep,
-        **{_cache_argument(model): cache, **inputs},
+        **{cache_argument(model): cache, **inputs},
     )
     local = out.logits  # [B, S_pad/C, V], or [B, 1 or 0, V]
     if mesh.context_rank == last_shard:
@@ -281,7 +281,7 @@ def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int |
     pieces, logits, all_logits = [input_ids], state.next_logits, []
     for index in range(max_new_tokens):
         all_logits.append(logits)
-        tokens = _agree(choose_next_tokens(logits, **sampling), mesh)  # [B]
+        tokens = agree_across_context(choose_next_tokens(logits, **sampling), mesh)  # [B]
         if eos:
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
             unfinished &= ~torch.isin(tokens, eos_ids)
@@ -309,7 +309,7 @@ def decode_step(model: nn.Module, state: Prefill, tokens: torch.Tensor, position
         positions = positions - state.left_padding[:, None].to(positions.device)  # [B, 1]
         step = DecodeStep(state.cache.store, index=position, real=state.real)
     out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
-                **{_cache_argument(model): state.cache, DECODE_KWARG: step})
+                **{cache_argument(model): state.cache, DECODE_KWARG: step})
     return out.logits[:, -1].float()  # [B, V]
 
 
@@ -337,7 +337,7 @@ def choose_next_tokens(
     return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
 
 
-def _agree(tokens: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
+def agree_across_context(tokens: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
     """Context rank 0's tokens [B] on every rank of the context group."""
     if mesh.context > 1:
         tokens = tokens.contiguous()
@@ -345,7 +345,7 @@ def _agree(tokens: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
     return tokens
 
 
-def _cache_argument(model: nn.Module) -> str:
+def cache_argument(model: nn.Module) -> str:
     """The forward's cache keyword: ``cache`` (transformers >= 5.?) or ``past_key_values``."""
     parameters = inspect.signature(model.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"

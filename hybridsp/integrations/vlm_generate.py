@@ -19,7 +19,6 @@ positions. The prefill and decode steps otherwise follow
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Mapping
 
 import torch
@@ -28,7 +27,9 @@ from torch import nn
 
 from hybridsp.batch import padded_length
 from hybridsp.inference import ShardedKVCache
-from hybridsp.integrations.hf_generate import DecodeStep, HybridCache, choose_next_tokens
+from hybridsp.integrations.hf_generate import (
+    DecodeStep, HybridCache, agree_across_context, cache_argument, choose_next_tokens,
+)
 from hybridsp.integrations.transformers import DECODE_KWARG, NAME
 from hybridsp.integrations.vlm import VISION_KWARG, language_model_of
 from hybridsp.integrations.vlm_batch import VISION_KEYS, multimodal_positions, shard_vlm_batch
@@ -70,7 +71,7 @@ def generate_vlm(
         pieces, unfinished = [input_ids], torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
         for index in range(max_new_tokens):
-            tokens = _agree(choose_next_tokens(logits), mesh)  # [B]
+            tokens = agree_across_context(choose_next_tokens(logits), mesh)  # [B]
             if eos:
                 tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
                 unfinished &= ~torch.isin(tokens, eos_ids)
@@ -100,7 +101,7 @@ def _prefill(model, batch, mesh: HybridMesh, max_new_tokens: int, vision: str):
     positions = torch.cat([mine.expand(rows, -1)[None], local["position_ids"]])  # [4, B, S_pad/C]
     extra = {VISION_KWARG: local[VISION_KWARG]} if VISION_KWARG in local else {}
     out = model(input_ids=local["input_ids"], position_ids=positions, use_cache=True, logits_to_keep=keep,
-                **{_cache_argument(model): cache}, **extra)
+                **{cache_argument(model): cache}, **extra)
     if mesh.context_rank == last_shard:
         logits = out.logits[:, 0].float().contiguous()  # [B, V]
     else:
@@ -116,20 +117,8 @@ def _decode(model, cache: HybridCache, tokens: torch.Tensor, index: int, delta: 
     text = torch.full_like(tokens[:, None], index)  # [B, 1]
     positions = torch.stack([text, text + delta, text + delta, text + delta])  # [4, B, 1]
     out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
-                **{_cache_argument(model): cache, DECODE_KWARG: DecodeStep(cache.store)})
+                **{cache_argument(model): cache, DECODE_KWARG: DecodeStep(cache.store)})
     return out.logits[:, -1].float()  # [B, V]
-
-
-def _agree(tokens: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
-    """Context rank 0's tokens [B] on every rank of the context group."""
-    if mesh.context > 1:
-        tokens = tokens.contiguous()
-        dist.broadcast(tokens, src=mesh.context_members()[0], group=mesh.context_group)
-    return tokens
-
-
-def _cache_argument(model: nn.Module) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _as_list(ids) -> list[int]:
