@@ -44,13 +44,6 @@ class Documents:
         """Row ``b``'s boundaries ``(0, ..., S)``."""
         return (0, self.seq_len) if self.rows is None else self.rows[b]
 
-    def shared_row(self) -> tuple[int, ...] | None:
-        """The boundaries every row shares, or None when rows differ."""
-        if self.rows is None:
-            return (0, self.seq_len)
-        first = self.rows[0]
-        return first if all(row == first for row in self.rows) else None
-
     def key(self) -> tuple:
         """A hashable value that determines everything derived from these documents."""
         return (self.batch, self.seq_len, self.rows)

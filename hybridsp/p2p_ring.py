@@ -24,15 +24,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch.distributed as dist
 
 from hybridsp.block_exchange import GRAD_TAG, KV_TAG, post
 from hybridsp.ring_function import Block
-
-
-def ring_size_rank(group) -> tuple[int, int]:
-    """(size, rank) of the ring group; (1, 0) for no group."""
-    return (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
 
 
 def _receive_like(tensors, rows: int) -> list:

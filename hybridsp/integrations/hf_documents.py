@@ -77,11 +77,10 @@ def _with_documents(args: tuple, kwargs: dict, position_ids, mesh: HybridMesh, m
     ``attention_mask`` adds its padding as segments (:mod:`hybridsp.integrations.hf_padding`)."""
     if kwargs.get(DOCUMENTS_KWARG) is not None:
         return None  # the caller passed shard_batch's documents: nothing to derive, no collective
-    tokens = position_ids if position_ids is not None else None
     if any(kwargs.get(name) is not None for name in _DOC_KWARGS):
-        if tokens is None:
+        if position_ids is None:
             return None  # the attention converts cu_seq_lens_q/k itself
-        batch, seq_len = tokens.shape[0], tokens.shape[1] * mesh.context
+        batch, seq_len = position_ids.shape[0], position_ids.shape[1] * mesh.context
         documents = as_documents(documents_from_kwargs(kwargs, batch, seq_len), batch, seq_len)
     elif torch.is_tensor(mask) and mask.dim() == 2:
         documents = _documents_of_positions(position_ids, mesh, mask)
