@@ -30,27 +30,38 @@ Note [balanced layout]. One *try* (:func:`design_slot_runs`):
 A third kind of try, *split as needed* (:func:`hybridsp.balance_search.build_greedy`, Note [split
 as needed] there), splits a document only where it would push a slot over ``W*``.
 
+Note [hosts]. A holder of a piece of a document reads the document's rows before its last token
+that other slots hold, so a document's pieces cost about the sum of their end offsets (Note [rows
+bound] in :mod:`hybridsp.balance_bound`). A balancer spread over every slot pays that R - 1
+times. The *hosted* tries keep room for the contiguous balancer in only ``k`` slots (1, R // 2
+or R - 1, :func:`host_count`); units fill the others, and a unit that fits nowhere is cut head
+first into the slot with the fewest free tokens (the holder of the rest reads only that short
+head). On lognormal packs (S = 16,384) they win about half the rows at R = 2 and 4.
+
 :func:`balanced_slot_runs` runs the tries of :data:`TRIES` (contiguous and nested balancer for
 split thresholds none / 0.5 / 0.35 / 0.25 / 0.15 / 0.1 ``W*`` and reserves 1/4 .. 1, two split
-as needed) and keeps, among those whose busiest slot is within ``ACCEPT`` (3%) of the mean, the
+as needed, six hosted) and keeps, among those whose busiest slot is within ``ACCEPT`` (3%) of the mean, the
 one whose plan ships the fewest K/V rows (:func:`hull_rows`, what ``build_plan``'s hulls
 cover), else the best balanced. Tries stop after 4,000 documents' worth (at least two) and the
 local search of all tries shares min(``REPAIR_EVALS``, 100,000 / documents) layout
 evaluations, so many-document rows stay linear and fast. ``benchmarks/bench_balance.py``
 measures the choices: on lognormal packs (S = 16,384) the rows shipped fell from 1.33 / 1.57 /
-1.81 x zigzag's at R = 2 / 4 / 8 (first nested try within 1% balance) to 1.00 / 1.25 / 1.56 x,
-busiest slot <= 1.03 x the mean. The remaining gap is mostly forced: a document with k x
-``W*`` work must spread over >= k slots and each holder reads all of it before its last
-token, where zigzag keeps it on fewer (busier) slots.
+1.81 x zigzag's at R = 2 / 4 / 8 (first nested try within 1% balance) to 0.96 / 1.20 / 1.54 x,
+busiest slot <= 1.03 x the mean. Part of the gap is forced: a document with k x ``W*`` work
+must spread over >= k slots and each holder reads all of it before its last token, where
+zigzag keeps it on fewer (busier) slots; on about a third of these packs no layout within 5%
+balance can ship within 5% of zigzag's rows (:func:`hybridsp.balance_bound.kv_rows_lower_bound`).
 
 With one document or R = 1 the result is exactly the zigzag layout. Otherwise each slot's runs
 come whole documents first, then shared pieces (Note [run order] in
 :mod:`hybridsp.balance_work`). Time per try: O(n log n + n R) for n documents plus O(R log S)
-(plus the shared local-search budget); 8,000 documents at S = 65,536, R = 4: ~9 ms CPU, a
-lognormal pack of S = 16,384 at R = 8 (22 tries): ~17 ms, on a loaded 2-core machine.
+(plus the local-search budgets, one shared by the hosted tries and one by the others); 8,000
+documents at S = 65,536, R = 4: ~9 ms CPU (two tries), a lognormal pack of S = 16,384 at R = 8
+(28 tries): ~27 ms, R = 4: ~20 ms.
 
 Layout of the code: this module has the public entry points, the tries and the nested try's
-placement; :mod:`hybridsp.balance_work` the work model and bookkeeping (``slot_work`` and
+placement; :mod:`hybridsp.balance_bound` the lower bound on rows shipped;
+:mod:`hybridsp.balance_work` the work model and bookkeeping (``slot_work`` and
 ``hull_rows`` are re-exported here); :mod:`hybridsp.balance_search` the contiguous balancer's
 local search and the split-as-needed try.
 """
@@ -78,6 +89,9 @@ TRIES = tuple(t for (share, reserve) in SPLITS[:2] for t in (("contiguous", shar
 TRIES += (("greedy", 0.5, 0.0), ("greedy", 1.0, 0.0))
 TRIES += tuple(t for (share, reserve) in SPLITS[2:] for t in (("contiguous", share, reserve),
                                                                ("nested", share, reserve)))
+# contiguous balancer hosted by fewer slots (Note [hosts]): ("hosts", how many, reserve), the
+# count 1, R // 2 or R - 1 (fractions 0, 0.5, 1 of the way from 1 to R - 1)
+TRIES += tuple(("hosts", part, reserve) for part in (0.0, 0.5, 1.0) for reserve in (0.5, 1.0))
 ACCEPT = 1.03  # a try counts as balanced when its busiest slot has at most this x the mean work
 REPAIR_EVALS = 3000  # layouts the contiguous tries of one call may evaluate in all (at most)
 REPAIR_DOCUMENTS = 100_000  # ... and at most this / the number of documents
@@ -109,9 +123,17 @@ def balanced_slot_runs(
     docs = documents(bounds, window)
     best_key, best = None, None
     budget = [min(REPAIR_EVALS, REPAIR_DOCUMENTS // len(docs[1]))]
+    hosts_budget = list(budget)  # the hosted tries come last: a local-search budget of their own
+    seen = set()
     for kind, share, reserve in TRIES[:max(2, TRY_DOCUMENTS // len(docs[1]))]:
         if kind == "greedy":
             slots = build_greedy(docs, seq_len, ring, window, split_min=share)
+        elif kind == "hosts":
+            if (host_count(share, ring), reserve) in seen:
+                continue
+            seen.add((host_count(share, ring), reserve))
+            slots = _build(docs, seq_len, ring, window, split_share=math.inf, reserve=reserve,
+                           contiguous=True, budget=hosts_budget, hosts=host_count(share, ring))
         else:
             slots = _build(docs, seq_len, ring, window, split_share=share, reserve=reserve,
                            contiguous=kind == "contiguous", budget=budget)
@@ -126,12 +148,17 @@ def balanced_slot_runs(
     return best
 
 
+def host_count(share: float, ring: int) -> int:
+    """How many slots host the balancer: 1 at ``share`` 0, R - 1 at 1 (Note [hosts])."""
+    return max(1, 1 + round(share * (ring - 2)))
+
+
 def design_slot_runs(
     bounds: tuple[int, ...], seq_len: int, ring: int, *, window: int | None = None,
     split_share: float = DEFAULT_SPLIT_SHARE, split_length: float = DEFAULT_SPLIT_LENGTH,
     unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
     reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
-    contiguous: bool = False, greedy: float | None = None,
+    contiguous: bool = False, greedy: float | None = None, host_share: float | None = None,
 ) -> tuple[Runs, ...]:
     """One try with explicit knobs (Note [balanced layout]; for benchmarks of the choices).
 
@@ -144,6 +171,7 @@ def design_slot_runs(
     documents go over every slot; units that fit nowhere are cut to make token counts exact).
     ``contiguous``: the balancer (and split documents) in consecutive pieces, whole runs moved
     between slots to balance. ``greedy``: instead the split-as-needed try with that split_min.
+    ``host_share``: only :func:`host_count` slots keep room for the balancer (Note [hosts]).
     """
     check_bounds(bounds, seq_len, ring, window)
     if len(bounds) == 2 or ring == 1:
@@ -155,20 +183,23 @@ def design_slot_runs(
     slots = _build(docs, seq_len, ring, window, split_share=split_share,
                    split_length=split_length, unit_share=unit_share, unit_work=unit_work,
                    reserve=reserve, balancer=balancer, spread_all=spread_all, contiguous=contiguous,
-                   budget=[REPAIR_EVALS])
+                   budget=[REPAIR_EVALS], hosts=None if host_share is None else host_count(host_share, ring))
     return finish_runs(slots, bounds)
 
 
 def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve: float,
            split_length: float = DEFAULT_SPLIT_LENGTH, unit_share: float = DEFAULT_UNIT_SHARE,
            unit_work: float = DEFAULT_UNIT_WORK, balancer: bool = True, spread_all: bool = False,
-           contiguous: bool = False, budget: list | None = None):
-    """The slots (runs unsorted, exact tokens and work) of one design (Note [balanced layout])."""
+           contiguous: bool = False, budget: list | None = None, hosts: int | None = None):
+    """The slots (runs unsorted, exact tokens and work) of one design (Note [balanced layout]).
+    ``hosts``: only the first ``hosts`` slots keep room for the (contiguous) balancer; the others
+    are filled by units, a unit that fits nowhere cut head first into the fullest (Note [hosts])."""
     bounds, lengths, works = docs
     total = sum(works)
     mean_work, capacity = total / ring, seq_len // ring
     largest = max(range(len(lengths)), key=lengths.__getitem__) if balancer else -1
-    room = capacity - (int(reserve * lengths[largest] / ring) if balancer else 0)
+    room = capacity - (int(reserve * lengths[largest] / (hosts or ring)) if balancer else 0)
+    rooms = [room if hosts is None or i < hosts else capacity for i in range(ring)]
     min_work, max_length = split_share * mean_work, split_length * capacity
     # work grows with length: "work >= min_work or length >= max_length" is one length threshold
     by_length = math.ceil(min(max_length, seq_len + 1))
@@ -185,7 +216,7 @@ def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve
     left_tokens = sum(u[1] for u in units) + (lengths[largest] if balancer else 0)
     for start, n, work in sorted(units, key=lambda u: -u[2]):
         rho = left_work / left_tokens  # what a free token will carry on average
-        _place_unit(slots, bounds, start, n, work, rho, room, capacity, window)
+        _place_unit(slots, bounds, start, n, work, rho, rooms, capacity, window, hosts is not None)
         left_work, left_tokens = left_work - work, left_tokens - n
     if balancer and contiguous:
         order = repair(slots, bounds[largest], lengths[largest], mean_work, capacity, window,
@@ -222,7 +253,7 @@ def _split_document(slots, bounds, d: int, k: int, rho: float, room: int, capaci
                 else:
                     _head_tail(chosen, start, n, window)
                 return
-    _cut_unit(slots, bounds, start, n, room, capacity, window)
+    _cut_unit(slots, bounds, start, n, [room] * len(slots), capacity, window)
 
 
 def _head_tail(chosen: list[Slot], start: int, n: int, window) -> None:
@@ -264,12 +295,12 @@ def _consecutive(chosen: list[Slot], start: int, n: int, window) -> None:
         slot.take(start + lo, hi - lo, piece_work(lo, hi, window))
 
 
-def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, room: int, capacity: int,
-                window) -> None:
+def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, rooms: list, capacity: int,
+                window, short_heads: bool = False) -> None:
     """Give the unit whole to the slot that most lacks work (projected: its free tokens at ``rho``
-    work each), among those with room; else cut it over the slots with the most free tokens."""
+    work each), among those with room (``rooms[i]`` tokens for slot i); else cut it (:func:`_cut_unit`)."""
     best, best_key = None, None
-    for slot in slots:
+    for slot, room in zip(slots, rooms):
         if slot.tokens + n <= room:
             # projection: the slot's work if its free tokens got ``rho`` work each; the unit
             # changes it by delta: to the lowest projection if delta > 0, else the highest
@@ -279,14 +310,17 @@ def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, room: 
     if best is not None:
         best.take(start, n, work)
         return
-    _cut_unit(slots, bounds, start, n, room, capacity, window)
+    _cut_unit(slots, bounds, start, n, rooms, capacity, window, short_heads)
 
 
-def _cut_unit(slots, bounds, start: int, n: int, room: int, capacity: int, window) -> None:
-    """Cut [start, start + n) into consecutive pieces filling the slots with the most free tokens
-    (up to ``room``, then up to ``capacity``)."""
-    for limit in (room, capacity):
-        for slot in sorted(slots, key=lambda s: s.tokens):
+def _cut_unit(slots, bounds, start: int, n: int, rooms: list, capacity: int, window,
+              short_heads: bool = False) -> None:
+    """Cut [start, start + n) into consecutive pieces filling slots up to their room, then up to
+    ``capacity``: the slots with the most free tokens first, or (``short_heads``) the fewest, so
+    that the head cut off is short (a holder of a later piece reads it)."""
+    for limits in (rooms, [capacity] * len(slots)):
+        by_free = sorted(zip(slots, limits), key=lambda sl: sl[1] - sl[0].tokens if short_heads else sl[0].tokens)
+        for slot, limit in by_free:
             take = min(n, limit - slot.tokens)
             if take > 0:
                 slot.take(start, take, run_work(start, take, bounds, window))

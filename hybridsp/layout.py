@@ -22,8 +22,9 @@ cost exactly half a block on every rank.
 
 Note [balanced]: zigzag balances causal work over the whole sequence, not over packed documents:
 with a few long documents the busiest slot does up to twice the mean work. The balanced layout
-(:mod:`hybridsp.balance`) places long documents head-tail over the slots (each balances itself)
-and whole short documents by work, so the layout depends on the batch's boundaries: the same
+(:mod:`hybridsp.balance`) splits a long document over as few slots as its work needs (in
+consecutive pieces) and places short documents whole by work, so the layout depends on the
+batch's boundaries: the same
 boundaries must reach :func:`take_shard`, the attention and :func:`join_shards` (``bounds``).
 """
 
