@@ -26,6 +26,7 @@ variants; ``split x W*`` (tries with a split threshold; ``over all R``: TE-style
 of just enough slots); ``contiguous ...`` (the balancer and split documents in consecutive
 pieces plus the local search); ``split as needed`` (``_build_greedy``); ``nested tries
 (before)`` (the nested tries in order, first within 1%: what shipped before the K/V objective);
+``contiguous on k hosts`` (the hosted tries: only k slots keep room for the balancer);
 **``balanced (tries)``** (``balanced_slot_runs``, what ships: fewest hull rows within 3%). Writes benchmarks/results_balance.md and .json.
 """
 
@@ -45,6 +46,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hybridsp.balance import (SPLITS, balanced_slot_runs, design_slot_runs, slot_work,  # noqa: E402
                               zigzag_slot_runs)
+from hybridsp.balance import hull_rows  # noqa: E402
+from hybridsp.balance_bound import kv_rows_lower_bound  # noqa: E402
 from harness import load, machine_info, revision, write_results  # noqa: E402
 
 INF = math.inf
@@ -64,6 +67,9 @@ DESIGNS = {
     "contiguous first try": dict(contiguous=True),
     "contiguous split 0.35 W*": dict(split_share=0.35, contiguous=True),
     "split as needed 0.5 W*": dict(greedy=0.5),
+    "contiguous on 1 host": dict(contiguous=True, host_share=0.0),
+    "contiguous on R/2 hosts": dict(contiguous=True, host_share=0.5),
+    "contiguous on R-1 hosts": dict(contiguous=True, host_share=1.0),
     "nested tries (before)": {},
     "balanced (tries)": {},
 }
@@ -216,6 +222,28 @@ def measure(pack_set: dict) -> dict:
     return out
 
 
+def bound_rows(pack_set: dict) -> dict | None:
+    """Hull rows of zigzag and of the balanced layout beside ``kv_rows_lower_bound`` (Note [rows bound]):
+    at 1.05 balance (the issue's target) and at the balance the layout reached, summed over packs;
+    ``infeasible``: packs on which no layout within 1.05 balance ships <= 1.05 x zigzag's rows.
+    None with a window (the bound assumes full causal attention)."""
+    if pack_set["window"] is not None:
+        return None
+    seq_len, ring = pack_set["seq_len"], pack_set["ring"]
+    out = dict(zigzag=0, balanced=0, bound_105=0, bound_reached=0, infeasible=0)
+    for bounds in pack_set["packs"]:
+        zig = hull_rows(zigzag_slot_runs(seq_len, ring), bounds)
+        runs = balanced_slot_runs(bounds, seq_len, ring)
+        work = slot_work(runs, bounds)
+        at_105 = kv_rows_lower_bound(bounds, seq_len, ring, 1.05)
+        out["zigzag"] += zig
+        out["balanced"] += hull_rows(runs, bounds)
+        out["bound_105"] += at_105
+        out["bound_reached"] += kv_rows_lower_bound(bounds, seq_len, ring, max(work) * ring / sum(work))
+        out["infeasible"] += at_105 > 1.05 * zig
+    return out
+
+
 def build_times(repeats: int) -> list[dict]:
     """Host time of balanced_slot_runs for 1,000 / 8,000 / 32,000 documents: wall and CPU time
     (``time.process_time``, less disturbed by other jobs on a shared machine), min and median."""
@@ -254,6 +282,21 @@ def markdown(results: list[dict], timing: list[dict], info: dict) -> str:
                          f"{m['pieces']:.1f} | {m['kv_rows_vs_zigzag']:.2f} | {m['kv_causal_vs_zigzag']:.2f} | "
                          f"{m['kv_hull_vs_zigzag']:.2f} | {m['kv_hull'] / pack_set['packs']:,.0f} | {m['pairs']:.1f} |")
         lines.append("")
+    lines += ["## K/V rows against a lower bound (`hybridsp.balance_bound.kv_rows_lower_bound`)", "",
+              "Hull rows summed over the packs; the bound holds for *any* layout whose busiest slot has at most",
+              "that balance (Note [rows bound]); *infeasible* = packs on which no layout within 1.05 balance",
+              "can ship within 5% of zigzag's rows.", "",
+              "| packs | zigzag | balanced | balanced / zigzag | bound at 1.05 / zigzag | bound at balanced's "
+              "balance / zigzag | balanced / that bound | infeasible packs |",
+              "|---|---|---|---|---|---|---|---|"]
+    for pack_set in results:
+        b = pack_set["bound"]
+        if b:
+            z = max(1, b["zigzag"])
+            lines.append(f"| {pack_set['name']} | {b['zigzag']:,} | {b['balanced']:,} | {b['balanced'] / z:.2f} | "
+                         f"{b['bound_105'] / z:.2f} | {b['bound_reached'] / z:.2f} | "
+                         f"{b['balanced'] / max(1, b['bound_reached']):.2f} | {b['infeasible']} / {pack_set['packs']} |")
+    lines.append("")
     lines += ["## Build time of `balanced_slot_runs` (uniform random cut points)", "",
               "| documents | S | R | wall min ms | wall median ms | CPU min ms | CPU median ms |",
               "|---|---|---|---|---|---|---|"]
@@ -272,7 +315,8 @@ def main() -> None:
     for pack_set in pack_sets(args.seeds):
         print(f"{pack_set['name']} ...", flush=True)
         results.append(dict(name=pack_set["name"], seq_len=pack_set["seq_len"], ring=pack_set["ring"],
-                            window=pack_set["window"], packs=len(pack_set["packs"]), designs=measure(pack_set)))
+                            window=pack_set["window"], packs=len(pack_set["packs"]), designs=measure(pack_set),
+                            bound=bound_rows(pack_set)))
     timing = build_times(args.repeats)
     info["load_after"] = load()
     text = markdown(results, timing, info)

@@ -11,7 +11,9 @@ target states), at U1 x R4 and U2 x R2 on 4 gloo ranks, for each layout:
 * **bytes**: what the busiest rank sends per forward + backward (``comm_volume.hybrid_bytes`` with the
   call's plan, which the byte counter tests equal), as a ratio to zigzag's;
 * **measured**: each rank's process CPU time of one forward + backward of ``hybrid_attn_func`` (fp32,
-  H = 4, Hkv = 2, D = 64; the torch CPU kernel), median over repeats, layouts interleaved. The
+  by default H = 8, Hkv = 2, D = 128: Llama-style GQA 4:1 and head dim, enough work per kernel call
+  that the CPU kernel's per-call costs do not hide the imbalance; ``--heads/--kv-heads/--head-dim``;
+  the torch CPU kernel), median over repeats, layouts interleaved. The
   busiest rank's time is what a step costs with one device per rank (every ring step waits for
   it); max/mean is the measured balance. CPU time, not wall time: on a shared 2-core machine four
   ranks' wall clocks measure the scheduler, their CPU times measure the work.
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 
 from harness import launch, load, machine_info, revision, write_results  # noqa: E402
 
-SEQ, HEADS, KV_HEADS, HEAD_DIM = 16384, 4, 2, 64
+SEQ, HEADS, KV_HEADS, HEAD_DIM = 16384, 8, 2, 128
 MESHES = ((1, 4), (2, 2))
 LAYOUTS = ("zigzag", "balanced")
 
@@ -66,7 +68,7 @@ def skewed_packs(ring: int, count: int, threshold: float = 1.4) -> list[tuple[in
     return found
 
 
-def plan_metrics(bounds, ulysses: int, ring: int) -> dict:
+def plan_metrics(bounds, ulysses: int, ring: int, shape=(HEADS, KV_HEADS, HEAD_DIM)) -> dict:
     """Plan-level work and bytes of each layout on one pack (no processes)."""
     from hybridsp.comm_volume import hybrid_bytes
     from hybridsp.masks import build_plan
@@ -75,7 +77,7 @@ def plan_metrics(bounds, ulysses: int, ring: int) -> dict:
     for layout in LAYOUTS:
         plan = build_plan(SEQ, ring, layout, causal=True, docs=(bounds,), window=None, batch=1)
         work = [plan.work(r) for r in range(ring)]
-        sent = [sum(hybrid_bytes(batch=1, seq_len=SEQ, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+        sent = [sum(hybrid_bytes(batch=1, seq_len=SEQ, heads=shape[0], kv_heads=shape[1], head_dim=shape[2],
                                  ulysses=ulysses, ring=ring, ring_rank=r, element_size=4, plan=plan).values())
                 for r in range(ring)]
         out[layout] = {"work_max_over_mean": max(work) * ring / sum(work), "total_work": sum(work),
@@ -83,13 +85,15 @@ def plan_metrics(bounds, ulysses: int, ring: int) -> dict:
     return out
 
 
-def _measure(rank, world, ulysses, ring, packs, repeats):
-    """Per layout and pack: this rank's CPU seconds of one forward + backward, each repeat."""
+def _measure(rank, world, ulysses, ring, packs, repeats, shape=(HEADS, KV_HEADS, HEAD_DIM)):
+    """Per layout and pack: this rank's CPU seconds of one forward + backward, each repeat.
+    ``shape``: (heads, K/V heads, head dim) of the whole model (before the Ulysses split)."""
     from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 
+    heads, kv_heads, head_dim = shape
     meshes = {layout: init_mesh(ulysses=ulysses, ring=ring, layout=layout) for layout in LAYOUTS}
     gen = torch.Generator().manual_seed(0)
-    full = [torch.randn(1, SEQ, h, HEAD_DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)]
+    full = [torch.randn(1, SEQ, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads, heads)]
     times = {layout: [[] for _ in packs] for layout in LAYOUTS}
     for repeat in range(repeats):
         order = LAYOUTS if repeat % 2 == 0 else LAYOUTS[::-1]  # interleaved
@@ -122,12 +126,17 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--packs", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
+    parser.add_argument("--out", default="results_packed_layout", help="results file stem in benchmarks/")
     args = parser.parse_args(argv)
+    shape = (args.heads, args.kv_heads, args.head_dim)
     rows, before = [], load()
     for ulysses, ring in MESHES:
         packs = skewed_packs(ring, args.packs)
-        plans = [plan_metrics(bounds, ulysses, ring) for bounds in packs]
-        measured = summarise(launch(_measure, 4, ulysses, ring, packs, args.repeats, timeout=3600), packs)
+        plans = [plan_metrics(bounds, ulysses, ring, shape) for bounds in packs]
+        measured = summarise(launch(_measure, 4, ulysses, ring, packs, args.repeats, shape, timeout=3600), packs)
         for index, bounds in enumerate(packs):
             zig, bal = plans[index]["zigzag"], plans[index]["balanced"]
             mz, mb = measured["zigzag"][index], measured["balanced"][index]
@@ -144,7 +153,7 @@ def main(argv=None) -> dict:
     lines = [
         "# Packed batches: zigzag vs balanced layout", "",
         f"{machine_info()}; load {before} -> {load()}; revision {revision()}", "",
-        f"S = {SEQ}, H = {HEADS}, Hkv = {KV_HEADS}, D = {HEAD_DIM}, fp32, 4 gloo ranks, lognormal packs "
+        f"S = {SEQ}, H = {args.heads}, Hkv = {args.kv_heads}, D = {args.head_dim}, fp32, 4 gloo ranks, lognormal packs "
         f"(16..8,000 tokens), medians of {args.repeats} interleaved repeats of one forward + backward "
         "(each rank's CPU time).", "",
         "| mesh | pack | docs | plan work max/mean zigzag -> balanced | total work bal/zig | bytes (busiest) bal/zig "
@@ -157,7 +166,7 @@ def main(argv=None) -> dict:
             f"{r['work_max_over_mean']['balanced']:.3f} | {r['total_work_ratio']:.3f} | {r['bytes_ratio']:.3f} | "
             f"{r['measured_max_over_mean']['zigzag']:.3f} -> {r['measured_max_over_mean']['balanced']:.3f} | "
             f"{r['busiest_speedup']:.2f}x | {r['total_time_ratio']:.3f} |")
-    write_results(str(ROOT / "benchmarks" / "results_packed_layout"), "\n".join(lines) + "\n",
+    write_results(str(ROOT / "benchmarks" / args.out), "\n".join(lines) + "\n",
                   {"rows": rows, "args": vars(args)})
     print("\n".join(lines))
     return {"rows": rows}
