@@ -22,7 +22,7 @@ layout within 5% balance can ship within 5% of zigzag's rows there.
 
 from __future__ import annotations
 
-from itertools import accumulate
+from bisect import bisect_right
 
 
 def kv_rows_lower_bound(bounds: tuple[int, ...], seq_len: int, ring: int, balance: float) -> int:
@@ -30,30 +30,54 @@ def kv_rows_lower_bound(bounds: tuple[int, ...], seq_len: int, ring: int, balanc
     each) can ship if its busiest slot carries at most ``balance`` x the mean work (Note [rows bound])."""
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     capacity = seq_len // ring
-    total = sum(n * (n + 1) // 2 for n in lengths)
-    budget = balance * total / ring
-    cheapest = [0, *accumulate(sorted(p + 1 for n in lengths for p in range(n)))]
+    budget = balance * sum(n * (n + 1) // 2 for n in lengths) / ring
+    cheapest = Cheapest(lengths)
     rows = 0
     for n in lengths:
-        holders = _fewest_holders(n, capacity, budget, cheapest, ring)
+        holders = next((m for m in range(1, ring + 1) if _fits(n, 0, m, capacity, budget, cheapest)), ring)
         rows += sum(_lowest_top(n, j, capacity, budget, cheapest) for j in range(1, holders))
     return rows
 
 
-def _fits(n: int, e: int, j: int, capacity: int, budget: float, cheapest: list) -> bool:
+class Cheapest:
+    """Work of the ``k`` cheapest tokens of a row (the token at offset p carries p + 1): per work
+    value w, as many tokens as documents longer than w - 1. O(longest document) memory."""
+
+    def __init__(self, lengths: list[int]):
+        longest = max(lengths)
+        longer = [0] * (longest + 2)  # longer[w]: documents with length >= w
+        for n in lengths:
+            longer[n] += 1
+        for w in range(longest - 1, 0, -1):
+            longer[w] += longer[w + 1]
+        self._tokens, self._work = [0], [0]  # tokens / work with work value < w, w = 1, 2, ...
+        for w in range(1, longest + 1):
+            self._tokens.append(self._tokens[-1] + longer[w])
+            self._work.append(self._work[-1] + w * longer[w])
+
+    def __call__(self, k: int) -> int:
+        w = bisect_right(self._tokens, k)  # the first k tokens take every value below w, some of w
+        if w > len(self._tokens) - 1:
+            return self._work[-1]
+        return self._work[w - 1] + (k - self._tokens[w - 1]) * w
+
+
+def _fits(n: int, e: int, j: int, capacity: int, budget: float, cheapest: Cheapest) -> bool:
     """Whether offsets [e, n) of a document can lie on j slots within the work budget."""
     other = j * capacity - (n - e)
     if other < 0:
         return False
-    work = n * (n + 1) // 2 - e * (e + 1) // 2
-    return work + cheapest[min(other, len(cheapest) - 1)] <= j * budget
+    return n * (n + 1) // 2 - e * (e + 1) // 2 + cheapest(other) <= j * budget
 
 
-def _fewest_holders(n: int, capacity: int, budget: float, cheapest: list, ring: int) -> int:
-    """The fewest slots the whole document can lie on (at most ``ring``)."""
-    return next((m for m in range(1, ring + 1) if _fits(n, 0, m, capacity, budget, cheapest)), ring)
-
-
-def _lowest_top(n: int, j: int, capacity: int, budget: float, cheapest: list) -> int:
-    """The smallest e with offsets [e, n) fitting on j slots (a scan: not monotone in e)."""
-    return next(e for e in range(n + 1) if _fits(n, e, j, capacity, budget, cheapest))
+def _lowest_top(n: int, j: int, capacity: int, budget: float, cheapest: Cheapest) -> int:
+    """The smallest e with offsets [e, n) fitting on j slots: a scan (not monotone in e), from the
+    first e that the document's own work and tokens allow (necessary conditions)."""
+    lo, hi = max(0, n - j * capacity), n  # smallest e with work[e, n) <= j budget: bisection
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if n * (n + 1) // 2 - mid * (mid + 1) // 2 <= j * budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return next(e for e in range(lo, n + 1) if _fits(n, e, j, capacity, budget, cheapest))

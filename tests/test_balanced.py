@@ -184,3 +184,5 @@ def test_planner_reports_what_the_balanced_layout_buys():
                          capture_output=True, text=True, check=True).stdout
     packing = json.loads(out)["packing"]
     assert packing["ring"] == 4 and packing["zigzag"] > packing["balanced"] and "balanced" in packing["report"]
+    rows = packing["kv_rows"]  # what it costs: rows per ring pass, and the floor for any layout within 5%
+    assert 0 <= rows["floor_105"] <= rows["balanced"] and rows["zigzag"] > 0 and "K/V rows" in packing["report"]
