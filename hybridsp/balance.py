@@ -36,15 +36,17 @@ bound] in :mod:`hybridsp.balance_bound`). A balancer spread over every slot pays
 times. The *hosted* tries keep room for the contiguous balancer in only ``k`` slots (1, R // 2
 or R - 1, :func:`host_count`); units fill the others, and a unit that fits nowhere is cut head
 first into the slot with the fewest free tokens (the holder of the rest reads only that short
-head). On lognormal packs (S = 16,384) they win about half the rows at R = 2 and 4.
+head). On lognormal packs (S = 16,384) a hosted try wins on about half the packs at R = 2 and
+4 (rows shipped 1.00 -> 0.96 and 1.25 -> 1.20 x zigzag's).
 
 :func:`balanced_slot_runs` runs the tries of :data:`TRIES` (contiguous and nested balancer for
 split thresholds none / 0.5 / 0.35 / 0.25 / 0.15 / 0.1 ``W*`` and reserves 1/4 .. 1, two split
-as needed, six hosted) and keeps, among those whose busiest slot is within ``ACCEPT`` (3%) of the mean, the
-one whose plan ships the fewest K/V rows (:func:`hull_rows`, what ``build_plan``'s hulls
-cover), else the best balanced. Tries stop after 4,000 documents' worth (at least two) and the
-local search of all tries shares min(``REPAIR_EVALS``, 100,000 / documents) layout
-evaluations, so many-document rows stay linear and fast. ``benchmarks/bench_balance.py``
+as needed, six hosted) and keeps, among those whose busiest slot is within ``ACCEPT`` (3%) of
+the mean, the one whose plan ships the fewest K/V rows (:func:`hull_rows`, what
+``build_plan``'s hulls cover), else the best balanced. Tries stop after 4,000 documents' worth
+(at least two) and the local search of the tries shares min(``REPAIR_EVALS``, 100,000 /
+documents) layout evaluations (the hosted tries another such budget), so many-document rows
+stay linear and fast. ``benchmarks/bench_balance.py``
 measures the choices: on lognormal packs (S = 16,384) the rows shipped fell from 1.33 / 1.57 /
 1.81 x zigzag's at R = 2 / 4 / 8 (first nested try within 1% balance) to 0.96 / 1.20 / 1.54 x,
 busiest slot <= 1.03 x the mean. Part of the gap is forced: a document with k x ``W*`` work
