@@ -24,13 +24,15 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
+from hybridsp.balance_work import piece_work, prefix_work, shortest_with_work
+
 
 def kv_rows_lower_bound(bounds: tuple[int, ...], seq_len: int, ring: int, balance: float) -> int:
     """The fewest K/V rows a layout of this row over ``ring`` slots (``seq_len / ring`` tokens
     each) can ship if its busiest slot carries at most ``balance`` x the mean work (Note [rows bound])."""
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     capacity = seq_len // ring
-    budget = balance * sum(n * (n + 1) // 2 for n in lengths) / ring
+    budget = balance * sum(prefix_work(n, None) for n in lengths) / ring
     cheapest = Cheapest(lengths)
     rows = 0
     for n in lengths:
@@ -67,17 +69,12 @@ def _fits(n: int, e: int, j: int, capacity: int, budget: float, cheapest: Cheape
     other = j * capacity - (n - e)
     if other < 0:
         return False
-    return n * (n + 1) // 2 - e * (e + 1) // 2 + cheapest(other) <= j * budget
+    return piece_work(e, n, None) + cheapest(other) <= j * budget
 
 
 def _lowest_top(n: int, j: int, capacity: int, budget: float, cheapest: Cheapest) -> int:
     """The smallest e with offsets [e, n) fitting on j slots: a scan (not monotone in e), from the
     first e that the document's own work and tokens allow (necessary conditions)."""
-    lo, hi = max(0, n - j * capacity), n  # smallest e with work[e, n) <= j budget: bisection
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if n * (n + 1) // 2 - mid * (mid + 1) // 2 <= j * budget:
-            hi = mid
-        else:
-            lo = mid + 1
-    return next(e for e in range(lo, n + 1) if _fits(n, e, j, capacity, budget, cheapest))
+    by_work = shortest_with_work(prefix_work(n, None) - j * budget, n, None)  # work[e, n) <= j budget
+    start = max(by_work, n - j * capacity)
+    return next(e for e in range(start, n + 1) if _fits(n, e, j, capacity, budget, cheapest))

@@ -11,6 +11,7 @@ import pytest
 
 from hybridsp.balance import balanced_slot_runs, hull_rows, slot_work, zigzag_slot_runs
 from hybridsp.balance_bound import kv_rows_lower_bound
+from tests.test_balance import lognormal_pack
 
 
 def every_layout(seq_len: int, ring: int):
@@ -70,13 +71,6 @@ def test_bound_never_above_the_best_layout(seq_len, ring):
                 assert bound <= min(feasible), (bounds, balance, bound, min(feasible))
                 positive += bound > 0
     assert positive > 0  # not vacuous
-
-
-def lognormal_pack(seq_len: int, seed: int) -> tuple[int, ...]:
-    rng, bounds = random.Random(seed), [0]
-    while bounds[-1] < seq_len:
-        bounds.append(min(seq_len, bounds[-1] + min(8000, max(16, round(math.exp(rng.gauss(6.4, 1.2)))))))
-    return tuple(bounds)
 
 
 @pytest.mark.parametrize("ring", [2, 4, 8])
