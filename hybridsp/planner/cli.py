@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from hybridsp.planner import clusters
 from hybridsp.planner.ablation import ablation, format_ablation
-from hybridsp.planner.packing import packing_imbalance, packing_report, packing_traffic
+from hybridsp.planner.packing import packing_summary
 from hybridsp.planner.tensor import inference_options
 from hybridsp.planner.plans import Plan, format_seconds
 from hybridsp.planner.search import PlanResult, SearchSpace, longest_context, plan
@@ -352,9 +352,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"python -m hybridsp plan: error: {error}") from None
     if args.doc_lengths and result is not None and result.recommended is not None:
         ring, seq_len = result.recommended.config.ring, result.workload.seq_len
-        extra["packing"] = {"ring": ring, **packing_imbalance(args.doc_lengths, seq_len, ring),
-                            "kv_rows": packing_traffic(args.doc_lengths, seq_len, ring),
-                            "report": packing_report(args.doc_lengths, seq_len, ring)}
+        extra["packing"] = {"ring": ring, **packing_summary(args.doc_lengths, seq_len, ring)}
     if args.json:
         print(json.dumps({**(result.to_dict() if result else {"recommended": None, "ranked": []}), **extra}))
     else:

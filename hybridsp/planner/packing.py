@@ -5,8 +5,8 @@ costs ``imbalance = max / mean`` of the ranks' work instead of the mean. :func:`
 computes it for the zigzag and the balanced layout from a row's document lengths (the work model
 of :mod:`hybridsp.balance`: a token at offset ``p`` of its document attends to ``min(p + 1, W)``
 keys); :func:`packing_traffic` the K/V rows each ships per ring pass and the floor no layout
-within 5% balance goes under (:mod:`hybridsp.balance_bound`); :func:`packing_report` says what
-``layout="balanced"`` buys and what it costs. Host arithmetic only.
+within 5% balance goes under (:mod:`hybridsp.balance_bound`); :func:`packing_summary` both, once,
+with a paragraph on what ``layout="balanced"`` buys and what it costs. Host arithmetic only.
 """
 
 from __future__ import annotations
@@ -31,11 +31,15 @@ def pack_bounds(doc_lengths: list[int], seq_len: int) -> tuple[int, ...]:
     raise AssertionError("unreachable")
 
 
+def _packed_row(doc_lengths: list[int], seq_len: int, ring: int) -> tuple[int, tuple[int, ...]]:
+    """(S rounded down to a multiple of 2R, the row's boundaries) as both layouts split it."""
+    seq_len = seq_len // (2 * ring) * (2 * ring)
+    return seq_len, pack_bounds(doc_lengths, seq_len)
+
+
 def packing_imbalance(doc_lengths: list[int], seq_len: int, ring: int, window: int | None = None) -> dict[str, float]:
     """``{layout: busiest ring rank's work / mean}`` for ``zigzag`` and ``balanced`` on one packed row."""
-    multiple = 2 * ring
-    seq_len = seq_len // multiple * multiple
-    bounds = pack_bounds(doc_lengths, seq_len)
+    seq_len, bounds = _packed_row(doc_lengths, seq_len, ring)
     result = {}
     for name in ("zigzag", "balanced"):
         work = slot_work(get_layout(name).slot_runs(seq_len, ring, bounds), bounds, window)
@@ -46,25 +50,35 @@ def packing_imbalance(doc_lengths: list[int], seq_len: int, ring: int, window: i
 def packing_traffic(doc_lengths: list[int], seq_len: int, ring: int) -> dict[str, float]:
     """K/V rows one ring pass ships (full causal; the same rows travel again in the backward) under
     ``zigzag`` and ``balanced``, and ``floor_105``: the fewest any layout within 5% balance ships."""
-    seq_len = seq_len // (2 * ring) * (2 * ring)
-    bounds = pack_bounds(doc_lengths, seq_len)
+    seq_len, bounds = _packed_row(doc_lengths, seq_len, ring)
     rows = {name: hull_rows(get_layout(name).slot_runs(seq_len, ring, bounds), bounds) for name in ("zigzag", "balanced")}
     return {**rows, "floor_105": kv_rows_lower_bound(bounds, seq_len, ring, 1.05)}
 
 
-def packing_report(doc_lengths: list[int], seq_len: int, ring: int, window: int | None = None) -> str:
-    """One paragraph: both layouts' imbalance at this ring degree and the attention time balanced saves."""
-    if ring == 1:
-        return "packed documents: a ring of one has no imbalance (every layout is the same)"
+def packing_summary(doc_lengths: list[int], seq_len: int, ring: int, window: int | None = None) -> dict:
+    """Both layouts' imbalance (``zigzag``, ``balanced``), ``kv_rows`` (:func:`packing_traffic`; not
+    with a window) and ``report``: one paragraph on what ``layout="balanced"`` buys and costs."""
     ratio = packing_imbalance(doc_lengths, seq_len, ring, window)
+    rows = packing_traffic(doc_lengths, seq_len, ring) if window is None else None
+    report = ("packed documents: a ring of one has no imbalance (every layout is the same)" if ring == 1
+              else _report(doc_lengths, ring, ratio, rows))
+    return {**ratio, "kv_rows": rows, "report": report}
+
+
+def packing_report(doc_lengths: list[int], seq_len: int, ring: int, window: int | None = None) -> str:
+    """One paragraph: both layouts' imbalance at this ring degree, the attention time balanced saves
+    and the K/V rows it ships."""
+    return packing_summary(doc_lengths, seq_len, ring, window)["report"]
+
+
+def _report(doc_lengths: list[int], ring: int, ratio: dict, rows: dict | None) -> str:
     gain = ratio["zigzag"] / ratio["balanced"]
-    rows = packing_traffic(doc_lengths, seq_len, ring)
-    zigzag_rows = max(1, rows["zigzag"])
-    floor = (f" (no layout within 5% balance ships under {rows['floor_105'] / zigzag_rows:.2f}x)"
-             if rows["floor_105"] else "")
-    traffic = (f"; it ships {rows['balanced'] / zigzag_rows:.2f}x zigzag's K/V rows per ring pass{floor}, which "
-               f"matters only where the ring's transfers are not hidden behind attention"
-               if window is None and rows["zigzag"] else "")
+    traffic = ""
+    if rows and rows["zigzag"]:
+        floor = (f" (no layout within 5% balance ships under {rows['floor_105'] / rows['zigzag']:.2f}x)"
+                 if rows["floor_105"] else "")
+        traffic = (f"; it ships {rows['balanced'] / rows['zigzag']:.2f}x zigzag's K/V rows per ring pass{floor}, "
+                   f"which matters only where the ring's transfers are not hidden behind attention")
     return (f"packed documents (lengths {doc_lengths[:6]}{'...' if len(doc_lengths) > 6 else ''}, ring {ring}): "
             f"the busiest ring rank does {ratio['zigzag']:.2f}x the mean attention work with layout='zigzag', "
             f"{ratio['balanced']:.2f}x with layout='balanced': the ring's attention runs {gain:.2f}x faster with "
