@@ -131,11 +131,12 @@ def balanced_slot_runs(
         if kind == "greedy":
             slots = build_greedy(docs, seq_len, ring, window, split_min=share)
         elif kind == "hosts":
-            if (host_count(share, ring), reserve) in seen:
+            hosts = host_count(share, ring)
+            if (hosts, reserve) in seen:  # at small R the counts coincide
                 continue
-            seen.add((host_count(share, ring), reserve))
+            seen.add((hosts, reserve))
             slots = _build(docs, seq_len, ring, window, split_share=math.inf, reserve=reserve,
-                           contiguous=True, budget=hosts_budget, hosts=host_count(share, ring))
+                           contiguous=True, budget=hosts_budget, hosts=hosts)
         else:
             slots = _build(docs, seq_len, ring, window, split_share=share, reserve=reserve,
                            contiguous=kind == "contiguous", budget=budget)
