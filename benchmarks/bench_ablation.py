@@ -81,7 +81,7 @@ class NotAvailable(RuntimeError):
 def _tiled_mlp_function():
     """The tiled-MLP switch ``f(model, mesh)`` if this branch has one (issue 12.2), else None."""
     try:
-        import hybridsp.tiled_mlp as tiled
+        import hybridsp.memory.tiled_mlp as tiled
     except ImportError:
         return None
     for name in ("apply_tiled_mlp", "tile_mlp", "apply"):
@@ -295,7 +295,7 @@ def search(vocab, layers, techniques, budget, granularity, start, log, timeout,
            max_attempts: int = 8) -> tuple[int, list[Attempt], bool]:
     """From ``start`` (the planner's prediction) by 15% steps until the outcome flips, then bisect.
     Returns (longest that fit, attempts, whether the bisection finished within ``max_attempts``)."""
-    from hybridsp.layout import check_sequence_length
+    from hybridsp.layout.layouts import check_sequence_length
 
     step = math.lcm(granularity, 2 * RING * ULYSSES)
     attempts = []

@@ -75,7 +75,7 @@ def run_rank(rank: int, world: int, ulysses: int, ring: int, context: int, steps
     import torch.distributed as dist
 
     from hybridsp import init_mesh
-    from hybridsp.integrations.hf_generate import decode_step, prefill
+    from hybridsp.integrations.transformers.generate import decode_step, prefill
     from hybridsp.integrations.transformers import apply
 
     mesh = init_mesh(ulysses=ulysses, ring=ring)

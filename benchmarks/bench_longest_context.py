@@ -484,7 +484,7 @@ def _timeout_for(seq_len: int, successes: list[Attempt], first: float) -> float:
 
 def search(name: str, start: int, settings: Settings, log, variant=None) -> tuple[int, list[Attempt]]:
     """Doubling from ``start`` until a failure, then bisection to the step; returns (longest, attempts)."""
-    from hybridsp.layout import check_sequence_length
+    from hybridsp.layout.layouts import check_sequence_length
 
     world, ulysses, ring, _ = CONFIGS[name]
     step = math.lcm(settings.granularity, 2 * ring * ulysses)

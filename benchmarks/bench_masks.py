@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from hybridsp import CommCounter, ring_attention
-from hybridsp.layout import take_shard
-from hybridsp.masks import build_plan, normalize_cu_seqlens
+from hybridsp.layout.layouts import take_shard
+from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
 
 import harness
 

@@ -55,7 +55,7 @@ def lognormal_pack(seed: int, seq: int = SEQ) -> tuple[int, ...]:
 
 def skewed_packs(ring: int, count: int, threshold: float = 1.4) -> list[tuple[int, ...]]:
     """The first ``count`` seeded packs on which zigzag's plan imbalance at ``ring`` is >= ``threshold``."""
-    from hybridsp.masks import build_plan
+    from hybridsp.layout.block_plan import build_plan
 
     found, seed = [], 0
     while len(found) < count:
@@ -70,8 +70,8 @@ def skewed_packs(ring: int, count: int, threshold: float = 1.4) -> list[tuple[in
 
 def plan_metrics(bounds, ulysses: int, ring: int, shape=(HEADS, KV_HEADS, HEAD_DIM)) -> dict:
     """Plan-level work and bytes of each layout on one pack (no processes)."""
-    from hybridsp.comm_volume import hybrid_bytes
-    from hybridsp.masks import build_plan
+    from hybridsp.attention.volume import hybrid_bytes
+    from hybridsp.layout.block_plan import build_plan
 
     out = {}
     for layout in LAYOUTS:

@@ -100,7 +100,7 @@ def _revision_modules(revision: str):
 
 def _hybridsp_at(revision: str, mesh, scale):
     """hybrid_attn_func with the resharding and CPU kernel of ``revision`` swapped in for each call."""
-    import hybridsp.ulysses as current
+    import hybridsp.attention.ulysses as current
     from hybridsp import hybrid_attn_func
 
     old_ulysses, old_kernels = _revision_modules(revision)
@@ -128,7 +128,7 @@ class _SwapDuringBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        import hybridsp.ulysses as current
+        import hybridsp.attention.ulysses as current
 
         current._RESHARD.update({True: ctx.old._seq_to_heads, False: ctx.old._heads_to_seq})
         return grad, None, None
@@ -168,7 +168,7 @@ def analytic_bytes(case: Case) -> int:
     """The most bytes a rank must send per forward + backward (max over ring ranks) in the issue's
     minimum: Ulysses (U-1)/U of q, k, v, out each way; K/V rows only where the receiver reads them,
     forward and again backward, each visited block's dK/dV home once, in the input dtype
-    (:func:`hybridsp.comm_volume.hybrid_bytes` with ``kv_comm="ring"``)."""
+    (:func:`hybridsp.attention.volume.hybrid_bytes` with ``kv_comm="ring"``)."""
     from hybridsp.formulas import hybrid_bytes
 
     return max(sum(hybrid_bytes(batch=case.batch, seq_len=case.seq, heads=case.heads, kv_heads=case.kv_heads,
@@ -188,12 +188,12 @@ def _setup_method(case: Case, rank: int):
             return _hybridsp_at(case.method.split("@", 1)[1], mesh, scale), lambda x: shard_sequence(x, mesh)
         mode = {"kv_comm": case.method.split("-", 1)[1]} if "-" in case.method else {}
 
-        import hybridsp.ulysses
+        import hybridsp.attention.ulysses
 
-        current = dict(hybridsp.ulysses._RESHARD)  # a hybridsp@REV method swaps its own in for its calls
+        current = dict(hybridsp.attention.ulysses._RESHARD)  # a hybridsp@REV method swaps its own in for its calls
 
         def attention(q, k, v, counter=None):
-            hybridsp.ulysses._RESHARD.update(current)
+            hybridsp.attention.ulysses._RESHARD.update(current)
             return hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch", counter=counter, **mode)
 
         return attention, lambda x: shard_sequence(x, mesh)

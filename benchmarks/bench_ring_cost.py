@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from hybridsp import ring_attention
 from hybridsp.kernels import TorchFusedKernel
-from hybridsp.layout import take_shard
+from hybridsp.layout.layouts import take_shard
 
 import harness
 

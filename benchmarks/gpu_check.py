@@ -31,8 +31,8 @@ import torch
 
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels.reference import attention_in_input_dtype
-from hybridsp.merge import merge_into
-from hybridsp.masks import build_plan
+from hybridsp.attention.merge import merge_into
+from hybridsp.layout.block_plan import build_plan
 
 import harness
 

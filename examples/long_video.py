@@ -119,7 +119,7 @@ def peak_rss_bytes() -> int:
 def run(args: argparse.Namespace) -> dict:
     from hybridsp import init_mesh, sharded_cross_entropy
     from hybridsp.integrations.transformers import apply
-    from hybridsp.integrations.vlm_batch import shard_vlm_batch
+    from hybridsp.integrations.transformers.vision.batch import shard_vlm_batch
 
     world = dist.get_world_size()
     ulysses = args.ulysses or max(world // args.ring, 1)

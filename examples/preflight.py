@@ -133,8 +133,8 @@ def argument_problems(args) -> list[str]:
 def _hybrid_section(args, config: dict, world: int, problems: list[str]):
     """The validated hybrid section (None if it is unusable); problems with it appended to ``problems``."""
     from hybridsp.integrations.deepspeed import HybridConfig
-    from hybridsp.allgather import check_kv_chunks
-    from hybridsp.layout import check_sequence_length
+    from hybridsp.attention.transport.allgather import check_kv_chunks
+    from hybridsp.layout.layouts import check_sequence_length
 
     try:
         hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
@@ -213,9 +213,9 @@ def exit_once(error: Exception) -> None:
 
 def report_placement(mesh, save_dir: Path) -> None:
     """Where the ranks run (a collective): rank 0 prints one line (hosts, ranks, groups) and writes
-    ``<save_dir>/placement.json``; see :mod:`hybridsp.placement`. Runs before the first step, so a
+    ``<save_dir>/placement.json``; see :mod:`hybridsp.mesh.placement`. Runs before the first step, so a
     Ulysses group that crosses hosts shows before a long run, not after it."""
-    from hybridsp.placement import gather_placement
+    from hybridsp.mesh.placement import gather_placement
 
     placement = gather_placement(mesh)
     if mesh.rank == 0:

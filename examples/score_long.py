@@ -70,7 +70,7 @@ def build_model(args: argparse.Namespace, vocab_size: int, dtype: torch.dtype, s
     """The model to score with (every rank holds all weights unless ``--tensor`` T > 1: then 1/T of the layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from hybridsp.integrations.tensor_parallel import load_sharded_safetensors, tensor_parallel
+    from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_parallel
 
     if args.model_path and mesh is not None and mesh.tensor > 1:  # straight into the shards: never the whole model
         with torch.device("meta"):

@@ -13,7 +13,7 @@ import sys
 
 COMMANDS = {  # name -> module implementing it
     "plan": "hybridsp.planner.cli",
-    "check-mesh": "hybridsp.check_mesh",
+    "check-mesh": "hybridsp.mesh.check_command",
 }
 
 

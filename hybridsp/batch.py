@@ -30,7 +30,7 @@ each one (transformers' ``DataCollatorWithFlattening``, TRL's packing). The posi
 kept as given (RoPE restarts per document), the target of every document's last token
 becomes ``ignore_index`` (no loss across a boundary, whatever the labels say), and the
 attention finds the documents from the same restarts: :func:`batch_documents` turns them into the
-batch's :class:`~hybridsp.documents.Documents` once, on the host, and :func:`shard_batch` hands
+batch's :class:`~hybridsp.layout.documents.Documents` once, on the host, and :func:`shard_batch` hands
 them on (``local["documents"]``) to the model and to layouts that place tokens by document
 (``layout="balanced"``). Any other jump in ``position_ids`` is refused.
 """
@@ -43,11 +43,11 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from hybridsp.attention import shard_sequence
-from hybridsp.documents import Documents, normalize_cu_seqlens
-from hybridsp.layout import required_multiple
-from hybridsp.loss import IGNORE_INDEX
-from hybridsp.mesh import HybridMesh
+from hybridsp.attention.api import shard_sequence
+from hybridsp.layout.documents import Documents, normalize_cu_seqlens
+from hybridsp.layout.layouts import required_multiple
+from hybridsp.losses.cross_entropy import IGNORE_INDEX
+from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -89,19 +89,19 @@ def shard_batch(
             ``attention_mask`` [B, S] (1 = real token; right padding only) and
             ``position_ids`` [B, S] or [1, S] (consecutive within a row; default 0..S-1).
             Values that are not tensors are ignored; other tensors raise ValueError.
-        mesh: the :class:`~hybridsp.mesh.HybridMesh` whose ``(ring_rank, ulysses_rank)`` picks the shard.
+        mesh: the :class:`~hybridsp.mesh.hybrid_mesh.HybridMesh` whose ``(ring_rank, ulysses_rank)`` picks the shard.
         pad_token_id: fills ``input_ids`` where the sequence is padded to the layout's multiple.
         ignore_index: the target that carries no loss (padding, the last token of a row).
 
     Returns:
         ``input_ids``, ``shift_labels`` and ``position_ids``, each [B, S_pad / C] on the
         input's device, with ``S_pad = padded_length(S, mesh)`` and ``C = U * R``, and
-        ``documents``: the batch's packed documents (:class:`~hybridsp.documents.Documents`, host
+        ``documents``: the batch's packed documents (:class:`~hybridsp.layout.documents.Documents`, host
         data; ``.to(device)`` returns it unchanged). Pass ``input_ids`` and ``position_ids`` to the
         model (a switched HF model also takes ``hybridsp_documents=local["documents"]``: the
         attention then plans once per batch and needs no collective to find the documents; the
         balanced layout requires it) and ``shift_labels`` to
-        :func:`~hybridsp.loss.sharded_cross_entropy`. No communication.
+        :func:`~hybridsp.losses.cross_entropy.sharded_cross_entropy`. No communication.
     """
     full = prepare_batch(batch, mesh, pad_token_id=pad_token_id, ignore_index=ignore_index)
     documents = batch_documents(full["position_ids"])

@@ -2,7 +2,7 @@
 
 Kinds: ``all_to_all`` (Ulysses), ``ring`` (point-to-point K/V and dK/dV, ``kv_comm="ring"``),
 ``allgather`` and ``reduce_scatter`` (``kv_comm="allgather"``); the analytic values per rank
-are in :mod:`hybridsp.comm_volume`.
+are in :mod:`hybridsp.attention.volume`.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def hybrid_bytes(
     """Bytes one rank sends per forward + backward, by collective kind (only kinds that send).
 
     ``rows``: (rows sent, rows read) per pass when a block plan knows them (packed documents,
-    windows, the balanced layout; :func:`hybridsp.comm_volume.hybrid_bytes` takes the plan);
+    windows, the balanced layout; :func:`hybridsp.attention.volume.hybrid_bytes` takes the plan);
     default the dense formula :func:`ring_rows`."""
     sent: dict[str, int] = {}
     kv_heads_sent = expanded_kv_heads(heads, kv_heads, ulysses)

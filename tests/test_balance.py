@@ -1,4 +1,4 @@
-"""hybridsp.balance: the document-balanced slot layout against brute-force token accounting.
+"""hybridsp.layout.balance.tries: the document-balanced slot layout against brute-force token accounting.
 
 References are independent of the module: every token's document and offset are listed one by
 one (no prefix formulas), the partition is checked token by token, and the packs are generated
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from hybridsp import balance, balance_search, balance_work
-from hybridsp.balance import balanced_slot_runs, design_slot_runs, slot_work, zigzag_slot_runs
+from hybridsp.layout.balance import search as balance_search, tries as balance, work as balance_work
+from hybridsp.layout.balance.tries import balanced_slot_runs, design_slot_runs, slot_work, zigzag_slot_runs
 
 FILES = {module.__file__ for module in (balance, balance_search, balance_work)}  # the layout's code, traced
 
@@ -198,7 +198,7 @@ SHIPPED_VS_ZIGZAG = {2: 1.85, 4: 1.45, 8: 1.75}
 def test_kv_rows_shipped_against_zigzag(ring):
     """K/V rows the ring ships per forward, from build_plan's hulls (not timed), summed over packs:
     pinned against zigzag on the same packs; hull_rows (the tries' objective) equals the plan's."""
-    from hybridsp.masks import build_plan
+    from hybridsp.layout.block_plan import build_plan
 
     shipped = {"balanced": 0, "zigzag": 0}
     for seed in range(12):
@@ -214,7 +214,7 @@ def test_kv_rows_shipped_against_zigzag(ring):
 
 
 def count_lines(fn, *args) -> int:
-    """Lines of hybridsp/balance.py executed by fn(*args) (a timing-free measure of its cost)."""
+    """Lines of hybridsp/layout/balance/tries.py executed by fn(*args) (a timing-free measure of its cost)."""
     count = 0
 
     def local(frame, event, arg):

@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader
 
 from hybridsp import ShardedDataLoader, init_mesh, shard_batch
 from hybridsp.batch import padded_length, prepare_batch, replica_sampler
-from hybridsp.layout import join_shards
-from hybridsp.mesh import HybridMesh, MeshShape
+from hybridsp.layout.layouts import join_shards
+from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 from hybridsp.testing import run_distributed
 
 LENGTHS = (61, 40)  # row 0 fills the sequence, row 1 is right-padded

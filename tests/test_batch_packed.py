@@ -3,7 +3,7 @@
 import torch
 
 from hybridsp.batch import packed_cu_seqlens, prepare_batch
-from hybridsp.loss import IGNORE_INDEX
+from hybridsp.losses.cross_entropy import IGNORE_INDEX
 from tests.test_batch import mesh_at
 
 

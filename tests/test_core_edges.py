@@ -12,8 +12,8 @@ import torch
 
 from hybridsp import HybridAttention, hybrid_attn_func, init_mesh, shard_batch, shard_sequence
 from hybridsp.batch import padded_length
-from hybridsp.documents import normalize_cu_seqlens
-from hybridsp.mesh import HybridMesh, MeshShape
+from hybridsp.layout.documents import normalize_cu_seqlens
+from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 from hybridsp.testing import run_distributed
 from tests.mask_reference import masked_reference_with_grads
 from tests.reference import random_qkv, rel_err

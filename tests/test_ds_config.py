@@ -10,7 +10,7 @@ from torch import nn
 from hybridsp.integrations.deepspeed import (
     HybridConfig, HybridMPU, auto_precision, deepspeed_config, load_config, resolve_precision, scale_gradients,
 )
-from hybridsp.mesh import HybridMesh, MeshShape
+from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "ds_configs").glob("*.json"))

@@ -11,7 +11,7 @@ import torch
 from hybridsp import gather_sequence, init_mesh
 from hybridsp.inference import ShardedKVCache, assign_new_tokens, decode_attention
 from hybridsp.integrations import transformers as hf
-from hybridsp.integrations.hf_generate import choose_next_tokens
+from hybridsp.integrations.transformers.generate import choose_next_tokens
 from hybridsp.testing import run_distributed
 from tests.test_batch import mesh_at
 from tests.tiny_models import tiny_causal_lm

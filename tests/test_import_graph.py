@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybridsp"
-MAX_LINES = 450
+MAX_LINES = 420  # "about 400": two modules sit just above 400
 
 
 def _modules() -> dict[str, Path]:
@@ -168,7 +168,7 @@ def _too_long() -> dict[str, int]:
     return {path: count for path, count in lengths.items() if count > MAX_LINES}
 
 
-def test_no_module_is_over_450_lines():
+def test_no_module_is_over_about_400_lines():
     offenders = [f"{path}: {count} lines" for path, count in _too_long().items()]
     assert not offenders, f"modules over {MAX_LINES} lines:\n  " + "\n  ".join(offenders)
 

@@ -1,5 +1,5 @@
 """K/V transports (``kv_comm="ring"`` and ``"allgather"``): exactness against float64 and the
-bytes each rank sends against the analytic formulas of :mod:`hybridsp.comm_volume`."""
+bytes each rank sends against the analytic formulas of :mod:`hybridsp.attention.volume`."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hybridsp import CommCounter, hybrid_attn_func, init_mesh, shard_sequence
-from hybridsp.allgather import chunk_pieces, default_kv_chunks
-from hybridsp.comm_volume import hybrid_bytes, ring_rows
-from hybridsp.layout import layout_permutation
-from hybridsp.masks import build_plan, normalize_cu_seqlens
+from hybridsp.attention.transport.allgather import chunk_pieces, default_kv_chunks
+from hybridsp.attention.volume import hybrid_bytes, ring_rows
+from hybridsp.layout.layouts import layout_permutation
+from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
 from hybridsp.testing import run_distributed
 from tests import test_masks
 from tests.mask_reference import visible_mask
@@ -77,7 +77,7 @@ def test_ring_rows_equal_the_block_plan():
 
 
 def test_bad_kv_comm_and_chunks_are_refused_before_any_collective():
-    from hybridsp.mesh import MeshShape
+    from hybridsp.mesh.hybrid_mesh import MeshShape
 
     with pytest.raises(ValueError, match="unknown kv_comm 'gather'"):
         MeshShape(4, 2, 2, kv_comm="gather")
@@ -152,7 +152,7 @@ def test_bytes_sent_equal_the_formula_for_every_mesh_at_world8():
 def _both_gathers(rank, world):
     import torch.distributed as dist
 
-    from hybridsp.allgather import gather_chunk
+    from hybridsp.attention.transport.allgather import gather_chunk
 
     part = torch.full((2, 3, 1, 4), float(rank)) + torch.arange(4.0)  # [B, m, Hkv, D]
     outputs = []

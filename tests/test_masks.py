@@ -1,6 +1,6 @@
 """Packed documents and sliding windows across the hybrid attention, against float64 masked attention.
 
-The block plan (:mod:`hybridsp.masks`) is checked cell by cell against the dense mask; the
+The block plan (:mod:`hybridsp.layout.block_plan`) is checked cell by cell against the dense mask; the
 band kernels against float64 math; the whole Ulysses x ring attention, forward and q/k/v
 gradients, at world 4 and 8 for (U, R) in {(2,2), (1,4), (4,1), (2,4), (1,8)}.
 """
@@ -19,8 +19,8 @@ from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels.band import band_mask, flash_window
 from hybridsp.kernels.flash import FlashAttnKernel
-from hybridsp.layout import layout_permutation
-from hybridsp.masks import build_plan, normalize_cu_seqlens
+from hybridsp.layout.layouts import layout_permutation
+from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
 from hybridsp.testing import run_distributed
 from tests.flash_attn_standin import make_standin
 from tests.mask_reference import masked_reference_with_grads, visible_mask
@@ -247,7 +247,7 @@ def test_world8_full_matrix():
 def _varlen_vs_per_piece(rank, world):
     """The flash backend through the ring: varlen calls (one per window) against one call per piece."""
     from hybridsp import ring_attention
-    from hybridsp.layout import take_shard
+    from hybridsp.layout.layouts import take_shard
     from tests.flash_attn_standin import with_varlen
 
     import torch.distributed as dist
@@ -344,7 +344,7 @@ def test_bad_documents_or_window_raise_on_every_rank_before_any_collective():
 
 def _window_bytes(rank, world, windows):
     from hybridsp import ring_attention
-    from hybridsp.layout import take_shard
+    from hybridsp.layout.layouts import take_shard
 
     import torch.distributed as dist
 

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from hybridsp.merge import merge_blocks
+from hybridsp.attention.merge import merge_blocks
 from tests.reference import rel_err
 
 INF = math.inf

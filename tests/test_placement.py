@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from hybridsp.mesh import MeshShape
-from hybridsp.netif import choose_gloo_interface, interface_addresses, interface_for
-from hybridsp.placement import Placement
+from hybridsp.mesh.hybrid_mesh import MeshShape
+from hybridsp.mesh.gloo_interface import choose_gloo_interface, interface_addresses, interface_for
+from hybridsp.mesh.placement import Placement
 
 
 def _placement(hosts: list[str], ulysses: int, ring: int) -> Placement:

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 
 from hybridsp.__main__ import main
-from hybridsp.layout import check_sequence_length
-from hybridsp.mesh import MeshShape
+from hybridsp.layout.layouts import check_sequence_length
+from hybridsp.mesh.hybrid_mesh import MeshShape
 from hybridsp.planner import (
     MODELS, ClusterSpec, MeshConfig, ModelSpec, SearchSpace, Workload, comm_volume, evaluate, flops_per_rank,
     longest_context, memory_use, mesh_topology, plan, plan_degrees, preset_cluster,
@@ -247,7 +247,7 @@ def test_tiled_mlp_and_fused_loss_terms():
 
 
 def test_fused_loss_chunk_follows_the_library_default():
-    from hybridsp.fused_loss import CHUNK_LOGITS_BYTES, default_chunk_size
+    from hybridsp.losses.fused import CHUNK_LOGITS_BYTES, default_chunk_size
     from hybridsp.planner import Techniques
     from hybridsp.planner.memory import FUSED_CHUNK_LOGITS_BYTES, fused_loss_chunk
 

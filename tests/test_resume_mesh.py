@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridsp.integrations.checkpoint import SavedMesh, plan_resume
-from hybridsp.mesh import MeshShape
+from hybridsp.integrations.deepspeed.checkpoint import SavedMesh, plan_resume
+from hybridsp.mesh.hybrid_mesh import MeshShape
 from hybridsp.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

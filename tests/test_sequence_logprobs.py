@@ -1,4 +1,4 @@
-"""hybridsp.sequence_logprobs against single-process float64 math (U2 x R1 on 2 ranks, U2 x R2 on 4).
+"""hybridsp.losses.logprobs against single-process float64 math (U2 x R1 on 2 ranks, U2 x R2 on 4).
 
 Every rank takes its shard of the same full logits (a leaf), computes a DPO-style loss from
 :func:`sequence_logprobs` (per-sequence sums, non-linear in them) and a GRPO-style loss from
@@ -38,7 +38,7 @@ def _losses(seq_logp: torch.Tensor, token_logp: torch.Tensor, labels: torch.Tens
 
 
 def _reference():
-    from hybridsp.sequence_logprobs import token_logprobs
+    from hybridsp.losses.logprobs import token_logprobs
 
     logits, labels, old = _full_inputs()
     logits.requires_grad_(True)
@@ -50,7 +50,7 @@ def _reference():
 
 def _sharded(rank, world_size, ulysses, ring):
     from hybridsp import gather_sequence, init_mesh, shard_sequence
-    from hybridsp.sequence_logprobs import gather_tokens, sequence_logprobs, token_logprobs
+    from hybridsp.losses.logprobs import gather_tokens, sequence_logprobs, token_logprobs
 
     mesh = init_mesh(ulysses=ulysses, ring=ring)
     logits, labels, old = _full_inputs()

@@ -11,7 +11,7 @@ import transformers
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
-from hybridsp.integrations.tensor_parallel import load_sharded_safetensors, tensor_plan
+from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
 from tests.reference import rel_err
 from tests.test_generate import COMMON, prompt, reference_generate

@@ -6,7 +6,7 @@
 import pytest
 import torch
 
-from hybridsp.tiled_mlp import apply_tiled_mlp, tiled_mlp_forward
+from hybridsp.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_forward
 from tests.reference import rel_err
 from tests.tiny_models import tiny_causal_lm
 

@@ -5,7 +5,7 @@ L tokens in this rank's cache shard (may be 0), D head dim.
 
     partial:  q [B, T, H, D] x this rank's k/v [B, L, Hkv, D]  ->  (out, lse)   local kernel
     merge:    all-gather (out, lse) packed as [B, T, H, D+1] fp32 over the C context ranks,
-              merge by log-sum-exp (:mod:`hybridsp.merge`), in shard order on every rank
+              merge by log-sum-exp (:mod:`hybridsp.attention.merge`), in shard order on every rank
 
 One collective per layer, ``C x B x T x H x (D+1)`` fp32 received per rank, never a gather
 of the cache. Every rank merges the same partials in the same order, so every rank gets the
@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, get_kernel
 from hybridsp.kernels.reference import expand_kv_heads
-from hybridsp.mesh import HybridMesh
-from hybridsp.merge import merge_blocks
+from hybridsp.mesh.hybrid_mesh import HybridMesh
+from hybridsp.attention.merge import merge_blocks
 
 
 def decode_attention(

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridsp.mesh import HybridMesh
+from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
 def assign_new_tokens(shard_lengths: list[int], count: int) -> list[int]:
@@ -54,7 +54,7 @@ class ShardedKVCache:
     """One rank's K/V shard for every layer, plus the schedule of who caches each new token.
 
     Args:
-        mesh: the :class:`~hybridsp.mesh.HybridMesh`; ``mesh.context_rank`` names this shard.
+        mesh: the :class:`~hybridsp.mesh.hybrid_mesh.HybridMesh`; ``mesh.context_rank`` names this shard.
         num_layers: how many attention layers write to the cache.
         positions: [L0] int64 global positions of the prompt tokens this rank will store.
         shard_lengths: the L0 of every context rank, in shard order (the same list on every rank).

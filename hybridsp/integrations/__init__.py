@@ -1,10 +1,27 @@
-"""Integrations with other libraries, one module each; importing this package imports none of them.
+"""Integrations with other libraries, one package each; importing this package imports none of them.
 
-``hybridsp.integrations.deepspeed``     DeepSpeed ZeRO over the data-parallel x context ranks.
-``hybridsp.integrations.transformers``  Hugging Face transformers: the ``hybridsp`` attention
-implementation and ``apply(model, mesh)`` for Llama-family causal LMs.
-``hybridsp.integrations.trainer``       ``HybridSPTrainer`` / ``HybridSPMixin``: the Hugging Face
-Trainer with hybrid sequence parallelism (also importable from ``...integrations.transformers``).
-``hybridsp.integrations.vlm`` / ``vlm_batch`` / ``vlm_generate``  Qwen2-VL and Qwen2.5-VL: the language
-model switched by ``apply``, ``shard_vlm_batch`` (3-D positions, vision work per rank), ``generate_vlm``.
+``hybridsp.integrations.deepspeed``     DeepSpeed ZeRO 0-3 over the data-parallel x context ranks, the
+                                        ``"hybridsp"`` config section, mesh-aware checkpoints.
+``hybridsp.integrations.transformers``  Hugging Face transformers: ``apply(model, mesh)``, generation, the
+                                        loss without logits, ``HybridSPTrainer``, PEFT, ``vision/`` (Qwen2-VL).
+``hybridsp.integrations.trl``           TRL's SFT and DPO trainers.
+
+Each face exports its names lazily (:func:`lazy_exports`): ``import hybridsp.integrations.trl`` does not
+import TRL until a trainer is asked for.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+
+def lazy_exports(package: str, table: dict[str, str]) -> Callable[[str], object]:
+    """A module ``__getattr__`` for ``package`` that imports ``name`` from ``table[name]`` on first use."""
+
+    def __getattr__(name: str):
+        if name not in table:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(table[name]), name)
+
+    return __getattr__

@@ -1,4 +1,4 @@
-"""Band-masked attention pieces: the kernel side of :mod:`hybridsp.masks`.
+"""Band-masked attention pieces: the kernel side of :mod:`hybridsp.layout.block_plan`.
 
 A *band* ``(lo, hi)`` (either may be None = unbounded) says that query row ``i`` of a call
 sees key column ``j`` iff ``lo <= i - j <= hi``, both counted from the call's own first row
@@ -98,6 +98,6 @@ def flash_window(sq: int, sk: int, band: Band) -> tuple[int, int]:
     if (hi is not None and left < 0) or (lo is not None and right < 0):
         raise ValueError(
             f"band {band} on a {sq} x {sk} block leaves rows or columns without keys, which flash-attn's "
-            f"window cannot express; trim the block first (hybridsp.masks does)"
+            f"window cannot express; trim the block first (hybridsp.layout.block_plan does)"
         )
     return left, right

@@ -194,7 +194,7 @@ class FlashAttnKernel:
         )
         return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
 
-    # ----------------------------------------------------------------- band pieces (hybridsp.masks)
+    # ----------------------------------------------------------------- band pieces (hybridsp.layout.block_plan)
 
     def forward_band(self, q, k, v, *, band, softmax_scale: float):
         """A band piece (see :mod:`hybridsp.kernels.band`) as one flash-attn call with ``window_size``.

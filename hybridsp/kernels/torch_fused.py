@@ -58,7 +58,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def heads_first_dense(x: torch.Tensor) -> torch.Tensor:
     """[B, S, H, D] -> [B, H, S, D] with every head's [S, D] plane dense: a view when it already is
-    (hybridsp.ulysses hands out such views, Note [heads-first] there), else a contiguous copy."""
+    (hybridsp.attention.ulysses hands out such views, Note [heads-first] there), else a contiguous copy."""
     y = x.transpose(1, 2)  # [B, H, S, D]
     dense = y.stride(-1) == 1 and (y.shape[-2] <= 1 or y.stride(-2) == y.shape[-1])
     return y if dense else y.contiguous()
@@ -144,7 +144,7 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     if low_precision_gqa:
         k, v = expand_kv_heads(k, q.shape[2]), expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
     # The bf16/fp16 CPU kernel runs faster on dense heads-first planes (Note [heads-first] in
-    # hybridsp.ulysses, whose outputs already are); fp32 does not care, so it skips the copies.
+    # hybridsp.attention.ulysses, whose outputs already are); fp32 does not care, so it skips the copies.
     layout = heads_first_dense if low_precision else _heads_first
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
         layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, causal, attn_mask=mask, scale=scale,

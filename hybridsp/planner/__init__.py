@@ -66,7 +66,7 @@ Step time and ranking
 
 from hybridsp.planner.ablation import AblationRow, ablation, format_ablation
 from hybridsp.planner.costs import CommVolume, Flops, comm_volume, flops_per_rank
-from hybridsp.planner.degrees import plan_degrees
+from hybridsp.planner.search import plan_degrees
 from hybridsp.planner.memory import MemoryUse, memory_use
 from hybridsp.planner.plans import Plan, evaluate, mesh_problems
 from hybridsp.planner.search import (

@@ -8,7 +8,7 @@ ring hop, ``a`` the latency of one synchronisation on that link (``STEP_LATENCY_
 ``o`` (``CALL_OVERHEAD_S``) is the fixed cost of one block's kernel launch and LSE merge, paid
 per ring step by the ring and per chunk by the all-gather.
 
-``ring`` (:mod:`hybridsp.p2p_ring`; lockstep steps, a step lasts as long as its slowest
+``ring`` (:mod:`hybridsp.attention.transport.p2p`; lockstep steps, a step lasts as long as its slowest
 transfer, and in every step some rank ships a whole block; the dK/dV of step s travel during
 step s + 1)::
 
@@ -19,7 +19,7 @@ step s + 1)::
     memory   = 2 kv (K/V in flight) [+ backward: the visitor's fp32 dK/dV, its send and the
                received one: g * 4/e + 2 g]
 
-``allgather`` (:mod:`hybridsp.allgather`; ``n`` chunks, see ``default_kv_chunks``): a chunk
+``allgather`` (:mod:`hybridsp.attention.transport.allgather`; ``n`` chunks, see ``default_kv_chunks``): a chunk
 gathers ``(R - 1) kv / n`` bytes in one collective of latency ``a * ceil(log2 R)`` (tree /
 multicast all-gathers), ``G``; its reduce-scatter of dK/dV moves ``(R - 1) g / n``, ``RS``; a
 chunk's compute is ``(R - 1) f / n``, the own block's ``f``::

@@ -279,7 +279,7 @@ def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: Mesh
     """Transient buffers of one attention call: the fp32 out (or dq) accumulator and LSE, plus
     the larger of the all-to-all's send+receive of q/k/v and the K/V transport's buffers
     (:func:`hybridsp.planner.kv_modes.kv_workspace_bytes`: ring or all-gather). Not their sum:
-    ``hybridsp.ulysses`` reshards before the ring call (forward: q/k/v; backward: dout) and after
+    ``hybridsp.attention.ulysses`` reshards before the ring call (forward: q/k/v; backward: dout) and after
     it (forward: out; backward: dq/dk/dv), and each side frees its buffers before the other
     starts (``del send`` / ``received`` in ``_seq_to_heads`` / ``_heads_to_seq``; the ring's
     receive and dK/dV blocks die with ``_ring_backward``)."""

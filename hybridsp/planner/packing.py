@@ -3,9 +3,9 @@
 Every ring step waits for the busiest rank, so on packed data the attention part of a step
 costs ``imbalance = max / mean`` of the ranks' work instead of the mean. :func:`packing_imbalance`
 computes it for the zigzag and the balanced layout from a row's document lengths (the work model
-of :mod:`hybridsp.balance`: a token at offset ``p`` of its document attends to ``min(p + 1, W)``
+of :mod:`hybridsp.layout.balance.tries`: a token at offset ``p`` of its document attends to ``min(p + 1, W)``
 keys); :func:`packing_traffic` the K/V rows each ships per ring pass and the floor no layout
-within 5% balance goes under (:mod:`hybridsp.balance_bound`); :func:`packing_summary` both, once,
+within 5% balance goes under (:mod:`hybridsp.layout.balance.bound`); :func:`packing_summary` both, once,
 with a paragraph on what ``layout="balanced"`` buys and what it costs. Host arithmetic only.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import itertools
 
-from hybridsp.balance import hull_rows, slot_work
-from hybridsp.balance_bound import kv_rows_lower_bound
-from hybridsp.layout import get_layout
+from hybridsp.layout.balance.tries import hull_rows, slot_work
+from hybridsp.layout.balance.bound import kv_rows_lower_bound
+from hybridsp.layout.layouts import get_layout
 
 
 def pack_bounds(doc_lengths: list[int], seq_len: int) -> tuple[int, ...]:

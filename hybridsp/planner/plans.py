@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from hybridsp.formulas import heads_divisible
-from hybridsp.layout import check_sequence_length
+from hybridsp.layout.layouts import check_sequence_length
 from hybridsp.planner.costs import CommVolume, Flops, comm_volume, expanded_kv_heads, flops_per_rank
 from hybridsp.planner.kv_modes import best_of
 from hybridsp.planner.memory import MemoryUse, memory_use

@@ -1,6 +1,6 @@
 """Which link each transfer travels on, and how long one step takes.
 
-The rank order is :class:`hybridsp.mesh.MeshShape`'s (Ulysses innermost by default); node
+The rank order is :class:`hybridsp.mesh.hybrid_mesh.MeshShape`'s (Ulysses innermost by default); node
 ``n`` holds global ranks ``[n * P, (n + 1) * P)`` for ``P`` accelerators per node.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridsp.mesh import MeshShape
+from hybridsp.mesh.hybrid_mesh import MeshShape
 from hybridsp.planner.costs import (
     CommVolume, Flops, comm_volume, flops_per_rank, local_tokens, ring_step_forward_flops, zero_bytes,
 )

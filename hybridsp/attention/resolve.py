@@ -1,0 +1,181 @@
+"""Validate once, resolve once: everything one attention call needs before its first collective.
+
+:func:`resolve_ring_call` turns a call's arguments into a :class:`RingCall` — the kernel (one
+instance per process, backend and device type), the softmax scale, the K/V transport and the
+block plan — after checking every argument (ValueError, quoting the numbers, before any
+communication). The plan comes from the batch's :class:`~hybridsp.layout.documents.Documents`, where
+it is kept: every layer of a forward over the same batch reuses it.
+
+Note [agreement]: ranks that disagree on an input (a local length, a window, the documents)
+would post mismatched sends and hang. :func:`check_agreement` compares a small fingerprint of
+the call with one ``all_reduce`` over the communicating group and raises ValueError on every
+rank when any field differs. It runs once per :class:`Documents` object and call settings:
+once per batch when the documents come from :func:`hybridsp.shard_batch` (every layer shares
+them), once per call for a caller who passes raw ``cu_seqlens`` (or none).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridsp.attention.transport.allgather import AllGatherTransport, check_kv_chunks, resolve_kv_chunks
+from hybridsp.comm import CommCounter
+from hybridsp.layout.documents import Documents, as_documents
+from hybridsp.formulas import heads_divisible
+from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, resolve_kernel
+from hybridsp.layout.layouts import LAYOUTS, TokenLayout, get_layout
+from hybridsp.layout.block_plan import BlockPlan, build_plan, check_sliding_window
+from hybridsp.mesh.hybrid_mesh import KV_COMMS
+from hybridsp.attention.transport.p2p import P2PTransport
+from hybridsp.attention.ring_function import LocalTransport
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class RingCall:
+    """One resolved ring attention call (immutable; the autograd shell keeps it for the backward)."""
+
+    group: dist.ProcessGroup | None
+    ring: int
+    rank: int
+    kernel: AttentionKernel
+    scale: float
+    causal: bool
+    plan: BlockPlan | None  # None: one kernel call on the whole local sequence
+    kv_comm: str
+    kv_chunks: int | None
+    counter: CommCounter | None
+
+    def transport(self, k, v):
+        """The K/V transport of one pass (Note [one shell] in :mod:`hybridsp.attention.ring_function`)."""
+        if self.ring == 1:
+            return LocalTransport(self, k, v)
+        if self.kv_comm == "allgather":
+            return AllGatherTransport(self, k, v)
+        return P2PTransport(self, k, v)
+
+
+def check_softmax_scale(softmax_scale: float | None) -> None:
+    """Raise ValueError unless the scale is None or a finite positive number."""
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+        0 < float(softmax_scale) < float("inf")
+    ):
+        raise ValueError(f"softmax_scale must be a finite positive number (or None for 1/sqrt(D)); got {softmax_scale!r}")
+
+
+def check_kv_comm(kv_comm: str) -> None:
+    """Raise ValueError unless ``kv_comm`` names a K/V transport."""
+    if kv_comm not in KV_COMMS:
+        raise ValueError(f"unknown kv_comm {kv_comm!r}; choose one of {', '.join(map(repr, KV_COMMS))}")
+
+
+def check_causal(causal) -> None:
+    """Raise ValueError unless ``causal`` is a bool (``causal="no"`` would silently run as causal)."""
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False; got {causal!r} ({type(causal).__name__})")
+
+
+def check_ring_inputs(q, k, v, *, causal, layout: TokenLayout, ring: int, ulysses: int, softmax_scale,
+                      sliding_window, kv_comm: str, kv_chunks: int | None) -> None:
+    """Raise ValueError for inputs the ring cannot run (before any communication).
+
+    ``q`` [B, S_local, H, D], ``k``/``v`` [B, S_local, Hkv, D] are this rank's tokens (before the
+    Ulysses all-to-all, which makes ``S_local x ulysses`` tokens per ring slot).
+    """
+    check_qkv(q, k, v, causal=False)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}"
+        )
+    if not heads_divisible(q.shape[2], ulysses):
+        raise ValueError(
+            f"query heads ({q.shape[2]}) must be divisible by the Ulysses degree ({ulysses}); choose a "
+            f"Ulysses degree that divides {q.shape[2]} and move the rest of the context ranks to the ring"
+        )
+    check_causal(causal)
+    check_softmax_scale(softmax_scale)
+    check_sliding_window(sliding_window)
+    check_kv_comm(kv_comm)
+    slot = q.shape[1] * ulysses
+    if kv_comm == "allgather":
+        check_kv_chunks(kv_chunks, slot)
+    layout.check_sequence_length(slot * ring, ring, ulysses, kv_chunks if kv_comm == "allgather" else None)
+
+
+def plan_for(documents: Documents, layout: TokenLayout, ring: int, causal: bool, window: int | None) -> BlockPlan | None:
+    """The block plan of a call, kept on the batch's documents; None for a ring of one that nothing masks."""
+    window = None if window is None or window >= documents.seq_len else window
+    if ring == 1 and not documents.packed and window is None:
+        return None
+    return documents.remember(
+        ("plan", layout, ring, causal, window),
+        lambda: build_plan(documents.seq_len, ring, layout, causal=causal, docs=documents.rows, window=window,
+                           batch=documents.batch),
+    )
+
+
+def resolve_ring_call(
+    q, k, v, group, *, ring: int, ulysses: int = 1, causal, cu_seqlens, sliding_window, softmax_scale, backend,
+    layout, counter, kv_comm: str, kv_chunks: int | None, agreement_group=None,
+) -> RingCall:
+    """Validate the ring part of a call and resolve it (see the module docstring).
+
+    ``q``/``k``/``v`` are this rank's tokens ``[B, S_local, H(kv), D]`` before any all-to-all;
+    ``ring``/``ulysses`` the degrees (a slot holds ``S_local x ulysses`` tokens);
+    ``agreement_group``: the group whose ranks must agree (Note [agreement]; None: no check).
+    """
+    layout = get_layout(layout)
+    check_ring_inputs(q, k, v, causal=causal, layout=layout, ring=ring, ulysses=ulysses, softmax_scale=softmax_scale,
+                      sliding_window=sliding_window, kv_comm=kv_comm, kv_chunks=kv_chunks)
+    slot = q.shape[1] * ulysses
+    documents = as_documents(cu_seqlens, q.shape[0], slot * ring)
+    kernel = resolve_kernel(backend, q)
+    chunks = resolve_kv_chunks(kv_chunks, ring, slot) if kv_comm == "allgather" else None
+    check_agreement(agreement_group, documents, _fingerprint(q, k, causal, sliding_window, softmax_scale, layout,
+                                                             kv_comm, chunks), q.device)
+    rank = 0 if group is None else dist.get_rank(group)
+    plan = plan_for(documents, layout, ring, causal, sliding_window)
+    scale = default_softmax_scale(q.shape[-1], softmax_scale)
+    return RingCall(group, ring, rank, kernel, scale, causal, plan, kv_comm, chunks, counter)
+
+
+def _fingerprint(q, k, causal, window, scale, layout, kv_comm, chunks) -> tuple[int, ...]:
+    """The call settings every rank of a group must share, as small integers."""
+    scale_bits = 0 if scale is None else struct.unpack("<Q", struct.pack("<d", float(scale)))[0] >> 2
+    return (*q.shape, k.shape[2], _DTYPES.index(q.dtype), int(causal), -1 if window is None else window,
+            scale_bits, LAYOUTS.index(layout.name), KV_COMMS.index(kv_comm), chunks or 0)
+
+
+_NAMES = ("batch", "local tokens", "query heads", "head dim", "K/V heads", "dtype", "causal", "sliding_window",
+          "softmax_scale", "layout", "kv_comm", "kv_chunks", "documents", "documents")
+
+
+def check_agreement(group, documents: Documents, fields: tuple[int, ...], device) -> None:
+    """Raise ValueError on every rank of ``group`` unless all ranks call with the same settings and
+    documents (Note [agreement]); one small all_reduce, once per documents object and settings."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    key = ("agreed", id(group), fields)
+    if key in documents.memo:
+        return
+    mine = torch.tensor([*fields, *documents.digest()], dtype=torch.int64, device=device)
+    extremes = torch.cat([mine, -mine])
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    high, low = extremes[: mine.numel()], -extremes[mine.numel():]
+    differ = (high != low).nonzero().flatten().tolist()
+    if differ:
+        names = sorted({_NAMES[i] for i in differ})
+        raise ValueError(
+            f"the ranks of one attention call disagree on {', '.join(names)} (this rank, {dist.get_rank()}: batch "
+            f"{fields[0]}, local tokens {fields[1]}, heads {fields[2]}/{fields[4]}, sliding_window "
+            f"{None if fields[7] < 0 else fields[7]}, {documents!r}): every rank of a context group must pass the "
+            f"same settings, the same cu_seqlens and equally long shards (shard them with hybridsp.shard_batch)"
+        )
+    documents.memo[key] = True

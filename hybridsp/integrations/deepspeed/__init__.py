@@ -1,0 +1,45 @@
+"""DeepSpeed ZeRO (stages 0-3) composed with hybrid sequence parallelism: the public face.
+
+    import hybridsp
+    from hybridsp.integrations import deepspeed as hds
+
+    engine, optimizer, mesh, undo = hds.initialize(model, "ds_configs/cp8.json", optimizer=opt)
+    for full_batch in loader:                          # the same full batch on every context rank
+        local = hybridsp.shard_batch(full_batch, mesh)
+        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                        use_cache=False).logits
+        loss = hybridsp.sharded_cross_entropy(logits, local["shift_labels"], mesh)
+        engine.backward(loss)
+        engine.step()
+
+Modules: ``config`` (the ``"hybridsp"`` section, its checks, DeepSpeed's cleaned config), ``engine``
+(the mpu, the mesh, ``initialize``, the gradient scale; its notes), ``tensor`` (the tensor axis),
+``checkpoint`` / ``checkpoint_files`` (mesh-aware checkpoints, resume on another mesh).
+"""
+
+from __future__ import annotations
+
+from hybridsp.integrations import lazy_exports
+
+_EXPORTS = {
+    "OWNED_KEYS": "hybridsp.integrations.deepspeed.config",
+    "PRECISIONS": "hybridsp.integrations.deepspeed.config",
+    "SECTION": "hybridsp.integrations.deepspeed.config",
+    "SECTION_KEYS": "hybridsp.integrations.deepspeed.config",
+    "HybridConfig": "hybridsp.integrations.deepspeed.config",
+    "auto_precision": "hybridsp.integrations.deepspeed.config",
+    "deepspeed_config": "hybridsp.integrations.deepspeed.config",
+    "load_config": "hybridsp.integrations.deepspeed.config",
+    "resolve_precision": "hybridsp.integrations.deepspeed.config",
+    "HybridEngine": "hybridsp.integrations.deepspeed.engine",
+    "HybridMPU": "hybridsp.integrations.deepspeed.engine",
+    "build_mesh": "hybridsp.integrations.deepspeed.engine",
+    "init_distributed": "hybridsp.integrations.deepspeed.engine",
+    "initialize": "hybridsp.integrations.deepspeed.engine",
+    "scale_gradients": "hybridsp.integrations.deepspeed.engine",
+    "without_cpu_shm_comm_build": "hybridsp.integrations.deepspeed.engine",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)
