@@ -31,10 +31,8 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import torch  # noqa: E402
-
 import harness  # noqa: E402
-
+import torch  # noqa: E402
 
 MIB = 2**20
 METHODS = ("hybridsp", "hybridsp-before", "deepspeed")
@@ -53,9 +51,9 @@ def _patch_before(source: str) -> None:
 
 def rank_main(rank, world, method, seq, heads, kv_heads, batch, before_source):
     import torch.distributed as dist
-
     from bench_longest_context import Allocations
     from bench_peers import Case, _setup_method, make_inputs
+
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
 
     case = Case("deepspeed" if method == "deepspeed" else "hybridsp", world, world, 1, "fp32", seq, heads,

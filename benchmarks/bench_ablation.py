@@ -51,11 +51,11 @@ for path in (ROOT / "benchmarks", ROOT / "examples", ROOT):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
+import bench_longest_context as blc  # noqa: E402
+import harness  # noqa: E402
 import torch  # noqa: E402
 
-import bench_longest_context as blc  # noqa: E402
 from hybridsp.planner import calibration  # noqa: E402
-import harness  # noqa: E402
 
 MIB = 2**20
 WORLD, ULYSSES, RING, CONFIG = calibration.WORLD, calibration.ULYSSES, calibration.RING, "cp8.json"

@@ -44,11 +44,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from hybridsp.layout.balance.tries import (SPLITS, balanced_slot_runs, design_slot_runs, slot_work,  # noqa: E402
-                              zigzag_slot_runs)
-from hybridsp.layout.balance.tries import hull_rows  # noqa: E402
-from hybridsp.layout.balance.bound import kv_rows_lower_bound  # noqa: E402
 from harness import load, machine_info, revision, write_results  # noqa: E402
+
+from hybridsp.layout.balance.bound import kv_rows_lower_bound  # noqa: E402
+from hybridsp.layout.balance.tries import (  # noqa: E402
+    SPLITS,
+    balanced_slot_runs,
+    design_slot_runs,
+    hull_rows,  # noqa: E402
+    slot_work,
+    zigzag_slot_runs,
+)
 
 INF = math.inf
 DESIGNS = {

@@ -31,9 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 import harness
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -75,8 +74,8 @@ def run_rank(rank: int, world: int, ulysses: int, ring: int, context: int, steps
     import torch.distributed as dist
 
     from hybridsp import init_mesh
-    from hybridsp.integrations.transformers.generate import decode_step, prefill
     from hybridsp.integrations.transformers import apply
+    from hybridsp.integrations.transformers.generate import decode_step, prefill
 
     mesh = init_mesh(ulysses=ulysses, ring=ring)
     model = example_model()

@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from harness import ByteCounter, combine, interleave, launch  # noqa: E402
+
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence  # noqa: E402
 from hybridsp.attention.volume import hybrid_bytes  # noqa: E402
-from harness import ByteCounter, combine, interleave, launch  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -79,16 +79,23 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from longest_setup import CONFIGS, ROOT, VOCAB, example_model_spec, planner_memory  # noqa: F401  (first: it sets sys.path)
-
-import torch  # noqa: E402
-
-
 import harness  # noqa: E402
+import torch  # noqa: E402
 from harness import (  # noqa: E402
-    Allocations, heap_free, lift_limit, live_tensor_bytes, machine_info, malloc_trim, memory_status, reset_peak,
-    set_limit, software_info, tensors_via_mmap)
-from longest_report import clusters_section, relative_error, markdown  # noqa: E402
+    Allocations,
+    heap_free,
+    lift_limit,
+    live_tensor_bytes,
+    machine_info,
+    malloc_trim,
+    memory_status,
+    reset_peak,
+    set_limit,
+    software_info,
+    tensors_via_mmap,
+)
+from longest_report import clusters_section, markdown, relative_error  # noqa: E402
+from longest_setup import CONFIGS, ROOT, VOCAB, example_model_spec, planner_memory  # noqa: F401  (first: it sets sys.path)
 
 MIB, GIB = 2**20, 2**30
 FIXTURE = ROOT / "tests" / "data" / "planner_memory_cpu.json"  # what tests/test_planner.py reads
@@ -130,10 +137,10 @@ class SavedTensors:
 def example_imports():
     """Everything an attempt needs, imported before the baseline (preloaded in the forkserver)."""
     import deepspeed  # noqa: F401
-    import transformers  # noqa: F401
-
     import text_data
     import train
+    import transformers  # noqa: F401
+
     from hybridsp.integrations.deepspeed import initialize
 
     return train, text_data, initialize
@@ -183,7 +190,7 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
     gc.collect()
     malloc_trim()
     init = memory_status()
-    heap_free = heap_free()
+    free_at_limit = heap_free()
     init_tensors = live_tensor_bytes()
     init_s = time.perf_counter() - started
     reset_peak()
@@ -211,7 +218,7 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
         "hwm_reset": reset, "threads_end": len(os.listdir("/proc/self/task")),
         "base_rss": base["VmRSS"], "base_data": base["VmData"], "base_size": base["VmSize"],
         # torch's view: live tensors after the engine build; the step's allocations (peak, still live at its end)
-        "heap_free_at_limit": heap_free, "init_alloc_end": init_tensors, "step_alloc_peak": step_alloc.peak, "step_alloc_end": step_alloc.end,
+        "heap_free_at_limit": free_at_limit, "init_alloc_end": init_tensors, "step_alloc_peak": step_alloc.peak, "step_alloc_end": step_alloc.end,
         "alloc_peak": init_tensors + step_alloc.peak,
         # the OS's view: the engine build (model states, DeepSpeed buffers, process groups)
         "init_rss_delta": init_rss, "init_anon_delta": init_rss - init_file,

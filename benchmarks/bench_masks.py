@@ -27,14 +27,13 @@ import statistics
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.distributed as dist
 
 from hybridsp import CommCounter, ring_attention
-from hybridsp.layout.layouts import take_shard
 from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
-
-import harness
+from hybridsp.layout.layouts import take_shard
 
 HEADS, HEAD_DIM = 8, 64
 HERE = Path(__file__).resolve().parent

@@ -45,10 +45,9 @@ for path in (ROOT, ROOT / "benchmarks", ROOT / "examples"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import torch  # noqa: E402
-
 import bench_longest_context as longest  # noqa: E402
 import harness  # noqa: E402
+import torch  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 VOCAB = 32000

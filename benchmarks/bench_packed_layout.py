@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-
 from harness import launch, load, machine_info, revision, write_results  # noqa: E402
 
 SEQ, HEADS, KV_HEADS, HEAD_DIM = 16384, 8, 2, 128

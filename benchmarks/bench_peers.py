@@ -41,8 +41,7 @@ from hybridsp.formulas import heads_divisible
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
-from peer_kernels import (  # noqa: E402
-    LocalCpuAttention, patch_yunchang_cpu_kernel, patch_yunchang_fp32_alias, prebuild_deepspeed_ops)
+from peer_kernels import LocalCpuAttention, patch_yunchang_cpu_kernel, patch_yunchang_fp32_alias, prebuild_deepspeed_ops  # noqa: E402
 
 _aten = torch.ops.aten
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -22,14 +22,13 @@ import statistics
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.distributed as dist
 
 from hybridsp import ring_attention
 from hybridsp.kernels import TorchFusedKernel
 from hybridsp.layout.layouts import take_shard
-
-import harness
 
 HEADS, HEAD_DIM = 8, 64
 

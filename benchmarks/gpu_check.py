@@ -27,14 +27,13 @@ import math
 import time
 from pathlib import Path
 
+import harness
 import torch
 
+from hybridsp.attention.merge import merge_into
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels.reference import attention_in_input_dtype
-from hybridsp.attention.merge import merge_into
 from hybridsp.layout.block_plan import build_plan
-
-import harness
 
 
 def _synchronize(device):

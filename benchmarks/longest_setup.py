@@ -31,6 +31,7 @@ VOCAB = 256  # examples/text_data.py BYTE_VOCAB
 def example_model_spec():
     """The example model of examples/train.py (defaults, byte vocabulary) as a planner ModelSpec."""
     import train
+
     from hybridsp.planner import ModelSpec
 
     args = train.parse_args([])

@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_trainer_grad_scale.json"))
     args = parser.parse_args()
     import harness
+
     from tests.trainer_workers import several
 
     reference = harness.launch(several, 1, [None], timeout=600)[0][0]["grad_norm"]

@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError as error:
         if dist.get_rank() == 0:
             print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(2) from error
     if dist.get_rank() == 0:
         print(f"{args.frames} frames -> {result['video_tokens']:,} video "
               f"tokens in a {result['tokens']:,}-token sequence over {result['mesh']}: score {result['score']:.4f} "

@@ -38,7 +38,6 @@ from preflight import RunConfigError, RunPlan, exit_once, load_ds_config, prefli
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
 
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_mesh_arguments(parser)

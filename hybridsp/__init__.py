@@ -1,14 +1,14 @@
 """hybridsp: hybrid Ulysses x ring sequence-parallel attention for long-context training."""
 
 from hybridsp.attention.api import HybridAttention, gather_sequence, hybrid_attn_func, shard_sequence
+from hybridsp.attention.ring import ring_attention
 from hybridsp.batch import ShardedDataLoader, shard_batch
 from hybridsp.comm import CommCounter
-from hybridsp.losses.fused import fused_cross_entropy
 from hybridsp.losses.cross_entropy import sharded_cross_entropy
-from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape, init_mesh
+from hybridsp.losses.fused import fused_cross_entropy
 from hybridsp.memory.offload import ActivationOffload, offload_activations
-from hybridsp.attention.ring import ring_attention
 from hybridsp.memory.tiled_mlp import apply_tiled_mlp
+from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape, init_mesh
 
 __all__ = [
     "ActivationOffload",

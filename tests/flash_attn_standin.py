@@ -406,9 +406,9 @@ def _flash_attn_varlen_forward(
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), math.inf, device=q.device)
     for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
-        o, l = _attention_forward(q[None, rows], k[None, keys], v[None, keys], softmax_scale, causal,
+        o, lse_rows = _attention_forward(q[None, rows], k[None, keys], v[None, keys], softmax_scale, causal,
                                   window_size_left, window_size_right)
-        out[rows], lse[:, rows] = o[0], l[0]
+        out[rows], lse[:, rows] = o[0], lse_rows[0]
     return out, lse, torch.empty((0,), dtype=q.dtype, device=q.device), _rng_state(q)
 
 

@@ -9,8 +9,8 @@ from itertools import combinations
 
 import pytest
 
-from hybridsp.layout.balance.tries import balanced_slot_runs, hull_rows, slot_work, zigzag_slot_runs
 from hybridsp.layout.balance.bound import kv_rows_lower_bound
+from hybridsp.layout.balance.tries import balanced_slot_runs, hull_rows, slot_work, zigzag_slot_runs
 from tests.test_balance import lognormal_pack
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hybridsp import gather_sequence, hybrid_attn_func, init_mesh, shard_sequence
+from hybridsp.layout.block_plan import build_plan
 from hybridsp.layout.documents import Documents
 from hybridsp.layout.layouts import BALANCED, ZIGZAG, layout_permutation
-from hybridsp.layout.block_plan import build_plan
 from hybridsp.testing import run_distributed
 from tests.mask_reference import masked_reference_with_grads, visible_mask
 from tests.reference import random_qkv, rel_err
@@ -143,9 +143,9 @@ def test_balanced_full_matrix():
 
 def _bytes(rank, world):
     from hybridsp import CommCounter
+    from hybridsp.attention.resolve import plan_for
     from hybridsp.attention.volume import hybrid_bytes
     from hybridsp.layout.documents import as_documents
-    from hybridsp.attention.resolve import plan_for
 
     out = []
     for layout in ("zigzag", "balanced"):

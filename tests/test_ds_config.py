@@ -8,7 +8,13 @@ import torch
 from torch import nn
 
 from hybridsp.integrations.deepspeed import (
-    HybridConfig, HybridMPU, auto_precision, deepspeed_config, load_config, resolve_precision, scale_gradients,
+    HybridConfig,
+    HybridMPU,
+    auto_precision,
+    deepspeed_config,
+    load_config,
+    resolve_precision,
+    scale_gradients,
 )
 from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 

@@ -109,7 +109,7 @@ def _trainer_with_a_bad_label(rank, world):
 def test_trainer_bad_label_on_one_rank_is_an_error_on_every_rank(labels):
     for result in labels:
         for name, message in result["trainer"].items():
-            assert message and f"outside the vocabulary [0, 64)" in message, (name, message)
+            assert message and "outside the vocabulary [0, 64)" in message, (name, message)
 
 
 # --------------------------------------------------------------------------- configs and the planner

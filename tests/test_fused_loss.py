@@ -112,7 +112,7 @@ def _compare_bf16(mesh, p, tag):
     exact = _reference64(p)
     logits_errors = [rel_err(a, e) for a, e in zip(_run(mesh, p, torch.bfloat16, fused=False), exact)]
     fused_errors = [rel_err(a, e) for a, e in zip(_run(mesh, p, torch.bfloat16, fused=True, chunk=5), exact)]
-    bad = [(f, l) for f, l in zip(fused_errors, logits_errors) if f > 2 * l + 1e-3]
+    bad = [(f, e) for f, e in zip(fused_errors, logits_errors) if f > 2 * e + 1e-3]
     return [f"{tag} bf16: fused {fused_errors} vs logits path {logits_errors}"] if bad else []
 
 

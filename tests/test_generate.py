@@ -338,8 +338,7 @@ def test_cache_is_preallocated_exactly_and_refuses_overflow():
 
 
 def test_sampling_filters_match_transformers_warpers():
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
     warped = logits.clone()

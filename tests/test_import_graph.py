@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 PACKAGE = Path(__file__).resolve().parent.parent / "hybridsp"
 MAX_LINES = 420  # "about 400": two modules sit just above 400
 

@@ -19,8 +19,8 @@ from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels.band import band_mask, flash_window
 from hybridsp.kernels.flash import FlashAttnKernel
-from hybridsp.layout.layouts import layout_permutation
 from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
+from hybridsp.layout.layouts import layout_permutation
 from hybridsp.testing import run_distributed
 from tests.flash_attn_standin import make_standin
 from tests.mask_reference import masked_reference_with_grads, visible_mask
@@ -246,11 +246,11 @@ def test_world8_full_matrix():
 
 def _varlen_vs_per_piece(rank, world):
     """The flash backend through the ring: varlen calls (one per window) against one call per piece."""
+    import torch.distributed as dist
+
     from hybridsp import ring_attention
     from hybridsp.layout.layouts import take_shard
     from tests.flash_attn_standin import with_varlen
-
-    import torch.distributed as dist
 
     full = random_qkv(2, 128, 4, 2, 16, seed=1, dtype=torch.bfloat16)
     rows = [[0, 37, 40, 41, 128], [0, 100, 128]]
@@ -343,10 +343,10 @@ def test_bad_documents_or_window_raise_on_every_rank_before_any_collective():
 
 
 def _window_bytes(rank, world, windows):
+    import torch.distributed as dist
+
     from hybridsp import ring_attention
     from hybridsp.layout.layouts import take_shard
-
-    import torch.distributed as dist
 
     sent = []
     for window in windows:

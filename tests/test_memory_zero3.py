@@ -18,7 +18,6 @@ equal the reference's (relative 1e-5). One launch for every case.
 """
 
 import torch
-import torch.distributed as dist
 
 from hybridsp.testing import run_distributed
 from tests.test_deepspeed import ROOT, _forbid_jit_builds, _full_grads, _full_params

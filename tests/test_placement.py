@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-from hybridsp.mesh.hybrid_mesh import MeshShape
 from hybridsp.mesh.gloo_interface import choose_gloo_interface, interface_addresses, interface_for
+from hybridsp.mesh.hybrid_mesh import MeshShape
 from hybridsp.mesh.placement import Placement
 
 

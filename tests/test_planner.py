@@ -1,10 +1,9 @@
 """The planner's arithmetic against hand-computed cases, its choices, the CLI and plan_degrees."""
 
 import json
-from pathlib import Path
 import random
-
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +11,21 @@ from hybridsp.__main__ import main
 from hybridsp.layout.layouts import check_sequence_length
 from hybridsp.mesh.hybrid_mesh import MeshShape
 from hybridsp.planner import (
-    MODELS, ClusterSpec, MeshConfig, ModelSpec, SearchSpace, Workload, comm_volume, evaluate, flops_per_rank,
-    longest_context, memory_use, mesh_topology, plan, plan_degrees, preset_cluster,
+    MODELS,
+    ClusterSpec,
+    MeshConfig,
+    ModelSpec,
+    SearchSpace,
+    Workload,
+    comm_volume,
+    evaluate,
+    flops_per_rank,
+    longest_context,
+    memory_use,
+    mesh_topology,
+    plan,
+    plan_degrees,
+    preset_cluster,
 )
 from hybridsp.planner.costs import zero_bytes
 from hybridsp.planner.memory import layer_activation_bytes_per_token, model_state_bytes

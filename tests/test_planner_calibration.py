@@ -8,7 +8,6 @@ import pytest
 
 from hybridsp.planner import calibration
 
-
 FIXTURE = Path(__file__).resolve().parent / "data" / "planner_calibration_cpu.json"
 
 

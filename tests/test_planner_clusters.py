@@ -3,8 +3,16 @@ longest_context answers, and its loss what-if changes only the loss term of the 
 
 from dataclasses import replace
 
-from hybridsp.planner import MODELS, MeshConfig, SearchSpace, Workload, clusters, longest_context, memory_use
-from hybridsp.planner import preset_cluster
+from hybridsp.planner import (
+    MODELS,
+    MeshConfig,
+    SearchSpace,
+    Workload,
+    clusters,
+    longest_context,
+    memory_use,
+    preset_cluster,
+)
 from hybridsp.planner.costs import local_tokens
 
 

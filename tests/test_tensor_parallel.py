@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from hybridsp import gather_sequence, init_mesh, shard_batch, sharded_cross_entropy
 from hybridsp.integrations import transformers as hf
-from hybridsp.tensor_parallel.model_split import tensor_plan
 from hybridsp.mesh.hybrid_mesh import MeshShape, check_tensor_heads
+from hybridsp.tensor_parallel.model_split import tensor_plan
 from hybridsp.testing import run_distributed
 from tests.reference import rel_err
 from tests.test_transformers import PAD, build, make_batch

@@ -14,7 +14,7 @@ import torch
 
 from hybridsp.testing import PRELOAD_ENV, run_distributed
 from tests.vlm_trainer_workers import ACCUMULATION, MICRO_BATCH, STEPS, samples, train
-from tests.vlm_workers import collate, tiny_vlm
+from tests.vlm_workers import collate
 
 os.environ[PRELOAD_ENV] = ",".join(
     name for name in dict.fromkeys(os.environ.get(PRELOAD_ENV, "").split(",") + ["transformers.trainer", "accelerate"])

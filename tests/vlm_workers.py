@@ -16,8 +16,12 @@ FEATURES = 3 * TEMPORAL * PATCH * PATCH  # values per patch row
 
 def tiny_vlm(kind: str = "qwen2_vl", seed: int = 0, dtype=torch.float32):
     """A 2-layer language model (hidden 64, 4 query / 2 K/V heads) with a 2-block vision tower."""
-    from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
-                              Qwen2VLForConditionalGeneration)
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
 
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,

@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridsp.comm import CommCounter
-from hybridsp.layout.documents import as_documents
-from hybridsp.kernels import AttentionKernel
-from hybridsp.layout.layouts import join_shards, take_shard
-from hybridsp.layout.block_plan import check_sliding_window
-from hybridsp.mesh.hybrid_mesh import HybridMesh
 from hybridsp.attention.resolve import check_causal, check_kv_comm, resolve_ring_call
 from hybridsp.attention.ring import run_ring
 from hybridsp.attention.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
+from hybridsp.comm import CommCounter
+from hybridsp.kernels import AttentionKernel
+from hybridsp.layout.block_plan import check_sliding_window
+from hybridsp.layout.documents import as_documents
+from hybridsp.layout.layouts import join_shards, take_shard
+from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
 def check_mesh(mesh) -> None:

@@ -13,10 +13,9 @@ piece keys are counted from ``offset`` in the block's own coordinates (``Piece.s
 
 from __future__ import annotations
 
-
-from hybridsp.kernels import ReferenceKernel
 from hybridsp.attention.merge import merge_into
 from hybridsp.attention.varlen import backward_block, forward_block
+from hybridsp.kernels import ReferenceKernel
 
 
 def _band_kernel(kernel):

@@ -22,16 +22,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridsp.attention.ring_function import LocalTransport
 from hybridsp.attention.transport.allgather import AllGatherTransport, check_kv_chunks, resolve_kv_chunks
+from hybridsp.attention.transport.p2p import P2PTransport
 from hybridsp.comm import CommCounter
-from hybridsp.layout.documents import Documents, as_documents
 from hybridsp.formulas import heads_divisible
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, resolve_kernel
-from hybridsp.layout.layouts import LAYOUTS, TokenLayout, get_layout
 from hybridsp.layout.block_plan import BlockPlan, build_plan, check_sliding_window
+from hybridsp.layout.documents import Documents, as_documents
+from hybridsp.layout.layouts import LAYOUTS, TokenLayout, get_layout
 from hybridsp.mesh.hybrid_mesh import KV_COMMS
-from hybridsp.attention.transport.p2p import P2PTransport
-from hybridsp.attention.ring_function import LocalTransport
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

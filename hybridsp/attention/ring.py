@@ -22,12 +22,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridsp.comm import CommCounter
-from hybridsp.kernels import AttentionKernel
 from hybridsp.attention.resolve import (  # noqa: F401  (check_* re-exported: their historical home)
-    RingCall, check_kv_comm, check_softmax_scale, resolve_ring_call,
+    RingCall,
+    check_kv_comm,
+    check_softmax_scale,
+    resolve_ring_call,
 )
 from hybridsp.attention.ring_function import RingAttentionFunction
+from hybridsp.comm import CommCounter
+from hybridsp.kernels import AttentionKernel
 
 
 def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall) -> torch.Tensor:

@@ -23,9 +23,9 @@ from typing import Any, Iterator
 
 import torch
 
+from hybridsp.attention.pieces import backward_pieces, forward_pieces
 from hybridsp.kernels import accumulation_dtype
 from hybridsp.layout.block_plan import Piece
-from hybridsp.attention.pieces import backward_pieces, forward_pieces
 
 
 @dataclass

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridsp.attention.merge import merge_into
 from hybridsp.kernels.band import flash_window
 from hybridsp.layout.block_plan import Piece
-from hybridsp.attention.merge import merge_into
 
 
 @dataclass

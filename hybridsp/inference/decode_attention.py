@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridsp.attention.merge import merge_blocks
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, get_kernel
 from hybridsp.kernels.reference import expand_kv_heads
 from hybridsp.mesh.hybrid_mesh import HybridMesh
-from hybridsp.attention.merge import merge_blocks
 
 
 def decode_attention(

@@ -20,7 +20,12 @@ import importlib.util
 import torch
 
 from hybridsp.kernels.base import (
-    AttentionKernel, accumulation_dtype, check_qkv, check_tensor_kinds, default_softmax_scale, unit_stride,
+    AttentionKernel,
+    accumulation_dtype,
+    check_qkv,
+    check_tensor_kinds,
+    default_softmax_scale,
+    unit_stride,
 )
 from hybridsp.kernels.reference import ReferenceKernel
 from hybridsp.kernels.torch_fused import TorchFusedKernel

@@ -21,7 +21,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridsp.kernels.band import additive_mask, band_mask, math_backward_band, math_forward_band, rows_without_keys_to_neg_inf
+from hybridsp.kernels.band import (
+    additive_mask,
+    band_mask,
+    math_backward_band,
+    math_forward_band,
+    rows_without_keys_to_neg_inf,
+)
 from hybridsp.kernels.base import accumulation_dtype, check_qkv, lse_for_backward, unit_stride
 from hybridsp.kernels.reference import expand_kv_heads, reduce_kv_heads
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridsp.mesh.hybrid_mesh import HybridMesh
 from hybridsp.losses.token_tail import guard_labels, token_weighted_share
+from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 IGNORE_INDEX = -100
 

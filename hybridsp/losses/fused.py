@@ -49,10 +49,11 @@ import torch
 
 from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size  # noqa: F401  (re-exported)
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
-from hybridsp.mesh.hybrid_mesh import HybridMesh
 from hybridsp.losses.token_tail import guard_labels, token_weighted_share
 from hybridsp.memory.zero_gather import gathered
 from hybridsp.memory.zero_grad import land_full_gradient
+from hybridsp.mesh.hybrid_mesh import HybridMesh
+
 
 def fused_cross_entropy(
     hidden: torch.Tensor,

@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from hybridsp.mesh.launcher import read_launch_env
-    from hybridsp.mesh.hybrid_mesh import init_mesh
     from hybridsp.mesh.gloo_interface import choose_gloo_interface
+    from hybridsp.mesh.hybrid_mesh import init_mesh
+    from hybridsp.mesh.launcher import read_launch_env
     from hybridsp.mesh.placement import gather_placement
 
     if "WORLD_SIZE" not in os.environ:

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from hybridsp.layout.layouts import TokenLayout, get_layout
 from hybridsp.mesh.auto_degrees import choose_degrees
 from hybridsp.mesh.launcher import ranks_per_node
-from hybridsp.layout.layouts import TokenLayout, get_layout
 from hybridsp.mesh.timeouts import default_group_timeout
 
 ORDERS = ("ulysses_inner", "ring_inner")

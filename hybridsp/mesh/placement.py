@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from hybridsp.mesh.hybrid_mesh import HybridMesh
 from hybridsp.mesh.gloo_interface import route_source_address
+from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
 def host_identity(master_addr: str | None = None) -> str:

@@ -66,14 +66,26 @@ Step time and ranking
 
 from hybridsp.planner.ablation import AblationRow, ablation, format_ablation
 from hybridsp.planner.costs import CommVolume, Flops, comm_volume, flops_per_rank
-from hybridsp.planner.search import plan_degrees
 from hybridsp.planner.memory import MemoryUse, memory_use
 from hybridsp.planner.plans import Plan, evaluate, mesh_problems
 from hybridsp.planner.search import (
-    LongestContext, PlanResult, SearchSpace, longest_context, plan, recommend,
+    LongestContext,
+    PlanResult,
+    SearchSpace,
+    longest_context,
+    plan,
+    plan_degrees,
+    recommend,
 )
 from hybridsp.planner.specs import (
-    GPUS, INTER_LINKS, MODELS, ClusterSpec, MeshConfig, ModelSpec, Workload, preset_cluster,
+    GPUS,
+    INTER_LINKS,
+    MODELS,
+    ClusterSpec,
+    MeshConfig,
+    ModelSpec,
+    Workload,
+    preset_cluster,
 )
 from hybridsp.planner.techniques import ABLATION_ORDER, Techniques
 from hybridsp.planner.timing import Timing, Topology, mesh_topology, step_timing

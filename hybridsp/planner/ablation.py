@@ -18,6 +18,7 @@ from hybridsp.planner.search import LongestContext, longest_context
 from hybridsp.planner.specs import GIB, ClusterSpec, ModelSpec
 from hybridsp.planner.techniques import ABLATION_ORDER, Techniques
 
+
 @dataclass(frozen=True)
 class AblationRow:
     """The longest context with ``techniques`` switched on (cumulative, in ``ABLATION_ORDER``)."""

@@ -21,13 +21,21 @@ from dataclasses import replace
 from hybridsp.planner import clusters
 from hybridsp.planner.ablation import ablation, format_ablation
 from hybridsp.planner.packing import packing_summary
-from hybridsp.planner.tensor import inference_options
 from hybridsp.planner.plans import Plan, format_seconds
 from hybridsp.planner.search import PlanResult, SearchSpace, longest_context, plan
 from hybridsp.planner.specs import (
-    GIB, GPUS, INTER_LINKS, INTRA_LINKS, MODELS, ClusterSpec, ModelSpec, Workload, preset_cluster,
+    GIB,
+    GPUS,
+    INTER_LINKS,
+    INTRA_LINKS,
+    MODELS,
+    ClusterSpec,
+    ModelSpec,
+    Workload,
+    preset_cluster,
 )
 from hybridsp.planner.techniques import KV_MODES, Techniques
+from hybridsp.planner.tensor import inference_options
 
 HELP = "rank Ulysses x ring x DP x ZeRO plans for a model on a cluster"
 _MODEL_FIELDS = {  # option dest -> ModelSpec field
@@ -145,7 +153,7 @@ def _lengths(text: str) -> list[int]:
     try:
         lengths = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 4000,1200,300; got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 4000,1200,300; got {text!r}") from None
     if not lengths or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"document lengths must be positive integers; got {text!r}")
     return lengths

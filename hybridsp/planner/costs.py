@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridsp import formulas
-from hybridsp.formulas import FP32, all_to_all_sent, kv_row_bytes, kv_transport, ring_rows
+from hybridsp.formulas import all_to_all_sent, kv_row_bytes, kv_transport, ring_rows
 from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
 
 

@@ -84,7 +84,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size
-from hybridsp.planner.costs import FP32, comm_volume, expanded_kv_heads, local_tokens
+from hybridsp.formulas import FP32
+from hybridsp.planner.costs import comm_volume, expanded_kv_heads, local_tokens
 from hybridsp.planner.kv_modes import kv_workspace_bytes, planner_chunks
 from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
 

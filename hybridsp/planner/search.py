@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from hybridsp.mesh.auto_degrees import check_launch, divisors, largest_inside_node, ulysses_candidates
 from hybridsp.formulas import heads_divisible
+from hybridsp.mesh.auto_degrees import check_launch, divisors, largest_inside_node, ulysses_candidates
 from hybridsp.planner.memory import memory_use
 from hybridsp.planner.plans import LAYOUT, Plan, evaluate, mesh_problems
 from hybridsp.planner.specs import ClusterSpec, MeshConfig, ModelSpec, Workload

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 from hybridsp.mesh.hybrid_mesh import MeshShape
 from hybridsp.planner.costs import (
-    CommVolume, Flops, comm_volume, flops_per_rank, local_tokens, ring_step_forward_flops, zero_bytes,
+    CommVolume,
+    Flops,
+    comm_volume,
+    flops_per_rank,
+    local_tokens,
+    ring_step_forward_flops,
+    zero_bytes,
 )
 from hybridsp.planner.kv_modes import RingTiming, kv_timing
 from hybridsp.planner.kv_modes import exposed as _exposed  # offload_timing keeps a running total named exposed

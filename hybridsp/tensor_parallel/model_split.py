@@ -38,13 +38,13 @@ from torch import nn
 
 from hybridsp.mesh.hybrid_mesh import HybridMesh, check_tensor_heads
 from hybridsp.tensor_parallel.layers import (
+    RowParallelLinear,
+    copy_to_tensor,
     gather_replicated_tokens,
     gather_tokens,
-    copy_to_tensor,
     shard_rows,
     split_tokens,
     sum_grad_over_tensor,
-    RowParallelLinear,
 )
 
 _ATTR = "_hybridsp_tensor"

@@ -24,16 +24,16 @@ of ``R - 1`` step latencies, and few large kernel calls.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
-from typing import Iterator
-
+from hybridsp.attention.ring_function import Block
 from hybridsp.attention.transport.exchange import PendingBlocks
 from hybridsp.comm import CommCounter
 from hybridsp.formulas import default_kv_chunks
 from hybridsp.layout.block_plan import BlockPlan, Piece, cut_keys, merge_pieces
-from hybridsp.attention.ring_function import Block
 
 ALLGATHER_TAG = 13  # point-to-point all-gather (hybridsp.attention.transport.exchange's K/V and dK/dV use 11 and 12)
 

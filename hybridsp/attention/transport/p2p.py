@@ -24,9 +24,8 @@ from __future__ import annotations
 
 from typing import Iterator
 
-
-from hybridsp.attention.transport.exchange import GRAD_TAG, KV_TAG, post
 from hybridsp.attention.ring_function import Block
+from hybridsp.attention.transport.exchange import GRAD_TAG, KV_TAG, post
 
 
 def _receive_like(tensors, rows: int) -> list:

@@ -88,7 +88,9 @@ def save_checkpoint(engine, mesh: HybridMesh, save_dir: str | Path, tag: str, cl
     there, so that a restart on every host finds its own partitions and ``latest``.
     """
     from deepspeed.checkpoint.constants import (
-        UNIVERSAL_CHECKPOINT_INFO, UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
     marker = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}

@@ -70,16 +70,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridsp.integrations.deepspeed.config import (  # noqa: F401  (the config schema, re-exported)
+    OWNED_KEYS,
+    PRECISIONS,
+    SECTION,
+    SECTION_KEYS,
+    HybridConfig,
+    auto_precision,
+    deepspeed_config,
+    load_config,
+    resolve_precision,
+)
 from hybridsp.integrations.deepspeed.tensor import (
     check_tensor_optimizer,
     split_tensors,
     tensor_mpu_getattr,
 )
-from hybridsp.integrations.deepspeed.config import (  # noqa: F401  (the config schema, re-exported)
-    OWNED_KEYS, PRECISIONS, SECTION, SECTION_KEYS, HybridConfig, auto_precision, deepspeed_config, load_config,
-    resolve_precision,
-)
 from hybridsp.mesh.hybrid_mesh import HybridMesh, init_mesh
+
 
 def build_mesh(hybrid: HybridConfig) -> HybridMesh:
     """The mesh over the initialised world (a collective); sizes are checked before any communication."""
@@ -183,8 +191,8 @@ def without_cpu_shm_comm_build():
     (about two minutes on two cores, silently); hybridsp trains over gloo, which never uses
     it. The op is marked incompatible only for the duration of the block, then restored.
     """
-    from deepspeed.accelerator import get_accelerator
     import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
 
     compatible = deepspeed.ops.__compatible_ops__
     if get_accelerator().device_name() != "cpu" or "deepspeed_shm_comm" not in compatible:

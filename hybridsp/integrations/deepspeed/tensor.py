@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridsp.tensor_parallel.model_split import tensor_parallel
 from hybridsp.mesh.hybrid_mesh import HybridMesh
+from hybridsp.tensor_parallel.model_split import tensor_parallel
 
 SECTION = "hybridsp"
 

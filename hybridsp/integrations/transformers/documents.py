@@ -14,9 +14,9 @@ import inspect
 import torch
 from torch import nn
 
-from hybridsp.layout.documents import Documents, as_documents
 from hybridsp.integrations.transformers.binding import DECODE_KWARG, DOCUMENTS_KWARG
 from hybridsp.integrations.transformers.padding import padded_cu_seq_lens
+from hybridsp.layout.documents import Documents, as_documents
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 

@@ -22,8 +22,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from hybridsp.losses.fused import fused_cross_entropy
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
+from hybridsp.losses.fused import fused_cross_entropy
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 

@@ -73,11 +73,10 @@ them; the model's default 0..S/C-1 would be wrong RoPE), and ``labels`` must not
 
 from __future__ import annotations
 
+import torch
 import transformers
 from packaging.version import Version
 from torch import nn
-
-import torch
 
 from hybridsp.attention.api import hybrid_attn_func
 from hybridsp.formulas import heads_divisible
@@ -265,7 +264,9 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
             f"apply(model, mesh) (register() alone makes attn_implementation={NAME!r} loadable)"
         )
     register()
-    from hybridsp.integrations.transformers.vision import model as vlm  # Qwen2-VL / Qwen2.5-VL: the language model only (issue 23)
+    from hybridsp.integrations.transformers.vision import (
+        model as vlm,  # Qwen2-VL / Qwen2.5-VL: the language model only (issue 23)
+    )
 
     if vlm.is_vision_language_model(model):
         if any(hasattr(m, _BINDING_ATTR) for m in model.modules()):

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -93,11 +94,11 @@ from transformers import Trainer
 from hybridsp.attention.api import gather_sequence
 from hybridsp.batch import prepare_batch, shard_batch
 from hybridsp.integrations.deepspeed import engine as hds
-from hybridsp.integrations.transformers.vision import batch as vlm_batch
 from hybridsp.integrations.transformers.trainer_data import gather_over_replicas, shard_loader_over_replicas
+from hybridsp.integrations.transformers.vision import batch as vlm_batch
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
-from hybridsp.mesh.hybrid_mesh import HybridMesh
 from hybridsp.losses.token_tail import guard_labels, raise_on_bad_labels, token_weighted_share
+from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
 class HybridSPMixin:

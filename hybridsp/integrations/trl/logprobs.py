@@ -37,8 +37,8 @@ from torch import nn
 from hybridsp.attention.api import shard_sequence
 from hybridsp.batch import batch_documents, prepare_batch
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
-from hybridsp.mesh.hybrid_mesh import HybridMesh
 from hybridsp.losses.logprobs import gather_tokens
+from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 SHARDED_KEYS = ("input_ids", "attention_mask", "position_ids", "labels")
 PER_TOKEN_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")

@@ -53,8 +53,8 @@ from trl import DPOTrainer, SFTTrainer
 
 from hybridsp.batch import shard_batch
 from hybridsp.integrations.transformers.peft import base_model
-from hybridsp.integrations.transformers.trainer import HybridSPMixin
 from hybridsp.integrations.transformers.switch import apply
+from hybridsp.integrations.transformers.trainer import HybridSPMixin
 from hybridsp.integrations.trl.logprobs import shard_fused_calls
 from hybridsp.losses.logprobs import context_sum
 

@@ -22,8 +22,7 @@ import heapq
 import math
 from bisect import bisect_right
 
-from hybridsp.layout.balance.work import (DEFAULT_UNIT_SHARE, DEFAULT_UNIT_WORK, Slot, group_units,
-                                   piece_work, run_work)
+from hybridsp.layout.balance.work import DEFAULT_UNIT_SHARE, DEFAULT_UNIT_WORK, Slot, group_units, piece_work, run_work
 
 REPAIR_CANDIDATES = 6
 REPAIR_SLACK = 0.015

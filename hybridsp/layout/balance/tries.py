@@ -73,10 +73,23 @@ from __future__ import annotations
 import math
 
 from hybridsp.layout.balance.search import build_greedy, place_contiguous, repair
-from hybridsp.layout.balance.work import (DEFAULT_UNIT_SHARE, DEFAULT_UNIT_WORK, Runs, Slot, check_bounds,
-                                   check_sizes, documents, finish_runs, group_units, hull_rows,
-                                   piece_work, prefix_work, run_work, shortest_with_work)
-from hybridsp.layout.balance.work import slot_work  # noqa: F401  (re-exported: its historical home)
+from hybridsp.layout.balance.work import (
+    DEFAULT_UNIT_SHARE,
+    DEFAULT_UNIT_WORK,
+    Runs,
+    Slot,
+    check_bounds,
+    check_sizes,
+    documents,
+    finish_runs,
+    group_units,
+    hull_rows,
+    piece_work,
+    prefix_work,
+    run_work,
+    shortest_with_work,
+    slot_work,  # noqa: F401  (re-exported: its historical home)
+)
 
 DEFAULT_SPLIT_SHARE = math.inf
 DEFAULT_SPLIT_LENGTH = 1.0

@@ -27,13 +27,17 @@ from torch import nn
 
 from hybridsp.batch import padded_length
 from hybridsp.inference import ShardedKVCache
-from hybridsp.integrations.transformers.generate import (
-    DecodeStep, HybridCache, agree_across_context, cache_argument, choose_next_tokens,
-)
 from hybridsp.integrations.transformers.binding import DECODE_KWARG
+from hybridsp.integrations.transformers.generate import (
+    DecodeStep,
+    HybridCache,
+    agree_across_context,
+    cache_argument,
+    choose_next_tokens,
+)
 from hybridsp.integrations.transformers.switch import NAME
-from hybridsp.integrations.transformers.vision.model import VISION_KWARG, language_model_of
 from hybridsp.integrations.transformers.vision.batch import VISION_KEYS, multimodal_positions, shard_vlm_batch
+from hybridsp.integrations.transformers.vision.model import VISION_KWARG, language_model_of
 from hybridsp.layout.layouts import layout_permutation
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
