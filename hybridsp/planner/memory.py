@@ -83,8 +83,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size
-from hybridsp.formulas import FP32
+from hybridsp.formulas import CHUNK_LOGITS_BYTES, FP32, default_chunk_size
 from hybridsp.planner.costs import comm_volume, expanded_kv_heads, local_tokens
 from hybridsp.planner.kv_modes import kv_workspace_bytes, planner_chunks
 from hybridsp.planner.specs import MeshConfig, ModelSpec, Workload
