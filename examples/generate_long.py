@@ -10,7 +10,7 @@ files). The model is ``examples/train.py``'s small Llama (its ``--seed``, ``--hi
 ``train.py`` saved (``--checkpoint runs/cp8-u4r2``, the main job's run directory) or random ones, or a local Hugging Face
 model (``--model-path``). The prefill runs sequence-parallel through the hybrid attention,
 every decode step attends to the sharded cache and merges by log-sum-exp
-(``hybridsp.integrations.transformers.generate``). Rank 0 prints the continuation, prefill and
+(``hybridsp.integrations.transformers.generation``). Rank 0 prints the continuation, prefill and
 decode tokens/s, and every rank's peak memory and K/V cache size.
 """
 

@@ -1,5 +1,5 @@
 """Long-context inference: prefill through the hybrid attention, decode against a K/V cache that stays
-sharded, and hybridsp.integrations.transformers.generate, against the unmodified Hugging Face model
+sharded, and hybridsp.integrations.transformers.generation, against the unmodified Hugging Face model
 (``model.generate`` and plain forwards in one process) and float64 attention math."""
 
 import io
@@ -11,7 +11,7 @@ import torch
 from hybridsp import gather_sequence, init_mesh
 from hybridsp.inference import ShardedKVCache, assign_new_tokens, decode_attention
 from hybridsp.integrations import transformers as hf
-from hybridsp.integrations.transformers.generate import choose_next_tokens
+from hybridsp.integrations.transformers.generation import choose_next_tokens
 from hybridsp.testing import run_distributed
 from tests.test_batch import mesh_at
 from tests.tiny_models import tiny_causal_lm
@@ -382,5 +382,5 @@ def test_the_switched_model_still_refuses_a_cache_outside_generate():
     model = build("llama")
     with hf.apply(model, mesh):
         out = model(input_ids=prompt(1, 8), position_ids=torch.arange(8)[None], use_cache=True)
-        with pytest.raises(ValueError, match=r"only supported through hybridsp.integrations.transformers.generate"):
+        with pytest.raises(ValueError, match=r"only supported through hybridsp.integrations.transformers.generation"):
             model(input_ids=prompt(1, 1), position_ids=torch.tensor([[8]]), cache=out.cache, use_cache=True)

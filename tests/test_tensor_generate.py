@@ -1,7 +1,7 @@
 """Long-context inference with tensor parallelism (issue 22): a tiny GQA Llama and a GQA Qwen2, saved as a
 Hugging Face checkpoint, loaded by each rank straight into its tensor shards (built on ``meta``,
 read through safetensors slices), switched to hybrid attention and run by
-``hybridsp.integrations.transformers.generate`` with the K/V cache sharded over the sequence (C)
+``hybridsp.integrations.transformers.generation`` with the K/V cache sharded over the sequence (C)
 and the heads (T): the greedy ids equal the unmodified model's own ``generate``, the logits match,
 and each rank's layer weights are 1/T of the model's."""
 

@@ -42,7 +42,7 @@ def _check(rank, world):
             failures.append(f"B={batch}: heads_to_seq of seq-first storage is wrong")
         weights = [torch.randn(o.shape, generator=torch.Generator().manual_seed(i)) for i, o in enumerate(out)]
         sum((o * w).sum() for o, w in zip(out, weights)).backward()
-        for _full, w, h, leaf in zip(full, weights, heads, local):  # the adjoint: each rank's weights, back home
+        for _tensor, w, h, leaf in zip(full, weights, heads, local):  # the adjoint: each rank's weights, back home
             gathered = [torch.empty_like(w) for _ in range(world)]
             dist.all_gather(gathered, w.contiguous(), group=group)
             expected = torch.cat(gathered, dim=2)[:, rank * LENGTH:(rank + 1) * LENGTH]  # [B, L, H, D]

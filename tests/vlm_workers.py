@@ -161,7 +161,7 @@ def generate_matches(rank: int, world_size: int, kind: str, ulysses: int, ring: 
 
     from hybridsp import init_mesh
     from hybridsp.integrations.transformers import apply
-    from hybridsp.integrations.transformers.vision.generate import generate_vlm
+    from hybridsp.integrations.transformers.vision.generation import generate_vlm
 
     model = tiny_vlm(kind).eval()
     batch = prompt_batch()

@@ -3,7 +3,7 @@
     cache = ShardedKVCache(mesh, num_layers, positions=..., shard_lengths=..., new_tokens=...)
     out = decode_attention(q, k_shard, v_shard, mesh=mesh)      # one all-gather of partials
 
-:mod:`hybridsp.integrations.transformers.generate` drives both for Hugging Face models.
+:mod:`hybridsp.integrations.transformers.generation` drives both for Hugging Face models.
 """
 
 from hybridsp.inference.decode_attention import decode_attention, local_decode_attention, merge_over_context

@@ -26,7 +26,8 @@ FLOPs per rank per step (2 FLOPs per multiply-add)
 Bytes one rank sends per layer (exact; equal to what ``CommCounter`` records)
     all-to-all tensors: qkv = T (H + 2 Hkv') D e, out = T H D e; (U-1)/U of each leaves the rank.
         forward: qkv + out; backward: dout + dq/dk/dv (the same sizes); +forward again when recomputed.
-    ring K/V block: kv = B (S/R) (Hkv'/U) 2 D e; fp32 dK/dV block: g = B (S/R) (Hkv'/U) 2 D 4.
+    ring K/V block: kv = B (S/R) (Hkv'/U) 2 D e; its dK/dV block (accumulated in fp32, rounded once to the
+        input dtype before it is sent): g = B (S/R) (Hkv'/U) 2 D e.
         forward (R-1) kv; backward (R-1) kv + R g; +forward again when recomputed.
     ZeRO over N ranks (bf16 ring collectives, X = (N-1)/N 2 Psi): stage 0 gradient all-reduce 2X;
         stages 1-2 gradient reduce-scatter X + parameter all-gather X after the optimizer step;

@@ -22,7 +22,7 @@ the model's own (a checkpoint's names load unchanged, :func:`load_sharded_safete
 between the linears hold ``1/T`` of the tokens (split before the first layer, gathered after
 the final norm), norm gradients are summed over the tensor group
 (Note [sequence parallel in the tensor group] in :mod:`hybridsp.tensor_parallel.layers`). Decoding one
-token at a time cannot be split, so :func:`~hybridsp.integrations.transformers.generate` wants
+token at a time cannot be split, so :func:`~hybridsp.integrations.transformers.generation` wants
 ``sequence_parallel=False``.
 
 The change is not undoable (the other shards are dropped).

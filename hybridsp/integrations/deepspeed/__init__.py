@@ -13,7 +13,8 @@
         engine.step()
 
 Modules: ``config`` (the ``"hybridsp"`` section, its checks, DeepSpeed's cleaned config), ``engine``
-(the mpu, the mesh, ``initialize``, the gradient scale; its notes), ``tensor`` (the tensor axis),
+(the mpu, the mesh, the engine's ``initialize``, the gradient scale; its notes), ``entry`` (the
+public ``initialize``: the engine plus the attention switch the model needs), ``tensor`` (the tensor axis),
 ``checkpoint`` / ``checkpoint_files`` (mesh-aware checkpoints, resume on another mesh).
 """
 
@@ -35,7 +36,7 @@ _EXPORTS = {
     "HybridMPU": "hybridsp.integrations.deepspeed.engine",
     "build_mesh": "hybridsp.integrations.deepspeed.engine",
     "init_distributed": "hybridsp.integrations.deepspeed.engine",
-    "initialize": "hybridsp.integrations.deepspeed.engine",
+    "initialize": "hybridsp.integrations.deepspeed.entry",
     "scale_gradients": "hybridsp.integrations.deepspeed.engine",
     "without_cpu_shm_comm_build": "hybridsp.integrations.deepspeed.engine",
 }

@@ -13,7 +13,7 @@
         engine.step()
 
 The ``"hybridsp"`` config section, its checks and DeepSpeed's config clean-up (Note [keys we
-own], Note [auto precision]) live in :mod:`hybridsp.integrations.deepspeed.config` (re-exported here).
+own], Note [auto precision]) live in :mod:`hybridsp.integrations.deepspeed.config`.
 
 Note [the mpu]: DeepSpeed asks a "model parallel unit" for its groups. :class:`HybridMPU`
 answers from the mesh: the *sequence-parallel* group is ``mesh.context_group`` and the
@@ -63,24 +63,13 @@ import contextlib
 import datetime
 import functools
 import os
-import sys
 from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridsp.integrations.deepspeed.config import (  # noqa: F401  (the config schema, re-exported)
-    OWNED_KEYS,
-    PRECISIONS,
-    SECTION,
-    SECTION_KEYS,
-    HybridConfig,
-    auto_precision,
-    deepspeed_config,
-    load_config,
-    resolve_precision,
-)
+from hybridsp.integrations.deepspeed.config import HybridConfig, deepspeed_config, load_config
 from hybridsp.integrations.deepspeed.tensor import (
     check_tensor_optimizer,
     split_tensors,
@@ -164,6 +153,14 @@ def scale_gradients(model: nn.Module, factor: float) -> Callable[[], None]:
     return remove
 
 
+AttentionSwitch = Callable[[nn.Module, HybridMesh, str], Callable[[], None]]
+"""``switch(model, mesh, backend) -> undo``: what :func:`initialize` calls to put a model's attention on the mesh."""
+
+
+def _no_undo() -> None:
+    """The undo of a switch that did nothing."""
+
+
 class HybridEngine(NamedTuple):
     """What :func:`initialize` returns; ``undo()`` removes the gradient hooks and the HF switch."""
 
@@ -171,16 +168,6 @@ class HybridEngine(NamedTuple):
     optimizer: Any
     mesh: HybridMesh
     undo: Callable[[], None]
-
-
-def _switch_transformers(model: nn.Module, mesh: HybridMesh, backend: str) -> Callable[[], None]:
-    """Apply the HF attention switch when ``model`` is a transformers model; returns its undo."""
-    transformers = sys.modules.get("transformers")  # a transformers model means it is already imported
-    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
-        return lambda: None
-    from hybridsp.integrations.transformers.switch import apply
-
-    return apply(model, mesh, backend=backend).undo
 
 
 @contextlib.contextmanager
@@ -237,12 +224,14 @@ def initialize(
     kv_comm: str | None = None,
     layout: str | None = None,
     tensor: int | None = None,
+    switch_attention: AttentionSwitch | None = None,
 ) -> HybridEngine:
     """``deepspeed.initialize`` with the hybrid mesh: returns ``(engine, optimizer, mesh, undo)``.
 
     Reads the ``"hybridsp"`` section of ``config`` (a dict or a JSON path; ``ulysses``, ``ring``,
     ``backend``, ``kv_comm`` and ``layout`` override it), builds the mesh over all ranks (initialising torch.distributed
-    through DeepSpeed if needed), switches a transformers model to hybrid attention, passes
+    through DeepSpeed if needed), calls ``switch_attention(model, mesh, backend)`` (the caller's attention
+switch, e.g. the transformers integration's; it returns its undo), passes
     DeepSpeed a :class:`HybridMPU` and the cleaned config, and on ZeRO-3 with ``C > 1`` adds the
     gradient hooks of Note [gradient scale]. ``precision`` forces the value of
     ``"auto"`` precision sections. Raises ValueError, before any process group is created, for
@@ -260,7 +249,7 @@ def initialize(
         deepspeed.init_distributed()  # adopts an existing process group
         mesh = build_mesh(hybrid)
         split_tensors(model, mesh, hybrid.tensor_sequence_parallel)  # hybridsp.integrations.deepspeed.tensor
-        undo_switch = _switch_transformers(model, mesh, hybrid.backend)
+        undo_switch = _no_undo if switch_attention is None else switch_attention(model, mesh, hybrid.backend)
         try:
             engine, ds_optimizer, _, _ = deepspeed.initialize(
                 model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
@@ -270,7 +259,7 @@ def initialize(
         except BaseException:
             undo_switch()
             raise
-    remove_hooks = lambda: None  # noqa: E731
+    remove_hooks = _no_undo
     if engine.zero_optimization_stage() == 3 and mesh.context > 1:
         remove_hooks = scale_gradients(engine.module, mesh.context)  # Note [gradient scale]
 

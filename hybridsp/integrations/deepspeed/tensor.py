@@ -1,4 +1,4 @@
-"""The tensor axis in :func:`hybridsp.integrations.deepspeed.engine.initialize` (issue 22).
+"""The tensor axis in :func:`hybridsp.integrations.deepspeed.initialize`: split the model, check the optimizer, answer the mpu.
 
 Note [tensor parallel]: with ``T > 1`` (the ``"hybridsp"`` section's ``"tensor"``, or DeepSpeed's
 own ``"tensor_parallel": {"autotp_size": T}``; they must agree, and ``initialize(tensor=)`` wins)

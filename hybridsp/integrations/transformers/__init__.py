@@ -12,7 +12,7 @@
     handle.undo()                                       # the model is exactly what it was
 
 Modules: ``switch`` (``register``/``apply``, the attention entry and its notes), ``binding``,
-``documents`` (the pre-hook), ``padding``, ``generate``, ``loss``, ``checkpoint`` (HF weights under
+``documents`` (the pre-hook), ``padding``, ``generation``, ``loss``, ``checkpoint`` (HF weights under
 ZeRO), ``trainer`` / ``trainer_data`` (``HybridSPTrainer``), ``peft``, ``vision/`` (Qwen2-VL).
 Names are imported on first use, so importing this face imports none of them.
 """
@@ -34,9 +34,9 @@ _EXPORTS = {
     "hybridsp_attention_forward": "hybridsp.integrations.transformers.switch",
     "register": "hybridsp.integrations.transformers.switch",
     "switch_modules": "hybridsp.integrations.transformers.switch",
-    "Prefill": "hybridsp.integrations.transformers.generate",
-    "generate": "hybridsp.integrations.transformers.generate",
-    "prefill": "hybridsp.integrations.transformers.generate",
+    "Prefill": "hybridsp.integrations.transformers.generation",
+    "generate": "hybridsp.integrations.transformers.generation",
+    "prefill": "hybridsp.integrations.transformers.generation",
     "causal_lm_loss": "hybridsp.integrations.transformers.loss",
     "tensor_parallel": "hybridsp.tensor_parallel.model_split",
     "HybridSPTrainer": "hybridsp.integrations.transformers.trainer",

@@ -1,7 +1,7 @@
 """Real Hugging Face checkpoints with DeepSpeed ZeRO: load partitioned, export loadable.
 
     model = load_pretrained("path/to/llama", ds_config)        # ZeRO-3: partitioned while it loads
-    engine, _, mesh, _ = hybridsp.integrations.deepspeed.engine.initialize(model, ds_config)
+    engine, _, mesh, _ = hybridsp.integrations.deepspeed.initialize(model, ds_config)
     ... train ...
     export_hf(engine, "out/hf")                                # save_pretrained-loadable directory
 
@@ -12,7 +12,7 @@ an 8B model in fp32 on one node. transformers' documented way is an ``HfDeepSpee
 ``deepspeed.zero.Init`` (each parameter partitioned over the ranks as it is created) and
 copies the checkpoint's tensors into the partitions one module at a time
 (``_load_state_dict_into_zero3_model``). :func:`load_pretrained` does that with the DeepSpeed
-config that :func:`hybridsp.integrations.deepspeed.engine.initialize` will use (``"hybridsp"`` section
+config that :func:`hybridsp.integrations.deepspeed.initialize` will use (``"hybridsp"`` section
 removed, ``"auto"`` precision resolved), in that config's precision (bf16 / fp16 / fp32), and
 drops the ``HfDeepSpeedConfig`` again afterwards, so models built later in the same process are
 not partitioned by surprise. ZeRO-3 partitions over all ranks (DP x C), the same set of ranks
@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybridsp.integrations.deepspeed import config as ds_schema
 from hybridsp.integrations.deepspeed import engine as hds
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -74,9 +75,9 @@ def load_pretrained(
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    raw = hds.load_config(config)
-    hybrid = hds.HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring)
-    ds_config = hds.deepspeed_config(raw, hybrid, precision=precision)
+    raw = ds_schema.load_config(config)
+    hybrid = ds_schema.HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring)
+    ds_config = ds_schema.deepspeed_config(raw, hybrid, precision=precision)
     kwargs = {"local_files_only": True, "dtype": config_dtype(ds_config), **from_pretrained_kwargs}
     if ds_config.get("zero_optimization", {}).get("stage", 0) != 3:
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)

@@ -39,7 +39,7 @@ def causal_lm_loss(
 
     Args:
         model: a transformers causal LM switched on with ``apply(model, mesh)``, or a DeepSpeed
-            engine around one (``hybridsp.integrations.deepspeed.engine.initialize`` does both).
+            engine around one (``hybridsp.integrations.deepspeed.initialize`` does both).
         local_batch: :func:`hybridsp.shard_batch`'s output: ``input_ids``, ``position_ids`` and
             ``shift_labels``, each [B, S_local].
         mesh: the model's :class:`~hybridsp.mesh.hybrid_mesh.HybridMesh`.

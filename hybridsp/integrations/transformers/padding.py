@@ -163,7 +163,7 @@ def left_padding_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tens
 def left_padded_inputs(mask: torch.Tensor, seq_pad: int, mine: torch.Tensor) -> dict:
     """This rank's ``position_ids`` (transformers' ``cumsum(mask) - 1``, 0 on the padding) and
     ``attention_mask`` shards for a left-padded prompt of mask [B, S], padded to ``seq_pad``; ``mine``
-    [S_pad/C] the indices this rank holds (Note [left padding] in :mod:`hybridsp.integrations.transformers.generate`)."""
+    [S_pad/C] the indices this rank holds (Note [left padding] in :mod:`hybridsp.integrations.transformers.generation`)."""
     real = torch.nn.functional.pad(mask, (0, seq_pad - mask.shape[1]), value=False)  # [B, S_pad]
     positions = (real.long().cumsum(1) - 1).clamp_min(0)  # [B, S_pad]
     positions[:, mask.shape[1]:] = torch.arange(mask.shape[1], seq_pad, device=mask.device)  # layout padding

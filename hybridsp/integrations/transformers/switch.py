@@ -11,7 +11,7 @@ transformers >= :data:`MIN_TRANSFORMERS_VERSION`, sliding-window layers (Mistral
 documents]). Refused with a clear error: attention sinks, logit soft-capping, attention
 dropout in training, bidirectional configs, a user-supplied 4D mask, and a KV cache that
 already holds tokens outside :func:`generate` (long-context generation against a sharded K/V
-cache: :mod:`hybridsp.integrations.transformers.generate`).
+cache: :mod:`hybridsp.integrations.transformers.generation`).
 
 Note [packed documents]: a packed row restarts ``position_ids`` at 0 at each document. The
 batch's documents reach every layer as one :class:`~hybridsp.layout.documents.Documents` object under
@@ -198,7 +198,7 @@ def _check_call(
     if key.shape[2] != query.shape[2] and not cached:
         raise ValueError(
             f"hybridsp attention got {query.shape[2]} queries but {key.shape[2]} keys per rank: a KV cache with "
-            f"earlier tokens is only supported through hybridsp.integrations.transformers.generate; call the model "
+            f"earlier tokens is only supported through hybridsp.integrations.transformers.generation; call the model "
             f"with use_cache=False"
         )
 
@@ -265,7 +265,7 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
         )
     register()
     from hybridsp.integrations.transformers.vision import (
-        model as vlm,  # Qwen2-VL / Qwen2.5-VL: the language model only (issue 23)
+        model as vlm,  # Qwen2-VL / Qwen2.5-VL: the language model only
     )
 
     if vlm.is_vision_language_model(model):

@@ -93,6 +93,7 @@ from transformers import Trainer
 
 from hybridsp.attention.api import gather_sequence
 from hybridsp.batch import prepare_batch, shard_batch
+from hybridsp.integrations.deepspeed import config as ds_schema
 from hybridsp.integrations.deepspeed import engine as hds
 from hybridsp.integrations.transformers.trainer_data import gather_over_replicas, shard_loader_over_replicas
 from hybridsp.integrations.transformers.vision import batch as vlm_batch
@@ -138,7 +139,7 @@ class HybridSPMixin:
         with hds.without_cpu_shm_comm_build():
             super().create_accelerator_and_postprocess()
         raw = self.args.hf_deepspeed_config.config if self.is_deepspeed_enabled else {}
-        self.hybrid_config = hds.HybridConfig.from_ds_config(raw, **self._hybridsp_overrides)
+        self.hybrid_config = ds_schema.HybridConfig.from_ds_config(raw, **self._hybridsp_overrides)
         self.hybrid_mesh = _mesh(self.hybrid_config)
         if self.is_deepspeed_enabled:
             _remove_owned_keys(self.accelerator.state.deepspeed_plugin, self.args)
@@ -220,7 +221,7 @@ class HybridSPMixin:
         return prepare_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
 
     def _shard(self, tensors: dict) -> dict:
-        """This rank's shard: :func:`shard_batch`, or ``shard_vlm_batch`` for image/video batches (issue 23)."""
+        """This rank's shard: :func:`shard_batch`, or ``shard_vlm_batch`` for image/video batches."""
         if vlm_batch.is_vision_batch(tensors):
             model = self.accelerator.unwrap_model(self.model)
             return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id())
@@ -311,7 +312,7 @@ def _share_of_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items, 
     )
 
 
-def _mesh(hybrid: hds.HybridConfig) -> HybridMesh:
+def _mesh(hybrid: ds_schema.HybridConfig) -> HybridMesh:
     hybrid.mesh_shape(dist.get_world_size() if dist.is_initialized() else 1)  # ValueError quoting the sizes
     if not dist.is_initialized():
         raise RuntimeError(
@@ -375,13 +376,13 @@ def _remove_owned_keys(plugin, args) -> None:
     """
     configs = {id(c): c for c in (plugin.deepspeed_config, plugin.hf_ds_config.config, args.hf_deepspeed_config.config)}
     for config in configs.values():
-        for key in hds.OWNED_KEYS:
+        for key in ds_schema.OWNED_KEYS:
             config.pop(key, None)
 
 
-def engine_config(config: dict, hybrid: hds.HybridConfig, mesh: HybridMesh) -> dict:
+def engine_config(config: dict, hybrid: ds_schema.HybridConfig, mesh: HybridMesh) -> dict:
     """The config DeepSpeed sees: our keys removed, torch Adam on CPU, the batch of DP replicas."""
-    cleaned = hds.deepspeed_config(hds.load_config(config), hybrid)
+    cleaned = ds_schema.deepspeed_config(ds_schema.load_config(config), hybrid)
     micro = cleaned.get("train_micro_batch_size_per_gpu")
     accumulation = cleaned.get("gradient_accumulation_steps", 1)
     if isinstance(micro, int) and isinstance(accumulation, int):

@@ -14,7 +14,7 @@ token ``S + t`` gets RoPE position ``S + t + delta`` on all three axes, with ``d
 token's index in the sequence (what the sharded K/V cache and the decode attention's causal
 order use; Qwen2-VL passes it to the attention as ``position_ids``), rows 1-3 the RoPE
 positions. The prefill and decode steps otherwise follow
-:mod:`hybridsp.integrations.transformers.generate` (the same cache, decode attention and token choice).
+:mod:`hybridsp.integrations.transformers.generation` (the same cache, decode attention and token choice).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch import nn
 from hybridsp.batch import padded_length
 from hybridsp.inference import ShardedKVCache
 from hybridsp.integrations.transformers.binding import DECODE_KWARG
-from hybridsp.integrations.transformers.generate import (
+from hybridsp.integrations.transformers.generation import (
     DecodeStep,
     HybridCache,
     agree_across_context,
