@@ -27,7 +27,7 @@ of just enough slots); ``contiguous ...`` (the balancer and split documents in c
 pieces plus the local search); ``split as needed`` (``_build_greedy``); ``nested tries
 (before)`` (the nested tries in order, first within 1%: what shipped before the K/V objective);
 ``contiguous on k hosts`` (the hosted tries: only k slots keep room for the balancer);
-**``balanced (tries)``** (``balanced_slot_runs``, what ships: fewest hull rows within 3%). Writes benchmarks/results_balance.md and .json.
+**``balanced (tries)``** (``balanced_slot_runs``, what ships: fewest hull rows within 3%). Writes benchmarks/results/packed/balance.md and .json.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness import load, machine_info, revision, write_results  # noqa: E402
+from harness import load, machine_info, results_path, revision, write_results  # noqa: E402
 
 from hybridsp.layout.balance.bound import kv_rows_lower_bound  # noqa: E402
 from hybridsp.layout.balance.tries import (  # noqa: E402
@@ -327,7 +327,7 @@ def main() -> None:
     info["load_after"] = load()
     text = markdown(results, timing, info)
     print(text)
-    write_results(str(ROOT / "benchmarks" / "results_balance"), text,
+    write_results(results_path("packed", "balance"), text,
                   dict(info=info, designs={k: v for k, v in DESIGNS.items()}, pack_sets=results, build_times=timing))
 
 
