@@ -5,7 +5,7 @@
 Side by side, interleaved, each (method, shape) in a fresh gloo launch per repeat:
 - ``hybridsp``: ``hybrid_attn_func`` at U = world, R = 1, torch kernel (this tree's lean all-to-all);
 - ``hybridsp-before``: the same with ``_seq_to_heads`` / ``_heads_to_seq`` of revision
-  ``--before`` (default 352cdf7, before issue 12) swapped in, read with ``git show``;
+  ``--before`` (default 352cdf7, before the lean all-to-all) swapped in, read with ``git show``;
 - ``deepspeed``: DeepSpeed-Ulysses ``DistributedAttention`` (scatter heads, gather sequence)
   around the same aten CPU flash kernel, from ``bench_peers.py``'s harness.
 

@@ -61,7 +61,7 @@ MIB = 2**20
 WORLD, ULYSSES, RING, CONFIG = calibration.WORLD, calibration.ULYSSES, calibration.RING, "cp8.json"
 FIXTURE = ROOT / "tests" / "data" / "planner_calibration_cpu.json"  # what tests/test_planner_calibration.py reads
 TECHNIQUES = ("fused_loss", "tiled_mlp", "checkpointing", "activation_offload")
-DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the issues' ablation at V=32000, 1.5 GiB (192 MiB
+DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the ablation's rows at V=32000, 1.5 GiB (192 MiB
     # per rank: at bench_longest_context's 1 GiB / 8 = 128 MiB nothing trains at V=32000, measured: the step's fixed
     # ZeRO-3 part (the tied 31 MiB embedding re-gathered, the gradient bucket's reduce-scatter copies) is ~146 MiB)
     (32000, 4, 1536, ()), (32000, 4, 1536, ("fused_loss",)), (32000, 4, 1536, ("fused_loss", "tiled_mlp")),
@@ -79,7 +79,7 @@ class NotAvailable(RuntimeError):
 
 
 def _tiled_mlp_function():
-    """The tiled-MLP switch ``f(model, mesh)`` if this branch has one (issue 12.2), else None."""
+    """The tiled-MLP switch ``f(model, mesh)`` if this branch has one (``hybridsp.memory.tiled_mlp``), else None."""
     try:
         import hybridsp.memory.tiled_mlp as tiled
     except ImportError:
@@ -476,7 +476,7 @@ def _parse_row(text: str, vocab: int, layers: int, budget_mib: int) -> tuple:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", help="rows, e.g. none checkpointing+activation_offload (default: "
-                                                  "the issue's ablation and offload alone at V=256, L=16)")
+                                                  "DEFAULT_ROWS, today's path to every technique at V=32000)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of --rows")
     parser.add_argument("--layers", type=int, default=4, help="layers of --rows")
     parser.add_argument("--budget-mib", type=int, default=1536, help="total budget of --rows, split over the 8 ranks")

@@ -1,4 +1,4 @@
-"""The core reshaping of issue 19, before (4a51805) against after (this checkout), in one run.
+"""The core reshaping (linear plan builder, documents found once), before (4a51805) against after (this checkout).
 
     git worktree add --detach /work/wt-before 4a51805      # once
     python benchmarks/bench_core_shape.py --before /work/wt-before        # ~5-10 min on 2 busy cores
@@ -422,7 +422,7 @@ def report(data: dict) -> tuple[str, dict]:
     """(markdown, summary) of a run."""
     summary = summarise(data["raw"])
     lines = [
-        "# Issue 19: the core reshaping, before (4a51805) vs after", "",
+        "# The core reshaping, before (4a51805) vs after", "",
         f"`python benchmarks/bench_core_shape.py` ({data['rounds']} rounds, before/after alternating; "
         f"revisions {data.get('revisions', 'not recorded')}). {data['machine']}; {data['software']}.",
         f"Load average (1/5/15 min) at start {data['load_start']}, at end {data['load_end']}; `{data['uptime']}`. "

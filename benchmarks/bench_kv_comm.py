@@ -1,4 +1,4 @@
-"""The two K/V transports side by side: bytes on the wire, bf16 error, time (issue 10).
+"""The two K/V transports side by side: bytes on the wire, bf16 error, time.
 
     python benchmarks/bench_kv_comm.py            # W = 8 bytes + errors, W = 4 timing (~10 min, 2 cores)
     python benchmarks/bench_kv_comm.py --quick    # smaller; writes to the temp dir

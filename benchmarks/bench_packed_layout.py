@@ -1,10 +1,10 @@
-"""Packed batches: the zigzag and the document-balanced layout side by side, in one run (issue 20).
+"""Packed batches: the zigzag and the document-balanced layout side by side, in one run.
 
 Run:  python benchmarks/bench_packed_layout.py [--packs 3] [--repeats 3]
 
 For mixed packs (lognormal document lengths from ~16 to ~8,000 tokens, S = 16,384; the first seeds
-on which zigzag's busiest ring rank does >= 1.4x the mean work at that ring degree, as the issue's
-target states), at U1 x R4 and U2 x R2 on 4 gloo ranks, for each layout:
+on which zigzag's busiest ring rank does >= 1.4x the mean work at that ring degree, the balanced
+layout's target packs), at U1 x R4 and U2 x R2 on 4 gloo ranks, for each layout:
 
 * **plan work max/mean**: score cells each ring rank computes (``BlockPlan.work``), busiest over the mean;
   **total work** over ranks, as a ratio to zigzag's;

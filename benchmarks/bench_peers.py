@@ -164,8 +164,8 @@ def build_reference(case: Case, directory: str) -> tuple[str, dict, dict]:
 
 
 def analytic_bytes(case: Case) -> int:
-    """The most bytes a rank must send per forward + backward (max over ring ranks) in the issue's
-    minimum: Ulysses (U-1)/U of q, k, v, out each way; K/V rows only where the receiver reads them,
+    """The most bytes a rank must send per forward + backward (max over ring ranks) at the
+    byte minimum: Ulysses (U-1)/U of q, k, v, out each way; K/V rows only where the receiver reads them,
     forward and again backward, each visited block's dK/dV home once, in the input dtype
     (:func:`hybridsp.attention.volume.hybrid_bytes` with ``kv_comm="ring"``)."""
     from hybridsp.formulas import hybrid_bytes

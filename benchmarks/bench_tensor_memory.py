@@ -1,4 +1,4 @@
-"""Per-rank parameter and activation memory with tensor parallelism at a fixed context size C (issue 22).
+"""Per-rank parameter and activation memory with tensor parallelism at a fixed context size C.
 
     python benchmarks/bench_tensor_memory.py [--seq 2048] [--context 2]
 
