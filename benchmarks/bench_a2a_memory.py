@@ -5,7 +5,7 @@
 Side by side, interleaved, each (method, shape) in a fresh gloo launch per repeat:
 - ``hybridsp``: ``hybrid_attn_func`` at U = world, R = 1, torch kernel (this tree's lean all-to-all);
 - ``hybridsp-before``: the same with ``_seq_to_heads`` / ``_heads_to_seq`` of revision
-  ``--before`` (default 352cdf7, before issue 12) swapped in, read with ``git show``;
+  ``--before`` (default 352cdf7, before the lean all-to-all) swapped in, read with ``git show``;
 - ``deepspeed``: DeepSpeed-Ulysses ``DistributedAttention`` (scatter heads, gather sequence)
   around the same aten CPU flash kernel, from ``bench_peers.py``'s harness.
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--before", default="352cdf7")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_a2a_memory.json"))
+    parser.add_argument("--out", default=harness.results_path("memory", "a2a_memory.json"))
     args = parser.parse_args(argv)
     before = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:hybridsp/attention/ulysses.py"],
                             check=True, capture_output=True, text=True).stdout
@@ -117,6 +117,7 @@ def main(argv=None) -> int:
         row["before_vs_deepspeed"] = row["hybridsp-before"]["peak_mib"] / row["deepspeed"]["peak_mib"]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows, "seconds": time.perf_counter() - started,
                                           "torch": torch.__version__}, indent=1))
     print(markdown(rows))

@@ -61,7 +61,7 @@ MIB = 2**20
 WORLD, ULYSSES, RING, CONFIG = calibration.WORLD, calibration.ULYSSES, calibration.RING, "cp8.json"
 FIXTURE = ROOT / "tests" / "data" / "planner_calibration_cpu.json"  # what tests/test_planner_calibration.py reads
 TECHNIQUES = ("fused_loss", "tiled_mlp", "checkpointing", "activation_offload")
-DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the issues' ablation at V=32000, 1.5 GiB (192 MiB
+DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the ablation's rows at V=32000, 1.5 GiB (192 MiB
     # per rank: at bench_longest_context's 1 GiB / 8 = 128 MiB nothing trains at V=32000, measured: the step's fixed
     # ZeRO-3 part (the tied 31 MiB embedding re-gathered, the gradient bucket's reduce-scatter copies) is ~146 MiB)
     (32000, 4, 1536, ()), (32000, 4, 1536, ("fused_loss",)), (32000, 4, 1536, ("fused_loss", "tiled_mlp")),
@@ -79,7 +79,7 @@ class NotAvailable(RuntimeError):
 
 
 def _tiled_mlp_function():
-    """The tiled-MLP switch ``f(model, mesh)`` if this branch has one (issue 12.2), else None."""
+    """The tiled-MLP switch ``f(model, mesh)`` if this branch has one (``hybridsp.memory.tiled_mlp``), else None."""
     try:
         import hybridsp.memory.tiled_mlp as tiled
     except ImportError:
@@ -242,7 +242,7 @@ def calibration_fixture(rows: list[dict]) -> dict:
     """The measured rows reduced to what the planner's calibration test reads, with the base model."""
     keep = ("vocab", "layers", "budget_total", "techniques", "at", "longest", "complete", "granularity")
     return {
-        "source": "benchmarks/bench_ablation.py (results_ablation_cpu.json), written by its save step",
+        "source": "benchmarks/bench_ablation.py (results/longest_context/ablation_cpu.json), written by its save step",
         "model": asdict(blc.example_model_spec()),
         "rows": [{**{key: row[key] for key in keep if key in row},
                   "attempt_list": [{"seq_len": a["seq_len"], "ok": a["ok"],
@@ -427,7 +427,7 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
 
 
 def rows_from_log(path: Path) -> list[dict]:
-    """Rows rebuilt from a run's log lines (``results_ablation_cpu_run1.log``: that run stopped at a
+    """Rows rebuilt from a run's log lines (``results/longest_context/ablation_cpu_run1.log``: that run stopped at a
     later row on a half-written rank report, since skipped): per attempt the length, the outcome and
     the logged MiB (allocated, step, host; rounded to 1 MiB); the planner is recomputed."""
     import re
@@ -476,13 +476,14 @@ def _parse_row(text: str, vocab: int, layers: int, budget_mib: int) -> tuple:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", help="rows, e.g. none checkpointing+activation_offload (default: "
-                                                  "the issue's ablation and offload alone at V=256, L=16)")
+                                                  "DEFAULT_ROWS, today's path to every technique at V=32000)")
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of --rows")
     parser.add_argument("--layers", type=int, default=4, help="layers of --rows")
     parser.add_argument("--budget-mib", type=int, default=1536, help="total budget of --rows, split over the 8 ranks")
     parser.add_argument("--granularity", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for results_ablation_cpu.{json,md}")
+    parser.add_argument("--out", default=str(harness.RESULTS / "longest_context"),
+                        help="folder for ablation_cpu.{json,md} (default benchmarks/results/longest_context)")
     parser.add_argument("--fixture", default=str(FIXTURE), help="where to write the rows the planner's calibration "
                                                                 "test reads ('' for nowhere)")
     parser.add_argument("--append", action="store_true",
@@ -502,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     blc.warm_forkserver()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    previous = json.loads((out / "results_ablation_cpu.json").read_text()) if args.append and (
-        out / "results_ablation_cpu.json").exists() else {"rows": [], "runs": []}
+    previous = json.loads((out / "ablation_cpu.json").read_text()) if args.append and (
+        out / "ablation_cpu.json").exists() else {"rows": [], "runs": []}
     results = [replan(row, row.get("granularity", args.granularity)) for row in previous["rows"]]
     runs = previous.get("runs", [])
     run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -514,9 +515,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def save():
         run_meta.update(total_s=time.perf_counter() - started, load_after=os.getloadavg()[0])
-        (out / "results_ablation_cpu.json").write_text(json.dumps({"meta": run_meta, "runs": runs, "rows": results},
-                                                                  indent=1))
-        (out / "results_ablation_cpu.md").write_text(markdown(results, run_meta, runs))
+        (out / "ablation_cpu.json").write_text(json.dumps({"meta": run_meta, "runs": runs, "rows": results},
+                                                          indent=1))
+        (out / "ablation_cpu.md").write_text(markdown(results, run_meta, runs))
         if args.fixture:
             Path(args.fixture).write_text(json.dumps(calibration_fixture(results), indent=1) + "\n")
 

@@ -27,7 +27,7 @@ of just enough slots); ``contiguous ...`` (the balancer and split documents in c
 pieces plus the local search); ``split as needed`` (``_build_greedy``); ``nested tries
 (before)`` (the nested tries in order, first within 1%: what shipped before the K/V objective);
 ``contiguous on k hosts`` (the hosted tries: only k slots keep room for the balancer);
-**``balanced (tries)``** (``balanced_slot_runs``, what ships: fewest hull rows within 3%). Writes benchmarks/results_balance.md and .json.
+**``balanced (tries)``** (``balanced_slot_runs``, what ships: fewest hull rows within 3%). Writes benchmarks/results/packed/balance.md and .json.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness import load, machine_info, revision, write_results  # noqa: E402
+from harness import load, machine_info, results_path, revision, write_results  # noqa: E402
 
 from hybridsp.layout.balance.bound import kv_rows_lower_bound  # noqa: E402
 from hybridsp.layout.balance.tries import (  # noqa: E402
@@ -98,7 +98,7 @@ def uniform_cuts(seq_len: int, documents: int, seed: int) -> tuple[int, ...]:
     return (0, *cuts, seq_len)
 
 
-ISSUE_PACK = (2396, 840, 420, 1731, 708, 1070, 135, 296, 595, 1)  # RESULTS.md, bench_masks.py
+ISSUE_PACK = (2396, 840, 420, 1731, 708, 1070, 135, 296, 595, 1)  # bench_masks.py's 10 documents (RESULTS.md)
 
 
 def pack_sets(seeds: int) -> list[dict]:
@@ -109,7 +109,7 @@ def pack_sets(seeds: int) -> list[dict]:
     sets += [
         dict(name="lognormal S=16384 R=4 W=512", seq_len=16384, ring=4, window=512,
              packs=[lognormal_pack(16384, s) for s in range(seeds)]),
-        dict(name="issue's 10 documents S=8192 R=4", seq_len=8192, ring=4, window=None, packs=[issue]),
+        dict(name="bench_masks' 10 documents S=8192 R=4", seq_len=8192, ring=4, window=None, packs=[issue]),
         dict(name="4 documents S=8192 R=4", seq_len=8192, ring=4, window=None,
              packs=[uniform_cuts(8192, 4, s) for s in range(seeds)]),
         dict(name="100 documents S=65536 R=8", seq_len=65536, ring=8, window=None,
@@ -230,7 +230,7 @@ def measure(pack_set: dict) -> dict:
 
 def bound_rows(pack_set: dict) -> dict | None:
     """Hull rows of zigzag and of the balanced layout beside ``kv_rows_lower_bound`` (Note [rows bound]):
-    at 1.05 balance (the issue's target) and at the balance the layout reached, summed over packs;
+    at 1.05 balance (the balanced layout's target) and at the balance the layout reached, summed over packs;
     ``infeasible``: packs on which no layout within 1.05 balance ships <= 1.05 x zigzag's rows.
     None with a window (the bound assumes full causal attention)."""
     if pack_set["window"] is not None:
@@ -327,7 +327,7 @@ def main() -> None:
     info["load_after"] = load()
     text = markdown(results, timing, info)
     print(text)
-    write_results(str(ROOT / "benchmarks" / "results_balance"), text,
+    write_results(results_path("packed", "balance"), text,
                   dict(info=info, designs={k: v for k, v in DESIGNS.items()}, pack_sets=results, build_times=timing))
 
 

@@ -1,4 +1,4 @@
-"""The core reshaping of issue 19, before (4a51805) against after (this checkout), in one run.
+"""The core reshaping (linear plan builder, documents found once), before (4a51805) against after (this checkout).
 
     git worktree add --detach /work/wt-before 4a51805      # once
     python benchmarks/bench_core_shape.py --before /work/wt-before        # ~5-10 min on 2 busy cores
@@ -41,7 +41,16 @@ import torch.distributed as dist
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from harness import combine, interleave, launch, load, machine_info, software_info, write_results  # noqa: E402
+from harness import (  # noqa: E402
+    combine,
+    interleave,
+    launch,
+    load,
+    machine_info,
+    results_path,
+    software_info,
+    write_results,
+)
 
 SEQ_PLAN, RING_PLAN = 65_536, 4
 DOC_COUNTS = (1_000, 8_000, 32_000)
@@ -271,7 +280,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slow-timeout", type=float, default=1800,
                         help="wall seconds for the old builder's one 32,000-document build (runs alongside)")
-    parser.add_argument("--prefix", default=str(HERE / "results_core_shape"))
+    parser.add_argument("--prefix", default=results_path("core_shape", "core_shape"))
     parser.add_argument("--worker")
     parser.add_argument("--args")
     opts = parser.parse_args()
@@ -301,6 +310,7 @@ def main() -> None:
     data = {"machine": machine_info(), "software": software_info(), "load_start": start_load, "load_end": load(),
             "uptime": _uptime(), "rounds": opts.rounds, "trees": trees,
             "revisions": {name: _head(tree) for name, tree in trees.items()}, "slow_note": slow_note, "raw": raw}
+    os.makedirs(os.path.dirname(os.path.abspath(opts.prefix)), exist_ok=True)
     with open(opts.prefix + ".json", "w") as handle:  # the raw data first, in case the report fails
         json.dump(data, handle, indent=1)
     markdown, data["summary"] = report(data)
@@ -412,7 +422,7 @@ def report(data: dict) -> tuple[str, dict]:
     """(markdown, summary) of a run."""
     summary = summarise(data["raw"])
     lines = [
-        "# Issue 19: the core reshaping, before (4a51805) vs after", "",
+        "# The core reshaping, before (4a51805) vs after", "",
         f"`python benchmarks/bench_core_shape.py` ({data['rounds']} rounds, before/after alternating; "
         f"revisions {data.get('revisions', 'not recorded')}). {data['machine']}; {data['software']}.",
         f"Load average (1/5/15 min) at start {data['load_start']}, at end {data['load_end']}; `{data['uptime']}`. "

@@ -16,8 +16,8 @@ sharded cache (``decode_step``), and records per rank:
 - ``decode_ms``: the median wall time of a decode step (all ranks step together), and the prefill time.
 
 "One process holding the whole cache" is the W=1 row. ``--budget-mib`` is a K/V budget per rank;
-the summary says which meshes fit the longest context under it. Results: ``results_generate.json``
-and a markdown table on stdout (appended by hand to RESULTS.md). The machine is shared: contexts
+the summary says which meshes fit the longest context under it. Results: ``results/generate/generate.json``
+and a markdown table on stdout (copied by hand into RESULTS.md). The machine is shared: contexts
 and meshes are interleaved in repeated rounds (``--rounds``) and medians reported, with ``uptime``.
 """
 
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--budget-mib", type=float, default=32.0)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_generate.json"))
+    parser.add_argument("--out", default=harness.results_path("generate", "generate.json"))
     args = parser.parse_args()
     rows = []
     for round_index in range(args.rounds):
@@ -149,6 +149,7 @@ def main() -> None:
                 row = dict(measure(name, context, args.steps), round=round_index, load=load)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(rows=rows, steps=args.steps, budget_mib=args.budget_mib), indent=1))
     print(summarize(rows, args.budget_mib))
     print("load average (1 min) during the runs: %.1f-%.1f" % (min(r["load"] for r in rows),

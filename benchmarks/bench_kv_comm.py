@@ -1,4 +1,4 @@
-"""The two K/V transports side by side: bytes on the wire, bf16 error, time (issue 10).
+"""The two K/V transports side by side: bytes on the wire, bf16 error, time.
 
     python benchmarks/bench_kv_comm.py            # W = 8 bytes + errors, W = 4 timing (~10 min, 2 cores)
     python benchmarks/bench_kv_comm.py --quick    # smaller; writes to the temp dir
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from harness import ByteCounter, combine, interleave, launch  # noqa: E402
+from harness import ByteCounter, combine, interleave, launch, results_path  # noqa: E402
 
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence  # noqa: E402
 from hybridsp.attention.volume import hybrid_bytes  # noqa: E402
@@ -153,7 +153,9 @@ def main() -> None:
     result["timing"] = launch(_timing_rows, 4, time_seq, 3 if args.quick else args.iters, meshes,
                                        timeout=3600)[0]
     result["load_after"] = os.getloadavg()[0]
-    out = Path(tempfile.gettempdir()) / "results_kv_comm_quick" if args.quick else ROOT / "benchmarks" / "results_kv_comm"
+    out = Path(tempfile.gettempdir()) / "results_kv_comm_quick" if args.quick else \
+        Path(results_path("kv_comm", "kv_comm"))
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(_markdown(result))
     print(_markdown(result))

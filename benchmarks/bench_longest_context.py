@@ -605,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="glibc M_MMAP_THRESHOLD in each rank (0: glibc's dynamic default); Note [malloc]")
     parser.add_argument("--first-timeout", type=float, default=600.0, help="timeout of a config's first attempt, s")
     parser.add_argument("--no-clusters", action="store_true", help="skip the cluster prediction table")
-    parser.add_argument("--out", help="output prefix (default benchmarks/results_longest_context; quick: temp dir)")
+    parser.add_argument("--out", help="output prefix (default benchmarks/results/longest_context/longest_context; "
+                        "quick: temp dir)")
     parser.add_argument("--fixture", default=str(FIXTURE), help="where to write the successful attempts the "
                         "planner's memory test reads ('' for nowhere; never with --quick)")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown beside a results JSON")
@@ -628,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         granularity=args.granularity or (2048 if quick else 1024), limit=args.limit, limit_from=args.limit_from,
         mmap_threshold=args.mmap_threshold_kib * 1024, first_timeout=args.first_timeout, cores=os.cpu_count() or 1)
     prefix = args.out or (os.path.join(tempfile.gettempdir(), "results_longest_context_quick") if quick
-                          else str(ROOT / "benchmarks" / "results_longest_context"))
+                          else harness.results_path("longest_context", "longest_context"))
     started = time.perf_counter()
 
     def log(message: str) -> None:
@@ -679,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     meta.update(breakdowns=breakdowns, bf16_checks=checks_bf16, breakdown_len=BREAKDOWN_LEN)
     text = markdown(rows, meta, checks, clusters)
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     Path(prefix + ".md").write_text(text)
     Path(prefix + ".json").write_text(json.dumps({"meta": meta, "limit_checks": checks, "configs": rows,
                                                   "clusters": cluster_rows}, indent=1, default=str) + "\n")
@@ -692,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
 def memory_fixture(rows: list[dict]) -> dict:
     """Every successful attempt's measured peaks: what tests/test_planner.py checks the planner against."""
     return {
-        "source": "benchmarks/bench_longest_context.py (results_longest_context.json), written with its results",
+        "source": "benchmarks/bench_longest_context.py (results/longest_context/longest_context.json), "
+                  "written with its results",
         "attempts": [{"config": row["config"], "ulysses": row["ulysses"], "ring": row["ring"],
                       "seq_len": attempt["seq_len"], "step_alloc_peak": attempt["worst"]["step_alloc_peak"],
                       "alloc_peak": attempt["worst"]["alloc_peak"]}

@@ -15,7 +15,7 @@ thread each, fp32, torch kernels, B=1, H=8, D=64, forward + backward:
 * wall time of forward + backward, the max over ranks of each rank's median, workloads
   interleaved repeat by repeat (the machine is shared; ``uptime`` load is recorded).
 
-Prints a markdown table and writes benchmarks/results_masks.json and results_masks.md.
+Prints a markdown table and writes benchmarks/results/masks/masks.json and masks.md.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import harness
 import torch
@@ -36,7 +35,6 @@ from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
 from hybridsp.layout.layouts import take_shard
 
 HEADS, HEAD_DIM = 8, 64
-HERE = Path(__file__).resolve().parent
 
 
 def mixed_documents(seq_len: int, seed: int = 0) -> list[int]:
@@ -126,9 +124,11 @@ def main() -> None:
               "window": args.window, "window_bound_bytes": bound, "documents": specs["packed (zigzag)"]["cu"],
               "repeats": args.repeats, "load_before": load_before, "load_after": load_after, "rows": rows,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    (HERE / "results_masks.json").write_text(json.dumps(result, indent=1) + "\n")
+    out = harness.RESULTS / "masks"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "masks.json").write_text(json.dumps(result, indent=1) + "\n")
     table = _markdown(result)
-    (HERE / "results_masks.md").write_text(table)
+    (out / "masks.md").write_text(table)
     print(table)
 
 

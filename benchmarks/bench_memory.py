@@ -1,7 +1,10 @@
 """Memory outside attention: the loss with and without logits, and the longest context at cp8, V=32000.
 
     python benchmarks/bench_memory.py                  # both parts (bounded: ~10-20 min on 2 busy cores)
-    python benchmarks/bench_memory.py --part loss      # part 1 only (~1 min)
+    python benchmarks/bench_memory.py --part loss      # part 1 only (~1 min... ~10 min on a busy machine)
+
+Writes ``benchmarks/results/memory/memory.{md,json}`` (``--part loss``: ``loss.{md,json}``; ``--part longest``:
+``longest.{md,json}``; ``--out PREFIX`` elsewhere).
 
 Part 1, the loss alone: peak memory per rank of one loss forward + backward at S_local = 8192
 tokens, V = 32000, h = 512, fp32 and bf16, in a fresh process per measurement (one gloo rank;
@@ -204,7 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-gib", type=float, default=2.0)
     parser.add_argument("--granularity", type=int, default=2048)
     parser.add_argument("--starts", default="2048,8192,12288", help="first length per variant (today, fused, tiled)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_memory"))
+    parser.add_argument("--out", help="output prefix (default benchmarks/results/memory/<memory|loss|longest>)")
     args = parser.parse_args(argv)
 
     def log(message: str) -> None:
@@ -221,8 +224,10 @@ def main(argv=None) -> int:
     if args.part in ("longest", "both"):
         result["longest"] = part_longest(args.budget_gib, args.granularity, starts, log)
     result["total_s"], result["load_end"] = time.perf_counter() - started, os.getloadavg()[0]
-    Path(args.out + ".json").write_text(json.dumps(result, indent=1, default=str))
-    Path(args.out + ".md").write_text(markdown(result) + "\n")
+    out = args.out or harness.results_path("memory", {"both": "memory"}.get(args.part, args.part))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out + ".json").write_text(json.dumps(result, indent=1, default=str))
+    Path(out + ".md").write_text(markdown(result) + "\n")
     print(markdown(result))
     return 0
 

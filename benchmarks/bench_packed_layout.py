@@ -1,10 +1,10 @@
-"""Packed batches: the zigzag and the document-balanced layout side by side, in one run (issue 20).
+"""Packed batches: the zigzag and the document-balanced layout side by side, in one run.
 
 Run:  python benchmarks/bench_packed_layout.py [--packs 3] [--repeats 3]
 
 For mixed packs (lognormal document lengths from ~16 to ~8,000 tokens, S = 16,384; the first seeds
-on which zigzag's busiest ring rank does >= 1.4x the mean work at that ring degree, as the issue's
-target states), at U1 x R4 and U2 x R2 on 4 gloo ranks, for each layout:
+on which zigzag's busiest ring rank does >= 1.4x the mean work at that ring degree, the balanced
+layout's target packs), at U1 x R4 and U2 x R2 on 4 gloo ranks, for each layout:
 
 * **plan work max/mean**: score cells each ring rank computes (``BlockPlan.work``), busiest over the mean;
   **total work** over ranks, as a ratio to zigzag's;
@@ -18,7 +18,7 @@ target states), at U1 x R4 and U2 x R2 on 4 gloo ranks, for each layout:
   it); max/mean is the measured balance. CPU time, not wall time: on a shared 2-core machine four
   ranks' wall clocks measure the scheduler, their CPU times measure the work.
 
-Writes benchmarks/results_packed_layout.md and .json.
+Writes benchmarks/results/packed/packed_layout.md and .json.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-from harness import launch, load, machine_info, revision, write_results  # noqa: E402
+from harness import launch, load, machine_info, results_path, revision, write_results  # noqa: E402
 
 SEQ, HEADS, KV_HEADS, HEAD_DIM = 16384, 8, 2, 128
 MESHES = ((1, 4), (2, 2))
@@ -128,7 +128,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
-    parser.add_argument("--out", default="results_packed_layout", help="results file stem in benchmarks/")
+    parser.add_argument("--out", default=results_path("packed", "packed_layout"),
+                        help="output prefix (default benchmarks/results/packed/packed_layout)")
     args = parser.parse_args(argv)
     shape = (args.heads, args.kv_heads, args.head_dim)
     rows, before = [], load()
@@ -165,7 +166,7 @@ def main(argv=None) -> dict:
             f"{r['work_max_over_mean']['balanced']:.3f} | {r['total_work_ratio']:.3f} | {r['bytes_ratio']:.3f} | "
             f"{r['measured_max_over_mean']['zigzag']:.3f} -> {r['measured_max_over_mean']['balanced']:.3f} | "
             f"{r['busiest_speedup']:.2f}x | {r['total_time_ratio']:.3f} |")
-    write_results(str(ROOT / "benchmarks" / args.out), "\n".join(lines) + "\n",
+    write_results(args.out, "\n".join(lines) + "\n",
                   {"rows": rows, "args": vars(args)})
     print("\n".join(lines))
     return {"rows": rows}

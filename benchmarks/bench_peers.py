@@ -17,7 +17,7 @@ harness.passes), and the same call counts the bytes it sends (harness.ByteCounte
 pass are timed: a second, untimed call measures the peak RSS it adds (harness.PeakMemory), then
 ``--iters`` rounds of harness.interleave (A B C, B C A, ...; a barrier before each call). The tables
 show medians over iterations of the wall time (max over ranks) and CPU time (sum over ranks) and the
-ratio hybridsp / peer of the medians. The full run writes benchmarks/results_peers.{md,json};
+ratio hybridsp / peer of the medians. The full run writes benchmarks/results/peers/peers.{md,json};
 ``--quick`` writes results_peers_quick.* in the temp dir and never the committed results.
 """
 
@@ -164,8 +164,8 @@ def build_reference(case: Case, directory: str) -> tuple[str, dict, dict]:
 
 
 def analytic_bytes(case: Case) -> int:
-    """The most bytes a rank must send per forward + backward (max over ring ranks) in the issue's
-    minimum: Ulysses (U-1)/U of q, k, v, out each way; K/V rows only where the receiver reads them,
+    """The most bytes a rank must send per forward + backward (max over ring ranks) at the
+    byte minimum: Ulysses (U-1)/U of q, k, v, out each way; K/V rows only where the receiver reads them,
     forward and again backward, each visited block's dK/dV home once, in the input dtype
     (:func:`hybridsp.attention.volume.hybrid_bytes` with ``kv_comm="ring"``)."""
     from hybridsp.formulas import hybrid_bytes
@@ -325,11 +325,10 @@ def main(argv=None) -> int:
     parser.add_argument("--no-extras", action="store_true", help="skip the GQA block")
     parser.add_argument("--before", default="", help="git revision: also time hybridsp's ulysses.py and CPU kernel "
                         "of that revision, interleaved (before/after)")
-    parser.add_argument("--out", help="output prefix (default benchmarks/results_peers; quick: the temp dir)")
+    parser.add_argument("--out", help="output prefix (default benchmarks/results/peers/peers; quick: the temp dir)")
     args = parser.parse_args(argv)
-    here = os.path.dirname(os.path.abspath(__file__))
     prefix = args.out or (os.path.join(tempfile.gettempdir(), "results_peers_quick") if args.quick
-                          else os.path.join(here, "results_peers"))
+                          else harness.results_path("peers", "peers"))
     todo = blocks(args.worlds or ([4] if args.quick else [4, 8]), args.dtypes or ["bf16", "fp32"],
                   args.seq or (2048 if args.quick else 4096), args.heads, args.kv_heads or args.heads,
                   args.iters or (5 if args.quick else 15), not (args.quick or args.no_extras))

@@ -11,7 +11,7 @@ Measures, in one run, on gloo ranks with one thread each:
    max / mean over ranks, for causal attention in the zigzag and the contiguous layouts:
    1.0 is perfect balance; the contiguous layout gives the last rank all the work.
 Results are printed as a markdown table and appended as JSON lines to
-benchmarks/results_ring_cost.jsonl.
+benchmarks/results/ring_cost/ring_cost.jsonl.
 """
 
 from __future__ import annotations
@@ -132,7 +132,9 @@ def main() -> None:
     result["date"] = time.strftime("%Y-%m-%d")
     print(f"causal fp32 B=1 S={args.seq_len} H={HEADS} D={HEAD_DIM}, ring={args.ring}, 1 thread per rank")
     print(_table(result))
-    with open(Path(__file__).with_name("results_ring_cost.jsonl"), "a") as sink:
+    sink_path = Path(harness.results_path("ring_cost", "ring_cost.jsonl"))
+    sink_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(sink_path, "a") as sink:
         sink.write(json.dumps(result) + "\n")
 
 

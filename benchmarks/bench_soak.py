@@ -8,7 +8,7 @@ The job is the README's main command at a short sequence:
 From its metrics (one row per step; ``rss_bytes_per_rank`` is every rank's resident set size
 after the step) it reports, per rank, the RSS growth from step ``--after`` to the end (goal:
 < 1%), whether every loss and gradient norm is finite, the loss at the start and the end, and
-the median step time. The result is appended to ``benchmarks/results_soak.md``.
+the median step time. The result is appended to ``benchmarks/results/soak/soak.md``.
 """
 
 from __future__ import annotations
@@ -72,13 +72,14 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--after", type=int, default=50, help="growth is measured from this step on")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results_soak.md")
+    parser.add_argument("--out", type=Path, default=Path(harness.results_path("soak", "soak.md")))
     args = parser.parse_args()
     command = (f"deepspeed --num_gpus {args.world} examples/train.py --deepspeed ds_configs/cp8.json "
                f"--seq-len {args.seq_len} --max-steps {args.steps}")
     metrics = args.metrics or run_job(Path(tempfile.mkdtemp(prefix="soak-")), args.steps, args.seq_len, args.world)
     result = report(metrics, args.after)
     print(json.dumps(result, indent=1))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as sink:
         sink.write(markdown(result, command))
     sys.exit(0 if result["all_finite"] and result["max_rss_growth"] < 0.01 else 1)

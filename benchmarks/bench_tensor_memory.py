@@ -1,4 +1,4 @@
-"""Per-rank parameter and activation memory with tensor parallelism at a fixed context size C (issue 22).
+"""Per-rank parameter and activation memory with tensor parallelism at a fixed context size C.
 
     python benchmarks/bench_tensor_memory.py [--seq 2048] [--context 2]
 
@@ -12,7 +12,7 @@ without Megatron-style sequence parallelism inside the tensor group. Measured on
   at the end of its forward, independent of allocator noise;
 - the part of it saved by the norms (RMSNorm: the region Megatron's SP divides by T).
 
-Writes ``benchmarks/results_tensor_memory.{md,json}``.
+Writes ``benchmarks/results/tensor_parallel/tensor_memory.{md,json}``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import launch, machine_info, revision, write_results  # noqa: E402
+from harness import launch, machine_info, results_path, revision, write_results  # noqa: E402
 
 SHAPE = dict(vocab_size=256, hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=8192, attn_implementation="sdpa")
@@ -97,7 +97,7 @@ def main(argv=None) -> None:
                      f" | {mib(row['activations'])} | {mib(row['norm_activations'])} | "
                      f"{row['activations'] / base['activations']:.2f} |")
     lines += ["", machine_info(), f"revision {revision()}"]
-    write_results(str(Path(__file__).resolve().parent / "results_tensor_memory"), "\n".join(lines) + "\n",
+    write_results(results_path("tensor_parallel", "tensor_memory"), "\n".join(lines) + "\n",
                   {"rows": rows, "seq": args.seq, "context": args.context, "shape": SHAPE})
     print("\n".join(lines))
 

@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=128)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results_vlm_memory"))
+    parser.add_argument("--out", default=harness.results_path("vlm", "vlm_memory"))
     args = parser.parse_args()
     results = {world: harness.launch(measure, world, args.frames, args.size, args.iters, timeout=1800)
                for world in WORLDS}

@@ -16,7 +16,8 @@
    loss and gradients must be identical, and the peak memory must drop by about the bytes
    offloaded (pinned host buffers, side stream); step times side by side (overlap).
 Without CUDA it runs the same code on the CPU ``torch`` backend (small sizes), so the
-script itself is tested anywhere. Writes ``gpu_check.json`` and ``gpu_check.md`` to --out.
+script itself is tested anywhere. Writes ``gpu_check.json`` and ``gpu_check.md`` to --out
+(default ``benchmarks/results/gpu_check/``).
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ def _markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks")
+    parser.add_argument("--out", default=str(harness.RESULTS / "gpu_check"))
     parser.add_argument("--quick", action="store_true", help="small sizes (for a CPU dry run)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -12,8 +12,10 @@
 - Memory: peak RSS added by a block (:class:`PeakMemory`), torch's allocations over a block
   (:class:`Allocations`), live tensor bytes, glibc knobs and soft rlimits.
 - Bytes: :class:`ByteCounter` wraps torch.distributed's sending calls and counts what leaves a rank.
-- Machine: :func:`machine_info`, :func:`software_info`, :func:`load`, :func:`revision`;
-  :func:`write_results` writes ``<prefix>.md`` and ``<prefix>.json``.
+- Machine: :func:`machine_info`, :func:`software_info`, :func:`load`, :func:`revision`.
+- Results: :func:`results_path` names ``benchmarks/results/<question>/<name>`` (one folder per
+  question, the index in ``benchmarks/README.md``); :func:`write_results` writes ``<prefix>.md`` and
+  ``<prefix>.json``, creating the folder.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import resource
 import statistics
 import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -377,8 +380,17 @@ def revision() -> str:
     return head + (" + uncommitted changes in hybridsp/" if dirty else "")
 
 
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def results_path(question: str, name: str) -> str:
+    """``benchmarks/results/<question>/<name>``: a results file, or a prefix for :func:`write_results`."""
+    return str(RESULTS / question / name)
+
+
 def write_results(prefix: str, markdown: str, data: dict) -> None:
-    """``<prefix>.md`` (the report) and ``<prefix>.json`` (everything)."""
+    """``<prefix>.md`` (the report) and ``<prefix>.json`` (everything), the folder created if need be."""
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     with open(prefix + ".md", "w") as handle:
         handle.write(markdown)
     with open(prefix + ".json", "w") as handle:

@@ -1,6 +1,6 @@
 """The markdown report of bench_longest_context.py (tables, breakdowns and a reading, from its rows).
 
-    python benchmarks/bench_longest_context.py --render benchmarks/results_longest_context.json
+    python benchmarks/bench_longest_context.py --render benchmarks/results/longest_context/longest_context.json
 """
 
 from __future__ import annotations

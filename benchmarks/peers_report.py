@@ -1,6 +1,6 @@
 """The markdown report of bench_peers.py (tables and a reading, computed from its rows).
 
-    python benchmarks/peers_report.py benchmarks/results_peers.json   # rewrite the .md from the .json
+    python benchmarks/peers_report.py benchmarks/results/peers/peers.json   # rewrite the .md from the .json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Gradient-norm ratio to the plain Trainer: HybridSPTrainer vs DeepSpeed's own SP path (ALST).
 
-    python benchmarks/trainer_grad_scale.py [--stages 1 2 3] [--out benchmarks/results_trainer_grad_scale.json]
+    python benchmarks/trainer_grad_scale.py [--stages 1 2 3] [--out benchmarks/results/trainer/trainer_grad_scale.json]
 
 The tiny Llama and data of tests/trainer_workers.py (micro batch 2, accumulation 2, 4 steps,
 ``max_grad_norm=1.0``) are trained by the plain ``Trainer`` on one process (the reference), by
@@ -68,7 +68,7 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results_trainer_grad_scale.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trainer" / "trainer_grad_scale.json"))
     args = parser.parse_args()
     import harness
 
@@ -86,6 +86,7 @@ def main() -> None:
             results["deepspeed_sp"][stage] = f"failed: {str(error).strip().splitlines()[-1]}"
         print(f"ZeRO-{stage}: hybridsp {results['hybridsp'][stage]}  deepspeed SP {results['deepspeed_sp'][stage]}",
               flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
 
