@@ -3,7 +3,7 @@
 Note [flat RSS]: with glibc's defaults, a training step's large temporary buffers come from
 malloc arenas that keep freed memory and fragment; a 300-step soak of the main job on 8 CPU
 ranks then showed each rank's RSS swinging by ~20-30 MiB from step to step and drifting by
-up to 5.7% between step 50 and step 300 (benchmarks/results_soak.md). Serving allocations of
+up to 5.7% between step 50 and step 300 (benchmarks/results/soak/soak.md). Serving allocations of
 128 KiB and more by mmap (given back on free), trimming the heap top at 128 KiB and keeping
 two arenas made the same soak's RSS flat (max +0.5% per rank) and ~80 MiB lower per rank.
 The settings apply to this process only (``mallopt``); on anything but glibc this does nothing.

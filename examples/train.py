@@ -324,7 +324,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
 
 
 # Note [first step]: on 8 CPU ranks the first step took 40-90 s against ~1.5 s later (measured
-# 51 s at load 45 in benchmarks/results_soak.md). What it is not: lazy gloo connection set-up
+# 51 s at load 45 in benchmarks/results/soak/soak.md). What it is not: lazy gloo connection set-up
 # (groups connect when created), lazy imports (none happen during step 1), nor ranks finishing
 # the engine build at different times (the barrier in run() removed that part: 51 s -> 18 s at
 # a similar load), nor only the 16 threads that 8 ranks ran on 2 cores (sharing the cores, see

@@ -10,10 +10,10 @@ Persistent (does not depend on S)
         (host: 12 Psi/N + 4 Psi/N fp32 gradients); parameter offload (ZeRO-3): the parameter
         partition goes to host (host: e Psi/N); the gathered units stay on the device.
     engine state: DeepSpeed's contiguous gradient bucket, ``reduce_bucket`` x e (ZeRO >= 1;
-        5e7 elements = 191 MiB in fp32, measured in benchmarks/results_longest_context.md).
+        5e7 elements = 191 MiB in fp32, measured in benchmarks/results/longest_context/longest_context.md).
 
 Saved for backward, per token (HF Llama as hybridsp runs it; equal to the measured breakdown
-of benchmarks/results_longest_context.md, 82,356 B/token at U=1 and 86,452 at U=2, fp32)
+of benchmarks/results/longest_context/longest_context.md, 82,356 B/token at U=1 and 86,452 at U=2, fp32)
     one RMSNorm: (4 + 2e) h + 4 (x in fp32, the normalised x and the weighted output in e,
         which the next linear keeps, fp32 rstd)
     attention: e (2 H D + 2 Hkv' D) + [U > 1] e H D + 4 H (q, k, v after the all-to-all, the
@@ -35,7 +35,7 @@ Loss
         fp32 gradients at the start of the backward (measured: 16 B/entry fp32, 14 bf16); the LM
         head's weight gradient comes after the log-softmax's backward has freed two of them
         (measured at V = 32000: the peak holds the gathered head weight, not its gradient).
-    fused loss (measured, benchmarks/results_memory.md): c V 4 + V h 4 + T h e in fp32, with
+    fused loss (measured, benchmarks/results/memory/memory.md): c V 4 + V h 4 + T h e in fp32, with
         c = ``loss_chunk`` or the library's default ceil(T h / V) (at most 64 MiB of logits):
         one chunk's fp32 logits, turned into their gradient in place; the fp32 LM-head gradient
         accumulator (added into in place); the hidden-state gradient kept for backward. bf16
@@ -330,7 +330,7 @@ def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tu
 
 
 def head_backward_phase(model: ModelSpec, workload: Workload, config: MeshConfig, saved: int) -> tuple:
-    """The LM head's backward (measured at V = 32000, benchmarks/results_ablation_cpu.md): ZeRO-3
+    """The LM head's backward (measured at V = 32000, benchmarks/results/longest_context/ablation_cpu.md): ZeRO-3
     gathers the head's weight again (``collective_copies`` temporaries of V h e on gloo) while the
     loss's gradients are alive: the fused loss's fp32 weight gradient V h 4 and hidden gradient
     T h e; on the logits path the logits and their gradient, T V (e + 4), and the weight gradient
@@ -354,7 +354,7 @@ def gather_copy_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, 
 
 
 def reduction_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """The end of the backward under ZeRO-3 (measured, benchmarks/results_ablation_cpu.md): the last
+    """The end of the backward under ZeRO-3 (measured, benchmarks/results/longest_context/ablation_cpu.md): the last
     gradient hook flushes DeepSpeed's bucket, whose reduce-scatter copies the bucket's contents
     into one flat rank-ordered buffer (``reduce_scatter_coalesced``), e x min(Psi, reduce_bucket),
     plus ``collective_copies`` more (gloo clones its input), while the first module's full
