@@ -17,6 +17,11 @@ from tests.test_transformers import PAD, build, make_batch
 
 TOLERANCE = 1e-4
 FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen2": {}}  # both GQA: llama 4/2, qwen2 8/2 (q/k/v bias)
+# Replicated parameters inside the tensor region: Qwen3's per-head q_norm / k_norm, and row-parallel
+# biases (o_proj / down_proj) that sequence parallelism adds on S/T tokens.
+REPLICATED_INSIDE = {"qwen3": ("qwen3", {}), "llama_biased": ("llama", dict(num_key_value_heads=2, attention_bias=True,
+                                                                           mlp_bias=True)),
+                     "qwen3_t3": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=3, intermediate_size=96))}
 BATCH = make_batch(64, (64, 50))
 
 
@@ -36,7 +41,8 @@ def shard_of(full: torch.Tensor, dim, mesh) -> torch.Tensor:
 
 def tp_errors(family, mesh, sequence_parallel, batch=BATCH):
     """{what: relative error} of the tensor- and sequence-parallel run against the reference."""
-    model = build(family, **FAMILIES[family])
+    base, overrides = REPLICATED_INSIDE.get(family, (family, FAMILIES.get(family)))
+    model = build(base, **overrides)
     full_bytes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     ref_logits, ref_loss, ref_grads = expected_of(model, batch)
     model.zero_grad(set_to_none=True)
@@ -141,3 +147,10 @@ def test_models_that_cannot_be_split_are_refused_before_any_change():
     with pytest.raises(ValueError, match=r"intermediate_size=126 is not divisible by tensor=4"):
         hf.tensor_parallel(wide, SimpleNamespace(tensor=4, ulysses=1, tensor_rank=0, tensor_group=None))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_replicated_parameters_inside_the_tensor_region_get_whole_gradients():
+    """Qwen3's q_norm / k_norm (T = 2 and T = 3) and Llama's o_proj / down_proj biases under sequence
+    parallelism: every parameter's gradient on every tensor rank equals the single-process model's."""
+    run_distributed(_check, 2, [(2, 1, 1)], ["qwen3", "llama_biased"], [False, True], timeout=300)
+    run_distributed(_check, 3, [(3, 1, 1)], ["qwen3_t3"], [False], timeout=300)

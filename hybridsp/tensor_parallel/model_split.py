@@ -18,6 +18,15 @@ attention and the MLP enter the tensor region through a forward hook on the norm
 an all-gather with ``sequence_parallel=True``; :mod:`hybridsp.tensor_parallel.layers`), so parameter names stay
 the model's own (a checkpoint's names load unchanged, :func:`load_sharded_safetensors`).
 
+Note [replicated parameters in the tensor region]: a parameter that is not split but sits between
+the copy into the tensor region and the row-parallel reduction (Qwen3's per-head ``q_norm`` /
+``k_norm``) sees only this rank's heads, so its gradient is a partial sum over the tensor group;
+so is a row-parallel bias (``o_proj`` / ``down_proj`` with ``attention_bias`` / ``mlp_bias``) under
+sequence parallelism, where it is added on this rank's ``S/T`` tokens after the reduce-scatter.
+Both get a gradient hook that all-reduces over the tensor group, so every tensor rank holds the
+full gradient and the replicas stay equal. Without sequence parallelism a row bias is added on
+all tokens, the same on every tensor rank: its gradient is already whole.
+
 ``sequence_parallel=True`` (training; Megatron-LM's "sequence parallel"): the hidden states
 between the linears hold ``1/T`` of the tokens (split before the first layer, gathered after
 the final norm), norm gradients are summed over the tensor group
@@ -133,6 +142,22 @@ def _shard_layer(layer: nn.Module, prefix: str, plan: TensorPlan, group) -> None
         plan.handles.append(norm.register_forward_hook(_enter_hook(group, sp)))
         if sp:
             plan.handles += [sum_grad_over_tensor(p, group) for p in norm.parameters() if p.requires_grad]
+    plan.handles += [sum_grad_over_tensor(p, group) for p in _partial_grad_params(layer, prefix, plan)]
+
+
+def _partial_grad_params(layer: nn.Module, prefix: str, plan: TensorPlan) -> list[nn.Parameter]:
+    """The replicated parameters of ``layer``'s attention and MLP whose gradient each tensor rank only
+    holds a part of (Note [replicated parameters in the tensor region])."""
+    partial = []
+    for part in ("self_attn", "mlp"):
+        for name, param in getattr(layer, part).named_parameters():
+            full_name = f"{prefix}.{part}.{name}"
+            if full_name in plan.split_dims or not param.requires_grad:
+                continue
+            row_bias = name in ("o_proj.bias", "down_proj.bias")
+            if plan.sequence_parallel or not row_bias:
+                partial.append(param)
+    return partial
 
 
 def _split_first_layer_input(group, tensor: int):
