@@ -10,18 +10,11 @@ from torch.utils.data import DataLoader
 from hybridsp import ShardedDataLoader, init_mesh, shard_batch
 from hybridsp.batch import padded_length, prepare_batch, replica_sampler
 from hybridsp.layout.layouts import join_shards
-from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 from hybridsp.testing import run_distributed
+from tests.helpers.mesh import mesh_at
 
 LENGTHS = (61, 40)  # row 0 fills the sequence, row 1 is right-padded
 PAD = 7
-
-
-def mesh_at(ulysses, ring, r=0, u=0, layout="zigzag", dp=1, dp_rank=0) -> HybridMesh:
-    """The mesh as rank (dp_rank, r, u) sees it; no process groups (nothing here communicates)."""
-    shape = MeshShape(dp * ulysses * ring, ulysses, ring, layout=layout)
-    groups = dict.fromkeys(["ulysses", "ring", "context", "data", "data_context"])
-    return HybridMesh(shape, shape.rank_of(dp_rank, r, u), groups)
 
 
 def padded_batch(seq=61, lengths=LENGTHS, seed=0):
