@@ -1,4 +1,4 @@
-"""The examples' user errors (issue 21, items 9-10): every problem in one line with exit code 2, no
+"""The examples' user errors: every problem in one line with exit code 2, no
 traceback; the data problems too; the config's learning rate is used unless --lr is given."""
 
 from __future__ import annotations

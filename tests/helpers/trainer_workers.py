@@ -1,4 +1,5 @@
-"""Distributed workers for tests/test_trainer.py: one tiny Llama trained by a Trainer on gloo ranks.
+"""Distributed workers for the Trainer tests (tests/integrations/transformers/, and the TRL, vision and
+label tests that reuse its model and data): one tiny Llama trained by a Trainer on gloo ranks.
 
 Each worker runs in a fresh process of :func:`hybridsp.testing.run_distributed` and returns
 rank 0's per-step logs, evaluation metrics and prediction logits (other ranks return None).

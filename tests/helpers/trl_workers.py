@@ -1,4 +1,5 @@
-"""Distributed workers for tests/test_trl.py: TRL SFT/DPO and PEFT LoRA, plain or hybrid, on gloo ranks.
+"""Distributed workers for tests/integrations/trl/test_trainers.py: TRL SFT/DPO and PEFT LoRA, plain or
+hybrid, on gloo ranks.
 
 A case is a dict: ``item`` ("sft", "dpo" or "lora"), ``hybrid`` (None for the plain trainer on
 its own, else ``ulysses``, ``ring`` and ``stage``) and the item's options (``packing``,

@@ -1,4 +1,5 @@
-"""Distributed workers for tests/test_vlm_trainer.py: a tiny Qwen2-VL trained by a Trainer on gloo ranks.
+"""Distributed workers for tests/integrations/transformers/vision/test_trainer.py: a tiny Qwen2-VL trained
+by a Trainer on gloo ranks.
 
 Rank 0 returns the per-step logged loss and grad_norm (other ranks None). The plain reference
 is ``transformers.Trainer`` on one process, without DeepSpeed, on the same samples.

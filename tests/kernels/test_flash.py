@@ -1,6 +1,6 @@
 """FlashAttnKernel (hybridsp.kernels.flash) against a CPU stand-in for flash-attn's low-level API.
 
-The stand-in (tests/flash_attn_standin.py) is not flash-attn: it copies flash-attn's
+The stand-in (tests/helpers/flash_attn_standin.py) is not flash-attn: it copies flash-attn's
 signatures and conventions with fp32 torch math, so these tests check the adapter's
 plumbing (padding, GQA, lse conventions, version shims), not flash-attn's numerics.
 """

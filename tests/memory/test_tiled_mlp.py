@@ -1,10 +1,11 @@
 """apply_tiled_mlp against the unmodified Hugging Face model: loss and every gradient, memory kept.
 
-(Under ZeRO-3 with sequence parallelism: tests/test_memory_zero3.py.)
+(Under ZeRO-3 with sequence parallelism: tests/memory/test_zero3.py.)
 """
 
 import pytest
 import torch
+from torch import nn
 
 from hybridsp.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_forward
 from tests.helpers.reference import rel_err
@@ -94,3 +95,34 @@ def test_bad_arguments_raise_value_errors():
         apply_tiled_mlp(model)
     handle.undo()
     handle.undo()  # idempotent
+
+
+# --------------------------------------------------------------------------- some projections with a bias
+
+
+class _GatedMLP(nn.Module):
+    def __init__(self, biases: tuple[bool, bool, bool]):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(8, 20, bias=biases[0]), nn.Linear(8, 20, bias=biases[1])
+        self.down_proj, self.act_fn = nn.Linear(20, 8, bias=biases[2]), nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("biases", [(False, False, True), (True, False, False), (True, True, False), (True,) * 3])
+def test_tiled_mlp_keeps_every_bias_that_exists(biases):
+    torch.manual_seed(0)
+    mlp = _GatedMLP(biases)
+    for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        if linear.bias is not None:
+            nn.init.normal_(linear.bias)  # far from 0, so a dropped bias shows
+    x = torch.randn(2, 11, 8, requires_grad=True)
+    grad = torch.randn(2, 11, 8)
+    expected = mlp(x)
+    expected_grads = torch.autograd.grad(expected, [x, *mlp.parameters()], grad)
+    with apply_tiled_mlp(mlp, tile_tokens=4):
+        actual = mlp(x)
+        actual_grads = torch.autograd.grad(actual, [x, *mlp.parameters()], grad)
+    assert rel_err(actual, expected) < 1e-6
+    assert max(rel_err(a, e) for a, e in zip(actual_grads, expected_grads)) < 1e-5

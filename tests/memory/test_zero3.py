@@ -3,7 +3,7 @@
 A tiny Llama (untied and tied embeddings) trains 2 SGD steps from the same seed on the same batch
 through ``hybridsp.integrations.deepspeed.initialize``:
 
-- the reference: logits + ``sharded_cross_entropy`` (the path tests/test_deepspeed.py checks
+- the reference: logits + ``sharded_cross_entropy`` (the path tests/integrations/deepspeed/test_engine.py checks
   against DeepSpeed without sequence parallelism);
 - ``causal_lm_loss`` (fused linear + cross-entropy through the lm_head call);
 - the same plus ``apply_tiled_mlp``; and plus HF activation checkpointing;

@@ -88,7 +88,7 @@ def _meshes_under(rank, world, environments):
 def test_mesh_under_the_deepspeed_launcher_with_accelerate():
     # 2 ranks per node as DeepSpeed says (LOCAL_SIZE) and LOCAL_WORLD_SIZE=1 as accelerate writes:
     # the planner keeps Ulysses inside the node (U=2, R=2), and U=2 raises no crosses-nodes warning;
-    # without DeepSpeed's markers the same LOCAL_WORLD_SIZE=1 is believed: the warning the issue saw
+    # without DeepSpeed's markers the same LOCAL_WORLD_SIZE=1 is believed: the warning a user saw
     deepspeed_and_accelerate = {"LOCAL_SIZE": "2", "CROSS_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
     results = run_distributed(_meshes_under, 4, [deepspeed_and_accelerate, {"LOCAL_WORLD_SIZE": "1"}], timeout=120)
     for under_deepspeed, believed in results:

@@ -1,6 +1,6 @@
 """Placement reports and the gloo interface choice, without a process group (pure parts).
 
-The across-two-network-stacks behaviour is tests/test_two_hosts.py's.
+The across-two-network-stacks behaviour is tests/mesh/test_two_hosts.py's.
 """
 
 from __future__ import annotations

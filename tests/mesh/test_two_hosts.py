@@ -1,4 +1,4 @@
-"""Two hosts for real: two Linux network namespaces (tests/netns.py), one launcher per host.
+"""Two hosts for real: two Linux network namespaces (tests/helpers/netns.py), one launcher per host.
 
 Each namespace has its own network stack (``lo`` and one veth end, 10.77.0.1 and 10.77.0.2);
 the ranks of host B reach host A only over the veth pair, with a master address that is not

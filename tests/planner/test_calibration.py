@@ -1,4 +1,4 @@
-"""The planner against the measured CPU ablation of benchmarks/bench_ablation.py (issues 12 and 15),
+"""The planner against the measured CPU ablation of benchmarks/bench_ablation.py (longest context and step memory),
 as its rows are kept in tests/data/planner_calibration_cpu.json."""
 
 import json
@@ -23,8 +23,8 @@ def _base_and_rows():
 def test_planner_against_the_measured_cpu_ablation():
     """benchmarks/results_ablation_cpu.json (bench_ablation.py: cp8 = U4 x R2, ZeRO-3, fp32,
     V = 32000, 1.5 GiB in all): for every completely searched row, the planner's longest context
-    within 15% of the measured one (issue 15) and its step memory at that length within 10% of
-    the worst rank's allocated peak (issue 12, item 6); at 1 GiB the planner, like the
+    within 15% of the measured one and its step memory at that length within 10% of
+    the worst rank's allocated peak; at 1 GiB the planner, like the
     measurement, fits nothing at S = 512."""
     base, rows = _base_and_rows()
     searched = [r for r in rows if not r.get("at") and r.get("complete") and r.get("longest")]
@@ -48,7 +48,7 @@ def test_planner_against_the_checkpointed_cpu_ablation_rows():
     """The two checkpointed rows of benchmarks/results_ablation_cpu.json (checkpointing + fused
     loss + tiled MLP, with and without activation offload), whose searches stopped for time, so
     the measurement brackets the longest: ``longest`` trained, the smallest failed attempt (if
-    any) did not. The planner's longest lies within 15% of that bracket (issue 15) and its step
+    any) did not. The planner's longest lies within 15% of that bracket and its step
     memory at the longest measured length within 10% of the worst rank's allocated peak."""
     base, rows = _base_and_rows()
     checkpointed = {tuple(r["techniques"]): r for r in rows

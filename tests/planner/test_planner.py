@@ -47,7 +47,7 @@ def _cluster(nodes=1, per_node=4, **overrides):
 
 
 def test_bytes_match_test_hybrid_analytic_minimum():
-    """Same case as tests/test_hybrid.py::test_bytes_sent_equal_the_analytic_minimum."""
+    """Same case as tests/attention/test_hybrid.py::test_bytes_sent_equal_the_analytic_minimum."""
     model = ModelSpec(8, 2, 16, hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=10)
     volume = comm_volume(model, Workload(64, dtype_bytes=4), MeshConfig(1, 2, 2))
     element, local, heads, kv_heads, d, u, r = 4, 16, 8, 2, 16, 2, 2

@@ -1,4 +1,4 @@
-"""The planner's tensor axis (issue 22): per-rank bytes by hand, and its view of Llama-3-70B at 1M tokens."""
+"""The planner's tensor axis: per-rank bytes by hand, and its view of Llama-3-70B at 1M tokens."""
 
 import pytest
 

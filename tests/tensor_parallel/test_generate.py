@@ -1,4 +1,4 @@
-"""Long-context inference with tensor parallelism (issue 22): a tiny GQA Llama and a GQA Qwen2, saved as a
+"""Long-context inference with tensor parallelism: a tiny GQA Llama and a GQA Qwen2, saved as a
 Hugging Face checkpoint, loaded by each rank straight into its tensor shards (built on ``meta``,
 read through safetensors slices), switched to hybrid attention and run by
 ``hybridsp.integrations.transformers.generate`` with the K/V cache sharded over the sequence (C)

@@ -9,11 +9,13 @@ import random
 import pytest
 import torch
 
-from hybridsp import CommCounter, hybrid_attn_func, init_mesh, shard_sequence
+from hybridsp import CommCounter, hybrid_attn_func, init_mesh, shard_batch, shard_sequence
 from hybridsp.attention.transport.allgather import chunk_pieces, default_kv_chunks
 from hybridsp.attention.volume import hybrid_bytes, ring_rows
+from hybridsp.batch import padded_length
 from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
 from hybridsp.layout.layouts import layout_permutation
+from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 from hybridsp.testing import run_distributed
 from tests.helpers import mask_cases
 from tests.helpers.mask_reference import visible_mask
@@ -166,3 +168,26 @@ def _both_gathers(rank, world):
 
 def test_direct_and_collective_gathers_place_every_rank_alike():
     run_distributed(_both_gathers, 3)
+
+
+# --------------------------------------------------------------------------- kv_chunks and the batch's padding
+
+
+def test_padded_length_honours_kv_chunks():
+    groups = dict.fromkeys(["ulysses", "ring", "context", "data", "data_context"])  # nothing communicates
+    mesh = HybridMesh(MeshShape(2, 1, 2, kv_comm="allgather", kv_chunks=4), 0, groups)
+    for seq in (50, 61, 64, 100):
+        padded = padded_length(seq, mesh)
+        assert padded >= seq and (padded // 2) % 4 == 0 and padded % 4 == 0, (seq, padded)
+
+
+def _kv_chunks_batch(rank, world):
+    mesh = init_mesh(ulysses=1, ring=world, kv_comm="allgather", kv_chunks=4)
+    ids = torch.arange(50)[None] % 17
+    local = shard_batch({"input_ids": ids, "labels": ids}, mesh)
+    q = torch.randn(1, local["input_ids"].shape[1], 2, 8)
+    return hybrid_attn_func(q, q, q, mesh=mesh, backend="torch").shape
+
+
+def test_allgather_chunks_never_meet_a_batch_they_cannot_split():
+    assert all(shape[1] == 28 for shape in run_distributed(_kv_chunks_batch, 2))  # 50 -> 56 tokens, 4 chunks of 7

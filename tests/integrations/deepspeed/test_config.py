@@ -164,3 +164,14 @@ def test_kv_comm_from_the_config_section_and_overrides():
     assert HybridConfig.from_ds_config({"hybridsp": {"ring": 2}}).kv_comm == "ring"  # the default
     _raises(lambda: HybridConfig.from_ds_config({"hybridsp": {"kv_comm": "p2p"}}), "unknown kv_comm 'p2p'",
             "ring, allgather")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": "4"},
+     "sequence_parallel_size must be a positive integer; got '4' (str)"),
+    ({"hybridsp": {"ulysses": 2}, "data_parallel_size": 2.0}, "data_parallel_size must be a positive integer; got 2.0"),
+    ({"hybridsp": {"ulysses": 2}, "sequence_parallel_size": True}, "got True (bool)"),
+])
+def test_config_sizes_must_be_json_numbers(config, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        HybridConfig.from_ds_config(config)

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 1, 2 and 3 with tensor parallelism x hybrid sequence parallelism (issue 22), 4 gloo ranks.
+"""DeepSpeed ZeRO 1, 2 and 3 with tensor parallelism x hybrid sequence parallelism, 4 gloo ranks.
 
 A tiny GQA Llama is trained 3 steps (SGD) by ``hybridsp.integrations.deepspeed.initialize`` with
 ``tensor=2`` on ``T2 x U2 x R1`` (Megatron-style sequence parallelism inside the tensor group on)

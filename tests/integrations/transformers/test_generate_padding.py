@@ -1,4 +1,4 @@
-"""generate() with left-padded prompts and an attention_mask (issue 21, item 4): greedy ids equal the
+"""generate() with left-padded prompts and an attention_mask: greedy ids equal the
 unmodified model's ``model.generate(ids, attention_mask=mask)``, every step's logits within 1e-4, on
 a ring of two ranks and on one process; a sliding window (Mistral) counts indices as transformers does.
 Right padding is refused before any collective."""

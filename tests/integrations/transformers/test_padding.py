@@ -1,4 +1,4 @@
-"""A switched HF model called with a 2-D padding ``attention_mask`` (issue 21, item 2), against the
+"""A switched HF model called with a 2-D padding ``attention_mask``, against the
 unmodified model with the same mask (unpacked rows) or run on each document alone (packed rows),
 compared on real tokens; holes inside a sequence are refused on every rank."""
 
