@@ -143,7 +143,7 @@ def _loader_ranks(rank, world):
 
 
 def test_sharded_data_loader_shards_and_detects_differing_batches():
-    run_distributed(_loader_ranks, 4, timeout=60)
+    run_distributed(_loader_ranks, 4, timeout=300)  # catches a hang
 
 
 # --------------------------------------------------------------------------- the same batch on every context rank

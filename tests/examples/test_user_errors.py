@@ -25,7 +25,7 @@ def _direct(tmp_path: Path, script: str, *args: str, world: int = 4) -> subproce
     """Rank 0 of ``world`` as a launcher would start it (failing before it needs its peers)."""
     env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}
     return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=600)  # a hang catcher
 
 
 def _one_error_line(result: subprocess.CompletedProcess) -> str:

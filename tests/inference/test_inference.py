@@ -85,6 +85,7 @@ def _score(rank, world, argv):
     return score_long.main(argv)
 
 
+@pytest.mark.integration  # examples/score_long.py
 @pytest.mark.slow  # ~35 s on the busy 2-core machine: 4 ranks load and score a saved model
 def test_score_long_equals_the_unsharded_model(tmp_path):
     model = _tiny_model_dir(tmp_path / "model")

@@ -257,5 +257,5 @@ def test_missing_flash_attn_says_how_to_install(monkeypatch):
 
 
 def test_importing_hybridsp_does_not_import_flash_attn(import_probe):
-    _, stderr = import_probe.communicate(timeout=60)
+    _, stderr = import_probe.communicate(timeout=300)  # catches a hang
     assert import_probe.returncode == 0, stderr

@@ -36,6 +36,7 @@ def labels():
     return run_distributed(_labels_worker, 2, timeout=240)
 
 
+@pytest.mark.integration  # its fixture also runs a HybridSPTrainer
 def test_int32_labels_give_the_int64_loss(labels):
     for result in labels:
         sharded, fused, expected = result["int32"]
@@ -65,6 +66,7 @@ def _trainer_with_a_bad_label(rank, world):
     return messages
 
 
+@pytest.mark.integration  # its fixture also runs a HybridSPTrainer
 def test_trainer_bad_label_on_one_rank_is_an_error_on_every_rank(labels):
     for result in labels:
         for name, message in result["trainer"].items():
@@ -114,6 +116,7 @@ def _replica_with_a_bad_label(rank, world):
     return None
 
 
+@pytest.mark.integration  # a HybridSPTrainer
 @pytest.mark.slow
 def test_trainer_bad_label_on_one_replica_is_an_error_on_every_replica():
     for message in run_distributed(_replica_with_a_bad_label, 4, timeout=300):

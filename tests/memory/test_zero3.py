@@ -17,11 +17,14 @@ Loss, every reduced gradient (as ZeRO-3 holds it) at each step and the final par
 equal the reference's (relative 1e-5). One launch for every case.
 """
 
+import pytest
 import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.deepspeed_engines import forbid_jit_builds, full_grads, full_params
 from tests.helpers.paths import ROOT
+
+pytestmark = [pytest.mark.integration]  # DeepSpeed ZeRO-3 engines
 
 WORLD, SEQ, VOCAB, STEPS, LR = 2, 48, 96, 2, 0.5
 TOLERANCE = 1e-5

@@ -16,6 +16,8 @@ from hybridsp.testing import run_distributed
 from tests.helpers.generation import COMMON, prompt, reference_generate
 from tests.helpers.reference import rel_err
 
+pytestmark = [pytest.mark.integration]  # transformers checkpoints loaded and generated from
+
 PROMPT, NEW, TOLERANCE = 64, 6, 1e-4
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),

@@ -15,6 +15,8 @@ from hybridsp.testing import run_distributed
 from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import PAD, build, expected_of, make_batch, shard_of
 
+pytestmark = [pytest.mark.integration]  # split transformers models, end to end
+
 TOLERANCE = 1e-4
 FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen2": {}}  # both GQA: llama 4/2, qwen2 8/2 (q/k/v bias)
 BATCH = make_batch(64, (64, 50))
