@@ -2,7 +2,7 @@
 
     python benchmarks/trainer_grad_scale.py [--stages 1 2 3] [--out benchmarks/results/trainer/trainer_grad_scale.json]
 
-The tiny Llama and data of tests/trainer_workers.py (micro batch 2, accumulation 2, 4 steps,
+The tiny Llama and data of tests/helpers/trainer_workers.py (micro batch 2, accumulation 2, 4 steps,
 ``max_grad_norm=1.0``) are trained by the plain ``Trainer`` on one process (the reference), by
 ``HybridSPTrainer`` on 2 ranks (U2 x R1) and by the plain ``Trainer`` with transformers'
 ``ParallelismConfig(sp_backend="deepspeed", sp_size=2)`` (DeepSpeed's Ulysses + its loss
@@ -28,7 +28,7 @@ def _fixed_collate(rows):
     gathers the SP ranks' batches, so all must have one even length, and needs position_ids)."""
     import torch
 
-    from tests.trainer_workers import collate
+    from tests.helpers.trainer_workers import collate
 
     batch = collate(rows)
     extra = 40 - batch["input_ids"].shape[1]
@@ -46,7 +46,7 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
     from transformers import Trainer
 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
-    from tests.trainer_workers import _arguments, _step_logs, ds_config, samples, tiny_llama
+    from tests.helpers.trainer_workers import _arguments, _step_logs, ds_config, samples, tiny_llama
 
     os.environ["OMP_NUM_THREADS"] = "1"
     config = ds_config(1, 1, stage, False)
@@ -72,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     import harness
 
-    from tests.trainer_workers import several
+    from tests.helpers.trainer_workers import several
 
     reference = harness.launch(several, 1, [None], timeout=600)[0][0]["grad_norm"]
     results = {"reference_grad_norm": reference, "hybridsp": {}, "deepspeed_sp": {}}

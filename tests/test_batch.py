@@ -10,18 +10,11 @@ from torch.utils.data import DataLoader
 from hybridsp import ShardedDataLoader, init_mesh, shard_batch
 from hybridsp.batch import padded_length, prepare_batch, replica_sampler
 from hybridsp.layout.layouts import join_shards
-from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 from hybridsp.testing import run_distributed
+from tests.helpers.mesh import mesh_at
 
 LENGTHS = (61, 40)  # row 0 fills the sequence, row 1 is right-padded
 PAD = 7
-
-
-def mesh_at(ulysses, ring, r=0, u=0, layout="zigzag", dp=1, dp_rank=0) -> HybridMesh:
-    """The mesh as rank (dp_rank, r, u) sees it; no process groups (nothing here communicates)."""
-    shape = MeshShape(dp * ulysses * ring, ulysses, ring, layout=layout)
-    groups = dict.fromkeys(["ulysses", "ring", "context", "data", "data_context"])
-    return HybridMesh(shape, shape.rank_of(dp_rank, r, u), groups)
 
 
 def padded_batch(seq=61, lengths=LENGTHS, seed=0):
@@ -150,4 +143,37 @@ def _loader_ranks(rank, world):
 
 
 def test_sharded_data_loader_shards_and_detects_differing_batches():
-    run_distributed(_loader_ranks, 4, timeout=60)
+    run_distributed(_loader_ranks, 4, timeout=300)  # catches a hang
+
+
+# --------------------------------------------------------------------------- the same batch on every context rank
+
+
+def test_fingerprint_sees_a_swap_of_two_tokens_1009_apart():
+    from hybridsp.batch import batch_fingerprint
+
+    ids = torch.randint(0, 50000, (1, 4096), generator=torch.Generator().manual_seed(0))
+    swapped = ids.clone()
+    swapped[0, 10], swapped[0, 1019] = ids[0, 1019], ids[0, 10]
+    assert not torch.equal(ids, swapped)
+    assert not torch.equal(batch_fingerprint(ids), batch_fingerprint(swapped))
+    assert torch.equal(batch_fingerprint(ids), batch_fingerprint(ids.clone()))
+
+
+def _swapped_batches(rank, world):
+    from hybridsp.batch import check_same_across_context
+
+    mesh = init_mesh(1, world)
+    ids = torch.randint(0, 50000, (2, 2048), generator=torch.Generator().manual_seed(1))
+    if rank == 1:
+        ids[1, 5], ids[1, 1014] = ids[1, 1014].item(), ids[1, 5].item()
+    try:
+        check_same_across_context(ids, mesh)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_context_ranks_with_swapped_tokens_all_raise():
+    messages = run_distributed(_swapped_batches, 2)
+    assert all(m and "loaded different batches" in m for m in messages)

@@ -4,7 +4,7 @@ import torch
 
 from hybridsp.batch import packed_cu_seqlens, prepare_batch
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
-from tests.test_batch import mesh_at
+from tests.helpers.mesh import mesh_at
 
 
 def _packed(lengths_per_row, seq):

@@ -1,10 +1,10 @@
-"""Run by ``torchrun`` on each simulated node (see tests/test_topology.py).
+"""Run by ``torchrun`` on each simulated node (see tests/mesh/test_topology.py).
 
 Builds the mesh the way a multi-node job does (degrees "auto" from the launcher's local
 world size and the attention shape), records where each group's ranks live (the launcher's
 node rank, and the network namespace the process runs in: its own view, not the library's),
 checks hybrid attention against the float64 reference, and writes one JSON report per rank
-into ``argv[1]``. Also run across two network namespaces by tests/test_two_hosts.py.
+into ``argv[1]``. Also run across two network namespaces by tests/mesh/test_two_hosts.py.
 """
 
 import json
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.mesh.gloo_interface import choose_gloo_interface
-from tests.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
 
 HEADS, KV_HEADS = 8, 2
 

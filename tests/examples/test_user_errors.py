@@ -1,0 +1,104 @@
+"""The examples' user errors: every problem in one line with exit code 2, no
+traceback; the data problems too; the config's learning rate is used unless --lr is given."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+
+import preflight  # noqa: E402
+import train  # noqa: E402
+import train_hf_trainer  # noqa: E402
+
+CP4 = str(ROOT / "ds_configs" / "cp4.json")
+
+
+def _direct(tmp_path: Path, script: str, *args: str, world: int = 4) -> subprocess.CompletedProcess:
+    """Rank 0 of ``world`` as a launcher would start it (failing before it needs its peers)."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}
+    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # a hang catcher
+
+
+def _one_error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_every_problem_is_reported_at_once(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    args = train.parse_args(["--deepspeed", CP4, "--heads", "3", "--kv-heads", "1", "--hidden-size", "96", "--seq-len", "0",
+                             "--lr", "-1"])
+    with pytest.raises(preflight.RunConfigError) as error:
+        preflight.preflight(args)
+    message = str(error.value)
+    assert message.startswith("4 problems: (1) --seq-len must be at least 1; got 0"), message
+    for part in ("--lr must be a positive number; got -1.0", "do not divide the world size 6",
+                 "3 query heads are not divisible by ulysses=2"):
+        assert part in message, message
+
+
+def test_sequence_length_message_names_the_option(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(preflight.RunConfigError, match=r"^--seq-len 1001: sequence length 1001"):
+        preflight.preflight(train.parse_args(["--deepspeed", CP4, "--seq-len", "1001"]))
+
+
+def test_hf_trainer_example_reports_problems_in_one_line_exit_2(tmp_path):
+    """train.py's preflight is the same function (tests above; test_launch_failures runs it as a process)."""
+    missing = tmp_path / "none.txt"
+    line = _one_error_line(_direct(tmp_path, "train_hf_trainer.py", "--deepspeed", CP4, "--seq-len", "-5",
+                                   "--data", str(missing)))
+    assert line.startswith("train_hf_trainer.py: error: 2 problems:"), line
+    assert "--seq-len must be at least 1; got -5" in line and f"--data {missing} does not exist" in line
+
+
+def test_too_short_or_broken_data_is_a_config_error(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("only a few bytes")
+    args = train.parse_args(["--data", str(short), "--seq-len", "64"])
+    with pytest.raises(preflight.RunConfigError, match=r"has 16 tokens.*longer --data file or a smaller --seq-len"):
+        train.load_windows(args, 64)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(preflight.RunConfigError, match=r"broken.jsonl line 2 is not a JSON object with a 'text'"):
+        train.load_windows(train.parse_args(["--data", str(broken)]), 64)
+
+
+def test_the_configs_learning_rate_is_used_unless_lr_is_given():
+    cp8 = str(ROOT / "ds_configs" / "cp8.json")
+    config_lr = 0.0002  # what every ds_configs/*.json file says
+    assert train._config_with_lr(train.parse_args(["--deepspeed", cp8]))["optimizer"]["params"]["lr"] == config_lr
+    given = train._config_with_lr(train.parse_args(["--deepspeed", cp8, "--lr", "5e-4"]))
+    assert given["optimizer"]["params"]["lr"] == 5e-4
+    hf_args = train_hf_trainer.parse_args(["--deepspeed", cp8])
+    assert train_hf_trainer.learning_rate(hf_args, train_hf_trainer.load_ds_config(hf_args)) == config_lr
+    hf_args = train_hf_trainer.parse_args(["--deepspeed", cp8, "--lr", "3e-3"])
+    assert train_hf_trainer.learning_rate(hf_args, train_hf_trainer.load_ds_config(hf_args)) == 3e-3
+
+
+def test_train_py_needs_numeric_batch_sizes_and_an_optimizer(tmp_path, monkeypatch):
+    import json
+
+    config = json.loads(Path(CP4).read_text())
+    config["gradient_accumulation_steps"] = "auto"
+    del config["optimizer"]
+    path = tmp_path / "auto.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(preflight.RunConfigError) as error:
+        preflight.preflight(train.parse_args(["--deepspeed", str(path)]))
+    assert "gradient_accumulation_steps must be a positive integer for train.py; got 'auto'" in str(error.value)
+    assert "has no 'optimizer' section" in str(error.value)
+    preflight.preflight(train_hf_trainer.parse_args(["--deepspeed", str(path)]))  # the Trainer fills both

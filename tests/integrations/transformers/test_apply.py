@@ -1,0 +1,196 @@
+"""The transformers integration: an apply()-ed Llama-family model, sharded over gloo ranks, gives
+the logits, loss and gradients of the same unmodified model run on the full sequence in one process."""
+
+import re
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from hybridsp import init_mesh
+from hybridsp.integrations import transformers as hf
+from hybridsp.testing import run_distributed
+from tests.helpers.mesh import mesh_at
+from tests.helpers.reference import rel_err
+from tests.helpers.switched_models import build, make_batch, sharded
+
+TOLERANCE = 1e-4
+SEQ = 64
+
+
+BATCHES = {
+    "full": make_batch(SEQ, (SEQ, SEQ)),
+    "padded": make_batch(61, (61, 40)),  # 61 tokens: shard_batch pads to 64
+    "empty_last_shard": make_batch(SEQ, (44, 30)),  # the last chunk of 2R is all padding for R = 2, 4
+}
+
+
+def reference(model, batch):
+    """(logits [B, S, V], loss, {name: grad}) of the unmodified model on the full sequence."""
+    model.zero_grad(set_to_none=True)
+    mask = batch.get("attention_mask")
+    labels = batch["labels"] if mask is None else batch["labels"].masked_fill(mask == 0, -100)
+    out = model(input_ids=batch["input_ids"], attention_mask=mask, labels=labels, use_cache=False)
+    out.loss.backward()
+    return out.logits.detach(), out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def case_errors(model, mesh, batch, expected):
+    """{what: relative error} of the sharded run against the reference, logits at real tokens only."""
+    logits, loss, grads, valid = sharded(model, mesh, batch)
+    ref_logits, ref_loss, ref_grads = expected
+    seq = batch["input_ids"].shape[1]
+    real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()  # [B, S]
+    errors = {"logits": rel_err(logits[:, :seq][real], ref_logits[real]), "loss": rel_err(loss, ref_loss)}
+    errors.update({f"grad {n}": rel_err(g, ref_grads[n]) for n, g in grads.items()})
+    finite = torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads.values())
+    return errors, finite, valid
+
+
+def _check_families(rank, world, meshes, families, kv_comm="ring"):
+    failures, empty_shards = [], 0
+    for ulysses, ring in meshes:
+        mesh = init_mesh(ulysses=ulysses, ring=ring, kv_comm=kv_comm)
+        for family in families:
+            model = build(family)
+            expected = {name: reference(model, batch) for name, batch in BATCHES.items()}
+            handle = hf.apply(model, mesh, backend="torch")
+            for name, batch in BATCHES.items():
+                errors, finite, valid = case_errors(model, mesh, batch, expected[name])
+                empty_shards += valid == 0
+                worst = max(errors, key=errors.get)
+                if not finite or errors[worst] > TOLERANCE:
+                    failures.append(f"U={ulysses} R={ring} {family} {name}: finite={finite}, "
+                                    f"{worst} {errors[worst]:.2e}")
+            handle.undo()
+            for name, batch in BATCHES.items():  # after undo: the original model, bit for bit
+                logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+                if not torch.equal(logits.detach(), expected[name][0]):
+                    failures.append(f"U={ulysses} R={ring} {family} {name}: outputs differ after undo")
+    assert not failures, "\n".join(failures)
+    return empty_shards
+
+
+def test_world_4_llama_qwen2_mistral_qwen3_equal_the_single_process_model():
+    empty = run_distributed(_check_families, 4, [(2, 2)], ["llama", "qwen2", "mistral", "qwen3"], timeout=300)
+    assert sum(empty) > 0, "no rank had a shard without valid tokens"
+
+
+def test_kv_allgather_mesh_through_a_switched_model_equals_the_single_process_model():
+    run_distributed(_check_families, 4, [(1, 4)], ["llama", "mistral"], "allgather", timeout=300)
+
+
+def test_world_8_llama_and_qwen2_equal_the_single_process_model():
+    empty = run_distributed(_check_families, 8, [(4, 2), (2, 4)], ["llama", "qwen2"], timeout=300)
+    assert sum(empty) > 0, "no rank had a shard without valid tokens"
+
+
+# ---- one process: registration, apply/undo, refusals ------------------------------------------
+
+
+def test_minimum_version_is_stated_and_checked():
+    assert Version(transformers.__version__) >= Version(hf.MIN_TRANSFORMERS_VERSION) == Version("4.53.0")
+    hf.check_transformers_version()
+    with pytest.raises(RuntimeError, match=re.escape("needs transformers>=4.53.0") + ".*found 4.52.4"):
+        hf.check_transformers_version("4.52.4")
+
+
+def test_registration_is_idempotent_and_refuses_a_foreign_entry():
+    hf.register()
+    hf.register()
+    assert transformers.AttentionInterface()[hf.NAME] is hf.hybridsp_attention_forward
+    transformers.AttentionInterface.register(hf.NAME, print)
+    try:
+        with pytest.raises(RuntimeError, match="another function is registered"):
+            hf.register()
+    finally:
+        transformers.AttentionInterface.register(hf.NAME, hf.hybridsp_attention_forward)
+
+
+def test_single_rank_apply_matches_and_undo_restores_everything():
+    model = build("qwen2")
+    ids = BATCHES["full"]["input_ids"]
+    original = model(input_ids=ids).logits.detach()
+    with hf.apply(model, mesh_at(1, 1), backend="reference") as handle:
+        assert model.config._attn_implementation == "hybridsp" and handle.active
+        assert all(hasattr(layer.self_attn, "_hybridsp_binding") for layer in model.model.layers)
+        assert rel_err(model(input_ids=ids, use_cache=False).logits.detach(), original) <= 1e-5
+    assert not handle.active and model.config._attn_implementation == "sdpa"
+    assert not any(hasattr(m, "_hybridsp_binding") for m in model.modules())
+    assert not model._forward_pre_hooks
+    handle.undo()  # a second undo changes nothing
+    assert torch.equal(model(input_ids=ids).logits.detach(), original)
+
+
+def test_undo_restores_an_implementation_chosen_at_load_time():
+    hf.register()
+    model = build("llama", attn_implementation="hybridsp")
+    handle = hf.apply(model, mesh_at(2, 1), backend="torch")
+    assert len(model._forward_pre_hooks) == 1
+    handle.undo()
+    assert model.config._attn_implementation == "hybridsp" and not model._forward_pre_hooks
+    with pytest.raises(RuntimeError, match="has no mesh: call hybridsp.integrations.transformers.apply"):
+        model(input_ids=BATCHES["full"]["input_ids"])
+
+
+def test_no_per_shard_mask_is_built_or_accepted():
+    assert hf.NAME not in ALL_MASK_ATTENTION_FUNCTIONS  # so transformers' mask builders return None
+    model = build("llama")
+    ids, mask = BATCHES["padded"]["input_ids"][:, :60], BATCHES["padded"]["attention_mask"][:, :60]
+    with hf.apply(model, mesh_at(1, 1)):
+        # the attention refuses any mask: a 2D padding mask given to the model never becomes one
+        model(input_ids=ids, attention_mask=mask, use_cache=False)
+        four_d = torch.zeros(2, 1, SEQ, SEQ)
+        with pytest.raises(ValueError, match=re.escape("got an attention mask of shape (2, 1, 64, 64)")):
+            model(input_ids=BATCHES["full"]["input_ids"], attention_mask=four_d, use_cache=False)
+
+
+def test_refused_models_raise_and_change_nothing():
+    cases = {
+        "4 query heads are not divisible by the Ulysses degree 8": (build("llama"), mesh_at(8, 1)),
+        "has no Llama-family attention module": (transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, vocab_size=64)), mesh_at(1, 1)),
+    }
+    for message, (model, mesh) in cases.items():
+        before = model.config._attn_implementation
+        with pytest.raises(ValueError, match=re.escape(message)):
+            hf.apply(model, mesh)
+        assert model.config._attn_implementation == before
+        assert not any(hasattr(m, "_hybridsp_binding") for m in model.modules())
+    with pytest.raises(TypeError, match="switches a model instance"):
+        hf.apply(transformers.LlamaForCausalLM, mesh_at(1, 1))
+    model = build("llama")
+    handle = hf.apply(model, mesh_at(1, 1))
+    with pytest.raises(ValueError, match="already switched"):
+        hf.apply(model, mesh_at(1, 1))
+    handle.undo()
+
+
+def test_unsupported_model_type_is_refused():
+    model = build("llama")
+    model.config.model_type = "gemma"  # the same attention module under another family's name
+    with pytest.raises(ValueError, match=re.escape("model type 'gemma' is not supported")):
+        hf.apply(model, mesh_at(1, 1))
+
+
+def test_calls_that_cannot_be_exact_are_refused():
+    ids = BATCHES["full"]["input_ids"]
+    model = build("llama", attention_dropout=0.1)
+    with hf.apply(model, mesh_at(1, 1)):
+        model.eval()
+        model(input_ids=ids, use_cache=False)  # no dropout in eval
+        model.train()
+        with pytest.raises(ValueError, match="attention dropout 0.1 is not supported"):
+            model(input_ids=ids, use_cache=False)
+    model = build("llama")
+    with hf.apply(model, mesh_at(2, 1)):  # C = 2: the pre-hook refuses before anything communicates
+        with pytest.raises(ValueError, match="needs position_ids"):
+            model(input_ids=ids[:, :32])
+        with pytest.raises(ValueError, match="do not pass labels"):
+            model(ids[:, :32], None, torch.arange(32)[None], labels=ids[:, :32])
+    with hf.apply(model, mesh_at(1, 1)):  # generation: a KV cache that already holds 8 tokens
+        query, key = torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 10, 16)
+        with pytest.raises(ValueError, match="2 queries but 10 keys per rank: a KV cache with earlier tokens"):
+            hf.hybridsp_attention_forward(model.model.layers[0].self_attn, query, key, key, None)

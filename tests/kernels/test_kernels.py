@@ -1,0 +1,102 @@
+import math
+
+import pytest
+import torch
+
+from hybridsp.kernels import get_kernel
+from hybridsp.kernels.reference import attention_in_input_dtype
+from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+
+CASES = [  # (heads, kv_heads, head_dim, causal)
+    (4, 4, 64, False), (4, 4, 64, True), (4, 2, 128, True), (4, 1, 80, False), (6, 2, 80, True),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,causal", CASES)
+def test_kernel_matches_float64_reference(backend, heads, kv_heads, head_dim, causal):
+    q, k, v, dout = random_qkv(2, 24, heads, kv_heads, head_dim, seed=1)
+    kernel = get_kernel(backend)
+    scale = 1 / math.sqrt(head_dim)
+    out, lse = kernel.forward(q, k, v, causal=causal, softmax_scale=scale)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=scale)
+    ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, dout, causal=causal)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert lse.shape == (2, heads, 24) and dk.shape == k.shape
+    for actual, expected in [(out, ref_out), (dq, ref_dq), (dk, ref_dk), (dv, ref_dv)]:
+        assert rel_err(actual, expected) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_lse_is_logsumexp_of_scores(backend):
+    q, k, v, _ = random_qkv(1, 16, 2, 2, 32, seed=2)
+    _, lse = get_kernel(backend).forward(q, k, v, causal=True, softmax_scale=0.3)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * 0.3
+    scores = scores.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), -math.inf)
+    assert rel_err(lse, torch.logsumexp(scores, -1)) < 1e-6
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_rows_without_keys_give_zeros_and_finite_grads(backend):
+    q, k, v, dout = random_qkv(1, 8, 2, 2, 16, seed=3)
+    kernel = get_kernel(backend)
+    out, lse = kernel.forward(q, k[:, :0], v[:, :0], causal=False, softmax_scale=0.25)
+    assert torch.equal(out, torch.zeros_like(q)) and torch.isneginf(lse).all()
+    # A row whose *final* lse is -inf (it saw no key anywhere) must get zero gradient.
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=False, softmax_scale=0.25)
+    for grad in (dq, dk, dv):
+        assert torch.isfinite(grad).all() and grad.abs().max() == 0
+
+
+def test_causal_refuses_non_square_blocks():
+    q, k, v, _ = random_qkv(1, 8, 2, 2, 16)
+    with pytest.raises(ValueError, match="8 queries and 4 keys"):
+        get_kernel("torch").forward(q, k[:, :4], v[:, :4], causal=True, softmax_scale=1.0)
+
+
+def test_bad_shapes_are_value_errors():
+    q, k, v, _ = random_qkv(1, 8, 3, 2, 16)
+    with pytest.raises(ValueError, match=r"query heads \(3\).*key/value heads \(2\)"):
+        get_kernel("torch").forward(q, k, v, causal=False, softmax_scale=1.0)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        get_kernel("cudnn")
+
+
+def test_auto_picks_torch_without_cuda():
+    assert get_kernel("auto", device=torch.device("cpu"), dtype=torch.bfloat16).name == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_low_precision_error_at_most_twice_same_dtype_math(dtype, kv_heads):
+    """flash-attn's rule, on the torch kernel: fp16/bf16 error <= 2x plain math in that dtype."""
+    q, k, v, dout = (t.to(dtype) for t in random_qkv(2, 64, 8, kv_heads, 64, seed=4))
+    kernel, scale = get_kernel("torch"), 1 / 8
+    out, lse = kernel.forward(q, k, v, causal=True, softmax_scale=scale)
+    results = (out, *kernel.backward(dout, q, k, v, out, lse, causal=True, softmax_scale=scale))
+    truth = reference_with_grads(q, k, v, dout, causal=True)
+    same_dtype = attention_in_input_dtype(q, k, v, dout, causal=True, softmax_scale=scale)
+    for actual, yardstick, expected in zip(results, same_dtype, truth):
+        assert rel_err(actual, expected) <= 2 * rel_err(yardstick, expected)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 1])
+def test_torch_kernel_bf16_same_on_heads_first_and_seq_first_storage(kv_heads):
+    """bf16 CPU kernel: q/k/v/dout as [B, S, H, D] views of heads-first storage (what the Ulysses
+    all-to-all hands out; used without a copy) give bitwise the results of [B, S, H, D] storage
+    (which is copied to dense planes), and both are close to float64."""
+    from hybridsp.kernels.torch_fused import heads_first_dense
+
+    q, k, v, dout = (t.bfloat16() for t in random_qkv(2, 40, 4, kv_heads, 32, seed=7))
+    heads_first = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout)]  # [B, S, H, D] views
+    assert heads_first_dense(heads_first[0]).data_ptr() == heads_first[0].data_ptr()  # no copy
+    assert heads_first_dense(q).is_contiguous() and heads_first_dense(q[:, ::2]).is_contiguous()
+    kernel, results = get_kernel("torch"), []
+    for qq, kk, vv, dd in (heads_first, (q, k, v, dout)):
+        out, lse = kernel.forward(qq, kk, vv, causal=True, softmax_scale=0.2)
+        results.append((out, lse, *kernel.backward(dd, qq, kk, vv, out, lse, causal=True, softmax_scale=0.2)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    expected = reference_with_grads(q, k, v, dout, causal=True, softmax_scale=0.2)  # float64
+    for got, exp in zip((results[1][0], *results[1][2:]), expected):
+        assert rel_err(got, exp) < 2e-2  # bf16 inputs and outputs (8 mantissa bits)

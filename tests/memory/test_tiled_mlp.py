@@ -1,0 +1,128 @@
+"""apply_tiled_mlp against the unmodified Hugging Face model: loss and every gradient, memory kept.
+
+(Under ZeRO-3 with sequence parallelism: tests/memory/test_zero3.py.)
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from hybridsp.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_forward
+from tests.helpers.reference import rel_err
+from tests.helpers.tiny_models import tiny_causal_lm
+
+VOCAB, SEQ = 64, 50
+
+
+def _model(bias=False, dtype=torch.float32):
+    return tiny_causal_lm(
+        "llama", seed=0, dtype=dtype, vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, mlp_bias=bias, attn_implementation="sdpa",
+    )
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    return [out.loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _ids(seed=0):
+    return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("bias,checkpointing,tile", [
+    (False, False, 7), (True, False, 50), (False, True, 7), (True, True, 1000)])  # tiles: non-divisor, 2, 1
+def test_tiled_gradients_equal_untiled(bias, checkpointing, tile):
+    model, ids = _model(bias), _ids()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+        model.train()
+    expected = _loss_and_grads(model, ids)
+    with apply_tiled_mlp(model, tile_tokens=tile) as handle:
+        assert handle.tile_tokens == tile and len(handle.modules) == 2
+        actual = _loss_and_grads(model, ids)
+    errors = [rel_err(a, e) for a, e in zip(actual, expected)]
+    assert max(errors) <= 1e-5, errors
+    assert all("forward" not in vars(m) for m in handle.modules)  # undone
+    assert max(rel_err(a, e) for a, e in zip(_loss_and_grads(model, ids), expected)) == 0.0
+
+
+def test_bf16_within_twice_the_untiled_error():
+    ids = _ids(1)
+    exact = _loss_and_grads(_model(dtype=torch.float64), ids)
+    model = _model(dtype=torch.bfloat16)
+    untiled = [rel_err(a, e) for a, e in zip(_loss_and_grads(model, ids), exact)]
+    apply_tiled_mlp(model, tile_tokens=9)
+    tiled = [rel_err(a, e) for a, e in zip(_loss_and_grads(model, ids), exact)]
+    assert all(t <= 2 * u + 1e-3 for t, u in zip(tiled, untiled)), (tiled, untiled)
+
+
+def test_only_the_input_is_kept_for_backward():
+    """Saved for backward inside one MLP: untiled keeps [T, I]-sized tensors; tiled only x [T, h]."""
+    model = _model()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, SEQ, 32, requires_grad=True) * 1.0  # not a leaf, like an activation
+
+    def saved_bytes(fn):
+        storages = {}
+
+        def pack(tensor):
+            if not isinstance(tensor, torch.nn.Parameter) and tensor.data_ptr() != 0:
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(x)
+        return sum(storages.values())
+
+    untiled = saved_bytes(mlp)
+    tiled = saved_bytes(lambda t: tiled_mlp_forward(mlp, t, 8))
+    assert tiled == x.numel() * 4, tiled
+    assert untiled >= 3 * 2 * SEQ * 80 * 4, untiled  # gate, up, act(gate) outputs at least
+
+
+def test_bad_arguments_raise_value_errors():
+    model = _model()
+    with pytest.raises(ValueError, match="tile_tokens must be a positive"):
+        apply_tiled_mlp(model, tile_tokens=0)
+    with pytest.raises(ValueError, match="no gated MLP"):
+        apply_tiled_mlp(torch.nn.Linear(2, 2))
+    handle = apply_tiled_mlp(model)
+    assert handle.tile_tokens == 32  # the hidden size
+    with pytest.raises(ValueError, match="already"):
+        apply_tiled_mlp(model)
+    handle.undo()
+    handle.undo()  # idempotent
+
+
+# --------------------------------------------------------------------------- some projections with a bias
+
+
+class _GatedMLP(nn.Module):
+    def __init__(self, biases: tuple[bool, bool, bool]):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(8, 20, bias=biases[0]), nn.Linear(8, 20, bias=biases[1])
+        self.down_proj, self.act_fn = nn.Linear(20, 8, bias=biases[2]), nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("biases", [(False, False, True), (True, False, False), (True, True, False), (True,) * 3])
+def test_tiled_mlp_keeps_every_bias_that_exists(biases):
+    torch.manual_seed(0)
+    mlp = _GatedMLP(biases)
+    for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        if linear.bias is not None:
+            nn.init.normal_(linear.bias)  # far from 0, so a dropped bias shows
+    x = torch.randn(2, 11, 8, requires_grad=True)
+    grad = torch.randn(2, 11, 8)
+    expected = mlp(x)
+    expected_grads = torch.autograd.grad(expected, [x, *mlp.parameters()], grad)
+    with apply_tiled_mlp(mlp, tile_tokens=4):
+        actual = mlp(x)
+        actual_grads = torch.autograd.grad(actual, [x, *mlp.parameters()], grad)
+    assert rel_err(actual, expected) < 1e-6
+    assert max(rel_err(a, e) for a, e in zip(actual_grads, expected_grads)) < 1e-5
