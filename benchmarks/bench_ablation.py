@@ -59,7 +59,7 @@ from hybridsp.planner import calibration  # noqa: E402
 
 MIB = 2**20
 WORLD, ULYSSES, RING, CONFIG = calibration.WORLD, calibration.ULYSSES, calibration.RING, "cp8.json"
-FIXTURE = ROOT / "tests" / "data" / "planner_calibration_cpu.json"  # what tests/test_planner_calibration.py reads
+FIXTURE = ROOT / "tests" / "data" / "planner_calibration_cpu.json"  # what tests/planner/test_calibration.py reads
 TECHNIQUES = ("fused_loss", "tiled_mlp", "checkpointing", "activation_offload")
 DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the ablation's rows at V=32000, 1.5 GiB (192 MiB
     # per rank: at bench_longest_context's 1 GiB / 8 = 128 MiB nothing trains at V=32000, measured: the step's fixed

@@ -98,7 +98,7 @@ from longest_report import clusters_section, markdown, relative_error  # noqa: E
 from longest_setup import CONFIGS, ROOT, VOCAB, example_model_spec, planner_memory  # noqa: F401  (first: it sets sys.path)
 
 MIB, GIB = 2**20, 2**30
-FIXTURE = ROOT / "tests" / "data" / "planner_memory_cpu.json"  # what tests/test_planner.py reads
+FIXTURE = ROOT / "tests" / "data" / "planner_memory_cpu.json"  # what tests/planner/test_planner.py reads
 BREAKDOWN_LEN = 2048  # sequence length of the saved-tensor breakdowns
 OOM_MARKERS = ("can't allocate memory", "MemoryError", "std::bad_alloc", "Cannot allocate memory",
                "out of memory", "ENOMEM")
@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def memory_fixture(rows: list[dict]) -> dict:
-    """Every successful attempt's measured peaks: what tests/test_planner.py checks the planner against."""
+    """Every successful attempt's measured peaks: what tests/planner/test_planner.py checks the planner against."""
     return {
         "source": "benchmarks/bench_longest_context.py (results/longest_context/longest_context.json), "
                   "written with its results",

@@ -62,7 +62,7 @@ def end_rank_on_error():
     """Note [prompt exit]: a rank that fails (e.g. a collective timed out on a lost host) prints its
     traceback and ends at once (``os._exit(1)``), skipping interpreter teardown.
 
-    Measured on two network namespaces (tests/test_two_hosts.py, ``--collective-timeout 30``):
+    Measured on two network namespaces (tests/mesh/test_two_hosts.py, ``--collective-timeout 30``):
     after host B vanished, host A's job took 86 s to end although its ring receive timed out after
     30 s — the interpreter's teardown of the process groups waits on operations still pending
     with the dead host; with this, it ends within 60 s (the timeout, the step in flight and the

@@ -6,7 +6,7 @@ address (``127.0.1.1 node1`` is Debian's default; containers often write ``127.0
 each host tells the others to connect to 127.0.x.x: on one machine that works by accident,
 across two network stacks every rank fails in ``connectFullMesh`` with "Connection refused"
 (seen the first time the main job ran across two network namespaces, see
-``tests/test_two_hosts.py``). :func:`choose_gloo_interface` fixes exactly that case: when
+``tests/mesh/test_two_hosts.py``). :func:`choose_gloo_interface` fixes exactly that case: when
 ``GLOO_SOCKET_IFNAME`` is unset, ``MASTER_ADDR`` is not a loopback address and the host name
 does not resolve to an address of this host other than loopback, it sets
 ``GLOO_SOCKET_IFNAME`` to the interface the kernel routes ``MASTER_ADDR`` through. A name

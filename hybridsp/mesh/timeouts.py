@@ -5,7 +5,7 @@ timeout given to ``init_process_group``; it takes torch's backend default (30 mi
 10 on NCCL). The mesh's groups carry the ring's send/recv, the Ulysses all-to-all and ZeRO's
 gathers, so ``init_process_group(timeout=30 s)`` (``examples/train.py --collective-timeout``)
 bounded only the world group's collectives, and a rank waiting on a lost host inside the ring
-waited 30 minutes (found by tests/test_two_hosts.py's lost host). :func:`default_group_timeout`
+waited 30 minutes (found by tests/mesh/test_two_hosts.py's lost host). :func:`default_group_timeout`
 reads the default group's timeout so that :func:`hybridsp.init_mesh` gives every group the same.
 """
 
