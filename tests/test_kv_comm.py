@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from hybridsp import CommCounter, hybrid_attn_func, init_mesh, shard_sequence
-from hybridsp.attention.transport.allgather import chunk_pieces, default_kv_chunks
-from hybridsp.attention.volume import hybrid_bytes, ring_rows
-from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
+from hybridsp.attention.transport.allgather import chunk_pieces
+from hybridsp.attention.volume import hybrid_bytes
+from hybridsp.formulas import default_kv_chunks, ring_rows
+from hybridsp.layout.block_plan import build_plan
+from hybridsp.layout.documents import normalize_cu_seqlens
 from hybridsp.layout.layouts import layout_permutation
 from hybridsp.testing import run_distributed
 from tests import test_masks
