@@ -63,8 +63,8 @@ documents at S = 65,536, R = 4: ~9 ms CPU (two tries), a lognormal pack of S = 1
 
 Layout of the code: this module has the public entry points, the tries and the nested try's
 placement; :mod:`hybridsp.layout.balance.bound` the lower bound on rows shipped;
-:mod:`hybridsp.layout.balance.work` the work model and bookkeeping (``slot_work`` and
-``hull_rows`` are re-exported here); :mod:`hybridsp.layout.balance.search` the contiguous balancer's
+:mod:`hybridsp.layout.balance.work` the work model and bookkeeping (``slot_work``, ``hull_rows``);
+:mod:`hybridsp.formulas` the zigzag runs (``zigzag_slot_runs``); :mod:`hybridsp.layout.balance.search` the contiguous balancer's
 local search and the split-as-needed try.
 """
 
@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import math
 
+from hybridsp.formulas import zigzag_slot_runs
 from hybridsp.layout.balance.search import build_greedy, place_contiguous, repair
 from hybridsp.layout.balance.work import (
     DEFAULT_UNIT_SHARE,
@@ -79,7 +80,6 @@ from hybridsp.layout.balance.work import (
     Runs,
     Slot,
     check_bounds,
-    check_sizes,
     documents,
     finish_runs,
     group_units,
@@ -88,7 +88,6 @@ from hybridsp.layout.balance.work import (
     prefix_work,
     run_work,
     shortest_with_work,
-    slot_work,  # noqa: F401  (re-exported: its historical home)
 )
 
 DEFAULT_SPLIT_SHARE = math.inf
@@ -111,13 +110,6 @@ ACCEPT = 1.03  # a try counts as balanced when its busiest slot has at most this
 REPAIR_EVALS = 3000  # layouts the contiguous tries of one call may evaluate in all (at most)
 REPAIR_DOCUMENTS = 100_000  # ... and at most this / the number of documents
 TRY_DOCUMENTS = 4000  # tries stop once they have handled this many documents (at least 2 tries)
-
-
-def zigzag_slot_runs(seq_len: int, ring: int) -> tuple[Runs, ...]:
-    """Slot r holds chunks r and 2R-1-r of 2R equal chunks: ((r c, c), ((2R-1-r) c, c)), c = S / 2R."""
-    check_sizes(seq_len, ring)
-    chunk = seq_len // (2 * ring)
-    return tuple(((r * chunk, chunk), ((2 * ring - 1 - r) * chunk, chunk)) for r in range(ring))
 
 
 def balanced_slot_runs(
