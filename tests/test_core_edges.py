@@ -1,4 +1,5 @@
-"""Edges of the attention core that used to be silently wrong or hang (issue 21 items 1, 5, 7, 8, 14).
+"""Edges of the attention core that used to be silently wrong or hang: cu_seqlens passed positionally,
+NaN propagation, kv_chunks in the padded length, ranks that disagree, float cu_seqlens, a non-bool causal.
 
 Each against an independent reference where there is a result (float64 masked attention, one
 kernel call over the whole sequence), otherwise a ValueError on every rank before anything hangs.
