@@ -46,15 +46,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from harness import load, machine_info, results_path, revision, write_results  # noqa: E402
 
+from hybridsp.formulas import zigzag_slot_runs  # noqa: E402
 from hybridsp.layout.balance.bound import kv_rows_lower_bound  # noqa: E402
-from hybridsp.layout.balance.tries import (  # noqa: E402
-    SPLITS,
-    balanced_slot_runs,
-    design_slot_runs,
-    hull_rows,  # noqa: E402
-    slot_work,
-    zigzag_slot_runs,
-)
+from hybridsp.layout.balance.tries import SPLITS, balanced_slot_runs, design_slot_runs  # noqa: E402
+from hybridsp.layout.balance.work import hull_rows, slot_work  # noqa: E402
 
 INF = math.inf
 DESIGNS = {

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from hybridsp import CommCounter, ring_attention
-from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
+from hybridsp.layout.block_plan import build_plan
+from hybridsp.layout.documents import normalize_cu_seqlens
 from hybridsp.layout.layouts import take_shard
 
 HEADS, HEAD_DIM = 8, 64

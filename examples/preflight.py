@@ -132,7 +132,7 @@ def argument_problems(args) -> list[str]:
 
 def _hybrid_section(args, config: dict, world: int, problems: list[str]):
     """The validated hybrid section (None if it is unusable); problems with it appended to ``problems``."""
-    from hybridsp.attention.transport.allgather import check_kv_chunks
+    from hybridsp.attention.resolve import check_kv_chunks
     from hybridsp.integrations.deepspeed import HybridConfig
     from hybridsp.layout.layouts import check_sequence_length
 

@@ -28,6 +28,9 @@ without becoming point-to-point sends.
 
 Chunk rules: the fused loss's rows per chunk (:func:`default_chunk_size`) and the
 all-gather transport's chunks per block (:func:`default_kv_chunks`).
+
+Token layout: the zigzag slots' runs (:func:`zigzag_slot_runs`), shared by the layout object
+(:class:`hybridsp.layout.layouts.Zigzag`) and the torch-free balanced layout.
 """
 
 from __future__ import annotations
@@ -131,6 +134,17 @@ def hybrid_bytes(
     else:
         sent["ring"] = (forward + backward + grads) * row
     return sent
+
+
+# ----------------------------------------------------------------------------- token layout
+
+
+def zigzag_slot_runs(seq_len: int, ring: int) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per ring slot, its ``(global start, length)`` runs under zigzag: slot ``r`` holds chunks ``r``
+    and ``2R-1-r`` of ``2R`` equal chunks of ``c = S / 2R`` tokens: ``((r c, c), ((2R-1-r) c, c))``.
+    ``seq_len`` must be a multiple of ``2 * ring`` (the callers check)."""
+    chunk = seq_len // (2 * ring)
+    return tuple(((r * chunk, chunk), ((2 * ring - 1 - r) * chunk, chunk)) for r in range(ring))
 
 
 # ----------------------------------------------------------------------------- chunk rules

@@ -9,7 +9,7 @@ If a query row attends to key blocks ``A`` and ``B`` separately, with results
 (the two weights are exp(lse_a - lse) and exp(lse_b - lse), written through the difference
 of the lse values so that nothing overflows or loses digits when the lse are large). A block in which a row saw no key carries
 ``lse = -inf`` (weight 0); some kernels say ``+inf`` for that, which is normalised to
-``-inf`` first. A row that has seen no key in any block keeps ``out = 0, lse = -inf``. A NaN
+``-inf`` first (Note [no key] in :mod:`hybridsp.kernels.base`). A row that has seen no key in any block keeps ``out = 0, lse = -inf``. A NaN
 log-sum-exp (a NaN in the inputs) is not "no key": it propagates to the row's output, as it would
 in one kernel call over the whole sequence.
 """
@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _no_key_as_neg_inf(lse: torch.Tensor) -> torch.Tensor:
-    """lse [B, H, S]: +inf (a kernel's 'no key' marker) becomes -inf."""
-    return torch.where(torch.isposinf(lse), torch.full_like(lse, -torch.inf), lse)
+from hybridsp.kernels.base import no_key_lse_to_neg_inf
 
 
 def _block_weight(lse_acc: torch.Tensor, block_lse: torch.Tensor) -> torch.Tensor:
@@ -46,7 +43,7 @@ def merge_into(
         block_out: [B, S, H, D] this block's output, any float dtype.
         block_lse: [B, H, S] this block's log-sum-exp.
     """
-    block_lse = _no_key_as_neg_inf(block_lse.to(lse_acc.dtype))
+    block_lse = no_key_lse_to_neg_inf(block_lse.to(lse_acc.dtype))
     out_acc.lerp_(block_out.to(out_acc.dtype), _block_weight(lse_acc, block_lse))
     lse_acc.copy_(torch.logaddexp(lse_acc, block_lse))
 

@@ -3,9 +3,10 @@
 Both K/V transports (:mod:`hybridsp.attention.transport.p2p` and :mod:`hybridsp.attention.transport.allgather`) hand a block of
 key rows and the :class:`~hybridsp.layout.block_plan.Piece` list that says which local query rows see
 which of them; these two functions run the pieces and fold the results into the caller's
-accumulators. Kernels with ``supports_varlen`` run a block's pieces in one call per flash
-window (:mod:`hybridsp.attention.varlen`); others run one call per piece. Band pieces go to the
-kernel's ``forward_band``/``backward_band`` when it has them, else to the reference math.
+accumulators. The kernel is complete (:class:`~hybridsp.kernels.base.AttentionKernel`, as
+:func:`~hybridsp.kernels.select.resolve_kernel` returns it): kernels with ``supports_varlen`` run a
+block's pieces in one call per flash window (:mod:`hybridsp.attention.varlen`); others run one call
+per piece, band pieces by the kernel's ``forward_band``/``backward_band``.
 
 Shapes: q/dout/out [B, S, H, D] local, lse [B, H, S], k_rows/v_rows [B, rows, Hkv, D];
 piece keys are counted from ``offset`` in the block's own coordinates (``Piece.shifted``).
@@ -15,25 +16,19 @@ from __future__ import annotations
 
 from hybridsp.attention.merge import merge_into
 from hybridsp.attention.varlen import backward_block, forward_block
-from hybridsp.kernels import ReferenceKernel
-
-
-def _band_kernel(kernel):
-    """The kernel itself if it computes band pieces, else the fp32 reference math."""
-    return kernel if hasattr(kernel, "forward_band") else ReferenceKernel()
 
 
 def _piece_forward(kernel, q, k, v, piece, scale):
     """(out, lse) of one plan piece; q/k/v already cut to the piece."""
     if piece.kind == "band":
-        return _band_kernel(kernel).forward_band(q, k, v, band=piece.band, softmax_scale=scale)
+        return kernel.forward_band(q, k, v, band=piece.band, softmax_scale=scale)
     return kernel.forward(q, k, v, causal=piece.kind == "causal", softmax_scale=scale)
 
 
 def _piece_backward(kernel, dout, q, k, v, out, lse, piece, scale):
     """(dq, dk, dv) of one plan piece given the final out/lse cut to its rows."""
     if piece.kind == "band":
-        return _band_kernel(kernel).backward_band(dout, q, k, v, out, lse, band=piece.band, softmax_scale=scale)
+        return kernel.backward_band(dout, q, k, v, out, lse, band=piece.band, softmax_scale=scale)
     return kernel.backward(dout, q, k, v, out, lse, causal=piece.kind == "causal", softmax_scale=scale)
 
 
@@ -42,7 +37,7 @@ def forward_pieces(kernel, q, k_rows, v_rows, pieces, offset: int, scale: float,
     ``plan``: the plan that owns ``pieces`` (varlen index tables are kept on it)."""
     if not pieces:
         return
-    if getattr(kernel, "supports_varlen", False):
+    if kernel.supports_varlen:
         forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc, plan)
         return
     for piece in pieces:
@@ -57,7 +52,7 @@ def backward_pieces(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset: i
     (accumulators in the accumulation dtype; the block's keys counted from ``offset``)."""
     if not pieces:
         return
-    if getattr(kernel, "supports_varlen", False):
+    if kernel.supports_varlen:
         backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk_acc, dv_acc, plan)
         return
     for piece in pieces:

@@ -18,22 +18,23 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from hybridsp.attention.ring_function import LocalTransport
-from hybridsp.attention.transport.allgather import AllGatherTransport, check_kv_chunks, resolve_kv_chunks
+from hybridsp.attention.transport.allgather import AllGatherTransport
+from hybridsp.attention.transport.base import Transport
+from hybridsp.attention.transport.local import LocalTransport
 from hybridsp.attention.transport.p2p import P2PTransport
 from hybridsp.comm import CommCounter
-from hybridsp.formulas import heads_divisible
+from hybridsp.formulas import default_kv_chunks, heads_divisible
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, resolve_kernel
+from hybridsp.kernels.base import FLOAT_DTYPES
 from hybridsp.layout.block_plan import BlockPlan, build_plan, check_sliding_window
 from hybridsp.layout.documents import Documents, as_documents
 from hybridsp.layout.layouts import LAYOUTS, TokenLayout, get_layout
 from hybridsp.mesh.hybrid_mesh import KV_COMMS
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class RingCall:
     kv_chunks: int | None
     counter: CommCounter | None
 
-    def transport(self, k, v):
+    def transport(self, k, v) -> Transport:
         """The K/V transport of one pass (Note [one shell] in :mod:`hybridsp.attention.ring_function`)."""
         if self.ring == 1:
             return LocalTransport(self, k, v)
@@ -80,6 +81,22 @@ def check_causal(causal) -> None:
     """Raise ValueError unless ``causal`` is a bool (``causal="no"`` would silently run as causal)."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False; got {causal!r} ({type(causal).__name__})")
+
+
+def check_kv_chunks(kv_chunks: int | None, local_len: int) -> None:
+    """Raise ValueError unless ``kv_chunks`` is None or a positive divisor of the local length."""
+    if kv_chunks is None:
+        return
+    if isinstance(kv_chunks, bool) or not isinstance(kv_chunks, int) or kv_chunks < 1 or local_len % kv_chunks:
+        raise ValueError(
+            f"kv_chunks must be a positive integer dividing the {local_len} local tokens per ring rank; "
+            f"got {kv_chunks!r}"
+        )
+
+
+def resolve_kv_chunks(kv_chunks: int | None, ring: int, local_len: int) -> int:
+    """The chunk count of one call: the given one, else :func:`default_kv_chunks`."""
+    return default_kv_chunks(ring, local_len) if kv_chunks is None else kv_chunks
 
 
 def check_ring_inputs(q, k, v, *, causal, layout: TokenLayout, ring: int, ulysses: int, softmax_scale,
@@ -138,26 +155,45 @@ def resolve_ring_call(
     documents = as_documents(cu_seqlens, q.shape[0], slot * ring)
     kernel = resolve_kernel(backend, q)
     chunks = resolve_kv_chunks(kv_chunks, ring, slot) if kv_comm == "allgather" else None
-    check_agreement(agreement_group, documents, _fingerprint(q, k, causal, sliding_window, softmax_scale, layout,
-                                                             kv_comm, chunks), q.device)
+    fingerprint = CallFingerprint.of(q, k, causal, sliding_window, softmax_scale, layout, kv_comm, chunks)
+    check_agreement(agreement_group, documents, fingerprint, q.device)
     rank = 0 if group is None else dist.get_rank(group)
     plan = plan_for(documents, layout, ring, causal, sliding_window)
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
     return RingCall(group, ring, rank, kernel, scale, causal, plan, kv_comm, chunks, counter)
 
 
-def _fingerprint(q, k, causal, window, scale, layout, kv_comm, chunks) -> tuple[int, ...]:
-    """The call settings every rank of a group must share, as small integers."""
-    scale_bits = 0 if scale is None else struct.unpack("<Q", struct.pack("<d", float(scale)))[0] >> 2
-    return (*q.shape, k.shape[2], _DTYPES.index(q.dtype), int(causal), -1 if window is None else window,
-            scale_bits, LAYOUTS.index(layout.name), KV_COMMS.index(kv_comm), chunks or 0)
+class CallFingerprint(NamedTuple):
+    """The call settings every rank of a group must share, as small integers (Note [agreement])."""
+
+    batch: int
+    local_tokens: int
+    query_heads: int
+    head_dim: int
+    kv_heads: int
+    dtype: int  # index into FLOAT_DTYPES
+    causal: int
+    sliding_window: int  # -1: none
+    softmax_scale: int  # the float64 bits >> 2 (0: the default 1/sqrt(D))
+    layout: int  # index into LAYOUTS
+    kv_comm: int  # index into KV_COMMS
+    kv_chunks: int  # 0: not the all-gather transport
+
+    @classmethod
+    def of(cls, q, k, causal, window, scale, layout, kv_comm, chunks) -> CallFingerprint:
+        """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D]."""
+        scale_bits = 0 if scale is None else struct.unpack("<Q", struct.pack("<d", float(scale)))[0] >> 2
+        return cls(*q.shape, k.shape[2], FLOAT_DTYPES.index(q.dtype), int(causal), -1 if window is None else window,
+                   scale_bits, LAYOUTS.index(layout.name), KV_COMMS.index(kv_comm), chunks or 0)
 
 
-_NAMES = ("batch", "local tokens", "query heads", "head dim", "K/V heads", "dtype", "causal", "sliding_window",
-          "softmax_scale", "layout", "kv_comm", "kv_chunks", "documents", "documents")
+# what an error calls each field; the two halves of the documents' digest follow the fingerprint
+_LABELS = {"local_tokens": "local tokens", "query_heads": "query heads", "head_dim": "head dim",
+           "kv_heads": "K/V heads"}
+_NAMES = tuple(_LABELS.get(field, field) for field in CallFingerprint._fields) + ("documents", "documents")
 
 
-def check_agreement(group, documents: Documents, fields: tuple[int, ...], device) -> None:
+def check_agreement(group, documents: Documents, fields: CallFingerprint, device) -> None:
     """Raise ValueError on every rank of ``group`` unless all ranks call with the same settings and
     documents (Note [agreement]); one small all_reduce, once per documents object and settings."""
     if group is None or dist.get_world_size(group) == 1:
@@ -174,8 +210,9 @@ def check_agreement(group, documents: Documents, fields: tuple[int, ...], device
         names = sorted({_NAMES[i] for i in differ})
         raise ValueError(
             f"the ranks of one attention call disagree on {', '.join(names)} (this rank, {dist.get_rank()}: batch "
-            f"{fields[0]}, local tokens {fields[1]}, heads {fields[2]}/{fields[4]}, sliding_window "
-            f"{None if fields[7] < 0 else fields[7]}, {documents!r}): every rank of a context group must pass the "
-            f"same settings, the same cu_seqlens and equally long shards (shard them with hybridsp.shard_batch)"
+            f"{fields.batch}, local tokens {fields.local_tokens}, heads {fields.query_heads}/{fields.kv_heads}, "
+            f"sliding_window {None if fields.sliding_window < 0 else fields.sliding_window}, {documents!r}): every "
+            f"rank of a context group must pass the same settings, the same cu_seqlens and equally long shards "
+            f"(shard them with hybridsp.shard_batch)"
         )
     documents.memo[key] = True

@@ -22,12 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridsp.attention.resolve import (  # noqa: F401  (check_* re-exported: their historical home)
-    RingCall,
-    check_kv_comm,
-    check_softmax_scale,
-    resolve_ring_call,
-)
+from hybridsp.attention.resolve import RingCall, resolve_ring_call
 from hybridsp.attention.ring_function import RingAttentionFunction
 from hybridsp.comm import CommCounter
 from hybridsp.kernels import AttentionKernel
@@ -76,7 +71,7 @@ def ring_attention(
         kv_comm: ``"ring"`` (point-to-point steps) or ``"allgather"`` (chunked all-gather of
             K/V, reduce-scatter of dK/dV); see the module docstring for when to pick which.
         kv_chunks: all-gather mode only: chunks per rank's block (divides S_local); None picks
-            :func:`hybridsp.attention.transport.allgather.default_kv_chunks` (gathered chunks of at most two blocks).
+            :func:`hybridsp.formulas.default_kv_chunks` (gathered chunks of at most two blocks).
 
     Returns:
         out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.

@@ -1,8 +1,10 @@
 """The one autograd shell of ring attention: a resolved call's plan, driven over any K/V transport.
 
 Note [one shell]: forward and backward are the same loop whatever brings the key/value blocks.
-A *transport* (:mod:`hybridsp.attention.transport.p2p` for ``kv_comm="ring"``, :mod:`hybridsp.attention.transport.allgather` for
-``"allgather"``, :class:`LocalTransport` for a ring of one) yields :class:`Block` s — the rank's own
+A *transport* (:class:`~hybridsp.attention.transport.base.Transport`:
+:mod:`hybridsp.attention.transport.p2p` for ``kv_comm="ring"``, :mod:`hybridsp.attention.transport.allgather`
+for ``"allgather"``, :mod:`hybridsp.attention.transport.local` for a ring of one) yields
+:class:`~hybridsp.attention.transport.base.Block` s — the rank's own
 block first, then the visiting ones, each with the plan pieces the local queries compute against
 it — and takes each visiting block's partial dK/dV home (:meth:`send_home`, rounded once to the
 input dtype, summed in the accumulation dtype at the owner). The shell only runs pieces and keeps
@@ -18,47 +20,10 @@ Shapes: q/out [B, S, H, D], k/v [B, S, Hkv, D] local (S = this ring slot's token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterator
-
 import torch
 
 from hybridsp.attention.pieces import backward_pieces, forward_pieces
 from hybridsp.kernels import accumulation_dtype
-from hybridsp.layout.block_plan import Piece
-
-
-@dataclass
-class Block:
-    """One key/value block as a transport hands it out.
-
-    ``k``/``v`` [B, rows, Hkv, D] (None: nothing arrived, nothing to compute); ``pieces`` with keys
-    counted from ``offset``; ``own``: the rank's own block (its gradients stay home); ``tag``: the
-    transport's own bookkeeping (ring step, gathered chunk).
-    """
-
-    pieces: tuple[Piece, ...]
-    k: torch.Tensor | None
-    v: torch.Tensor | None
-    offset: int = 0
-    own: bool = False
-    tag: Any = None
-
-
-class LocalTransport:
-    """A ring of one: the own block only (documents or a window still need the plan's pieces)."""
-
-    def __init__(self, call, k, v):
-        self._block = Block(call.plan.pieces[(0, 0)], k, v, own=True)
-
-    def blocks(self) -> Iterator[Block]:
-        yield self._block
-
-    def send_home(self, block, grads, dk_acc, dv_acc) -> None:  # pragma: no cover - never visited
-        raise AssertionError("a ring of one has no visiting block")
-
-    def finish(self, dk_acc, dv_acc) -> None:
-        return None
 
 
 def _forward(q, k, v, call):

@@ -39,13 +39,15 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.comm import CommCounter, tensor_bytes
-from hybridsp.formulas import kv_repeats_for
+from hybridsp.formulas import expanded_kv_heads
+from hybridsp.kernels.base import expand_kv_heads
 
 
 def expand_kv_heads_for(x: torch.Tensor, num_heads: int, ulysses: int) -> torch.Tensor:
-    """[B, S, Hkv, D] -> [B, S, Hkv * repeats, D], repeats from :func:`kv_repeats_for`."""
-    repeats = kv_repeats_for(num_heads, x.shape[2], ulysses)
-    return x if repeats == 1 else x.repeat_interleave(repeats, dim=2)  # [B, S, Hkv', D]
+    """[B, S, Hkv, D] -> [B, S, Hkv', D], Hkv' from :func:`hybridsp.formulas.expanded_kv_heads` (each
+    K/V head repeated :func:`~hybridsp.formulas.kv_repeats_for` times; x itself when that is once)."""
+    heads = expanded_kv_heads(num_heads, x.shape[2], ulysses)
+    return x if heads == x.shape[2] else expand_kv_heads(x, heads)  # [B, S, Hkv', D]
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter | None,

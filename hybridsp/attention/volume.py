@@ -9,7 +9,6 @@ byte counter is tested against.
 from __future__ import annotations
 
 from hybridsp import formulas
-from hybridsp.formulas import ring_rows  # noqa: F401  (the definitions live there)
 
 
 def hybrid_bytes(*, plan=None, **shape) -> dict[str, int]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hybridsp.attention.merge import merge_blocks
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, get_kernel
-from hybridsp.kernels.reference import expand_kv_heads
+from hybridsp.kernels.base import expand_kv_heads, lse_for_backward, no_key_result
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
@@ -89,8 +89,7 @@ def local_decode_attention(
     visible = _with_key_mask(_visibility(q.shape[1], k.shape[1], query_positions, key_positions, window),
                              key_mask, q.shape[0], q.shape[1], k.shape[1])  # None, [T, L] or [B, T, L]
     if k.shape[1] == 0 or (visible is not None and not bool(visible.any())):
-        b, t, h, _ = q.shape
-        return torch.zeros_like(q), torch.full((b, h, t), -torch.inf, device=q.device)
+        return no_key_result(q, torch.float32)
     if visible is None or bool(visible.all()):
         kernel = get_kernel(backend, device=q.device, dtype=q.dtype)
         return kernel.forward(q, k, v, causal=False, softmax_scale=scale)
@@ -141,7 +140,7 @@ def _masked_attention(q, k, v, visible: torch.Tensor, scale: float) -> tuple[tor
     scores = torch.einsum("bthd,blhd->bhtl", q.float(), keys) * scale  # [B, H, T, L']
     scores = scores.masked_fill(~per_row[:, None][..., keep], -torch.inf)  # mask [B or 1, 1, T, L']
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
-    probs = torch.exp(scores - torch.where(torch.isneginf(lse), 0.0, lse).unsqueeze(-1))  # [B, H, T, L']
+    probs = torch.exp(scores - lse_for_backward(lse).unsqueeze(-1))  # [B, H, T, L']; rows without keys: 0
     out = torch.einsum("bhtl,blhd->bthd", probs, values)  # [B, T, H, D]
     return out.to(q.dtype), lse
 

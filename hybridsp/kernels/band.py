@@ -6,18 +6,20 @@ and column. Sliding windows and the window's edges inside a ring block are bands
 block plan trims every band piece so that each row sees at least one key, but the kernels
 here still return out = 0 and lse = -inf for a row that sees none.
 
-Every backend offers ``forward_band(q, k, v, *, band, softmax_scale)`` and
+The protocol (:class:`hybridsp.kernels.base.AttentionKernel`) declares
+``forward_band(q, k, v, *, band, softmax_scale)`` and
 ``backward_band(dout, q, k, v, out, lse, *, band, softmax_scale)`` with the shapes of the
-plain protocol (:mod:`hybridsp.kernels.base`). The functions below are the plain fp32 math
-(the reference backend, and the fallback for a kernel object without band support) and the
-translation of a band to flash-attn's bottom-right ``window_size``.
+plain calls; every backend implements them. The functions below are the plain fp32 math
+(the reference backend, and what :func:`hybridsp.kernels.select.complete_kernel` gives a user's
+kernel object without band calls) and the translation of a band to flash-attn's bottom-right
+``window_size``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hybridsp.kernels.base import accumulation_dtype, lse_for_backward
+from hybridsp.kernels.base import accumulation_dtype, expand_kv_heads, lse_for_backward, reduce_kv_heads
 
 Band = tuple[int | None, int | None]
 
@@ -47,7 +49,7 @@ def rows_without_keys_to_neg_inf(lse: torch.Tensor, visible: torch.Tensor) -> to
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[B, S, Hkv, D] -> [B, S, H, D] fp32, each K/V head repeated for its query group."""
-    return x.to(accumulation_dtype(x.dtype)).repeat_interleave(heads // x.shape[2], dim=2)  # [B, S, H, D]
+    return expand_kv_heads(x.to(accumulation_dtype(x.dtype)), heads)  # [B, S, H, D]
 
 
 def _masked_scores(q, k_full, band, scale) -> torch.Tensor:
@@ -78,9 +80,7 @@ def math_backward_band(dout, q, k, v, out, lse, *, band: Band, softmax_scale: fl
     dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout32, v_full) - row_dot) * softmax_scale  # [B, H, Sq, Sk]
     dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k_full)  # [B, Sq, H, D]
     dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.to(scores.dtype))  # [B, Sk, H, D]
-    b, sk, _, d = dk.shape
-    dk = dk.reshape(b, sk, kv_heads, heads // kv_heads, d).sum(3)  # [B, Sk, Hkv, D]
-    dv = dv.reshape(b, sk, kv_heads, heads // kv_heads, d).sum(3)  # [B, Sk, Hkv, D]
+    dk, dv = reduce_kv_heads(dk, kv_heads), reduce_kv_heads(dv, kv_heads)  # [B, Sk, Hkv, D]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -32,9 +32,23 @@ import torch
 
 
 class AttentionKernel(Protocol):
-    """What ring and hybrid attention need from a local attention implementation."""
+    """What ring and hybrid attention need from a local attention implementation.
+
+    Every member is called without discovery. A kernel declares the protocol by subclassing this
+    class, which also gives it the documented defaults: :meth:`check_inputs` accepts everything
+    that :func:`check_qkv` accepts, ``supports_varlen`` is False and the varlen calls raise.
+    A user's object that does not subclass it (only ``forward``/``backward``, say) is completed
+    in one place, :func:`hybridsp.kernels.select.complete_kernel`.
+    """
 
     name: str
+    supports_varlen: bool = False  # True: forward_varlen/backward_varlen run many pieces per call
+
+    def check_inputs(self, q: torch.Tensor) -> None:
+        """Raise ValueError for q [B, S, H, D] this kernel cannot run (device, dtype, head dim).
+
+        Called once per call, before any communication. Default: no extra restriction."""
+        return None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float
@@ -57,8 +71,34 @@ class AttentionKernel(Protocol):
         """dout/out [B, Sq, H, D], lse [B, H, Sq] -> (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D])."""
         ...
 
+    def forward_band(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band, softmax_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A band piece (:mod:`hybridsp.kernels.band`): shapes as :meth:`forward`."""
+        ...
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    def backward_band(
+        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor, *, band, softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This band piece's share of the gradients: shapes as :meth:`backward`."""
+        ...
+
+    def forward_varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                       window: tuple[int, int], softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed pieces in one call (only when ``supports_varlen``): q [Tq, H, D], k/v [Tk, Hkv, D]
+        -> (out [Tq, H, D], lse [H, Tq] fp32); see :mod:`hybridsp.attention.varlen`."""
+        raise NotImplementedError(f"the {self.name!r} kernel has no varlen calls (supports_varlen is False)")
+
+    def backward_varlen(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                        max_seqlen_k: int, window: tuple[int, int], softmax_scale: float):
+        """Gradients of :meth:`forward_varlen`'s pieces (only when ``supports_varlen``)."""
+        raise NotImplementedError(f"the {self.name!r} kernel has no varlen calls (supports_varlen is False)")
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # every dtype attention accepts
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+HEAD_DIM_ALIGN = 8  # fused CUDA kernels and flash-attn want head dims that are multiples of this
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,6 +114,22 @@ def unit_stride(x: torch.Tensor) -> torch.Tensor:
     would silently give garbage. Other strides (batch, sequence, heads) are honoured.
     """
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """``head_dim`` rounded up to a multiple of :data:`HEAD_DIM_ALIGN` (zero columns are exact)."""
+    return -(-head_dim // HEAD_DIM_ALIGN) * HEAD_DIM_ALIGN
+
+
+def expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, S, H, D] by repeating each K/V head for its query group."""
+    return x.repeat_interleave(num_q_heads // x.shape[2], dim=2)  # [B, S, H, D]
+
+
+def reduce_kv_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[B, S, H, D] -> [B, S, Hkv, D] by summing the gradients of each query group."""
+    b, s, h, d = x.shape
+    return x.reshape(b, s, num_kv_heads, h // num_kv_heads, d).sum(dim=3)  # [B, S, Hkv, D]
 
 
 def default_softmax_scale(head_dim: int, softmax_scale: float | None) -> float:
@@ -126,6 +182,25 @@ def check_tensor_kinds(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k
         raise ValueError(f"{'/'.join(names)} must be on one device; got {found}: move them with .to(device)")
 
 
+# Note [no key]: the protocol marks a query row that saw no key with lse -inf (and out 0).
+# flash-attn and the CUDA flash kernel say +inf instead (no_key_lse_to_neg_inf maps theirs);
+# to compute exp(score - lse) for such a row, lse -inf becomes +inf (lse_for_backward), so the
+# probabilities are 0, not inf or nan.
+
+
+def no_key_result(q: torch.Tensor, lse_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out = 0 [B, Sq, H, D] and lse = -inf [B, H, Sq] (``lse_dtype``, default the accumulation
+    dtype) for a call in which no query row sees a key (Note [no key])."""
+    b, s, h, _ = q.shape
+    dtype = accumulation_dtype(q.dtype) if lse_dtype is None else lse_dtype
+    return torch.zeros_like(q), torch.full((b, h, s), -torch.inf, device=q.device, dtype=dtype)
+
+
+def no_key_lse_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
+    """lse (any shape): +inf, some kernels' marker of a row that saw no key, becomes -inf (Note [no key])."""
+    return torch.where(torch.isposinf(lse), torch.full_like(lse, -torch.inf), lse)
+
+
 def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
-    """Map -inf (row saw no key) to +inf so that exp(score - lse) is 0, not inf, in a backward."""
+    """Map -inf (row saw no key) to +inf so that exp(score - lse) is 0, not inf (Note [no key])."""
     return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)

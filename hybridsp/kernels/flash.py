@@ -48,15 +48,23 @@ argument by name; the forward's result is read by its length (4 or 8).
 
 from __future__ import annotations
 
+import functools
 import importlib
-import math
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from hybridsp.kernels.band import flash_window
-from hybridsp.kernels.base import check_qkv, lse_for_backward
+from hybridsp.kernels.base import (
+    HALF_DTYPES,
+    AttentionKernel,
+    check_qkv,
+    lse_for_backward,
+    no_key_lse_to_neg_inf,
+    no_key_result,
+    padded_head_dim,
+)
 from hybridsp.kernels.flash_calls import FlashCalls, VarlenCalls, packed_lse
 
 INSTALL_HINT = (
@@ -65,11 +73,6 @@ INSTALL_HINT = (
 )
 
 MAX_HEAD_DIM = 256  # flash-attn 2 forward and backward refuse larger (padded) head dims
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-def _padded_head_dim(head_dim: int) -> int:
-    """flash-attn 2's kernels want the head dim rounded up to a multiple of 8."""
-    return -(-head_dim // 8) * 8
 
 
 def _to_flash(x: torch.Tensor, padded_dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -92,21 +95,16 @@ def _grad_buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
-def _no_key_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
-    """flash-attn 2 marks a row that saw no key with lse +inf; the protocol says -inf."""
-    return torch.where(torch.isposinf(lse), torch.full_like(lse, -math.inf), lse)
-
-
 def _check_flash_inputs(q: torch.Tensor, require_cuda: bool) -> None:
     """Raise ValueError for what flash-attn 2 cannot compute: fp32/fp64, head dim > 256, CPU tensors."""
     if require_cuda and q.device.type != "cuda":
         raise ValueError(f"flash-attn runs on CUDA only, got tensors on {q.device}; use backend='torch'")
-    if q.dtype not in _HALF_DTYPES:
+    if q.dtype not in HALF_DTYPES:
         raise ValueError(
             f"flash-attn needs fp16 or bf16 inputs, got {q.dtype}; cast q/k/v to torch.bfloat16 "
             f"or use backend='torch', which also handles fp32"
         )
-    if _padded_head_dim(q.shape[-1]) > MAX_HEAD_DIM:
+    if padded_head_dim(q.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(
             f"flash-attn 2 supports head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}; use backend='torch'"
         )
@@ -135,7 +133,7 @@ def _import_flash_interface() -> ModuleType:
         raise ImportError(f"{INSTALL_HINT} (importing flash_attn failed: {err})") from err
 
 
-class FlashAttnKernel:
+class FlashAttnKernel(AttentionKernel):
     """flash-attn 2.x kernels (see :mod:`hybridsp.kernels.base` for the protocol).
 
     ``interface`` is any object with flash-attn's ``_flash_attn_forward`` and
@@ -165,12 +163,11 @@ class FlashAttnKernel:
         check_qkv(q, k, v, causal=causal)
         _check_flash_inputs(q, self._require_cuda)
         if _has_no_work(q, k):
-            b, s, h, _ = q.shape
-            return torch.zeros_like(q), torch.full((b, h, s), -math.inf, device=q.device)
-        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+            return no_key_result(q)
+        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
         q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [B, S, H(kv), Dp]
         out, lse = self._calls.forward(q_f, k_f, v_f, causal, softmax_scale)
-        lse = _no_key_rows_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
+        lse = no_key_lse_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
         return _from_flash(out, head_dim), lse
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
@@ -183,7 +180,7 @@ class FlashAttnKernel:
         _check_lse(lse, q)
         if _has_no_work(q, k):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
         q_f, k_f, v_f, out_f, dout_f = (
             _to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout)
         )  # [B, S, H(kv), Dp]
@@ -204,13 +201,12 @@ class FlashAttnKernel:
         check_qkv(q, k, v, causal=False)
         _check_flash_inputs(q, self._require_cuda)
         if _has_no_work(q, k):
-            b, s, h, _ = q.shape
-            return torch.zeros_like(q), torch.full((b, h, s), -math.inf, device=q.device)
+            return no_key_result(q)
         window = flash_window(q.shape[1], k.shape[1], band)
-        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
         q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [B, S, H(kv), Dp]
         out, lse = self._calls.forward(q_f, k_f, v_f, False, softmax_scale, window)
-        lse = _no_key_rows_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
+        lse = no_key_lse_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
         return _from_flash(out, head_dim), lse
 
     def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
@@ -221,7 +217,7 @@ class FlashAttnKernel:
         if _has_no_work(q, k):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         window = flash_window(q.shape[1], k.shape[1], band)
-        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
         q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout))
         dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [B, S, H(kv), Dp]
         lse_f = lse_for_backward(lse.float()).contiguous()  # [B, H, Sq]
@@ -237,11 +233,10 @@ class FlashAttnKernel:
         """True when the interface has ``_flash_attn_varlen_forward/backward`` (flash-attn 2.7+)."""
         return self._varlen is not None
 
-    @property
+    @functools.cached_property
     def _varlen(self) -> "VarlenCalls | None":
-        if not hasattr(self, "_varlen_calls"):
-            self._varlen_calls = VarlenCalls.of(self._calls.interface)
-        return self._varlen_calls
+        """The varlen calls, read from the interface on first use (None when it has none)."""
+        return VarlenCalls.of(self._calls.interface)
 
     def forward_varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
                        window: tuple[int, int], softmax_scale: float):
@@ -253,17 +248,17 @@ class FlashAttnKernel:
         for rows without keys).
         """
         _check_flash_inputs(q, self._require_cuda)
-        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
         q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [T, H(kv), Dp]
         out, lse = self._varlen.forward(q_f, k_f, v_f, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         softmax_scale, window)
-        return _from_flash(out, head_dim), _no_key_rows_to_neg_inf(packed_lse(lse, cu_seqlens_q).float())
+        return _from_flash(out, head_dim), no_key_lse_to_neg_inf(packed_lse(lse, cu_seqlens_q).float())
 
     def backward_varlen(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                         max_seqlen_k: int, window: tuple[int, int], softmax_scale: float):
         """Gradients of :meth:`forward_varlen`'s pieces given the final out [Tq, H, D] and lse [H, Tq]."""
         _check_flash_inputs(q, self._require_cuda)
-        head_dim, padded = q.shape[-1], _padded_head_dim(q.shape[-1])
+        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
         q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout))
         dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [T, H(kv), Dp]
         lse_f = lse_for_backward(lse.float()).contiguous()  # [H, Tq]

@@ -5,18 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybridsp.kernels.band import math_backward_band, math_forward_band
-from hybridsp.kernels.base import check_qkv
-
-
-def expand_kv_heads(x: torch.Tensor, num_q_heads: int) -> torch.Tensor:
-    """[B, S, Hkv, D] -> [B, S, H, D] by repeating each K/V head for its query group."""
-    return x.repeat_interleave(num_q_heads // x.shape[2], dim=2)  # [B, S, H, D]
-
-
-def reduce_kv_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[B, S, H, D] -> [B, S, Hkv, D] by summing the gradients of each query group."""
-    b, s, h, d = x.shape
-    return x.reshape(b, s, num_kv_heads, h // num_kv_heads, d).sum(dim=3)  # [B, S, Hkv, D]
+from hybridsp.kernels.base import AttentionKernel, check_qkv, expand_kv_heads
 
 
 def causal_band(causal: bool):
@@ -24,7 +13,7 @@ def causal_band(causal: bool):
     return (0, None) if causal else (None, None)
 
 
-class ReferenceKernel:
+class ReferenceKernel(AttentionKernel):
     """Attention written out in fp32 (fp64) einsums (see :mod:`hybridsp.kernels.base`): the band
     math of :mod:`hybridsp.kernels.band` with the causal (or empty) band."""
 

@@ -28,13 +28,22 @@ from hybridsp.kernels.band import (
     math_forward_band,
     rows_without_keys_to_neg_inf,
 )
-from hybridsp.kernels.base import accumulation_dtype, check_qkv, lse_for_backward, unit_stride
-from hybridsp.kernels.reference import expand_kv_heads, reduce_kv_heads
+from hybridsp.kernels.base import (
+    HALF_DTYPES,
+    AttentionKernel,
+    accumulation_dtype,
+    check_qkv,
+    expand_kv_heads,
+    lse_for_backward,
+    no_key_lse_to_neg_inf,
+    no_key_result,
+    padded_head_dim,
+    reduce_kv_heads,
+    unit_stride,
+)
 
 _aten = torch.ops.aten
-_HALF = (torch.float16, torch.bfloat16)
 CUDA_FLASH_MAX_HEAD_DIM = 256
-_HEAD_DIM_ALIGN = 8
 _EFFICIENT_LSE_ALIGN = 32
 
 
@@ -48,13 +57,9 @@ def cuda_variant(dtype: torch.dtype, head_dim: int) -> str:
             "PyTorch has no fused CUDA attention kernel for float64; use backend='reference' (exact fp64 math, "
             "O(S^2) memory per block) or cast q/k/v to float32/bfloat16"
         )
-    if dtype in _HALF and _padded_head_dim(head_dim) <= CUDA_FLASH_MAX_HEAD_DIM:
+    if dtype in HALF_DTYPES and padded_head_dim(head_dim) <= CUDA_FLASH_MAX_HEAD_DIM:
         return "flash"
     return "efficient"
-
-
-def _padded_head_dim(head_dim: int) -> int:
-    return -(-head_dim // _HEAD_DIM_ALIGN) * _HEAD_DIM_ALIGN
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -75,16 +80,7 @@ def _seq_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [B, S, H, D]
 
 
-def _no_key_rows_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
-    """The CUDA flash kernel reports a row that saw no key as lse +inf; make it -inf.
-
-    (The CPU kernel would say 0, but only for rows masked by an explicit mask, which this
-    module never passes; empty key blocks are answered by :func:`_empty_key_result`.)
-    """
-    return torch.where(torch.isposinf(lse), torch.full_like(lse, -torch.inf), lse)
-
-
-class TorchFusedKernel:
+class TorchFusedKernel(AttentionKernel):
     """Fused PyTorch kernels (see :mod:`hybridsp.kernels.base` for the protocol)."""
 
     name = "torch"
@@ -97,10 +93,10 @@ class TorchFusedKernel:
     def forward(self, q, k, v, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
         if k.shape[1] == 0 or q.shape[1] == 0:
-            return _empty_key_result(q)
+            return no_key_result(q)
         if q.is_cuda:
             return cuda_forward(q, k, v, causal, softmax_scale)
-        layout = heads_first_dense if q.dtype in _HALF else _heads_first  # bf16/fp16: Note [heads-first]
+        layout = heads_first_dense if q.dtype in HALF_DTYPES else _heads_first  # bf16/fp16: Note [heads-first]
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             layout(q), layout(k), layout(v), 0.0, causal, scale=softmax_scale
         )
@@ -122,7 +118,7 @@ class TorchFusedKernel:
         takes no mask)."""
         check_qkv(q, k, v, causal=False)
         if k.shape[1] == 0:
-            return _empty_key_result(q)
+            return no_key_result(q)
         if q.is_cuda:
             return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale)
         visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
@@ -145,7 +141,7 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     group's dK/dV in the input dtype, which triples their bf16 error; for fp16/bf16 with GQA
     the K/V heads are expanded and the group sum is done in fp32 instead."""
     hkv = k.shape[2]
-    low_precision = q.dtype in _HALF
+    low_precision = q.dtype in HALF_DTYPES
     low_precision_gqa = low_precision and hkv < q.shape[2]
     if low_precision_gqa:
         k, v = expand_kv_heads(k, q.shape[2]), expand_kv_heads(v, q.shape[2])  # [B, S, H, D]
@@ -166,12 +162,6 @@ def _sum_query_groups(grad: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return reduce_kv_heads(grad.to(accumulation_dtype(grad.dtype)), num_kv_heads).to(grad.dtype)
 
 
-def _empty_key_result(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """out = 0 [B, Sq, H, D] and lse = -inf [B, H, Sq] for a call with no keys at all."""
-    b, s, h, _ = q.shape
-    return torch.zeros_like(q), torch.full((b, h, s), -torch.inf, device=q.device, dtype=accumulation_dtype(q.dtype))
-
-
 def _pad_head_dim(x: torch.Tensor, padded: int) -> torch.Tensor:
     """[B, S, H, D] -> [B, S, H, padded] with zero columns (exact for q, k and v)."""
     return x if x.shape[-1] == padded else F.pad(x, (0, padded - x.shape[-1]))  # [B, S, H, Dp]
@@ -179,7 +169,7 @@ def _pad_head_dim(x: torch.Tensor, padded: int) -> torch.Tensor:
 
 def _cuda_inputs(q, k, v, *extra):
     """Expand K/V to the query heads and pad the head dim: each [B, H, S, Dp] heads-first."""
-    h, padded = q.shape[2], _padded_head_dim(q.shape[-1])
+    h, padded = q.shape[2], padded_head_dim(q.shape[-1])
     k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)  # [B, S, H, D]
     return [_heads_first(_pad_head_dim(x, padded)) for x in (q, k, v, *extra)]  # each [B, H, S, Dp]
 
@@ -193,7 +183,9 @@ def cuda_forward(q, k, v, causal, scale):
     else:
         result = _aten._scaled_dot_product_efficient_attention(qh, kh, vh, None, True, 0.0, causal, scale=scale)
     out, lse = result[0], result[1][..., :sq]  # [B, H, Sq, Dp], [B, H, Sq]
-    return _seq_first(out[..., :head_dim]), _no_key_rows_to_neg_inf(lse.float())
+    # the CUDA flash kernel reports a row that saw no key as lse +inf (Note [no key] in base); the CPU
+    # kernel would say 0, but only for rows masked by an explicit mask, which only band pieces pass
+    return _seq_first(out[..., :head_dim]), no_key_lse_to_neg_inf(lse.float())
 
 
 def cuda_backward(dout, q, k, v, out, lse, causal, scale):

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridsp.layout.documents import normalize_cu_seqlens  # noqa: F401  (re-exported: its historical home)
 from hybridsp.layout.layouts import TokenLayout, get_layout
 
 MIN_TILE = 64  # fewest query rows per window tile (smaller tiles cost more calls than they save)

@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from hybridsp.formulas import zigzag_slot_runs
+
 Runs = tuple[tuple[tuple[int, int], ...], ...]  # per slot: (global start, length) runs in slot order
 
 
@@ -96,8 +98,7 @@ class Zigzag(TokenLayout):
     name = "zigzag"
 
     def _runs(self, seq_len, ring, bounds):
-        chunk = seq_len // (2 * ring)
-        return tuple(((r * chunk, chunk), ((2 * ring - 1 - r) * chunk, chunk)) for r in range(ring))
+        return zigzag_slot_runs(seq_len, ring)
 
 
 class Contiguous(TokenLayout):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 from hybridsp.layout.balance.bound import kv_rows_lower_bound
-from hybridsp.layout.balance.tries import hull_rows, slot_work
+from hybridsp.layout.balance.work import hull_rows, slot_work
 from hybridsp.layout.layouts import get_layout
 
 

@@ -9,7 +9,7 @@ happens around it depends on whether the tensor group also shards the sequence
         --norm, copy_to_tensor (fwd identity, bwd all-reduce)--> column linears
         --> row linear: local matmul [B, S, h], reduce_from_tensor (fwd all-reduce, bwd identity)
     with SP:    x [B, S/T, h] (this tensor rank's tokens)
-        --norm, gather_tokens (fwd all-gather, bwd reduce-scatter)--> [B, S, h]
+        --norm, gather_sequence_shards (fwd all-gather, bwd reduce-scatter)--> [B, S, h]
         --> row linear: local matmul [B, S, h], scatter_tokens (fwd reduce-scatter, bwd all-gather)
             --> [B, S/T, h]
 
@@ -112,7 +112,7 @@ def reduce_from_tensor(x, group):
     return _ReduceFromTensor.apply(x, group)
 
 
-def gather_tokens(x, group):
+def gather_sequence_shards(x, group):
     """[B, S/T, h] -> [B, S, h]; backward reduce-scatters (the input of column-parallel linears under SP)."""
     return _TokenExchange.apply(x, group, _all_gather, _reduce_scatter)
 

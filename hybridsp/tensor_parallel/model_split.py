@@ -50,7 +50,7 @@ from hybridsp.tensor_parallel.layers import (
     RowParallelLinear,
     copy_to_tensor,
     gather_replicated_tokens,
-    gather_tokens,
+    gather_sequence_shards,
     shard_rows,
     split_tokens,
     sum_grad_over_tensor,
@@ -120,7 +120,7 @@ def _split_row(linear: nn.Linear, tensor: int, rank: int, group, sequence_parall
 
 def _enter_hook(group, sequence_parallel: bool):
     def hook(module, args, output):
-        return gather_tokens(output, group) if sequence_parallel else copy_to_tensor(output, group)
+        return gather_sequence_shards(output, group) if sequence_parallel else copy_to_tensor(output, group)
 
     return hook
 

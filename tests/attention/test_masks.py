@@ -19,7 +19,8 @@ from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels.band import band_mask, flash_window
 from hybridsp.kernels.flash import FlashAttnKernel
-from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
+from hybridsp.layout.block_plan import build_plan
+from hybridsp.layout.documents import normalize_cu_seqlens
 from hybridsp.layout.layouts import layout_permutation
 from hybridsp.testing import run_distributed
 from tests.helpers.flash_attn_standin import make_standin

@@ -1,3 +1,4 @@
-"""How K/V blocks reach the ring's ranks: ``p2p`` (``kv_comm="ring"``), ``allgather``
-(``kv_comm="allgather"``), ``exchange`` (batched point-to-point sends and their tags).
+"""How K/V blocks reach the ring's ranks, behind one protocol (:class:`~.base.Transport`, handing
+out :class:`~.base.Block` s): ``p2p`` (``kv_comm="ring"``), ``allgather`` (``kv_comm="allgather"``),
+``local`` (a ring of one), ``exchange`` (batched point-to-point sends and every tag they use).
 """

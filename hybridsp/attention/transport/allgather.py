@@ -29,14 +29,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from hybridsp.attention.ring_function import Block
-from hybridsp.attention.transport.exchange import PendingBlocks
+from hybridsp.attention.transport.base import Block, Transport
+from hybridsp.attention.transport.exchange import ALLGATHER_TAG, PendingBlocks
 from hybridsp.comm import CommCounter
-from hybridsp.formulas import default_kv_chunks
 from hybridsp.layout.block_plan import BlockPlan, Piece, cut_keys, merge_pieces
-
-ALLGATHER_TAG = 13  # point-to-point all-gather (hybridsp.attention.transport.exchange's K/V and dK/dV use 11 and 12)
-
 
 
 def _direct_gather(output: torch.Tensor, part: torch.Tensor, group) -> PendingBlocks:
@@ -68,22 +64,6 @@ def gather_chunk(output: torch.Tensor, part: torch.Tensor, group, direct: bool |
         return _direct_gather(output, part, group)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # per call: wrappers see it
     return gather(output, part, group=group, async_op=True)
-
-
-def check_kv_chunks(kv_chunks: int | None, local_len: int) -> None:
-    """Raise ValueError unless ``kv_chunks`` is None or a positive divisor of the local length."""
-    if kv_chunks is None:
-        return
-    if isinstance(kv_chunks, bool) or not isinstance(kv_chunks, int) or kv_chunks < 1 or local_len % kv_chunks:
-        raise ValueError(
-            f"kv_chunks must be a positive integer dividing the {local_len} local tokens per ring rank; "
-            f"got {kv_chunks!r}"
-        )
-
-
-def resolve_kv_chunks(kv_chunks: int | None, ring: int, local_len: int) -> int:
-    """The chunk count of one call: the given one, else :func:`default_kv_chunks`."""
-    return default_kv_chunks(ring, local_len) if kv_chunks is None else kv_chunks
 
 
 def chunk_pieces(plan: BlockPlan, rank: int, chunks: int) -> tuple[tuple[Piece, ...], ...]:
@@ -183,7 +163,7 @@ def _add_reduced(pending, dk_acc, dv_acc) -> None:
     dv_acc[:, rows] += summed[1]
 
 
-class AllGatherTransport:
+class AllGatherTransport(Transport):
     """K/V gathered in chunks; dK/dV returned by a reduce-scatter (Note [all-gather K/V])."""
 
     def __init__(self, call, k, v):
@@ -201,14 +181,14 @@ class AllGatherTransport:
         for j, pieces in enumerate(chunk_pieces(plan, rank, self._chunks)):
             gathered = gathers.take(j)
             if gathered is not None:
-                yield Block(pieces, gathered[0], gathered[1], tag=slice(j * self._rows, (j + 1) * self._rows))
+                yield Block(pieces, gathered[0], gathered[1], chunk_rows=slice(j * self._rows, (j + 1) * self._rows))
 
     def send_home(self, block: Block, grads, dk_acc, dv_acc) -> None:
         """Start the chunk's reduce-scatter (in the input dtype); add the previous chunk's sums."""
         self.finish(dk_acc, dv_acc)
         if grads is None:
             grads = [g.new_zeros(g.shape, dtype=dk_acc.dtype) for g in (block.k, block.v)]
-        self._pending = (*_post_reduce(self._group, grads[0], grads[1], self._k.dtype, self._counter), block.tag)
+        self._pending = (*_post_reduce(self._group, grads[0], grads[1], self._k.dtype, self._counter), block.chunk_rows)
 
     def finish(self, dk_acc, dv_acc) -> None:
         """Wait for the posted reduce-scatter and add its sums into the own-block accumulators."""

@@ -7,8 +7,10 @@ visible. Every rank derives the same plan, so the sends and receives match witho
 handshake. A block that the plan needs nowhere is never sent, which is what makes the
 bytes of a sliding window scale with the window instead of the sequence.
 
-Two exchanges that may run at the same time between the same pair of ranks (K/V of the next
-step, gradients of this one) use different tags.
+Every point-to-point tag of the package lives here. Two exchanges that may run at the same
+time between the same pair of ranks (K/V of the next step, gradients of this one) use different
+tags; the all-gather transport's direct gather (:mod:`hybridsp.attention.transport.allgather`,
+on gloo) has its own.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch.distributed as dist
 
 from hybridsp.comm import CommCounter, tensor_bytes
 
-KV_TAG, GRAD_TAG = 11, 12
+KV_TAG = 11  # p2p ring: the K/V rows of a step
+GRAD_TAG = 12  # p2p ring: a visited block's dK/dV going home
+ALLGATHER_TAG = 13  # all-gather transport: a chunk gathered by direct sends
 
 
 class PendingBlocks:

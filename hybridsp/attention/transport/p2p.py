@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from hybridsp.attention.ring_function import Block
+from hybridsp.attention.transport.base import Block, Transport
 from hybridsp.attention.transport.exchange import GRAD_TAG, KV_TAG, post
 
 
@@ -33,7 +33,7 @@ def _receive_like(tensors, rows: int) -> list:
     return [((t.shape[0], rows, *t.shape[2:]), t.dtype) for t in tensors]
 
 
-class P2PTransport:
+class P2PTransport(Transport):
     """K/V rows straight to the ranks that read them; dK/dV straight home (Note [p2p ring])."""
 
     def __init__(self, call, k, v):
@@ -64,12 +64,12 @@ class P2PTransport:
             pending = self._post_kv(step + 1) if step + 1 < size else None
             hull = plan.hulls[(rank, source)]
             k_rows, v_rows = received if received is not None else (None, None)
-            yield Block(plan.pieces[(rank, source)], k_rows, v_rows, 0 if hull is None else hull[0], tag=step)
+            yield Block(plan.pieces[(rank, source)], k_rows, v_rows, 0 if hull is None else hull[0], step=step)
 
     def send_home(self, block: Block, grads, dk_acc, dv_acc) -> None:
         """Send this step's partial (dk, dv) home to ``rank - step`` in the input dtype; receive the
         own-block partials of ``rank + step``; add the previous step's arrivals into the accumulators."""
-        size, rank, step = self._plan.ring, self._rank, block.tag
+        size, rank, step = self._plan.ring, self._rank, block.step
         home, visitor = (rank - step) % size, (rank + step) % size
         recv_hull = self._plan.hulls[(visitor, rank)]
         sends = [] if grads is None else [grads[0].to(self._k.dtype), grads[1].to(self._v.dtype)]

@@ -1,5 +1,5 @@
-"""The local-search parts of the balanced layout (:mod:`hybridsp.layout.balance.tries`): the contiguous balancer
-with its run-moving repair, and the split-as-needed try.
+"""The balancers and searches of the balanced layout (:mod:`hybridsp.layout.balance.tries`): the contiguous
+balancer with its run-moving repair, the nested balancer (:func:`place_nested`), and the split-as-needed try.
 
 Pure Python (no torch); the work model is :mod:`hybridsp.layout.balance.work`.
 
@@ -22,7 +22,15 @@ import heapq
 import math
 from bisect import bisect_right
 
-from hybridsp.layout.balance.work import DEFAULT_UNIT_SHARE, DEFAULT_UNIT_WORK, Slot, group_units, piece_work, run_work
+from hybridsp.layout.balance.work import (
+    DEFAULT_UNIT_SHARE,
+    DEFAULT_UNIT_WORK,
+    Slot,
+    group_units,
+    piece_work,
+    prefix_work,
+    run_work,
+)
 
 REPAIR_CANDIDATES = 6
 REPAIR_SLACK = 0.015
@@ -209,3 +217,38 @@ def repair(slots, start: int, n: int, mean_work: float, capacity: int, window, b
     for i, s in enumerate(slots):
         s.work, s.tokens = work[i], tokens[i]
     return order
+
+
+def place_nested(slots, start: int, n: int, mean_work: float, capacity: int, window) -> None:
+    """The largest document fills every slot's free tokens, head + tail pieces nested from the
+    outside in, each slot's head size bisected so its work hits ``mean_work``."""
+    rho = prefix_work(n, window) / n
+    need = [(capacity - s.tokens, mean_work - s.work, s) for s in slots]
+    # the slot whose target is farthest from the average work per token takes the widest range
+    need.sort(key=lambda t: -abs(t[1] - rho * t[0]) / max(t[0], 1))
+    lo, hi = 0, n
+    for free, target, slot in need:
+        head = _best_head(lo, hi, free, target, window)
+        slot.take(start + lo, head, piece_work(lo, lo + head, window))
+        tail = free - head
+        slot.take(start + hi - tail, tail, piece_work(hi - tail, hi, window))
+        lo, hi = lo + head, hi - tail
+
+
+def _best_head(lo: int, hi: int, free: int, target: float, window) -> int:
+    """Head size h in [0, free] whose head [lo, lo+h) + tail [hi-free+h, hi) work is closest to
+    ``target`` (that work does not increase with h: bisection)."""
+
+    def work(h: int) -> int:
+        return piece_work(lo, lo + h, window) + piece_work(hi - free + h, hi, window)
+
+    left, right = 0, free  # smallest h with work(h) <= target, or free
+    while left < right:
+        mid = (left + right) // 2
+        if work(mid) <= target:
+            right = mid
+        else:
+            left = mid + 1
+    if left > 0 and abs(work(left - 1) - target) <= abs(work(left) - target):
+        return left - 1
+    return left

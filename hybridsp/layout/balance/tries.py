@@ -61,34 +61,33 @@ come whole documents first, then shared pieces (Note [run order] in
 documents at S = 65,536, R = 4: ~9 ms CPU (two tries), a lognormal pack of S = 16,384 at R = 8
 (28 tries): ~27 ms, R = 4: ~20 ms.
 
-Layout of the code: this module has the public entry points, the tries and the nested try's
-placement; :mod:`hybridsp.layout.balance.bound` the lower bound on rows shipped;
-:mod:`hybridsp.layout.balance.work` the work model and bookkeeping (``slot_work`` and
-``hull_rows`` are re-exported here); :mod:`hybridsp.layout.balance.search` the contiguous balancer's
-local search and the split-as-needed try.
+Layout of the code: this module has the public entry points and the tries (small strategy
+objects, :data:`TRIES`); :mod:`hybridsp.layout.balance.bound` the lower bound on rows shipped;
+:mod:`hybridsp.layout.balance.work` the work model and bookkeeping (``slot_work``, ``hull_rows``);
+:mod:`hybridsp.formulas` the zigzag runs (``zigzag_slot_runs``); :mod:`hybridsp.layout.balance.search` the
+balancers' placement (nested, and contiguous with its local search) and the split-as-needed try.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from hybridsp.layout.balance.search import build_greedy, place_contiguous, repair
+from hybridsp.formulas import zigzag_slot_runs
+from hybridsp.layout.balance.search import build_greedy, place_contiguous, place_nested, repair
 from hybridsp.layout.balance.work import (
     DEFAULT_UNIT_SHARE,
     DEFAULT_UNIT_WORK,
     Runs,
     Slot,
     check_bounds,
-    check_sizes,
     documents,
     finish_runs,
     group_units,
     hull_rows,
     piece_work,
-    prefix_work,
     run_work,
     shortest_with_work,
-    slot_work,  # noqa: F401  (re-exported: its historical home)
 )
 
 DEFAULT_SPLIT_SHARE = math.inf
@@ -96,28 +95,78 @@ DEFAULT_SPLIT_LENGTH = 1.0
 DEFAULT_RESERVE = 0.75
 SPLITS = ((math.inf, 0.75), (math.inf, 0.5), (0.5, 0.75), (0.5, 0.5), (0.35, 0.75), (0.35, 0.5),
            (0.35, 1.0), (0.25, 0.5), (0.15, 0.5), (0.1, 0.25))
-# the tries of balanced_slot_runs, (balancer, split_share, reserve) or ("greedy", split_min, 0):
-# nested / contiguous balancer for every (split_share, reserve) of SPLITS, interleaved, fewest
-# split documents first, and two split-as-needed tries
-TRIES = tuple(t for (share, reserve) in SPLITS[:2] for t in (("contiguous", share, reserve),
-                                                              ("nested", share, reserve)))
-TRIES += (("greedy", 0.5, 0.0), ("greedy", 1.0, 0.0))
-TRIES += tuple(t for (share, reserve) in SPLITS[2:] for t in (("contiguous", share, reserve),
-                                                               ("nested", share, reserve)))
-# contiguous balancer hosted by fewer slots (Note [hosts]): ("hosts", how many, reserve), the
-# count 1, R // 2 or R - 1 (fractions 0, 0.5, 1 of the way from 1 to R - 1)
-TRIES += tuple(("hosts", part, reserve) for part in (0.0, 0.5, 1.0) for reserve in (0.5, 1.0))
+
+
+@dataclass(frozen=True)
+class SearchBudgets:
+    """The local-search budgets of one :func:`balanced_slot_runs` call, each a one-element list that
+    the tries spend in place: ``shared`` by the contiguous tries, ``hosted`` by the hosted ones."""
+
+    shared: list[int]
+    hosted: list[int]
+
+
+@dataclass(frozen=True)
+class BalancerTry:
+    """Documents with work >= ``split_share`` x W* split, whole units placed keeping ``reserve`` of
+    the largest document's even share free, then the largest as the balancer: ``contiguous`` pieces
+    (local search) or nested head and tail pieces (Note [balanced layout])."""
+
+    split_share: float
+    reserve: float
+    contiguous: bool
+
+    def duplicate_key(self, ring: int) -> None:
+        return None  # no two balancer tries coincide
+
+    def slots(self, docs, seq_len: int, ring: int, window, budgets: SearchBudgets) -> list[Slot]:
+        return _build(docs, seq_len, ring, window, split_share=self.split_share, reserve=self.reserve,
+                      contiguous=self.contiguous, budget=budgets.shared)
+
+
+@dataclass(frozen=True)
+class GreedyTry:
+    """Split as needed (:func:`hybridsp.layout.balance.search.build_greedy`) with ``split_min``."""
+
+    split_min: float
+
+    def duplicate_key(self, ring: int) -> None:
+        return None
+
+    def slots(self, docs, seq_len: int, ring: int, window, budgets: SearchBudgets) -> list[Slot]:
+        return build_greedy(docs, seq_len, ring, window, split_min=self.split_min)
+
+
+@dataclass(frozen=True)
+class HostedTry:
+    """The contiguous balancer hosted by :func:`host_count` slots (``part`` of the way from 1 to
+    R - 1), nothing split beforehand, ``reserve`` as in :class:`BalancerTry` (Note [hosts])."""
+
+    part: float
+    reserve: float
+
+    def duplicate_key(self, ring: int) -> tuple[int, float]:
+        return host_count(self.part, ring), self.reserve  # at small R the counts coincide
+
+    def slots(self, docs, seq_len: int, ring: int, window, budgets: SearchBudgets) -> list[Slot]:
+        return _build(docs, seq_len, ring, window, split_share=math.inf, reserve=self.reserve,
+                      contiguous=True, budget=budgets.hosted, hosts=host_count(self.part, ring))
+
+
+# the tries of balanced_slot_runs, in order: the contiguous and the nested balancer for every
+# (split_share, reserve) of SPLITS, interleaved, fewest split documents first, the two
+# split-as-needed tries after the first two SPLITS; then the hosted tries (host count 1, R // 2
+# or R - 1: fractions 0, 0.5, 1 of the way from 1 to R - 1)
+TRIES = tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[:2]
+              for contiguous in (True, False))
+TRIES += (GreedyTry(0.5), GreedyTry(1.0))
+TRIES += tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[2:]
+               for contiguous in (True, False))
+TRIES += tuple(HostedTry(part, reserve) for part in (0.0, 0.5, 1.0) for reserve in (0.5, 1.0))
 ACCEPT = 1.03  # a try counts as balanced when its busiest slot has at most this x the mean work
 REPAIR_EVALS = 3000  # layouts the contiguous tries of one call may evaluate in all (at most)
 REPAIR_DOCUMENTS = 100_000  # ... and at most this / the number of documents
 TRY_DOCUMENTS = 4000  # tries stop once they have handled this many documents (at least 2 tries)
-
-
-def zigzag_slot_runs(seq_len: int, ring: int) -> tuple[Runs, ...]:
-    """Slot r holds chunks r and 2R-1-r of 2R equal chunks: ((r c, c), ((2R-1-r) c, c)), c = S / 2R."""
-    check_sizes(seq_len, ring)
-    chunk = seq_len // (2 * ring)
-    return tuple(((r * chunk, chunk), ((2 * ring - 1 - r) * chunk, chunk)) for r in range(ring))
 
 
 def balanced_slot_runs(
@@ -137,22 +186,16 @@ def balanced_slot_runs(
         return zigzag_slot_runs(seq_len, ring)
     docs = documents(bounds, window)
     best_key, best = None, None
-    budget = [min(REPAIR_EVALS, REPAIR_DOCUMENTS // len(docs[1]))]
-    hosts_budget = list(budget)  # the hosted tries come last: a local-search budget of their own
+    budget = min(REPAIR_EVALS, REPAIR_DOCUMENTS // len(docs[1]))
+    budgets = SearchBudgets([budget], [budget])  # the hosted tries come last: a budget of their own
     seen = set()
-    for kind, share, reserve in TRIES[:max(2, TRY_DOCUMENTS // len(docs[1]))]:
-        if kind == "greedy":
-            slots = build_greedy(docs, seq_len, ring, window, split_min=share)
-        elif kind == "hosts":
-            hosts = host_count(share, ring)
-            if (hosts, reserve) in seen:  # at small R the counts coincide
+    for strategy in TRIES[:max(2, TRY_DOCUMENTS // len(docs[1]))]:
+        duplicate = strategy.duplicate_key(ring)
+        if duplicate is not None:
+            if duplicate in seen:
                 continue
-            seen.add((hosts, reserve))
-            slots = _build(docs, seq_len, ring, window, split_share=math.inf, reserve=reserve,
-                           contiguous=True, budget=hosts_budget, hosts=hosts)
-        else:
-            slots = _build(docs, seq_len, ring, window, split_share=share, reserve=reserve,
-                           contiguous=kind == "contiguous", budget=budget)
+            seen.add(duplicate)
+        slots = strategy.slots(docs, seq_len, ring, window, budgets)
         works = [slot.work for slot in slots]
         ratio = max(works) * ring / sum(works)
         runs = finish_runs(slots, bounds)
@@ -239,7 +282,7 @@ def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve
                         [0] if budget is None else budget)
         place_contiguous(slots, order, bounds[largest], mean_work, capacity, window)
     elif balancer:
-        _place_balancer(slots, bounds[largest], lengths[largest], mean_work, capacity, window)
+        place_nested(slots, bounds[largest], lengths[largest], mean_work, capacity, window)
     return slots
 
 
@@ -341,38 +384,3 @@ def _cut_unit(slots, bounds, start: int, n: int, rooms: list, capacity: int, win
             if take > 0:
                 slot.take(start, take, run_work(start, take, bounds, window))
                 start, n = start + take, n - take
-
-
-def _place_balancer(slots, start: int, n: int, mean_work: float, capacity: int, window) -> None:
-    """The largest document fills every slot's free tokens, head + tail pieces nested from the
-    outside in, each slot's head size bisected so its work hits ``mean_work``."""
-    rho = prefix_work(n, window) / n
-    need = [(capacity - s.tokens, mean_work - s.work, s) for s in slots]
-    # the slot whose target is farthest from the average work per token takes the widest range
-    need.sort(key=lambda t: -abs(t[1] - rho * t[0]) / max(t[0], 1))
-    lo, hi = 0, n
-    for free, target, slot in need:
-        head = _best_head(lo, hi, free, target, window)
-        slot.take(start + lo, head, piece_work(lo, lo + head, window))
-        tail = free - head
-        slot.take(start + hi - tail, tail, piece_work(hi - tail, hi, window))
-        lo, hi = lo + head, hi - tail
-
-
-def _best_head(lo: int, hi: int, free: int, target: float, window) -> int:
-    """Head size h in [0, free] whose head [lo, lo+h) + tail [hi-free+h, hi) work is closest to
-    ``target`` (that work does not increase with h: bisection)."""
-
-    def work(h: int) -> int:
-        return piece_work(lo, lo + h, window) + piece_work(hi - free + h, hi, window)
-
-    left, right = 0, free  # smallest h with work(h) <= target, or free
-    while left < right:
-        mid = (left + right) // 2
-        if work(mid) <= target:
-            right = mid
-        else:
-            left = mid + 1
-    if left > 0 and abs(work(left - 1) - target) <= abs(work(left) - target):
-        return left - 1
-    return left

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from hybridsp import CommCounter, hybrid_attn_func, init_mesh, shard_batch, shard_sequence
-from hybridsp.attention.transport.allgather import chunk_pieces, default_kv_chunks
-from hybridsp.attention.volume import hybrid_bytes, ring_rows
+from hybridsp.attention.transport.allgather import chunk_pieces
+from hybridsp.attention.volume import hybrid_bytes
 from hybridsp.batch import padded_length
-from hybridsp.layout.block_plan import build_plan, normalize_cu_seqlens
+from hybridsp.formulas import default_kv_chunks, ring_rows
+from hybridsp.layout.block_plan import build_plan
+from hybridsp.layout.documents import normalize_cu_seqlens
 from hybridsp.layout.layouts import layout_permutation
 from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 from hybridsp.testing import run_distributed

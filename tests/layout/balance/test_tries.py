@@ -14,10 +14,12 @@ import sys
 
 import pytest
 
+from hybridsp.formulas import zigzag_slot_runs
 from hybridsp.layout.balance import search as balance_search
 from hybridsp.layout.balance import tries as balance
 from hybridsp.layout.balance import work as balance_work
-from hybridsp.layout.balance.tries import balanced_slot_runs, design_slot_runs, slot_work, zigzag_slot_runs
+from hybridsp.layout.balance.tries import balanced_slot_runs, design_slot_runs
+from hybridsp.layout.balance.work import slot_work
 from tests.helpers.packs import lognormal_pack
 
 FILES = {module.__file__ for module in (balance, balance_search, balance_work)}  # the layout's code, traced

@@ -1,0 +1,135 @@
+"""Which kernel object runs a call: backend names resolved, user objects completed, inputs checked.
+
+``get_kernel(name, device=..., dtype=...)`` returns one of:
+    ``"torch"``      PyTorch's fused flash kernels (CPU and CUDA), the CPU workhorse;
+    ``"flash"``      flash-attn 2.x on CUDA (imported only when chosen);
+    ``"reference"``  plain fp32 math, ground truth for tests;
+    ``"auto"``       :func:`choose_backend`: flash-attn on CUDA for fp16/bf16 and head dims up to
+                     256 when it is installed; else torch (whose CUDA path picks the aten flash or
+                     memory-efficient kernel by dtype and head dim); reference for fp64 on CUDA.
+An object that already has ``forward``/``backward`` is returned unchanged.
+:func:`resolve_kernel` resolves, completes the object to the whole protocol
+(:func:`complete_kernel`) and checks that the kernel supports the inputs (ValueError otherwise):
+call it before any communication.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+from hybridsp.kernels.base import HALF_DTYPES, AttentionKernel, padded_head_dim
+from hybridsp.kernels.reference import ReferenceKernel
+from hybridsp.kernels.torch_fused import TorchFusedKernel
+
+FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's limit (hybridsp.kernels.flash.MAX_HEAD_DIM), without importing it
+
+BACKEND_NAMES = ("auto", "torch", "flash", "reference")
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_installed() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def get_kernel(
+    backend: str | AttentionKernel = "auto",
+    *,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+) -> AttentionKernel:
+    """Resolve a backend name (or pass through a kernel object) for tensors on ``device``."""
+    if not isinstance(backend, str):
+        return backend
+    if backend not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if backend == "auto":
+        device_type = torch.device(device).type if device is not None else "cpu"
+        backend = choose_backend(device_type, dtype, head_dim, flash_installed=_flash_attn_installed())
+    return _kernel_named(backend)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_named(backend: str) -> AttentionKernel:
+    """One stateless kernel object per backend and process (flash's reads flash-attn's signatures once)."""
+    if backend == "torch":
+        return TorchFusedKernel()
+    if backend == "reference":
+        return ReferenceKernel()
+    from hybridsp.kernels.flash import FlashAttnKernel  # lazy: imports flash_attn
+
+    return FlashAttnKernel()
+
+
+def choose_backend(device_type: str, dtype: torch.dtype | None, head_dim: int | None, *, flash_installed: bool) -> str:
+    """What ``backend="auto"`` runs for inputs of ``dtype`` and ``head_dim`` on ``device_type``.
+
+    CUDA: ``flash`` (flash-attn) for fp16/bf16 with head dims up to 256 when installed; else
+    ``torch`` (aten flash for fp16/bf16, memory-efficient for fp32 or large head dims);
+    ``reference`` for fp64, which no fused CUDA kernel supports. Elsewhere: ``torch``
+    (the CPU kernel handles every float dtype and head dim). No CUDA call: unit-testable on CPU.
+    """
+    if device_type != "cuda":
+        return "torch"
+    if dtype == torch.float64:
+        return "reference"
+    half = dtype in HALF_DTYPES
+    fits_flash = head_dim is None or padded_head_dim(head_dim) <= FLASH_ATTN_MAX_HEAD_DIM
+    return "flash" if half and fits_flash and flash_installed else "torch"
+
+
+class CompletedKernel(AttentionKernel):
+    """A user's kernel object that does not subclass :class:`AttentionKernel`, completed to the
+    whole protocol: each member the object has is its own, each it lacks the documented default
+    (no extra input check, band pieces by the reference kernel's fp32 math, no varlen calls).
+
+    The object's members are looked up when called, so an object that only checks inputs still
+    raises its own ValueError first.
+    """
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.name = getattr(inner, "name", type(inner).__name__)
+        self.supports_varlen = bool(getattr(inner, "supports_varlen", False))
+        band_kernel = inner if hasattr(inner, "forward_band") else _kernel_named("reference")
+        self._band_kernel = band_kernel
+
+    def check_inputs(self, q):
+        check = getattr(self.inner, "check_inputs", None)
+        return None if check is None else check(q)
+
+    def forward(self, q, k, v, *, causal, softmax_scale):
+        return self.inner.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
+        return self.inner.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
+
+    def forward_band(self, q, k, v, *, band, softmax_scale):
+        return self._band_kernel.forward_band(q, k, v, band=band, softmax_scale=softmax_scale)
+
+    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale):
+        return self._band_kernel.backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
+
+    def forward_varlen(self, q, k, v, **kwargs):
+        return self.inner.forward_varlen(q, k, v, **kwargs)
+
+    def backward_varlen(self, dout, q, k, v, out, lse, **kwargs):
+        return self.inner.backward_varlen(dout, q, k, v, out, lse, **kwargs)
+
+
+def complete_kernel(kernel) -> AttentionKernel:
+    """``kernel`` when it declares the protocol (subclasses :class:`AttentionKernel`, as every
+    backend does), else a :class:`CompletedKernel` around it: the one place where a kernel's
+    members are discovered rather than called."""
+    return kernel if AttentionKernel in type(kernel).__mro__ else CompletedKernel(kernel)
+
+
+def resolve_kernel(backend: str | AttentionKernel, q: torch.Tensor) -> AttentionKernel:
+    """The kernel for ``q``'s device/dtype/head dim, complete (:func:`complete_kernel`) and checked to
+    support them (ValueError, no communication)."""
+    kernel = complete_kernel(get_kernel(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1]))
+    kernel.check_inputs(q)
+    return kernel
