@@ -73,7 +73,7 @@ def end_rank_on_error():
         yield
     except (SystemExit, KeyboardInterrupt):
         raise
-    except BaseException:  # noqa: BLE001 - any failure ends this rank now
+    except BaseException:  # any failure ends this rank now
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()

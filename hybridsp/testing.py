@@ -43,7 +43,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
                                 timeout=datetime.timedelta(seconds=300))
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
+    except BaseException:  # report everything to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():

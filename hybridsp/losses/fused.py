@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size  # noqa: F401  (re-exported)
+from hybridsp.formulas import default_chunk_size
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
 from hybridsp.losses.token_tail import guard_labels, token_weighted_share
 from hybridsp.memory.zero_gather import gathered

@@ -173,7 +173,9 @@ def _fits(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: Me
 def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig, step: int,
                  memory_of=memory_use) -> int:
     """Largest multiple of ``step`` that fits with ``config`` (memory grows with S), or 0."""
-    fits = lambda k: _fits(model, replace(workload, seq_len=k * step), cluster, config, memory_of)  # noqa: E731
+    def fits(k: int) -> bool:
+        return _fits(model, replace(workload, seq_len=k * step), cluster, config, memory_of)
+
     if not fits(1):
         return 0
     low, high = 1, 2

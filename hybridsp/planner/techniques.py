@@ -19,7 +19,7 @@ class Techniques:
 
     fused_loss: ``hybridsp.fused_cross_entropy`` (LM head + loss over chunks of ``loss_chunk``
         tokens; None: the library's default ``ceil(T h / V)``, at most 64 MiB of fp32 logits,
-        ``hybridsp.losses.fused.default_chunk_size``; the ``[T, V]`` logits never exist).
+        ``hybridsp.formulas.default_chunk_size``; the ``[T, V]`` logits never exist).
         tiled_mlp: each MLP runs over tiles of ``mlp_tile`` tokens (None: the hidden size,
         Arctic/ALST's rule) with recomputation.
     activation_offload: with activation checkpointing, the checkpointed layers' inputs live in

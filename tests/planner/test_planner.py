@@ -259,7 +259,7 @@ def test_tiled_mlp_and_fused_loss_terms():
 
 
 def test_fused_loss_chunk_follows_the_library_default():
-    from hybridsp.losses.fused import CHUNK_LOGITS_BYTES, default_chunk_size
+    from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size
     from hybridsp.planner import Techniques
     from hybridsp.planner.memory import FUSED_CHUNK_LOGITS_BYTES, fused_loss_chunk
 
