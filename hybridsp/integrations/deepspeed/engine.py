@@ -1,16 +1,8 @@
 """DeepSpeed ZeRO (stages 0-3) composed with hybrid sequence parallelism, set up from the JSON config.
 
-    import hybridsp
-    from hybridsp.integrations import deepspeed as hds
-
-    engine, optimizer, mesh, undo = hds.initialize(model, "ds_configs/cp8.json", optimizer=opt)
-    for full_batch in loader:                          # the same full batch on every context rank
-        local = hybridsp.shard_batch(full_batch, mesh)
-        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                        use_cache=False).logits
-        loss = hybridsp.sharded_cross_entropy(logits, local["shift_labels"], mesh)
-        engine.backward(loss)
-        engine.step()
+The engine side of :func:`hybridsp.integrations.deepspeed.initialize` (usage: the package face): the
+mpu, the mesh, the engine's ``initialize`` (which takes the caller's attention switch) and the
+gradient scale.
 
 The ``"hybridsp"`` config section, its checks and DeepSpeed's config clean-up (Note [keys we
 own], Note [auto precision]) live in :mod:`hybridsp.integrations.deepspeed.config`.
