@@ -52,13 +52,34 @@ def load_ds_config(path: str) -> dict:
 
 
 def model_heads(args) -> int:
-    """Query heads of the model the run will build (its config.json for --model-path)."""
+    """Query heads of the model the run will build (its config.json for --model-path, whose model
+    type must be one the hybrid attention switch takes)."""
     if not args.model_path:
         return args.heads
     config = Path(args.model_path) / "config.json"
     if not config.is_file():
         raise RunConfigError(f"--model-path {args.model_path} has no config.json")
-    return int(json.loads(config.read_text())["num_attention_heads"])
+    try:
+        fields = json.loads(config.read_text())
+    except json.JSONDecodeError as error:
+        raise RunConfigError(f"--model-path {args.model_path}: config.json is not valid JSON ({error.msg} at line "
+                             f"{error.lineno})") from None
+    check_model_type(args.model_path, fields.get("model_type"))
+    heads = fields.get("num_attention_heads", fields.get("text_config", {}).get("num_attention_heads"))
+    if not isinstance(heads, int):
+        raise RunConfigError(f"--model-path {args.model_path}: config.json has no num_attention_heads")
+    return heads
+
+
+def check_model_type(path: str, model_type) -> None:
+    """RunConfigError unless the hybrid attention switch supports ``model_type`` (GPT-2, GPT-NeoX, ... are refused)."""
+    from hybridsp.integrations.transformers.switch import SUPPORTED_MODEL_TYPES
+    from hybridsp.integrations.transformers.vision.model import VLM_MODEL_TYPES
+
+    supported = (*SUPPORTED_MODEL_TYPES, *VLM_MODEL_TYPES)
+    if model_type not in supported:
+        raise RunConfigError(f"--model-path {path} is a {model_type!r} model; hybridsp's attention switch takes "
+                             f"{', '.join(supported)} (docs/hf-trainer.md)")
 
 
 def default_save_dir(config_path: str, ulysses: int, ring: int, tensor: int = 1) -> Path:
