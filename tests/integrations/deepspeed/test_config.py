@@ -37,7 +37,7 @@ def test_shipped_configs_parse_and_deepspeed_accepts_the_cleaned_dict(path):
     raw = load_config(path)
     assert raw["bf16"]["enabled"] == "auto"  # hybridsp (or the Trainer) picks the precision for the device
     if path.parent.name == "trainer":  # "auto" values: the HF Trainer fills them before anything else reads them
-        from tests.integrations.transformers.test_trainer_configs import filled_by_trainer
+        from tests.helpers.trainer_configs import filled_by_trainer
 
         raw = filled_by_trainer(path)
     snapshot = json.loads(json.dumps(raw))

@@ -5,40 +5,13 @@ that disagrees with them; the fixed ds_configs/cp*.json do disagree with anythin
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from tests.helpers.paths import ROOT
+from tests.helpers.trainer_configs import ARGUMENTS, filled_by_trainer, processed
 
 TRAINER_CONFIGS = sorted((ROOT / "ds_configs" / "trainer").glob("*.json"))
-ARGUMENTS = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, learning_rate=1e-4,
-                 max_grad_norm=0.5, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-6, weight_decay=0.01)
-
-
-def _processed(config: dict | Path, tmp: Path, **arguments):
-    """transformers' own DeepSpeed-config processing for a Trainer (what HybridSPTrainer reads afterwards):
-    ``trainer_config_process`` at TrainingArguments time, ``trainer_config_finalize`` once the model is known."""
-    from types import SimpleNamespace
-
-    from transformers import TrainingArguments
-    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
-
-    args = TrainingArguments(output_dir=str(tmp), use_cpu=True, report_to=[], **arguments)
-    processed = HfTrainerDeepSpeedConfig(json.loads(Path(config).read_text()) if isinstance(config, Path) else config)
-    processed.trainer_config_process(args)
-    processed.trainer_config_finalize(args, SimpleNamespace(config=SimpleNamespace(hidden_size=64)), 10)
-    return processed.config
-
-
-def filled_by_trainer(path: Path, tmp: Path | None = None) -> dict:
-    """``path`` as the Trainer hands it on, with ARGUMENTS (shared with tests/integrations/deepspeed/test_config.py)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as scratch:
-        return _processed(path, Path(tmp or scratch), **ARGUMENTS)
-
-
 def _autos(node, prefix="") -> list[str]:
     if isinstance(node, dict):
         return [key for k, v in node.items() for key in _autos(v, f"{prefix}{k}.")]
@@ -68,4 +41,4 @@ def test_auto_configs_take_the_training_arguments_without_a_mismatch(path, tmp_p
 
 def test_the_fixed_configs_fail_with_the_mismatch_error_the_auto_ones_avoid(tmp_path):
     with pytest.raises(ValueError, match="mismatch TrainingArguments"):
-        _processed(ROOT / "ds_configs" / "cp4.json", tmp_path, **ARGUMENTS)
+        processed(ROOT / "ds_configs" / "cp4.json", tmp_path, **ARGUMENTS)
