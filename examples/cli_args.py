@@ -36,6 +36,13 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def add_overwrite_argument(parser: argparse.ArgumentParser) -> None:
+    """``--overwrite``: a run directory that already holds metrics or checkpoints is refused without it."""
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write over a run directory that already holds metrics or checkpoints (without it such a "
+                             "directory is refused; --resume continues it instead)")
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model-path``, ``--data``, ``--tokenizer`` and the built-in model's shape."""
     parser.add_argument("--model-path", help="a local Hugging Face causal LM (default: a small Llama from a config); "

@@ -11,14 +11,15 @@ files). The model is ``examples/train.py``'s small Llama (its ``--seed``, ``--hi
 model (``--model-path``). The prefill runs sequence-parallel through the hybrid attention,
 every decode step attends to the sharded cache and merges by log-sum-exp
 (``hybridsp.integrations.transformers.generation``). Rank 0 prints the continuation, prefill and
-decode tokens/s, and every rank's peak memory and K/V cache size.
+decode tokens/s, and every rank's peak memory and K/V cache size; during the prefill it prints a
+line per finished layer. The process group is :func:`hybridsp.mesh.process_group.init_process_group`'s
+(a world of one without a launcher, the gloo interface for multi-host runs, ``--collective-timeout``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_model_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from preflight import RunConfigError, argument_problems, exit_once  # noqa: E402
+from progress import layer_progress  # noqa: E402
 from train import build_model, load_windows, peak_memory_bytes  # noqa: E402
 
 
@@ -50,23 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="auto", help="attention kernel: auto, torch, flash, reference")
     parser.add_argument("--seed", type=int, default=0, help="model init, prompt window and sampling seed")
     parser.add_argument("--checkpoint", help="a DeepSpeed checkpoint folder saved by train.py (--save-dir)")
+    parser.add_argument("--collective-timeout", type=float, default=300.0,
+                        help="seconds a collective may wait before the rank fails (default 300)")
     add_model_arguments(parser)
     args = parser.parse_args(argv)
     args.seq_len, args.activation_checkpointing = args.prompt_len + args.new_tokens, False  # for build_model
     return args
-
-
-def init_distributed() -> torch.device:
-    """gloo on CPU / nccl on GPU from the launcher's environment; a world of one without a launcher."""
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
-    return device
 
 
 def load_model(args: argparse.Namespace, vocab_size: int, device: torch.device) -> torch.nn.Module:
@@ -126,7 +117,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Prefill and decode; rank 0 reports."""
-    device = init_distributed()
+    from hybridsp.mesh.process_group import init_process_group
+
+    device = init_process_group(args.collective_timeout)  # a world of one without a launcher
     import hybridsp
     from hybridsp.integrations.transformers import apply, generate, tensor_parallel
 
@@ -145,10 +138,11 @@ def run(args: argparse.Namespace) -> None:
     except ValueError as error:  # e.g. heads the Ulysses degree does not divide: the same on every rank
         raise RunConfigError(str(error)) from None
     dist.barrier()
-    clock = Clock()
-    ids = generate(model, prompt, mesh=mesh, max_new_tokens=args.new_tokens, do_sample=args.sample,
-                   temperature=args.temperature, top_p=args.top_p, streamer=clock,
-                   generator=torch.Generator(device=device).manual_seed(args.seed))
+    with layer_progress(model, f"prefill {args.batch} x {args.prompt_len:,} tokens", enabled=mesh.rank == 0):
+        clock = Clock()  # the layer lines stop after the prefill's last layer
+        ids = generate(model, prompt, mesh=mesh, max_new_tokens=args.new_tokens, do_sample=args.sample,
+                       temperature=args.temperature, top_p=args.top_p, streamer=clock,
+                       generator=torch.Generator(device=device).manual_seed(args.seed))
     report(args, mesh, model, prompt, ids, clock, device)
     dist.destroy_process_group()
 

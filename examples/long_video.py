@@ -24,13 +24,16 @@ are reported as one line with exit code 2.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from progress import layer_progress  # noqa: E402
 
 PATCH, TEMPORAL, MERGE = 14, 2, 2
 VOCAB, IMAGE, VIDEO, START, END = 256, 250, 251, 252, 253
@@ -45,7 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vision", choices=("local", "split"), default="local", help="who encodes which frames")
     parser.add_argument("--steps", type=int, default=3, help="training steps after scoring (default 3)")
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--collective-timeout", type=float, default=300.0,
+                        help="seconds a collective may wait before the rank fails (default 300)")
     args = parser.parse_args(argv)
+    if not args.collective_timeout > 0:
+        parser.error(f"--collective-timeout must be a positive number of seconds; got {args.collective_timeout}")
     if args.frames < TEMPORAL or args.frames % TEMPORAL:
         parser.error(f"--frames must be a positive multiple of {TEMPORAL}; got {args.frames}")
     if args.size < PATCH * MERGE or args.size % (PATCH * MERGE):
@@ -132,7 +139,8 @@ def run(args: argparse.Namespace) -> dict:
     local = shard_vlm_batch(batch, mesh, model, vision=args.vision)
     labels, documents = local.pop("shift_labels"), local.pop("documents")
     started = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), layer_progress(model, f"score {batch['input_ids'].shape[1]:,} tokens",
+                                                enabled=mesh.rank == 0):
         score = float(sharded_cross_entropy(model(**local, hybridsp_documents=documents, use_cache=False).logits,
                                             labels, mesh))
     scored = time.perf_counter() - started
@@ -157,8 +165,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    from hybridsp.mesh.process_group import init_process_group
+
+    init_process_group(args.collective_timeout, backend="gloo")  # CPU only; a world of one without a launcher; adopts an existing group
     try:
         result = run(args)
     except ValueError as error:

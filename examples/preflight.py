@@ -52,13 +52,34 @@ def load_ds_config(path: str) -> dict:
 
 
 def model_heads(args) -> int:
-    """Query heads of the model the run will build (its config.json for --model-path)."""
+    """Query heads of the model the run will build (its config.json for --model-path, whose model
+    type must be one the hybrid attention switch takes)."""
     if not args.model_path:
         return args.heads
     config = Path(args.model_path) / "config.json"
     if not config.is_file():
         raise RunConfigError(f"--model-path {args.model_path} has no config.json")
-    return int(json.loads(config.read_text())["num_attention_heads"])
+    try:
+        fields = json.loads(config.read_text())
+    except json.JSONDecodeError as error:
+        raise RunConfigError(f"--model-path {args.model_path}: config.json is not valid JSON ({error.msg} at line "
+                             f"{error.lineno})") from None
+    check_model_type(args.model_path, fields.get("model_type"))
+    heads = fields.get("num_attention_heads", fields.get("text_config", {}).get("num_attention_heads"))
+    if not isinstance(heads, int):
+        raise RunConfigError(f"--model-path {args.model_path}: config.json has no num_attention_heads")
+    return heads
+
+
+def check_model_type(path: str, model_type) -> None:
+    """RunConfigError unless the hybrid attention switch supports ``model_type`` (GPT-2, GPT-NeoX, ... are refused)."""
+    from hybridsp.integrations.transformers.switch import SUPPORTED_MODEL_TYPES
+    from hybridsp.integrations.transformers.vision.model import VLM_MODEL_TYPES
+
+    supported = (*SUPPORTED_MODEL_TYPES, *VLM_MODEL_TYPES)
+    if model_type not in supported:
+        raise RunConfigError(f"--model-path {path} is a {model_type!r} model; hybridsp's attention switch takes "
+                             f"{', '.join(supported)} (docs/hf-trainer.md)")
 
 
 def default_save_dir(config_path: str, ulysses: int, ring: int, tensor: int = 1) -> Path:
@@ -90,7 +111,7 @@ def preflight(args) -> RunPlan:
                 f"{hybrid.ulysses}; pass --tensor and --ulysses whose product divides {heads}"
             )
     save_dir = _save_dir(args, hybrid)
-    problems += _resume_problems(args, save_dir) + _engine_problems(args, config)
+    problems += _resume_problems(args, save_dir) + _overwrite_problems(args, save_dir) + _engine_problems(args, config)
     if problems:
         raise RunConfigError(problems[0] if len(problems) == 1 else
                              f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
@@ -198,6 +219,33 @@ def _resume_problems(args, save_dir: Path) -> list[str]:
         return [f"--resume-from {resume_from}: neither a run directory with a 'latest' file nor a checkpoint tag "
                 f"folder"]
     return []
+
+
+def previous_run(directory: Path) -> list[str]:
+    """What an earlier run left in ``directory`` that a new one would write over: metrics, the
+    DeepSpeed ``latest`` pointer and tag folders (train.py), ``checkpoint-N`` folders and
+    ``trainer_state.json`` (the HF Trainer). Empty for a fresh or missing directory."""
+    if not directory.is_dir():
+        return []
+    found = [name for name in ("metrics.jsonl", "latest", "trainer_state.json") if (directory / name).is_file()]
+    tags = sorted(p.name for p in directory.iterdir() if p.is_dir() and (_is_checkpoint(p) or p.name.startswith("checkpoint-")))
+    return found + tags
+
+
+def _overwrite_problems(args, save_dir: Path) -> list[str]:
+    """A new run into a directory that already holds one needs ``--overwrite`` (``--resume`` continues it)."""
+    if not hasattr(args, "overwrite") or args.overwrite or args.resume:
+        return []
+    resume_from = getattr(args, "resume_from", None)
+    if resume_from and save_dir.resolve() in (Path(resume_from).resolve(), *Path(resume_from).resolve().parents):
+        return []  # continuing this directory's own checkpoint (the run directory or one of its tag folders)
+    left = previous_run(save_dir)
+    if not left:
+        return []
+    option = "--save-dir" if hasattr(args, "save_dir") else "--output-dir"
+    shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+    return [f"{save_dir} already holds a run ({shown}); pass --resume to continue it, --overwrite to write over it, "
+            f"or {option} DIR for a new one"]
 
 
 def _is_checkpoint(path: Path) -> bool:

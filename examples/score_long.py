@@ -1,6 +1,7 @@
 """Perplexity of a whole long text in ONE sharded forward pass (no grad, no logits, nothing saved).
 
     torchrun --nproc-per-node 8 examples/score_long.py --model-path DIR --tokenizer DIR --data book.txt
+    python examples/score_long.py --max-tokens 16384                  # one process, no launcher
     deepspeed --num_gpus 8 examples/score_long.py --model-path DIR --tokenizer DIR --data book.txt --ring 2
 
 The whole text (or its first ``--max-tokens`` tokens) is one sequence, sharded over all ranks
@@ -10,7 +11,10 @@ and ``hybridsp.integrations.transformers.causal_lm_loss`` (fused linear + cross-
 [S/C, V] logits are never built, only ``--chunk-size`` rows of them at a time). Each rank
 holds S/C tokens' activations of one layer at a time plus the weights, so the longest text
 grows with the number of ranks. Rank 0 prints (and ``--json-out`` writes) the mean negative
-log-likelihood per token, the perplexity, the wall time and the peak memory of every rank.
+log-likelihood per token, the perplexity, the wall time and the peak memory of every rank;
+while the forward runs, it prints a line per finished layer (to standard error). The process
+group is :func:`hybridsp.mesh.process_group.init_process_group`'s (a world of one without a
+launcher, the gloo interface chosen for multi-host runs, ``--collective-timeout``).
 
 Defaults need no download: the Python documentation shipped with CPython, UTF-8 bytes, and a
 small *untrained* Llama built from a config (its perplexity is ~256, the point is the
@@ -20,9 +24,7 @@ mechanics); pass ``--model-path``/``--tokenizer`` for a real model.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from preflight import RunConfigError, argument_problems, exit_once  # noqa: E402
+from progress import layer_progress  # noqa: E402
 from text_data import load_corpus, tokenize  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,20 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: bf16 on CUDA, else fp32)")
     parser.add_argument("--chunk-size", type=int, help="loss chunk in tokens (default: 64 MiB of fp32 logits)")
     parser.add_argument("--json-out", help="write the result as JSON here (rank 0)")
+    parser.add_argument("--collective-timeout", type=float, default=300.0,
+                        help="seconds a collective may wait before the rank fails (default 300)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
-
-
-def _init_distributed() -> torch.device:
-    """Adopt an existing process group, else start one from the launcher's environment."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30))
-    return device
 
 
 def build_model(args: argparse.Namespace, vocab_size: int, dtype: torch.dtype, seq_len: int, mesh=None, device="cpu"):
@@ -103,22 +97,38 @@ def score(model, tokens: torch.Tensor, mesh, device: torch.device, chunk_size: i
 
     full = tokens[None]  # [1, N]
     local = {k: v.to(device) for k, v in shard_batch({"input_ids": full, "labels": full}, mesh).items()}
-    with torch.inference_mode():
+    with torch.inference_mode(), layer_progress(model, f"score {tokens.numel():,} tokens", enabled=mesh.rank == 0):
         return float(causal_lm_loss(model, local, mesh, chunk_size=chunk_size))
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    problems = argument_problems(args)
+    if problems:
+        exit_once(RunConfigError("; ".join(problems)))
+    try:
+        return run(args)
+    except RunConfigError as error:  # the same on every rank
+        exit_once(error)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Build the mesh and the model, score, report on rank 0."""
     from hybridsp import init_mesh
     from hybridsp.integrations.transformers import apply
+    from hybridsp.mesh.process_group import init_process_group
 
-    device = _init_distributed()
+    device = init_process_group(args.collective_timeout)
     world = dist.get_world_size()
-    ulysses = args.ulysses or world // (args.ring * args.tensor)
-    mesh = init_mesh(ulysses, args.ring, tensor=args.tensor)
+    ulysses = args.ulysses or max(world // (args.ring * args.tensor), 1)
+    try:
+        mesh = init_mesh(ulysses, args.ring, tensor=args.tensor)
+    except ValueError as error:
+        raise RunConfigError(f"--ulysses {ulysses} --ring {args.ring} --tensor {args.tensor} on {world} ranks: "
+                             f"{error}") from None
     if mesh.dp != 1:
-        raise ValueError(f"score_long.py scores one sequence over all {world} ranks: set --ulysses x --ring x --tensor "
-                         f"= {world}")
+        raise RunConfigError(f"score_long.py scores one sequence over all {world} ranks: set --ulysses x --ring x "
+                             f"--tensor = {world}")
     tokens, vocab = tokenize(load_corpus(args.data), args.tokenizer)
     tokens = tokens[: args.max_tokens] if args.max_tokens else tokens
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import add_mesh_arguments, add_model_arguments, add_step_arguments  # noqa: E402
+from cli_args import add_mesh_arguments, add_model_arguments, add_overwrite_argument, add_step_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import end_rank_on_error, return_freed_memory_to_os, share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, RunPlan, exit_once, load_ds_config, preflight, report_placement  # noqa: E402
@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="seconds a collective may wait before the rank fails (default 300)")
     parser.add_argument("--metrics-out", help="JSON-lines metrics file (default: <save-dir>/metrics.jsonl)")
     parser.add_argument("--export-hf", metavar="DIR", help="after training, write a save_pretrained-loadable model here")
+    add_overwrite_argument(parser)
     add_model_arguments(parser)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--offload-activations", action="store_true",

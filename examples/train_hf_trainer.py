@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import add_mesh_arguments, add_model_arguments, add_step_arguments  # noqa: E402
+from cli_args import add_mesh_arguments, add_model_arguments, add_overwrite_argument, add_step_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, exit_once, preflight  # noqa: E402
@@ -40,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-dir", default="runs/hf_trainer")
     parser.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
+    add_overwrite_argument(parser)
     add_model_arguments(parser)
     parser.add_argument("--activation-checkpointing", action="store_true")
     return parser.parse_args(argv)

@@ -19,8 +19,8 @@ import sys
 from dataclasses import replace
 
 from hybridsp.planner import clusters
-from hybridsp.planner.ablation import ablation, format_ablation
-from hybridsp.planner.packing import packing_summary
+from hybridsp.planner.ablation import ablation, format_ablation, recommendation_lines
+from hybridsp.planner.packing import attention_work_fraction, packing_summary
 from hybridsp.planner.plans import Plan, format_seconds
 from hybridsp.planner.search import PlanResult, SearchSpace, longest_context, plan
 from hybridsp.planner.specs import (
@@ -42,6 +42,19 @@ _MODEL_FIELDS = {  # option dest -> ModelSpec field
     "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "hidden": "hidden_size",
     "intermediate": "intermediate_size", "layers": "num_layers", "vocab": "vocab_size",
 }
+_MODEL_HELP = {
+    "heads": "query (attention) heads", "kv_heads": "key/value heads (GQA; default: --heads)",
+    "head_dim": "size of one head (default: --hidden / --heads)", "hidden": "hidden size (model width)",
+    "intermediate": "MLP intermediate size", "layers": "decoder layers", "vocab": "vocabulary size",
+}
+_SUFFIXES = {"k": 1024, "m": 1024**2}  # 128k = 131,072 and 1M = 1,048,576 tokens, as context lengths are named
+
+
+FORWARD_ONLY_VS_TENSOR = (
+    "--forward-only plans a training-style mesh (DP x Ulysses x ring, every rank holds the weights or a ZeRO-3 shard) "
+    "for one prefill without a K/V cache; --tensor-inference plans T x Ulysses x ring meshes that also split the "
+    "weights and the K/V cache's heads T ways (hybridsp.planner.tensor)"
+)
 
 
 def _number(kind: type, lowest: float, inclusive: bool, what: str):
@@ -61,6 +74,22 @@ def _number(kind: type, lowest: float, inclusive: bool, what: str):
     return parse
 
 
+def _tokens(text: str) -> int:
+    """A token count: an integer, or one with ``k`` (x 1024) or ``M`` (x 1024^2): ``128k`` = 131072, ``1M`` =
+    1048576, ``1.5M`` = 1572864; a usage error (exit code 2) otherwise."""
+    what = "a positive token count such as 32768, 128k (= 131072) or 1M (= 1048576)"
+    body, scale = text.strip(), 1
+    if body[-1:].lower() in _SUFFIXES:
+        body, scale = body[:-1], _SUFFIXES[body[-1].lower()]
+    try:
+        value = float(body) * scale if scale > 1 else int(body)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}") from None
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}")
+    return int(value)
+
+
 _POSITIVE_INT = _number(int, 0, False, "a positive integer")
 _COUNT = _number(int, 0, True, "an integer >= 0")
 _POSITIVE = _number(float, 0.0, False, "a positive finite number")
@@ -71,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` subcommand's options."""
     model = parser.add_argument_group("model (a preset, explicit numbers override it)")
     model.add_argument("--model", choices=sorted(MODELS), help="model preset")
-    for option, field in _MODEL_FIELDS.items():
-        model.add_argument(f"--{option.replace('_', '-')}", type=_POSITIVE_INT, help=f"ModelSpec.{field}")
+    for option in _MODEL_FIELDS:
+        model.add_argument(f"--{option.replace('_', '-')}", type=_POSITIVE_INT, help=_MODEL_HELP[option])
     cluster = parser.add_argument_group("cluster (presets, explicit numbers override them)")
     cluster.add_argument("--gpu", choices=sorted(GPUS), default="h100")
     cluster.add_argument("--intra", choices=INTRA_LINKS, default="nvlink", help="intra-node link")
@@ -93,15 +122,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--host-adam-params-per-s", type=_POSITIVE,
                          help="parameters per second a node's CPU Adam updates (optimizer offload; default 1e9)")
     work = parser.add_argument_group("workload")
-    work.add_argument("--seq-len", type=_POSITIVE_INT, help="tokens per sequence (required unless --longest-context)")
+    work.add_argument("--seq-len", type=_tokens, help="tokens per sequence, e.g. 32768, 128k or 1M (k = 1024: 128k = "
+                      "131072, 1M = 1048576); required unless --longest-context")
     work.add_argument("--micro-batch", type=_POSITIVE_INT, default=1, help="sequences per replica per step")
-    work.add_argument("--forward-only", action="store_true", help="inference: no backward, grads or optimizer")
+    work.add_argument("--forward-only", action="store_true",
+                      help="one forward (a prefill, scoring) on the training meshes: no backward, gradients or "
+                           "optimizer; every rank holds the weights (or a ZeRO-3 shard), no K/V cache. For serving "
+                           "meshes that split weights and K/V cache heads T ways, see --tensor-inference")
     work.add_argument("--chunked-loss", action="store_true", help="the loss never materialises all logits")
     work.add_argument("--non-causal", action="store_true", help="bidirectional attention")
     work.add_argument("--dtype-bytes", type=int, choices=(1, 2, 4), default=2,
                       help="activation element size (2 = bf16, 4 = fp32, 1 = fp8)")
     work.add_argument("--doc-lengths", type=_lengths, metavar="N,N,...",
-                      help="packed documents: the lengths of one row's documents (repeated to fill --seq-len); "
+                      help="packed documents: the lengths of one row's documents (repeated to fill --seq-len); the "
+                           "step time counts only attention within documents (with --seq-len), and the output "
                            "reports each layout's ring imbalance and what layout='balanced' buys")
     tech = parser.add_argument_group("memory techniques (hybridsp.planner.memory states each term)")
     tech.add_argument("--fused-loss", action="store_true", help="hybridsp.fused_cross_entropy: no [T, V] logits")
@@ -129,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     search.add_argument("--ring", type=_POSITIVE_INT, help="fix the ring degree")
     search.add_argument("--order", choices=("ulysses_inner", "ring_inner"), default="ulysses_inner")
     search.add_argument("--longest-context", action="store_true", help="find the longest sequence that fits")
-    search.add_argument("--granularity", type=_POSITIVE_INT, default=1024, help="--longest-context step, tokens")
+    search.add_argument("--granularity", type=_tokens, default=1024, help="--longest-context step, tokens (4k = 4096)")
     search.add_argument("--ablation", action="store_true",
                         help="with --longest-context: add fused_loss, tiled_mlp, activation_offload, "
                              "optimizer_offload one at a time (a row each)")
@@ -139,7 +173,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tensor = parser.add_argument_group("tensor parallelism (long-context inference)")
     tensor.add_argument("--tensor-inference", action="store_true",
                         help="rank T x Ulysses x ring meshes for a --seq-len prefill of --model on the cluster: weights "
-                             "1/T per rank, K/V cache over sequence and heads (hybridsp.planner.tensor)")
+                             "1/T per rank, the K/V cache kept and split over sequence and heads (its own memory "
+                             "model; --forward-only instead plans the same prefill on DP x Ulysses x ring training "
+                             "meshes with whole weights and no cache)")
     tensor.add_argument("--tensor-sp", action="store_true",
                         help="with --tensor-inference: Megatron-style sequence parallelism inside the tensor group")
     out = parser.add_argument_group("output")
@@ -231,41 +267,7 @@ def _row(index: int, plan: Plan, best: Plan | None) -> str:
             f"{t.all_to_all_s:>7.3f} {t.ring_exposed_s:>7.3f} {a2a:>5} {ring:>5}  {_why(plan)}")
 
 
-def _why_no_mesh(result: PlanResult) -> str:
-    """Nothing was evaluated for memory: every mesh was invalid, or the fixed degrees divide nothing."""
-    world = result.cluster.world_size
-    if result.rejected:
-        reasons = sorted({problem for plan in result.rejected for problem in plan.problems})
-        return f"No valid mesh (not a memory problem): {'; '.join(reasons)}."
-    return (f"No DP x Ulysses x ring factorisation of the {world} GPUs matches the fixed degrees (not a memory "
-            f"problem): --dp, --ulysses and --ring must each divide {world}, and so must their product.")
-
-
-def _recommendation(result: PlanResult) -> list[str]:
-    best = result.recommended
-    if best is None and not result.ranked:
-        return [_why_no_mesh(result)]
-    if best is None:
-        return ["No plan fits in memory; try --activation-checkpointing, a higher --zero stage, --chunked-loss, "
-                "more nodes or a shorter --seq-len."]
-    c, t, m = best.config, best.timing, best.memory
-    lines = [
-        f"Recommended: DP={c.dp} x Ulysses={c.ulysses} x ring={c.ring}, ZeRO-{c.zero_stage}, "
-        f"activation checkpointing {'on' if c.checkpointing else 'off'}",
-        f"  step {format_seconds(best.step_s)} = compute {format_seconds(t.compute_s)} + all-to-all "
-        f"{format_seconds(t.all_to_all_s)} + ring exposed {format_seconds(t.ring_exposed_s)} + ZeRO exposed "
-        f"{format_seconds(t.zero_exposed_s)} + offload exposed {format_seconds(t.offload_s)}; "
-        f"{best.tokens_per_s:,.0f} tokens/s; MFU "
-        f"{best.mfu(result.cluster.peak_flops):.0%}",
-        f"  memory {m.total / GIB:.1f} GiB at the {m.peak_phase} peak: model states {m.model_states / GIB:.1f}, "
-        f"engine {m.engine_state / GIB:.1f}, checkpoints {m.checkpoints / GIB:.1f}, activations "
-        f"{m.activations / GIB:.1f}, loss {m.logits / GIB:.1f}, workspace {m.workspace / GIB:.1f} "
-        f"(usable {best.usable_bytes / GIB:.1f} GiB); host {m.host / GIB:.1f} GiB",
-    ]
-    return lines + [f"  - {note}" for note in best.notes]
-
-
-def format_result(result: PlanResult, top: int = 12) -> str:
+def format_result(result: PlanResult, top: int = 12, space: SearchSpace | None = None) -> str:
     """The ranked table, the recommendation and the rejected meshes, as text."""
     w, cl = result.workload, result.cluster
     header = (f"{result.model.name}: {result.model.total_params / 1e9:.2f}B params, seq {w.seq_len:,} x micro-batch "
@@ -278,7 +280,9 @@ def format_result(result: PlanResult, top: int = 12) -> str:
     lines = [header, "", columns] + [_row(i + 1, p, result.recommended) for i, p in enumerate(shown)]
     if len(shown) < len(result.ranked):
         lines.append(f"     ... {len(result.ranked) - len(shown)} more (--top 0 shows all)")
-    lines += [""] + _recommendation(result)
+    lines += [""] + recommendation_lines(result, space or SearchSpace())
+    if w.forward_only:
+        lines += ["", f"Note: {FORWARD_ONLY_VS_TENSOR}."]
     if result.rejected:
         lines += ["", f"Rejected meshes ({len(result.rejected)}):"]
         lines += [f"  DP={p.config.dp} U={p.config.ulysses} R={p.config.ring}: {'; '.join(p.problems)}"
@@ -322,6 +326,7 @@ def run_tensor_inference(args: argparse.Namespace, model: ModelSpec, cluster: Cl
     else:
         print(f"{model.name}, {args.seq_len:,}-token prefill on {cluster.name} ({cluster.world_size} GPUs, "
               f"{cluster.usable_bytes / GIB:.1f} GiB usable each){', SP in the tensor group' if args.tensor_sp else ''}")
+        print(f"Note: {FORWARD_ONLY_VS_TENSOR}.")
         print(f"{'T':>3} {'U':>3} {'R':>4} {'GiB/rank':>9} {'weights':>8} {'K/V':>8} {'fits':>5} {'prefill s':>10}")
         for o in options[: args.top or None]:
             print(f"{o.tensor:>3} {o.ulysses:>3} {o.ring:>4} {o.memory / GIB:>9.1f} {o.params / GIB:>8.1f} "
@@ -355,19 +360,25 @@ def run(args: argparse.Namespace) -> int:
         elif args.seq_len is None:
             raise ValueError("give --seq-len (or --longest-context)")
         else:
-            result, extra = plan(model, Workload(args.seq_len, **workload_args, techniques=techniques), cluster, space), {}
+            work = attention_work_fraction(args.doc_lengths, args.seq_len, not args.non_causal) if args.doc_lengths else 1.0
+            workload = Workload(args.seq_len, **workload_args, techniques=techniques, attention_work=work)
+            result, extra = plan(model, workload, cluster, space), {}
     except ValueError as error:
         raise SystemExit(f"python -m hybridsp plan: error: {error}") from None
     if args.doc_lengths and result is not None and result.recommended is not None:
         ring, seq_len = result.recommended.config.ring, result.workload.seq_len
-        extra["packing"] = {"ring": ring, **packing_summary(args.doc_lengths, seq_len, ring)}
+        work = result.workload.attention_work
+        extra["packing"] = {"ring": ring, "attention_work": work, **packing_summary(args.doc_lengths, seq_len, ring)}
+        if not args.longest_context:
+            extra["packing"]["report"] = (f"packed documents do {work:.1%} of an unpacked row's attention work (step "
+                                          f"times above count only that); " + extra["packing"]["report"])
     if args.json:
         print(json.dumps({**(result.to_dict() if result else {"recommended": None, "ranked": []}), **extra}))
     else:
         if "longest_context" in extra:
             print(f"Longest context: {extra['longest_context']['seq_len']:,} tokens "
                   f"(multiple of {args.granularity}) under the plans below\n")
-        print(format_result(result, args.top) if result else "Nothing fits even at the granularity.")
+        print(format_result(result, args.top, space) if result else "Nothing fits even at the granularity.")
         if "packing" in extra:
             print("\n" + extra["packing"]["report"])
     return 0 if result is not None and result.recommended is not None else 1

@@ -44,17 +44,19 @@ class Flops:
 
 
 def attention_forward_flops_per_layer(model: ModelSpec, workload: Workload, context: int) -> int:
-    """4 * B * S^2 * H * D * c / C, c = 1/2 when causal (QK^T and PV, 2 FLOPs per MAC)."""
+    """4 * B * S^2 * H * D * c / C, c = 1/2 when causal (QK^T and PV, 2 FLOPs per MAC), times the
+    workload's ``attention_work`` (packed documents)."""
     b, s = workload.micro_batch, workload.seq_len
     full = 4 * b * s * (s // context) * model.num_heads * model.head_dim
-    return full // 2 if workload.causal else full
+    return int((full // 2 if workload.causal else full) * workload.attention_work)
 
 
 def ring_step_forward_flops(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """One ring step's forward: 4 * B * (S/R)^2 * (H/U) * D * c (zigzag: every step is half a block)."""
+    """One ring step's forward: 4 * B * (S/R)^2 * (H/U) * D * c (zigzag: every step is half a block),
+    times the workload's ``attention_work`` (packed documents: on average)."""
     block = workload.seq_len // config.ring
     full = 4 * workload.micro_batch * block * block * (model.num_heads // config.ulysses) * model.head_dim
-    return full // 2 if workload.causal else full
+    return int((full // 2 if workload.causal else full) * workload.attention_work)
 
 
 def flops_per_rank(model: ModelSpec, workload: Workload, config: MeshConfig) -> Flops:

@@ -6,7 +6,9 @@ computes it for the zigzag and the balanced layout from a row's document lengths
 of :mod:`hybridsp.layout.balance.tries`: a token at offset ``p`` of its document attends to ``min(p + 1, W)``
 keys); :func:`packing_traffic` the K/V rows each ships per ring pass and the floor no layout
 within 5% balance goes under (:mod:`hybridsp.layout.balance.bound`); :func:`packing_summary` both, once,
-with a paragraph on what ``layout="balanced"`` buys and what it costs. Host arithmetic only.
+with a paragraph on what ``layout="balanced"`` buys and what it costs; :func:`attention_work_fraction`
+the share of an unpacked row's attention work a packed row does (the planner's step time uses it).
+Host arithmetic only.
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ def pack_bounds(doc_lengths: list[int], seq_len: int) -> tuple[int, ...]:
         if position == seq_len:
             return tuple(bounds)
     raise AssertionError("unreachable")
+
+
+def attention_work_fraction(doc_lengths: list[int], seq_len: int, causal: bool = True) -> float:
+    """The attention work of one row packed with ``doc_lengths`` (repeated to ``seq_len``) as a fraction
+    of one ``seq_len``-token document's: documents attend only within themselves, so a row of n
+    documents of S/n tokens does about 1/n of the work. Causal: sum of d(d+1)/2 over S(S+1)/2;
+    bidirectional: sum of d^2 over S^2."""
+    bounds = pack_bounds(doc_lengths, seq_len)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    if causal:
+        return sum(d * (d + 1) for d in sizes) / (seq_len * (seq_len + 1))
+    return sum(d * d for d in sizes) / seq_len**2
 
 
 def _packed_row(doc_lengths: list[int], seq_len: int, ring: int) -> tuple[int, tuple[int, ...]]:

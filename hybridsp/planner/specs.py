@@ -149,7 +149,9 @@ class Workload:
     ``dtype_bytes`` is the element size of activations, q/k/v and their gradients (2 for bf16).
     ``chunked_loss``: the loss never materialises the full logits (kept for compatibility: the
     same as ``techniques.fused_loss``). ``techniques``: fused loss, tiled MLP, offload
-    (:class:`hybridsp.planner.techniques.Techniques`).
+    (:class:`hybridsp.planner.techniques.Techniques`). ``attention_work``: the attention FLOPs as a
+    fraction of one unpacked sequence's (packed documents attend only within themselves:
+    :func:`hybridsp.planner.packing.attention_work_fraction`; 1 for one document per row).
     """
 
     seq_len: int
@@ -159,9 +161,12 @@ class Workload:
     dtype_bytes: int = 2
     chunked_loss: bool = False
     techniques: Techniques = field(default_factory=Techniques)
+    attention_work: float = 1.0
 
     def __post_init__(self):
         _require_positive_ints(self, "seq_len", "micro_batch", "dtype_bytes")
+        if not 0 < self.attention_work <= 1:
+            raise ValueError(f"Workload.attention_work is a fraction in (0, 1]; got {self.attention_work}")
         if not isinstance(self.techniques, Techniques):
             raise ValueError(f"Workload.techniques must be a Techniques; got {self.techniques!r}")
 

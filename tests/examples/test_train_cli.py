@@ -73,3 +73,55 @@ def test_layout_flag_reaches_the_mesh_config(monkeypatch):
                              "--pack", "--layout", "balanced"])
     plan = preflight.preflight(args)
     assert plan.hybrid.layout == "balanced" and args.pack
+
+
+def _previous_run(directory: Path, *names: str) -> Path:
+    directory.mkdir(parents=True)
+    for name in names:
+        if name.endswith("/"):
+            (directory / name).mkdir()
+            (directory / name / "mp_rank_00_model_states.pt").write_bytes(b"")
+        else:
+            (directory / name).write_text("step2\n")
+    return directory
+
+
+def test_a_rerun_into_a_used_run_directory_needs_overwrite_or_resume(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    run = _previous_run(tmp_path / "run", "metrics.jsonl", "latest", "step2/")
+    base = ["--deepspeed", str(ROOT / "ds_configs" / "cp1.json"), "--save-dir", str(run)]
+    with pytest.raises(preflight.RunConfigError) as error:
+        preflight.preflight(train.parse_args(base))
+    assert str(error.value) == (f"{run} already holds a run (metrics.jsonl, latest, step2); pass --resume to continue "
+                                f"it, --overwrite to write over it, or --save-dir DIR for a new one")
+    for extra in (["--overwrite"], ["--resume"], ["--resume-from", str(run / "step2")]):
+        assert preflight.preflight(train.parse_args(base + extra)).save_dir == run
+    fresh = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / "cp1.json"), "--save-dir", str(tmp_path / "new")])
+    assert preflight.preflight(fresh).save_dir == tmp_path / "new"  # the README's first run: no directory yet
+    (tmp_path / "empty").mkdir()
+    assert preflight.previous_run(tmp_path / "empty") == []
+
+
+def test_the_hf_trainer_example_refuses_a_used_output_dir(tmp_path, monkeypatch):
+    import train_hf_trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    out = _previous_run(tmp_path / "out", "checkpoint-4/")
+    base = ["--deepspeed", str(ROOT / "ds_configs" / "trainer" / "cp2.json"), "--ulysses", "1", "--output-dir", str(out)]
+    with pytest.raises(preflight.RunConfigError, match=r"holds a run \(checkpoint-4\).*--output-dir DIR"):
+        preflight.preflight(train_hf_trainer.parse_args(base))
+    assert preflight.preflight(train_hf_trainer.parse_args(base + ["--resume"])).save_dir == out
+
+
+def test_a_rerun_is_one_error_line_and_exit_2(tmp_path):
+    import os
+    import subprocess
+
+    run = _previous_run(tmp_path / "runs" / "cp1-u1r1", "metrics.jsonl")
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed",
+                             str(ROOT / "ds_configs" / "cp1.json")], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "WORLD_SIZE": "1", "RANK": "0"}, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip() == (f"train.py: error: {run.relative_to(tmp_path)} already holds a run (metrics.jsonl); "
+                                     f"pass --resume to continue it, --overwrite to write over it, or --save-dir DIR "
+                                     f"for a new one")

@@ -1,5 +1,6 @@
 """The DeepSpeed config section: parsing, validation errors, precision, the dict DeepSpeed gets (no processes)."""
 
+import json
 import re
 
 import pytest
@@ -18,7 +19,7 @@ from hybridsp.integrations.deepspeed import (
 from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 from tests.helpers.paths import ROOT
 
-SHIPPED = sorted((ROOT / "ds_configs").glob("*.json"))
+SHIPPED = sorted((ROOT / "ds_configs").glob("*.json")) + sorted((ROOT / "ds_configs" / "trainer").glob("*.json"))
 AUTO = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto", "loss_scale": 0}}
 
 
@@ -29,16 +30,22 @@ def _raises(call, *fragments):
         assert fragment in str(info.value), (fragment, str(info.value))
 
 
-@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(ROOT / "ds_configs")))
 def test_shipped_configs_parse_and_deepspeed_accepts_the_cleaned_dict(path):
     from deepspeed.runtime.config import DeepSpeedConfig
 
     raw = load_config(path)
+    assert raw["bf16"]["enabled"] == "auto"  # hybridsp (or the Trainer) picks the precision for the device
+    if path.parent.name == "trainer":  # "auto" values: the HF Trainer fills them before anything else reads them
+        from tests.helpers.trainer_configs import filled_by_trainer
+
+        raw = filled_by_trainer(path)
+    snapshot = json.loads(json.dumps(raw))
     hybrid = HybridConfig.from_ds_config(raw)
     assert hybrid.context == int(re.match(r"cp(\d+)", path.stem).group(1))
     assert (hybrid.order, hybrid.layout, hybrid.backend) == ("ulysses_inner", "zigzag", "auto")
     cleaned = deepspeed_config(raw, hybrid, precision="fp32")
-    assert "hybridsp" not in cleaned and raw["bf16"]["enabled"] == "auto"  # the input is left as it was
+    assert "hybridsp" not in cleaned and raw == snapshot  # the input is left as it was
     parsed = DeepSpeedConfig(cleaned)
     assert not parsed.bfloat16_config.enabled and not parsed.float16_config.enabled
     assert parsed.gradient_clipping > 0 and parsed.zero_allow_untested_optimizer  # a client torch AdamW works
