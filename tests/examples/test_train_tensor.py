@@ -1,4 +1,5 @@
-"""examples/train.py --tensor: preflight takes the degree, and refuses what tensor parallelism cannot run."""
+"""examples/train.py --tensor: preflight takes the degree (also with gradient clipping), and refuses what
+tensor parallelism cannot run."""
 
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ def test_tensor_flag_overrides_the_config_and_names_the_run(monkeypatch):
     assert plan.save_dir == Path("runs/tp2_cp2-u2r1t4")
 
 
-def test_tensor_with_gradient_clipping_or_indivisible_heads_is_one_readable_error(monkeypatch):
-    with pytest.raises(preflight.RunConfigError, match="gradient_clipping=1.0 with tensor=2"):
-        _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "cp2.json"), "--tensor", "2")
+def test_tensor_with_gradient_clipping_is_accepted(monkeypatch):
+    plan = _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "cp2.json"), "--tensor", "2")  # clips at 1.0
+    assert plan.hybrid.tensor == 2
+
+
+def test_tensor_with_indivisible_heads_or_world_is_one_readable_error(monkeypatch):
     with pytest.raises(preflight.RunConfigError, match="6 query heads are not divisible by tensor=4 x ulysses=1"):
         _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "tensor" / "tp2_cp2.json"), "--tensor", "4",
               "--ulysses", "1", "--heads", "6")

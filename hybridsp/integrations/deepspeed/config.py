@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from hybridsp.integrations.deepspeed.tensor import autotp_size, check_tensor_config
+from hybridsp.integrations.deepspeed.tensor import autotp_size
 from hybridsp.kernels import BACKEND_NAMES
 from hybridsp.mesh.hybrid_mesh import MeshShape
 
@@ -167,7 +167,6 @@ def resolve_precision(config: dict, precision: str | None = None) -> dict:
 def deepspeed_config(config: dict, hybrid: HybridConfig, *, precision: str | None = None) -> dict:
     """The dict to hand ``deepspeed.initialize``: precision resolved, our keys removed, ZeRO-3 checked."""
     zero = config.get("zero_optimization", {})
-    check_tensor_config(config, hybrid.tensor)
     if hybrid.context > 1 and zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is False:
         raise ValueError(
             f"zero_optimization.reduce_scatter=false with {hybrid.context} context ranks: DeepSpeed's ZeRO-3 then "

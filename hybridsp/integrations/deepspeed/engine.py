@@ -17,9 +17,11 @@ treats the model-parallel size as 1 and takes no pure data-parallel group from u
 deliberately define no ``get_data_parallel_group``: ZeRO-3 would partition parameters over
 it, and a group without the context ranks partitions wrongly. ``get_data_parallel_world_size``
 / ``_rank`` are the replica count and index (DeepSpeed's batch arithmetic and its data
-sampler want those). The model-parallel getters alias the context group (as DeepSpeed's own
-``parallel_state_sp`` does): stage 0 clips by summing gradient norms over that group with only
-its rank 0 counting, which counts each replicated gradient once.
+sampler want those). With ``T = 1`` the model-parallel getters alias the context group (as
+DeepSpeed's own ``parallel_state_sp`` does): stage 0 clips by summing gradient norms over that
+group with only its rank 0 counting, which counts each replicated gradient once. With ``T > 1``
+they answer the tensor group (Note [tensor-parallel gradient norm] in
+:mod:`hybridsp.integrations.deepspeed.tensor`).
 
 Note [gradient scale]: each rank's loss is its share of its replica's loss
 (:func:`hybridsp.sharded_cross_entropy`: value = replica loss, gradient = this rank's tokens'
@@ -64,6 +66,10 @@ from torch import nn
 from hybridsp.integrations.deepspeed.config import HybridConfig, deepspeed_config, load_config
 from hybridsp.integrations.deepspeed.tensor import (
     check_tensor_optimizer,
+    count_tensor_shards_in_norm,
+    model_parallel_group,
+    model_parallel_rank,
+    model_parallel_world_size,
     split_tensors,
     tensor_mpu_getattr,
 )
@@ -120,10 +126,16 @@ class HybridMPU:
 
     __getattr__ = tensor_mpu_getattr  # get_data_parallel_group only with T > 1 (deepspeed_tensor)
 
-    # Model-parallel getters alias the context group: used by stage-0 clipping (Note [the mpu]).
-    get_model_parallel_group = get_sequence_parallel_group
-    get_model_parallel_world_size = get_sequence_parallel_world_size
-    get_model_parallel_rank = get_sequence_parallel_rank
+    def get_model_parallel_group(self) -> dist.ProcessGroup:
+        """The group DeepSpeed sums gradient norms over: the context group with ``T = 1`` (Note [the mpu]),
+        the tensor group with ``T > 1`` (Note [tensor-parallel gradient norm] in ``deepspeed.tensor``)."""
+        return model_parallel_group(self.mesh)
+
+    def get_model_parallel_world_size(self) -> int:
+        return model_parallel_world_size(self.mesh)
+
+    def get_model_parallel_rank(self) -> int:
+        return model_parallel_rank(self.mesh)
 
     def __repr__(self) -> str:
         return f"HybridMPU({self.mesh!r})"
@@ -251,12 +263,15 @@ switch, e.g. the transformers integration's; it returns its undo), passes
         except BaseException:
             undo_switch()
             raise
+    stage = engine.zero_optimization_stage()
+    undo_norm = count_tensor_shards_in_norm(ds_optimizer, mesh, stage)  # Note [tensor-parallel gradient norm]
     remove_hooks = _no_undo
-    if engine.zero_optimization_stage() == 3 and mesh.context > 1:
+    if stage == 3 and mesh.context > 1:
         remove_hooks = scale_gradients(engine.module, mesh.context)  # Note [gradient scale]
 
     def undo() -> None:
         remove_hooks()
+        undo_norm()
         undo_switch()
 
     return HybridEngine(engine, ds_optimizer, mesh, undo)

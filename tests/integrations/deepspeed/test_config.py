@@ -148,6 +148,17 @@ def test_mpu_exposes_context_and_data_context_groups_and_no_pure_data_parallel_g
     assert (mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()) == (2, 1)
 
 
+def test_mpu_answers_the_tensor_group_as_model_parallel_with_tensor_2():
+    kinds = ("ulysses", "ring", "context", "data", "data_context", "tensor")
+    mesh = HybridMesh(MeshShape(8, 2, 1, tensor=2), 5, {kind: f"<{kind} group>" for kind in kinds})  # t=1, u=0, dp=1
+    mpu = HybridMPU(mesh)
+    assert mpu.get_model_parallel_group() == "<tensor group>"  # Note [tensor-parallel gradient norm]
+    assert (mpu.get_model_parallel_rank(), mpu.get_model_parallel_world_size()) == (1, 2)
+    assert mpu.get_sequence_parallel_group() == "<context group>"
+    assert mpu.get_data_parallel_group() == "<data_context group>"  # ZeRO-3 partitions inside one tensor rank
+    assert not hasattr(mpu, "get_slice_parallel_rank")  # DeepSpeed would prefer it to get_model_parallel_rank
+
+
 def test_scale_gradients_multiplies_and_is_removable():
     layer = nn.Linear(3, 2)
     x = torch.randn(4, 3)
