@@ -5,7 +5,6 @@ objects, the agreement fingerprint names its fields, and helpers have one home."
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +30,9 @@ from hybridsp.kernels.select import CompletedKernel
 from hybridsp.layout.balance.tries import TRIES, BalancerTry, GreedyTry, HostedTry
 from hybridsp.layout.layouts import get_layout
 from tests.helpers.flash_attn_standin import make_standin
+from tests.helpers.paths import ROOT
 
-PACKAGE = Path(__file__).resolve().parent.parent / "hybridsp"
+PACKAGE = ROOT / "hybridsp"
 
 
 class ForwardBackwardOnly:
