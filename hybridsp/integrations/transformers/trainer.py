@@ -48,7 +48,8 @@ Note [intercepting deepspeed.initialize] (in :mod:`hybridsp.integrations.transfo
 
 Note [evaluation]: :meth:`prediction_step` runs the sharded forward under ``no_grad``; the
 loss is computed as in training (per batch); logits are gathered over the context group and
-un-permuted to the full sequence only when predictions are wanted (``prediction_loss_only``
+un-permuted to the full sequence (with the batch's documents: ``layout="balanced"`` places
+tokens by document) only when predictions are wanted (``prediction_loss_only``
 skips that; ``preprocess_logits_for_metrics`` then sees full ``[B, S, V]`` logits, as with the
 plain Trainer). The evaluation loop's ``gather_function`` gathers over the replicas only
 (:func:`~hybridsp.integrations.transformers.trainer_data.gather_over_replicas`).
@@ -262,7 +263,7 @@ class HybridSPMixin:
                 loss = _share_of_loss(logits, shift_labels, count, self.hybrid_mesh).detach()
         if prediction_loss_only:
             return loss, None, None
-        full_logits = gather_sequence(logits, self.hybrid_mesh)[:, :seq_len]  # [B, S, V]
+        full_logits = gather_sequence(logits, self.hybrid_mesh, cu_seqlens=documents)[:, :seq_len]  # [B, S, V]
         return loss, full_logits, inputs.get("labels")
 
     def evaluation_loop(self, *args, **kwargs):
