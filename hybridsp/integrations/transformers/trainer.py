@@ -91,6 +91,7 @@ from hybridsp.integrations.transformers.trainer_engine import (  # noqa: F401  e
     remove_owned_keys,
 )
 from hybridsp.integrations.transformers.vision import batch as vlm_batch
+from hybridsp.integrations.transformers.vision.model import is_vision_language_model
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
 from hybridsp.losses.token_tail import guard_labels, raise_on_bad_labels, token_weighted_share
 from hybridsp.mesh.hybrid_mesh import HybridMesh
@@ -211,15 +212,22 @@ class HybridSPMixin:
 
     def _full(self, batch) -> dict[str, torch.Tensor]:
         tensors = _batch_tensors(batch)
-        tensors = vlm_batch.text_fields(tensors) if vlm_batch.is_vision_batch(tensors) else tensors
+        tensors = vlm_batch.text_fields(tensors) if self._is_vision_language(tensors) else tensors
         return prepare_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
 
     def _shard(self, tensors: dict) -> dict:
-        """This rank's shard: :func:`shard_batch`, or ``shard_vlm_batch`` for image/video batches."""
-        if vlm_batch.is_vision_batch(tensors):
+        """This rank's shard: :func:`shard_batch`, or ``shard_vlm_batch`` for every batch of a
+        vision-language model, text-only ones with the idle encoder call (Note [text-only batches]
+        in :mod:`hybridsp.integrations.transformers.vision.batch`: ZeRO-3 gathers alike on every rank)."""
+        if self._is_vision_language(tensors):
             model = self.accelerator.unwrap_model(self.model)
-            return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id())
+            return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id(),
+                                             idle_encoder=True)
         return shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
+
+    def _is_vision_language(self, tensors: dict) -> bool:
+        """An image/video batch, or any batch of a Qwen2-VL-family model."""
+        return vlm_batch.is_vision_batch(tensors) or is_vision_language_model(self.accelerator.unwrap_model(self.model))
 
     def _pad_token_id(self) -> int:
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
