@@ -64,8 +64,9 @@ def test_text_only_replica_under_zero3_dp2_matches_the_plain_trainer(plain_mixed
 
 @pytest.mark.slow
 def test_text_only_replica_with_context_ranks_matches_the_plain_trainer(plain_mixed):
-    """DP=2 x U=2 (4 ranks) under ZeRO-3 and ZeRO-2."""
-    runs = [dict(ulysses=2, ring=1, stage=3), dict(ulysses=2, ring=1, stage=2)]
+    """DP=2 x U=2 (4 ranks) under ZeRO-2 and ZeRO-3 (in this order: after a ZeRO-3 TrainingArguments,
+    transformers builds later models in the same process under zero.Init)."""
+    runs = [dict(ulysses=2, ring=1, stage=2), dict(ulysses=2, ring=1, stage=3)]
     for run, result in zip(runs, run_distributed(train, 4, runs, "text_only_mix", timeout=900)[0]):
         _assert_close(result, plain_mixed, f"DP2xU2 ZeRO-{run['stage']}, text-only replica")
 
