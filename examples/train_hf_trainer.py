@@ -110,12 +110,9 @@ def _enabled(config: dict, name: str, precision: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.tensor not in (None, 1):
-        print(f"{sys.argv[0]}: error: --tensor {args.tensor}: the HF Trainer example has no tensor parallelism yet; "
-              f"use examples/train.py --tensor {args.tensor}", file=sys.stderr)
-        sys.exit(2)
     try:
         plan = preflight(args)  # one line, exit code 2, before the expensive imports
+        refuse_tensor(args, plan.hybrid)
     except RunConfigError as error:
         exit_once(error)
     name_cpu_accelerator()
@@ -125,6 +122,17 @@ def main(argv: list[str] | None = None) -> None:
             run(args, plan)
         except RunConfigError as error:  # found after start-up (the data), on every rank alike
             exit_once(error)
+
+
+def refuse_tensor(args: argparse.Namespace, hybrid) -> None:
+    """RunConfigError for a tensor degree (``--tensor`` or the config's): HybridSPTrainer has no tensor parallelism."""
+    tensor = getattr(hybrid, "tensor", None) or args.tensor or 1
+    if tensor > 1:
+        raise RunConfigError(
+            f"tensor={tensor} ({'--tensor' if args.tensor else args.ds_config}): the HF Trainer example has no tensor "
+            f"parallelism (HybridSPTrainer would train the unsplit weights); use examples/train.py --tensor {tensor} "
+            f"(hybridsp.integrations.deepspeed.initialize, docs/tensor-parallel.md)"
+        )
 
 
 def pin_cpu_threads() -> None:

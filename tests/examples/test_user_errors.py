@@ -64,6 +64,15 @@ def test_hf_trainer_example_reports_problems_in_one_line_exit_2(tmp_path):
     assert "--seq-len must be at least 1; got -5" in line and f"--data {missing} does not exist" in line
 
 
+def test_hf_trainer_example_refuses_a_tensor_config_in_one_line(tmp_path):
+    """Before: HybridSPTrainer trained the unsplit weights on both tensor ranks; now exit 2, one line."""
+    tp2 = str(ROOT / "ds_configs" / "tensor" / "tp2_cp2.json")
+    for extra in ((), ("--tensor", "2")):
+        line = _one_error_line(_direct(tmp_path, "train_hf_trainer.py", "--deepspeed", tp2, *extra))
+        assert line.startswith("train_hf_trainer.py: error: tensor=2"), line
+        assert "examples/train.py --tensor 2" in line and "docs/tensor-parallel.md" in line, line
+
+
 def test_too_short_or_broken_data_is_a_config_error(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("only a few bytes")

@@ -13,7 +13,7 @@
 
 Modules: ``switch`` (``register``/``apply``, the attention entry and its notes), ``binding``,
 ``documents`` (the pre-hook), ``padding``, ``generation``, ``loss``, ``checkpoint`` (HF weights under
-ZeRO), ``trainer`` / ``trainer_data`` (``HybridSPTrainer``), ``peft``, ``vision/`` (Qwen2-VL).
+ZeRO), ``trainer`` / ``trainer_data`` / ``trainer_engine`` (``HybridSPTrainer``), ``peft``, ``vision/`` (Qwen2-VL).
 Names are imported on first use, so importing this face imports none of them.
 """
 

@@ -46,6 +46,13 @@ row's padding keys from its query (``decode_attention(key_mask=...)``). The padd
 the cache (the shards are the same for every row); sliding windows count indices, as
 transformers' masks do. Right padding or holes are refused (ValueError).
 
+Note [balanced layout]: every prompt row is one document, and ``layout="balanced"`` places a
+one-document row exactly as zigzag does; the prefill hands the model that ``Documents`` (one per
+row, ``S_pad`` long) as ``hybridsp_documents``, so the attention plans it without any collective
+(the same for every layout). A left-padded prompt would make the padding a document of its own,
+which the balanced layout places per row; the sharded cache holds one position set for all rows,
+so that case is refused (ValueError, before any collective): use ``layout="zigzag"`` there.
+
 Note [EOS and padding of finished rows]: as ``model.generate``: ``eos_token_id=None`` takes
 the model's ``generation_config.eos_token_id`` (pass ``[]`` to never stop early); a row that
 produced an EOS gets ``pad_token_id`` (default: the generation config's, else the first EOS)
@@ -66,8 +73,15 @@ from transformers.cache_utils import Cache
 from hybridsp.attention.api import shard_sequence
 from hybridsp.batch import padded_length
 from hybridsp.inference import ShardedKVCache, decode_attention
-from hybridsp.integrations.transformers.binding import BINDING_ATTR, DECODE_KWARG
+from hybridsp.integrations.transformers.binding import BINDING_ATTR, DECODE_KWARG, DOCUMENTS_KWARG
 from hybridsp.integrations.transformers.padding import left_padded_inputs, left_padding_mask
+from hybridsp.integrations.transformers.sampling import (  # noqa: F401  choose_next_tokens: re-exported
+    check_sampling,
+    choose_next_tokens,
+    eos_ids,
+    pad_id,
+)
+from hybridsp.layout.documents import Documents
 from hybridsp.layout.layouts import layout_permutation
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
@@ -170,7 +184,7 @@ def prefill(
         a :class:`Prefill`. Raises ValueError, before any collective, for bad arguments.
     """
     _check_inputs(model, input_ids, mesh, max_new_tokens)
-    mask = left_padding_mask(attention_mask, input_ids)
+    mask = _checked_mask(attention_mask, input_ids, mesh)
     with torch.inference_mode():
         return _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask)
 
@@ -181,7 +195,8 @@ def _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask=None) -> P
     ids = torch.nn.functional.pad(input_ids, (0, seq_pad - seq), value=PROMPT_PAD_ID)  # [B, S_pad]
     shards = layout_permutation(seq_pad, mesh.ring, mesh.ulysses, mesh.layout).view(mesh.context, -1)  # [C, S_pad/C]
     mine = shards[mesh.context_rank].to(device)  # [S_pad/C] global positions of this rank's tokens
-    inputs = {"position_ids": mine.expand(batch, -1)}  # [B, S_pad/C] global positions
+    # one document per row (Note [balanced layout]): the hook then derives nothing, with no collective
+    inputs = {"position_ids": mine.expand(batch, -1), DOCUMENTS_KWARG: Documents(batch, seq_pad)}  # [B, S_pad/C]
     if mask is not None:
         inputs = left_padded_inputs(mask, seq_pad, mine)  # per-row position_ids, attention_mask
     real = (mine < seq).nonzero().squeeze(1)  # local indices of the unpadded tokens
@@ -255,10 +270,10 @@ def generate(
         ValueError, before any collective, for a model not switched to ``mesh`` or bad arguments.
     """
     _check_inputs(model, input_ids, mesh, max_new_tokens)
-    _check_sampling(do_sample, temperature, top_k, top_p)
-    mask = left_padding_mask(attention_mask, input_ids)
-    eos = _eos_ids(model, eos_token_id)
-    pad = _pad_id(model, pad_token_id, eos)
+    check_sampling(do_sample, temperature, top_k, top_p)
+    mask = _checked_mask(attention_mask, input_ids, mesh)
+    eos = eos_ids(model, eos_token_id)
+    pad = pad_id(model, pad_token_id, eos)
     with torch.inference_mode():
         ids, logits = _generate(model, input_ids, mesh, max_new_tokens, eos, pad,
                                 dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -276,7 +291,7 @@ def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int |
             streamer.end()
         return input_ids, input_ids.new_empty(input_ids.shape[0], 0, 0, dtype=torch.float32)
     state = _prefill(model, input_ids, mesh, max_new_tokens, all_logits=False, mask=mask)
-    eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
+    eos_tensor = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     pieces, logits, all_logits = [input_ids], state.next_logits, []
     for index in range(max_new_tokens):
@@ -284,7 +299,7 @@ def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int |
         tokens = agree_across_context(choose_next_tokens(logits, **sampling), mesh)  # [B]
         if eos:
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
-            unfinished &= ~torch.isin(tokens, eos_ids)
+            unfinished &= ~torch.isin(tokens, eos_tensor)
         pieces.append(tokens[:, None])
         if streamer is not None:
             streamer.put(tokens)
@@ -313,30 +328,6 @@ def decode_step(model: nn.Module, state: Prefill, tokens: torch.Tensor, position
     return out.logits[:, -1].float()  # [B, V]
 
 
-def choose_next_tokens(
-    logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-    top_p: float = 1.0, generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """logits [B, V] -> token ids [B]: argmax, or a draw after temperature, top-k and top-p (in that order).
-
-    The filters follow transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper`` and
-    ``TopPLogitsWarper`` (the nucleus keeps the smallest set of most likely tokens whose
-    probability reaches ``top_p``, at least one), then one ``torch.multinomial`` draw per row.
-    """
-    if not do_sample:
-        return logits.argmax(dim=-1)
-    scores = logits.float() / temperature  # [B, V]
-    if top_k is not None and top_k < scores.shape[-1]:
-        kth = scores.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
-        scores = scores.masked_fill(scores < kth, -torch.inf)
-    if top_p < 1.0:
-        ordered, order = scores.sort(dim=-1)  # ascending [B, V]
-        drop = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
-        drop[:, -1] = False  # always keep the most likely token
-        scores = scores.masked_fill(drop.scatter(1, order, drop), -torch.inf)
-    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
-
-
 def agree_across_context(tokens: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
     """Context rank 0's tokens [B] on every rank of the context group."""
     if mesh.context > 1:
@@ -357,6 +348,20 @@ def _bound_modules(model: nn.Module) -> list[nn.Module]:
 
 def _num_layers(model: nn.Module) -> int:
     return max(m.layer_idx for m in _bound_modules(model)) + 1
+
+
+def _checked_mask(attention_mask, input_ids: torch.Tensor, mesh: HybridMesh) -> torch.Tensor | None:
+    """The left-padding mask [B, S] bool or None (:func:`left_padding_mask`); ValueError, before any
+    collective, for left padding on a layout that places tokens by document (Note [balanced layout])."""
+    mask = left_padding_mask(attention_mask, input_ids)
+    if mask is not None and mesh.token_layout.uses_documents and mesh.context > 1:
+        pads = sorted(set((~mask).sum(1).tolist()))
+        raise ValueError(
+            f"generate on a layout={mesh.layout!r} mesh takes prompts without left padding (got {pads[:4]} pad "
+            f"tokens per row): the padding would be a document of its own and move each row's tokens differently. "
+            f"Build the mesh with layout='zigzag' for left-padded batches (the same placement for unpadded rows)"
+        )
+    return mask
 
 
 def _check_inputs(model: nn.Module, input_ids, mesh: HybridMesh, max_new_tokens) -> None:
@@ -381,34 +386,3 @@ def _check_inputs(model: nn.Module, input_ids, mesh: HybridMesh, max_new_tokens)
         raise ValueError(f"input_ids must hold at least one token per row; got shape {tuple(input_ids.shape)}")
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
-
-
-def _check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p: float) -> None:
-    if not do_sample:
-        return
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 for sampling; got {temperature} (use do_sample=False for greedy)")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an integer >= 1; got {top_k!r}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1]; got {top_p}")
-
-
-def _eos_ids(model: nn.Module, eos_token_id) -> list[int]:
-    if eos_token_id is None:
-        config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None:
-        return []
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not all(isinstance(i, int) and i >= 0 for i in ids):
-        raise ValueError(f"eos_token_id must be a token id or a list of them; got {eos_token_id!r}")
-    return ids
-
-
-def _pad_id(model: nn.Module, pad_token_id, eos: list[int]) -> int | None:
-    if pad_token_id is None:
-        pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
-    if pad_token_id is None and eos:
-        pad_token_id = eos[0]
-    return pad_token_id

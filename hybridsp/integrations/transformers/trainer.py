@@ -43,26 +43,13 @@ gradient. ZeRO-3 and DDP average over all ``DP x C`` ranks; a tensor hook multip
 incoming gradient by ``C`` there (:func:`hybridsp.integrations.deepspeed.engine.scale_gradients`).
 The clipped and logged ``grad_norm`` is then the plain Trainer's (``max_grad_norm`` works).
 
-Note [intercepting deepspeed.initialize]: accelerate builds the engine inside
-``Accelerator._prepare_deepspeed`` with ``deepspeed.initialize(model=..., config_params=...)``
-and passes an ``mpu`` only for its own Ulysses backend. The narrowest point at which ours can
-be added is that call: :meth:`HybridSPMixin.create_accelerator_and_postprocess` wraps this
-Trainer's ``accelerator.prepare`` so that, *for the duration of each prepare call only*,
-``deepspeed.initialize`` is a wrapper that passes :class:`~hybridsp.integrations.deepspeed.engine.HybridMPU`,
-sets ``train_batch_size`` to micro x accumulation x DP (HF's ``"auto"`` counts all ranks),
-selects torch's Adam on CPU, skips the CPU shm-comm build, and adds the ZeRO-3 hooks (one
-set per model: an evaluation engine followed by a training engine does not double them);
-the original function is restored when prepare returns (also on error). Nothing else global
-is touched. Our keys (``hybridsp``, ``sequence_parallel_size``, ``data_parallel_size``) are
-read when the accelerator is created and then removed from the config copies that the
-Trainer and accelerate hold: accelerate refuses any ``"auto"`` it cannot fill (``"backend":
-"auto"``), and DeepSpeed must not build its own mesh from the size keys. On CPU,
-``TrainingArguments(use_cpu=True)`` is needed: accelerate starts several CPU processes only
-then (it then leaves ``deepspeed.comm`` to ``deepspeed.initialize``, which is all we need).
+Note [intercepting deepspeed.initialize] (in :mod:`hybridsp.integrations.transformers.trainer_engine`):
+``accelerator.prepare`` builds DeepSpeed's engine with our mpu, batch size and ZeRO-3 hooks.
 
 Note [evaluation]: :meth:`prediction_step` runs the sharded forward under ``no_grad``; the
 loss is computed as in training (per batch); logits are gathered over the context group and
-un-permuted to the full sequence only when predictions are wanted (``prediction_loss_only``
+un-permuted to the full sequence (with the batch's documents: ``layout="balanced"`` places
+tokens by document) only when predictions are wanted (``prediction_loss_only``
 skips that; ``preprocess_logits_for_metrics`` then sees full ``[B, S, V]`` logits, as with the
 plain Trainer). The evaluation loop's ``gather_function`` gathers over the replicas only
 (:func:`~hybridsp.integrations.transformers.trainer_data.gather_over_replicas`).
@@ -78,12 +65,13 @@ full logits inside the loss (TRL's ``padding_free``, entropy/token-accuracy metr
 
 Refused with a ValueError (before any collective): ``model_init`` (the switched model must
 exist at construction), ``compute_loss_func`` and ``label_smoothing_factor`` (the loss is
-computed here), a batch without ``labels``.
+computed here), a batch without ``labels``, and ``"tensor": T > 1`` (Note [no tensor
+parallelism] in :mod:`hybridsp.integrations.transformers.trainer_engine`: use
+``hybridsp.integrations.deepspeed.initialize``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -96,7 +84,14 @@ from hybridsp.batch import prepare_batch, shard_batch
 from hybridsp.integrations.deepspeed import config as ds_schema
 from hybridsp.integrations.deepspeed import engine as hds
 from hybridsp.integrations.transformers.trainer_data import gather_over_replicas, shard_loader_over_replicas
+from hybridsp.integrations.transformers.trainer_engine import (  # noqa: F401  engine_config: re-exported
+    engine_config,
+    prepare_with_mesh,
+    refuse_tensor_parallel,
+    remove_owned_keys,
+)
 from hybridsp.integrations.transformers.vision import batch as vlm_batch
+from hybridsp.integrations.transformers.vision.model import is_vision_language_model
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
 from hybridsp.losses.token_tail import guard_labels, raise_on_bad_labels, token_weighted_share
 from hybridsp.mesh.hybrid_mesh import HybridMesh
@@ -135,15 +130,15 @@ class HybridSPMixin:
     # ---- setup ---------------------------------------------------------------------------
 
     def create_accelerator_and_postprocess(self) -> None:
-        """The Trainer's accelerator, then the mesh, then our hook on DeepSpeed's engine creation."""
+        """The ``"hybridsp"`` section read and checked (before any collective), the Trainer's
+        accelerator, the mesh, then our hook on DeepSpeed's engine creation."""
+        self.hybrid_config = _hybrid_config(self.args, self._hybridsp_overrides)
         with hds.without_cpu_shm_comm_build():
             super().create_accelerator_and_postprocess()
-        raw = self.args.hf_deepspeed_config.config if self.is_deepspeed_enabled else {}
-        self.hybrid_config = ds_schema.HybridConfig.from_ds_config(raw, **self._hybridsp_overrides)
         self.hybrid_mesh = _mesh(self.hybrid_config)
         if self.is_deepspeed_enabled:
-            _remove_owned_keys(self.accelerator.state.deepspeed_plugin, self.args)
-        self.accelerator.prepare = functools.partial(_prepare_with_mesh, self.accelerator.prepare, self)
+            remove_owned_keys(self.accelerator.state.deepspeed_plugin, self.args)
+        self.accelerator.prepare = functools.partial(prepare_with_mesh, self.accelerator.prepare, self)
 
     def _refuse_unsupported(self) -> None:
         refused = {
@@ -217,15 +212,22 @@ class HybridSPMixin:
 
     def _full(self, batch) -> dict[str, torch.Tensor]:
         tensors = _batch_tensors(batch)
-        tensors = vlm_batch.text_fields(tensors) if vlm_batch.is_vision_batch(tensors) else tensors
+        tensors = vlm_batch.text_fields(tensors) if self._is_vision_language(tensors) else tensors
         return prepare_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
 
     def _shard(self, tensors: dict) -> dict:
-        """This rank's shard: :func:`shard_batch`, or ``shard_vlm_batch`` for image/video batches."""
-        if vlm_batch.is_vision_batch(tensors):
+        """This rank's shard: :func:`shard_batch`, or ``shard_vlm_batch`` for every batch of a
+        vision-language model, text-only ones with the idle encoder call (Note [text-only batches]
+        in :mod:`hybridsp.integrations.transformers.vision.batch`: ZeRO-3 gathers alike on every rank)."""
+        if self._is_vision_language(tensors):
             model = self.accelerator.unwrap_model(self.model)
-            return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id())
+            return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id(),
+                                             idle_encoder=True)
         return shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
+
+    def _is_vision_language(self, tensors: dict) -> bool:
+        """An image/video batch, or any batch of a Qwen2-VL-family model."""
+        return vlm_batch.is_vision_batch(tensors) or is_vision_language_model(self.accelerator.unwrap_model(self.model))
 
     def _pad_token_id(self) -> int:
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
@@ -269,7 +271,7 @@ class HybridSPMixin:
                 loss = _share_of_loss(logits, shift_labels, count, self.hybrid_mesh).detach()
         if prediction_loss_only:
             return loss, None, None
-        full_logits = gather_sequence(logits, self.hybrid_mesh)[:, :seq_len]  # [B, S, V]
+        full_logits = gather_sequence(logits, self.hybrid_mesh, cu_seqlens=documents)[:, :seq_len]  # [B, S, V]
         return loss, full_logits, inputs.get("labels")
 
     def evaluation_loop(self, *args, **kwargs):
@@ -312,6 +314,15 @@ def _share_of_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items, 
     )
 
 
+def _hybrid_config(args, overrides: dict) -> ds_schema.HybridConfig:
+    """The validated section of ``args``' DeepSpeed config (none without DeepSpeed) with ``overrides``;
+    ValueError for tensor parallelism (Note [no tensor parallelism] in ``trainer_engine``)."""
+    deepspeed = getattr(args, "hf_deepspeed_config", None) if args.deepspeed else None
+    hybrid = ds_schema.HybridConfig.from_ds_config(deepspeed.config if deepspeed else {}, **overrides)
+    refuse_tensor_parallel(hybrid)
+    return hybrid
+
+
 def _mesh(hybrid: ds_schema.HybridConfig) -> HybridMesh:
     hybrid.mesh_shape(dist.get_world_size() if dist.is_initialized() else 1)  # ValueError quoting the sizes
     if not dist.is_initialized():
@@ -327,66 +338,3 @@ def _switch_attention(model, mesh: HybridMesh, backend: str):
     from hybridsp.integrations.transformers.switch import apply
 
     return apply(base_model(model), mesh, backend=backend)  # a PEFT wrapper: the model inside it
-
-
-def _prepare_with_mesh(prepare, trainer: HybridSPMixin, *args, **kwargs):
-    """``accelerator.prepare`` with our ``deepspeed.initialize`` in place (Note [intercepting ...])."""
-    if not trainer.is_deepspeed_enabled:
-        return prepare(*args, **kwargs)
-    with _deepspeed_initialize_with_mesh(trainer):
-        return prepare(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def _deepspeed_initialize_with_mesh(trainer: HybridSPMixin):
-    import deepspeed
-
-    original = deepspeed.initialize
-
-    def initialize(*args, **kwargs):
-        mesh, hybrid = trainer.hybrid_mesh, trainer.hybrid_config
-        if kwargs.get("mpu") is not None:
-            raise ValueError(
-                "HybridSPTrainer passes DeepSpeed its own mpu; do not combine it with accelerate's "
-                "ParallelismConfig(sp_backend='deepspeed') (see the migration note in docs/hf-trainer.md)"
-            )
-        key = "config_params" if "config_params" in kwargs else "config"
-        kwargs[key] = engine_config(kwargs[key], hybrid, mesh)
-        kwargs["mpu"] = hds.HybridMPU(mesh)
-        with hds.without_cpu_shm_comm_build():
-            result = original(*args, **kwargs)
-        engine = result[0]
-        if engine.zero_optimization_stage() == 3:  # Note [gradient scale here]
-            trainer._scale_gradients(engine.module)
-        return result
-
-    deepspeed.initialize = initialize
-    try:
-        yield
-    finally:
-        deepspeed.initialize = original
-
-
-def _remove_owned_keys(plugin, args) -> None:
-    """Drop our keys from every copy of the config accelerate and the Trainer hold.
-
-    accelerate refuses any ``"auto"`` it cannot fill (``"backend": "auto"`` in our section),
-    and DeepSpeed must not see the size keys (Note [keys we own] in
-    :mod:`hybridsp.integrations.deepspeed.engine`); they were read and validated before this.
-    """
-    configs = {id(c): c for c in (plugin.deepspeed_config, plugin.hf_ds_config.config, args.hf_deepspeed_config.config)}
-    for config in configs.values():
-        for key in ds_schema.OWNED_KEYS:
-            config.pop(key, None)
-
-
-def engine_config(config: dict, hybrid: ds_schema.HybridConfig, mesh: HybridMesh) -> dict:
-    """The config DeepSpeed sees: our keys removed, torch Adam on CPU, the batch of DP replicas."""
-    cleaned = ds_schema.deepspeed_config(ds_schema.load_config(config), hybrid)
-    micro = cleaned.get("train_micro_batch_size_per_gpu")
-    accumulation = cleaned.get("gradient_accumulation_steps", 1)
-    if isinstance(micro, int) and isinstance(accumulation, int):
-        cleaned["train_batch_size"] = micro * accumulation * mesh.dp
-    return cleaned
-
-

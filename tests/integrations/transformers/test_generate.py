@@ -91,6 +91,61 @@ def test_greedy_ids_and_logits_equal_the_unmodified_model_on_three_meshes():
                 assert margin > 2 * decode_err, f"{case}: margin {margin:.1e} vs error {decode_err:.1e}"
 
 
+# ------------------------------------------- a mesh built with layout="balanced"
+
+BALANCED_PROMPTS = (PROMPT, 37)  # 37: padded on the right to the layout's multiple
+
+
+def _balanced_rank(rank, world):
+    results = {}
+    for ulysses, ring in ((1, 2), (2, 1)):
+        mesh = init_mesh(ulysses=ulysses, ring=ring, layout="balanced")
+        model = build("llama")
+        with hf.apply(model, mesh):
+            for length in BALANCED_PROMPTS:
+                ids = prompt(2, length)
+                out, logits = hf.generate(model, ids, mesh=mesh, max_new_tokens=NEW, output_logits=True)
+                results[ulysses, ring, length] = dict(ids=out, logits=logits,
+                                                      prompt_logits=sharded_prompt_logits(model, ids, mesh))
+    return portable(results)
+
+
+def test_generate_on_a_balanced_mesh_equals_the_unmodified_model():
+    """Before: ValueError asking for hybridsp_documents, which generate cannot pass. Now the prefill hands
+    the model one document per row (balanced places it as zigzag): ids equal model.generate's."""
+    results = launch(_balanced_rank, 2)
+    model = build("llama")
+    for length in BALANCED_PROMPTS:
+        ids = prompt(2, length)
+        ref_ids, ref_logits = reference_generate(model, ids, max_new_tokens=NEW)
+        ref_prompt = prompt_logits(model, ids)
+        top2 = ref_logits.topk(2, dim=-1).values
+        margin = (top2[..., 0] - top2[..., 1]).min().item()
+        for ulysses, ring in ((1, 2), (2, 1)):
+            case = f"balanced U{ulysses}xR{ring} S={length}"
+            per_rank = [r[ulysses, ring, length] for r in results]
+            for key in ("ids", "logits"):
+                assert_same_on_all_ranks(per_rank, key)
+            got = per_rank[0]
+            assert torch.equal(got["ids"], ref_ids), f"{case}: {got['ids'][:, length:]} vs {ref_ids[:, length:]}"
+            decode_err = (got["logits"] - ref_logits).abs().max().item()
+            prompt_err = (got["prompt_logits"] - ref_prompt).abs().max().item()
+            assert decode_err < TOLERANCE and prompt_err < TOLERANCE, f"{case}: {decode_err:.1e} {prompt_err:.1e}"
+            assert margin > 2 * decode_err, f"{case}: margin {margin:.1e} vs error {decode_err:.1e}"
+
+
+def test_left_padding_on_a_balanced_mesh_is_refused_before_any_collective():
+    mesh = mesh_at(ulysses=1, ring=2, layout="balanced")  # no process groups: a collective would fail
+    model = build("llama")
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, :3] = 0
+    with hf.apply(model, mesh):
+        for call in (hf.generate, hf.prefill):
+            with pytest.raises(ValueError, match=r"layout='balanced' mesh takes prompts without left padding.*"
+                                                 r"layout='zigzag'"):
+                call(model, prompt(2, 16), mesh=mesh, max_new_tokens=2, attention_mask=mask)
+
+
 # ------------------------------------------- padding, EOS, sampling, all families, bf16, DP replicas
 
 

@@ -186,6 +186,35 @@ def test_bad_setups_raise_clear_errors(checks):
     assert "needs 'labels'" in messages["labels"]
 
 
+def _tensor_refusals(rank, world_size):
+    """HybridSPTrainer with a tensor degree in the DeepSpeed config: refused at construction on every rank."""
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
+    from hybridsp.integrations.transformers import HybridSPTrainer
+    from tests.helpers.trainer_workers import _arguments, ds_config, tiny_llama
+
+    messages = {}
+    with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
+        for name, extra in {"section": {}, "autotp_size": {"tensor_parallel": {"autotp_size": 2}}}.items():
+            config = {**ds_config(1, 1, 2, False), "gradient_clipping": 0.0, **extra}
+            if name == "section":
+                config["hybridsp"] = {"ulysses": 1, "ring": 1, "tensor": 2}
+            try:
+                HybridSPTrainer(model=tiny_llama(), args=_arguments(out, config, max_grad_norm=0.0))
+                messages[name] = None
+            except ValueError as error:
+                messages[name] = str(error)
+    return messages
+
+
+def test_tensor_parallel_config_is_refused():
+    """Before: trained the unsplit weights with both tensor ranks doing the same work, no error."""
+    for messages in run_distributed(_tensor_refusals, 2, timeout=300):
+        for name, message in messages.items():
+            assert message is not None, f"{name}: tensor=2 was accepted"
+            assert "no tensor parallelism" in message and "hybridsp.integrations.deepspeed.initialize" in message
+            assert "docs/tensor-parallel.md" in message and "\n" not in message
+
+
 def test_engine_config_strips_our_keys_and_counts_replicas(checks):
     cleaned, raw = checks["engine_config"]["cleaned"], checks["engine_config"]["raw_after"]
     assert not {"hybridsp", "sequence_parallel_size", "data_parallel_size"} & set(cleaned)

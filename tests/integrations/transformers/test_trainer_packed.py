@@ -1,5 +1,7 @@
 """HybridSPTrainer on packed batches (documents concatenated, position_ids restarting at 0) equals the
-plain Trainer on the same documents one per row: per-step loss and grad_norm (4 steps, accumulation 2)."""
+plain Trainer on the same documents one per row: per-step loss and grad_norm (4 steps, accumulation 2),
+and ``predict()``'s logits and loss on a ring of two in the zigzag and the balanced layout (which
+places tokens by document, so the gather needs the batch's documents)."""
 
 from __future__ import annotations
 
@@ -72,3 +74,55 @@ def test_packed_batches_train_like_one_document_per_row(runs):
     for key in ("loss", "grad_norm"):
         ours, reference = torch.tensor(packed[key]), torch.tensor(plain[key])
         assert torch.allclose(ours, reference, rtol=RTOL, atol=0), (key, ours.tolist(), reference.tolist())
+
+
+# ---------------------------------------------------------------- predict() on packed rows, ring of two
+
+PREDICT_DOCS = 8
+
+
+def _predict(rank, world, layout: str | None):
+    """predict() of the untrained model: HybridSPTrainer on packed rows at R=2 in ``layout``, or (None)
+    the plain Trainer on the documents one per row. Rank 0 returns (logits, metrics)."""
+    from transformers import Trainer
+
+    from hybridsp.integrations.transformers import HybridSPTrainer
+
+    docs = samples(PREDICT_DOCS, seed=3)
+    with tempfile.TemporaryDirectory() as out:
+        if layout is None:
+            args = _arguments(out, None, per_device_eval_batch_size=2 * DOCS_PER_ROW)  # the same documents per batch
+            trainer = Trainer(model=tiny_llama(), args=args, data_collator=collate)
+            result = trainer.predict(docs)
+        else:
+            args = _arguments(out, None, per_device_eval_batch_size=2)
+            trainer = HybridSPTrainer(model=tiny_llama(), args=args, data_collator=packed_collate,
+                                      hybridsp={"ulysses": 1, "ring": 2, "layout": layout})
+            result = trainer.predict(packed_rows(docs))
+    return (torch.as_tensor(result.predictions).tolist(), result.metrics["test_loss"]) if rank == 0 else None
+
+
+def _per_document(packed: torch.Tensor, docs: list[dict]) -> list[torch.Tensor]:
+    """The logits [len_d, V] of each document, cut from the packed rows' predictions [N_rows, S, V]."""
+    pieces = []
+    for first in range(0, len(docs), DOCS_PER_ROW):
+        start = 0
+        for doc in docs[first : first + DOCS_PER_ROW]:
+            length = len(doc["input_ids"])
+            pieces.append(packed[first // DOCS_PER_ROW, start : start + length])
+            start += length
+    return pieces
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "balanced"])
+def test_predictions_on_packed_rows_equal_the_plain_trainer(layout):
+    """Before (balanced): relative error 1.19, the logits un-permuted without the documents."""
+    docs = samples(PREDICT_DOCS, seed=3)
+    plain, plain_loss = run_distributed(_predict, 1, None, timeout=300)[0]
+    ours, loss = run_distributed(_predict, 2, layout, timeout=300)[0]
+    plain, ours = torch.tensor(plain), torch.tensor(ours)
+    for index, (got, doc) in enumerate(zip(_per_document(ours, docs), docs)):
+        want = plain[index, : len(doc["input_ids"])]
+        error = ((got - want).norm() / want.norm()).item()
+        assert error < 1e-4, f"{layout} document {index}: relative error {error:.2e}"
+    assert abs(loss - plain_loss) <= RTOL * abs(plain_loss), (loss, plain_loss)

@@ -37,6 +37,16 @@ the encoder exactly once per forward when the batch has images or videos (a rank
 encodes one m x m dummy unit whose output it uses zero rows of): ZeRO-3 gathers parameters
 collectively on each encoder call, so all ranks must make the same calls.
 
+Note [text-only batches]: a micro-batch without images or videos never calls the encoder, but
+under ZeRO-3 every encoder call gathers its parameters collectively over the data-parallel ranks
+(and its backward reduces their gradients): with DP > 1, a replica whose micro-batch is text-only
+would make fewer calls than one with images, and DeepSpeed fails ("disagreement on list length")
+or hangs. ``shard_vlm_batch(..., idle_encoder=True)`` (what ``HybridSPTrainer`` passes for a
+vision-language model) gives such a batch the dummy unit of Note [who encodes what]: its features
+reach the model as zero image features (no image token takes them), so the loss is unchanged and
+the encoder's parameters get zero gradients. ``mm_token_type_ids`` (which Qwen2-VL's processor also
+emits for text) only feeds ``get_rope_index``; text-only positions are 0, 1, 2, ... as the model's own.
+
 Note [multimodal positions]: the model's own ``get_rope_index`` computes the 3-D (temporal,
 height, width) RoPE positions on the full, unpadded batch; padding continues counting after a
 row's largest position (it is never attended and carries no loss); then the positions are cut
@@ -110,7 +120,7 @@ def text_fields(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 def shard_vlm_batch(
     batch: Mapping[str, Any], mesh: HybridMesh, model, *, vision: str = "auto", pad_token_id: int = 0,
-    ignore_index: int = IGNORE_INDEX,
+    ignore_index: int = IGNORE_INDEX, idle_encoder: bool = False,
 ) -> dict[str, Any]:
     """This rank's shard of a full vision-language batch. No communication.
 
@@ -124,12 +134,14 @@ def shard_vlm_batch(
         model: the Qwen2-VL / Qwen2.5-VL model (``...ForConditionalGeneration`` or ``...Model``);
             only its config and ``get_rope_index`` are used.
         vision: ``"auto"`` (default), ``"local"`` or ``"split"`` (Note [who encodes what]).
+        idle_encoder: a text-only batch still gets a ``hybridsp_vision``: the encoder runs once on
+            a dummy unit whose output no token uses (Note [text-only batches]).
 
     Returns:
         ``input_ids`` [B, S_pad / C], ``position_ids`` [3, B, S_pad / C] (multimodal RoPE),
         ``shift_labels`` [B, S_pad / C], ``documents`` (one per row, as :func:`hybridsp.shard_batch`
         gives them: pass ``hybridsp_documents=local["documents"]``) and, when the batch has images or
-        videos, ``hybridsp_vision`` (a :class:`VisionShard`). Pass the rest to the model.
+        videos (or ``idle_encoder``), ``hybridsp_vision`` (a :class:`VisionShard`). Pass the rest to the model.
 
     Raises:
         ValueError for unknown keys, a bad ``vision`` mode, or token counts that do not match the grids.
@@ -147,7 +159,21 @@ def shard_vlm_batch(
         "shift_labels": shard_sequence(text["shift_labels"], mesh),
         "documents": batch_documents(text["position_ids"]),  # one per row; pass as hybridsp_documents=
     }
+    if plan is None and idle_encoder:
+        plan = idle_vision_shard(model, input_ids.device)
     return local if plan is None else {**local, "hybridsp_vision": plan}
+
+
+def idle_vision_shard(model, device: torch.device | str = "cpu") -> VisionShard:
+    """A :class:`VisionShard` for a text-only batch (Note [text-only batches]): one zero m x m unit
+    (pixels [m^2, F], F = channels x temporal patch x patch^2), no rows used, no image token."""
+    config, merge = model.config.vision_config, merge_size(model)
+    features = int(config.in_channels) * int(config.temporal_patch_size) * int(config.patch_size) ** 2
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return VisionShard(
+        pixels=torch.zeros(merge * merge, features, device=device), grid=torch.tensor([[1, merge, merge]], device=device),
+        image_rows=empty, video_rows=empty, has_images=True, has_videos=False,
+    )
 
 
 def _check_keys(batch: Mapping[str, Any], vision: str) -> None:

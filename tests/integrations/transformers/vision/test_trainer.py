@@ -47,6 +47,30 @@ def test_u2xr2_zero2_and_zero3_match_the_plain_trainer(plain):
         _assert_close(result, plain, f"U2xR2 ZeRO-{run['stage']}")
 
 
+@pytest.fixture(scope="module")
+def plain_mixed():
+    """The plain Trainer on one process, micro batch 2 x MICRO_BATCH: each micro-batch the two replicas' rows."""
+    return run_distributed(train, 1, [dict(micro=2 * MICRO_BATCH)], "text_only_mix", timeout=300)[0][0]
+
+
+def test_text_only_replica_under_zero3_dp2_matches_the_plain_trainer(plain_mixed):
+    """DP=2 under ZeRO-3, one replica's micro-batch text only (with mm_token_type_ids) in every micro-step.
+    Before: shard_batch refused mm_token_type_ids; with that accepted, DeepSpeed's parameter gather failed
+    ("disagreement on list length": the vision tower ran on one replica only). Now the text-only replica
+    runs the tower once on a dummy unit: loss and grad_norm equal the plain Trainer's."""
+    result = run_distributed(train, 2, [dict(ulysses=1, ring=1, stage=3)], "text_only_mix", timeout=600)[0][0]
+    _assert_close(result, plain_mixed, "DP2 ZeRO-3, text-only replica")
+
+
+@pytest.mark.slow
+def test_text_only_replica_with_context_ranks_matches_the_plain_trainer(plain_mixed):
+    """DP=2 x U=2 (4 ranks) under ZeRO-2 and ZeRO-3 (in this order: after a ZeRO-3 TrainingArguments,
+    transformers builds later models in the same process under zero.Init)."""
+    runs = [dict(ulysses=2, ring=1, stage=2), dict(ulysses=2, ring=1, stage=3)]
+    for run, result in zip(runs, run_distributed(train, 4, runs, "text_only_mix", timeout=900)[0]):
+        _assert_close(result, plain_mixed, f"DP2xU2 ZeRO-{run['stage']}, text-only replica")
+
+
 @pytest.mark.parametrize("ulysses,ring", [(2, 1), (2, 2)])
 def test_images_span_shards(ulysses, ring):
     """Most micro-batches of the run hold an image whose tokens lie on two or more ranks."""
