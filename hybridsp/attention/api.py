@@ -58,7 +58,7 @@ def hybrid_attn_func(
             batch rows; or ``[B, num_docs + 1]``, or a list of B boundary tensors/lists (rows
             may hold different numbers of documents), or the batch's
             :class:`~hybridsp.layout.documents.Documents` (``shard_batch(...)["documents"]``: checked and
-            planned once per batch instead of once per call). A query attends keys of its own
+            planned once per batch instead of once per call; the ranks' agreement is checked on every call). A query attends keys of its own
             document only. With ``layout="balanced"`` the same boundaries that sharded the tokens.
         sliding_window: W: query i attends keys j with ``i - W < j <= i`` (transformers'
             convention, flash-attn's ``window_size=(W - 1, 0)``; ``|i - j| < W`` when not

@@ -26,9 +26,14 @@ Band = tuple[int | None, int | None]
 
 def band_mask(sq: int, sk: int, band: Band, device=None) -> torch.Tensor:
     """[Sq, Sk] bool, True where row i sees column j (``lo <= i - j <= hi``)."""
+    return band_mask_rows(torch.arange(sq, device=device), sk, band)
+
+
+def band_mask_rows(rows: torch.Tensor, sk: int, band: Band) -> torch.Tensor:
+    """[n, Sk] bool: the rows ``rows`` [n] (int) of :func:`band_mask`."""
     lo, hi = band
-    diff = torch.arange(sq, device=device).unsqueeze(1) - torch.arange(sk, device=device).unsqueeze(0)  # [Sq, Sk]
-    visible = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    diff = rows.unsqueeze(1) - torch.arange(sk, device=rows.device).unsqueeze(0)  # [n, Sk]
+    visible = torch.ones(diff.shape, dtype=torch.bool, device=rows.device)
     if lo is not None:
         visible &= diff >= lo
     if hi is not None:

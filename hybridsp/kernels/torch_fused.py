@@ -14,6 +14,15 @@ to a multiple of 32 rows and wants the head dim a multiple of 8. Head dims that 
 zero-padded (zero columns in q/k leave the scores unchanged, in v they add output columns
 that are cut off), which is exact. :func:`cuda_variant` is the selection rule, kept free of
 CUDA calls so that it is unit-tested on CPU.
+
+Note [NaN rows]: the CPU kernel takes each row's maximum score with a NaN-dropping scalar max
+over the keys that do not fill a whole vector (all of them when a call has fewer keys than one
+vector: 16 fp32 with AVX-512). A row whose every visible score is NaN (a NaN in its query, or in
+every key it sees) then looks fully masked and comes back out 0, lse 0, where the math, and one
+call over a longer sequence, give NaN; a ring's merge would weigh that block as a real one. So
+:func:`restore_nan_rows` makes such rows NaN: the candidates are the rows with lse exactly 0 (one
+compare over [B, H, Sq]; usually none), each confirmed from its own scores, so every other row
+keeps its bits.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import torch.nn.functional as F
 from hybridsp.kernels.band import (
     additive_mask,
     band_mask,
+    band_mask_rows,
     math_backward_band,
     math_forward_band,
     rows_without_keys_to_neg_inf,
@@ -100,7 +110,8 @@ class TorchFusedKernel(AttentionKernel):
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             layout(q), layout(k), layout(v), 0.0, causal, scale=softmax_scale
         )
-        return _seq_first(out), lse.to(accumulation_dtype(q.dtype))
+        band = (0, None) if causal else (None, None)  # top-left causal, or every key
+        return restore_nan_rows(q, k, _seq_first(out), lse.to(accumulation_dtype(q.dtype)), band)
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
@@ -126,7 +137,8 @@ class TorchFusedKernel(AttentionKernel):
             _heads_first(q), _heads_first(k), _heads_first(v), 0.0, False,
             attn_mask=additive_mask(visible, q.dtype), scale=softmax_scale,
         )
-        return _seq_first(out), rows_without_keys_to_neg_inf(lse.to(accumulation_dtype(q.dtype)), visible)
+        lse = rows_without_keys_to_neg_inf(lse.to(accumulation_dtype(q.dtype)), visible)
+        return restore_nan_rows(q, k, _seq_first(out), lse, band)
 
     def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
         check_qkv(q, k, v, causal=False)
@@ -134,6 +146,24 @@ class TorchFusedKernel(AttentionKernel):
             return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
         lse = lse_for_backward(lse.to(accumulation_dtype(q.dtype)))
         return _cpu_band_backward(dout, q, k, v, out, lse, band, softmax_scale)
+
+
+def restore_nan_rows(q, k, out, lse, band):
+    """(out [B, Sq, H, D], lse [B, H, Sq]) of a CPU kernel call with NaN, in place, on the rows whose
+    every score inside ``band`` (:mod:`hybridsp.kernels.band`) is NaN (Note [NaN rows])."""
+    zero = lse == 0  # [B, H, Sq]: the kernel's "no key" marker, and rarely a real lse
+    if not bool(zero.any()):
+        return out, lse
+    b, h, i = zero.nonzero().unbind(1)  # each [n]
+    acc = accumulation_dtype(q.dtype)
+    group = q.shape[2] // k.shape[2]
+    scores = torch.einsum("nd,nkd->nk", q[b, i, h].to(acc), k[b, :, h // group].to(acc))  # [n, Sk]
+    seen = band_mask_rows(i, k.shape[1], band)  # [n, Sk]
+    nan = (scores.isnan() | ~seen).all(dim=-1) & seen.any(dim=-1)  # [n]
+    b, h, i = b[nan], h[nan], i[nan]
+    out[b, i, h] = torch.nan
+    lse[b, h, i] = torch.nan
+    return out, lse
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):

@@ -4,9 +4,10 @@
 sequence): an int tensor/list ``[N + 1]`` shared by every row, a ``[B, N + 1]`` tensor, a list
 of B per-row tensors/lists, or ``None`` (one document per row). :func:`as_documents` turns any of
 them into a :class:`Documents`: Python ints validated once, hashable, plus a memo in which the
-attention keeps what it derives from them (the token layout, the block plan, the ranks'
-agreement). :func:`hybridsp.shard_batch` builds one per batch and every layer of a model reuses
-it, so the per-layer path reads no device tensor and rebuilds nothing.
+attention keeps what it derives from them (the token layout, the block plan, the call's
+agreement fingerprint). :func:`hybridsp.shard_batch` builds one per batch and every layer of a
+model reuses it, so the per-layer path reads no device tensor and rebuilds nothing (the ranks'
+agreement is still checked per call, Note [agreement] in :mod:`hybridsp.attention.resolve`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ class Documents:
     Attributes:
         batch: B. seq_len: the global (unsharded) sequence length S.
         rows: ``B`` tuples ``(0, ..., S)`` (empty documents dropped), or None.
-        memo: derived data keyed by what determines it (plans, layouts, agreement checks).
+        memo: derived data keyed by what determines it (plans, layouts, agreement fingerprints).
     """
 
     __slots__ = ("batch", "seq_len", "rows", "memo", "_digest")

@@ -24,6 +24,12 @@ differentiable ``L``, however non-linear in the sums. This is the same contract 
 context ranks (DeepSpeed ZeRO 0-2 do; ZeRO-3 and DDP average, see
 :func:`hybridsp.integrations.deepspeed.engine.scale_gradients`). One collective per call, no autograd
 through it.
+
+A target outside ``[0, V)`` (other than ``ignore_index``) is a ValueError quoting the count and a few
+ids, raised on every context rank together, as for :func:`hybridsp.sharded_cross_entropy` (Note [bad
+labels] in :mod:`hybridsp.losses.token_tail`, the one guard they share): :func:`sequence_logprobs`
+counts such targets in its one all-reduce, :func:`token_logprobs` given ``mesh`` in one all-reduce of
+one number (without ``mesh`` it raises on the rank that holds them, with no communication).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 
 from hybridsp.attention.api import gather_sequence, shard_sequence
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
+from hybridsp.losses.token_tail import agree_on_labels, guard_labels, raise_on_bad_labels
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
@@ -70,22 +77,35 @@ def gather_tokens(local: torch.Tensor, mesh: HybridMesh, cu_seqlens=None) -> tor
     return full.scatter(1, mine, local)  # [B, S, ...]: own positions differentiable
 
 
-def token_logprobs(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX, *,
+                   mesh: HybridMesh | None = None) -> torch.Tensor:
     """``log p(shift_labels)`` under ``logits``, per token, in fp32; 0 where the label is ``ignore_index``.
 
     ``logits`` [B, S_local, V], ``shift_labels`` [B, S_local] (already shifted on the full
-    sequence, as :func:`hybridsp.shard_batch` returns them) -> [B, S_local]. No communication.
+    sequence, as :func:`hybridsp.shard_batch` returns them) -> [B, S_local]. ``mesh``: pass it when
+    the shards go on to a collective (:func:`gather_tokens`), so that a target outside the
+    vocabulary raises on every context rank (one all_reduce of one number); without it there is
+    no communication and only the rank holding such a target raises (module docstring).
     """
+    logp, bad = _guarded_token_logprobs(logits, shift_labels, ignore_index)  # [B, S_local] each
+    agree_on_labels(shift_labels, bad, mesh, vocab=logits.shape[-1], ignore_index=ignore_index)
+    return logp
+
+
+def _guarded_token_logprobs(logits, shift_labels, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [B, S_local] fp32, 0 where ignored or bad; bad-target mask [B, S_local]) of logits
+    [B, S_local, V]: targets outside the vocabulary are ignored here and reported by the caller."""
     if tuple(logits.shape[:-1]) != tuple(shift_labels.shape):
         raise ValueError(
             f"logits {tuple(logits.shape)} and shift_labels {tuple(shift_labels.shape)} do not match: expected "
             f"logits [B, S_local, V] and shift_labels [B, S_local] of the same rank"
         )
     vocab = logits.shape[-1]
+    safe_labels, bad = guard_labels(shift_labels, vocab, ignore_index)  # Note [bad labels] in token_tail
     nll = F.cross_entropy(
-        logits.reshape(-1, vocab).float(), shift_labels.reshape(-1).long(), ignore_index=ignore_index, reduction="none"
+        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=ignore_index, reduction="none"
     )  # [B * S_local], 0 where ignored
-    return -nll.view(shift_labels.shape)  # [B, S_local]
+    return -nll.view(shift_labels.shape), bad  # [B, S_local]
 
 
 def sequence_logprobs(
@@ -101,6 +121,11 @@ def sequence_logprobs(
 
     Returns:
         [B] fp32, the unsharded sums on every context rank, with this rank's share of the
-        gradient (Note [local gradient]). One all_reduce of B numbers over the context group.
+        gradient (Note [local gradient]). One all_reduce of B + 1 numbers over the context group
+        (the sums and the count of targets outside the vocabulary: ValueError on every rank if any).
     """
-    return context_sum(token_logprobs(logits, shift_labels, ignore_index).sum(dim=1), mesh)  # [B]
+    logp, bad = _guarded_token_logprobs(logits, shift_labels, ignore_index)  # [B, S_local] each
+    sums = logp.sum(dim=1)  # [B]
+    totals = context_sum(torch.cat([sums, bad.sum().to(sums.dtype).reshape(1)]), mesh)  # [B + 1]
+    raise_on_bad_labels(int(totals[-1].item()), shift_labels, bad, logits.shape[-1], ignore_index, mesh)
+    return totals[:-1]  # [B]

@@ -14,6 +14,9 @@ holds it, before the all-reduce; the other ranks would then wait in the collecti
 until its timeout). :func:`guard_labels` replaces such targets by ``ignore_index`` so the kernel
 runs everywhere, :func:`token_weighted_share` counts them in the same all-reduce as the loss
 (no extra collective) and every rank of the context group raises the same ValueError together.
+The log-probabilities (:mod:`hybridsp.losses.logprobs`) use the same guard: their all-reduce of the
+sums carries the count too, and a per-token call given the mesh agrees on it in
+:func:`agree_on_labels`.
 
 Labels of any integer dtype (int32 from a numpy pipeline, int64) are accepted; the kernel gets int64.
 """
@@ -75,13 +78,27 @@ def token_weighted_share(
     return (local_sum + others) / (count.clamp_min(1.0) / scale).float()
 
 
-def raise_on_bad_labels(total_bad: int, shift_labels, bad, vocab: int, ignore_index: int, mesh: HybridMesh) -> None:
-    """ValueError quoting the count and a few ids when the group holds any bad label (Note [bad labels])."""
+def agree_on_labels(shift_labels, bad: torch.Tensor, mesh: HybridMesh | None, *, vocab: int, ignore_index: int) -> None:
+    """ValueError on every context rank together when any rank's ``bad`` [B, S_local] (from
+    :func:`guard_labels`) is set: one no-grad all_reduce of one number over ``mesh.context_group``;
+    no communication for ``mesh=None`` or a context of one (then only this rank's labels count)."""
+    total = bad.sum().double()  # 0-dim
+    if mesh is not None and mesh.context > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=mesh.context_group)
+    raise_on_bad_labels(int(total.item()), shift_labels, bad, vocab, ignore_index, mesh)
+
+
+def raise_on_bad_labels(total_bad: int, shift_labels, bad, vocab: int, ignore_index: int,
+                        mesh: HybridMesh | None) -> None:
+    """ValueError quoting the count and a few ids when the group holds any bad label (Note [bad labels]).
+
+    ``mesh`` only names this rank in the message (None: a single process, rank 0)."""
     if total_bad == 0:
         return
     local = shift_labels[bad][:4].tolist()
+    rank = 0 if mesh is None else mesh.rank
     raise ValueError(
         f"{total_bad} target id(s) in shift_labels lie outside the vocabulary [0, {vocab}) of the logits "
-        f"(ignore_index={ignore_index}); this rank ({mesh.rank}) has {int(bad.sum())}, e.g. {local}. "
+        f"(ignore_index={ignore_index}); this rank ({rank}) has {int(bad.sum())}, e.g. {local}. "
         f"Check the tokenizer's vocabulary against the model's vocab_size"
     )

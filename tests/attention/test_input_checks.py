@@ -116,6 +116,32 @@ def test_ranks_that_disagree_raise_on_every_rank(what):
     assert all(m is not None and "disagree" in m for m in messages), messages
 
 
+def _later_call_disagrees(rank, world, scenario):
+    """Calls that share one Documents object: the first ones agree; the last has a window on the last rank only."""
+    from hybridsp.layout.documents import as_documents
+
+    mesh = init_mesh(ulysses=2, ring=world // 2)
+    q, k, v, _ = random_qkv(1, 64, 4, 2, 8, seed=3)
+    local = [shard_sequence(t, mesh) for t in (q, k, v)]
+    documents = as_documents(torch.tensor([0, 20, 64]), 1, 64)  # what shard_batch hands every layer
+    call = lambda window: hybrid_attn_func(*local, mesh=mesh, backend="torch", cu_seqlens=documents,  # noqa: E731
+                                           sliding_window=window)
+    agreed = [None, 8] if scenario == "both settings agreed before" else [None]
+    for window in agreed:
+        call(window)
+    try:
+        call(8 if rank == world - 1 else None)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("scenario", ["first call agreed", "both settings agreed before"])
+def test_a_later_call_that_disagrees_on_the_same_documents_raises_on_every_rank(scenario):
+    messages = run_distributed(_later_call_disagrees, 4, scenario, timeout=60)  # a hang fails within a minute
+    assert all(m is not None and "disagree on sliding_window" in m for m in messages), messages
+
+
 def test_cu_seqlens_refuses_floats_and_accepts_numpy():
     with pytest.raises(ValueError, match="integer"):
         normalize_cu_seqlens([0, 5.7, 16], 1, 16)

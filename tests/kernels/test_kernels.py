@@ -100,3 +100,34 @@ def test_torch_kernel_bf16_same_on_heads_first_and_seq_first_storage(kv_heads):
     expected = reference_with_grads(q, k, v, dout, causal=True, softmax_scale=0.2)  # float64
     for got, exp in zip((results[1][0], *results[1][2:]), expected):
         assert rel_err(got, exp) < 2e-2  # bf16 inputs and outputs (8 mantissa bits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("call", ["causal", "dense", "band"])
+def test_torch_kernel_nan_row_of_a_short_block_is_nan_other_rows_bitwise_unchanged(dtype, call):
+    """Note [NaN rows] in hybridsp.kernels.torch_fused: fewer keys than one vector (4 here), a NaN query row
+    (and a row whose only key is NaN) came back out 0 / lse 0 from aten; now NaN, every other row the same bits."""
+    kernel = get_kernel("torch")
+    q, k, v, _ = random_qkv(1, 4, 4, 2, 8, seed=5, dtype=dtype)
+    q[0, 2, 1, 3] = float("nan")  # query row 2, head 1
+    k[0, 0, 1, 5] = float("nan")  # key 0 of K/V head 1 (heads 2, 3): causal row 0 sees only it
+    band = {"causal": (0, None), "dense": (None, None), "band": (0, 1)}[call]
+    if call == "band":
+        out, lse = kernel.forward_band(q, k, v, band=band, softmax_scale=0.3)
+    else:
+        out, lse = kernel.forward(q, k, v, causal=call == "causal", softmax_scale=0.3)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    mask = None if call != "band" else torch.zeros(4, 4, dtype=dtype).masked_fill_(
+        ~torch.tensor([[0 <= i - j <= 1 for j in range(4)] for i in range(4)]), -torch.inf)
+    raw_out, raw_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        t(q), t(k), t(v), 0.0, call == "causal", attn_mask=mask, scale=0.3)[:2]
+    nan_rows = torch.zeros(1, 4, 4, dtype=torch.bool)  # [B, S, H]
+    nan_rows[0, 2, 1] = True
+    if call != "dense":
+        nan_rows[0, 0, 2:] = True  # row 0 sees key 0 only (dense rows see finite keys too: NaN already)
+    assert torch.equal(torch.isnan(out).any(-1), nan_rows | torch.isnan(t(raw_out)).any(-1))
+    assert torch.equal(torch.isnan(lse), t(nan_rows) | torch.isnan(raw_lse))
+    keep = ~nan_rows
+    exact = {"rtol": 0, "atol": 0, "equal_nan": True}
+    torch.testing.assert_close(out[keep], t(raw_out)[keep], **exact)
+    torch.testing.assert_close(lse[t(keep)], raw_lse.to(lse.dtype)[t(keep)], **exact)

@@ -70,3 +70,40 @@ def test_sharded_logprob_losses_and_gradients_equal_unsharded(ulysses, ring, wor
     for rank_dpo, rank_grpo, rank_grad in run_distributed(_sharded, world, ulysses, ring, timeout=120):
         assert abs(rank_dpo - dpo) <= 1e-5 * abs(dpo) and abs(rank_grpo - grpo) <= 1e-5 * abs(grpo)
         torch.testing.assert_close(rank_grad.double(), grad, rtol=1e-4, atol=1e-6)
+
+
+def _bad_target_on_one_rank(rank, world, which):
+    """U1 x R2: a target outside the vocabulary [0, V) sits on the last rank only."""
+    from hybridsp import init_mesh
+    from hybridsp.losses.logprobs import gather_tokens, sequence_logprobs, token_logprobs
+
+    mesh = init_mesh(ulysses=1, ring=world)
+    logits = torch.randn(2, 6, V, requires_grad=True)
+    labels = torch.randint(0, V, (2, 6))
+    if rank == world - 1:
+        labels[1, 2], labels[0, 4] = V + 3, -7  # two bad ids; -100 stays ignored
+    try:
+        if which == "sequence":
+            sequence_logprobs(logits, labels, mesh)
+        else:
+            gather_tokens(token_logprobs(logits, labels, mesh=mesh), mesh)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("which", ["sequence", "token"])
+def test_a_target_outside_the_vocabulary_on_one_rank_raises_on_every_rank(which):
+    messages = run_distributed(_bad_target_on_one_rank, 2, which, timeout=60)  # a hang fails within a minute
+    for rank, message in enumerate(messages):
+        assert message and f"2 target id(s) in shift_labels lie outside the vocabulary [0, {V})" in message, message
+        assert f"this rank ({rank}) has {2 if rank == 1 else 0}" in message, message
+
+
+def test_token_logprobs_without_a_mesh_names_the_bad_target():
+    from hybridsp.losses.logprobs import token_logprobs
+
+    labels = torch.tensor([[1, 2, V, -100]])
+    with pytest.raises(ValueError, match=rf"1 target id\(s\) .* outside the vocabulary \[0, {V}\).*e\.g\. \[{V}\]"):
+        token_logprobs(torch.randn(1, 4, V), labels)
+    assert token_logprobs(torch.randn(1, 4, V), labels.clamp(max=V - 1))[0, 3] == 0  # ignore_index: 0
