@@ -149,11 +149,13 @@ class Balanced(TokenLayout):
         if bounds is None or len(bounds) <= 2:
             return ZIGZAG._runs(seq_len, ring, None)
         from hybridsp.layout.balance.tries import balanced_slot_runs  # torch-free, below this module
+        from hybridsp.layout.balance.work import TiledWindow
 
         window = self.window
         if window is not None and window >= max(b - a for a, b in zip(bounds, bounds[1:])):
             window = None  # no document is longer than the window: the work is full causal work
-        return tuple(tuple(slot) for slot in balanced_slot_runs(tuple(bounds), seq_len, ring, window=window))
+        cost = None if window is None else TiledWindow.of(window)  # what the plan computes (Note [tiled work])
+        return tuple(tuple(slot) for slot in balanced_slot_runs(tuple(bounds), seq_len, ring, window=cost))
 
     def __repr__(self) -> str:
         return "Balanced()" if self.window is None else f"Balanced(window={self.window})"
