@@ -225,7 +225,10 @@ class HybridSPMixin:
         if vlm_batch.is_vision_batch(tensors):
             model = self.accelerator.unwrap_model(self.model)
             return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id())
-        return shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
+        from hybridsp.integrations.transformers.switch import layout_window  # Note [layout window] there
+
+        window = layout_window(self.model)
+        return shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id(), sliding_window=window)
 
     def _pad_token_id(self) -> int:
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
