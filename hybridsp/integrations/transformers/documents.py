@@ -37,7 +37,7 @@ def install_input_check(model: nn.Module, mesh: HybridMesh, window: int | None =
             return None
         found = _with_documents(args, kwargs, _batch_positions(arguments), mesh, arguments.get("attention_mask"))
         documents = (kwargs if found is None else found[1]).get(DOCUMENTS_KWARG)
-        if documents is not None:
+        if isinstance(documents, Documents):
             check_placement_window(documents, mesh, window)
         return found
 
