@@ -1,14 +1,15 @@
 """A bounded cache of token layouts' slot runs, sized by bytes (Note [runs cache]).
 
 Note [runs cache]. A layout's slot runs (a few ``(start, length)`` pairs per ring slot) are a
-pure function of (layout, sequence length, ring, a row's document boundaries), and the balanced
+pure function of (layout and its window, sequence length, ring, a row's boundaries), and the balanced
 layout's cost a few to a hundred ms of host CPU per row to compute, so they are cached. The
 cache keeps runs, never permutations: a permutation is ``S`` int64 values (8 MiB at S = 1M),
 rebuilt from the runs in O(S) vectorised work (:func:`hybridsp.layout.layouts.layout_permutation`),
 while a row's runs and its boundaries take about 40 bytes per document and 140 bytes per run.
 The cache is an LRU bounded by the *estimated* bytes of its keys and values
-(:func:`entry_bytes`; :data:`RUNS_CACHE_BYTES`, 32 MiB, holds ~200 rows of S = 1M lognormal
-packs and thousands at S = 16K), so a process's memory stays flat over any number of distinct
+(:func:`entry_bytes`, which overestimates a little: 55 KB for a lognormal row of S = 1M with 926
+documents and 128 runs at R = 4, 42 KB measured; :data:`RUNS_CACHE_BYTES`, 32 MiB, holds ~600 such
+rows and tens of thousands at S = 16K), so a process's memory stays flat over any number of distinct
 packs, and it is keyed per batch row, so a batch of B rows needs B entries (not one per batch).
 One process-wide instance (:data:`RUNS_CACHE`): bounded, thread-safe, and only a cache (clearing
 it changes no result).
