@@ -18,7 +18,11 @@ layout's target packs), at U1 x R4 and U2 x R2 on 4 gloo ranks, for each layout:
   it); max/mean is the measured balance. CPU time, not wall time: on a shared 2-core machine four
   ranks' wall clocks measure the scheduler, their CPU times measure the work.
 
-Writes benchmarks/results/packed/packed_layout.md and .json.
+``--window W``: a sliding window on every call; three variants then: zigzag, ``balanced`` placed
+as if there were no window (what the layout did before it knew the window) and ``balanced W``
+(``init_mesh(layout="balanced", sliding_window=W)``), on the first packs where the window-blind
+balanced plan is >= 1.1x the mean. Writes benchmarks/results/packed/packed_layout.md and .json
+(``--window``: packed_layout_w<W>).
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ MESHES = ((1, 4), (2, 2))
 LAYOUTS = ("zigzag", "balanced")
 
 
+def variants(window) -> dict:
+    """{name: (layout name, placement window)} compared, with the call's window ``window``."""
+    out = {name: (name, None) for name in LAYOUTS}
+    if window is not None:
+        out[f"balanced W{window}"] = ("balanced", window)
+    return out
+
+
 def lognormal_pack(seed: int, seq: int = SEQ) -> tuple[int, ...]:
     """Document boundaries of one row: lognormal lengths clipped to [16, 8000], the last one cut at ``seq``."""
     rng = random.Random(seed)
@@ -52,14 +64,16 @@ def lognormal_pack(seed: int, seq: int = SEQ) -> tuple[int, ...]:
     return tuple(bounds)
 
 
-def skewed_packs(ring: int, count: int, threshold: float = 1.4) -> list[tuple[int, ...]]:
-    """The first ``count`` seeded packs on which zigzag's plan imbalance at ``ring`` is >= ``threshold``."""
+def skewed_packs(ring: int, count: int, threshold: float = 1.4, window=None) -> list[tuple[int, ...]]:
+    """The first ``count`` seeded packs on which zigzag's plan imbalance at ``ring`` is >= ``threshold``
+    (with ``window``: the window-blind balanced layout's, >= 1.1)."""
     from hybridsp.layout.block_plan import build_plan
 
+    layout, threshold = ("zigzag", threshold) if window is None else ("balanced", 1.1)
     found, seed = [], 0
     while len(found) < count:
         bounds = lognormal_pack(seed)
-        plan = build_plan(SEQ, ring, "zigzag", causal=True, docs=(bounds,), window=None, batch=1)
+        plan = build_plan(SEQ, ring, layout, causal=True, docs=(bounds,), window=window, batch=1)
         work = [plan.work(r) for r in range(ring)]
         if max(work) * ring / sum(work) >= threshold:
             found.append(bounds)
@@ -67,14 +81,15 @@ def skewed_packs(ring: int, count: int, threshold: float = 1.4) -> list[tuple[in
     return found
 
 
-def plan_metrics(bounds, ulysses: int, ring: int, shape=(HEADS, KV_HEADS, HEAD_DIM)) -> dict:
-    """Plan-level work and bytes of each layout on one pack (no processes)."""
+def plan_metrics(bounds, ulysses: int, ring: int, shape=(HEADS, KV_HEADS, HEAD_DIM), window=None) -> dict:
+    """Plan-level work and bytes of each variant on one pack (no processes)."""
     from hybridsp.attention.volume import hybrid_bytes
     from hybridsp.layout.block_plan import build_plan
+    from hybridsp.layout.layouts import get_layout
 
     out = {}
-    for layout in LAYOUTS:
-        plan = build_plan(SEQ, ring, layout, causal=True, docs=(bounds,), window=None, batch=1)
+    for layout, (name, placed) in variants(window).items():
+        plan = build_plan(SEQ, ring, get_layout(name, placed), causal=True, docs=(bounds,), window=window, batch=1)
         work = [plan.work(r) for r in range(ring)]
         sent = [sum(hybrid_bytes(batch=1, seq_len=SEQ, heads=shape[0], kv_heads=shape[1], head_dim=shape[2],
                                  ulysses=ulysses, ring=ring, ring_rank=r, element_size=4, plan=plan).values())
@@ -84,18 +99,20 @@ def plan_metrics(bounds, ulysses: int, ring: int, shape=(HEADS, KV_HEADS, HEAD_D
     return out
 
 
-def _measure(rank, world, ulysses, ring, packs, repeats, shape=(HEADS, KV_HEADS, HEAD_DIM)):
-    """Per layout and pack: this rank's CPU seconds of one forward + backward, each repeat.
+def _measure(rank, world, ulysses, ring, packs, repeats, shape=(HEADS, KV_HEADS, HEAD_DIM), window=None):
+    """Per variant and pack: this rank's CPU seconds of one forward + backward, each repeat.
     ``shape``: (heads, K/V heads, head dim) of the whole model (before the Ulysses split)."""
     from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 
     heads, kv_heads, head_dim = shape
-    meshes = {layout: init_mesh(ulysses=ulysses, ring=ring, layout=layout) for layout in LAYOUTS}
+    meshes = {layout: init_mesh(ulysses=ulysses, ring=ring, layout=name, sliding_window=placed)
+              for layout, (name, placed) in variants(window).items()}
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(1, SEQ, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads, heads)]
-    times = {layout: [[] for _ in packs] for layout in LAYOUTS}
+    names = tuple(meshes)
+    times = {layout: [[] for _ in packs] for layout in names}
     for repeat in range(repeats):
-        order = LAYOUTS if repeat % 2 == 0 else LAYOUTS[::-1]  # interleaved
+        order = names if repeat % 2 == 0 else names[::-1]  # interleaved
         for index, bounds in enumerate(packs):
             for layout in order:
                 mesh, cu = meshes[layout], torch.tensor(bounds)
@@ -103,15 +120,16 @@ def _measure(rank, world, ulysses, ring, packs, repeats, shape=(HEADS, KV_HEADS,
                 dout = shard_sequence(full[3], mesh, cu_seqlens=cu)
                 torch.distributed.barrier()
                 start = time.process_time()
-                hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu, backend="torch").backward(dout)
+                hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu, sliding_window=window,
+                                 backend="torch").backward(dout)
                 times[layout][index].append(time.process_time() - start)
     return times
 
 
 def summarise(per_rank: list[dict], packs) -> dict:
-    """Medians over repeats; per layout and pack: busiest rank, max/mean, total over ranks."""
+    """Medians over repeats; per variant and pack: busiest rank, max/mean, total over ranks."""
     out = {}
-    for layout in LAYOUTS:
+    for layout in per_rank[0]:
         rows = []
         for index in range(len(packs)):
             medians = [statistics.median(times[layout][index]) for times in per_rank]
@@ -130,8 +148,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--out", default=results_path("packed", "packed_layout"),
                         help="output prefix (default benchmarks/results/packed/packed_layout)")
+    parser.add_argument("--window", type=int, default=None, help="sliding window of every call (see the docstring)")
     args = parser.parse_args(argv)
     shape = (args.heads, args.kv_heads, args.head_dim)
+    if args.window is not None:
+        return windowed(args, shape)
     rows, before = [], load()
     for ulysses, ring in MESHES:
         packs = skewed_packs(ring, args.packs)
@@ -168,6 +189,39 @@ def main(argv=None) -> dict:
             f"{r['busiest_speedup']:.2f}x | {r['total_time_ratio']:.3f} |")
     write_results(args.out, "\n".join(lines) + "\n",
                   {"rows": rows, "args": vars(args)})
+    print("\n".join(lines))
+    return {"rows": rows}
+
+
+def windowed(args, shape) -> dict:
+    """``--window``: plan and measured busiest-rank ratios of every variant (:func:`variants`)."""
+    window, rows, before = args.window, [], load()
+    for ulysses, ring in MESHES:
+        packs = skewed_packs(ring, args.packs, window=window)
+        plans = [plan_metrics(bounds, ulysses, ring, shape, window) for bounds in packs]
+        measured = summarise(launch(_measure, 4, ulysses, ring, packs, args.repeats, shape, window, timeout=3600),
+                             packs)
+        for index, bounds in enumerate(packs):
+            rows.append({"mesh": f"U{ulysses}xR{ring}", "pack": index, "documents": len(bounds) - 1,
+                         "plan": {v: plans[index][v]["work_max_over_mean"] for v in measured},
+                         "measured": {v: measured[v][index]["max_over_mean"] for v in measured},
+                         "busiest_s": {v: measured[v][index]["busiest_s"] for v in measured}})
+    names = list(variants(window))
+    lines = [f"# Packed batches with sliding_window={window}: zigzag, window-blind balanced, balanced for the window",
+             "", f"{machine_info()}; load {before} -> {load()}; revision {revision()}", "",
+             f"S = {SEQ}, W = {window}, H = {args.heads}, Hkv = {args.kv_heads}, D = {args.head_dim}, fp32, 4 gloo "
+             f"ranks, the first lognormal packs on which the window-blind balanced plan is >= 1.1x the mean, medians "
+             f"of {args.repeats} interleaved repeats of one forward + backward (each rank's CPU time).", "",
+             "| mesh | pack | docs | " + " | ".join(f"plan max/mean {n}" for n in names) + " | "
+             + " | ".join(f"measured max/mean {n}" for n in names) + " | busiest s " + " / ".join(names) + " |",
+             "|---|---|---|" + "---|" * (2 * len(names) + 1)]
+    for r in rows:
+        lines.append(f"| {r['mesh']} | {r['pack']} | {r['documents']} | "
+                     + " | ".join(f"{r['plan'][n]:.3f}" for n in names) + " | "
+                     + " | ".join(f"{r['measured'][n]:.3f}" for n in names) + " | "
+                     + " / ".join(f"{r['busiest_s'][n]:.2f}" for n in names) + " |")
+    out = args.out if args.out != results_path("packed", "packed_layout") else results_path("packed", f"packed_layout_w{window}")
+    write_results(out, "\n".join(lines) + "\n", {"rows": rows, "args": vars(args)})
     print("\n".join(lines))
     return {"rows": rows}
 

@@ -43,7 +43,7 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from hybridsp.attention.api import shard_sequence
+from hybridsp.attention.api import shard_tensors
 from hybridsp.layout.documents import Documents, normalize_cu_seqlens
 from hybridsp.layout.layouts import required_multiple
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
@@ -79,7 +79,8 @@ def prepare_batch(
 
 
 def shard_batch(
-    batch: Mapping[str, Any], mesh: HybridMesh, *, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX
+    batch: Mapping[str, Any], mesh: HybridMesh, *, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX,
+    sliding_window: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """This rank's shard of a full causal-LM batch, in the mesh's token layout.
 
@@ -92,6 +93,11 @@ def shard_batch(
         mesh: the :class:`~hybridsp.mesh.hybrid_mesh.HybridMesh` whose ``(ring_rank, ulysses_rank)`` picks the shard.
         pad_token_id: fills ``input_ids`` where the sequence is padded to the layout's multiple.
         ignore_index: the target that carries no loss (padding, the last token of a row).
+        sliding_window: the model's window, which ``layout="balanced"`` balances work for
+            (default: the mesh's ``sliding_window``); carried on ``documents`` so that the
+            attention and :func:`hybridsp.gather_sequence` use the same placement
+            (Note [placement window] in :mod:`hybridsp.layout.layouts`). A switched HF model
+            checks it against its config (:func:`hybridsp.integrations.transformers.layout_window`).
 
     Returns:
         ``input_ids``, ``shift_labels`` and ``position_ids``, each [B, S_pad / C] on the
@@ -101,11 +107,13 @@ def shard_batch(
         model (a switched HF model also takes ``hybridsp_documents=local["documents"]``: the
         attention then plans once per batch and needs no collective to find the documents; the
         balanced layout requires it) and ``shift_labels`` to
-        :func:`~hybridsp.losses.cross_entropy.sharded_cross_entropy`. No communication.
+        :func:`~hybridsp.losses.cross_entropy.sharded_cross_entropy`. No communication. Each
+        row's layout is computed once for all three tensors.
     """
     full = prepare_batch(batch, mesh, pad_token_id=pad_token_id, ignore_index=ignore_index)
-    documents = batch_documents(full["position_ids"])
-    local = {key: shard_sequence(value, mesh, cu_seqlens=documents) for key, value in full.items()}
+    window = mesh.sliding_window if sliding_window is None else sliding_window
+    documents = batch_documents(full["position_ids"], window)
+    local = dict(zip(full, shard_tensors(list(full.values()), mesh, cu_seqlens=documents)))
     return {**local, "documents": documents}
 
 
@@ -264,11 +272,13 @@ def check_same_across_context(input_ids: torch.Tensor, mesh: HybridMesh) -> None
         )
 
 
-def batch_documents(position_ids: torch.Tensor) -> Documents:
+def batch_documents(position_ids: torch.Tensor, window: int | None = None) -> Documents:
     """The packed documents of full (padded, unsharded) ``position_ids`` [B, S] as host data: a
-    document starts at each row's first token and wherever the position is 0."""
+    document starts at each row's first token and wherever the position is 0; ``window``: the
+    placement window they carry (``Documents.window``)."""
     batch, seq_len = position_ids.shape
-    return Documents(batch, seq_len, normalize_cu_seqlens(packed_cu_seqlens(position_ids.cpu()), batch, seq_len))
+    rows = normalize_cu_seqlens(packed_cu_seqlens(position_ids.cpu()), batch, seq_len)
+    return Documents(batch, seq_len, rows, window)
 
 
 def packed_cu_seqlens(position_ids: torch.Tensor) -> list[torch.Tensor]:

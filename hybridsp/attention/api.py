@@ -20,8 +20,8 @@ from hybridsp.attention.ulysses import expand_kv_heads_for, heads_to_seq, seq_to
 from hybridsp.comm import CommCounter
 from hybridsp.kernels import AttentionKernel
 from hybridsp.layout.block_plan import check_sliding_window
-from hybridsp.layout.documents import as_documents
-from hybridsp.layout.layouts import join_shards, take_shard
+from hybridsp.layout.documents import Documents, as_documents
+from hybridsp.layout.layouts import TokenLayout, join_shards, shard_index, take_index
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
@@ -59,10 +59,13 @@ def hybrid_attn_func(
             may hold different numbers of documents), or the batch's
             :class:`~hybridsp.layout.documents.Documents` (``shard_batch(...)["documents"]``: checked and
             planned once per batch instead of once per call; the ranks' agreement is checked on every call). A query attends keys of its own
-            document only. With ``layout="balanced"`` the same boundaries that sharded the tokens.
+            document only. With ``layout="balanced"`` the same boundaries that sharded the tokens,
+            and the same placement window (:func:`placement_layout`): a ``Documents`` carries its
+            own, raw boundaries get the mesh's ``sliding_window``.
         sliding_window: W: query i attends keys j with ``i - W < j <= i`` (transformers'
             convention, flash-attn's ``window_size=(W - 1, 0)``; ``|i - j| < W`` when not
-            causal). Combines with ``cu_seqlens``. None: no window.
+            causal). Combines with ``cu_seqlens``. None: no window. This layer's mask only: where
+            tokens are placed is the documents' / mesh's placement window, whatever W is.
         softmax_scale: defaults to 1/sqrt(D).
         backend: ``auto``, ``torch``, ``flash``, ``reference`` or a kernel object.
         counter: optional :class:`~hybridsp.comm.CommCounter` recording bytes sent; defaults to
@@ -85,7 +88,7 @@ def hybrid_attn_func(
     call = resolve_ring_call(
         q, k, v, mesh.ring_group if mesh.ring > 1 else None, ring=mesh.ring, ulysses=mesh.ulysses, causal=causal,
         cu_seqlens=cu_seqlens, sliding_window=sliding_window, softmax_scale=softmax_scale, backend=backend,
-        layout=mesh.token_layout, counter=mesh.comm_counter if counter is None else counter, kv_comm=kv_comm,
+        layout=placement_layout(mesh, cu_seqlens), counter=mesh.comm_counter if counter is None else counter, kv_comm=kv_comm,
         kv_chunks=mesh.kv_chunks, agreement_group=mesh.context_group if mesh.context > 1 else None,
     )
     if mesh.ulysses == 1:
@@ -140,32 +143,71 @@ class HybridAttention(nn.Module):
                 f"backend={self.backend!r}")
 
 
-def shard_sequence(x: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+def placement_layout(mesh: HybridMesh, cu_seqlens=None, sliding_window: int | None = None) -> TokenLayout:
+    """The mesh's token layout placing for the window that applies (Note [placement window] in
+    :mod:`hybridsp.layout.layouts`): ``sliding_window`` if given, else the one ``cu_seqlens``
+    carries (a :class:`~hybridsp.layout.documents.Documents`' ``window``), else the mesh's.
+
+    Raises ValueError, before any collective, when ``sliding_window`` and the documents' differ.
+    """
+    carried = cu_seqlens.window if isinstance(cu_seqlens, Documents) else None
+    if sliding_window is not None and carried is not None and sliding_window != carried:
+        raise ValueError(
+            f"sliding_window={sliding_window} was given but the documents were placed for window {carried}: "
+            f"pass the same window that sharded them (or none: the documents carry theirs)"
+        )
+    window = next((w for w in (sliding_window, carried, mesh.sliding_window) if w is not None), None)
+    return mesh.token_layout.placing(window)
+
+
+def shard_sequence(
+    x: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens=None, *, sliding_window: int | None = None
+) -> torch.Tensor:
     """This rank's tokens of the full tensor ``x`` along ``dim``, in the mesh's token layout.
 
     ``cu_seqlens``: the batch's global document boundaries (any form :func:`hybrid_attn_func`
     takes); needed by ``layout="balanced"``, which places tokens by document (ignored by the
-    other layouts). No communication; identical across data-parallel replicas. Raises
-    ValueError when the layout cannot split ``x.shape[dim]`` evenly.
+    other layouts). ``sliding_window``: the window ``layout="balanced"`` balances work for
+    (default: the one a ``Documents`` carries, else the mesh's; :func:`placement_layout`):
+    :func:`gather_sequence` must get the same, and :func:`hybrid_attn_func` the same through a
+    ``Documents`` (``Documents.window``) or the mesh. No communication; identical across
+    data-parallel replicas. Raises ValueError when the layout cannot split ``x.shape[dim]`` evenly.
     """
+    return shard_tensors([x], mesh, dim, cu_seqlens, sliding_window=sliding_window)[0]
+
+
+def shard_tensors(
+    tensors: list[torch.Tensor], mesh: HybridMesh, dim: int = 1, cu_seqlens=None, *, sliding_window=None
+) -> list[torch.Tensor]:
+    """:func:`shard_sequence` of tensors of one shape along ``dim`` ([B, S, ...]), the layout's
+    positions computed once for all of them (each row's runs once)."""
+    x = tensors[0]
+    layout = placement_layout(mesh, cu_seqlens, sliding_window)
     bounds = _layout_bounds(x, mesh, dim, cu_seqlens)
-    return take_shard(x, mesh.ring_rank, mesh.ulysses_rank, mesh.ring, mesh.ulysses, mesh.token_layout, dim, bounds)
+    rows = x.shape[0] if dim != 0 else 1
+    index = shard_index(x.shape[dim], rows, mesh.ring_rank, mesh.ulysses_rank, mesh.ring, mesh.ulysses, layout,
+                        bounds)  # [1 or B, S / C]
+    return [take_index(t, index, dim) for t in tensors]
 
 
-def gather_sequence(x_local: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+def gather_sequence(
+    x_local: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens=None, *, sliding_window: int | None = None
+) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full tensor in original order, on every rank of the context group.
 
-    A collective over ``mesh.context_group``; not differentiable. ``cu_seqlens`` as there.
+    A collective over ``mesh.context_group``; not differentiable. ``cu_seqlens`` and
+    ``sliding_window`` as there (the same values that sharded ``x``; checked before the collective).
     """
     x_local = x_local.contiguous()
     if mesh.context == 1:
         return x_local
+    layout = placement_layout(mesh, cu_seqlens, sliding_window)
     bounds = _layout_bounds(x_local, mesh, dim, cu_seqlens, local=True)
     gathered = [torch.empty_like(x_local) for _ in range(mesh.context)]
     dist.all_gather(gathered, x_local, group=mesh.context_group)  # in ascending global rank order
     by_rank = dict(zip(sorted(mesh.context_members()), gathered))
     shards = [by_rank[member] for member in mesh.context_members()]  # in shard order r * U + u
-    return join_shards(shards, mesh.ring, mesh.ulysses, mesh.token_layout, dim, bounds)
+    return join_shards(shards, mesh.ring, mesh.ulysses, layout, dim, bounds)
 
 
 def _layout_bounds(x: torch.Tensor, mesh: HybridMesh, dim: int, cu_seqlens, local: bool = False):

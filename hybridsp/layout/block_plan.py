@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridsp.layout.balance.work import MIN_TILE  # fewest query rows per window tile (smaller cost more calls)
 from hybridsp.layout.layouts import TokenLayout, get_layout
 
-MIN_TILE = 64  # fewest query rows per window tile (smaller tiles cost more calls than they save)
 _ALL = slice(None)
 
 Band = tuple[int | None, int | None]

@@ -26,13 +26,15 @@ class Documents:
     Attributes:
         batch: B. seq_len: the global (unsharded) sequence length S.
         rows: ``B`` tuples ``(0, ..., S)`` (empty documents dropped), or None.
+        window: the sliding window a layout that places tokens by document balanced this batch
+            for (Note [placement window] in :mod:`hybridsp.layout.layouts`); None: the mesh's.
         memo: derived data keyed by what determines it (plans, layouts, agreement fingerprints).
     """
 
-    __slots__ = ("batch", "seq_len", "rows", "memo", "_digest")
+    __slots__ = ("batch", "seq_len", "rows", "window", "memo", "_digest")
 
-    def __init__(self, batch: int, seq_len: int, rows: Rows | None = None):
-        self.batch, self.seq_len, self.rows = batch, seq_len, rows
+    def __init__(self, batch: int, seq_len: int, rows: Rows | None = None, window: int | None = None):
+        self.batch, self.seq_len, self.rows, self.window = batch, seq_len, rows, window
         self.memo: dict[Any, Any] = {}
         self._digest: tuple[int, int] | None = None
 
@@ -47,7 +49,7 @@ class Documents:
 
     def key(self) -> tuple:
         """A hashable value that determines everything derived from these documents."""
-        return (self.batch, self.seq_len, self.rows)
+        return (self.batch, self.seq_len, self.rows, self.window)
 
     def digest(self) -> tuple[int, int]:
         """Two 62-bit halves of a BLAKE2 digest of the boundaries (for cross-rank agreement checks)."""
@@ -68,7 +70,8 @@ class Documents:
 
     def __repr__(self) -> str:
         docs = 1 if self.rows is None else max(len(row) - 1 for row in self.rows)
-        return f"Documents(batch={self.batch}, seq_len={self.seq_len}, max_docs_per_row={docs})"
+        window = "" if self.window is None else f", window={self.window}"
+        return f"Documents(batch={self.batch}, seq_len={self.seq_len}, max_docs_per_row={docs}{window})"
 
 
 def as_documents(cu_seqlens, batch: int, seq_len: int) -> Documents:

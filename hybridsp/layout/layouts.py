@@ -26,16 +26,30 @@ with a few long documents the busiest slot does up to twice the mean work. The b
 consecutive pieces) and places short documents whole by work, so the layout depends on the
 batch's boundaries: the same
 boundaries must reach :func:`take_shard`, the attention and :func:`join_shards` (``bounds``).
+
+Note [placement window]: with a sliding window ``W`` a token at offset ``p`` of its document
+attends to ``min(p + 1, W)`` keys, so the work of a long document grows linearly, not
+quadratically, and a layout balanced for full attention can leave the busiest slot far above
+the mean (1.86 x on lognormal packs at W = 512). ``Balanced(window=W)`` (``layout.placing(W)``)
+balances that work instead. The window is part of the layout object (its equality and hash):
+the runs, the permutation and the block plan are functions of (documents, window), and every
+place that shards, plans or joins must use the same object; the mesh
+(``init_mesh(sliding_window=)``) and the batch's :class:`~hybridsp.layout.documents.Documents`
+(``window``) carry it there. A window at least as long as a row's longest document places that
+row exactly as no window does.
+
+Runs are cached per row in a byte-bounded LRU (Note [runs cache] in
+:mod:`hybridsp.layout.runs_cache`); permutations and shard positions are rebuilt from them.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from hybridsp.formulas import zigzag_slot_runs
+from hybridsp.layout.runs_cache import RUNS_CACHE
 
 Runs = tuple[tuple[tuple[int, int], ...], ...]  # per slot: (global start, length) runs in slot order
 
@@ -45,6 +59,12 @@ class TokenLayout:
 
     name: str = ""
     uses_documents = False  # whether the runs depend on a row's document boundaries
+    window: int | None = None  # the sliding window the runs are balanced for (Note [placement window])
+
+    def placing(self, window: int | None) -> TokenLayout:
+        """This layout placing tokens for sliding window ``window``; layouts that ignore documents
+        ignore windows too (the same object)."""
+        return self
 
     def chunks(self, ring: int) -> int:
         """Equal chunks the sequence is cut into when it holds one document."""
@@ -69,10 +89,11 @@ class TokenLayout:
         """Per ring slot, its tokens as ``(global start, length)`` runs in the order the slot holds them.
 
         ``bounds``: one row's document boundaries ``(0, ..., seq_len)``; ignored by layouts that do
-        not use documents. Memoised (pure function of its arguments).
+        not use documents. Cached per row (Note [runs cache] in :mod:`hybridsp.layout.runs_cache`).
         """
         self.check_sequence_length(seq_len, ring)
-        return _cached_runs(self, seq_len, ring, bounds if self.uses_documents else None)
+        bounds = bounds if self.uses_documents else None
+        return RUNS_CACHE.get((self, seq_len, ring, bounds), bounds, lambda: self._runs(seq_len, ring, bounds))
 
     def _runs(self, seq_len: int, ring: int, bounds: tuple[int, ...] | None) -> Runs:
         raise NotImplementedError
@@ -81,15 +102,10 @@ class TokenLayout:
         return f"{type(self).__name__}()"
 
     def __eq__(self, other) -> bool:
-        return type(self) is type(other)
+        return type(self) is type(other) and self.window == other.window
 
     def __hash__(self) -> int:
-        return hash(type(self))
-
-
-@functools.lru_cache(maxsize=64)
-def _cached_runs(layout: TokenLayout, seq_len: int, ring: int, bounds) -> Runs:
-    return layout._runs(seq_len, ring, bounds)
+        return hash((type(self), self.window))
 
 
 class Zigzag(TokenLayout):
@@ -115,17 +131,34 @@ class Contiguous(TokenLayout):
 
 
 class Balanced(TokenLayout):
-    """Equal tokens and (close to) equal causal work per slot for a row's documents (Note [balanced])."""
+    """Equal tokens and (close to) equal causal work per slot for a row's documents (Note [balanced]),
+    the work counted under sliding window ``window`` (None: full causal; Note [placement window])."""
 
     name = "balanced"
     uses_documents = True
+
+    def __init__(self, window: int | None = None):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"the balanced layout's window must be a positive number of tokens or None; got {window!r}")
+        self.window = window
+
+    def placing(self, window: int | None) -> TokenLayout:
+        return self if window == self.window else Balanced(window)
 
     def _runs(self, seq_len, ring, bounds):
         if bounds is None or len(bounds) <= 2:
             return ZIGZAG._runs(seq_len, ring, None)
         from hybridsp.layout.balance.tries import balanced_slot_runs  # torch-free, below this module
+        from hybridsp.layout.balance.work import TiledWindow
 
-        return tuple(tuple(slot) for slot in balanced_slot_runs(tuple(bounds), seq_len, ring))
+        window = self.window
+        if window is not None and window >= max(b - a for a, b in zip(bounds, bounds[1:])):
+            window = None  # no document is longer than the window: the work is full causal work
+        cost = None if window is None else TiledWindow.of(window)  # what the plan computes (Note [tiled work])
+        return tuple(tuple(slot) for slot in balanced_slot_runs(tuple(bounds), seq_len, ring, window=cost))
+
+    def __repr__(self) -> str:
+        return "Balanced()" if self.window is None else f"Balanced(window={self.window})"
 
 
 ZIGZAG, CONTIGUOUS, BALANCED = Zigzag(), Contiguous(), Balanced()
@@ -133,13 +166,14 @@ _BY_NAME = {layout.name: layout for layout in (ZIGZAG, CONTIGUOUS, BALANCED)}
 LAYOUTS = tuple(_BY_NAME)
 
 
-def get_layout(layout: str | TokenLayout) -> TokenLayout:
-    """The layout object for a name (``zigzag``, ``contiguous``, ``balanced``) or the object itself."""
-    if isinstance(layout, TokenLayout):
-        return layout
-    if layout not in _BY_NAME:
-        raise ValueError(f"unknown token layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    return _BY_NAME[layout]
+def get_layout(layout: str | TokenLayout, window: int | None = None) -> TokenLayout:
+    """The layout object for a name (``zigzag``, ``contiguous``, ``balanced``) or the object itself;
+    ``window`` given: that layout placing for it (:meth:`TokenLayout.placing`)."""
+    if not isinstance(layout, TokenLayout):
+        if layout not in _BY_NAME:
+            raise ValueError(f"unknown token layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+        layout = _BY_NAME[layout]
+    return layout if window is None else layout.placing(window)
 
 
 def check_sequence_length(
@@ -155,24 +189,35 @@ def required_multiple(ring: int, ulysses: int = 1, layout: str | TokenLayout = "
     return get_layout(layout).required_multiple(ring, ulysses, kv_chunks)
 
 
+def runs_positions(runs, begin: int, end: int) -> torch.Tensor:
+    """Positions ``begin .. end-1`` of the concatenation of ``runs`` ((start, length) pairs), shape
+    [end - begin], int64: a few vectorised ops whatever the number of runs (no per-token Python)."""
+    starts, lengths, offset = [], [], 0
+    for start, length in runs:
+        lo, hi = max(begin, offset), min(end, offset + length)
+        if lo < hi:
+            starts.append(start + lo - offset)
+            lengths.append(hi - lo)
+        offset += length
+    starts_t, lengths_t = torch.tensor(starts, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    shift = starts_t - (torch.cumsum(lengths_t, 0) - lengths_t)  # [m] start minus where the run begins
+    return torch.repeat_interleave(shift, lengths_t, output_size=end - begin) + torch.arange(end - begin)
+
+
 def layout_permutation(
     seq_len: int, ring: int, ulysses: int = 1, layout: str | TokenLayout = "zigzag",
     bounds: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Global token index of every position of the concatenated shards, shape [S], int64."""
+    """Global token index of every position of the concatenated shards, shape [S], int64 (a new
+    tensor, built from the cached runs: Note [runs cache] in :mod:`hybridsp.layout.runs_cache`)."""
     layout = get_layout(layout)
     layout.check_sequence_length(seq_len, ring, ulysses)
-    return _permutation(layout, seq_len, ring, bounds if layout.uses_documents else None).clone()
+    return runs_positions(_flat_runs(layout, seq_len, ring, bounds), 0, seq_len)
 
 
-@functools.lru_cache(maxsize=64)
-def _permutation(layout: TokenLayout, seq_len: int, ring: int, bounds) -> torch.Tensor:
-    runs = [run for slot in layout.slot_runs(seq_len, ring, bounds) for run in slot]
-    starts = torch.tensor([start for start, _ in runs], dtype=torch.int64)
-    lengths = torch.tensor([length for _, length in runs], dtype=torch.int64)
-    offsets = torch.cumsum(lengths, 0) - lengths  # where each run begins in the concatenation
-    within = torch.arange(seq_len) - torch.repeat_interleave(offsets, lengths)  # [S] index inside its run
-    return torch.repeat_interleave(starts, lengths) + within  # [S]
+def _flat_runs(layout: TokenLayout, seq_len: int, ring: int, bounds) -> list[tuple[int, int]]:
+    """Every slot's runs in shard order (slot 0's first)."""
+    return [run for slot in layout.slot_runs(seq_len, ring, bounds) for run in slot]
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -187,10 +232,11 @@ def shard_positions(
     layout: str | TokenLayout = "zigzag", bounds: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Global token positions held by shard ``(ring_rank, ulysses_rank)``, shape [S / (R*U)]."""
-    perm = layout_permutation(seq_len, ring, ulysses, layout, bounds)
+    layout = get_layout(layout)
+    layout.check_sequence_length(seq_len, ring, ulysses)
     local = seq_len // (ring * ulysses)
     index = ring_rank * ulysses + ulysses_rank
-    return perm[index * local : (index + 1) * local]
+    return runs_positions(_flat_runs(layout, seq_len, ring, bounds), index * local, (index + 1) * local)
 
 
 def _row_bounds(rows, batch: int) -> list:
@@ -202,6 +248,27 @@ def _row_bounds(rows, batch: int) -> list:
     return list(rows)
 
 
+def shard_index(
+    seq_len: int, rows: int, ring_rank: int, ulysses_rank: int, ring: int, ulysses: int = 1,
+    layout: str | TokenLayout = "zigzag", bounds=None,
+) -> torch.Tensor:
+    """The positions :func:`take_shard` takes: [1, L] when every row is laid out alike, else [rows, L]
+    (``L = S / (R*U)``; ``bounds`` as there). Each row's runs come from the cache once."""
+    layout = get_layout(layout)
+    per_row = _row_bounds(bounds if layout.uses_documents else None, rows)
+    if all(row == per_row[0] for row in per_row):
+        return shard_positions(seq_len, ring_rank, ulysses_rank, ring, ulysses, layout, per_row[0]).unsqueeze(0)
+    return torch.stack([shard_positions(seq_len, ring_rank, ulysses_rank, ring, ulysses, layout, b) for b in per_row])
+
+
+def take_index(x: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``x`` indexed along ``dim`` by a :func:`shard_index` result ([1, L]: every row alike; [B, L]:
+    row b of dim 0 by ``index[b]``)."""
+    if index.shape[0] == 1:
+        return x.index_select(dim, index[0].to(x.device))
+    return _gather_rows(x, index, dim)
+
+
 def take_shard(
     x: torch.Tensor, ring_rank: int, ulysses_rank: int, ring: int, ulysses: int = 1,
     layout: str | TokenLayout = "zigzag", dim: int = 1, bounds=None,
@@ -210,14 +277,10 @@ def take_shard(
 
     ``bounds``: document boundaries for layouts that use them: one tuple shared by every row, or
     one per row of dim 0 (then ``dim`` must be 1 or later: rows may be laid out differently).
+    ``layout`` carries the placement window (Note [placement window]).
     """
-    layout = get_layout(layout)
-    per_row = _row_bounds(bounds if layout.uses_documents else None, x.shape[0] if dim != 0 else 1)
-    if all(row == per_row[0] for row in per_row):
-        positions = shard_positions(x.shape[dim], ring_rank, ulysses_rank, ring, ulysses, layout, per_row[0])
-        return x.index_select(dim, positions.to(x.device))
-    rows = [shard_positions(x.shape[dim], ring_rank, ulysses_rank, ring, ulysses, layout, b) for b in per_row]
-    return _gather_rows(x, torch.stack(rows), dim)
+    rows = x.shape[0] if dim != 0 else 1
+    return take_index(x, shard_index(x.shape[dim], rows, ring_rank, ulysses_rank, ring, ulysses, layout, bounds), dim)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
@@ -233,7 +296,8 @@ def join_shards(
     shards: list[torch.Tensor], ring: int, ulysses: int = 1, layout: str | TokenLayout = "zigzag", dim: int = 1,
     bounds=None,
 ) -> torch.Tensor:
-    """Inverse of :func:`take_shard`: ``shards`` ordered by ``r * U + u`` -> the full tensor."""
+    """Inverse of :func:`take_shard`: ``shards`` ordered by ``r * U + u`` -> the full tensor (the
+    same ``layout`` object, window included, and ``bounds`` as the sharding)."""
     layout = get_layout(layout)
     joined = torch.cat(shards, dim=dim)
     per_row = _row_bounds(bounds if layout.uses_documents else None, joined.shape[0] if dim != 0 else 1)

@@ -54,6 +54,7 @@ class MeshShape:
     kv_comm: str = "ring"
     kv_chunks: int | None = None
     tensor: int = 1
+    sliding_window: int | None = None  # the window layouts that place by document balance for
 
     def __post_init__(self):
         for name in ("ulysses", "ring", "tensor"):
@@ -63,6 +64,7 @@ class MeshShape:
         if self.order not in ORDERS:
             raise ValueError(f"unknown rank order {self.order!r}; choose one of {', '.join(ORDERS)}")
         get_layout(self.layout)  # ValueError for an unknown name
+        get_layout("balanced", self.sliding_window)  # ValueError for a window that is not a positive int
         if self.kv_comm not in KV_COMMS:
             raise ValueError(f"unknown kv_comm {self.kv_comm!r}; choose one of {', '.join(KV_COMMS)}")
         if self.kv_chunks is not None and (isinstance(self.kv_chunks, bool) or not isinstance(self.kv_chunks, int)
@@ -151,8 +153,11 @@ class HybridMesh:
 
     @property
     def token_layout(self) -> TokenLayout:
-        """The :class:`~hybridsp.layout.layouts.TokenLayout` object of ``layout``."""
-        return get_layout(self.shape.layout)
+        """The :class:`~hybridsp.layout.layouts.TokenLayout` object of ``layout``, placing for
+        ``sliding_window`` (Note [placement window] in :mod:`hybridsp.layout.layouts`)."""
+        return get_layout(self.shape.layout).placing(self.shape.sliding_window)
+
+    sliding_window = property(lambda self: self.shape.sliding_window)  # the layout's default window
     kv_comm = property(lambda self: self.shape.kv_comm)
     kv_chunks = property(lambda self: self.shape.kv_chunks)
     tensor = property(lambda self: self.shape.tensor)
@@ -240,6 +245,7 @@ def init_mesh(
     layout: str = "zigzag",
     kv_comm: str = "ring",
     kv_chunks: int | None = None,
+    sliding_window: int | None = None,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
@@ -259,6 +265,9 @@ def init_mesh(
     collective, when the degrees do not divide the world size or cannot be chosen.
     ``kv_comm`` (``"ring"`` or ``"allgather"``) and ``kv_chunks`` are the default K/V transport
     of every :func:`~hybridsp.hybrid_attn_func` call over the mesh (see :mod:`hybridsp.attention.ring`).
+    ``sliding_window``: the model's window, for ``layout="balanced"`` to balance windowed work
+    (the default of :func:`~hybridsp.shard_sequence`, :func:`~hybridsp.shard_batch` and the
+    attention; Note [placement window] in :mod:`hybridsp.layout.layouts`); other layouts ignore it.
     """
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs torch.distributed to be initialised first (init_process_group)")
@@ -271,7 +280,7 @@ def init_mesh(
         check_tensor_heads(num_heads, num_kv_heads, tensor)
         attention.update(num_heads=num_heads // tensor, num_kv_heads=(num_kv_heads or num_heads) // tensor)
     ulysses, ring = _resolve_degrees(ulysses, ring, world_size // tensor, max(local // tensor, 1), attention)
-    shape = MeshShape(world_size, ulysses, ring, order, layout, kv_comm, kv_chunks, tensor)
+    shape = MeshShape(world_size, ulysses, ring, order, layout, kv_comm, kv_chunks, tensor, sliding_window)
     if num_heads is not None and tensor > 1:
         check_tensor_heads(num_heads, num_kv_heads, tensor, ulysses)
     _warn_if_ulysses_crosses_nodes(shape, local)

@@ -52,11 +52,12 @@ def _packed_row(doc_lengths: list[int], seq_len: int, ring: int) -> tuple[int, t
 
 
 def packing_imbalance(doc_lengths: list[int], seq_len: int, ring: int, window: int | None = None) -> dict[str, float]:
-    """``{layout: busiest ring rank's work / mean}`` for ``zigzag`` and ``balanced`` on one packed row."""
+    """``{layout: busiest ring rank's work / mean}`` for ``zigzag`` and ``balanced`` (placing for ``window``) on
+    one packed row (work: the visible cells, :func:`~hybridsp.layout.balance.work.slot_work`)."""
     seq_len, bounds = _packed_row(doc_lengths, seq_len, ring)
     result = {}
     for name in ("zigzag", "balanced"):
-        work = slot_work(get_layout(name).slot_runs(seq_len, ring, bounds), bounds, window)
+        work = slot_work(get_layout(name, window).slot_runs(seq_len, ring, bounds), bounds, window)
         result[name] = max(work) * ring / sum(work)
     return result
 

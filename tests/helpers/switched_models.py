@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp import gather_sequence, shard_batch, sharded_cross_entropy
+from hybridsp.integrations import transformers as hf
 from tests.helpers.tiny_models import tiny_causal_lm
 
 PAD = 0
@@ -36,7 +37,7 @@ def make_batch(seq: int, lengths: tuple[int, ...], seed: int = 0) -> dict:
 def sharded(model, mesh, batch):
     """(gathered logits [B, S_pad, V], loss, {name: grad summed over the context group}, local valid count)."""
     model.zero_grad(set_to_none=True)
-    local = shard_batch(batch, mesh, pad_token_id=PAD)
+    local = shard_batch(batch, mesh, pad_token_id=PAD, sliding_window=hf.layout_window(model))
     out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
                 hybridsp_documents=local["documents"], use_cache=False)
     loss = sharded_cross_entropy(out.logits, local["shift_labels"], mesh)

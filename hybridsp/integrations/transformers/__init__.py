@@ -30,6 +30,8 @@ _EXPORTS = {
     "SUPPORTED_MODEL_TYPES": "hybridsp.integrations.transformers.switch",
     "HybridAttentionHandle": "hybridsp.integrations.transformers.switch",
     "apply": "hybridsp.integrations.transformers.switch",
+    "layer_windows": "hybridsp.integrations.transformers.switch",
+    "layout_window": "hybridsp.integrations.transformers.switch",
     "check_transformers_version": "hybridsp.integrations.transformers.switch",
     "hybridsp_attention_forward": "hybridsp.integrations.transformers.switch",
     "register": "hybridsp.integrations.transformers.switch",

@@ -20,10 +20,11 @@ from hybridsp.layout.documents import Documents, as_documents
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
-def install_input_check(model: nn.Module, mesh: HybridMesh):
+def install_input_check(model: nn.Module, mesh: HybridMesh, window: int | None = None):
     """The model's forward pre-hook (None if its forward takes no ``position_ids``): when ``C > 1``
     it refuses missing ``position_ids`` and given ``labels``; always it derives the packed
-    documents of this forward from ``position_ids`` (Note [packed documents])."""
+    documents of this forward from ``position_ids`` (Note [packed documents]) and refuses
+    documents placed for another window than the model's ``window`` (Note [layout window])."""
     signature = inspect.signature(model.forward)
     if "position_ids" not in signature.parameters:
         return None
@@ -34,9 +35,27 @@ def install_input_check(model: nn.Module, mesh: HybridMesh):
             _refuse_missing_positions_or_labels(arguments)
         if kwargs.get(DECODE_KWARG) is not None:  # a decode step: every rank holds the same new tokens
             return None
-        return _with_documents(args, kwargs, _batch_positions(arguments), mesh, arguments.get("attention_mask"))
+        found = _with_documents(args, kwargs, _batch_positions(arguments), mesh, arguments.get("attention_mask"))
+        documents = (kwargs if found is None else found[1]).get(DOCUMENTS_KWARG)
+        if isinstance(documents, Documents):
+            check_placement_window(documents, mesh, window)
+        return found
 
     return model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def check_placement_window(documents: Documents, mesh: HybridMesh, window: int | None) -> None:
+    """Raise ValueError, quoting both windows, when a layout that places by document balanced the
+    packed ``documents`` for another window than the model's (Note [layout window])."""
+    if not mesh.token_layout.uses_documents or mesh.ring == 1 or not documents.packed:
+        return
+    placed = mesh.sliding_window if documents.window is None else documents.window
+    if placed != window:
+        raise ValueError(
+            f"the {mesh.layout} layout placed this batch's tokens for sliding_window={placed} but the model's "
+            f"layers use {window} (hybridsp.integrations.transformers.layout_window(model)): shard with "
+            f"shard_batch(batch, mesh, sliding_window={window}) or init_mesh(..., sliding_window={window})"
+        )
 
 
 def _refuse_missing_positions_or_labels(arguments: dict) -> None:

@@ -27,6 +27,18 @@ position 0 (one small ``all_gather`` of ``[B, S/C]`` int32 over ``mesh.context_g
 balanced layout places tokens by document, so it needs the documents handed down. A row without
 restarts is one document.
 
+Note [layout window]: ``layout="balanced"`` places tokens so that every ring slot does the same
+attention work, and a sliding window changes that work (Note [placement window] in
+:mod:`hybridsp.layout.layouts`). The layers' windows come from the model (:func:`layer_windows`:
+Qwen2/3 modules carry their own, None on full-attention layers; Mistral's is the config's);
+:func:`layout_window` is the one the layout balances for: the window most layers use, a tie
+going to full attention (None), then to the larger window, since a full-attention layer does at
+least a windowed layer's work. (A model mixing full and windowed layers is balanced for its
+majority only; its other layers stay exact, just less balanced.) Pass it to
+:func:`hybridsp.shard_batch` (``sliding_window=layout_window(model)``; the Trainer does) or to
+``init_mesh(sliding_window=)``; the forward pre-hook refuses, before any collective, documents
+placed for another window on a ring of more than one slot.
+
 Note [registration]: :func:`register` adds the module-level function
 :func:`hybridsp_attention_forward` to transformers' ``AttentionInterface`` under the name
 ``"hybridsp"`` (the documented extension point; nothing private is patched). It is
@@ -275,7 +287,8 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
     vlm.refuse_other_multimodal(model)
     modules = [m for m in model.modules() if all(hasattr(m, part) for part in _ATTENTION_PARTS)]
     _check_model(model, modules, mesh)
-    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, install_input_check(model, mesh))
+    hook = install_input_check(model, mesh, layout_window(model))
+    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook)
 
 
 def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook):
@@ -326,6 +339,29 @@ def _check_module(module: nn.Module, mesh: HybridMesh) -> None:
             f"the model's {heads} query heads are not divisible by the Ulysses degree {mesh.ulysses}; choose a "
             f"Ulysses degree that divides {heads} and move the rest of the context ranks to the ring"
         )
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each switchable attention layer's sliding window, in module order (None: full attention)."""
+    modules = [m for m in model.modules() if all(hasattr(m, part) for part in _ATTENTION_PARTS)]
+    return [_module_window(m) for m in modules]
+
+
+def _module_window(module: nn.Module) -> int | None:
+    """The window a layer passes to the attention: its own (Qwen2/3), else its config's (Mistral)."""
+    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(module.config, "sliding_window",
+                                                                                    None)
+    return None if window is None else int(window)
+
+
+def layout_window(model: nn.Module) -> int | None:
+    """The window ``layout="balanced"`` balances ``model``'s work for (Note [layout window]): the
+    one most layers use; ties to None (full attention), then to the larger window."""
+    windows = layer_windows(model)
+    if not windows:
+        return None
+    counts = {w: windows.count(w) for w in windows}
+    return max(counts, key=lambda w: (counts[w], w is None, w or 0))
 
 
 def _configs_of(model: nn.Module, modules: list[nn.Module]) -> list:

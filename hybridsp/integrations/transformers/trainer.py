@@ -223,7 +223,10 @@ class HybridSPMixin:
             model = self.accelerator.unwrap_model(self.model)
             return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id(),
                                              idle_encoder=True)
-        return shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
+        from hybridsp.integrations.transformers.switch import layout_window  # Note [layout window] there
+
+        window = layout_window(self.model)
+        return shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id(), sliding_window=window)
 
     def _is_vision_language(self, tensors: dict) -> bool:
         """An image/video batch, or any batch of a Qwen2-VL-family model."""

@@ -88,6 +88,7 @@ from hybridsp.layout.balance.work import (
     piece_work,
     run_work,
     shortest_with_work,
+    slot_work,
 )
 
 DEFAULT_SPLIT_SHARE = math.inf
@@ -196,15 +197,24 @@ def balanced_slot_runs(
                 continue
             seen.add(duplicate)
         slots = strategy.slots(docs, seq_len, ring, window, budgets)
-        works = [slot.work for slot in slots]
-        ratio = max(works) * ring / sum(works)
         runs = finish_runs(slots, bounds)
+        works = _final_work(slots, runs, bounds, window)
+        ratio = max(works) * ring / sum(works)
         key = (0, hull_rows(runs, bounds), ratio) if ratio <= ACCEPT else (1, ratio, 0)
         if best_key is None or key < best_key:
             best_key, best = key, runs
         if key[:2] == (0, 0):
             break
     return best
+
+
+def _final_work(slots: list[Slot], runs, bounds, window) -> list[int]:
+    """Each slot's work as placed: what the try summed, except under a cost model whose pieces'
+    work is not additive (:class:`~hybridsp.layout.balance.work.TiledWindow`: merged runs tile
+    as one), where the finished runs are measured again."""
+    if window is None or type(window) is int:
+        return [slot.work for slot in slots]
+    return slot_work(runs, bounds, window)
 
 
 def host_count(share: float, ring: int) -> int:

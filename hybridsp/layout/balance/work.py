@@ -2,7 +2,9 @@
 
 Pure Python (no torch). Attention is causal inside each document of a packed row with boundaries
 ``bounds = (0, b1, ..., S)``; the token at offset ``p`` of its document attends to ``min(p + 1,
-W)`` keys (``W`` = window, unbounded if None); a slot's work is the sum over its tokens. Here:
+W)`` keys (``W`` = window, unbounded if None), or, for ``window`` a :class:`TiledWindow`, the
+cells the block plan computes for it (Note [tiled work]: what ``layout="balanced"`` balances
+for a window); a slot's work is the sum over its tokens. Here:
 that work for document prefixes, pieces and global runs; the per-slot builder (:class:`Slot`);
 grouping whole documents into units; the final run order (:func:`finish_runs`); the K/V rows a
 layout ships (:func:`hull_rows`); and the input checks.
@@ -20,9 +22,11 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from dataclasses import dataclass
 
 DEFAULT_UNIT_SHARE = 0.125
 DEFAULT_UNIT_WORK = 0.02
+MIN_TILE = 64  # fewest query rows of a window tile in the block plan (Note [tiled work])
 
 Runs = tuple[tuple[int, int], ...]
 
@@ -63,11 +67,58 @@ class Slot:
             self.work += work
 
 
-def prefix_work(x: int, window: int | None) -> int:
-    """Work of the first ``x`` tokens of a document: sum_{p < x} min(p + 1, W)."""
-    if window is None or x <= window:
+def prefix_work(x: int, window) -> int:
+    """Work of the first ``x`` tokens of a document: sum_{p < x} min(p + 1, W), or a cost model's
+    (``window`` a :class:`TiledWindow`)."""
+    if window is None:
+        return x * (x + 1) // 2
+    if type(window) is not int:
+        return window.prefix_work(x)
+    if x <= window:
         return x * (x + 1) // 2
     return window * (window + 1) // 2 + (x - window) * window
+
+
+@dataclass(frozen=True)
+class TiledWindow:
+    """The cells the block plan computes for a sliding window ``window`` (Note [tiled work]).
+
+    Note [tiled work]. ``build_plan`` cuts a windowed query run into tiles of ``tile = max(W,
+    64)`` rows from the run's start and computes each tile's rectangle of visible columns: at
+    document offset ``t``, ``n`` rows x ``n + min(t, W - 1)`` columns, except a run's first tile:
+    against the run's own keys its causal square (``W >= n``; else ``n x n``), against the keys
+    before the run (another run, another slot) ``min(n, W - 1) x min(t, W - 1)``. So a token past
+    a run's first tile costs about ``tile + W - 1`` cells (``2W - 1`` for ``W >= 64``), twice the
+    ``W`` keys it sees, while short documents cost their visible cells: the layout balances this
+    (what ``BlockPlan.work`` counts and a kernel that computes whole pieces does), not the
+    visible cells alone. :meth:`piece_work` is exact when the keys before a run are one run; split
+    over slots they cost a little less (each rectangle is trimmed), and touching runs a slot
+    holds are merged (tiled as one).
+    """
+
+    window: int
+    tile: int
+
+    @classmethod
+    def of(cls, window: int) -> TiledWindow:
+        """The plan's tiles for window ``window``."""
+        return cls(window, max(window, MIN_TILE))
+
+    def prefix_work(self, x: int) -> int:
+        """Cells of a run of a document's first ``x`` tokens."""
+        return self.piece_work(0, x)
+
+    def piece_work(self, lo: int, hi: int) -> int:
+        """Cells of a query run of document offsets [lo, hi) (O(1): its tiles in closed form)."""
+        w, t = self.window, self.tile
+        if hi <= lo:
+            return 0
+        n = min(t, hi - lo)
+        own = n * (n + 1) // 2 if w >= n else n * n  # the first tile against its own keys
+        earlier = min(n, w - 1) * min(lo, w - 1)  # ... against the keys before lo (another run)
+        full, rest = divmod(hi - lo - n, t)
+        first = own + earlier
+        return first + full * t * (t + w - 1) + rest * (rest + w - 1)
 
 
 def shortest_with_work(work: float, limit: int, window: int | None) -> int:
@@ -89,13 +140,15 @@ def run_work(start: int, n: int, bounds, window: int | None) -> int:
     total = 0
     while start < end:
         lo, stop = bounds[d], min(end, bounds[d + 1])
-        total += prefix_work(stop - lo, window) - prefix_work(start - lo, window)
+        total += piece_work(start - lo, stop - lo, window)
         start, d = stop, d + 1
     return total
 
 
-def piece_work(lo: int, hi: int, window: int | None) -> int:
-    """Work of document offsets [lo, hi)."""
+def piece_work(lo: int, hi: int, window) -> int:
+    """Work of document offsets [lo, hi) (a :class:`TiledWindow`: of that one run)."""
+    if window is not None and type(window) is not int:
+        return window.piece_work(lo, hi)
     return prefix_work(hi, window) - prefix_work(lo, window)
 
 
@@ -189,7 +242,7 @@ def check_sizes(seq_len: int, ring: int) -> None:
 
 def check_bounds(bounds, seq_len: int, ring: int, window) -> None:
     check_sizes(seq_len, ring)
-    if window is not None and window < 1:
+    if type(window) is int and window < 1:
         raise ValueError(f"window must be >= 1 or None; got {window}")
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
         raise ValueError(
