@@ -1,7 +1,7 @@
 """LoRA fine-tuning with PEFT under hybrid sequence parallelism: HybridSFTTrainer with ``peft_config``.
 
     deepspeed --num_gpus 2 examples/peft_lora.py --deepspeed ds_configs/trainer/cp2.json [options]
-    torchrun --nproc_per_node 4 examples/peft_lora.py --deepspeed ds_configs/trainer/cp4.json [options]
+    torchrun --nproc_per_node 2 examples/peft_lora.py --deepspeed ds_configs/trainer/cp2.json [options]
     python examples/peft_lora.py --ulysses 1        # one process, no launcher (the reference)
 
 The SFT example's packed rows (examples/trl_sft.py) trained through LoRA adapters: TRL wraps
@@ -37,23 +37,21 @@ def parse_args(argv: list[str] | None = None):
 def build_trainer(args, plan, config):
     from datasets import Dataset
     from peft import LoraConfig
-    from train import build_model
     from trl import SFTConfig
 
     from hybridsp.integrations.trl import HybridSFTTrainer
 
     texts = trl_common.paragraphs(args)
     tokenizer = trl_common.load_tokenizer(args, texts)
-    model = trl_common.build_model_for(args, tokenizer, build_model)
     settings = trl_common.trainer_settings(args, config)
-    rows = trl_common.enough(texts, trl_common.rows_needed(settings, plan) * args.seq_len * 4)
     lora = LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=[name for name in args.lora_targets.split(",") if name])
     sft = SFTConfig(**settings, packing=True, max_length=args.seq_len)
-    trainer = HybridSFTTrainer(model=model, args=sft, train_dataset=Dataset.from_list([{"text": t} for t in rows]),
+    model = trl_common.build_model_for(args, tokenizer, sft)
+    trainer = HybridSFTTrainer(model=model, args=sft, train_dataset=Dataset.from_list([{"text": t} for t in texts]),
                                processing_class=tokenizer, peft_config=lora, hybridsp=trl_common.mesh_overrides(args))
-    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in trainer.model.parameters())
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in trainer.model.parameters()]  # ZeRO-3: full
+    trainable, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)
     return trainer, f"PEFT LoRA example (r={args.lora_r}, {trainable:,} of {total:,} parameters train)"
 
 

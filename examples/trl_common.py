@@ -6,7 +6,8 @@ or ``--data``), cut into paragraphs. The tokenizer is a word-level one whose voc
 corpus's most frequent whitespace-separated words (``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2), built
 with ``tokenizers`` in memory; ``--tokenizer PATH`` takes a local Hugging Face one instead. The
 model is ``train.build_model``'s small Llama (or ``--model-path``). Every rank builds the same
-data and model from ``--seed``.
+data (all of the text, whatever the world size, U x R or ``--max-steps``: a resumed run sees the same
+rows) and model from ``--seed``.
 
 The DeepSpeed config is one of the ``"auto"`` configs in ``ds_configs/trainer/`` (the Trainer fills
 the batch, clipping, optimizer and precision values from the ``SFTConfig`` / ``DPOConfig``), or any
@@ -126,17 +127,6 @@ def load_tokenizer(args: argparse.Namespace, texts: list[str]):
     return tokenizer
 
 
-def enough(texts: list[str], words: int) -> list[str]:
-    """The first paragraphs of ``texts`` that hold at least ``words`` words (all of them if fewer)."""
-    taken, total = [], 0
-    for text in texts:
-        if total >= words:
-            break
-        taken.append(text)
-        total += len(text.split())
-    return taken
-
-
 # ---- trainer settings --------------------------------------------------------------------------------------------
 
 
@@ -171,14 +161,6 @@ def trainer_settings(args: argparse.Namespace, config: dict) -> dict:
         lr_scheduler_type="constant", activation_checkpointing=args.activation_checkpointing,
         dataloader_num_workers=0, dataset_num_proc=None,
     )
-
-
-def rows_needed(settings: dict, plan) -> int:
-    """Rows (or packed rows) the run consumes: micro batch x accumulation x replicas x steps. The context
-    ranks of a replica share their rows, so the data is the same whatever U x R (the one-process run too)."""
-    replicas = plan.world_size // (plan.hybrid.ulysses * plan.hybrid.ring)
-    return (settings["per_device_train_batch_size"] * settings["gradient_accumulation_steps"] * replicas
-            * settings["max_steps"])
 
 
 def metrics_callback(path: Path):
@@ -220,6 +202,8 @@ def main(parse_args, build_trainer, argv: list[str] | None = None) -> None:
         check_args(args)
         plan = preflight(args)  # one line, exit code 2, before the expensive imports
     except RunConfigError as error:
+        if "WORLD_SIZE" not in os.environ and "do not divide the world size 1" in str(error):
+            error = RunConfigError(f"{error} (without a launcher this is one process: pass --ulysses 1 --ring 1)")
         exit_once(error)
     name_cpu_accelerator()
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
@@ -268,9 +252,27 @@ def run(args: argparse.Namespace, plan, build_trainer) -> None:
               flush=True)
 
 
-def build_model_for(args: argparse.Namespace, tokenizer, build_model):
-    """``train.build_model`` sized to the tokenizer, with its pad and eos ids in the model config."""
-    model = build_model(args, len(tokenizer))
+def build_model_for(args: argparse.Namespace, tokenizer, training):
+    """The model, with the tokenizer's pad / bos / eos ids in its config: ``train.build_model``'s small Llama
+    sized to the tokenizer, or ``--model-path`` loaded in the run's precision. Call it after the
+    ``SFTConfig`` / ``DPOConfig`` (``training``) exists: under ZeRO-3 transformers then loads each rank's
+    partition only, with the config's ``"auto"`` values filled (train.py's loader would hand DeepSpeed the
+    unfilled ones)."""
+    if args.model_path:
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+        from hybridsp.integrations.transformers.checkpoint import load_pretrained
+
+        filled = {k: v for k, v in training.hf_deepspeed_config.config.items() if k != "train_batch_size"}
+        precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
+        model = load_pretrained(args.model_path, filled, precision=precision, ulysses=args.ulysses, ring=args.ring)
+        set_hf_deepspeed_config(training.hf_deepspeed_config)  # load_pretrained unsets the one the Trainer needs
+        if args.activation_checkpointing:
+            model.gradient_checkpointing_enable()
+    else:
+        from train import build_model
+
+        model = build_model(args, len(tokenizer))
     for config in (model.config, model.generation_config):
         config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
         config.eos_token_id = tokenizer.eos_token_id

@@ -1,7 +1,7 @@
 """TRL direct preference optimisation under hybrid sequence parallelism: HybridDPOTrainer.
 
     deepspeed --num_gpus 2 examples/trl_dpo.py --deepspeed ds_configs/trainer/cp2.json [options]
-    torchrun --nproc_per_node 4 examples/trl_dpo.py --deepspeed ds_configs/trainer/cp4.json [options]
+    torchrun --nproc_per_node 2 examples/trl_dpo.py --deepspeed ds_configs/trainer/cp2.json [options]
     python examples/trl_dpo.py --ulysses 1          # one process, no launcher (the reference)
 
 Preference pairs built from CPython's bundled documentation (or ``--data``): the prompt is the
@@ -30,40 +30,38 @@ def parse_args(argv: list[str] | None = None):
     return parser.parse_args(argv)
 
 
-def preference_pairs(texts: list[str], count: int, seq_len: int) -> list[dict]:
-    """``count`` rows {prompt, chosen, rejected}: a paragraph's first half (at most ``seq_len // 2`` words), its next
-    words, and as many words from the following paragraph; together within ``seq_len`` words."""
+def preference_pairs(texts: list[str], seq_len: int) -> list[dict]:
+    """Rows {prompt, chosen, rejected}, one per paragraph of 4 or more words: its first half (at most
+    ``seq_len // 2`` words), its next words, and as many words from the following paragraph; together
+    within ``seq_len`` words."""
     pairs = []
     for index, text in enumerate(texts):
-        if len(pairs) == count:
-            break
         words, other = text.split(), texts[(index + 1) % len(texts)].split()
         prompt = min(len(words) // 2, seq_len // 2)
         completion = min(len(words) - prompt, len(other), (seq_len - prompt) // 2)
-        if prompt < 2 or completion < 2:
-            continue
-        pairs.append({"prompt": " ".join(words[:prompt]), "chosen": " " + " ".join(words[prompt:prompt + completion]),
-                      "rejected": " " + " ".join(other[:completion])})
-    if len(pairs) < count:
-        raise trl_common.RunConfigError(f"the text gives {len(pairs)} preference pairs of at least 2 + 2 words, the "
-                                        f"run needs {count}: give a longer --data file or fewer --max-steps")
+        if prompt >= 2 and completion >= 2:
+            pairs.append({"prompt": " ".join(words[:prompt]),
+                          "chosen": " " + " ".join(words[prompt:prompt + completion]),
+                          "rejected": " " + " ".join(other[:completion])})
+    if not pairs:
+        raise trl_common.RunConfigError("the text gives no preference pair of at least 2 + 2 words: give a longer "
+                                        "--data file")
     return pairs
 
 
 def build_trainer(args, plan, config):
     from datasets import Dataset
-    from train import build_model
     from trl import DPOConfig
 
     from hybridsp.integrations.trl import HybridDPOTrainer
 
     texts = trl_common.paragraphs(args)
     tokenizer = trl_common.load_tokenizer(args, texts)
-    model = trl_common.build_model_for(args, tokenizer, build_model)
-    reference = trl_common.build_model_for(args, tokenizer, build_model)  # the same seed: the initial policy
     settings = trl_common.trainer_settings(args, config)
-    pairs = preference_pairs(texts, trl_common.rows_needed(settings, plan), args.seq_len)
+    pairs = preference_pairs(texts, args.seq_len)
     dpo = DPOConfig(**settings, beta=args.beta, max_length=args.seq_len)
+    model = trl_common.build_model_for(args, tokenizer, dpo)
+    reference = trl_common.build_model_for(args, tokenizer, dpo)  # the same seed: the initial policy
     trainer = HybridDPOTrainer(model=model, ref_model=reference, args=dpo, train_dataset=Dataset.from_list(pairs),
                                processing_class=tokenizer, hybridsp=trl_common.mesh_overrides(args))
     return trainer, f"TRL DPO example (beta={args.beta})"

@@ -1,7 +1,7 @@
 """TRL supervised fine-tuning with packed rows under hybrid sequence parallelism: HybridSFTTrainer.
 
     deepspeed --num_gpus 2 examples/trl_sft.py --deepspeed ds_configs/trainer/cp2.json [options]
-    torchrun --nproc_per_node 4 examples/trl_sft.py --deepspeed ds_configs/trainer/cp4.json [options]
+    torchrun --nproc_per_node 2 examples/trl_sft.py --deepspeed ds_configs/trainer/cp2.json [options]
     python examples/trl_sft.py --ulysses 1          # one process, no launcher (the reference)
 
 ``SFTConfig(packing=True, max_length=--seq-len)``: TRL packs the paragraphs of CPython's bundled
@@ -32,18 +32,16 @@ def parse_args(argv: list[str] | None = None):
 
 def build_trainer(args, plan, config):
     from datasets import Dataset
-    from train import build_model
     from trl import SFTConfig
 
     from hybridsp.integrations.trl import HybridSFTTrainer
 
     texts = trl_common.paragraphs(args)
     tokenizer = trl_common.load_tokenizer(args, texts)
-    model = trl_common.build_model_for(args, tokenizer, build_model)
     settings = trl_common.trainer_settings(args, config)
-    rows = trl_common.enough(texts, trl_common.rows_needed(settings, plan) * args.seq_len * 4)
     sft = SFTConfig(**settings, packing=True, packing_strategy=args.packing_strategy, max_length=args.seq_len)
-    trainer = HybridSFTTrainer(model=model, args=sft, train_dataset=Dataset.from_list([{"text": t} for t in rows]),
+    model = trl_common.build_model_for(args, tokenizer, sft)
+    trainer = HybridSFTTrainer(model=model, args=sft, train_dataset=Dataset.from_list([{"text": t} for t in texts]),
                                processing_class=tokenizer, hybridsp=trl_common.mesh_overrides(args))
     return trainer, f"TRL SFT example (packing={args.packing_strategy})"
 

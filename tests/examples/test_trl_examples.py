@@ -2,7 +2,7 @@
 ``deepspeed --num_gpus 2`` or ``torchrun --nproc_per_node 2`` with ds_configs/trainer/cp2.json (U2 x R1,
 ZeRO-3, every Trainer value "auto"), a tiny model and 2 steps; the logged losses are finite, the final
 model (or adapter) is written, and the first step's loss equals the same script's on one process
-without a launcher (U1, the same data) to 1e-4."""
+without a launcher (U1, the same data) to 1e-4, and so does the second."""
 
 from __future__ import annotations
 
@@ -68,8 +68,9 @@ def _losses(result: subprocess.CompletedProcess, out: Path) -> list[float]:
     return [row["loss"] for row in steps]
 
 
-def _same_first_loss(sharded: list[float], alone: list[float]) -> None:
-    assert abs(sharded[0] - alone[0]) <= 1e-4 * abs(alone[0]), (sharded, alone)
+def _same_losses(sharded: list[float], alone: list[float]) -> None:
+    """Both steps within 1e-4 (measured: < 2e-7 for SFT and LoRA; the second step follows one update)."""
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(sharded, alone)), (sharded, alone)
 
 
 @pytest.mark.integration
@@ -97,7 +98,7 @@ def test_sft_example_trains_packed_rows_on_2_ranks_and_refuses_a_rerun(tmp_path)
 def test_sft_example_first_step_equals_one_process(tmp_path):
     sharded = _losses(_run(tmp_path, "trl_sft.py", "deepspeed", tmp_path / "u2"), tmp_path / "u2")
     alone = _losses(_run(tmp_path, "trl_sft.py", None, tmp_path / "u1"), tmp_path / "u1")
-    _same_first_loss(sharded, alone)
+    _same_losses(sharded, alone)
 
 
 @pytest.mark.slow
@@ -110,8 +111,7 @@ def test_dpo_example_under_torchrun_equals_one_process(tmp_path):
     assert all(math.isfinite(row["rewards/margins"]) for row in rows if "loss" in row), rows
     assert abs(sharded[0] - math.log(2)) < 1e-5  # the policy starts as the reference: margin 0, loss ln 2
     alone = _losses(_run(tmp_path, "trl_dpo.py", None, tmp_path / "u1"), tmp_path / "u1")
-    _same_first_loss(sharded, alone)
-    assert abs(sharded[1] - alone[1]) <= 1e-3 * abs(alone[1]), (sharded, alone)  # after one update, ZeRO-3 vs none
+    _same_losses(sharded, alone)
 
 
 @pytest.mark.slow
@@ -120,9 +120,9 @@ def test_dpo_example_under_torchrun_equals_one_process(tmp_path):
 def test_lora_example_saves_the_adapter_and_equals_one_process(tmp_path):
     result = _run(tmp_path, "peft_lora.py", "deepspeed", tmp_path / "u2", "--lora-r", "4", "--lora-alpha", "8")
     sharded = _losses(result, tmp_path / "u2")
-    assert "r=4, 2,048 of" in result.stdout, result.stdout[-2000:]  # q_proj + v_proj adapters of 2 layers
+    assert "r=4, 1,792 of 108,608 parameters train" in result.stdout, result.stdout[-2000:]  # q, v of 2 layers
     assert (tmp_path / "u2" / "adapter_model.safetensors").is_file()
     assert not (tmp_path / "u2" / "model.safetensors").exists()
     alone = _losses(_run(tmp_path, "peft_lora.py", None, tmp_path / "u1", "--lora-r", "4", "--lora-alpha", "8"),
                     tmp_path / "u1")
-    _same_first_loss(sharded, alone)
+    _same_losses(sharded, alone)
