@@ -83,12 +83,30 @@ def load_pretrained(
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     hds.init_distributed()  # adopts an existing process group
     hybrid.mesh_shape(dist.get_world_size())  # sizes checked before the collective load
-    keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841 - transformers holds only a weak reference
+    keep_alive = HfDeepSpeedConfig(partitioning_config(ds_config))  # noqa: F841 - transformers holds a weak reference
     try:
         with hds.without_cpu_shm_comm_build():
             return AutoModelForCausalLM.from_pretrained(path, **kwargs)
     finally:
         unset_hf_deepspeed_config()
+
+
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+def partitioning_config(ds_config: dict) -> dict:
+    """The config ZeRO-3 partitions a loading model by: ``ds_config`` with the Trainer's unfilled
+    ``"auto"`` batch sizes and clipping resolved for loading (a micro batch of 1, no accumulation).
+
+    A ``ds_configs/trainer/`` config leaves them ``"auto"`` for transformers to fill once the
+    ``TrainingArguments`` exist; DeepSpeed's batch arithmetic cannot read ``"auto"``, and the values
+    do not change how parameters are partitioned (``"auto"`` inside the ZeRO section DeepSpeed's
+    config models drop by themselves)."""
+    resolved_later = (*BATCH_KEYS, "gradient_clipping")
+    config = {key: value for key, value in ds_config.items() if value != "auto" or key not in resolved_later}
+    if not any(key in config for key in BATCH_KEYS):
+        config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"] = 1, 1
+    return config
 
 
 def full_state_dict(engine) -> dict | None:

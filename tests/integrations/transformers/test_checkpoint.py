@@ -109,3 +109,21 @@ def test_config_precision_picks_the_load_dtype():
     assert config_dtype({"fp16": {"enabled": True}}) == torch.float16
     assert config_dtype({"bf16": {"enabled": "auto"}}) == torch.float32  # unresolved "auto" is not enabled
     assert config_dtype({}) == torch.float32
+
+
+def _load_with_trainer_config(rank, world, directory):
+    from hybridsp.integrations.transformers.checkpoint import load_pretrained
+
+    torch.set_num_threads(1)
+    forbid_jit_builds(directory)
+    model = load_pretrained(Path(directory) / "model", ROOT / "ds_configs" / "trainer" / "cp2.json", precision="fp32")
+    return _shards_equal_the_directory(model, Path(directory) / "model")
+
+
+def test_a_trainer_config_with_auto_batch_sizes_loads_partitioned(tmp_path):
+    """``ds_configs/trainer/cp2.json`` leaves batch sizes and clipping ``"auto"`` for the Trainer to
+    fill; loading under ZeRO-3 before the Trainer exists (``examples/train_hf_trainer.py --model-path``)
+    still partitions exactly (it used to fail comparing "auto" with an int)."""
+    _write_model(tmp_path / "model")
+    for rank in run_distributed(_load_with_trainer_config, 2, str(tmp_path), timeout=300):
+        assert rank["names"] == rank["stored"] and rank["worst"] == 0.0 and rank["full_on_rank"] == 0, rank
