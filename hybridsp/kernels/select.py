@@ -94,7 +94,7 @@ class CompletedKernel(AttentionKernel):
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
         self.supports_varlen = bool(getattr(inner, "supports_varlen", False))
-        band_kernel = inner if hasattr(inner, "forward_band") else _kernel_named("reference")
+        band_kernel = inner if _declares_band(inner) else _kernel_named("reference")
         self._band_kernel = band_kernel
 
     def check_inputs(self, q):
@@ -121,10 +121,18 @@ class CompletedKernel(AttentionKernel):
 
 
 def complete_kernel(kernel) -> AttentionKernel:
-    """``kernel`` when it declares the protocol (subclasses :class:`AttentionKernel`, as every
-    backend does), else a :class:`CompletedKernel` around it: the one place where a kernel's
+    """``kernel`` when it declares the whole protocol (subclasses :class:`AttentionKernel` and defines
+    its band calls, as every backend does), else a :class:`CompletedKernel` around it (a subclass with
+    only ``forward``/``backward`` gets the reference band math): the one place where a kernel's
     members are discovered rather than called."""
-    return kernel if AttentionKernel in type(kernel).__mro__ else CompletedKernel(kernel)
+    complete = AttentionKernel in type(kernel).__mro__ and _declares_band(kernel)
+    return kernel if complete else CompletedKernel(kernel)
+
+
+def _declares_band(kernel) -> bool:
+    """Whether ``kernel``'s class defines its own band calls (not the protocol's empty declarations)."""
+    return all(getattr(type(kernel), name, None) not in (None, getattr(AttentionKernel, name))
+               for name in ("forward_band", "backward_band"))
 
 
 def resolve_kernel(backend: str | AttentionKernel, q: torch.Tensor) -> AttentionKernel:
