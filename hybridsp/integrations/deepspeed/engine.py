@@ -260,11 +260,11 @@ switch, e.g. the transformers integration's; it returns its undo), passes
                 mpu=HybridMPU(mesh),
                 model_parameters=model.parameters() if model_parameters is None else model_parameters,
             )
+            stage = engine.zero_optimization_stage()
+            undo_norm = count_tensor_shards_in_norm(ds_optimizer, mesh, stage)  # Note [tensor-parallel gradient norm]
         except BaseException:
             undo_switch()
             raise
-    stage = engine.zero_optimization_stage()
-    undo_norm = count_tensor_shards_in_norm(ds_optimizer, mesh, stage)  # Note [tensor-parallel gradient norm]
     remove_hooks = _no_undo
     if stage == 3 and mesh.context > 1:
         remove_hooks = scale_gradients(engine.module, mesh.context)  # Note [gradient scale]

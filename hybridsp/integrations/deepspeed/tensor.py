@@ -114,16 +114,27 @@ def model_parallel_world_size(mesh: HybridMesh) -> int:
     return mesh.tensor if mesh.tensor > 1 else mesh.context
 
 
+def _zero_norm_ignores_the_mpu(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is one of DeepSpeed's ZeRO optimizers that compute the gradient norm
+    themselves without the mpu's model-parallel answers: not ``None`` or ZeRO-3's optimizer-less
+    parameter offload (no norm), not the bf16 optimizer (it sums over the mpu's model-parallel group)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3))
+
+
 def count_tensor_shards_in_norm(optimizer: Any, mesh: HybridMesh, stage: int) -> Callable[[], None]:
     """Make a ZeRO 1/2/3 optimizer's gradient norm sum over the tensor group; returns the undo.
 
     DeepSpeed's ZeRO optimizers drop the mpu's model-parallel answers for a sequence-parallel
     mpu; this sets their ``model_parallel_group`` / ``_rank`` (/ ``_world_size`` on ZeRO 1/2)
-    to the tensor group's (Note [tensor-parallel gradient norm]). A no-op with ``T = 1`` or at
-    stage 0 (there DeepSpeed asks the mpu). RuntimeError when the optimizer lacks the attributes
+    to the tensor group's (Note [tensor-parallel gradient norm]). A no-op with ``T = 1``, at
+    stage 0 and for optimizers that ask the mpu or compute no norm (:func:`_zero_norm_ignores_the_mpu`).
+    RuntimeError when a ZeRO optimizer lacks the attributes
     (a DeepSpeed that computes its norm differently: the norm would be wrong, not just slow).
     """
-    if mesh.tensor == 1 or stage == 0:
+    if mesh.tensor == 1 or stage == 0 or not _zero_norm_ignores_the_mpu(optimizer):
         return _no_undo
     if not hasattr(optimizer, "model_parallel_group") or not hasattr(optimizer, "model_parallel_rank"):
         raise RuntimeError(f"{type(optimizer).__name__} (ZeRO stage {stage}) has no model_parallel_group / "

@@ -131,15 +131,30 @@ def test_grad_norm_and_clipping_with_tensor_2_and_two_replicas_equal_single_proc
 def test_count_tensor_shards_in_norm_sets_the_zero_attributes_undoably_and_refuses_an_unknown_optimizer():
     from types import SimpleNamespace
 
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
     from hybridsp.integrations.deepspeed.tensor import count_tensor_shards_in_norm
 
+    def fake(kind, **attributes):
+        """An instance of DeepSpeed's optimizer class ``kind`` holding only ``attributes``."""
+        optimizer = kind.__new__(kind)
+        optimizer.__dict__.update(attributes)
+        return optimizer
+
     mesh = SimpleNamespace(tensor=2, tensor_group="<tensor group>", tensor_rank=1)
-    zero = SimpleNamespace(model_parallel_group=None, model_parallel_rank=0, model_parallel_world_size=1)
+    zero = fake(DeepSpeedZeroOptimizer, model_parallel_group=None, model_parallel_rank=0, model_parallel_world_size=1)
     undo = count_tensor_shards_in_norm(zero, mesh, 2)
     assert vars(zero) == {"model_parallel_group": "<tensor group>", "model_parallel_rank": 1,
                           "model_parallel_world_size": 2}
     undo()
     assert vars(zero) == {"model_parallel_group": None, "model_parallel_rank": 0, "model_parallel_world_size": 1}
     count_tensor_shards_in_norm(SimpleNamespace(), mesh, 0)()  # stage 0: DeepSpeed asks the mpu
+    count_tensor_shards_in_norm(None, mesh, 3)()  # ZeRO-3 without an optimizer: no norm
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    asks_the_mpu = fake(BF16_Optimizer, mpu="<mpu>")  # the bf16 optimizer sums over the mpu's group itself
+    count_tensor_shards_in_norm(asks_the_mpu, mesh, 1)()
+    assert vars(asks_the_mpu) == {"mpu": "<mpu>"}
     with pytest.raises(RuntimeError, match=r"\(ZeRO stage 3\) has no model_parallel_group.*tensor=2"):
-        count_tensor_shards_in_norm(SimpleNamespace(), mesh, 3)
+        count_tensor_shards_in_norm(fake(DeepSpeedZeroOptimizer_Stage3), mesh, 3)
