@@ -212,25 +212,31 @@ class HybridSPMixin:
 
     def _full(self, batch) -> dict[str, torch.Tensor]:
         tensors = _batch_tensors(batch)
-        tensors = vlm_batch.text_fields(tensors) if self._is_vision_language(tensors) else tensors
+        if vlm_batch.is_vision_batch(tensors):
+            tensors = vlm_batch.text_fields(tensors)
+        else:
+            tensors = {key: value for key, value in tensors.items() if key not in vlm_batch.EXTRA_KEYS}
         return prepare_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
 
     def _shard(self, tensors: dict) -> dict:
-        """This rank's shard: :func:`shard_batch`, or ``shard_vlm_batch`` for every batch of a
-        vision-language model, text-only ones with the idle encoder call (Note [text-only batches]
-        in :mod:`hybridsp.integrations.transformers.vision.batch`: ZeRO-3 gathers alike on every rank)."""
-        if self._is_vision_language(tensors):
-            model = self.accelerator.unwrap_model(self.model)
+        """This rank's shard: ``shard_vlm_batch`` for an image/video batch and for a text-only batch of
+        a vision-language model under ZeRO-3 with several replicas (with the idle encoder call: Note
+        [text-only batches] in :mod:`hybridsp.integrations.transformers.vision.batch`); else
+        :func:`shard_batch` (packed rows, the balanced layout and the model's window included)."""
+        model = self.accelerator.unwrap_model(self.model)
+        if vlm_batch.is_vision_batch(tensors) or self._needs_idle_encoder(model):
             return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id(),
                                              idle_encoder=True)
         from hybridsp.integrations.transformers.switch import layout_window  # Note [layout window] there
 
-        window = layout_window(self.model)
-        return shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id(), sliding_window=window)
+        text = {key: value for key, value in tensors.items() if key not in vlm_batch.EXTRA_KEYS}
+        return shard_batch(text, self.hybrid_mesh, pad_token_id=self._pad_token_id(), sliding_window=layout_window(model))
 
-    def _is_vision_language(self, tensors: dict) -> bool:
-        """An image/video batch, or any batch of a Qwen2-VL-family model."""
-        return vlm_batch.is_vision_batch(tensors) or is_vision_language_model(self.accelerator.unwrap_model(self.model))
+    def _needs_idle_encoder(self, model) -> bool:
+        """A vision-language model whose vision tower ZeRO-3 gathers collectively across replicas."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        return is_vision_language_model(model) and self.hybrid_mesh.dp > 1 and is_deepspeed_zero3_enabled()
 
     def _pad_token_id(self) -> int:
         pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
