@@ -52,8 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="auto", help="attention kernel: auto, torch, flash, reference")
     parser.add_argument("--seed", type=int, default=0, help="model init, prompt window and sampling seed")
     parser.add_argument("--checkpoint", help="a DeepSpeed checkpoint folder saved by train.py (--save-dir)")
-    parser.add_argument("--collective-timeout", type=float, default=300.0,
-                        help="seconds a collective may wait before the rank fails (default 300)")
+    parser.add_argument("--collective-timeout", type=float, default=1800.0,
+                        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)")
     add_model_arguments(parser)
     args = parser.parse_args(argv)
     args.seq_len, args.activation_checkpointing = args.prompt_len + args.new_tokens, False  # for build_model

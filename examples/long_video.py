@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vision", choices=("local", "split"), default="local", help="who encodes which frames")
     parser.add_argument("--steps", type=int, default=3, help="training steps after scoring (default 3)")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--collective-timeout", type=float, default=300.0,
-                        help="seconds a collective may wait before the rank fails (default 300)")
+    parser.add_argument("--collective-timeout", type=float, default=1800.0,
+                        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)")
     args = parser.parse_args(argv)
     if not args.collective_timeout > 0:
         parser.error(f"--collective-timeout must be a positive number of seconds; got {args.collective_timeout}")

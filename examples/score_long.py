@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: bf16 on CUDA, else fp32)")
     parser.add_argument("--chunk-size", type=int, help="loss chunk in tokens (default: 64 MiB of fp32 logits)")
     parser.add_argument("--json-out", help="write the result as JSON here (rank 0)")
-    parser.add_argument("--collective-timeout", type=float, default=300.0,
-                        help="seconds a collective may wait before the rank fails (default 300)")
+    parser.add_argument("--collective-timeout", type=float, default=1800.0,
+                        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 

@@ -180,6 +180,7 @@ class CallFingerprint(NamedTuple):
     sliding_window: int  # -1: none
     softmax_scale: int  # the float64 bits >> 2 (0: the default 1/sqrt(D))
     layout: int  # index into LAYOUTS
+    placement_window: int  # the window the layout placed tokens for (Note [placement window]); -1: none
     kv_comm: int  # index into KV_COMMS
     kv_chunks: int  # 0: not the all-gather transport
 
@@ -188,12 +189,13 @@ class CallFingerprint(NamedTuple):
         """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D]."""
         scale_bits = 0 if scale is None else struct.unpack("<Q", struct.pack("<d", float(scale)))[0] >> 2
         return cls(*q.shape, k.shape[2], FLOAT_DTYPES.index(q.dtype), int(causal), -1 if window is None else window,
-                   scale_bits, LAYOUTS.index(layout.name), KV_COMMS.index(kv_comm), chunks or 0)
+                   scale_bits, LAYOUTS.index(layout.name), -1 if layout.window is None else layout.window,
+                   KV_COMMS.index(kv_comm), chunks or 0)
 
 
 # what an error calls each field; the two halves of the documents' digest follow the fingerprint
 _LABELS = {"local_tokens": "local tokens", "query_heads": "query heads", "head_dim": "head dim",
-           "kv_heads": "K/V heads"}
+           "kv_heads": "K/V heads", "placement_window": "placement window"}
 _NAMES = tuple(_LABELS.get(field, field) for field in CallFingerprint._fields) + ("documents", "documents")
 
 
@@ -202,11 +204,11 @@ def check_agreement(group, documents: Documents, fields: CallFingerprint, device
     documents (Note [agreement]); one small all_reduce on every call, whatever was agreed before."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    mine = documents.remember(  # [12 + 2] int64: the fields, then the documents' digest
+    mine = documents.remember(  # [13 + 2] int64: the fields, then the documents' digest
         ("fingerprint", fields, device),
         lambda: torch.tensor([*fields, *documents.digest()], dtype=torch.int64, device=device),
     )
-    extremes = torch.cat([mine, -mine])  # [28]: max of x and of -x give the max and the min
+    extremes = torch.cat([mine, -mine])  # [30]: max of x and of -x give the max and the min
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     high, low = extremes[: mine.numel()], -extremes[mine.numel():]
     differ = (high != low).nonzero().flatten().tolist()

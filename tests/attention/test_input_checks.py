@@ -116,6 +116,25 @@ def test_ranks_that_disagree_raise_on_every_rank(what):
     assert all(m is not None and "disagree" in m for m in messages), messages
 
 
+def _placement_window_disagrees(rank, world):
+    """Balanced meshes built with different placement windows, called with raw boundaries (so the
+    window comes from each rank's mesh, not from a shared Documents)."""
+    mesh = init_mesh(ulysses=2, ring=world // 2, layout="balanced", sliding_window=8 if rank == world - 1 else None)
+    q, k, v, _ = random_qkv(1, 64, 4, 2, 8, seed=3)
+    bounds = torch.tensor([0, 20, 64])
+    local = [shard_sequence(t, mesh, cu_seqlens=bounds) for t in (q, k, v)]
+    try:
+        hybrid_attn_func(*local, mesh=mesh, backend="torch", cu_seqlens=bounds)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_meshes_placing_for_different_windows_raise_on_every_rank():
+    messages = run_distributed(_placement_window_disagrees, 4, timeout=120)  # catches a hang
+    assert all(m is not None and "disagree on placement window" in m for m in messages), messages
+
+
 def _later_call_disagrees(rank, world, scenario):
     """Calls that share one Documents object: the first ones agree; the last has a window on the last rank only."""
     from hybridsp.layout.documents import as_documents

@@ -148,7 +148,7 @@ def test_the_fingerprint_names_its_fields():
     fingerprint = resolve.CallFingerprint.of(torch.zeros(2, 8, 4, 16), torch.zeros(2, 8, 2, 16), True, None, None,
                                              get_layout("zigzag"), "ring", None)
     assert fingerprint.batch == 2 and fingerprint.kv_heads == 2 and fingerprint.sliding_window == -1
-    assert tuple(fingerprint) == (2, 8, 4, 16, 2, 2, 1, -1, 0, 0, 0, 0)
+    assert tuple(fingerprint) == (2, 8, 4, 16, 2, 2, 1, -1, 0, 0, -1, 0, 0)
 
 
 def test_tries_are_strategy_objects():
