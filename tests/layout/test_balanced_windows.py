@@ -132,3 +132,15 @@ def _attention(rank, world, ulysses, window):
 def test_windowed_balanced_attention_equals_float64_reference(ulysses):
     for errors in run_distributed(_attention, 4, ulysses, 32):
         assert max(errors.values()) < 1e-5, errors
+
+
+def test_plan_work_counts_the_block_plans_cells():
+    from hybridsp.layout.balance.refine import plan_work
+    from hybridsp.layout.balance.work import TiledWindow
+
+    for window, ring, seed in ((512, 8, 19), (64, 4, 3), (2048, 2, 5)):
+        bounds = lognormal_pack(SEQ, seed)
+        layout = get_layout("balanced", window)
+        plan = build_plan(SEQ, ring, layout, causal=True, docs=(bounds,), window=window, batch=1)
+        runs = layout.slot_runs(SEQ, ring, bounds)
+        assert plan_work(runs, bounds, TiledWindow.of(window)) == [plan.work(r) for r in range(ring)]

@@ -74,6 +74,7 @@ import math
 from dataclasses import dataclass
 
 from hybridsp.formulas import zigzag_slot_runs
+from hybridsp.layout.balance.refine import plan_work, refine
 from hybridsp.layout.balance.search import build_greedy, place_contiguous, place_nested, repair
 from hybridsp.layout.balance.work import (
     DEFAULT_UNIT_SHARE,
@@ -88,7 +89,6 @@ from hybridsp.layout.balance.work import (
     piece_work,
     run_work,
     shortest_with_work,
-    slot_work,
 )
 
 DEFAULT_SPLIT_SHARE = math.inf
@@ -205,16 +205,23 @@ def balanced_slot_runs(
             best_key, best = key, runs
         if key[:2] == (0, 0):
             break
+    if best_key[0] == 1 and _tiled(window):  # no try balanced: trade tokens on the plan's cells
+        best = refine(best, bounds, window)[0]  # (Note [tile refine] in balance.refine)
     return best
+
+
+def _tiled(window) -> bool:
+    return window is not None and type(window) is not int
 
 
 def _final_work(slots: list[Slot], runs, bounds, window) -> list[int]:
     """Each slot's work as placed: what the try summed, except under a cost model whose pieces'
     work is not additive (:class:`~hybridsp.layout.balance.work.TiledWindow`: merged runs tile
-    as one), where the finished runs are measured again."""
-    if window is None or type(window) is int:
+    as one), where the finished runs are measured as the plan computes them
+    (:func:`~hybridsp.layout.balance.refine.plan_work`)."""
+    if not _tiled(window):
         return [slot.work for slot in slots]
-    return slot_work(runs, bounds, window)
+    return plan_work(runs, bounds, window)
 
 
 def host_count(share: float, ring: int) -> int:
