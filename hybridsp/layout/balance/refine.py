@@ -16,9 +16,15 @@ lightest: the busiest gives the head or tail ``d`` tokens of one of its sub-runs
 from an end of one of the other's, for ``d`` of a few sizes, keeping the exchange that lowers the
 larger of the two slots' exact work most, until none lowers the busiest slot or the evaluation
 budget is spent. Token counts stay exact; the rows shipped may grow (it runs only when no try is
-balanced, where the layout with the smallest busiest slot wins anyway). On bench_balance_windows'
-30 packs at W = 512, R = 8: worst plan max/mean 1.083 -> 1.071, mean 1.054 -> 1.024, ~1.5x the
-host time (R = 2 and 4: every pack has a balanced try, no refine). Still short of 1.05 there.
+balanced, where the layout with the smallest busiest slot wins anyway). The search is local and
+its optimum depends on where it starts, so it runs from the ``REFINE_STARTS`` (3) least busy tries
+in turn (``_refined`` in :mod:`hybridsp.layout.balance.tries`; the later ones with a third of the
+evaluations), keeping the best and stopping at the first within ACCEPT. From the least busy try
+alone bench_balance_windows' 30 packs at W = 512, R = 8 reached 1.071 worst (seeds 14, 19, 22 at
+1.055, 1.071, 1.056, no improving swap left); the second or third least busy start reaches
+1.005-1.04 on them: worst plan max/mean 1.071 -> 1.036, mean 1.024 -> 1.017, host time per row
+88 -> 96 ms (W = 2048, R = 8: 1.144 -> 1.119; at W = 512, R = 2 and 4 nearly every pack has a
+balanced try, no refine).
 """
 
 from __future__ import annotations

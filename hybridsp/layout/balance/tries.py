@@ -74,7 +74,7 @@ import math
 from dataclasses import dataclass
 
 from hybridsp.formulas import zigzag_slot_runs
-from hybridsp.layout.balance.refine import plan_work, refine
+from hybridsp.layout.balance.refine import REFINE_EVALS, plan_work, refine
 from hybridsp.layout.balance.search import build_greedy, place_contiguous, place_nested, repair
 from hybridsp.layout.balance.work import (
     DEFAULT_UNIT_SHARE,
@@ -164,6 +164,7 @@ TRIES += (GreedyTry(0.5), GreedyTry(1.0))
 TRIES += tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[2:]
                for contiguous in (True, False))
 TRIES += tuple(HostedTry(part, reserve) for part in (0.0, 0.5, 1.0) for reserve in (0.5, 1.0))
+REFINE_STARTS = 3  # the least busy unbalanced tries the refine search starts from (Note [tile refine])
 ACCEPT = 1.03  # a try counts as balanced when its busiest slot has at most this x the mean work
 REPAIR_EVALS = 3000  # layouts the contiguous tries of one call may evaluate in all (at most)
 REPAIR_DOCUMENTS = 100_000  # ... and at most this / the number of documents
@@ -186,7 +187,7 @@ def balanced_slot_runs(
     if len(bounds) == 2 or ring == 1:
         return zigzag_slot_runs(seq_len, ring)
     docs = documents(bounds, window)
-    best_key, best = None, None
+    best_key, best, tried = None, None, []
     budget = min(REPAIR_EVALS, REPAIR_DOCUMENTS // len(docs[1]))
     budgets = SearchBudgets([budget], [budget])  # the hosted tries come last: a budget of their own
     seen = set()
@@ -201,12 +202,28 @@ def balanced_slot_runs(
         works = _final_work(slots, runs, bounds, window)
         ratio = max(works) * ring / sum(works)
         key = (0, hull_rows(runs, bounds), ratio) if ratio <= ACCEPT else (1, ratio, 0)
+        tried.append((ratio, len(tried), runs))
         if best_key is None or key < best_key:
             best_key, best = key, runs
         if key[:2] == (0, 0):
             break
     if best_key[0] == 1 and _tiled(window):  # no try balanced: trade tokens on the plan's cells
-        best = refine(best, bounds, window)[0]  # (Note [tile refine] in balance.refine)
+        best = _refined(sorted(tried)[:REFINE_STARTS], bounds, ring, window)
+    return best
+
+
+def _refined(starts, bounds, ring: int, window) -> Runs:
+    """The best of :func:`~hybridsp.layout.balance.refine.refine` from each of ``starts``
+    (``(ratio, index, runs)``, least busy first), stopping at the first within ``ACCEPT``
+    (Note [tile refine] in balance.refine: a local search; later starts get a third of the budget)."""
+    best_ratio, best = None, None
+    for i, (_, _, runs) in enumerate(starts):
+        runs, work = refine(runs, bounds, window, REFINE_EVALS if i == 0 else REFINE_EVALS // 3)
+        ratio = max(work) * ring / sum(work)
+        if best is None or ratio < best_ratio:
+            best_ratio, best = ratio, runs
+        if ratio <= ACCEPT:
+            break
     return best
 
 
