@@ -54,15 +54,6 @@ class ForwardBackwardSubclass(ForwardBackwardOnly, AttentionKernel):
 
     name = "forward-backward subclass"
 
-    def __init__(self):
-        self._inner = TorchFusedKernel()
-
-    def forward(self, q, k, v, *, causal, softmax_scale):
-        return self._inner.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
-
-    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale):
-        return self._inner.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale)
-
 
 @pytest.mark.parametrize("kernel", [ReferenceKernel(), TorchFusedKernel(), FlashAttnKernel(make_standin("2.8"))])
 def test_every_backend_declares_the_protocol(kernel):
