@@ -17,7 +17,7 @@ Note [packed documents]: a packed row restarts ``position_ids`` at 0 at each doc
 batch's documents reach every layer as one :class:`~hybridsp.layout.documents.Documents` object under
 the model-call keyword ``hybridsp_documents`` (transformers passes model kwargs through to the
 attention function, and gradient checkpointing's recomputation sees the same object), so every
-layer of a forward shares one block plan and one agreement check. The best source is
+layer of a forward shares one block plan and one agreement fingerprint (checked per call). The best source is
 :func:`hybridsp.shard_batch`, which knows the boundaries on the host: pass
 ``hybridsp_documents=local["documents"]`` (the Trainer and the examples do). Without it, the
 forward pre-hook that :func:`apply` installs derives them once per forward: from ``cu_seq_lens_q
