@@ -81,6 +81,7 @@ from hybridsp.layout.balance.work import (
     DEFAULT_UNIT_WORK,
     Runs,
     Slot,
+    TiledWindow,
     check_bounds,
     documents,
     finish_runs,
@@ -207,7 +208,7 @@ def balanced_slot_runs(
             best_key, best = key, runs
         if key[:2] == (0, 0):
             break
-    if best_key[0] == 1 and _tiled(window):  # no try balanced: trade tokens on the plan's cells
+    if best_key[0] == 1 and isinstance(window, TiledWindow):  # no try balanced: trade tokens on the plan's cells
         best = _refined(sorted(tried)[:REFINE_STARTS], bounds, ring, window)
     return best
 
@@ -227,16 +228,12 @@ def _refined(starts, bounds, ring: int, window) -> Runs:
     return best
 
 
-def _tiled(window) -> bool:
-    return window is not None and type(window) is not int
-
-
 def _final_work(slots: list[Slot], runs, bounds, window) -> list[int]:
     """Each slot's work as placed: what the try summed, except under a cost model whose pieces'
     work is not additive (:class:`~hybridsp.layout.balance.work.TiledWindow`: merged runs tile
     as one), where the finished runs are measured as the plan computes them
     (:func:`~hybridsp.layout.balance.refine.plan_work`)."""
-    if not _tiled(window):
+    if not isinstance(window, TiledWindow):
         return [slot.work for slot in slots]
     return plan_work(runs, bounds, window)
 

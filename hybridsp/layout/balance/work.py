@@ -72,7 +72,7 @@ def prefix_work(x: int, window) -> int:
     (``window`` a :class:`TiledWindow`)."""
     if window is None:
         return x * (x + 1) // 2
-    if type(window) is not int:
+    if isinstance(window, TiledWindow):
         return window.prefix_work(x)
     if x <= window:
         return x * (x + 1) // 2
@@ -147,7 +147,7 @@ def run_work(start: int, n: int, bounds, window: int | None) -> int:
 
 def piece_work(lo: int, hi: int, window) -> int:
     """Work of document offsets [lo, hi) (a :class:`TiledWindow`: of that one run)."""
-    if window is not None and type(window) is not int:
+    if isinstance(window, TiledWindow):
         return window.piece_work(lo, hi)
     return prefix_work(hi, window) - prefix_work(lo, window)
 
