@@ -20,3 +20,11 @@ class Binding:
     mesh: HybridMesh
     backend: str | AttentionKernel
 DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)
+
+
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")  # what a switchable attention module has
+
+
+def attention_modules(root) -> list:
+    """The attention modules under ``root`` (an ``nn.Module``) the switch can take, in module order."""
+    return [m for m in root.modules() if all(hasattr(m, part) for part in ATTENTION_PARTS)]

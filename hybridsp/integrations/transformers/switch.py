@@ -93,7 +93,7 @@ from torch import nn
 from hybridsp.attention.api import hybrid_attn_func
 from hybridsp.formulas import heads_divisible
 from hybridsp.integrations.transformers.binding import BINDING_ATTR as _BINDING_ATTR
-from hybridsp.integrations.transformers.binding import DECODE_KWARG, DOCUMENTS_KWARG
+from hybridsp.integrations.transformers.binding import DECODE_KWARG, DOCUMENTS_KWARG, attention_modules
 from hybridsp.integrations.transformers.binding import Binding as _Binding
 from hybridsp.integrations.transformers.documents import documents_from_kwargs, install_input_check
 from hybridsp.kernels import AttentionKernel
@@ -102,7 +102,6 @@ from hybridsp.mesh.hybrid_mesh import HybridMesh
 NAME = "hybridsp"
 MIN_TRANSFORMERS_VERSION = "4.53.0"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
 
 
 def check_transformers_version(found: str | None = None) -> None:
@@ -285,7 +284,7 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
             raise ValueError(f"{type(model).__name__} is already switched to {NAME}: undo the first handle first")
         return vlm.apply_to_language_model(model, mesh, backend, switch_modules)
     vlm.refuse_other_multimodal(model)
-    modules = [m for m in model.modules() if all(hasattr(m, part) for part in _ATTENTION_PARTS)]
+    modules = attention_modules(model)
     _check_model(model, modules, mesh)
     hook = install_input_check(model, mesh, layout_window(model))
     return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook)
@@ -343,8 +342,7 @@ def _check_module(module: nn.Module, mesh: HybridMesh) -> None:
 
 def layer_windows(model: nn.Module) -> list[int | None]:
     """Each switchable attention layer's sliding window, in module order (None: full attention)."""
-    modules = [m for m in model.modules() if all(hasattr(m, part) for part in _ATTENTION_PARTS)]
-    return [_module_window(m) for m in modules]
+    return [_module_window(m) for m in attention_modules(model)]
 
 
 def _module_window(module: nn.Module) -> int | None:

@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridsp.integrations.transformers.binding import attention_modules
 from hybridsp.integrations.transformers.vision.batch import Exchange, VisionShard
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 VISION_KWARG = "hybridsp_vision"
-_ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")
 
 
 def is_vision_language_model(model: nn.Module) -> bool:
@@ -74,7 +74,7 @@ def apply_to_language_model(model: nn.Module, mesh: HybridMesh, backend, switch)
     before anything changes, for heads the Ulysses degree does not divide or a non-causal config.
     """
     text = language_model_of(model)
-    modules = [m for m in text.modules() if all(hasattr(m, part) for part in _ATTENTION_PARTS)]
+    modules = attention_modules(text)
     config = text.config
     if not modules:
         raise ValueError(f"{type(model).__name__}'s language model has no q/k/v/o attention module to switch")
