@@ -69,29 +69,38 @@ def load_ds_config(args: argparse.Namespace, config: dict | None = None) -> dict
     return config
 
 
+def _fixed(value, default):
+    """``value``, unless the config leaves it to the Trainer (absent or ``"auto"``): then ``default``."""
+    return default if value in (None, "auto") else value
+
+
+def config_settings(args: argparse.Namespace, config: dict, micro_batch: int = 1) -> dict:
+    """Trainer keyword arguments that agree with the config's fixed values (the Trainer checks them);
+    ``"auto"`` values take these defaults: micro batch ``micro_batch``, accumulation 1, clipping 1.0,
+    AdamW's betas and eps, no weight decay, the precision hybridsp picks. Shared with the TRL examples."""
+    from hybridsp.integrations.deepspeed import auto_precision
+
+    optimizer = config.get("optimizer", {}).get("params", {})
+    betas = _fixed(optimizer.get("betas"), [0.9, 0.999])
+    precision = auto_precision()
+    return dict(
+        output_dir=args.output_dir, deepspeed=config, max_steps=args.max_steps, seed=args.seed,
+        per_device_train_batch_size=_fixed(config.get("train_micro_batch_size_per_gpu"), micro_batch),
+        gradient_accumulation_steps=_fixed(config.get("gradient_accumulation_steps"), 1),
+        max_grad_norm=_fixed(config.get("gradient_clipping"), 1.0), learning_rate=learning_rate(args, config),
+        adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=_fixed(optimizer.get("eps"), 1e-8),
+        weight_decay=_fixed(optimizer.get("weight_decay"), 0.0),
+        bf16=_enabled(config, "bf16", precision), fp16=_enabled(config, "fp16", precision),
+        use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to=[], lr_scheduler_type="constant",
+    )
+
+
 def training_arguments(args: argparse.Namespace, config: dict):
     """TrainingArguments that agree with the config's fixed values (the Trainer checks it)."""
     from transformers import TrainingArguments
 
-    from hybridsp.integrations.deepspeed import auto_precision
-
-    def fixed(value, default):
-        return default if value in (None, "auto") else value
-
-    optimizer = config.get("optimizer", {}).get("params", {})
-    betas = fixed(optimizer.get("betas"), [0.9, 0.999])
-    precision = auto_precision()
-    return TrainingArguments(
-        output_dir=args.output_dir, deepspeed=config, max_steps=args.max_steps, seed=args.seed,
-        per_device_train_batch_size=fixed(config.get("train_micro_batch_size_per_gpu"), 1),
-        gradient_accumulation_steps=fixed(config.get("gradient_accumulation_steps"), 1),
-        max_grad_norm=fixed(config.get("gradient_clipping"), 1.0), learning_rate=learning_rate(args, config),
-        adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=fixed(optimizer.get("eps"), 1e-8),
-        weight_decay=fixed(optimizer.get("weight_decay"), 0.0),
-        bf16=_enabled(config, "bf16", precision), fp16=_enabled(config, "fp16", precision),
-        use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to=[], remove_unused_columns=False,
-        save_strategy="steps", save_steps=args.save_steps or args.max_steps, lr_scheduler_type="constant",
-    )
+    return TrainingArguments(**config_settings(args, config), remove_unused_columns=False, save_strategy="steps",
+                             save_steps=args.save_steps or args.max_steps)
 
 
 def learning_rate(args: argparse.Namespace, config: dict) -> float:

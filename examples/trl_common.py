@@ -132,33 +132,18 @@ def load_tokenizer(args: argparse.Namespace, texts: list[str]):
 
 def trainer_settings(args: argparse.Namespace, config: dict) -> dict:
     """Keyword arguments for ``SFTConfig`` / ``DPOConfig`` that agree with the config's fixed values (the
-    Trainer insists); ``"auto"`` values take these defaults: micro batch ``--micro-batch`` or 1,
-    accumulation 1, clipping 1.0, AdamW's betas and eps, no weight decay, the precision hybridsp picks."""
-    from train_hf_trainer import _enabled, learning_rate
+    Trainer insists): ``train_hf_trainer.config_settings`` (``"auto"`` micro batch: ``--micro-batch`` or 1)
+    plus what the TRL examples set."""
+    from train_hf_trainer import config_settings
 
-    from hybridsp.integrations.deepspeed import auto_precision
-
-    def fixed(value, default):
-        return default if value in (None, "auto") else value
-
-    optimizer = config.get("optimizer", {}).get("params", {})
-    betas = fixed(optimizer.get("betas"), [0.9, 0.999])
-    micro = fixed(config.get("train_micro_batch_size_per_gpu"), args.micro_batch or 1)
+    settings = config_settings(args, config, micro_batch=args.micro_batch or 1)
+    micro = settings["per_device_train_batch_size"]
     if args.micro_batch is not None and micro != args.micro_batch:
         raise RunConfigError(f"--micro-batch {args.micro_batch}: {args.ds_config} fixes train_micro_batch_size_per_gpu "
                              f"to {micro} (use an 'auto' config from ds_configs/trainer/)")
-    precision = auto_precision()
     return dict(
-        output_dir=args.output_dir, deepspeed=config, max_steps=args.max_steps, seed=args.seed,
-        per_device_train_batch_size=micro,
-        gradient_accumulation_steps=fixed(config.get("gradient_accumulation_steps"), 1),
-        max_grad_norm=fixed(config.get("gradient_clipping"), 1.0), learning_rate=learning_rate(args, config),
-        adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=fixed(optimizer.get("eps"), 1e-8),
-        weight_decay=fixed(optimizer.get("weight_decay"), 0.0),
-        bf16=_enabled(config, "bf16", precision), fp16=_enabled(config, "fp16", precision),
-        use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to=[], disable_tqdm=True,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or args.max_steps,
-        lr_scheduler_type="constant", activation_checkpointing=args.activation_checkpointing,
+        settings, disable_tqdm=True, save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or args.max_steps, activation_checkpointing=args.activation_checkpointing,
         dataloader_num_workers=0, dataset_num_proc=None,
     )
 
