@@ -72,14 +72,24 @@ def model_heads(args) -> int:
 
 
 def check_model_type(path: str, model_type) -> None:
-    """RunConfigError unless the hybrid attention switch supports ``model_type`` (GPT-2, GPT-NeoX, ... are refused)."""
-    from hybridsp.integrations.transformers.switch import SUPPORTED_MODEL_TYPES
+    """RunConfigError unless the hybrid attention switch takes the model saved at ``path``: built on the meta
+    device (no weights read) and checked by capability (a Mamba or T5 model is refused, with the reason)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hybridsp.integrations.transformers.switch import check_switchable
     from hybridsp.integrations.transformers.vision.model import VLM_MODEL_TYPES
 
-    supported = (*SUPPORTED_MODEL_TYPES, *VLM_MODEL_TYPES)
-    if model_type not in supported:
-        raise RunConfigError(f"--model-path {path} is a {model_type!r} model; hybridsp's attention switch takes "
-                             f"{', '.join(supported)} (docs/hf-trainer.md)")
+    if model_type in VLM_MODEL_TYPES:
+        return
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+        check_switchable(model)
+    except ValueError as error:
+        reason = str(error).splitlines()[0]  # transformers lists every causal LM class on the next line
+        raise RunConfigError(f"--model-path {path} is a {model_type!r} model hybridsp's attention switch cannot "
+                             f"take: {reason} (docs/model-support.md)") from None
 
 
 def default_save_dir(config_path: str, ulysses: int, ring: int, tensor: int = 1) -> Path:

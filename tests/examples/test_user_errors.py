@@ -114,32 +114,40 @@ def test_train_py_needs_numeric_batch_sizes_and_an_optimizer(tmp_path, monkeypat
 
 
 def _tiny_foreign_model(tmp_path: Path, kind: str) -> Path:
-    """A tiny GPT-2 or GPT-NeoX saved locally (save_pretrained): model types the attention switch does not take."""
-    from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
+    """A tiny Mamba (no attention at all) or T5 (encoder-decoder) config saved locally: models the switch refuses."""
+    from transformers import MambaConfig, T5Config
 
-    if kind == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=4, n_positions=64))
+    if kind == "mamba":
+        config = MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4)
     else:
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1,
-                                                 num_attention_heads=4, intermediate_size=64))
-    model.save_pretrained(tmp_path / kind)
+        config = T5Config(vocab_size=64, d_model=32, num_layers=1, num_heads=2, d_ff=64, d_kv=16)
+    config.save_pretrained(tmp_path / kind)
     return tmp_path / kind
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gpt_neox"])
+REASONS = {
+    "mamba": "MambaForCausalLM has no attention module that calls transformers' attention interface "
+             "(ALL_ATTENTION_FUNCTIONS): hybridsp replaces that call, so a model whose attention bypasses it cannot be "
+             "switched",
+    "t5": "Unrecognized configuration class <class 'transformers.models.t5.configuration_t5.T5Config'> for this kind "
+          "of AutoModel: AutoModelForCausalLM.",
+}
+
+
+@pytest.mark.parametrize("kind", ["mamba", "t5"])
 def test_a_model_the_switch_cannot_take_is_one_preflight_sentence(tmp_path, monkeypatch, kind):
     path = _tiny_foreign_model(tmp_path, kind)
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(preflight.RunConfigError) as error:
         preflight.preflight(train.parse_args(["--deepspeed", CP4, "--model-path", str(path)]))
-    assert str(error.value) == (f"--model-path {path} is a {kind!r} model; hybridsp's attention switch takes llama, "
-                                f"mistral, qwen2, qwen3, qwen2_vl, qwen2_5_vl (docs/hf-trainer.md)")
+    assert str(error.value) == (f"--model-path {path} is a {kind!r} model hybridsp's attention switch cannot take: "
+                                f"{REASONS[kind]} (docs/model-support.md)")
 
 
-def test_a_gpt2_model_path_is_one_error_line_on_rank_0_and_silence_elsewhere(tmp_path):
-    path = _tiny_foreign_model(tmp_path, "gpt2")
+def test_a_mamba_model_path_is_one_error_line_on_rank_0_and_silence_elsewhere(tmp_path):
+    path = _tiny_foreign_model(tmp_path, "mamba")
     line = _one_error_line(_direct(tmp_path, "train.py", "--deepspeed", CP4, "--model-path", str(path)))
-    assert line.startswith(f"train.py: error: --model-path {path} is a 'gpt2' model;"), line
+    assert line.startswith(f"train.py: error: --model-path {path} is a 'mamba' model hybridsp's"), line
     env = {**os.environ, "WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}
     other = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed", CP4, "--model-path",
                             str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

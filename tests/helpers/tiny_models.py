@@ -14,6 +14,19 @@ CLASSES = {  # family -> (config class, model class) in transformers
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
 }
 
 

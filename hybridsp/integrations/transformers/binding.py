@@ -4,6 +4,7 @@ decode keyword: the names the switch, generation (:mod:`.hf_generate`) and the T
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from hybridsp.kernels import AttentionKernel
@@ -22,9 +23,39 @@ class Binding:
 DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)
 
 
-ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")  # what a switchable attention module has
+INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"  # transformers' attention interface: what a switchable module calls
+
+
+def calls_attention_interface(module) -> bool:
+    """True when a method of ``module``'s own classes looks up transformers' attention interface.
+
+    Note [found by what they are]: an attention module that hybridsp can take is one whose code
+    reaches the attention function through ``ALL_ATTENTION_FUNCTIONS`` (``get_interface`` /
+    ``[...]``): that call is the one ``"hybridsp"`` replaces. The name is read from the methods'
+    compiled code (``co_names``), so the test does not depend on projection names (Phi-3's fused
+    ``qkv_proj``, DeepSeek-V3's MLA projections) or model types. A whole model (a
+    ``PreTrainedModel``, whose own methods name the interface to configure it) is not an attention
+    module, nor is anything of torch's.
+    """
+    from transformers import PreTrainedModel
+
+    if isinstance(module, PreTrainedModel):
+        return False
+    for klass in type(module).__mro__:
+        if klass.__module__.startswith("torch"):
+            continue
+        if any(INTERFACE_NAME in _names_of(value) for value in vars(klass).values()):
+            return True
+    return False
+
+
+def _names_of(value) -> tuple[str, ...]:
+    """The global and attribute names a function's code refers to (empty for non-functions)."""
+    function = inspect.unwrap(value) if inspect.isfunction(value) else None
+    return function.__code__.co_names if function is not None else ()
 
 
 def attention_modules(root) -> list:
-    """The attention modules under ``root`` (an ``nn.Module``) the switch can take, in module order."""
-    return [m for m in root.modules() if all(hasattr(m, part) for part in ATTENTION_PARTS)]
+    """The attention modules under ``root`` (an ``nn.Module``) the switch can take, in module order
+    (Note [found by what they are])."""
+    return [m for m in root.modules() if calls_attention_interface(m)]

@@ -3,15 +3,21 @@
 :func:`register` (Note [registration]), :func:`apply` (Note [binding the mesh]), the call checks
 (Note [no mask]) and :func:`hybridsp_attention_forward`.
 
-Supported: ``model_type`` in :data:`SUPPORTED_MODEL_TYPES` (Llama, Mistral, Qwen2, Qwen3:
-the attention module that projects q/k/v, applies RoPE and calls the ``AttentionInterface``),
-transformers >= :data:`MIN_TRANSFORMERS_VERSION`, sliding-window layers (Mistral's
-``sliding_window``, Qwen2/Qwen3's ``use_sliding_window`` / ``max_window_layers`` /
-``layer_types``: each layer passes its own window) and packed documents (Note [packed
-documents]). Refused with a clear error: attention sinks, logit soft-capping, attention
-dropout in training, bidirectional configs, a user-supplied 4D mask, and a KV cache that
-already holds tokens outside :func:`generate` (long-context generation against a sharded K/V
-cache: :mod:`hybridsp.integrations.transformers.generation`).
+Note [capabilities]: the switch takes a model by what its attention does, not by its name. Any
+causal decoder whose attention modules reach the attention function through transformers'
+``AttentionInterface`` (Note [found by what they are] in :mod:`.binding`: Llama, Mistral, Qwen2/3,
+their MoE variants, Mixtral, Gemma 2/3, GPT-OSS, DeepSeek-V3's MLA, OLMo 2/3, Phi-3, SmolLM3, Granite,
+GLM-4, ...; docs/model-support.md lists what the tests check per family), on transformers >=
+:data:`MIN_TRANSFORMERS_VERSION`. What each call receives decides what runs: ``scaling`` (Granite's
+``attention_multiplier``, Gemma's ``query_pre_attn_scalar`` arrive that way), the layer's
+``sliding_window``, head dims (q/k and v may differ), packed documents (Note [packed documents]).
+Position handling stays the model's own, from the global ``position_ids`` (RoPE per layer type,
+layers without RoPE). Refused, with a line naming what is missing: a model with no such module (its
+attention bypasses the interface), encoder-decoders, non-causal attention, chunked-attention layers,
+layers that mix tokens outside attention (a causal convolution or a recurrence), attention sinks,
+logit soft-capping, attention dropout in training, a ``head_mask``, a user-supplied 4D mask, and a KV
+cache that already holds tokens outside :func:`generate` (long-context generation against a sharded
+K/V cache: :mod:`hybridsp.integrations.transformers.generation`).
 
 Note [packed documents]: a packed row restarts ``position_ids`` at 0 at each document. The
 batch's documents reach every layer as one :class:`~hybridsp.layout.documents.Documents` object under
@@ -93,15 +99,20 @@ from torch import nn
 from hybridsp.attention.api import hybrid_attn_func
 from hybridsp.formulas import heads_divisible
 from hybridsp.integrations.transformers.binding import BINDING_ATTR as _BINDING_ATTR
-from hybridsp.integrations.transformers.binding import DECODE_KWARG, DOCUMENTS_KWARG, attention_modules
+from hybridsp.integrations.transformers.binding import (
+    DECODE_KWARG,
+    DOCUMENTS_KWARG,
+    INTERFACE_NAME,
+    attention_modules,
+)
 from hybridsp.integrations.transformers.binding import Binding as _Binding
 from hybridsp.integrations.transformers.documents import documents_from_kwargs, install_input_check
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh.hybrid_mesh import HybridMesh
+from hybridsp.tensor_parallel.model_split import tensor_plan
 
 NAME = "hybridsp"
 MIN_TRANSFORMERS_VERSION = "4.53.0"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def check_transformers_version(found: str | None = None) -> None:
@@ -151,7 +162,7 @@ def hybridsp_attention_forward(
         key, value: [B, H_kv, S_local, D], GQA heads not repeated (the hybrid attention
             handles H_kv < H itself).
         attention_mask: must be None (Note [no mask]).
-        scaling: softmax scale; defaults to ``module.scaling``.
+        scaling: softmax scale; defaults to ``module.scaling``, else 1/sqrt(D) (as transformers' sdpa).
         dropout: must be 0 (attention dropout is not implemented).
         kwargs: the model's extra arguments: ``sliding_window`` (this layer's window) and
             ``cu_seq_lens_q/k`` (global packed documents, Note [packed documents]) are used;
@@ -165,17 +176,22 @@ def hybridsp_attention_forward(
     decode = kwargs.get(DECODE_KWARG)  # a decode step over a sharded K/V cache (hf_generate)
     _check_call(query, key, attention_mask, dropout, kwargs, cached=decode is not None)
     if decode is not None:
-        return decode.attend(module, query, key, value, binding, module.scaling if scaling is None else scaling, kwargs)
+        return decode.attend(module, query, key, value, binding, _scale_of(module, scaling), kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
     cu_seqlens = kwargs.get(DOCUMENTS_KWARG)  # the batch's Documents: planned and checked once per forward
     if cu_seqlens is None:
         cu_seqlens = documents_from_kwargs(kwargs, q.shape[0], q.shape[1] * binding.mesh.context)
     out = hybrid_attn_func(
         q, k, v, mesh=binding.mesh, causal=True, backend=binding.backend,
-        softmax_scale=module.scaling if scaling is None else scaling,
+        softmax_scale=_scale_of(module, scaling),
         cu_seqlens=cu_seqlens, sliding_window=kwargs.get("sliding_window"),
     )  # [B, S, H, D]
     return out, None
+
+
+def _scale_of(module: nn.Module, scaling: float | None) -> float | None:
+    """The call's scale, else the module's, else None (the kernel's 1/sqrt(D))."""
+    return getattr(module, "scaling", None) if scaling is None else scaling
 
 
 def _binding_of(module: nn.Module) -> _Binding:
@@ -201,7 +217,7 @@ def _check_call(
         raise ValueError(
             f"attention dropout {dropout} is not supported by hybridsp attention; set config.attention_dropout=0"
         )
-    refused = {name: kwargs[name] for name in ("softcap", "s_aux") if kwargs.get(name) is not None}
+    refused = {name: kwargs[name] for name in ("softcap", "s_aux", "head_mask") if kwargs.get(name) is not None}
     if refused:
         raise ValueError(f"hybridsp attention does not support {refused}; use a config without them")
     if kwargs.get("is_causal") is False:
@@ -257,8 +273,8 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
     and, when ``C > 1``, checks each call's inputs (position_ids given, no labels).
 
     Args:
-        model: a transformers model instance (``LlamaForCausalLM``, ``Qwen2Model``, ...) of a
-            type in :data:`SUPPORTED_MODEL_TYPES`.
+        model: a transformers causal decoder instance (``LlamaForCausalLM``, ``Qwen2Model``,
+            ``Gemma3ForCausalLM``, ...) whose attention calls the attention interface (Note [capabilities]).
         mesh: the :class:`~hybridsp.mesh.hybrid_mesh.HybridMesh` the model's attention runs over.
         backend: the local attention kernel (``auto``, ``torch``, ``flash``, ``reference``).
 
@@ -302,42 +318,82 @@ def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, me
     return HybridAttentionHandle(model, modules, previous, hook)
 
 
-def _check_model(model: nn.Module, modules: list[nn.Module], mesh: HybridMesh) -> None:
-    """Raise ValueError, before anything changes, for a model hybridsp cannot run exactly."""
+def check_switchable(model: nn.Module, mesh: HybridMesh | None = None) -> None:
+    """Raise ValueError when :func:`apply` would refuse ``model`` (on ``mesh``; None: any mesh's heads);
+    works on a model built on the meta device (nothing is read or changed)."""
+    _check_model(model, attention_modules(model), mesh)
+
+
+def _check_model(model: nn.Module, modules: list[nn.Module], mesh: HybridMesh | None) -> None:
+    """Raise ValueError, before anything changes, for a model hybridsp cannot run exactly (Note [capabilities])."""
+    name = type(model).__name__
     if not modules:
         raise ValueError(
-            f"{type(model).__name__} has no Llama-family attention module (q_proj/k_proj/v_proj/o_proj + scaling); "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{name} has no attention module that calls transformers' attention interface ({INTERFACE_NAME}): "
+            f"hybridsp replaces that call, so a model whose attention bypasses it cannot be switched"
         )
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; hybridsp's transformers integration takes causal "
+                         f"decoders (its cross-attention has no causal order over a sharded sequence)")
     if any(hasattr(m, _BINDING_ATTR) for m in modules):
-        raise ValueError(
-            f"{type(model).__name__} is already switched to {NAME}: undo the first handle before applying again"
-        )
+        raise ValueError(f"{name} is already switched to {NAME}: undo the first handle before applying again")
+    heads = _query_heads(model, modules[0])
     for module in modules:
-        _check_module(module, mesh)
+        _check_module(module, mesh, heads)
+    _refuse_chunked_layers(modules[0].config)
+    _refuse_other_token_mixers(model)
 
 
-def _check_module(module: nn.Module, mesh: HybridMesh) -> None:
-    """One attention module: supported type, no sliding window or sinks, causal, heads divisible by U."""
+def _query_heads(model: nn.Module, module: nn.Module) -> int | None:
+    """The query heads one attention call of this rank receives (H, or H/T once tensor-parallel)."""
+    heads = getattr(module.config, "num_attention_heads", None)
+    plan = tensor_plan(model)
+    return None if heads is None else heads // (plan.tensor if plan is not None else 1)
+
+
+def _check_module(module: nn.Module, mesh: HybridMesh | None, heads: int | None) -> None:
+    """One attention module: causal, no sinks yet, heads divisible by U."""
     config, layer = module.config, getattr(module, "layer_idx", "?")
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {model_type!r} is not supported by hybridsp's transformers integration; "
-            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    # Sliding windows: Qwen2/3 modules carry their own (None on full-attention layers), Mistral passes the
-    # config's; either arrives as the call's ``sliding_window`` keyword and is computed exactly.
     if getattr(module, "sinks", None) is not None:
         raise ValueError(f"layer {layer} uses attention sinks, which hybridsp does not support")
     if not getattr(module, "is_causal", True) or not getattr(config, "is_causal", True):
-        raise ValueError(f"layer {layer} is not causal; hybridsp's transformers integration supports causal LMs only")
-    heads = module.q_proj.weight.shape[0] // module.head_dim  # this rank's: H/T once tensor-parallel
-    if not heads_divisible(heads, mesh.ulysses):
+        raise ValueError(f"layer {layer} ({type(module).__name__}) is not causal; hybridsp's transformers "
+                         f"integration supports causal decoders only")
+    if mesh is not None and heads is not None and not heads_divisible(heads, mesh.ulysses):
         raise ValueError(
             f"the model's {heads} query heads are not divisible by the Ulysses degree {mesh.ulysses}; choose a "
             f"Ulysses degree that divides {heads} and move the rest of the context ranks to the ring"
         )
+
+
+def _refuse_chunked_layers(config) -> None:
+    """Chunked local attention (Llama 4) is a mask transformers would build; hybridsp builds none."""
+    kinds = getattr(config, "layer_types", None) or ()
+    if "chunked_attention" in kinds:
+        raise ValueError(
+            f"the model has chunked-attention layers (attention_chunk_size="
+            f"{getattr(config, 'attention_chunk_size', None)}), which hybridsp does not compute; they would "
+            f"silently attend across chunks"
+        )
+
+
+def _refuse_other_token_mixers(model: nn.Module) -> None:
+    """ValueError for layers that mix tokens outside attention (a causal depthwise convolution, a recurrence):
+    run per shard, they would restart at every shard boundary."""
+    mixers = sorted({type(parent).__name__ for parent in model.modules() for child in parent.children()
+                     if _mixes_tokens(child)})
+    if mixers:
+        raise ValueError(
+            f"{type(model).__name__} has layers that mix tokens outside attention ({', '.join(mixers)}: a "
+            f"convolution or recurrence over the sequence); hybridsp cannot shard them"
+        )
+
+
+def _mixes_tokens(module: nn.Module) -> bool:
+    """A depthwise 1-D convolution over the sequence, or a recurrent layer."""
+    if isinstance(module, nn.RNNBase):
+        return True
+    return isinstance(module, nn.Conv1d) and module.groups == module.in_channels > 1
 
 
 def layer_windows(model: nn.Module) -> list[int | None]:

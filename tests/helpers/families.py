@@ -1,0 +1,49 @@
+"""The model families the switch is tested on: one tiny config per family, and what each test checks.
+
+``FAMILIES[name]`` holds the fields of a tiny fp32 model (2 layers, 4 query heads / 2 K/V heads unless the
+family's point is another shape) that keeps the family's distinguishing feature: MoE routing, per-layer
+sliding/full attention, sinks, MLA's q/k head dim 24 vs v 16, soft-capping, layers without RoPE, Granite's
+multipliers. ``build_family(name)`` builds it with the reference implementation transformers allows
+(eager where sdpa is refused: Gemma 2, GPT-OSS).
+"""
+
+from __future__ import annotations
+
+from tests.helpers.tiny_models import tiny_causal_lm
+
+PAD = 0
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=PAD, bos_token_id=1,
+             eos_token_id=2, attention_dropout=0.0)
+WINDOWED = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+EAGER_ONLY = ("gemma2", "gpt_oss")  # transformers refuses sdpa for them
+FAMILIES = {
+    "llama": {},
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "gemma2": dict(WINDOWED, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=24),
+    "gemma3_text": dict(WINDOWED, query_pre_attn_scalar=24, rope_parameters=None),
+    "gpt_oss": dict(WINDOWED, num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        n_group=2, topk_group=1, num_key_value_heads=4, head_dim=None),
+    "olmo2": {},
+    "olmo3": dict(WINDOWED),
+    "phi3": {},
+    "smollm3": dict(no_rope_layers=[1, 0]),
+    "granite": dict(attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
+    "glm4": {},
+}
+
+
+def family_fields(name: str, **overrides) -> dict:
+    """The tiny config fields of family ``name`` (None values dropped: the family's default applies)."""
+    fields = {**SHAPE, **FAMILIES[name], **overrides}
+    return {key: value for key, value in fields.items() if value is not None}
+
+
+def build_family(name: str, seed: int = 0, **overrides):
+    """The tiny fp32 model of family ``name``, weights fixed by ``seed``."""
+    implementation = "eager" if name in EAGER_ONLY else "sdpa"
+    return tiny_causal_lm(name, seed=seed, attn_implementation=implementation, **family_fields(name, **overrides))
