@@ -47,3 +47,68 @@ def build_family(name: str, seed: int = 0, **overrides):
     """The tiny fp32 model of family ``name``, weights fixed by ``seed``."""
     implementation = "eager" if name in EAGER_ONLY else "sdpa"
     return tiny_causal_lm(name, seed=seed, attn_implementation=implementation, **family_fields(name, **overrides))
+
+
+# ---- the support matrix: what the tests check per family (rendered into docs/model-support.md) ----------------
+
+EXACT, UNTESTED = "exact", "not tested"
+CHECKS = ("switch", "packed", "trainer", "tensor parallel", "generate")
+REFUSED = "refused: "  # a cell "refused: <reason>": a test asserts the refusal names the reason
+COLUMNS = {  # check -> what "exact" means there, and the test that asserts it
+    "switch": ("U2xR2 logits, loss and every parameter gradient vs the unmodified model",
+               "tests/integrations/transformers/families/test_switch_matrix.py"),
+    "packed": ("packed documents at U2xR2 vs the unmodified model run per document",
+               "tests/integrations/transformers/families/test_switch_matrix.py"),
+    "trainer": ("HybridSPTrainer at U2xR2 vs the plain Trainer (loss, grad norm per step)",
+                "tests/integrations/transformers/test_trainer.py"),
+    "tensor parallel": ("T=2 vs the unmodified model", "tests/tensor_parallel/"),
+    "generate": ("greedy ids of hybridsp.integrations.transformers.generate equal model.generate at U2xR2",
+                 "tests/integrations/transformers/families/test_generate_matrix.py"),
+}
+
+
+def _row(switch=EXACT, packed=EXACT, trainer=UNTESTED, tensor=UNTESTED, generate=UNTESTED) -> dict[str, str]:
+    return dict(zip(CHECKS, (switch, packed, trainer, tensor, generate)))
+
+
+SUPPORT = {
+    "llama": _row(trainer=EXACT, tensor=EXACT, generate=EXACT),
+    "qwen3_moe": _row(generate=EXACT),
+    "mixtral": _row(generate=EXACT),
+    "gemma2": _row(switch=REFUSED + "softcap", packed=UNTESTED),
+    "gemma3_text": _row(generate=EXACT),
+    "gpt_oss": _row(switch=REFUSED + "attention sinks", packed=UNTESTED),
+    "deepseek_v3": _row(switch=REFUSED + "k and v must have the same shape", packed=UNTESTED),
+    "olmo2": _row(generate=EXACT),
+    "olmo3": _row(generate=EXACT),
+    "phi3": _row(generate=EXACT),
+    "smollm3": _row(generate=EXACT),
+    "granite": _row(generate=EXACT),
+    "glm4": _row(generate=EXACT),
+}
+
+
+def families_where(check: str, value: str = EXACT) -> list[str]:
+    """The families whose ``check`` cell is ``value`` (``REFUSED``: any refusal)."""
+    return [name for name, row in SUPPORT.items() if row[check] == value or (value == REFUSED and
+                                                                             row[check].startswith(REFUSED))]
+
+
+def render_support_matrix() -> str:
+    """docs/model-support.md, from :data:`SUPPORT` (``python -m tests.helpers.families > docs/model-support.md``)."""
+    lines = ["# Model support: what the tests check per family", "",
+             "Generated from `tests/helpers/families.py` (`python -m tests.helpers.families > docs/model-support.md`);",
+             "`tests/integrations/transformers/families/test_support_doc.py` keeps this page equal to the table the",
+             "tests run. Every family is a tiny config built locally (2 layers, its distinguishing feature kept) and is",
+             "compared against the unmodified transformers model on one process. The switch takes any causal decoder",
+             "whose attention calls transformers' attention interface (docs/hf-trainer.md); families not listed here",
+             "are switched by the same rule but not tested here.", "",
+             "| check | exact means | test |", "|---|---|---|"]
+    lines += [f"| {check} | {meaning} | `{test}` |" for check, (meaning, test) in COLUMNS.items()]
+    lines += ["", "| family | " + " | ".join(CHECKS) + " |", "|---|" + "---|" * len(CHECKS)]
+    lines += [f"| {name} | " + " | ".join(row[c] for c in CHECKS) + " |" for name, row in SUPPORT.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_support_matrix(), end="")

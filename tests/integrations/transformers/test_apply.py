@@ -150,8 +150,16 @@ def test_no_per_shard_mask_is_built_or_accepted():
 def test_refused_models_raise_and_change_nothing():
     cases = {
         "4 query heads are not divisible by the Ulysses degree 8": (build("llama"), mesh_at(8, 1)),
-        "has no Llama-family attention module": (transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=1, n_embd=32, n_head=2, vocab_size=64)), mesh_at(1, 1)),
+        "MambaForCausalLM has no attention module that calls transformers' attention interface": (
+            transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
+                                                                   state_size=4)), mesh_at(1, 1)),
+        "BartForConditionalGeneration is an encoder-decoder model": (transformers.BartForConditionalGeneration(
+            transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
+                                    encoder_attention_heads=2, decoder_attention_heads=2)), mesh_at(1, 1)),
+        "has layers that mix tokens outside attention (NemotronHMamba2Mixer": (transformers.NemotronHForCausalLM(
+            transformers.NemotronHConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=16, mamba_num_heads=2, mamba_head_dim=16, ssm_state_size=4,
+                                         n_groups=1, layers_block_type=["mamba", "attention"])), mesh_at(1, 1)),
     }
     for message, (model, mesh) in cases.items():
         before = model.config._attn_implementation
@@ -168,11 +176,21 @@ def test_refused_models_raise_and_change_nothing():
     handle.undo()
 
 
-def test_unsupported_model_type_is_refused():
+def test_the_switch_reads_capabilities_not_names():
     model = build("llama")
-    model.config.model_type = "gemma"  # the same attention module under another family's name
-    with pytest.raises(ValueError, match=re.escape("model type 'gemma' is not supported")):
-        hf.apply(model, mesh_at(1, 1))
+    model.config.model_type = "my_llama"  # a renamed family: the same attention, accepted by what it calls
+    ids = BATCHES["full"]["input_ids"]
+    original = model(input_ids=ids).logits.detach()
+    with hf.apply(model, mesh_at(1, 1), backend="reference"):
+        assert rel_err(model(input_ids=ids, use_cache=False).logits.detach(), original) <= 1e-5
+    chunked = build("llama")
+    chunked.config.layer_types, chunked.config.attention_chunk_size = ["chunked_attention", "full_attention"], 16
+    with pytest.raises(ValueError, match=re.escape("chunked-attention layers (attention_chunk_size=16)")):
+        hf.apply(chunked, mesh_at(1, 1))
+    bidirectional = build("llama")
+    bidirectional.model.layers[1].self_attn.is_causal = False
+    with pytest.raises(ValueError, match=re.escape("layer 1 (LlamaAttention) is not causal")):
+        hf.apply(bidirectional, mesh_at(1, 1))
 
 
 def test_calls_that_cannot_be_exact_are_refused():

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
+from tests.helpers.packed_models import packed_batch, per_document_reference
 from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import build, sharded
 
@@ -23,35 +23,6 @@ WINDOWED = {  # family -> config overrides giving sliding-window layers
     "qwen2": dict(use_sliding_window=True, sliding_window=10, max_window_layers=1),  # full, then sliding
     "qwen3": dict(use_sliding_window=True, sliding_window=7, layer_types=["sliding_attention", "full_attention"]),
 }
-
-
-def packed_batch(rows: tuple[tuple[int, ...], ...], seed: int = 0) -> dict:
-    """input_ids/labels [B, S] and position_ids restarting at 0 at every document (labels = ids)."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 128, (len(rows), SEQ), generator=gen)
-    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])  # [B, S]
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions}
-
-
-def per_document_reference(model, batch, rows):
-    """(logits [B, S, V], loss, grads) of the unmodified model run on every document by itself;
-    the loss averages next-token cross-entropy over all targets inside documents."""
-    model.zero_grad(set_to_none=True)
-    ids = batch["input_ids"]
-    logits = torch.zeros(*ids.shape, model.config.vocab_size)
-    total, count = 0.0, 0
-    for b, lengths in enumerate(rows):
-        start = 0
-        for length in lengths:
-            doc = ids[b : b + 1, start : start + length]  # [1, n]
-            out = model(input_ids=doc, use_cache=False).logits  # [1, n, V]
-            logits[b, start : start + length] = out[0].detach()
-            total = total + F.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
-            count += length - 1
-            start += length
-    loss = total / count
-    loss.backward()
-    return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def full_reference(model, batch):
@@ -72,15 +43,15 @@ def _errors(model, mesh, batch, expected):
 
 def _cases():
     """(name, family, overrides, batch, rows or None for an unpacked batch)."""
-    unpacked = {k: v for k, v in packed_batch(((SEQ,), (SEQ,)), seed=1).items() if k != "position_ids"}
+    unpacked = {k: v for k, v in packed_batch(((SEQ,), (SEQ,)), SEQ, seed=1).items() if k != "position_ids"}
     one, two = ((ROW_A,), (ROW_A, ROW_B))
     return [
-        ("llama packed B=1", "llama", {}, packed_batch(one), one),
-        ("llama packed B=2", "llama", {}, packed_batch(two), two),
+        ("llama packed B=1", "llama", {}, packed_batch(one, SEQ), one),
+        ("llama packed B=2", "llama", {}, packed_batch(two, SEQ), two),
         ("mistral window 6", "mistral", WINDOWED["mistral"], unpacked, None),
-        ("mistral window 6 packed", "mistral", WINDOWED["mistral"], packed_batch(two, seed=2), two),
+        ("mistral window 6 packed", "mistral", WINDOWED["mistral"], packed_batch(two, SEQ, seed=2), two),
         ("qwen2 full+sliding", "qwen2", WINDOWED["qwen2"], unpacked, None),
-        ("qwen2 full+sliding packed", "qwen2", WINDOWED["qwen2"], packed_batch(two, seed=3), two),
+        ("qwen2 full+sliding packed", "qwen2", WINDOWED["qwen2"], packed_batch(two, SEQ, seed=3), two),
         ("qwen3 sliding+full", "qwen3", WINDOWED["qwen3"], unpacked, None),
     ]
 
@@ -127,7 +98,7 @@ def test_world4_ring_only_and_world8():
 
 def test_windowed_references_differ_from_full_attention():
     for family, overrides in WINDOWED.items():
-        batch = packed_batch(((SEQ,),), seed=1)
+        batch = packed_batch(((SEQ,),), SEQ, seed=1)
         windowed = build(family, **overrides)(input_ids=batch["input_ids"], use_cache=False).logits
         full = build(family)(input_ids=batch["input_ids"], use_cache=False).logits
         assert rel_err(windowed, full) > 1e-3, family
@@ -138,7 +109,7 @@ def test_packed_kwargs_forms_and_single_rank_packing():
     from tests.helpers.mesh import mesh_at
 
     rows = (ROW_A, ROW_B)
-    batch = packed_batch(rows)
+    batch = packed_batch(rows, SEQ)
     model = build("llama")
     expected, _, _ = per_document_reference(model, batch, rows)
     with hf.apply(model, mesh_at(1, 1), backend="torch"):

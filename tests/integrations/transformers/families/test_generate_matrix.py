@@ -1,0 +1,35 @@
+"""Greedy generation of every family the table marks for it (tests/helpers/families.py), switched at U2xR2 over 4
+gloo ranks with its sharded K/V cache: the ids equal the unmodified model's own ``generate`` on every rank."""
+
+import torch
+
+from hybridsp import init_mesh
+from hybridsp.integrations import transformers as hf
+from tests.helpers.families import build_family, families_where
+from tests.helpers.generation import launch, portable
+
+PROMPT, NEW = 64, 6
+
+
+def prompt_ids() -> torch.Tensor:
+    return torch.randint(1, 128, (2, PROMPT), generator=torch.Generator().manual_seed(0))  # [B, S]
+
+
+def _rank(rank, world, names):
+    mesh = init_mesh(ulysses=2, ring=2)
+    results = {}
+    for name in names:
+        model = build_family(name).eval()
+        with hf.apply(model, mesh):
+            results[name] = hf.generate(model, prompt_ids(), mesh=mesh, max_new_tokens=NEW)
+    return portable(results)
+
+
+def test_greedy_ids_equal_model_generate_for_every_family():
+    names = families_where("generate")
+    results = launch(_rank, 4, names)
+    for name in names:
+        expected = build_family(name).eval().generate(prompt_ids(), do_sample=False, max_new_tokens=NEW)
+        for rank, result in enumerate(results):
+            assert torch.equal(result[name], expected), f"{name} rank {rank}: {result[name][:, PROMPT:]} vs " \
+                                                        f"{expected[:, PROMPT:]}"
