@@ -77,7 +77,7 @@ def check_model_type(path: str, model_type) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hybridsp.integrations.transformers.switch import check_switchable
+    from hybridsp.integrations.transformers.capabilities import check_switchable
     from hybridsp.integrations.transformers.vision.model import VLM_MODEL_TYPES
 
     if model_type in VLM_MODEL_TYPES:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
+NAME = "hybridsp"  # the attention implementation the switch registers with transformers
 BINDING_ATTR = "_hybridsp_binding"  # the attribute apply() sets on every attention module it switches
 DECODE_KWARG = "hybridsp_decode"  # the model-call kwarg that carries a decode step (hf_generate)
 

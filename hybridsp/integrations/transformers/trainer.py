@@ -227,7 +227,7 @@ class HybridSPMixin:
         if vlm_batch.is_vision_batch(tensors) or self._needs_idle_encoder(model):
             return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id(),
                                              idle_encoder=True)
-        from hybridsp.integrations.transformers.switch import layout_window  # Note [layout window] there
+        from hybridsp.integrations.transformers.capabilities import layout_window  # Note [layout window] there
 
         text = {key: value for key, value in tensors.items() if key not in vlm_batch.EXTRA_KEYS}
         return shard_batch(text, self.hybrid_mesh, pad_token_id=self._pad_token_id(), sliding_window=layout_window(model))
