@@ -74,6 +74,24 @@ class Documents:
         return f"Documents(batch={self.batch}, seq_len={self.seq_len}, max_docs_per_row={docs}{window})"
 
 
+def chunked_documents(documents: Documents, chunk: int) -> Documents:
+    """``documents`` with every document cut every ``chunk`` tokens from its start: chunked local attention
+    (Llama 4's ``attention_chunk_size``) as block-diagonal documents, so the block plan expresses it. Kept in
+    the memo of ``documents`` (one per batch and chunk size, shared by every chunked layer); the placement
+    window is kept (the tokens stay where the batch's documents put them)."""
+    if chunk < 1:
+        raise ValueError(f"attention_chunk_size must be a positive number of tokens; got {chunk}")
+    return documents.remember(("chunked", chunk), lambda: Documents(
+        documents.batch, documents.seq_len, tuple(_cut_row(documents.row(b), chunk) for b in range(documents.batch)),
+        documents.window))
+
+
+def _cut_row(bounds: tuple[int, ...], chunk: int) -> tuple[int, ...]:
+    """Row boundaries ``(0, ..., S)`` with a cut every ``chunk`` tokens inside each document."""
+    cuts = [start + step for start, end in zip(bounds, bounds[1:]) for step in range(0, end - start, chunk)]
+    return (*cuts, bounds[-1])
+
+
 def as_documents(cu_seqlens, batch: int, seq_len: int) -> Documents:
     """A :class:`Documents` for ``cu_seqlens`` in any accepted form (see the module docstring).
 

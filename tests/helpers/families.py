@@ -34,6 +34,8 @@ FAMILIES = {
     "smollm3": dict(no_rope_layers=[1, 0]),
     "granite": dict(attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
     "glm4": {},
+    "llama4_text": dict(num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1, intermediate_size_mlp=96,
+                        attention_chunk_size=16, no_rope_layers=[1, 0]),  # chunked RoPE layer, full NoPE layer
 }
 
 
@@ -85,6 +87,7 @@ SUPPORT = {
     "smollm3": _row(generate=EXACT),
     "granite": _row(generate=EXACT),
     "glm4": _row(generate=EXACT),
+    "llama4_text": _row(generate=REFUSED + "chunked-attention layer"),
 }
 
 

@@ -26,6 +26,7 @@ CLASSES = {  # family -> (config class, model class) in transformers
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
     "glm4": ("Glm4Config", "Glm4ForCausalLM"),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM"),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM"),
 }
 

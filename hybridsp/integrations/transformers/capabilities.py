@@ -49,7 +49,7 @@ def check_model(model: nn.Module, modules: list[nn.Module], mesh: HybridMesh | N
     heads = _query_heads(model, modules[0])
     for module in modules:
         _check_module(module, mesh, heads)
-    _refuse_chunked_layers(modules[0].config)
+    _refuse_chunked_on_document_layout(modules, mesh)
     _refuse_other_token_mixers(model)
 
 
@@ -75,14 +75,40 @@ def _check_module(module: nn.Module, mesh: HybridMesh | None, heads: int | None)
         )
 
 
-def _refuse_chunked_layers(config) -> None:
-    """Chunked local attention (Llama 4) is a mask transformers would build; hybridsp builds none."""
-    kinds = getattr(config, "layer_types", None) or ()
-    if "chunked_attention" in kinds:
+def chunk_size_of(module: nn.Module) -> int | None:
+    """The chunk of a chunked-attention layer (Llama 4's ``attention_chunk_size`` on a layer whose
+    ``layer_types`` entry is ``"chunked_attention"``), else None."""
+    config, layer = module.config, getattr(module, "layer_idx", None)
+    kinds = getattr(config, "layer_types", None)
+    if not kinds or layer is None or kinds[layer] != "chunked_attention":
+        return None
+    return int(config.attention_chunk_size)
+
+
+def _refuse_chunked_on_document_layout(modules: list[nn.Module], mesh: HybridMesh | None) -> None:
+    """Chunked layers attend within chunks cut from the documents (Note [chunked layers] in :mod:`.documents`);
+    a layout that places tokens by document would place them for the cut documents instead."""
+    chunks = {chunk_size_of(m) for m in modules} - {None}
+    if chunks and mesh is not None and mesh.token_layout.uses_documents:
         raise ValueError(
-            f"the model has chunked-attention layers (attention_chunk_size="
-            f"{getattr(config, 'attention_chunk_size', None)}), which hybridsp does not compute; they would "
-            f"silently attend across chunks"
+            f"the model has chunked-attention layers (attention_chunk_size={min(chunks)}), which layout="
+            f"{mesh.layout!r} cannot run (it places tokens by the batch's documents, not by their chunks); use "
+            f"layout='zigzag' or 'contiguous'"
+        )
+
+
+def check_position_scaled_queries(module: nn.Module, seq_len: int, mesh: HybridMesh) -> None:
+    """ValueError for Llama 4's attention temperature tuning where it would read shard-local positions: the
+    layer scales its queries by ``log1p(floor((i + 1) / floor_scale))`` of the token's index ``i`` in the
+    *local* tensor, which is 1 (no scaling) for every index below ``floor_scale - 1`` and wrong beyond it."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    if mesh.context > 1 and seq_len >= module.floor_scale:
+        raise ValueError(
+            f"layer {module.layer_idx} scales queries by token index (attn_temperature_tuning, floor_scale="
+            f"{module.floor_scale}), which it reads from the shard, not the sequence: wrong at {seq_len} tokens over "
+            f"{mesh.context} context ranks; set attn_temperature_tuning=False or keep sequences under "
+            f"{module.floor_scale - 1} tokens"
         )
 
 

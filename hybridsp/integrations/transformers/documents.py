@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridsp.integrations.transformers.binding import DECODE_KWARG, DOCUMENTS_KWARG
 from hybridsp.integrations.transformers.padding import padded_cu_seq_lens
-from hybridsp.layout.documents import Documents, as_documents
+from hybridsp.layout.documents import Documents, as_documents, chunked_documents
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
@@ -171,3 +171,19 @@ def documents_from_kwargs(kwargs: dict, batch: int, seq_len: int):
         torch.tensor([e - b * seq_len for e in edges if b * seq_len <= e <= (b + 1) * seq_len])
         for b in range(batch)
     ]
+
+
+def layer_documents(documents, chunk: int | None, batch: int, seq_len: int):
+    """The documents one layer attends within (Note [chunked layers]): the batch's (any form
+    :func:`hybridsp.hybrid_attn_func` takes, or None), cut every ``chunk`` tokens on a chunked-attention layer.
+
+    Note [chunked layers]: Llama 4's chunked local attention lets a token see the keys of its own chunk of
+    ``attention_chunk_size`` tokens only (transformers builds it as a mask; hybridsp builds none). A chunk is a
+    block-diagonal mask, so it is a document: the layer gets the batch's documents with a cut every ``chunk``
+    tokens from each document's start (for an unpacked row, transformers' chunks exactly; for a packed row,
+    the chunks of each document run alone). The cut documents are kept in the batch's memo, so every chunked
+    layer of a forward shares one plan.
+    """
+    if chunk is None:
+        return documents
+    return chunked_documents(as_documents(documents, batch, seq_len), chunk)

@@ -13,9 +13,10 @@ GLM-4, ...; docs/model-support.md lists what the tests check per family), on tra
 ``sliding_window``, head dims (q/k and v may differ), packed documents (Note [packed documents]).
 Position handling stays the model's own, from the global ``position_ids`` (RoPE per layer type,
 layers without RoPE). Refused, with a line naming what is missing: a model with no such module (its
-attention bypasses the interface), encoder-decoders, non-causal attention, chunked-attention layers,
+attention bypasses the interface), encoder-decoders, non-causal attention, chunked-attention layers on a layout that places tokens by document (chunked layers
+otherwise run as documents cut into chunks, Note [chunked layers] in :mod:`.documents`),
 layers that mix tokens outside attention (a causal convolution or a recurrence), attention sinks,
-logit soft-capping, attention dropout in training, a ``head_mask``, a user-supplied 4D mask, and a KV
+logit soft-capping, Llama 4's query temperature tuning past ``floor_scale`` tokens under sequence parallelism, attention dropout in training, a ``head_mask``, a user-supplied 4D mask, and a KV
 cache that already holds tokens outside :func:`generate` (long-context generation against a sharded
 K/V cache: :mod:`hybridsp.integrations.transformers.generation`).
 
@@ -90,8 +91,13 @@ from hybridsp.attention.api import hybrid_attn_func
 from hybridsp.integrations.transformers.binding import BINDING_ATTR as _BINDING_ATTR
 from hybridsp.integrations.transformers.binding import DECODE_KWARG, DOCUMENTS_KWARG, NAME, attention_modules
 from hybridsp.integrations.transformers.binding import Binding as _Binding
-from hybridsp.integrations.transformers.capabilities import check_model, layout_window
-from hybridsp.integrations.transformers.documents import documents_from_kwargs, install_input_check
+from hybridsp.integrations.transformers.capabilities import (
+    check_model,
+    check_position_scaled_queries,
+    chunk_size_of,
+    layout_window,
+)
+from hybridsp.integrations.transformers.documents import documents_from_kwargs, install_input_check, layer_documents
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
@@ -159,17 +165,27 @@ def hybridsp_attention_forward(
     decode = kwargs.get(DECODE_KWARG)  # a decode step over a sharded K/V cache (hf_generate)
     _check_call(query, key, attention_mask, dropout, kwargs, cached=decode is not None)
     if decode is not None:
+        _refuse_chunked_decode(module)
         return decode.attend(module, query, key, value, binding, _scale_of(module, scaling), kwargs)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, S, H, D]
+    batch, seq_len = q.shape[0], q.shape[1] * binding.mesh.context
+    check_position_scaled_queries(module, seq_len, binding.mesh)
     cu_seqlens = kwargs.get(DOCUMENTS_KWARG)  # the batch's Documents: planned and checked once per forward
     if cu_seqlens is None:
-        cu_seqlens = documents_from_kwargs(kwargs, q.shape[0], q.shape[1] * binding.mesh.context)
+        cu_seqlens = documents_from_kwargs(kwargs, batch, seq_len)
+    cu_seqlens = layer_documents(cu_seqlens, chunk_size_of(module), batch, seq_len)
     out = hybrid_attn_func(
         q, k, v, mesh=binding.mesh, causal=True, backend=binding.backend,
         softmax_scale=_scale_of(module, scaling),
         cu_seqlens=cu_seqlens, sliding_window=kwargs.get("sliding_window"),
     )  # [B, S, H, D]
     return out, None
+
+
+def _refuse_chunked_decode(module: nn.Module) -> None:
+    if chunk_size_of(module) is not None:
+        raise ValueError(f"layer {module.layer_idx} is a chunked-attention layer, which hybridsp's sharded-cache "
+                         f"generation does not mask by chunk; generate with the unswitched model")
 
 
 def _scale_of(module: nn.Module, scaling: float | None) -> float | None:
