@@ -19,6 +19,9 @@ WINDOWED = dict(sliding_window=16, layer_types=["sliding_attention", "full_atten
 EAGER_ONLY = ("gemma2", "gpt_oss")  # transformers refuses sdpa for them
 FAMILIES = {
     "llama": {},
+    "mistral": dict(sliding_window=16),
+    "qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    "qwen3": dict(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True, sliding_window=16),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
                       mlp_only_layers=[]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -75,6 +78,9 @@ def _row(switch=EXACT, packed=EXACT, trainer=UNTESTED, tensor=UNTESTED, generate
 
 SUPPORT = {
     "llama": _row(trainer=EXACT, tensor=EXACT, generate=EXACT),
+    "mistral": _row(generate=EXACT),
+    "qwen2": _row(generate=EXACT),
+    "qwen3": _row(generate=EXACT),
     "qwen3_moe": _row(generate=EXACT),
     "mixtral": _row(generate=EXACT),
     "gemma2": _row(switch=REFUSED + "softcap", packed=UNTESTED),
