@@ -8,7 +8,8 @@ Rank ``t`` of ``T`` keeps query heads ``[t*H/T, (t+1)*H/T)`` and K/V heads ``[t*
     q_proj / q_b_proj, kv_b_proj (DeepSeek-V3 MLA)   rows of its heads          column-parallel
     q_a_proj, kv_a_proj_with_mqa, their norms (MLA)  replicated (shared by all heads)
     q_norm, k_norm over the head dim (Qwen3, Gemma 3)  replicated (the same weight for every head)
-    q_norm, k_norm over the projected width (OLMo 2/3)  refused (its variance spans every head)
+    q_norm, k_norm over the projected width (OLMo 2/3)  weights of its heads, the sum of squares all-reduced
+                             (:mod:`hybridsp.tensor_parallel.width_norm`; refused unless a plain RMS norm)
     sinks [H] (GPT-OSS)      entries of its query heads
     o_proj                   columns of its query heads, all-reduced              row-parallel
 
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from torch import nn
 
 from hybridsp.tensor_parallel.plan import TensorPlan, split_parameter
+from hybridsp.tensor_parallel.width_norm import WidthShardedRMSNorm, is_plain_rms_norm
 
 STANDARD = ("q_proj", "k_proj", "v_proj")
 MLA_SPLIT = ("q_proj", "q_b_proj", "kv_b_proj")  # by heads
@@ -37,9 +39,10 @@ def _head_dim(attention: nn.Module, config) -> int:
         config.hidden_size // config.num_attention_heads)
 
 
-def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Callable[[str, TensorPlan], None]:
+def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Callable[[str, TensorPlan, object], None]:
     """Check that ``attention`` can be split ``tensor`` ways (ValueError naming the part and the numbers) and
-    return the function that splits it: ``split(prefix, plan)``; ``o_proj`` is left to the caller (row-parallel)."""
+    return the function that splits it: ``split(prefix, plan, group)``; ``o_proj`` is left to the caller
+    (row-parallel)."""
     if not isinstance(getattr(attention, "o_proj", None), nn.Linear):
         raise ValueError(f"{where} ({type(attention).__name__}) has no o_proj linear: tensor_parallel splits "
                          f"attention whose output projection is o_proj")
@@ -53,12 +56,17 @@ def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Cal
             raise ValueError(f"{where} ({type(attention).__name__}) has no {', '.join(missing)}: tensor_parallel "
                              f"knows q/k/v_proj, a fused qkv_proj and MLA's q(_b)_proj/kv_b_proj")
         column, shared = dict.fromkeys(STANDARD), ()
-    shared = (*shared, *_check_head_norms(attention, config, where))
-    _refuse_unknown(attention, (*column, "o_proj", "sinks", *shared), where)
+    per_head, over_width = _check_head_norms(attention, config, where)
+    _refuse_unknown(attention, (*column, "o_proj", "sinks", *shared, *per_head, *over_width), where)
 
-    def split(prefix: str, plan: TensorPlan) -> None:
+    def split(prefix: str, plan: TensorPlan, group) -> None:
         for name, blocks in column.items():
             _split_linear_rows(getattr(attention, name), f"{prefix}.{name}", plan, blocks)
+        for name in over_width:
+            norm = getattr(attention, name)
+            split_parameter(norm, "weight", f"{prefix}.{name}.weight", plan, 0)  # [W/T]
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+            setattr(attention, name, WidthShardedRMSNorm(norm.weight, eps, norm.weight.numel() * plan.tensor, group))
         if isinstance(getattr(attention, "sinks", None), nn.Parameter):
             split_parameter(attention, "sinks", f"{prefix}.sinks", plan, 0)  # [H/T]
         _local_head_counts(attention, config, plan.tensor, "qkv_proj" in column)
@@ -85,21 +93,26 @@ def _fused_qkv_blocks(attention: nn.Module, config) -> tuple[int, int, int]:
     return blocks
 
 
-def _check_head_norms(attention: nn.Module, config, where: str) -> tuple[str, ...]:
-    """The q/k norms that stay replicated (over one head's dim); a norm over the projected width is refused."""
-    dim, found = _head_dim(attention, config), []
-    for name in HEAD_NORMS:
+def _check_head_norms(attention: nn.Module, config, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the q/k norms over one head's dim: replicated, those over the projected width: split by heads); a norm
+    over another width, or over the projected width but not a plain RMS norm, is refused."""
+    dim, per_head, over_width = _head_dim(attention, config), [], []
+    kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    for name, heads in zip(HEAD_NORMS, (config.num_attention_heads, kv)):
         norm = getattr(attention, name, None)
         weight = getattr(norm, "weight", None)
         if norm is None:
             continue
-        if weight is not None and weight.numel() != dim:
+        if weight is None or weight.numel() == dim:
+            per_head.append(name)
+        elif weight.numel() == heads * dim and is_plain_rms_norm(norm):
+            over_width.append(name)
+        else:
             raise ValueError(
-                f"{where}.{name} normalises over {weight.numel()} features, the whole projected width, not one head's "
-                f"{dim}: its variance spans every head, so a split over heads would change it (tensor_parallel "
-                f"refuses; run this family with tensor=1)")
-        found.append(name)
-    return tuple(found)
+                f"{where}.{name} ({type(norm).__name__}) normalises over {weight.numel()} features, neither one head's "
+                f"{dim} nor a plain RMS norm over the {heads} x {dim} projected width: a split over heads would change "
+                f"it (tensor_parallel refuses; run this family with tensor=1)")
+    return tuple(per_head), tuple(over_width)
 
 
 def _refuse_unknown(attention: nn.Module, known: tuple[str, ...], where: str) -> None:

@@ -59,7 +59,7 @@ def dense_parts(mlp: nn.Module) -> tuple[dict[str, tuple[int, ...] | None], int]
 
 def _check_width(width: int, tensor: int, what: str) -> None:
     if width % tensor:
-        raise ValueError(f"{what} is {width} wide, not divisible by tensor={tensor}; choose a tensor degree "
+        raise ValueError(f"{what} {width} is not divisible by tensor={tensor}; choose a tensor degree "
                          f"that divides {width}")
 
 
@@ -71,7 +71,7 @@ def plan_dense(mlp: nn.Module, tensor: int, where: str) -> Callable[[str, Tensor
         raise ValueError(f"{where} ({type(mlp).__name__}) is neither a gate/up/down_proj MLP nor a mixture of "
                          f"experts with 3-D experts: tensor_parallel does not know how to split it")
     columns, width = parts
-    _check_width(width, tensor, f"{where}'s intermediate width (down_proj input)")
+    _check_width(width, tensor, f"{where}'s intermediate width (down_proj in_features)")
     _refuse_unknown(mlp, (*columns, "down_proj"), where)
 
     def split(prefix: str, plan: TensorPlan) -> None:

@@ -7,7 +7,7 @@
 Per decoder layer (rank ``t`` of ``T``; H query heads, Hkv K/V heads, D head dim, I MLP width), the parts are
 found by what they are: the attention is the child with an ``o_proj``
 (:mod:`hybridsp.tensor_parallel.attention_split`: q/k/v, Phi-3's fused qkv, DeepSeek-V3's MLA, sinks, q/k
-norms), the feed-forward block the child that is a gate/up/down MLP or holds 3-D experts
+norms, OLMo's norm over the projected width), the feed-forward block the child that is a gate/up/down MLP or holds 3-D experts
 (:mod:`hybridsp.tensor_parallel.feed_forward_split`: dense, fused gate_up, mixture of experts):
 
     q_proj  [H*D, h]   -> rows of query heads   [t*H/T, (t+1)*H/T)          column-parallel
@@ -100,7 +100,7 @@ def _plan_layer(layer: nn.Module, config, tensor: int, where: str) -> Callable[[
 
     def shard(prefix: str, plan: TensorPlan, group) -> None:
         sp = plan.sequence_parallel
-        split_attention(f"{prefix}.{attn_name}", plan)
+        split_attention(f"{prefix}.{attn_name}", plan, group)
         attention.o_proj = _split_row(attention.o_proj, f"{prefix}.{attn_name}.o_proj", plan, group)
         if moe:
             split_forward(f"{prefix}.{ff_name}", plan, group)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
-from hybridsp.tensor_parallel.model_split import tensor_plan
+from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
 from tests.helpers.families import build_family
 from tests.helpers.reference import rel_err
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.integration]
 TOLERANCE = 1e-4
 BATCH = make_batch(64, (64, 50))  # B = 2, the second row padded
 # Tensor-parallel and switched at T2 x U2 (Ulysses splits the H/T heads again).
-SWITCHED = ("llama", "qwen3_moe", "mixtral", "gemma3_text", "smollm3", "granite", "glm4")
+SWITCHED = ("llama", "qwen3_moe", "mixtral", "gemma3_text", "olmo2", "olmo3", "smollm3", "granite", "glm4")
 # Phi-3 gives each attention module a config with H/T heads (its forward slices qkv by the config's count), which
 # the switch's head check divides by T again: switched at T2 x R2, where Ulysses does not split heads.
 RING_ONLY = ("phi3",)
@@ -112,28 +112,61 @@ def _mesh(tensor: int, ulysses: int = 1):
 
 
 REFUSED = {  # family, overrides, tensor degree, the message
-    "olmo2 q_norm over the width": ("olmo2", {}, 2, r"layer 0.self_attn.q_norm normalises over 64 features, the "
-                                                    r"whole projected width, not one head's 16"),
-    "olmo3 q_norm over the width": ("olmo3", {}, 2, r"q_norm normalises over 64 features"),
     "expert width": ("qwen3_moe", dict(moe_intermediate_size=33), 2,
-                     r"layer 0.mlp.experts' intermediate width is 33 wide, not divisible by tensor=2"),
+                     r"layer 0.mlp.experts' intermediate width 33 is not divisible by tensor=2"),
     "dense width": ("deepseek_v3", dict(intermediate_size=95), 2,
-                    r"layer 0.mlp's intermediate width \(down_proj input\) is 95 wide, not divisible by tensor=2"),
+                    r"layer 0.mlp's intermediate width \(down_proj in_features\) 95 is not divisible by tensor=2"),
     "deepseek expert width": ("deepseek_v3", dict(moe_intermediate_size=31), 2,
-                            r"layer 1.mlp.experts' intermediate width is 31 wide"),
-    "gpt_oss expert width": ("gpt_oss", dict(intermediate_size=95), 2, r"experts' intermediate width is 95 wide"),
+                            r"layer 1.mlp.experts' intermediate width 31 is not divisible"),
+    "gpt_oss expert width": ("gpt_oss", dict(intermediate_size=95), 2, r"experts' intermediate width 95 is not divisible"),
     "MLA heads": ("deepseek_v3", {}, 8, r"4 query heads are not divisible by tensor=8"),
     "K/V heads": ("phi3", {}, 4, r"2 key/value heads are not divisible by tensor=4"),
 }
 
 
+def _centred_q_norm(model):
+    """OLMo 2 with its q_norm over the projected width replaced by a layer norm (mean subtracted)."""
+    model.model.layers[0].self_attn.q_norm = torch.nn.LayerNorm(64, eps=1e-6)
+    return model
+
+
+REFUSED["a width norm that is not a plain RMS norm"] = (
+    "olmo2", {}, 2, r"layer 0.self_attn.q_norm \(LayerNorm\) normalises over 64 features, neither one head's 16 nor a "
+                    r"plain RMS norm over the 4 x 16 projected width")
+CHANGE = {"a width norm that is not a plain RMS norm": _centred_q_norm}
+
+
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_parts_that_cannot_be_split_exactly_are_refused_before_any_change(case):
     family, overrides, tensor, message = REFUSED[case]
-    model = build_family(family, **overrides)
+    model = CHANGE.get(case, lambda m: m)(build_family(family, **overrides))
     before = {n: p.clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match=message):
         hf.tensor_parallel(model, _mesh(tensor))
     assert tensor_plan(model) is None
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+LOADED = ("phi3", "qwen3_moe", "gpt_oss", "olmo2", "deepseek_v3")  # fused blocks, 3-D experts (both layouts), MLA
+
+
+@pytest.mark.parametrize("family", LOADED)
+def test_a_checkpoint_loads_straight_into_each_ranks_shards(family, tmp_path):
+    """Built on ``meta``, split, loaded from the saved checkpoint by safetensors slices: every tensor of rank 0
+    and rank 1 of T = 2 is its slice of the saved model's (fused blocks, expert axes, interleaved gate/up)."""
+    import transformers
+
+    saved = build_family(family)
+    saved.save_pretrained(tmp_path)
+    full = saved.state_dict()
+    for rank in range(2):
+        with torch.device("meta"):
+            model = type(saved)(transformers.AutoConfig.from_pretrained(tmp_path))
+        hf.tensor_parallel(model, SimpleNamespace(tensor=2, ulysses=1, tensor_rank=rank, tensor_group=None))
+        load_sharded_safetensors(model, tmp_path)
+        plan = tensor_plan(model)
+        assert len(plan.split_dims) > 0
+        for name, value in model.state_dict().items():
+            expected = full[name] if name in full else full["model.embed_tokens.weight"]  # a tied LM head
+            assert torch.equal(value, plan.shard(name, expected)), (family, rank, name)
