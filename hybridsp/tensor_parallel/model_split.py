@@ -46,10 +46,8 @@ The change is not undoable (the other shards are dropped).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from hybridsp.mesh.hybrid_mesh import HybridMesh, check_tensor_heads
@@ -63,11 +61,11 @@ from hybridsp.tensor_parallel.layers import (
     split_tokens,
     sum_grad_over_tensor,
 )
-from hybridsp.tensor_parallel.plan import TensorPlan, split_parameter
+from hybridsp.tensor_parallel.plan import PLAN_ATTR, TensorPlan, split_parameter, tensor_plan
+from hybridsp.tensor_parallel.sharded_loading import load_sharded_safetensors
 
 __all__ = ["TensorPlan", "check_tensor_parallel", "load_sharded_safetensors", "tensor_parallel", "tensor_plan"]
 
-_ATTR = "_hybridsp_tensor"
 COLUMN, ROW = 0, 1  # the dimension of a weight that is split
 
 
@@ -122,7 +120,7 @@ def check_tensor_parallel(model: nn.Module, mesh: HybridMesh) -> list[Callable]:
     """Raise ValueError, before anything changes, when the model cannot be split ``mesh.tensor`` ways; returns
     the per-layer split functions (:func:`tensor_parallel` runs them)."""
     config, tensor = model.config, mesh.tensor
-    if getattr(model, _ATTR, None) is not None:
+    if getattr(model, PLAN_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} is already tensor-parallel; call tensor_parallel once")
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     check_tensor_heads(heads, kv, tensor, mesh.ulysses)
@@ -212,67 +210,5 @@ def tensor_parallel(model: nn.Module, mesh: HybridMesh, *, sequence_parallel: bo
         shard(f"{base_prefix}layers.{index}", plan, mesh.tensor_group)
     if sequence_parallel:
         _sequence_parallel_ends(model, plan, mesh.tensor_group)
-    setattr(model, _ATTR, plan)
+    setattr(model, PLAN_ATTR, plan)
     return model
-
-
-def tensor_plan(model: nn.Module) -> TensorPlan | None:
-    """The :class:`TensorPlan` of a model :func:`tensor_parallel` changed, else None."""
-    return getattr(model, _ATTR, None)
-
-
-def load_sharded_safetensors(model: nn.Module, directory: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                             device: str | torch.device = "cpu") -> nn.Module:
-    """Load a checkpoint directory's ``*.safetensors`` straight into this rank's shards.
-
-    ``model`` is a tensor-parallel model built on the ``meta`` device (nothing allocated):
-    each tensor is read through ``safe_open(...).get_slice`` so only this rank's rows (or
-    columns) are read; replicated tensors are read whole. Non-persistent buffers (RoPE
-    frequencies) are rebuilt by constructing the rotary module again on ``device``.
-    """
-    from safetensors import safe_open
-
-    plan = tensor_plan(model)
-    state = {}
-    wanted = set(model.state_dict().keys())
-    for path in sorted(os.listdir(directory)):
-        if not path.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(directory, path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                if name not in wanted:
-                    continue
-                piece = handle.get_slice(name)
-                state[name] = _read_shard(piece, name, plan).to(device=device, dtype=dtype)
-    missing = wanted - set(state)
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        missing.discard("lm_head.weight")
-    if missing:
-        raise ValueError(f"the checkpoint in {directory} lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
-    model.load_state_dict(state, assign=True, strict=True)
-    _rebuild_rotary(model, device)
-    return model
-
-
-def _read_shard(piece, name: str, plan: TensorPlan | None) -> torch.Tensor:
-    """This rank's part of a safetensors slice (all of it when ``name`` is not split): the rows (or columns,
-    or expert axis) of every fused block along the split dim (:func:`hybridsp.tensor_parallel.plan.take_shard`)."""
-    if plan is None or name not in plan.split_dims:
-        return piece[:]
-    dim, size = plan.split_dims[name], piece.get_shape()[plan.split_dims[name]]
-    parts, start = [], 0
-    for block in plan.split_blocks.get(name, (size,)):
-        step = block // plan.tensor
-        lo = start + plan.rank * step
-        parts.append(piece[(slice(None),) * dim + (slice(lo, lo + step),)])
-        start += block
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
-def _rebuild_rotary(model: nn.Module, device) -> None:
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child).__name__.endswith("RotaryEmbedding"):
-                with torch.device(device):
-                    setattr(module, name, type(child)(config=child.config))

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+PLAN_ATTR = "_hybridsp_tensor"  # the attribute of a split model that holds its plan
+
 
 @dataclass
 class TensorPlan:
@@ -54,3 +56,9 @@ def split_parameter(module: nn.Module, attr: str, name: str, plan: TensorPlan, d
     plan.split_dims[name] = dim
     if blocks is not None:
         plan.split_blocks[name] = tuple(blocks)
+
+
+def tensor_plan(model: nn.Module) -> TensorPlan | None:
+    """The :class:`TensorPlan` of a model :func:`~hybridsp.tensor_parallel.model_split.tensor_parallel` changed,
+    else None."""
+    return getattr(model, PLAN_ATTR, None)

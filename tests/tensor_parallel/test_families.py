@@ -170,3 +170,14 @@ def test_a_checkpoint_loads_straight_into_each_ranks_shards(family, tmp_path):
         for name, value in model.state_dict().items():
             expected = full[name] if name in full else full["model.embed_tokens.weight"]  # a tied LM head
             assert torch.equal(value, plan.shard(name, expected)), (family, rank, name)
+
+
+def test_a_checkpoint_with_other_per_expert_names_is_reported_missing(tmp_path):
+    """Mixtral saves its experts under their original names (block_sparse_moe.experts.{e}.w1): named, not guessed."""
+    saved = build_family("mixtral")
+    saved.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = type(saved)(saved.config)
+    hf.tensor_parallel(model, SimpleNamespace(tensor=2, ulysses=1, tensor_rank=0, tensor_group=None))
+    with pytest.raises(ValueError, match=r"lacks \['model.layers.0.mlp.experts.down_proj'"):
+        load_sharded_safetensors(model, tmp_path)
