@@ -102,9 +102,10 @@ def test_every_family_split_two_ways_without_sequence_parallelism_and_over_a_rin
 
 @pytest.mark.slow
 def test_three_way_split_with_one_kv_head_per_rank():
-    """T = 3: 6 query heads, 3 K/V heads (one per rank), expert and MLP widths 3 x 32."""
+    """T = 3 (without sequence parallelism: 64 tokens do not split 3 ways): 6 query heads, 3 K/V heads (one per
+    rank), expert widths 3 x 32."""
     shape = dict(num_attention_heads=6, num_key_value_heads=3, moe_intermediate_size=96)
-    run_distributed(_check, 3, [(("mixtral", "qwen3_moe"), (3, 1, 1), True, shape)], True, timeout=600)
+    run_distributed(_check, 3, [(("mixtral", "qwen3_moe"), (3, 1, 1), True, shape)], False, timeout=600)
 
 
 def _mesh(tensor: int, ulysses: int = 1):
