@@ -15,6 +15,7 @@ from hybridsp.integrations import transformers as hf
 from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
 from tests.helpers.families import build_family
+from tests.helpers.generation import prompt, reference_generate
 from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import expected_of, make_batch, sharded
 
@@ -106,6 +107,27 @@ def test_three_way_split_with_one_kv_head_per_rank():
     rank), expert widths 3 x 32."""
     shape = dict(num_attention_heads=6, num_key_value_heads=3, moe_intermediate_size=96)
     run_distributed(_check, 3, [(("mixtral", "qwen3_moe"), (3, 1, 1), True, shape)], False, timeout=600)
+
+
+def _generate(rank, world, cases):
+    """Greedy ids and logits of ``hf.generate`` on each split and switched family against the model's own."""
+    failures = []
+    for name, (ulysses, ring) in cases:
+        mesh = init_mesh(ulysses=ulysses, ring=ring, tensor=2)
+        model = build_family(name).eval()
+        ref_ids, ref_logits = reference_generate(model, prompt(2, 64), max_new_tokens=6)
+        hf.tensor_parallel(model, mesh)  # decoding wants sequence_parallel=False
+        hf.apply(model, mesh, backend="torch")
+        ids, logits = hf.generate(model, prompt(2, 64), mesh=mesh, max_new_tokens=6, output_logits=True)
+        if not torch.equal(ids, ref_ids) or rel_err(logits, ref_logits) > TOLERANCE:
+            failures.append(f"{name}: ids equal {torch.equal(ids, ref_ids)}, logits {rel_err(logits, ref_logits):.2e}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_generate_with_the_new_families_split_two_ways_equals_their_own_generate():
+    cases = [("qwen3_moe", (2, 1)), ("mixtral", (2, 1)), ("olmo2", (2, 1)), ("glm4", (2, 1)), ("phi3", (1, 2))]
+    run_distributed(_generate, 4, cases, timeout=600)
 
 
 def _mesh(tensor: int, ulysses: int = 1):
