@@ -19,11 +19,14 @@ tensor rank 0 adds it (Note [a bias added once inside the reduction]). The route
 inside the tensor region, so its gradient is a partial sum (Note [replicated parameters in the tensor region] in
 :mod:`hybridsp.tensor_parallel.model_split`).
 
-Note [a bias added once inside the reduction]: the experts' forward reads ``self.down_proj_bias``; a forward
-pre-hook shadows that attribute, for the call only, by ``bias`` on tensor rank 0 and ``bias * 0`` elsewhere (an
-instance attribute wins over ``nn.Module``'s parameter lookup), and the forward hook removes the shadow. The
-parameter itself stays whole and equal on every rank; rank 0 gets its gradient, the others a zero, and the
-tensor-group sum of the gradient hook makes it whole everywhere.
+Note [a bias added once inside the reduction]: every rank's experts add ``down_proj_bias[e]`` to each expert's
+output before it is weighted and summed, so the reduced block output would hold it ``T`` times. On tensor ranks
+other than 0 a forward hook on the experts subtracts what their forward added, ``sum_k w[n, k] *
+bias[index[n, k]]`` (from the call's own ``(hidden, top_k_index, top_k_weights)``), so the reduction adds it once;
+the parameter stays whole and equal on every rank (the hook runs while ZeRO-3 still holds it gathered: it is
+registered before any engine's), its gradient there is ``g - g = 0`` (rank 0's is whole), and the tensor-group sum
+of the gradient hook makes it whole everywhere. The routing weights' gradient is then each rank's partial sum,
+as for every replicated parameter of the region.
 """
 
 from __future__ import annotations
@@ -146,16 +149,21 @@ def plan_experts(block: nn.Module, tensor: int, where: str) -> Callable[[str, Te
 
 
 def _bias_once(experts: nn.Module, rank: int) -> list:
-    """Note [a bias added once inside the reduction]."""
+    """Note [a bias added once inside the reduction]: nothing on rank 0, the added bias subtracted elsewhere."""
+    if rank == 0:
+        return []
 
-    def shadow(module, args):
-        bias = module._parameters["down_proj_bias"]
-        object.__setattr__(module, "down_proj_bias", bias if rank == 0 else bias * 0)
+    def subtract(module, args, output):
+        if len(args) < 3:
+            raise ValueError(f"{type(module).__name__} was called without positional (hidden, top_k_index, "
+                             f"top_k_weights); tensor_parallel needs them to add its down_proj_bias once")
+        index, weights = args[1], args[2]  # [N, k] each
+        valid = index < module.down_proj_bias.shape[0]  # [N, k] (a masking index adds nothing)
+        added = module.down_proj_bias[index.clamp(max=module.down_proj_bias.shape[0] - 1)]  # [N, k, h]
+        added = (added * (weights * valid)[..., None]).sum(dim=1)  # [N, h]
+        return output - added.to(output.dtype)
 
-    def unshadow(module, args, output):
-        module.__dict__.pop("down_proj_bias", None)
-
-    return [experts.register_forward_pre_hook(shadow), experts.register_forward_hook(unshadow)]
+    return [experts.register_forward_hook(subtract)]
 
 
 def _reduce_output(group, sequence_parallel: bool):

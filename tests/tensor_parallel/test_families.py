@@ -33,6 +33,17 @@ RING_ONLY = ("phi3",)
 TENSOR_ONLY = ("gpt_oss", "deepseek_v3", "gemma2")
 
 
+def varied(model):
+    """``model`` with every constant parameter (zero biases, unit norm weights, as families initialise them) given
+    distinct values, so a slice of the wrong features, or a bias added T times, changes the result."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.numel() > 1 and bool(param.min() == param.max()):
+                param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    return model
+
+
 def assemble(pieces: list[torch.Tensor], dim: int, blocks) -> torch.Tensor:
     """The full tensor from the T ranks' shards (inverse of :func:`hybridsp.tensor_parallel.plan.take_shard`)."""
     if blocks is None:
@@ -53,7 +64,7 @@ def full_gradient(grad: torch.Tensor, name: str, plan, mesh) -> torch.Tensor:
 def family_errors(name: str, mesh, sequence_parallel: bool, switch: bool, overrides: dict) -> dict[str, float]:
     """{what: relative error} of family ``name`` split over ``mesh`` (switched when ``switch``) against its
     unmodified self, plus the check that every split parameter holds exactly 1/T of its bytes."""
-    model = build_family(name, **overrides)
+    model = varied(build_family(name, **overrides))
     full_sizes = {n: p.numel() for n, p in model.named_parameters()}
     ref_logits, ref_loss, ref_grads = expected_of(model, BATCH)
     model.zero_grad(set_to_none=True)
@@ -114,7 +125,7 @@ def _generate(rank, world, cases):
     failures = []
     for name, (ulysses, ring) in cases:
         mesh = init_mesh(ulysses=ulysses, ring=ring, tensor=2)
-        model = build_family(name).eval()
+        model = varied(build_family(name)).eval()
         ref_ids, ref_logits = reference_generate(model, prompt(2, 64), max_new_tokens=6)
         hf.tensor_parallel(model, mesh)  # decoding wants sequence_parallel=False
         hf.apply(model, mesh, backend="torch")
@@ -180,7 +191,7 @@ def test_a_checkpoint_loads_straight_into_each_ranks_shards(family, tmp_path):
     and rank 1 of T = 2 is its slice of the saved model's (fused blocks, expert axes, interleaved gate/up)."""
     import transformers
 
-    saved = build_family(family)
+    saved = varied(build_family(family))
     saved.save_pretrained(tmp_path)
     full = saved.state_dict()
     for rank in range(2):
