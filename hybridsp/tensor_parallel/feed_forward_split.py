@@ -23,10 +23,10 @@ Note [a bias added once inside the reduction]: every rank's experts add ``down_p
 output before it is weighted and summed, so the reduced block output would hold it ``T`` times. On tensor ranks
 other than 0 a forward hook on the experts subtracts what their forward added, ``sum_k w[n, k] *
 bias[index[n, k]]`` (from the call's own ``(hidden, top_k_index, top_k_weights)``), so the reduction adds it once;
-the parameter stays whole and equal on every rank (the hook runs while ZeRO-3 still holds it gathered: it is
-registered before any engine's), its gradient there is ``g - g = 0`` (rank 0's is whole), and the tensor-group sum
-of the gradient hook makes it whole everywhere. The routing weights' gradient is then each rank's partial sum,
-as for every replicated parameter of the region.
+the parameter stays whole and equal on every rank (registered before any engine's hooks, the hook runs before
+ZeRO-3's post-forward release; not tested under ZeRO-3), its gradient there is ``g - g = 0`` (rank 0's is whole),
+and the tensor-group sum of the gradient hook makes it whole everywhere. The routing weights' gradient is then
+each rank's partial sum, as for every replicated parameter of the region.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _expert_axes(experts: nn.Module) -> tuple[int, int, int]:
 
 def plan_experts(block: nn.Module, tensor: int, where: str) -> Callable[[str, TensorPlan, object], None]:
     """Check a mixture-of-experts block and return ``split(prefix, plan, group)``: experts and shared experts
-    split, the output reduction and the down-bias shadow hooked."""
+    split, the output reduction and the once-only down bias hooked."""
     experts = block.experts
     if getattr(experts, "has_post_expert_norm", False):
         raise ValueError(f"{where}.experts normalises each expert's output, which a split of the intermediate "
