@@ -90,6 +90,19 @@ class _ReduceFromTensor(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverTensor(torch.autograd.Function):
+    """Sum over the tensor group, used by every rank: the gradient is the sum of the ranks' gradients too."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
 class _TokenExchange(torch.autograd.Function):
     """One exchange along the sequence dim: ``forward_op`` now, ``backward_op`` on the gradient
     (each ``op(x, group, dim)``: all-gather, reduce-scatter or this rank's slice)."""
@@ -110,6 +123,12 @@ def copy_to_tensor(x, group):
 
 def reduce_from_tensor(x, group):
     return _ReduceFromTensor.apply(x, group)
+
+
+def sum_over_tensor(x, group):
+    """The sum of ``x`` over the tensor group, which every rank then uses (forward and backward all-reduce;
+    e.g. a mean of squares over a width split across the group)."""
+    return _SumOverTensor.apply(x, group)
 
 
 def gather_sequence_shards(x, group):

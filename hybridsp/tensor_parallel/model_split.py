@@ -1,37 +1,44 @@
-"""Tensor parallelism for Hugging Face Llama-family causal LMs over ``mesh.tensor_group``.
+"""Tensor parallelism for Hugging Face causal decoders over ``mesh.tensor_group``.
 
     mesh = hybridsp.init_mesh(ulysses=2, ring=1, tensor=2)
-    tensor_parallel(model, mesh)                 # in place: each rank keeps 1/T of every layer's linears
+    tensor_parallel(model, mesh)                 # in place: each rank keeps 1/T of every layer's heads and width
     apply(model, mesh)                           # hybrid sequence-parallel attention on H/T heads per rank
 
-Per decoder layer (rank ``t`` of ``T``; H query heads, Hkv K/V heads, D head dim, I MLP width):
+Per decoder layer (rank ``t`` of ``T``; H query heads, Hkv K/V heads, D head dim, I MLP width), the parts are
+found by what they are: the attention is the child with an ``o_proj``
+(:mod:`hybridsp.tensor_parallel.attention_split`: q/k/v, Phi-3's fused qkv, DeepSeek-V3's MLA, sinks, q/k
+norms, OLMo's norm over the projected width), the feed-forward block the child that is a gate/up/down MLP or holds 3-D experts
+(:mod:`hybridsp.tensor_parallel.feed_forward_split`: dense, fused gate_up, mixture of experts):
 
     q_proj  [H*D, h]   -> rows of query heads   [t*H/T, (t+1)*H/T)          column-parallel
     k_proj, v_proj     -> rows of K/V heads     [t*Hkv/T, (t+1)*Hkv/T)      column-parallel
     o_proj  [h, H*D]   -> columns of the same query heads, all-reduced     row-parallel
     gate_proj, up_proj -> rows [t*I/T, (t+1)*I/T)                           column-parallel
     down_proj          -> the same columns, all-reduced                     row-parallel
+    experts            -> every expert's I axis; the block output all-reduced once
 
 Query head ``j`` uses K/V head ``j // (H/Hkv)``, so a rank's query heads use exactly its K/V
-heads. Norms, embeddings and the LM head stay replicated. The layer norms in front of the
-attention and the MLP enter the tensor region through a forward hook on the norm (a copy, or
-an all-gather with ``sequence_parallel=True``; :mod:`hybridsp.tensor_parallel.layers`), so parameter names stay
-the model's own (a checkpoint's names load unchanged, :func:`load_sharded_safetensors`).
+heads. Norms, embeddings and the LM head stay replicated. The attention and the feed-forward block
+enter the tensor region through a forward pre-hook on the block's ``hidden_states`` (a copy, or an
+all-gather with ``sequence_parallel=True``; :mod:`hybridsp.tensor_parallel.layers`), wherever the family puts
+its norms (before, after, both), so parameter names stay the model's own (a checkpoint's names load unchanged,
+:func:`load_sharded_safetensors`). Every check runs before anything changes; a part that cannot be split
+exactly is refused in one ValueError naming it and the numbers.
 
 Note [replicated parameters in the tensor region]: a parameter that is not split but sits between
-the copy into the tensor region and the row-parallel reduction (Qwen3's per-head ``q_norm`` /
-``k_norm``) sees only this rank's heads, so its gradient is a partial sum over the tensor group;
-so is a row-parallel bias (``o_proj`` / ``down_proj`` with ``attention_bias`` / ``mlp_bias``) under
-sequence parallelism, where it is added on this rank's ``S/T`` tokens after the reduce-scatter.
-Both get a gradient hook that all-reduces over the tensor group, so every tensor rank holds the
-full gradient and the replicas stay equal. Without sequence parallelism a row bias is added on
+the copy into the tensor region and the reduction (Qwen3's per-head ``q_norm`` / ``k_norm``, MLA's
+``kv_a_proj_with_mqa``, a MoE router) sees only this rank's heads or width, so its gradient is a partial sum
+over the tensor group; so is a row-parallel bias (``o_proj`` / ``down_proj`` with ``attention_bias`` /
+``mlp_bias``) under sequence parallelism, where it is added on this rank's ``S/T`` tokens after the
+reduce-scatter. Both get a gradient hook that all-reduces over the tensor group, so every tensor rank holds the
+full gradient and the replicas stay equal. Without sequence parallelism a row-parallel bias is added on
 all tokens, the same on every tensor rank: its gradient is already whole.
 
 ``sequence_parallel=True`` (training; Megatron-LM's "sequence parallel"): the hidden states
-between the linears hold ``1/T`` of the tokens (split before the first layer, gathered after
-the final norm), norm gradients are summed over the tensor group
-(Note [sequence parallel in the tensor group] in :mod:`hybridsp.tensor_parallel.layers`). Decoding one
-token at a time cannot be split, so :func:`~hybridsp.integrations.transformers.generation` wants
+between the blocks hold ``1/T`` of the tokens (split before the first layer, gathered after
+the final norm), the gradients of every layer parameter outside the blocks (the norms) are summed over the
+tensor group (Note [sequence parallel in the tensor group] in :mod:`hybridsp.tensor_parallel.layers`).
+Decoding one token at a time cannot be split, so :func:`~hybridsp.integrations.transformers.generation` wants
 ``sequence_parallel=False``.
 
 The change is not undoable (the other shards are dropped).
@@ -39,36 +46,27 @@ The change is not undoable (the other shards are dropped).
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from hybridsp.mesh.hybrid_mesh import HybridMesh, check_tensor_heads
+from hybridsp.tensor_parallel.attention_split import plan_attention
+from hybridsp.tensor_parallel.feed_forward_split import dense_parts, is_mixture_of_experts, plan_dense, plan_experts
 from hybridsp.tensor_parallel.layers import (
     RowParallelLinear,
     copy_to_tensor,
     gather_replicated_tokens,
     gather_sequence_shards,
-    shard_rows,
     split_tokens,
     sum_grad_over_tensor,
 )
+from hybridsp.tensor_parallel.plan import PLAN_ATTR, TensorPlan, split_parameter, tensor_plan
+from hybridsp.tensor_parallel.sharded_loading import load_sharded_safetensors
 
-_ATTR = "_hybridsp_tensor"
+__all__ = ["TensorPlan", "check_tensor_parallel", "load_sharded_safetensors", "tensor_parallel", "tensor_plan"]
+
 COLUMN, ROW = 0, 1  # the dimension of a weight that is split
-
-
-@dataclass
-class TensorPlan:
-    """What :func:`tensor_parallel` did to one model: which parameter is split along which dim."""
-
-    tensor: int
-    rank: int
-    sequence_parallel: bool
-    split_dims: dict[str, int] = field(default_factory=dict)  # parameter name -> split dim
-    handles: list = field(default_factory=list)
 
 
 def _layers(model: nn.Module) -> list[nn.Module]:
@@ -76,88 +74,84 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     layers = getattr(base, "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers); tensor_parallel supports "
-                         f"Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3)")
+                         f"causal decoders whose layers are model.layers")
     return list(layers)
 
 
-def check_tensor_parallel(model: nn.Module, mesh: HybridMesh) -> None:
-    """Raise ValueError, before anything changes, when the model cannot be split ``mesh.tensor`` ways."""
+def _blocks(layer: nn.Module, where: str) -> tuple[str, nn.Module, str, nn.Module]:
+    """(name, module) of the layer's attention (the child with an o_proj) and of its feed-forward block."""
+    attention = [(n, c) for n, c in layer.named_children() if isinstance(getattr(c, "o_proj", None), nn.Linear)]
+    forward = [(n, c) for n, c in layer.named_children() if is_mixture_of_experts(c) or dense_parts(c) is not None]
+    if len(attention) != 1 or len(forward) != 1:
+        raise ValueError(f"{where} ({type(layer).__name__}) has {len(attention)} attention blocks (a child with "
+                         f"o_proj) and {len(forward)} feed-forward blocks (gate/up/down_proj or 3-D experts); "
+                         f"tensor_parallel splits layers with one of each")
+    return (*attention[0], *forward[0])
+
+
+def _plan_layer(layer: nn.Module, config, tensor: int, where: str) -> Callable[[str, TensorPlan, object], None]:
+    """Check one decoder layer; return ``shard(prefix, plan, group)``, which splits it and installs its hooks."""
+    attn_name, attention, ff_name, forward = _blocks(layer, where)
+    split_attention = plan_attention(attention, config, tensor, f"{where}.{attn_name}")
+    moe = is_mixture_of_experts(forward)
+    split_forward = (plan_experts if moe else plan_dense)(forward, tensor, f"{where}.{ff_name}")
+
+    def shard(prefix: str, plan: TensorPlan, group) -> None:
+        sp = plan.sequence_parallel
+        split_attention(f"{prefix}.{attn_name}", plan, group)
+        attention.o_proj = _split_row(attention.o_proj, f"{prefix}.{attn_name}.o_proj", plan, group)
+        if moe:
+            split_forward(f"{prefix}.{ff_name}", plan, group)
+        else:
+            split_forward(f"{prefix}.{ff_name}", plan)
+            forward.down_proj = _split_row(forward.down_proj, f"{prefix}.{ff_name}.down_proj", plan, group)
+        for name, block in ((attn_name, attention), (ff_name, forward)):
+            plan.handles.append(block.register_forward_pre_hook(_enter_hook(group, sp), with_kwargs=True))
+            partial = _partial_grad_params(block, f"{prefix}.{name}", plan)
+            plan.handles += [sum_grad_over_tensor(p, group) for p in partial]
+        if sp:  # the norms, wherever they are, see S/T tokens
+            outside = [p for n, p in layer.named_parameters() if n.split(".")[0] not in (attn_name, ff_name)]
+            plan.handles += [sum_grad_over_tensor(p, group) for p in outside if p.requires_grad]
+
+    return shard
+
+
+def check_tensor_parallel(model: nn.Module, mesh: HybridMesh) -> list[Callable]:
+    """Raise ValueError, before anything changes, when the model cannot be split ``mesh.tensor`` ways; returns
+    the per-layer split functions (:func:`tensor_parallel` runs them)."""
     config, tensor = model.config, mesh.tensor
-    if getattr(model, _ATTR, None) is not None:
+    if getattr(model, PLAN_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} is already tensor-parallel; call tensor_parallel once")
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     check_tensor_heads(heads, kv, tensor, mesh.ulysses)
-    width = config.intermediate_size
-    if width % tensor:
-        raise ValueError(f"the MLP width intermediate_size={width} is not divisible by tensor={tensor}; "
-                         f"choose a tensor degree that divides {width}")
-    for index, layer in enumerate(_layers(model)):
-        missing = [n for n in ("q_proj", "k_proj", "v_proj", "o_proj") if not hasattr(layer.self_attn, n)]
-        missing += [n for n in ("gate_proj", "up_proj", "down_proj") if not hasattr(layer.mlp, n)]
-        if missing:
-            raise ValueError(f"layer {index} has no {', '.join(missing)}: tensor_parallel supports Llama-family "
-                             f"layers (q/k/v/o_proj, gate/up/down_proj)")
+    return [_plan_layer(layer, config, tensor, f"layer {index}") for index, layer in enumerate(_layers(model))]
 
 
-def _split_column(linear: nn.Linear, tensor: int, rank: int) -> None:
-    """Keep output rows ``[rank/T, (rank+1)/T)`` of ``linear`` (weight and bias) in place."""
-    with torch.no_grad():
-        linear.weight = nn.Parameter(shard_rows(linear.weight, tensor, rank).clone(),
-                                     requires_grad=linear.weight.requires_grad)  # [out/T, in]
-        if linear.bias is not None:
-            linear.bias = nn.Parameter(shard_rows(linear.bias, tensor, rank).clone(),
-                                       requires_grad=linear.bias.requires_grad)  # [out/T]
-    linear.out_features //= tensor
-
-
-def _split_row(linear: nn.Linear, tensor: int, rank: int, group, sequence_parallel: bool) -> RowParallelLinear:
+def _split_row(linear: nn.Linear, name: str, plan: TensorPlan, group) -> RowParallelLinear:
     """A :class:`RowParallelLinear` holding input columns ``[rank/T, (rank+1)/T)`` of ``linear``."""
-    with torch.no_grad():
-        weight = linear.weight.chunk(tensor, dim=1)[rank].clone()  # [out, in/T]
-    return RowParallelLinear(nn.Parameter(weight, requires_grad=linear.weight.requires_grad), linear.bias, group,
-                             sequence_parallel)
+    split_parameter(linear, "weight", f"{name}.weight", plan, 1)  # [out, in/T]
+    return RowParallelLinear(linear.weight, linear.bias, group, plan.sequence_parallel)
 
 
 def _enter_hook(group, sequence_parallel: bool):
-    def hook(module, args, output):
-        return gather_sequence_shards(output, group) if sequence_parallel else copy_to_tensor(output, group)
+    """Forward pre-hook: the block's ``hidden_states`` (first positional or keyword) enter the tensor region."""
+    enter = gather_sequence_shards if sequence_parallel else copy_to_tensor
+
+    def hook(module, args, kwargs):
+        if args:
+            return (enter(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"], group)}
 
     return hook
 
 
-def _shard_layer(layer: nn.Module, prefix: str, plan: TensorPlan, group) -> None:
-    tensor, rank, sp = plan.tensor, plan.rank, plan.sequence_parallel
-    attention, mlp = layer.self_attn, layer.mlp
-    for parent, names, row in ((attention, ("q_proj", "k_proj", "v_proj"), "o_proj"),
-                               (mlp, ("gate_proj", "up_proj"), "down_proj")):
-        part = "self_attn" if parent is attention else "mlp"
-        for name in names:
-            _split_column(getattr(parent, name), tensor, rank)
-            plan.split_dims[f"{prefix}.{part}.{name}.weight"] = 0
-            if getattr(parent, name).bias is not None:
-                plan.split_dims[f"{prefix}.{part}.{name}.bias"] = 0
-        setattr(parent, row, _split_row(getattr(parent, row), tensor, rank, group, sp))
-        plan.split_dims[f"{prefix}.{part}.{row}.weight"] = 1
-    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-        plan.handles.append(norm.register_forward_hook(_enter_hook(group, sp)))
-        if sp:
-            plan.handles += [sum_grad_over_tensor(p, group) for p in norm.parameters() if p.requires_grad]
-    plan.handles += [sum_grad_over_tensor(p, group) for p in _partial_grad_params(layer, prefix, plan)]
-
-
-def _partial_grad_params(layer: nn.Module, prefix: str, plan: TensorPlan) -> list[nn.Parameter]:
-    """The replicated parameters of ``layer``'s attention and MLP whose gradient each tensor rank only
-    holds a part of (Note [replicated parameters in the tensor region])."""
-    partial = []
-    for part in ("self_attn", "mlp"):
-        for name, param in getattr(layer, part).named_parameters():
-            full_name = f"{prefix}.{part}.{name}"
-            if full_name in plan.split_dims or not param.requires_grad:
-                continue
-            row_bias = name in ("o_proj.bias", "down_proj.bias")
-            if plan.sequence_parallel or not row_bias:
-                partial.append(param)
-    return partial
+def _partial_grad_params(block: nn.Module, prefix: str, plan: TensorPlan) -> list[nn.Parameter]:
+    """The replicated parameters of a block whose gradient each tensor rank only holds a part of (Note
+    [replicated parameters in the tensor region]): every unsplit one, but a row-parallel bias without SP."""
+    whole = set() if plan.sequence_parallel else {id(m.bias) for m in block.modules()
+                                                  if isinstance(m, RowParallelLinear) and m.bias is not None}
+    return [p for n, p in block.named_parameters()
+            if p.requires_grad and f"{prefix}.{n}" not in plan.split_dims and id(p) not in whole]
 
 
 def _split_first_layer_input(group, tensor: int):
@@ -196,82 +190,25 @@ def tensor_parallel(model: nn.Module, mesh: HybridMesh, *, sequence_parallel: bo
     """Shard ``model``'s attention and MLP linears over ``mesh.tensor_group`` in place; returns ``model``.
 
     Args:
-        model: a Llama-family transformers model (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...),
+        model: a transformers causal decoder (``LlamaForCausalLM``, ``Qwen3MoeForCausalLM``, ``Phi3ForCausalLM``,
+            ``DeepseekV3ForCausalLM``, ...; the parts it knows: module docstring),
             on a real device or on ``meta`` (then the shards are meta too: load them with
             :func:`load_sharded_safetensors`, which never builds the whole model).
         mesh: a mesh with ``mesh.tensor`` = T; T = 1 returns the model unchanged.
         sequence_parallel: keep 1/T of the tokens outside the linears (training; module docstring).
 
     Raises:
-        ValueError, before changing anything, when heads, K/V heads (T x U) or the MLP width do
-        not divide; the message names the numbers.
+        ValueError, before changing anything, when heads, K/V heads (T x U) or an MLP or expert width do
+        not divide, or a part has no exact split; the message names the part and the numbers.
     """
     if mesh.tensor == 1:
         return model
-    check_tensor_parallel(model, mesh)
+    shards = check_tensor_parallel(model, mesh)
     plan = TensorPlan(mesh.tensor, mesh.tensor_rank, sequence_parallel)
     base_prefix = "model." if hasattr(model, "model") else ""
-    for index, layer in enumerate(_layers(model)):
-        _shard_layer(layer, f"{base_prefix}layers.{index}", plan, mesh.tensor_group)
+    for index, shard in enumerate(shards):
+        shard(f"{base_prefix}layers.{index}", plan, mesh.tensor_group)
     if sequence_parallel:
         _sequence_parallel_ends(model, plan, mesh.tensor_group)
-    setattr(model, _ATTR, plan)
+    setattr(model, PLAN_ATTR, plan)
     return model
-
-
-def tensor_plan(model: nn.Module) -> TensorPlan | None:
-    """The :class:`TensorPlan` of a model :func:`tensor_parallel` changed, else None."""
-    return getattr(model, _ATTR, None)
-
-
-def load_sharded_safetensors(model: nn.Module, directory: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                             device: str | torch.device = "cpu") -> nn.Module:
-    """Load a checkpoint directory's ``*.safetensors`` straight into this rank's shards.
-
-    ``model`` is a tensor-parallel model built on the ``meta`` device (nothing allocated):
-    each tensor is read through ``safe_open(...).get_slice`` so only this rank's rows (or
-    columns) are read; replicated tensors are read whole. Non-persistent buffers (RoPE
-    frequencies) are rebuilt by constructing the rotary module again on ``device``.
-    """
-    from safetensors import safe_open
-
-    plan = tensor_plan(model)
-    split = {} if plan is None else plan.split_dims
-    state = {}
-    wanted = set(model.state_dict().keys())
-    for path in sorted(os.listdir(directory)):
-        if not path.endswith(".safetensors"):
-            continue
-        with safe_open(os.path.join(directory, path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                if name not in wanted:
-                    continue
-                piece = handle.get_slice(name)
-                state[name] = _read_shard(piece, split.get(name), plan).to(device=device, dtype=dtype)
-    missing = wanted - set(state)
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in missing:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        missing.discard("lm_head.weight")
-    if missing:
-        raise ValueError(f"the checkpoint in {directory} lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
-    model.load_state_dict(state, assign=True, strict=True)
-    _rebuild_rotary(model, device)
-    return model
-
-
-def _read_shard(piece, dim: int | None, plan: TensorPlan | None) -> torch.Tensor:
-    """This rank's slice along ``dim`` of a safetensors slice (all of it when ``dim`` is None)."""
-    if dim is None:
-        return piece[:]
-    size = piece.get_shape()[dim]
-    step = size // plan.tensor
-    lo, hi = plan.rank * step, (plan.rank + 1) * step
-    return piece[lo:hi] if dim == 0 else piece[:, lo:hi]
-
-
-def _rebuild_rotary(model: nn.Module, device) -> None:
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if type(child).__name__.endswith("RotaryEmbedding"):
-                with torch.device(device):
-                    setattr(module, name, type(child)(config=child.config))

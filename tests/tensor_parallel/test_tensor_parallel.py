@@ -132,7 +132,8 @@ def test_models_that_cannot_be_split_are_refused_before_any_change():
         with pytest.raises(ValueError, match=message):
             hf.tensor_parallel(model, mesh)
     wide = build("llama", intermediate_size=126)  # 4 query and 4 K/V heads
-    with pytest.raises(ValueError, match=r"intermediate_size=126 is not divisible by tensor=4"):
+    with pytest.raises(ValueError, match=r"layer 0.mlp's intermediate width \(down_proj in_features\) 126 is not "
+                                         r"divisible by tensor=4"):
         hf.tensor_parallel(wide, SimpleNamespace(tensor=4, ulysses=1, tensor_rank=0, tensor_group=None))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
