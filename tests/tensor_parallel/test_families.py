@@ -24,10 +24,8 @@ pytestmark = [pytest.mark.integration]
 TOLERANCE = 1e-4
 BATCH = make_batch(64, (64, 50))  # B = 2, the second row padded
 # Tensor-parallel and switched at T2 x U2 (Ulysses splits the H/T heads again).
-SWITCHED = ("llama", "qwen3_moe", "mixtral", "gemma3_text", "olmo2", "olmo3", "smollm3", "granite", "glm4")
-# Phi-3 gives each attention module a config with H/T heads (its forward slices qkv by the config's count), which
-# the switch's head check divides by T again: switched at T2 x R2, where Ulysses does not split heads.
-RING_ONLY = ("phi3",)
+SWITCHED = ("llama", "qwen3_moe", "mixtral", "gemma3_text", "olmo2", "olmo3", "smollm3", "granite", "glm4", "phi3")
+RING_ONLY = ()  # families switched at T2 x R2 only (none since the switch counts heads from the model's config)
 # The switch at this point refuses sinks (GPT-OSS), k/v head dims that differ (DeepSeek-V3's MLA) and soft-capping
 # (Gemma 2): tensor parallelism alone (T = 2, no context parallelism; the other 2 ranks a data-parallel replica).
 TENSOR_ONLY = ("gpt_oss", "deepseek_v3", "gemma2")

@@ -55,7 +55,9 @@ def check_model(model: nn.Module, modules: list[nn.Module], mesh: HybridMesh | N
 
 def _query_heads(model: nn.Module, module: nn.Module) -> int | None:
     """The query heads one attention call of this rank receives (H, or H/T once tensor-parallel)."""
-    heads = getattr(module.config, "num_attention_heads", None)
+    config = getattr(model, "config", None) or module.config  # the model's own: tensor_parallel may give a
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # module a split copy
+    heads = getattr(text, "num_attention_heads", None)
     plan = tensor_plan(model)
     return None if heads is None else heads // (plan.tensor if plan is not None else 1)
 
