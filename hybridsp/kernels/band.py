@@ -19,7 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from hybridsp.kernels.base import accumulation_dtype, expand_kv_heads, lse_for_backward, reduce_kv_heads
+from hybridsp.kernels.base import (
+    accumulation_dtype,
+    apply_softcap,
+    expand_kv_heads,
+    lse_for_backward,
+    reduce_kv_heads,
+)
 
 Band = tuple[int | None, int | None]
 
@@ -57,32 +63,37 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     return expand_kv_heads(x.to(accumulation_dtype(x.dtype)), heads)  # [B, S, H, D]
 
 
-def _masked_scores(q, k_full, band, scale) -> torch.Tensor:
-    """fp32 scores [B, H, Sq, Sk] with the band applied (-inf outside)."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(k_full.dtype), k_full) * scale  # [B, H, Sq, Sk]
-    return scores.masked_fill(~band_mask(q.shape[1], k_full.shape[1], band, q.device), -torch.inf)
+def _masked_scores(q, k_full, band, scale, softcap=None) -> torch.Tensor:
+    """fp32 scores [B, H, Sq, Sk], soft-capped when ``softcap`` is set, with the band applied (-inf outside)."""
+    scores = apply_softcap(torch.einsum("bqhd,bkhd->bhqk", q.to(k_full.dtype), k_full) * scale, softcap)
+    return scores.masked_fill(~band_mask(q.shape[1], k_full.shape[1], band, q.device), -torch.inf)  # [B, H, Sq, Sk]
 
 
-def math_forward_band(q, k, v, *, band: Band, softmax_scale: float):
-    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] fp32)."""
+def math_forward_band(q, k, v, *, band: Band, softmax_scale: float, softcap: float | None = None):
+    """q [B, Sq, H, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> (out [B, Sq, H, Dv] in q's dtype,
+    lse [B, H, Sq] fp32); scores soft-capped by ``softcap`` (:mod:`hybridsp.kernels.base`) when set."""
     heads = q.shape[2]
-    scores = _masked_scores(q, _expand(k, heads), band, softmax_scale)  # [B, H, Sq, Sk]
+    scores = _masked_scores(q, _expand(k, heads), band, softmax_scale, softcap)  # [B, H, Sq, Sk]
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
     probs = torch.exp(scores - lse_for_backward(lse).unsqueeze(-1))  # [B, H, Sq, Sk]
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, _expand(v, heads))  # [B, Sq, H, D]
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, _expand(v, heads))  # [B, Sq, H, Dv]
     return out.to(q.dtype), lse
 
 
-def math_backward_band(dout, q, k, v, out, lse, *, band: Band, softmax_scale: float):
-    """This band piece's share of (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]) given the final out/lse."""
+def math_backward_band(dout, q, k, v, out, lse, *, band: Band, softmax_scale: float, softcap: float | None = None):
+    """This band piece's share of (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]) given the
+    final out [B, Sq, H, Dv] / lse [B, H, Sq]. With ``softcap`` c the capped score ``t = c tanh(s / c)``
+    of the scaled score s passes ``dt/ds = 1 - (t / c)^2`` on to q and k."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    k_full, v_full = _expand(k, heads), _expand(v, heads)  # [B, Sk, H, D]
-    scores = _masked_scores(q, k_full, band, softmax_scale)  # [B, H, Sq, Sk]
+    k_full, v_full = _expand(k, heads), _expand(v, heads)  # [B, Sk, H, D], [B, Sk, H, Dv]
+    scores = _masked_scores(q, k_full, band, softmax_scale, softcap)  # [B, H, Sq, Sk]
     probs = torch.exp(scores - lse_for_backward(lse.to(scores.dtype)).unsqueeze(-1))  # [B, H, Sq, Sk]
     dout32 = dout.to(scores.dtype)
-    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout32)  # [B, Sk, H, D]
+    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout32)  # [B, Sk, H, Dv]
     row_dot = (dout32 * out.to(scores.dtype)).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, Sq, 1]
     dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout32, v_full) - row_dot) * softmax_scale  # [B, H, Sq, Sk]
+    if softcap is not None:  # a masked cell's -inf score must not make 0 * inf
+        dscores = dscores * (1 - (scores.masked_fill(torch.isneginf(scores), 0.0) / softcap) ** 2)  # [B, H, Sq, Sk]
     dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k_full)  # [B, Sq, H, D]
     dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.to(scores.dtype))  # [B, Sk, H, D]
     dk, dv = reduce_kv_heads(dk, kv_heads), reduce_kv_heads(dv, kv_heads)  # [B, Sk, Hkv, D]
