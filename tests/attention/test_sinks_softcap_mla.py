@@ -21,7 +21,7 @@ from tests.helpers.mesh import mesh_at
 from tests.helpers.reference import random_qkv, rel_err, sinks_reference_with_grads
 
 TOLERANCE = 1e-5
-HEADS, SEQ = 4, 48
+SEQ = 48
 
 
 class Case(NamedTuple):
@@ -36,6 +36,7 @@ class Case(NamedTuple):
     docs: tuple[int, ...] | None = None
     window: int | None = None
     dtype: torch.dtype = torch.float32
+    heads: int = 4
 
 
 def _sinks(heads, dtype=torch.float32):
@@ -45,8 +46,8 @@ def _sinks(heads, dtype=torch.float32):
 def _run_case(mesh, case: Case, seed: int):
     """Errors of this rank's (out, dq, dk, dv) shards and of the context-summed sinks grad."""
     d, dv = case.dims
-    full = random_qkv(2, SEQ, HEADS, case.kv_heads, d, v_head_dim=dv, seed=seed, dtype=case.dtype)
-    sinks = _sinks(HEADS).requires_grad_() if case.sinks else None
+    full = random_qkv(2, SEQ, case.heads, case.kv_heads, d, v_head_dim=dv, seed=seed, dtype=case.dtype)
+    sinks = _sinks(case.heads).requires_grad_() if case.sinks else None
     cu = None if case.docs is None else torch.tensor(case.docs)
     q, k, v, dout = (shard_sequence(t, mesh, cu_seqlens=cu).clone() for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -68,8 +69,8 @@ def _run_case(mesh, case: Case, seed: int):
 def _single_process_bf16(case: Case, seed: int):
     """(out, dq, dk, dv, dsinks) errors of one bf16 process (ring of one) against float64: the yardstick."""
     d, dv = case.dims
-    full = random_qkv(2, SEQ, HEADS, case.kv_heads, d, v_head_dim=dv, seed=seed, dtype=torch.bfloat16)
-    sinks = _sinks(HEADS).requires_grad_()
+    full = random_qkv(2, SEQ, case.heads, case.kv_heads, d, v_head_dim=dv, seed=seed, dtype=torch.bfloat16)
+    sinks = _sinks(case.heads).requires_grad_()
     q, k, v = (t.clone().requires_grad_() for t in full[:3])
     out = ring_attention(q, k, v, None, sinks=sinks, softcap=case.softcap)
     out.backward(full[3])
@@ -116,8 +117,10 @@ def test_ring_of_three_with_sinks_and_value_head_dim():
 
 @pytest.mark.slow
 def test_world6_ulysses_three_and_more_cases():
-    cases = [Case(3, 2, kv_heads=1, dims=(24, 13)), Case(3, 2, kv_comm="allgather", softcap=2.0, docs=DOCS),
-             Case(3, 1, dims=(8, 24)), Case(3, 2, layout="balanced", docs=DOCS, window=9, dtype=torch.float64)]
+    cases = [Case(3, 2, kv_heads=1, dims=(24, 13), heads=6), Case(3, 2, kv_comm="allgather", softcap=2.0, docs=DOCS,
+                                                                 heads=6),
+             Case(3, 1, dims=(8, 24), heads=6), Case(3, 2, layout="balanced", docs=DOCS, window=9, heads=6,
+                                                     dtype=torch.float64)]
     run_distributed(check_cases, 6, cases, timeout=600)
 
 
