@@ -37,6 +37,17 @@ class Case(NamedTuple):
     window: int | None = None
     dtype: torch.dtype = torch.float32
     heads: int = 4
+    backend: str = "auto"  # or "flash-standin": FlashAttnKernel on the CPU stand-in of flash-attn 2.8 (varlen too)
+
+
+def _backend(name: str):
+    """A backend name, or the flash adapter on the CPU stand-in (built in the rank: not picklable)."""
+    if name != "flash-standin":
+        return name
+    from hybridsp.kernels.flash import FlashAttnKernel
+    from tests.helpers.flash_attn_standin import make_standin, with_varlen
+
+    return FlashAttnKernel(with_varlen(make_standin("2.8")))
 
 
 def _sinks(heads, dtype=torch.float32):
@@ -52,7 +63,7 @@ def _run_case(mesh, case: Case, seed: int):
     q, k, v, dout = (shard_sequence(t, mesh, cu_seqlens=cu).clone() for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu, sliding_window=case.window, sinks=sinks,
-                           softcap=case.softcap, backend="auto")
+                           softcap=case.softcap, backend=_backend(case.backend))
     out.backward(dout)
     bounds = None if case.docs is None else [list(case.docs)] * 2
     expected = sinks_reference_with_grads(*full, causal=True, sinks=sinks, softcap=case.softcap, rows_bounds=bounds,
@@ -67,14 +78,19 @@ def _run_case(mesh, case: Case, seed: int):
 
 
 def _single_process_bf16(case: Case, seed: int):
-    """(out, dq, dk, dv, dsinks) errors of one bf16 process (ring of one) against float64: the yardstick."""
+    """(out, dq, dk, dv, dsinks) errors of one bf16 process (ring of one, the same kernel) against
+    float64: the yardstick."""
     d, dv = case.dims
     full = random_qkv(2, SEQ, case.heads, case.kv_heads, d, v_head_dim=dv, seed=seed, dtype=torch.bfloat16)
     sinks = _sinks(case.heads).requires_grad_()
     q, k, v = (t.clone().requires_grad_() for t in full[:3])
-    out = ring_attention(q, k, v, None, sinks=sinks, softcap=case.softcap)
+    cu = None if case.docs is None else torch.tensor(case.docs)
+    out = ring_attention(q, k, v, None, sinks=sinks, softcap=case.softcap, cu_seqlens=cu, sliding_window=case.window,
+                         backend=_backend(case.backend))
     out.backward(full[3])
-    expected = sinks_reference_with_grads(*full, causal=True, sinks=sinks, softcap=case.softcap)
+    bounds = None if case.docs is None else [list(case.docs)] * 2
+    expected = sinks_reference_with_grads(*full, causal=True, sinks=sinks, softcap=case.softcap, rows_bounds=bounds,
+                                          window=case.window)
     return [rel_err(a, e) for a, e in zip([out, q.grad, k.grad, v.grad, sinks.grad], expected)]
 
 
@@ -103,6 +119,7 @@ WORLD4 = [
     Case(2, 2, layout="balanced", docs=DOCS),
     Case(4, 1, kv_heads=1, softcap=2.0),  # a ring of one that nothing masks: one kernel call (plan None)
     Case(2, 2, dims=(24, 16), dtype=torch.bfloat16),
+    Case(2, 2, dims=(24, 13), softcap=2.0, docs=DOCS, window=9, dtype=torch.bfloat16, backend="flash-standin"),
 ]
 
 
@@ -131,6 +148,34 @@ def test_world4_full_matrix():
              for kv, dims in [(4, (24, 16)), (1, (16, 13))] for cap in (None, 2.0)
              for docs, window in [(None, None), (DOCS, 9)]]
     run_distributed(check_cases, 4, cases, timeout=900)
+
+
+def _disagreements(rank, world):
+    """Each rank's error message per setting one rank passes differently (None: it ran)."""
+    mesh = init_mesh(ulysses=2, ring=2)
+    q, k, v, _ = (shard_sequence(t, mesh) for t in random_qkv(1, 32, 4, 2, 8, v_head_dim=8, seed=3))
+    odd = rank == 1
+    calls = {
+        "sinks": lambda: hybrid_attn_func(q, k, v, mesh=mesh, sinks=None if odd else _sinks(4)),
+        "sinks dtype": lambda: hybrid_attn_func(q, k, v, mesh=mesh, sinks=_sinks(4, torch.float64 if odd else torch.float32)),
+        "softcap": lambda: hybrid_attn_func(q, k, v, mesh=mesh, softcap=30.0 if odd else 50.0),
+        "value head dim": lambda: hybrid_attn_func(q, k, v[..., :5] if odd else v, mesh=mesh),
+    }
+    messages = {}
+    for name, call in calls.items():
+        try:
+            call()
+            messages[name] = None
+        except ValueError as error:
+            messages[name] = str(error)
+    return messages
+
+
+def test_ranks_that_disagree_on_sinks_softcap_or_value_head_dim_raise_on_every_rank():
+    for messages in run_distributed(_disagreements, 4, timeout=300):  # catches a hang
+        assert "disagree on sinks" in messages["sinks"] and "disagree on sinks" in messages["sinks dtype"]
+        assert "disagree on softcap" in messages["softcap"]
+        assert "disagree on value head dim" in messages["value head dim"]
 
 
 # --------------------------------------------------------------------------- bytes
