@@ -145,3 +145,20 @@ def test_user_kernels_declare_soft_capping_to_be_given_it():
     out, _ = kernel.forward_band(q * 4, k, v, band=(0, None), softmax_scale=0.5, softcap=3.0)
     expected = sinks_reference_with_grads(q * 4, k, v, dout, causal=True, softcap=3.0, softmax_scale=0.5)[0]
     assert rel_err(out, expected) < TOLERANCE
+
+
+def test_math_kernels_chunk_query_rows_without_changing_the_result(monkeypatch):
+    from hybridsp.kernels import band as band_module
+
+    kernel = get_kernel("reference")
+    q, k, v, dout = random_qkv(2, 13, 4, 2, 16, v_head_dim=8, seed=8)
+    for piece_band, softcap in [((0, None), 2.0), ((-2, 5), None)]:
+        whole = kernel.forward_band(q, k, v, band=piece_band, softmax_scale=0.3, softcap=softcap)
+        whole_grads = kernel.backward_band(dout, q, k, v, *whole, band=piece_band, softmax_scale=0.3, softcap=softcap)
+        monkeypatch.setattr(band_module, "SCORE_BLOCK_BYTES", 4 * 2 * 4 * 13 * 3)  # three rows per chunk
+        assert len(band_module.row_chunks(2, 4, 13, 13)) == 5
+        chunked = kernel.forward_band(q, k, v, band=piece_band, softmax_scale=0.3, softcap=softcap)
+        grads = kernel.backward_band(dout, q, k, v, *chunked, band=piece_band, softmax_scale=0.3, softcap=softcap)
+        monkeypatch.undo()
+        for a, b in zip([*chunked, *grads], [*whole, *whole_grads]):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
