@@ -249,3 +249,16 @@ def test_bad_sinks_and_softcap_raise_before_anything_runs():
         ring_attention(q, k, v[:, :, :1], None)
     with pytest.raises(ValueError, match="softcap"):
         HybridAttention(None, softcap=float("inf"))
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, torch.tensor([0, 3, 8])])
+def test_float64_gradcheck_with_sinks_softcap_and_value_head_dim(cu_seqlens):
+    """Finite differences of a ring of one (plan None, and the plan path with documents), all four inputs."""
+    q, k, v, _ = random_qkv(1, 8, 2, 1, 6, v_head_dim=3, seed=11, dtype=torch.float64)
+    sinks = torch.tensor([0.3, -0.5], dtype=torch.float64)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+
+    def attention(q, k, v, sinks):
+        return ring_attention(q, k, v, None, sinks=sinks, softcap=1.5, cu_seqlens=cu_seqlens, backend="reference")
+
+    assert torch.autograd.gradcheck(attention, inputs)
