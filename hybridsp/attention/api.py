@@ -79,7 +79,8 @@ def hybrid_attn_func(
             dK/dV by reduce-scatter); None: ``mesh.kv_comm`` (default ``"ring"``). Both are
             exact; docs/choosing-degrees.md says when to pick which.
         sinks: learned attention sinks (GPT-OSS's ``s_aux``): a float tensor [H], one logit per
-            query head (all H heads, not a slice), any float dtype, on q's device. Each acts as one
+            query head q holds (all H of them: the Ulysses slices are taken inside), any float
+            dtype, on q's device. Each acts as one
             more key with that logit (not scaled, not soft-capped) and value zero, seen by every
             query row of its head (:mod:`hybridsp.attention.sinks`). Differentiable: this rank's
             ``sinks.grad`` is the share of the query rows it computes (zero for heads it does not

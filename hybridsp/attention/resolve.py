@@ -97,7 +97,8 @@ def check_sinks(sinks, q: torch.Tensor) -> None:
     if tuple(sinks.shape) != (q.shape[2],):
         raise ValueError(
             f"sinks must have shape [H] = [{q.shape[2]}] (one logit per query head of q {tuple(q.shape)}); "
-            f"got {tuple(sinks.shape)}: pass the attention layer's whole sink parameter, not a head slice"
+            f"got {tuple(sinks.shape)}: pass one sink logit for every query head q holds (all of them here; the "
+            f"Ulysses head slices are taken inside)"
         )
     if sinks.device != q.device:
         raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}: move them with .to(q.device)")
