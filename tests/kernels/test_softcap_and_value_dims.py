@@ -8,7 +8,8 @@ import torch
 from hybridsp.kernels import choose_backend, get_kernel, resolve_kernel
 from hybridsp.kernels.band import band_mask
 from hybridsp.kernels.flash import FlashAttnKernel
-from tests.helpers.flash_attn_standin import _flash_attn_forward, make_standin, with_varlen
+from tests.helpers import flash_attn_standin as standin
+from tests.helpers.flash_attn_standin import make_standin, with_varlen
 from tests.helpers.reference import random_qkv, rel_err, sinks_reference_with_grads
 
 TOLERANCE = 1e-5
@@ -72,7 +73,7 @@ def test_reference_kernel_soft_caps_forward_and_backward(dtype):
 def test_flash_adapter_soft_caps_and_pads_the_value_head_dim():
     q, k, v, dout = random_qkv(2, 12, 4, 2, 24, v_head_dim=16, seed=3, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError):  # flash-attn 2 (and the stand-in) want v with q's head dim
-        _flash_attn_forward(q, k, v, 0.0, 0.3, False, -1, -1, 0.0, None, False)
+        standin._flash_attn_forward(q, k, v, 0.0, 0.3, False, -1, -1, 0.0, None, False)
     reference = get_kernel("reference")
     for version in ("2.8-opaque", "2.6"):
         kernel = FlashAttnKernel(make_standin(version))
