@@ -30,7 +30,7 @@ def _kernel_errors(kernel, q, k, v, dout, *, causal, softcap=None, scale=0.3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_value_head_dim_apart_from_query_key_is_exact(backend, dtype):
     kernel = get_kernel(backend)
-    for (d, dv), kv_heads, causal in [(dims, kv, c) for dims in DIMS for kv in (4, 1) for c in (True, False)]:
+    for (d, dv), kv_heads, causal in [(dims, kv, (i + kv) % 2 == 0) for i, dims in enumerate(DIMS) for kv in (4, 1)]:
         q, k, v, dout = random_qkv(2, 11, 4, kv_heads, d, v_head_dim=dv, seed=d + dv, dtype=dtype)
         errors = _kernel_errors(kernel, q, k, v, dout, causal=causal)
         assert max(errors) < TOLERANCE, (d, dv, kv_heads, causal, errors)
