@@ -6,7 +6,8 @@ Hkv x repeats`` (:func:`expanded_kv_heads`) and ``Hkv' % U == 0``.
 
 Bytes one rank sends (dense masks; per rank of a U x R mesh, ``L = S / R`` tokens per ring
 slot after the all-to-all, ``row`` = the bytes of one token's K *and* V for the rank's heads,
-``2 B (Hkv' / U) D e``, :func:`kv_row_bytes`):
+``B (Hkv' / U) (D + Dv) e``, :func:`kv_row_bytes`; ``Dv`` is v's head dim, D unless a model's
+values differ, as MLA's do; nothing is padded on the wire):
 
 ``all_to_all`` (U > 1): ``(U - 1) / U`` of q, k, v and out in the forward, of dout, dq, dk
 and dv in the backward (the tokens of one rank before the all-to-all; :func:`all_to_all_sent`).
@@ -74,9 +75,12 @@ def all_to_all_sent(nbytes: int, ulysses: int) -> int:
     return nbytes * (ulysses - 1) // ulysses
 
 
-def kv_row_bytes(batch: int, kv_heads_expanded: int, ulysses: int, head_dim: int, element_size: int) -> int:
-    """Bytes of one token's K and V for one rank's heads after the all-to-all: 2 B (Hkv'/U) D e."""
-    return 2 * batch * (kv_heads_expanded // ulysses) * head_dim * element_size
+def kv_row_bytes(batch: int, kv_heads_expanded: int, ulysses: int, head_dim: int, element_size: int,
+                 v_head_dim: int | None = None) -> int:
+    """Bytes of one token's K and V for one rank's heads after the all-to-all: B (Hkv'/U) (D + Dv) e
+    (``v_head_dim`` Dv defaults to D: 2 B (Hkv'/U) D e)."""
+    dims = head_dim + (head_dim if v_head_dim is None else v_head_dim)
+    return batch * (kv_heads_expanded // ulysses) * dims * element_size
 
 
 def ring_rows(ring: int, rank: int, local_len: int, layout: str, causal: bool) -> tuple[int, int]:
@@ -108,24 +112,28 @@ def kv_transport(kv_comm: str, ring: int, block, sent, read) -> tuple:
 def hybrid_bytes(
     *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
     ring_rank: int, element_size: int, layout: str = "zigzag", causal: bool = True, kv_comm: str = "ring",
-    rows: tuple[int, int] | None = None,
+    rows: tuple[int, int] | None = None, v_head_dim: int | None = None,
 ) -> dict[str, int]:
     """Bytes one rank sends per forward + backward, by collective kind (only kinds that send).
 
     ``rows``: (rows sent, rows read) per pass when a block plan knows them (packed documents,
     windows, the balanced layout; :func:`hybridsp.attention.volume.hybrid_bytes` takes the plan);
-    default the dense formula :func:`ring_rows`."""
+    default the dense formula :func:`ring_rows`. ``v_head_dim``: v's (and out's) head dim when it
+    differs from ``head_dim`` (q's and k's). Sinks add nothing: they never travel."""
     sent: dict[str, int] = {}
     kv_heads_sent = expanded_kv_heads(heads, kv_heads, ulysses)
+    dv = head_dim if v_head_dim is None else v_head_dim
     if ulysses > 1:
-        token = batch * head_dim * element_size  # one token of one head
+        token = batch * element_size  # one token of one head, per head-dim column
         local = seq_len // (ulysses * ring)
-        qkv, out = local * token * (heads + 2 * kv_heads_sent), local * token * heads
+        qkv = local * token * ((heads + kv_heads_sent) * head_dim + kv_heads_sent * dv)
+        out = local * token * heads * dv
+        # forward q/k/v and out; backward dout (like out) and dq/dk/dv (like q/k/v)
         sent["all_to_all"] = 2 * (all_to_all_sent(qkv, ulysses) + all_to_all_sent(out, ulysses))
     if ring == 1:
         return sent
     slot = seq_len // ring
-    row = kv_row_bytes(batch, kv_heads_sent, ulysses, head_dim, element_size)
+    row = kv_row_bytes(batch, kv_heads_sent, ulysses, head_dim, element_size, dv)
     rows_sent, rows_read = ring_rows(ring, ring_rank, slot, layout, causal) if rows is None else rows
     forward, backward, grads = kv_transport(kv_comm, ring, slot, rows_sent, rows_read)
     if kv_comm == "allgather":

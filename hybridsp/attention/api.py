@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridsp.attention.resolve import check_causal, check_kv_comm, resolve_ring_call
+from hybridsp.attention.resolve import check_causal, check_kv_comm, check_softcap, resolve_ring_call
 from hybridsp.attention.ring import run_ring
 from hybridsp.attention.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
 from hybridsp.comm import CommCounter
@@ -44,12 +44,16 @@ def hybrid_attn_func(
     backend: str | AttentionKernel = "auto",
     counter: CommCounter | None = None,
     kv_comm: str | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the mesh's context ranks.
 
     Args:
         q: [B, S_local, H, D] this rank's queries (tokens as :func:`shard_sequence` lays them out).
-        k, v: [B, S_local, H_kv, D] (H % H_kv == 0; H_kv may be smaller than the Ulysses degree).
+        k: [B, S_local, H_kv, D] (H % H_kv == 0; H_kv may be smaller than the Ulysses degree).
+        v: [B, S_local, H_kv, Dv]; Dv may differ from D (DeepSeek-V3's MLA: D 192, Dv 128). No
+            kernel pads anything that travels: K/V and the all-to-alls carry their own head dims.
         mesh: the :class:`~hybridsp.mesh.hybrid_mesh.HybridMesh` (explicit process groups).
         causal: causal masking by global token position.
         cu_seqlens: packed documents (flash-attn's varlen convention, but over the *global*
@@ -74,9 +78,22 @@ def hybrid_attn_func(
             send only the rows each rank reads) or ``"allgather"`` (chunked all-gather of K/V,
             dK/dV by reduce-scatter); None: ``mesh.kv_comm`` (default ``"ring"``). Both are
             exact; docs/choosing-degrees.md says when to pick which.
+        sinks: learned attention sinks (GPT-OSS's ``s_aux``): a float tensor [H], one logit per
+            query head q holds (all H of them: the Ulysses slices are taken inside), any float
+            dtype, on q's device. Each acts as one
+            more key with that logit (not scaled, not soft-capped) and value zero, seen by every
+            query row of its head (:mod:`hybridsp.attention.sinks`). Differentiable: this rank's
+            ``sinks.grad`` is the share of the query rows it computes (zero for heads it does not
+            hold under Ulysses); summed over the context ranks, as every parameter gradient is, it
+            is the one-process gradient. None: no sinks.
+        softcap: logit soft-capping (Gemma 2's ``attn_logit_softcapping``): scores become
+            ``softcap * tanh(scores / softcap)`` after the softmax scale, before any mask. A finite
+            positive number, or None. Needs a kernel with ``supports_softcap``: ``backend="auto"``
+            picks one (``reference`` on CPU, ``flash`` with flash-attn >= 2.6 on CUDA); a named
+            kernel without it raises ValueError.
 
     Returns:
-        out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
+        out [B, S_local, H, Dv] in q's dtype, differentiable in q, k, v (and sinks).
 
     Raises:
         ValueError, on every rank and before any communication, for inputs the mesh or the
@@ -90,23 +107,37 @@ def hybrid_attn_func(
         cu_seqlens=cu_seqlens, sliding_window=sliding_window, softmax_scale=softmax_scale, backend=backend,
         layout=placement_layout(mesh, cu_seqlens), counter=mesh.comm_counter if counter is None else counter, kv_comm=kv_comm,
         kv_chunks=mesh.kv_chunks, agreement_group=mesh.context_group if mesh.context > 1 else None,
+        sinks=sinks, softcap=softcap,
     )
     if mesh.ulysses == 1:
-        return run_ring(q, k, v, call)  # [B, S/C, H, D]
+        return run_ring(q, k, v, call, sinks)  # [B, S/C, H, Dv]
     heads = q.shape[2]
     k, v = expand_kv_heads_for(k, heads, mesh.ulysses), expand_kv_heads_for(v, heads, mesh.ulysses)
-    q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group, call.counter)  # each [B, S/R, H/U, D]
-    out = run_ring(q, k, v, call)  # [B, S/R, H/U, D]
-    (out,) = heads_to_seq([out], mesh.ulysses_group, call.counter)  # [B, S/C, H, D]
+    q, k, v = seq_to_heads([q, k, v], mesh.ulysses_group, call.counter)  # [B, S/R, H/U, D], v [B, S/R, H/U, Dv]
+    out = run_ring(q, k, v, call, heads_of_rank(sinks, mesh))  # [B, S/R, H/U, Dv]
+    (out,) = heads_to_seq([out], mesh.ulysses_group, call.counter)  # [B, S/C, H, Dv]
     return out
 
 
-class HybridAttention(nn.Module):
-    """``nn.Module`` around :func:`hybrid_attn_func`: ``forward(q, k, v, cu_seqlens=None, *, counter=None) -> out``.
+def heads_of_rank(per_head: torch.Tensor | None, mesh: HybridMesh) -> torch.Tensor | None:
+    """The slice of a per-head tensor [H] for the query heads this rank holds after
+    :func:`~hybridsp.attention.ulysses.seq_to_heads`: ``[u H/U, (u + 1) H/U)``, u its rank in the
+    Ulysses group (a differentiable view; None stays None)."""
+    if per_head is None:
+        return None
+    local = per_head.shape[0] // mesh.ulysses
+    return per_head.narrow(0, dist.get_rank(mesh.ulysses_group) * local, local)  # [H/U]
 
-    ``sliding_window`` and ``kv_comm`` are fixed per module (a layer's property; ``kv_comm=None``:
-    the mesh's); ``cu_seqlens`` may be given at construction or per call (packed batches change
-    every step). Shapes as there.
+
+class HybridAttention(nn.Module):
+    """``nn.Module`` around :func:`hybrid_attn_func`:
+    ``forward(q, k, v, cu_seqlens=None, *, sinks=None, counter=None) -> out``.
+
+    ``sliding_window``, ``kv_comm`` and ``softcap`` are fixed per module (a layer's property;
+    ``kv_comm=None``: the mesh's); ``cu_seqlens`` may be given at construction or per call (packed
+    batches change every step). ``sinks``: a tensor [H] given at construction is registered as the
+    module's parameter ``sinks`` (an ``nn.Parameter`` is kept as it is, so it can be shared with the
+    model that owns it); a ``sinks=`` passed to ``forward`` is used instead for that call. Shapes as there.
     """
 
     def __init__(
@@ -119,28 +150,37 @@ class HybridAttention(nn.Module):
         softmax_scale: float | None = None,
         backend: str | AttentionKernel = "auto",
         kv_comm: str | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         super().__init__()
         check_causal(causal)
         check_sliding_window(sliding_window)
+        check_softcap(softcap)
         if kv_comm is not None:
             check_kv_comm(kv_comm)
         self.mesh, self.causal, self.softmax_scale, self.backend = mesh, causal, softmax_scale, backend
-        self.kv_comm = kv_comm
+        self.kv_comm, self.softcap = kv_comm, softcap
         self.cu_seqlens, self.sliding_window = cu_seqlens, sliding_window
+        if sinks is not None:
+            self.sinks = sinks if isinstance(sinks, nn.Parameter) else nn.Parameter(sinks.detach().clone())
+        else:
+            self.sinks = None
 
-    def forward(self, q, k, v, cu_seqlens=None, *, counter: CommCounter | None = None):
-        """q [B, S_local, H, D], k/v [B, S_local, Hkv, D] -> out [B, S_local, H, D]; ``cu_seqlens`` as in
-        :func:`hybrid_attn_func` (default: the module's own)."""
+    def forward(self, q, k, v, cu_seqlens=None, *, sinks: torch.Tensor | None = None,
+                counter: CommCounter | None = None):
+        """q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv] -> out [B, S_local, H, Dv];
+        ``cu_seqlens`` and ``sinks`` [H] as in :func:`hybrid_attn_func` (default: the module's own)."""
         return hybrid_attn_func(
             q, k, v, mesh=self.mesh, causal=self.causal, softmax_scale=self.softmax_scale,
             backend=self.backend, counter=counter, kv_comm=self.kv_comm,
             cu_seqlens=self.cu_seqlens if cu_seqlens is None else cu_seqlens, sliding_window=self.sliding_window,
+            sinks=self.sinks if sinks is None else sinks, softcap=self.softcap,
         )
 
     def extra_repr(self) -> str:
         return (f"{self.mesh!r}, causal={self.causal}, sliding_window={self.sliding_window}, "
-                f"backend={self.backend!r}")
+                f"softcap={self.softcap}, sinks={self.sinks is not None}, backend={self.backend!r}")
 
 
 def placement_layout(mesh: HybridMesh, cu_seqlens=None, sliding_window: int | None = None) -> TokenLayout:

@@ -13,7 +13,7 @@ rank when any field differs. It runs on *every* call: whether a rank enters a co
 not depend on anything that can differ between ranks, and a memo of "already agreed" settings
 can (rank 1 with a new window would run the check while the others, seeing settings agreed on
 an earlier layer, skip it and hang in the ring; and a rank may switch to settings agreed on
-another layer). The cost is one all_reduce of 28 int64 and one host read of its result per call:
+another layer). The cost is one all_reduce of 36 int64 and one host read of its result per call:
 one collective latency (on 2 gloo ranks sharing 2 busy CPU cores, +3 ms on a 35 ms S=2048 call);
 the :class:`Documents` keeps the fingerprint tensor, so nothing is rebuilt per layer.
 """
@@ -55,6 +55,7 @@ class RingCall:
     kv_comm: str
     kv_chunks: int | None
     counter: CommCounter | None
+    softcap: float | None = None  # the kernels' soft-capping (hybridsp.kernels.base); None: none
 
     def transport(self, k, v) -> Transport:
         """The K/V transport of one pass (Note [one shell] in :mod:`hybridsp.attention.ring_function`)."""
@@ -73,6 +74,34 @@ def check_softmax_scale(softmax_scale: float | None) -> None:
         0 < float(softmax_scale) < float("inf")
     ):
         raise ValueError(f"softmax_scale must be a finite positive number (or None for 1/sqrt(D)); got {softmax_scale!r}")
+
+
+def check_softcap(softcap: float | None) -> None:
+    """Raise ValueError unless ``softcap`` is None or a finite positive number."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < float(softcap) < float("inf")):
+        raise ValueError(
+            f"softcap must be a finite positive number (scores become softcap * tanh(scores / softcap); "
+            f"Gemma 2 uses 50.0) or None for no soft-capping; got {softcap!r}"
+        )
+
+
+def check_sinks(sinks, q: torch.Tensor) -> None:
+    """Raise ValueError unless ``sinks`` is None or a float tensor [H] on q's device (q [B, S, H, D])."""
+    if sinks is None:
+        return
+    if not torch.is_tensor(sinks) or sinks.dtype not in FLOAT_DTYPES:
+        found = type(sinks).__name__ if not torch.is_tensor(sinks) else f"a {sinks.dtype} tensor"
+        raise ValueError(f"sinks must be a floating tensor of one logit per query head; got {found}")
+    if tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(
+            f"sinks must have shape [H] = [{q.shape[2]}] (one logit per query head of q {tuple(q.shape)}); "
+            f"got {tuple(sinks.shape)}: pass one sink logit for every query head q holds (all of them here; the "
+            f"Ulysses head slices are taken inside)"
+        )
+    if sinks.device != q.device:
+        raise ValueError(f"sinks are on {sinks.device} but q is on {q.device}: move them with .to(q.device)")
 
 
 def check_kv_comm(kv_comm: str) -> None:
@@ -104,13 +133,16 @@ def resolve_kv_chunks(kv_chunks: int | None, ring: int, local_len: int) -> int:
 
 
 def check_ring_inputs(q, k, v, *, causal, layout: TokenLayout, ring: int, ulysses: int, softmax_scale,
-                      sliding_window, kv_comm: str, kv_chunks: int | None) -> None:
+                      sliding_window, kv_comm: str, kv_chunks: int | None, sinks=None, softcap=None) -> None:
     """Raise ValueError for inputs the ring cannot run (before any communication).
 
-    ``q`` [B, S_local, H, D], ``k``/``v`` [B, S_local, Hkv, D] are this rank's tokens (before the
-    Ulysses all-to-all, which makes ``S_local x ulysses`` tokens per ring slot).
+    ``q`` [B, S_local, H, D], ``k`` [B, S_local, Hkv, D], ``v`` [B, S_local, Hkv, Dv] are this rank's
+    tokens (before the Ulysses all-to-all, which makes ``S_local x ulysses`` tokens per ring slot);
+    ``sinks`` [H] or None; ``softcap`` a positive number or None.
     """
     check_qkv(q, k, v, causal=False)
+    check_sinks(sinks, q)
+    check_softcap(softcap)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}"
@@ -144,27 +176,31 @@ def plan_for(documents: Documents, layout: TokenLayout, ring: int, causal: bool,
 
 def resolve_ring_call(
     q, k, v, group, *, ring: int, ulysses: int = 1, causal, cu_seqlens, sliding_window, softmax_scale, backend,
-    layout, counter, kv_comm: str, kv_chunks: int | None, agreement_group=None,
+    layout, counter, kv_comm: str, kv_chunks: int | None, agreement_group=None, sinks=None, softcap=None,
 ) -> RingCall:
     """Validate the ring part of a call and resolve it (see the module docstring).
 
-    ``q``/``k``/``v`` are this rank's tokens ``[B, S_local, H(kv), D]`` before any all-to-all;
+    ``q``/``k``/``v`` are this rank's tokens ``[B, S_local, H(kv), D(v)]`` before any all-to-all;
     ``ring``/``ulysses`` the degrees (a slot holds ``S_local x ulysses`` tokens);
-    ``agreement_group``: the group whose ranks must agree (Note [agreement]; None: no check).
+    ``agreement_group``: the group whose ranks must agree (Note [agreement]; None: no check);
+    ``sinks`` [H] (checked here, merged by the autograd shell) and ``softcap`` (kept on the call).
     """
     layout = get_layout(layout)
     check_ring_inputs(q, k, v, causal=causal, layout=layout, ring=ring, ulysses=ulysses, softmax_scale=softmax_scale,
-                      sliding_window=sliding_window, kv_comm=kv_comm, kv_chunks=kv_chunks)
+                      sliding_window=sliding_window, kv_comm=kv_comm, kv_chunks=kv_chunks, sinks=sinks,
+                      softcap=softcap)
     slot = q.shape[1] * ulysses
     documents = as_documents(cu_seqlens, q.shape[0], slot * ring)
-    kernel = resolve_kernel(backend, q)
+    kernel = resolve_kernel(backend, q, v, softcap)
     chunks = resolve_kv_chunks(kv_chunks, ring, slot) if kv_comm == "allgather" else None
-    fingerprint = CallFingerprint.of(q, k, causal, sliding_window, softmax_scale, layout, kv_comm, chunks)
+    fingerprint = CallFingerprint.of(q, k, v, causal, sliding_window, softmax_scale, layout, kv_comm, chunks, sinks,
+                                     softcap)
     check_agreement(agreement_group, documents, fingerprint, q.device)
     rank = 0 if group is None else dist.get_rank(group)
     plan = plan_for(documents, layout, ring, causal, sliding_window)
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
-    return RingCall(group, ring, rank, kernel, scale, causal, plan, kv_comm, chunks, counter)
+    return RingCall(group, ring, rank, kernel, scale, causal, plan, kv_comm, chunks, counter,
+                    None if softcap is None else float(softcap))
 
 
 class CallFingerprint(NamedTuple):
@@ -173,8 +209,9 @@ class CallFingerprint(NamedTuple):
     batch: int
     local_tokens: int
     query_heads: int
-    head_dim: int
+    head_dim: int  # q's and k's
     kv_heads: int
+    v_head_dim: int
     dtype: int  # index into FLOAT_DTYPES
     causal: int
     sliding_window: int  # -1: none
@@ -183,19 +220,26 @@ class CallFingerprint(NamedTuple):
     placement_window: int  # the window the layout placed tokens for (Note [placement window]); -1: none
     kv_comm: int  # index into KV_COMMS
     kv_chunks: int  # 0: not the all-gather transport
+    sinks: int  # 0: none, else 1 + the index of their dtype in FLOAT_DTYPES
+    softcap: int  # the float64 bits >> 2 (0: none)
 
     @classmethod
-    def of(cls, q, k, causal, window, scale, layout, kv_comm, chunks) -> CallFingerprint:
-        """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D]."""
-        scale_bits = 0 if scale is None else struct.unpack("<Q", struct.pack("<d", float(scale)))[0] >> 2
-        return cls(*q.shape, k.shape[2], FLOAT_DTYPES.index(q.dtype), int(causal), -1 if window is None else window,
-                   scale_bits, LAYOUTS.index(layout.name), -1 if layout.window is None else layout.window,
-                   KV_COMMS.index(kv_comm), chunks or 0)
+    def of(cls, q, k, v, causal, window, scale, layout, kv_comm, chunks, sinks=None, softcap=None) -> CallFingerprint:
+        """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv]."""
+        return cls(*q.shape, k.shape[2], v.shape[-1], FLOAT_DTYPES.index(q.dtype), int(causal),
+                   -1 if window is None else window, _float_bits(scale), LAYOUTS.index(layout.name),
+                   -1 if layout.window is None else layout.window, KV_COMMS.index(kv_comm), chunks or 0,
+                   0 if sinks is None else 1 + FLOAT_DTYPES.index(sinks.dtype), _float_bits(softcap))
+
+
+def _float_bits(value: float | None) -> int:
+    """A positive float as an int64-safe integer (its float64 bits >> 2); 0 for None."""
+    return 0 if value is None else struct.unpack("<Q", struct.pack("<d", float(value)))[0] >> 2
 
 
 # what an error calls each field; the two halves of the documents' digest follow the fingerprint
 _LABELS = {"local_tokens": "local tokens", "query_heads": "query heads", "head_dim": "head dim",
-           "kv_heads": "K/V heads", "placement_window": "placement window"}
+           "kv_heads": "K/V heads", "v_head_dim": "value head dim", "placement_window": "placement window"}
 _NAMES = tuple(_LABELS.get(field, field) for field in CallFingerprint._fields) + ("documents", "documents")
 
 
@@ -204,11 +248,11 @@ def check_agreement(group, documents: Documents, fields: CallFingerprint, device
     documents (Note [agreement]); one small all_reduce on every call, whatever was agreed before."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    mine = documents.remember(  # [13 + 2] int64: the fields, then the documents' digest
+    mine = documents.remember(  # [16 + 2] int64: the fields, then the documents' digest
         ("fingerprint", fields, device),
         lambda: torch.tensor([*fields, *documents.digest()], dtype=torch.int64, device=device),
     )
-    extremes = torch.cat([mine, -mine])  # [30]: max of x and of -x give the max and the min
+    extremes = torch.cat([mine, -mine])  # [36]: max of x and of -x give the max and the min
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     high, low = extremes[: mine.numel()], -extremes[mine.numel():]
     differ = (high != low).nonzero().flatten().tolist()

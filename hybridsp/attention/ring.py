@@ -28,9 +28,11 @@ from hybridsp.comm import CommCounter
 from hybridsp.kernels import AttentionKernel
 
 
-def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall) -> torch.Tensor:
-    """A resolved call on one ring slot's q [B, S, H, D], k/v [B, S, Hkv, D] -> out [B, S, H, D]."""
-    return RingAttentionFunction.apply(q, k, v, call)
+def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,
+             sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A resolved call on one ring slot's q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> out
+    [B, S, H, Dv]; ``sinks`` [H]: the sink logits of these H heads (:mod:`hybridsp.attention.sinks`)."""
+    return RingAttentionFunction.apply(q, k, v, sinks, call)
 
 
 def ring_attention(
@@ -48,12 +50,15 @@ def ring_attention(
     counter: CommCounter | None = None,
     kv_comm: str = "ring",
     kv_chunks: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group``.
 
     Args:
         q: [B, S_local, H, D] this rank's queries, in ``layout`` order (see :mod:`hybridsp.layout.layouts`).
-        k, v: [B, S_local, Hkv, D] the matching keys and values (H % Hkv == 0).
+        k, v: [B, S_local, Hkv, D] and [B, S_local, Hkv, Dv] the matching keys and values (H % Hkv == 0;
+            Dv may differ from D).
         group: the ring's process group (explicit; ``None`` means a ring of one, no communication).
         causal: causal masking by global token position.
         cu_seqlens: packed documents: int boundaries ``[num_docs + 1]`` over the *global*
@@ -72,9 +77,11 @@ def ring_attention(
             K/V, reduce-scatter of dK/dV); see the module docstring for when to pick which.
         kv_chunks: all-gather mode only: chunks per rank's block (divides S_local); None picks
             :func:`hybridsp.formulas.default_kv_chunks` (gathered chunks of at most two blocks).
+        sinks: learned attention sinks [H], as in :func:`hybridsp.attention.api.hybrid_attn_func`.
+        softcap: logit soft-capping, as there.
 
     Returns:
-        out [B, S_local, H, D] in q's dtype, differentiable in q, k and v.
+        out [B, S_local, H, Dv] in q's dtype, differentiable in q, k, v (and sinks).
 
     Raises:
         ValueError, on every rank and before any K/V moves, for inputs the ring cannot run or
@@ -84,6 +91,6 @@ def ring_attention(
     call = resolve_ring_call(
         q, k, v, group, ring=ring, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window,
         softmax_scale=softmax_scale, backend=backend, layout=layout, counter=counter, kv_comm=kv_comm,
-        kv_chunks=kv_chunks, agreement_group=group,
+        kv_chunks=kv_chunks, agreement_group=group, sinks=sinks, softcap=softcap,
     )
-    return run_ring(q, k, v, call)
+    return run_ring(q, k, v, call, sinks)

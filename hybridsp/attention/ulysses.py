@@ -8,8 +8,9 @@ pieces of ``L`` tokens each):
 
 Each op is the other's adjoint, so each one's backward is the other applied to the
 gradients. Several tensors that share B, L, D and dtype (q, k and v) are packed along the
-head axis per destination and travel in one all-to-all on the way to heads; on the way back
-each tensor travels alone (Note [lean buffers]).
+head axis per destination and travel in one all-to-all on the way to heads (a v with its own
+head dim travels in a second one: the same bytes, no padding); on the way back each tensor
+travels alone (Note [lean buffers]).
 
 GQA: rank ``u`` receives query heads ``[u*H/U, (u+1)*H/U)``; :func:`expand_kv_heads_for`
 repeats K/V heads just enough that every rank also receives the K/V heads those queries
@@ -122,11 +123,18 @@ class _Reshard(torch.autograd.Function):
 def seq_to_heads(
     tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None = None
 ) -> list[torch.Tensor]:
-    """Differentiable: each [B, L, H_i, D] -> [B, U*L, H_i/U, D] over ``group`` (one all-to-all).
+    """Differentiable: each [B, L, H_i, D_i] -> [B, U*L, H_i/U, D_i] over ``group``: one all-to-all
+    per distinct head dim (q, k and v together; v alone when its head dim differs, as in MLA).
 
     Every H_i must be divisible by U = the group size (the caller checks and expands K/V).
     """
-    return list(_Reshard.apply(True, group, counter, *tensors))
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+    for width in dict.fromkeys(t.shape[-1] for t in tensors):  # head dims in order of appearance
+        members = [i for i, t in enumerate(tensors) if t.shape[-1] == width]
+        moved = _Reshard.apply(True, group, counter, *(tensors[i] for i in members))
+        for i, x in zip(members, moved):
+            results[i] = x
+    return results
 
 
 def heads_to_seq(

@@ -18,6 +18,7 @@ import torch
 
 from hybridsp.attention.merge import merge_into
 from hybridsp.kernels.band import flash_window
+from hybridsp.kernels.base import softcap_kwargs
 from hybridsp.layout.block_plan import Piece
 
 
@@ -81,23 +82,26 @@ def _flat_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.transpose(1, 2).reshape(lse.shape[0] * lse.shape[2], lse.shape[1])  # [B*S, H]
 
 
-def forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc, plan=None) -> None:
-    """Merge one visiting block's pieces into ``out_acc`` [B, S, H, D] / ``lse_acc`` [B, H, S] (fp32)."""
+def forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc, plan=None, softcap=None) -> None:
+    """Merge one visiting block's pieces into ``out_acc`` [B, S, H, Dv] / ``lse_acc`` [B, H, S] (fp32)."""
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
     for group in varlen_groups(pieces, offset, batch, seq_q, seq_k, q.device, plan):
         out, lse = kernel.forward_varlen(
             _flat(q).index_select(0, group.q_index), _flat(k_rows).index_select(0, group.k_index),
             _flat(v_rows).index_select(0, group.k_index), cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k,
             max_seqlen_q=group.max_q, max_seqlen_k=group.max_k, window=group.window, softmax_scale=scale,
-        )  # out [Tq, H, D], lse [H, Tq]
+            **softcap_kwargs(softcap),
+        )  # out [Tq, H, Dv], lse [H, Tq]
         bounds = group.q_bounds
         for (piece, b), start, stop in zip(group.members, bounds, bounds[1:]):
             merge_into(out_acc[b : b + 1, piece.rows], lse_acc[b : b + 1, :, piece.rows],
                        out[start:stop].unsqueeze(0), lse[:, start:stop].unsqueeze(0))
 
 
-def backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk, dv, plan=None) -> None:
-    """Add one visiting block's gradients into ``dq_acc`` [B, S, H, D] and ``dk``/``dv`` [B, S_block, Hkv, D] (fp32)."""
+def backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk, dv, plan=None,
+                   softcap=None) -> None:
+    """Add one visiting block's gradients into ``dq_acc`` [B, S, H, D] and ``dk`` [B, S_block, Hkv, D] /
+    ``dv`` [B, S_block, Hkv, Dv] (fp32)."""
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
     flat_lse = _flat_lse(lse)  # [B*S, H]
     for group in varlen_groups(pieces, offset, batch, seq_q, seq_k, q.device, plan):
@@ -107,7 +111,7 @@ def backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, sc
             _flat(k_rows).index_select(0, keys), _flat(v_rows).index_select(0, keys),
             _flat(out).index_select(0, rows), flat_lse.index_select(0, rows).t().contiguous(),
             cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k, max_seqlen_q=group.max_q, max_seqlen_k=group.max_k,
-            window=group.window, softmax_scale=scale,
+            window=group.window, softmax_scale=scale, **softcap_kwargs(softcap),
         )
         _flat(dq_acc).index_add_(0, rows, dq.float())
         _flat(dk).index_add_(0, keys, dk_packed.float())

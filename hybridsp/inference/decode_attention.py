@@ -89,7 +89,7 @@ def local_decode_attention(
     visible = _with_key_mask(_visibility(q.shape[1], k.shape[1], query_positions, key_positions, window),
                              key_mask, q.shape[0], q.shape[1], k.shape[1])  # None, [T, L] or [B, T, L]
     if k.shape[1] == 0 or (visible is not None and not bool(visible.any())):
-        return no_key_result(q, torch.float32)
+        return no_key_result(q, torch.float32, v.shape[-1])
     if visible is None or bool(visible.all()):
         kernel = get_kernel(backend, device=q.device, dtype=q.dtype)
         return kernel.forward(q, k, v, causal=False, softmax_scale=scale)

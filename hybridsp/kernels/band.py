@@ -19,7 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from hybridsp.kernels.base import accumulation_dtype, expand_kv_heads, lse_for_backward, reduce_kv_heads
+from hybridsp.kernels.base import (
+    accumulation_dtype,
+    apply_softcap,
+    expand_kv_heads,
+    lse_for_backward,
+    reduce_kv_heads,
+)
 
 Band = tuple[int | None, int | None]
 
@@ -57,35 +63,60 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     return expand_kv_heads(x.to(accumulation_dtype(x.dtype)), heads)  # [B, S, H, D]
 
 
-def _masked_scores(q, k_full, band, scale) -> torch.Tensor:
-    """fp32 scores [B, H, Sq, Sk] with the band applied (-inf outside)."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.to(k_full.dtype), k_full) * scale  # [B, H, Sq, Sk]
-    return scores.masked_fill(~band_mask(q.shape[1], k_full.shape[1], band, q.device), -torch.inf)
+SCORE_BLOCK_BYTES = 64 * 2**20  # the math kernels' fp32 score block per step (query rows are chunked to fit)
 
 
-def math_forward_band(q, k, v, *, band: Band, softmax_scale: float):
-    """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] fp32)."""
-    heads = q.shape[2]
-    scores = _masked_scores(q, _expand(k, heads), band, softmax_scale)  # [B, H, Sq, Sk]
-    lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
-    probs = torch.exp(scores - lse_for_backward(lse).unsqueeze(-1))  # [B, H, Sq, Sk]
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, _expand(v, heads))  # [B, Sq, H, D]
-    return out.to(q.dtype), lse
+def row_chunks(batch: int, heads: int, sq: int, sk: int) -> list[slice]:
+    """Query-row slices whose fp32 scores [B, H, rows, Sk] fit :data:`SCORE_BLOCK_BYTES` (at least one row)."""
+    rows = max(1, SCORE_BLOCK_BYTES // max(1, 4 * batch * heads * sk))
+    return [slice(start, min(start + rows, sq)) for start in range(0, sq, rows)]
 
 
-def math_backward_band(dout, q, k, v, out, lse, *, band: Band, softmax_scale: float):
-    """This band piece's share of (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]) given the final out/lse."""
-    heads, kv_heads = q.shape[2], k.shape[2]
-    k_full, v_full = _expand(k, heads), _expand(v, heads)  # [B, Sk, H, D]
-    scores = _masked_scores(q, k_full, band, softmax_scale)  # [B, H, Sq, Sk]
-    probs = torch.exp(scores - lse_for_backward(lse.to(scores.dtype)).unsqueeze(-1))  # [B, H, Sq, Sk]
-    dout32 = dout.to(scores.dtype)
-    dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout32)  # [B, Sk, H, D]
-    row_dot = (dout32 * out.to(scores.dtype)).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, Sq, 1]
-    dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout32, v_full) - row_dot) * softmax_scale  # [B, H, Sq, Sk]
-    dq = torch.einsum("bhqk,bkhd->bqhd", dscores, k_full)  # [B, Sq, H, D]
-    dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.to(scores.dtype))  # [B, Sk, H, D]
-    dk, dv = reduce_kv_heads(dk, kv_heads), reduce_kv_heads(dv, kv_heads)  # [B, Sk, Hkv, D]
+def _masked_scores(q, k_full, band, scale, softcap=None, first_row: int = 0) -> torch.Tensor:
+    """fp32 scores [B, H, n, Sk] of the n query rows ``q`` [B, n, H, D] that start at row ``first_row``
+    of the piece, soft-capped when ``softcap`` is set, with the band applied (-inf outside)."""
+    scores = apply_softcap(torch.einsum("bqhd,bkhd->bhqk", q.to(k_full.dtype), k_full) * scale, softcap)
+    rows = torch.arange(first_row, first_row + q.shape[1], device=q.device)
+    return scores.masked_fill(~band_mask_rows(rows, k_full.shape[1], band), -torch.inf)  # [B, H, n, Sk]
+
+
+def math_forward_band(q, k, v, *, band: Band, softmax_scale: float, softcap: float | None = None):
+    """q [B, Sq, H, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> (out [B, Sq, H, Dv] in q's dtype,
+    lse [B, H, Sq] fp32); scores soft-capped by ``softcap`` (:mod:`hybridsp.kernels.base`) when set.
+    Query rows in chunks (:func:`row_chunks`), so memory stays one score block whatever Sq."""
+    (b, sq, heads, _), dv = q.shape, v.shape[-1]
+    k_full, v_full = _expand(k, heads), _expand(v, heads)  # [B, Sk, H, D], [B, Sk, H, Dv]
+    out = torch.empty(b, sq, heads, dv, dtype=q.dtype, device=q.device)  # [B, Sq, H, Dv]
+    lse = torch.empty(b, heads, sq, dtype=k_full.dtype, device=q.device)  # [B, H, Sq]
+    for rows in row_chunks(b, heads, sq, k.shape[1]):
+        scores = _masked_scores(q[:, rows], k_full, band, softmax_scale, softcap, rows.start)  # [B, H, n, Sk]
+        lse[..., rows] = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse_for_backward(lse[..., rows]).unsqueeze(-1))  # [B, H, n, Sk]
+        out[:, rows] = torch.einsum("bhqk,bkhd->bqhd", probs, v_full)  # [B, n, H, Dv]
+    return out, lse
+
+
+def math_backward_band(dout, q, k, v, out, lse, *, band: Band, softmax_scale: float, softcap: float | None = None):
+    """This band piece's share of (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]) given the
+    final out [B, Sq, H, Dv] / lse [B, H, Sq]. With ``softcap`` c the capped score ``t = c tanh(s / c)``
+    of the scaled score s passes ``dt/ds = 1 - (t / c)^2`` on to q and k. Query rows in chunks."""
+    (b, sq, heads, _), kv_heads = q.shape, k.shape[2]
+    k_full, v_full = _expand(k, heads), _expand(v, heads)  # [B, Sk, H, D], [B, Sk, H, Dv]
+    acc = k_full.dtype
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)  # [B, Sq, H, D]
+    dk, dv = torch.zeros_like(k_full), torch.zeros_like(v_full)  # [B, Sk, H, D], [B, Sk, H, Dv]
+    for rows in row_chunks(b, heads, sq, k.shape[1]):
+        scores = _masked_scores(q[:, rows], k_full, band, softmax_scale, softcap, rows.start)  # [B, H, n, Sk]
+        probs = torch.exp(scores - lse_for_backward(lse[..., rows].to(acc)).unsqueeze(-1))  # [B, H, n, Sk]
+        dout_rows = dout[:, rows].to(acc)  # [B, n, H, Dv]
+        dv += torch.einsum("bhqk,bqhd->bkhd", probs, dout_rows)
+        row_dot = (dout_rows * out[:, rows].to(acc)).sum(-1).transpose(1, 2).unsqueeze(-1)  # [B, H, n, 1]
+        dscores = probs * (torch.einsum("bqhd,bkhd->bhqk", dout_rows, v_full) - row_dot) * softmax_scale
+        if softcap is not None:  # a masked cell's -inf score must not make 0 * inf
+            dscores = dscores * (1 - (scores.masked_fill(torch.isneginf(scores), 0.0) / softcap) ** 2)  # [B, H, n, Sk]
+        dq[:, rows] = torch.einsum("bhqk,bkhd->bqhd", dscores, k_full)  # [B, n, H, D]
+        dk += torch.einsum("bhqk,bqhd->bkhd", dscores, q[:, rows].to(acc))
+    dk, dv = reduce_kv_heads(dk, kv_heads), reduce_kv_heads(dv, kv_heads)  # [B, Sk, Hkv, D(v)]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -4,15 +4,16 @@ Shape legend (used in every docstring of this package):
     B  batch size
     S  sequence length of this call (Sq for queries, Sk for keys/values)
     H  query heads, Hkv key/value heads (H % Hkv == 0; Hkv < H is GQA/MQA)
-    D  head dimension
+    D  head dimension of q and k; Dv the head dimension of v and out (Dv == D unless a model's
+       values are narrower or wider, e.g. DeepSeek-V3's MLA: D 192, Dv 128)
 
 A kernel computes softmax attention of one query block against one key/value block
 and returns the log-sum-exp (LSE) of each query row, which is what lets ring attention
 merge partial results exactly.
 
 Conventions every backend honours:
-    q [B, Sq, H, D], k/v [B, Sk, Hkv, D]           (flash-attn layout), any strides
-    out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] in the accumulation dtype
+    q [B, Sq, H, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]   (flash-attn layout), any strides
+    out [B, Sq, H, Dv] in q's dtype, lse [B, H, Sq] in the accumulation dtype
     (fp32, or fp64 for fp64 inputs: :func:`accumulation_dtype`)
     A row with no visible key returns out = 0 and lse = -inf.
     ``causal=True`` is only defined for square blocks (Sq == Sk); backends disagree on
@@ -21,6 +22,11 @@ Conventions every backend honours:
     block) and returns this block's exact share of dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D],
     each in the input dtype. An lse of -inf marks a row with no key anywhere; its
     gradients are zero.
+    Soft-capping (Gemma 2's ``attn_logit_softcapping``): a kernel with ``supports_softcap`` takes
+    ``softcap=c`` in every call and computes with scores ``c * tanh(scale * q.k / c)`` (the cap
+    after the softmax scale, before any mask); its lse is the log-sum-exp of the capped scores.
+    Callers pass ``softcap=`` only when it is set (:func:`softcap_kwargs`), so a kernel without
+    it keeps its plain signatures.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class AttentionKernel(Protocol):
 
     name: str
     supports_varlen: bool = False  # True: forward_varlen/backward_varlen run many pieces per call
+    supports_softcap: bool = False  # True: every call takes softcap=c (the module docstring)
 
     def check_inputs(self, q: torch.Tensor) -> None:
         """Raise ValueError for q [B, S, H, D] this kernel cannot run (device, dtype, head dim).
@@ -53,7 +60,7 @@ class AttentionKernel(Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D], lse [B, H, Sq] fp32)."""
+        """q [B, Sq, H, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> (out [B, Sq, H, Dv], lse [B, H, Sq] fp32)."""
         ...
 
     def backward(
@@ -68,7 +75,7 @@ class AttentionKernel(Protocol):
         causal: bool,
         softmax_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dout/out [B, Sq, H, D], lse [B, H, Sq] -> (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D])."""
+        """dout/out [B, Sq, H, Dv], lse [B, H, Sq] -> (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv])."""
         ...
 
     def forward_band(
@@ -137,15 +144,29 @@ def default_softmax_scale(head_dim: int, softmax_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
+def softcap_kwargs(softcap: float | None) -> dict:
+    """``{"softcap": c}`` for a kernel call when soft-capping is on, else ``{}`` (plain signatures)."""
+    return {} if softcap is None else {"softcap": softcap}
+
+
+def apply_softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Scaled scores (any shape) -> ``c * tanh(scores / c)``; unchanged when ``softcap`` is None."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool) -> None:
-    """Raise ValueError, quoting the shapes, unless q/k/v form one valid attention call."""
+    """Raise ValueError, quoting the shapes, unless q/k/v form one valid attention call
+    (q [B, Sq, H, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]; Dv may differ from D)."""
     check_tensor_kinds(q, k, v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k and v must be 4-D [B, S, H, D]; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or v.shape[-1] < 1:
+        raise ValueError(
+            f"k and v must share batch, tokens and heads (their head dims may differ); got k {tuple(k.shape)} "
+            f"and v {tuple(v.shape)}"
+        )
     (bq, sq, hq, dq), (bk, sk, hk, dk) = q.shape, k.shape
     if bq != bk or dq != dk:
         raise ValueError(
@@ -188,12 +209,14 @@ def check_tensor_kinds(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k
 # probabilities are 0, not inf or nan.
 
 
-def no_key_result(q: torch.Tensor, lse_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """out = 0 [B, Sq, H, D] and lse = -inf [B, H, Sq] (``lse_dtype``, default the accumulation
-    dtype) for a call in which no query row sees a key (Note [no key])."""
-    b, s, h, _ = q.shape
+def no_key_result(q: torch.Tensor, lse_dtype: torch.dtype | None = None,
+                  v_head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """out = 0 [B, Sq, H, Dv] (Dv: ``v_head_dim``, default q's) and lse = -inf [B, H, Sq] (``lse_dtype``,
+    default the accumulation dtype) for a call in which no query row sees a key (Note [no key])."""
+    b, s, h, d = q.shape
     dtype = accumulation_dtype(q.dtype) if lse_dtype is None else lse_dtype
-    return torch.zeros_like(q), torch.full((b, h, s), -torch.inf, device=q.device, dtype=dtype)
+    out = q.new_zeros(b, s, h, d if v_head_dim is None else v_head_dim)  # [B, Sq, H, Dv]
+    return out, torch.full((b, h, s), -torch.inf, device=q.device, dtype=dtype)
 
 
 def no_key_lse_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:

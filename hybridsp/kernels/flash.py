@@ -41,6 +41,13 @@ flash-attn >= 2.1 (query i sees keys j <= i + Sk - Sq) while hybridsp's referenc
 top-left; the two agree on the square blocks that :func:`check_qkv` allows, so the
 difference never shows here.
 
+Note [value head dim]: flash-attn 2 wants v with q's head dim. A v of another head dim Dv (MLA:
+D 192, Dv 128) is zero-padded to ``W = max(D, Dv)`` rounded up to 8 (as q/k are: zero columns are
+exact) and out/dv are cut back to Dv; the padding costs ``W - Dv`` columns of v, out, dout and dv
+in the kernel's memory and work, nothing on the wire. Soft-capping: ``softcap > 0`` (2.6+;
+``supports_softcap`` says whether the installed calls take it) caps the scaled scores,
+``softcap * tanh(scale q.k / softcap)``, in forward and backward alike.
+
 Rather than parse version strings, this module reads the argument names of the two
 functions (falling back to the 2.7+ order when a custom op hides them) and fills each
 argument by name; the forward's result is read by its length (4 or 8).
@@ -95,8 +102,24 @@ def _grad_buffer(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=like.device)
 
 
-def _check_flash_inputs(q: torch.Tensor, require_cuda: bool) -> None:
-    """Raise ValueError for what flash-attn 2 cannot compute: fp32/fp64, head dim > 256, CPU tensors."""
+def _flash_width(q: torch.Tensor, v: torch.Tensor) -> int:
+    """The one head dim flash-attn 2 computes with (Note [value head dim]): max(D, Dv) rounded up to 8."""
+    return padded_head_dim(max(q.shape[-1], v.shape[-1]))
+
+
+def _flash_softcap(softcap: float | None) -> float:
+    """flash-attn's spelling of soft-capping: 0.0 is off."""
+    return 0.0 if softcap is None else float(softcap)
+
+
+def _band_window(q: torch.Tensor, k: torch.Tensor, band) -> tuple[int, int]:
+    """flash-attn's window of a band piece on q [B, Sq, ...] x k [B, Sk, ...]."""
+    return flash_window(q.shape[1], k.shape[1], band)
+
+
+def _check_flash_inputs(q: torch.Tensor, require_cuda: bool, v: torch.Tensor | None = None) -> None:
+    """Raise ValueError for what flash-attn 2 cannot compute: fp32/fp64, head dim > 256 (q's or, when
+    given, v's), CPU tensors."""
     if require_cuda and q.device.type != "cuda":
         raise ValueError(f"flash-attn runs on CUDA only, got tensors on {q.device}; use backend='torch'")
     if q.dtype not in HALF_DTYPES:
@@ -104,9 +127,10 @@ def _check_flash_inputs(q: torch.Tensor, require_cuda: bool) -> None:
             f"flash-attn needs fp16 or bf16 inputs, got {q.dtype}; cast q/k/v to torch.bfloat16 "
             f"or use backend='torch', which also handles fp32"
         )
-    if padded_head_dim(q.shape[-1]) > MAX_HEAD_DIM:
+    widest = q.shape[-1] if v is None else max(q.shape[-1], v.shape[-1])
+    if padded_head_dim(widest) > MAX_HEAD_DIM:
         raise ValueError(
-            f"flash-attn 2 supports head dims up to {MAX_HEAD_DIM}, got {q.shape[-1]}; use backend='torch'"
+            f"flash-attn 2 supports head dims up to {MAX_HEAD_DIM}, got {widest}; use backend='torch'"
         )
 
 
@@ -154,77 +178,64 @@ class FlashAttnKernel(AttentionKernel):
         """Which low-level calling convention was detected: '2.7+' or '2.4-2.6'."""
         return self._calls.style
 
+    @property
+    def supports_softcap(self) -> bool:
+        """True when both low-level calls take ``softcap`` (flash-attn 2.6+)."""
+        return self._calls.has_softcap
+
     def check_inputs(self, q: torch.Tensor) -> None:
         """Raise ValueError for what flash-attn cannot run (CPU tensors, fp32/fp64, head dim > 256)."""
         _check_flash_inputs(q, self._require_cuda)
 
-    def forward(self, q, k, v, *, causal: bool, softmax_scale: float):
-        """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] fp32)."""
+    def forward(self, q, k, v, *, causal: bool, softmax_scale: float, softcap: float | None = None):
+        """q [B, Sq, H, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> (out [B, Sq, H, Dv] in q's dtype,
+        lse [B, H, Sq] fp32)."""
         check_qkv(q, k, v, causal=causal)
-        _check_flash_inputs(q, self._require_cuda)
-        if _has_no_work(q, k):
-            return no_key_result(q)
-        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
-        q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [B, S, H(kv), Dp]
-        out, lse = self._calls.forward(q_f, k_f, v_f, causal, softmax_scale)
-        lse = no_key_lse_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
-        return _from_flash(out, head_dim), lse
+        return self._forward(q, k, v, causal, softmax_scale, (-1, -1), softcap)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
-        """dout/out [B, Sq, H, D], final lse [B, H, Sq] -> (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]).
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, softcap: float | None = None):
+        """dout/out [B, Sq, H, Dv], final lse [B, H, Sq] -> (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]).
 
         ``dout`` and ``out`` are cast to q's dtype if they differ (flash-attn requires it).
         """
         check_qkv(q, k, v, causal=causal)
-        _check_flash_inputs(q, self._require_cuda)
-        _check_lse(lse, q)
-        if _has_no_work(q, k):
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
-        q_f, k_f, v_f, out_f, dout_f = (
-            _to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout)
-        )  # [B, S, H(kv), Dp]
-        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [B, S, H(kv), Dp]
-        lse_f = lse_for_backward(lse.float()).contiguous()  # [B, H, Sq], no-key rows +inf
-        self._calls.backward(
-            dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, causal, softmax_scale, self.deterministic
-        )
-        return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+        return self._backward(dout, q, k, v, out, lse, causal, softmax_scale, (-1, -1), softcap)
 
     # ----------------------------------------------------------------- band pieces (hybridsp.layout.block_plan)
 
-    def forward_band(self, q, k, v, *, band, softmax_scale: float):
-        """A band piece (see :mod:`hybridsp.kernels.band`) as one flash-attn call with ``window_size``.
-
-        q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D], lse [B, H, Sq] fp32).
-        """
+    def forward_band(self, q, k, v, *, band, softmax_scale: float, softcap: float | None = None):
+        """A band piece (see :mod:`hybridsp.kernels.band`) as one flash-attn call with ``window_size``;
+        shapes as :meth:`forward`."""
         check_qkv(q, k, v, causal=False)
-        _check_flash_inputs(q, self._require_cuda)
+        return self._forward(q, k, v, False, softmax_scale, _band_window(q, k, band), softcap)
+
+    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float, softcap: float | None = None):
+        """This band piece's gradients given the final out/lse; shapes as :meth:`backward`."""
+        check_qkv(q, k, v, causal=False)
+        return self._backward(dout, q, k, v, out, lse, False, softmax_scale, _band_window(q, k, band), softcap)
+
+    def _forward(self, q, k, v, causal, scale, window, softcap):
+        _check_flash_inputs(q, self._require_cuda, v)
         if _has_no_work(q, k):
-            return no_key_result(q)
-        window = flash_window(q.shape[1], k.shape[1], band)
-        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
-        q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [B, S, H(kv), Dp]
-        out, lse = self._calls.forward(q_f, k_f, v_f, False, softmax_scale, window)
+            return no_key_result(q, v_head_dim=v.shape[-1])
+        width = _flash_width(q, v)
+        q_f, k_f, v_f = (_to_flash(x, width, q.dtype) for x in (q, k, v))  # [B, S, H(kv), W]
+        out, lse = self._calls.forward(q_f, k_f, v_f, causal, scale, window, _flash_softcap(softcap))
         lse = no_key_lse_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
-        return _from_flash(out, head_dim), lse
+        return _from_flash(out, v.shape[-1]), lse
 
-    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
-        """This band piece's (dq [B, Sq, H, D], dk, dv [B, Sk, Hkv, D]) given the final out/lse."""
-        check_qkv(q, k, v, causal=False)
-        _check_flash_inputs(q, self._require_cuda)
+    def _backward(self, dout, q, k, v, out, lse, causal, scale, window, softcap):
+        _check_flash_inputs(q, self._require_cuda, v)
         _check_lse(lse, q)
         if _has_no_work(q, k):
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        window = flash_window(q.shape[1], k.shape[1], band)
-        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
-        q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout))
-        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [B, S, H(kv), Dp]
-        lse_f = lse_for_backward(lse.float()).contiguous()  # [B, H, Sq]
-        self._calls.backward(
-            dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, False, softmax_scale, self.deterministic, window
-        )
-        return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+        width = _flash_width(q, v)
+        q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, width, q.dtype) for x in (q, k, v, out, dout))  # [B, S, H(kv), W]
+        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [B, S, H(kv), W]
+        lse_f = lse_for_backward(lse.float()).contiguous()  # [B, H, Sq], no-key rows +inf
+        self._calls.backward(dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, causal, scale, self.deterministic,
+                             window, _flash_softcap(softcap))
+        return _from_flash(dq, q.shape[-1]), _from_flash(dk, q.shape[-1]), _from_flash(dv, v.shape[-1])
 
     # ----------------------------------------------------------------- varlen (many pieces, one call)
 
@@ -239,29 +250,30 @@ class FlashAttnKernel(AttentionKernel):
         return VarlenCalls.of(self._calls.interface)
 
     def forward_varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
-                       window: tuple[int, int], softmax_scale: float):
+                       window: tuple[int, int], softmax_scale: float, softcap: float | None = None):
         """Packed sequences in one call (``flash_attn_varlen_func``'s kernel).
 
-        q [Tq, H, D], k/v [Tk, Hkv, D], ``cu_seqlens_q/k`` int32 [N + 1] (sequence i is rows
-        ``cu[i]:cu[i+1]``), ``window`` flash-attn's (left, right) measured from each sequence's
-        bottom-right diagonal (``(-1, 0)`` is causal) -> (out [Tq, H, D], lse [H, Tq] fp32, -inf
+        q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], ``cu_seqlens_q/k`` int32 [N + 1] (sequence i is
+        rows ``cu[i]:cu[i+1]``), ``window`` flash-attn's (left, right) measured from each sequence's
+        bottom-right diagonal (``(-1, 0)`` is causal) -> (out [Tq, H, Dv], lse [H, Tq] fp32, -inf
         for rows without keys).
         """
-        _check_flash_inputs(q, self._require_cuda)
-        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
-        q_f, k_f, v_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v))  # [T, H(kv), Dp]
+        _check_flash_inputs(q, self._require_cuda, v)
+        width = _flash_width(q, v)
+        q_f, k_f, v_f = (_to_flash(x, width, q.dtype) for x in (q, k, v))  # [T, H(kv), W]
         out, lse = self._varlen.forward(q_f, k_f, v_f, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        softmax_scale, window)
-        return _from_flash(out, head_dim), no_key_lse_to_neg_inf(packed_lse(lse, cu_seqlens_q).float())
+                                        softmax_scale, window, _flash_softcap(softcap))
+        return _from_flash(out, v.shape[-1]), no_key_lse_to_neg_inf(packed_lse(lse, cu_seqlens_q).float())
 
     def backward_varlen(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                        max_seqlen_k: int, window: tuple[int, int], softmax_scale: float):
-        """Gradients of :meth:`forward_varlen`'s pieces given the final out [Tq, H, D] and lse [H, Tq]."""
-        _check_flash_inputs(q, self._require_cuda)
-        head_dim, padded = q.shape[-1], padded_head_dim(q.shape[-1])
-        q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, padded, q.dtype) for x in (q, k, v, out, dout))
-        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [T, H(kv), Dp]
+                        max_seqlen_k: int, window: tuple[int, int], softmax_scale: float, softcap: float | None = None):
+        """Gradients of :meth:`forward_varlen`'s pieces given the final out [Tq, H, Dv] and lse [H, Tq]."""
+        _check_flash_inputs(q, self._require_cuda, v)
+        width = _flash_width(q, v)
+        q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, width, q.dtype) for x in (q, k, v, out, dout))
+        dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [T, H(kv), W]
         lse_f = lse_for_backward(lse.float()).contiguous()  # [H, Tq]
         self._varlen.backward(dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                              max_seqlen_q, max_seqlen_k, softmax_scale, self.deterministic, window)
-        return _from_flash(dq, head_dim), _from_flash(dk, head_dim), _from_flash(dv, head_dim)
+                              max_seqlen_q, max_seqlen_k, softmax_scale, self.deterministic, window,
+                              _flash_softcap(softcap))
+        return _from_flash(dq, q.shape[-1]), _from_flash(dk, q.shape[-1]), _from_flash(dv, v.shape[-1])

@@ -29,8 +29,8 @@ _BACKWARD_ARGS_2_7 = (
 # Arguments without which a version cannot be driven by this module.
 _FORWARD_NEEDS = frozenset({"q", "k", "v", "softmax_scale", "causal"})
 _BACKWARD_NEEDS = frozenset({"dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "softmax_scale", "causal"})
-# Values of the options hybridsp never uses: no dropout, no sliding window, no softcap,
-# no ALiBi, no returned probabilities, the dropout RNG state unused.
+# Values of the options a call does not set: no dropout, no sliding window, no softcap (a
+# soft-capped call overrides it), no ALiBi, no returned probabilities, the dropout RNG state unused.
 _FIXED_ARGS = {
     "dropout_p": 0.0,
     "window_size": (-1, -1),
@@ -119,17 +119,24 @@ class FlashCalls:
         )
 
     @property
+    def has_softcap(self) -> bool:
+        """Whether both calls take ``softcap`` (flash-attn 2.6+)."""
+        return "softcap" in self.forward_signature.names and "softcap" in self.backward_signature.names
+
+    @property
     def style(self) -> str:
         """'2.7+' (window_size_left/right, 4-tuple forward) or '2.4-2.6' (window_size tuple)."""
         return "2.7+" if "window_size_left" in self.forward_signature.names else "2.4-2.6"
 
     def forward(self, q, k, v, causal: bool, softmax_scale: float,
-                window: tuple[int, int] = (-1, -1)) -> tuple[torch.Tensor, torch.Tensor]:
+                window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded q [B, Sq, H, Dp], k/v [B, Sk, Hkv, Dp] -> (out [B, Sq, H, Dp], raw lse [B, H, Sq]).
 
-        ``window`` is flash-attn's (left, right), -1 = unbounded (see :func:`window_args`).
+        ``window`` is flash-attn's (left, right), -1 = unbounded (see :func:`window_args`);
+        ``softcap`` > 0 caps the scores (only versions with :attr:`has_softcap`).
         """
-        values = dict(_FIXED_ARGS, q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, **window_args(window))
+        values = dict(_FIXED_ARGS, q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, **window_args(window),
+                      **_softcap_args(softcap))
         result = self.forward_signature.function(*self.forward_signature.arguments(values))
         if len(result) == 4:  # 2.7+: out, softmax_lse, S_dmask, rng_state
             return result[0], result[1]
@@ -141,7 +148,7 @@ class FlashCalls:
         )
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, causal: bool, softmax_scale: float,
-                 deterministic: bool, window: tuple[int, int] = (-1, -1)) -> None:
+                 deterministic: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> None:
         """Write this block's dq [B, Sq, H, Dp], dk/dv [B, Sk, Hkv, Dp] into the given buffers.
 
         Every supported version fills the dq/dk/dv buffers it is handed; 2.7+ returns only
@@ -150,8 +157,14 @@ class FlashCalls:
         values = dict(
             _FIXED_ARGS, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
             softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, **window_args(window),
+            **_softcap_args(softcap),
         )
         self.backward_signature.function(*self.backward_signature.arguments(values))
+
+
+def _softcap_args(softcap: float) -> dict[str, float]:
+    """``softcap`` for the calls; 0.0 (off) is the fixed default, so a version without it runs plain."""
+    return {"softcap": softcap} if softcap else {}
 
 
 def window_args(window: tuple[int, int]) -> dict[str, Any]:
@@ -201,10 +214,10 @@ class VarlenCalls:
         backward = getattr(interface, "_flash_attn_varlen_backward", None)
         return None if forward is None or backward is None else cls(forward, backward)
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window):
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window, softcap: float = 0.0):
         values = dict(_FIXED_ARGS, **_VARLEN_FIXED, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                       max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=softmax_scale, causal=False,
-                      **window_args(window))
+                      **window_args(window), **_softcap_args(softcap))
         result = self.forward_signature.function(*self.forward_signature.arguments(values))
         if len(result) == 4:  # 2.7+: out, softmax_lse, S_dmask, rng_state
             return result[0], result[1]
@@ -213,8 +226,9 @@ class VarlenCalls:
         raise RuntimeError(f"flash-attn's _flash_attn_varlen_forward returned {len(result)} values (expected 4 or 8)")
 
     def backward(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale,
-                 deterministic, window) -> None:
+                 deterministic, window, softcap: float = 0.0) -> None:
         values = dict(_FIXED_ARGS, **_VARLEN_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq,
                       dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                      softmax_scale=softmax_scale, causal=False, deterministic=deterministic, **window_args(window))
+                      softmax_scale=softmax_scale, causal=False, deterministic=deterministic, **window_args(window),
+                      **_softcap_args(softcap))
         self.backward_signature.function(*self.backward_signature.arguments(values))

@@ -15,26 +15,30 @@ def causal_band(causal: bool):
 
 class ReferenceKernel(AttentionKernel):
     """Attention written out in fp32 (fp64) einsums (see :mod:`hybridsp.kernels.base`): the band
-    math of :mod:`hybridsp.kernels.band` with the causal (or empty) band."""
+    math of :mod:`hybridsp.kernels.band` with the causal (or empty) band. Any head dims (Dv may
+    differ from D); soft-capping (``softcap=``) in every call. Memory: one [B, H, Sq, Sk] score
+    block per call, which is a ring piece's, not the sequence's."""
 
     name = "reference"
+    supports_softcap = True
 
-    def forward(self, q, k, v, *, causal: bool, softmax_scale: float):
+    def forward(self, q, k, v, *, causal: bool, softmax_scale: float, softcap: float | None = None):
         check_qkv(q, k, v, causal=causal)
-        return math_forward_band(q, k, v, band=causal_band(causal), softmax_scale=softmax_scale)
+        return math_forward_band(q, k, v, band=causal_band(causal), softmax_scale=softmax_scale, softcap=softcap)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
+    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, softcap: float | None = None):
         check_qkv(q, k, v, causal=causal)
-        return math_backward_band(dout, q, k, v, out, lse, band=causal_band(causal), softmax_scale=softmax_scale)
+        return math_backward_band(dout, q, k, v, out, lse, band=causal_band(causal), softmax_scale=softmax_scale,
+                                  softcap=softcap)
 
-    def forward_band(self, q, k, v, *, band, softmax_scale: float):
+    def forward_band(self, q, k, v, *, band, softmax_scale: float, softcap: float | None = None):
         """A band piece (:mod:`hybridsp.kernels.band`): masks in fp32 math."""
         check_qkv(q, k, v, causal=False)
-        return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale)
+        return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale, softcap=softcap)
 
-    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
+    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float, softcap: float | None = None):
         check_qkv(q, k, v, causal=False)
-        return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
+        return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale, softcap=softcap)
 
 
 def attention_in_input_dtype(q, k, v, dout, *, causal: bool, softmax_scale: float):

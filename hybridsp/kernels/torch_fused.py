@@ -8,6 +8,14 @@ K/V heads expanded for GQA and their gradients summed. fp64 on CUDA has no fused
 All take the layout [B, H, S, D]; this module converts from and to [B, S, H, D], and copies
 an input only when its last dim is not unit-stride (Note [strides] in ``base``).
 
+Note [value head dim]: none of these kernels takes a v whose head dim differs from q's and k's
+(the CPU kernel raises "Q/K/V should have the same head size"). Zero columns are exact on either
+side (in q/k they add nothing to the scores, in v they add output columns that are cut off), so
+the narrower side is zero-padded to ``W = max(D, Dv)`` inside the kernel call
+(:func:`same_head_dims`) and out/dv are cut back to Dv, dq/dk to D. The padding is local: it
+costs ``(W - Dv)`` columns of v, out, dout and dv (or ``W - D`` of q, k, dq, dk) per call in memory
+and kernel work, and nothing on the wire (K/V travel at their own head dims).
+
 Note [CUDA kernels]: the aten CUDA flash kernel accepts only fp16/bf16 and head dims that are
 multiples of 8 up to 256; the memory-efficient kernel accepts fp32 too, returns its LSE padded
 to a multiple of 32 rows and wants the head dim a multiple of 8. Head dims that are not are
@@ -103,15 +111,17 @@ class TorchFusedKernel(AttentionKernel):
     def forward(self, q, k, v, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
         if k.shape[1] == 0 or q.shape[1] == 0:
-            return no_key_result(q)
+            return no_key_result(q, v_head_dim=v.shape[-1])
         if q.is_cuda:
             return cuda_forward(q, k, v, causal, softmax_scale)
         layout = heads_first_dense if q.dtype in HALF_DTYPES else _heads_first  # bf16/fp16: Note [heads-first]
+        qw, kw, vw = same_head_dims(q, k, v)  # Note [value head dim]
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            layout(q), layout(k), layout(v), 0.0, causal, scale=softmax_scale
+            layout(qw), layout(kw), layout(vw), 0.0, causal, scale=softmax_scale
         )
         band = (0, None) if causal else (None, None)  # top-left causal, or every key
-        return restore_nan_rows(q, k, _seq_first(out), lse.to(accumulation_dtype(q.dtype)), band)
+        out = _seq_first(out)[..., : v.shape[-1]]  # [B, Sq, H, Dv]
+        return restore_nan_rows(q, k, out, lse.to(accumulation_dtype(q.dtype)), band)
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
@@ -129,16 +139,17 @@ class TorchFusedKernel(AttentionKernel):
         takes no mask)."""
         check_qkv(q, k, v, causal=False)
         if k.shape[1] == 0:
-            return no_key_result(q)
+            return no_key_result(q, v_head_dim=v.shape[-1])
         if q.is_cuda:
             return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale)
         visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
+        qw, kw, vw = same_head_dims(q, k, v)  # Note [value head dim]
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            _heads_first(q), _heads_first(k), _heads_first(v), 0.0, False,
+            _heads_first(qw), _heads_first(kw), _heads_first(vw), 0.0, False,
             attn_mask=additive_mask(visible, q.dtype), scale=softmax_scale,
         )
         lse = rows_without_keys_to_neg_inf(lse.to(accumulation_dtype(q.dtype)), visible)
-        return restore_nan_rows(q, k, _seq_first(out), lse, band)
+        return restore_nan_rows(q, k, _seq_first(out)[..., : v.shape[-1]], lse, band)
 
     def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
         check_qkv(q, k, v, causal=False)
@@ -166,7 +177,25 @@ def restore_nan_rows(q, k, out, lse, band):
     return out, lse
 
 
+def same_head_dims(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each [B, S, H, D_i] zero-padded to [B, S, H, max D_i] (itself when already that wide;
+    Note [value head dim])."""
+    width = max(t.shape[-1] for t in tensors)
+    return [_pad_head_dim(t, width) for t in tensors]  # each [B, S, H, W]
+
+
 def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+    """aten CPU flash backward, v's head dim padded to q's (or q/k's to v's) where they differ
+    (Note [value head dim]); dq/dk come back [B, S, H(kv), D], dv [B, S, Hkv, Dv]."""
+    head_dim, v_head_dim = q.shape[-1], v.shape[-1]
+    if head_dim == v_head_dim:
+        return _cpu_backward_same_dims(dout, q, k, v, out, lse, causal, scale, mask)
+    dout, q, k, v, out = same_head_dims(dout, q, k, v, out)  # each [B, S, H(kv), W]
+    dq, dk, dv = _cpu_backward_same_dims(dout, q, k, v, out, lse, causal, scale, mask)
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :v_head_dim]
+
+
+def _cpu_backward_same_dims(dout, q, k, v, out, lse, causal, scale, mask=None):
     """aten CPU flash backward. Note [GQA in low precision]: the CPU kernel sums the query
     group's dK/dV in the input dtype, which triples their bf16 error; for fp16/bf16 with GQA
     the K/V heads are expanded and the group sum is done in fp32 instead."""
@@ -198,17 +227,18 @@ def _pad_head_dim(x: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 def _cuda_inputs(q, k, v, *extra):
-    """Expand K/V to the query heads and pad the head dim: each [B, H, S, Dp] heads-first."""
-    h, padded = q.shape[2], padded_head_dim(q.shape[-1])
+    """Expand K/V to the query heads and pad the head dims to one aligned width (Note [CUDA kernels],
+    Note [value head dim]): each [B, H, S, Dp] heads-first."""
+    h, padded = q.shape[2], padded_head_dim(max(q.shape[-1], v.shape[-1]))
     k, v = expand_kv_heads(k, h), expand_kv_heads(v, h)  # [B, S, H, D]
     return [_heads_first(_pad_head_dim(x, padded)) for x in (q, k, v, *extra)]  # each [B, H, S, Dp]
 
 
 def cuda_forward(q, k, v, causal, scale):
     """aten CUDA flash or memory-efficient forward (Note [CUDA kernels])."""
-    head_dim, sq = q.shape[-1], q.shape[1]
+    head_dim, sq = v.shape[-1], q.shape[1]
     qh, kh, vh = _cuda_inputs(q, k, v)
-    if cuda_variant(q.dtype, head_dim) == "flash":
+    if cuda_variant(q.dtype, max(q.shape[-1], head_dim)) == "flash":
         result = _aten._scaled_dot_product_flash_attention(qh, kh, vh, 0.0, causal, False, scale=scale)
     else:
         result = _aten._scaled_dot_product_efficient_attention(qh, kh, vh, None, True, 0.0, causal, scale=scale)
@@ -220,10 +250,10 @@ def cuda_forward(q, k, v, causal, scale):
 
 def cuda_backward(dout, q, k, v, out, lse, causal, scale):
     """aten CUDA backward of the kernel :func:`cuda_variant` picks; K/V gradients summed per query group."""
-    head_dim, hkv, (sq, sk) = q.shape[-1], k.shape[2], (q.shape[1], k.shape[1])
+    head_dim, v_head_dim, hkv, (sq, sk) = q.shape[-1], v.shape[-1], k.shape[2], (q.shape[1], k.shape[1])
     qh, kh, vh, outh, douth = _cuda_inputs(q, k, v, out, dout)
     douth = douth.contiguous()
-    if cuda_variant(q.dtype, head_dim) == "flash":
+    if cuda_variant(q.dtype, max(head_dim, v_head_dim)) == "flash":
         unused = torch.empty(0, dtype=torch.int64, device=q.device)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
             douth, qh, kh, vh, outh, lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale,
@@ -236,7 +266,7 @@ def cuda_backward(dout, q, k, v, out, lse, causal, scale):
             douth, qh, kh, vh, None, outh, lse_padded, seed, seed, 0.0, [True, True, True, False], causal,
             scale=scale,
         )
-    dq, dk, dv = (_seq_first(g[..., :head_dim]) for g in (dq, dk, dv))  # [B, S, H, D]
+    dq, dk, dv = (_seq_first(g[..., :d]) for g, d in ((dq, head_dim), (dk, head_dim), (dv, v_head_dim)))  # [B, S, H, D(v)]
     return dq, _sum_query_groups(dk, hkv), _sum_query_groups(dv, hkv)
 
 

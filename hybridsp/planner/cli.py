@@ -40,12 +40,13 @@ from hybridsp.planner.tensor import inference_options
 HELP = "rank Ulysses x ring x DP x ZeRO plans for a model on a cluster"
 _MODEL_FIELDS = {  # option dest -> ModelSpec field
     "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "hidden": "hidden_size",
-    "intermediate": "intermediate_size", "layers": "num_layers", "vocab": "vocab_size",
+    "intermediate": "intermediate_size", "layers": "num_layers", "vocab": "vocab_size", "v_head_dim": "v_head_dim",
 }
 _MODEL_HELP = {
     "heads": "query (attention) heads", "kv_heads": "key/value heads (GQA; default: --heads)",
     "head_dim": "size of one head (default: --hidden / --heads)", "hidden": "hidden size (model width)",
     "intermediate": "MLP intermediate size", "layers": "decoder layers", "vocab": "vocabulary size",
+    "v_head_dim": "size of one value head when it differs from --head-dim (MLA: 128 with --head-dim 192)",
 }
 _SUFFIXES = {"k": 1024, "m": 1024**2}  # 128k = 131,072 and 1M = 1,048,576 tokens, as context lengths are named
 

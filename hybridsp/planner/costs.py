@@ -136,14 +136,14 @@ class CommVolume:
 
 def comm_volume(model: ModelSpec, workload: Workload, config: MeshConfig) -> CommVolume:
     """Bytes of every all-to-all and ring transfer of one rank for one step."""
-    e, d, u = workload.dtype_bytes, model.head_dim, config.ulysses
+    e, d, dv, u = workload.dtype_bytes, model.head_dim, model.value_head_dim, config.ulysses
     tokens, kv_heads = local_tokens(workload, config), expanded_kv_heads(model, u)
-    kv_block = (workload.seq_len // config.ring) * kv_row_bytes(workload.micro_batch, kv_heads, u, d, e)
+    kv_block = (workload.seq_len // config.ring) * kv_row_bytes(workload.micro_batch, kv_heads, u, d, e, dv)
     sent, read = _mean_ring_blocks(config.ring, workload.seq_len // config.ring, workload.causal)
     return CommVolume(
         ulysses=u, ring=config.ring, layers=model.num_layers,
-        qkv_bytes=tokens * (model.num_heads + 2 * kv_heads) * d * e,
-        out_bytes=tokens * model.num_heads * d * e,
+        qkv_bytes=tokens * ((model.num_heads + kv_heads) * d + kv_heads * dv) * e,
+        out_bytes=tokens * model.num_heads * dv * e,
         kv_block_bytes=kv_block,
         grad_block_bytes=kv_block,
         forward_passes=2 if config.checkpointing and not workload.forward_only else 1,

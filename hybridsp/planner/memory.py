@@ -199,11 +199,13 @@ def norm_bytes_per_token(model: ModelSpec, dtype_bytes: int) -> int:
 
 
 def attention_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int) -> int:
-    """q, k, v after the all-to-all, the kernel output, the o_proj input (U > 1), fp32 LSE."""
-    hd = model.num_heads * model.head_dim
-    kvd = expanded_kv_heads(model, ulysses) * model.head_dim
-    o_proj_input = hd * dtype_bytes if ulysses > 1 else 0
-    return dtype_bytes * (2 * hd + 2 * kvd) + o_proj_input + FP32 * model.num_heads
+    """q, k, v after the all-to-all, the kernel output, the o_proj input (U > 1), fp32 LSE
+    (v, the output and the o_proj input at the value head dim)."""
+    hd, hdv = model.num_heads * model.head_dim, model.num_heads * model.value_head_dim
+    kv_heads = expanded_kv_heads(model, ulysses)
+    o_proj_input = hdv * dtype_bytes if ulysses > 1 else 0
+    return (dtype_bytes * (hd + hdv + kv_heads * (model.head_dim + model.value_head_dim)) + o_proj_input
+            + FP32 * model.num_heads)
 
 
 def mlp_bytes_per_token(model: ModelSpec, dtype_bytes: int, tiled: bool = False) -> int:
@@ -285,7 +287,7 @@ def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: Mesh
     receive and dK/dV blocks die with ``_ring_backward``)."""
     volume = comm_volume(model, workload, config)
     tokens = local_tokens(workload, config)
-    accumulators = tokens * model.num_heads * (model.head_dim + 1) * FP32
+    accumulators = tokens * model.num_heads * (model.value_head_dim + 1) * FP32
     a2a = 2 * volume.qkv_bytes if config.ulysses > 1 else 0
     ring = kv_workspace_bytes(volume.kv_comm, volume.kv_block_bytes, volume.grad_block_bytes, workload.dtype_bytes,
                               config.ring, planner_chunks(workload, config), not workload.forward_only)

@@ -41,16 +41,24 @@ class ModelSpec:
     vocab_size: int
     tied_embeddings: bool = False
     name: str = "custom"
+    v_head_dim: int | None = None  # v's head dim when it differs from q/k's (MLA); None: head_dim
 
     def __post_init__(self):
         _require_positive_ints(
             self, "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size", "num_layers",
             "vocab_size",
         )
+        if self.v_head_dim is not None:
+            _require_positive_ints(self, "v_head_dim")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"query heads ({self.num_heads}) must be a multiple of K/V heads ({self.num_kv_heads})"
             )
+
+    @property
+    def value_head_dim(self) -> int:
+        """v's (and the attention output's) head dim: ``v_head_dim``, else ``head_dim``."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
     def attention_params_per_layer(self) -> int:

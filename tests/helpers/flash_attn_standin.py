@@ -16,11 +16,16 @@ argument names and order, return tuples and conventions (read from flash-attn v2
   are measured from that diagonal;
 * lse is [B, H, Sq] fp32, +inf for a row that sees no key (whose out is 0);
 * the backward writes dq/dk/dv into the buffers given and returns softmax_d
-  [B, H, round_up(Sq, 128)] fp32.
+  [B, H, round_up(Sq, 128)] fp32;
+* ``softcap > 0`` (2.6+) caps the scaled scores before the mask: ``softcap * tanh(scale q.k / softcap)``
+  (flash_api.cpp sets ``params.softcap = softmax_scale / softcap`` and ``scale_softmax = softcap``;
+  the kernel applies ``tanh`` to ``q.k * params.softcap``), the lse is that of the capped scores and
+  the backward multiplies the score gradient by ``1 - tanh^2``; v must have q's head dim
+  (flash-attn 2 checks v against ``head_size_og``).
 
 It is stricter than flash-attn in one way: it rejects a non-contiguous or non-fp32
 softmax_lse in the backward (the real kernel would silently read it with the wrong strides).
-Dropout, softcapping, ALiBi and ``return_softmax=True`` are not modelled (NotImplementedError).
+Dropout, ALiBi and ``return_softmax=True`` are not modelled (NotImplementedError).
 
 :func:`make_standin` builds variants with older calling conventions (2.4, 2.5, 2.6), a 2.8
 variant registered as real ``torch.library.custom_op`` objects (as flash-attn >= 2.7 does on
@@ -58,8 +63,9 @@ def _round_multiple(x: int, m: int) -> int:
 
 
 def _refuse_unmodelled(dropout_p, softcap, alibi_slopes, return_softmax=False) -> None:
-    if dropout_p != 0.0 or softcap != 0.0 or alibi_slopes is not None or return_softmax:
-        raise NotImplementedError("the flash-attn stand-in models no dropout, softcap, ALiBi or return_softmax")
+    if dropout_p != 0.0 or alibi_slopes is not None or return_softmax:
+        raise NotImplementedError("the flash-attn stand-in models no dropout, ALiBi or return_softmax")
+    _check(softcap >= 0.0, "stand-in: softcap must be >= 0 (0 switches it off)")
 
 
 def _check_inputs(q, k, v, *, padded_head_dim: bool = True) -> None:
@@ -105,39 +111,44 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.float().repeat_interleave(heads // x.shape[2], dim=2)  # [B, S, H, D]
 
 
-def _probs(q, k, scale, left, right, lse=None):
-    """(fp32 probabilities [B, H, Sq, Sk], lse [B, H, Sq] with +inf for rows without keys)."""
+def _probs(q, k, scale, left, right, lse=None, softcap=0.0):
+    """(fp32 probabilities [B, H, Sq, Sk], lse [B, H, Sq] with +inf for rows without keys, and the
+    derivative of the capped score by the scaled one [B, H, Sq, Sk], 1 without softcap)."""
     scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), _expand(k, q.shape[2])) * scale  # [B, H, Sq, Sk]
+    slope = torch.ones((), device=q.device)
+    if softcap > 0:
+        tanh = torch.tanh(scores / softcap)  # [B, H, Sq, Sk]
+        scores, slope = tanh * softcap, 1 - tanh * tanh
     visible = _visible(q.shape[1], k.shape[1], left, right, q.device)
     scores = scores.masked_fill(~visible, -math.inf)
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)  # [B, H, Sq]
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
-    return torch.exp(scores - lse.unsqueeze(-1)), lse
+    return torch.exp(scores - lse.unsqueeze(-1)), lse, slope
 
 
-def _attention_forward(q, k, v, scale, causal, left, right):
+def _attention_forward(q, k, v, scale, causal, left, right, softcap=0.0):
     """q [B, Sq, H, D], k/v [B, Sk, Hkv, D] -> (out [B, Sq, H, D] in q's dtype, lse [B, H, Sq] fp32)."""
     b, sq, h, _ = q.shape
     if k.shape[1] == 0:  # flash-attn: "If seqlen_k == 0 ... set the output to 0", lse +inf
         return torch.zeros_like(q), torch.full((b, h, sq), math.inf, device=q.device)
     left, right = _window(sq, k.shape[1], causal, left, right)
-    probs, lse = _probs(q, k, scale, left, right)
+    probs, lse, _ = _probs(q, k, scale, left, right, softcap=softcap)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, _expand(v, h))  # [B, Sq, H, D]
     return out.to(q.dtype), lse
 
 
-def _attention_backward(dout, q, k, v, out, lse, scale, causal, left, right):
+def _attention_backward(dout, q, k, v, out, lse, scale, causal, left, right, softcap=0.0):
     """fp32 (dq [B, Sq, H, D], dk/dv [B, Sk, Hkv, D], softmax_d [B, H, Sq]) from the given out/lse."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     left, right = _window(sq, sk, causal, left, right)
-    probs, _ = _probs(q, k, scale, left, right, lse=lse.float())  # [B, H, Sq, Sk]
+    probs, _, slope = _probs(q, k, scale, left, right, lse=lse.float(), softcap=softcap)  # [B, H, Sq, Sk]
     dout32 = dout.float()
     softmax_d = (dout32 * out.float()).sum(-1).transpose(1, 2)  # [B, H, Sq]
     dv = torch.einsum("bhqk,bqhd->bkhd", probs, dout32)  # [B, Sk, H, D]
     dprobs = torch.einsum("bqhd,bkhd->bhqk", dout32, _expand(v, h))  # [B, H, Sq, Sk]
-    dscores = probs * (dprobs - softmax_d.unsqueeze(-1)) * scale  # [B, H, Sq, Sk]
+    dscores = probs * (dprobs - softmax_d.unsqueeze(-1)) * slope * scale  # [B, H, Sq, Sk]
     dq = torch.einsum("bhqk,bkhd->bqhd", dscores, _expand(k, h))  # [B, Sq, H, D]
     dk = torch.einsum("bhqk,bqhd->bkhd", dscores, q.float())  # [B, Sk, H, D]
     dk = dk.reshape(b, sk, hkv, h // hkv, d).sum(3)  # [B, Sk, Hkv, D]
@@ -199,7 +210,7 @@ def _flash_attn_forward(
     q, k, v = [_maybe_contiguous(x) for x in (q, k, v)]
     _refuse_unmodelled(dropout_p, softcap, alibi_slopes, return_softmax)
     _check_inputs(q, k, v)
-    out, lse = _attention_forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right)
+    out, lse = _attention_forward(q, k, v, softmax_scale, causal, window_size_left, window_size_right, softcap)
     s_dmask = torch.empty((0,), dtype=q.dtype, device=q.device)
     return out, lse, s_dmask, _rng_state(q)
 
@@ -230,7 +241,7 @@ def _flash_attn_backward(
     _check_inputs(q, k, v)
     _check_backward(dout, q, k, v, out, softmax_lse)
     grads = _attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal,
-                                window_size_left, window_size_right)
+                                window_size_left, window_size_right, softcap)
     for buffer, value, like, name in zip((dq, dk, dv), grads[:3], (q, k, v), ("dq", "dk", "dv")):
         _fill_buffer(buffer, value, like, name)  # a buffer of None is allocated and lost, as in 2.8
     return _softmax_d_padded(grads[3])
@@ -251,7 +262,7 @@ def _old_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
     _check_inputs(q, k, v, padded_head_dim=False)
     head_dim = q.shape[-1]
     q_p, k_p, v_p = _pad8(q), _pad8(k), _pad8(v)
-    out_p, lse = _attention_forward(q_p, k_p, v_p, softmax_scale, causal, *window_size)
+    out_p, lse = _attention_forward(q_p, k_p, v_p, softmax_scale, causal, *window_size, softcap)
     s_dmask = torch.empty((0,), dtype=q.dtype, device=q.device)
     return out_p[..., :head_dim], q_p, k_p, v_p, out_p, lse, s_dmask, _rng_state(q)
 
@@ -266,7 +277,7 @@ def _old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softma
            "head_size must be head_size_og rounded to a multiple of 8")
     dout = _pad8(dout)
     _check_backward(dout, q, k, v, out, softmax_lse)
-    grads = _attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, *window_size)
+    grads = _attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, *window_size, softcap)
     filled = [
         _fill_buffer(buffer, value, like, name)
         for buffer, value, like, name in zip((dq, dk, dv), grads[:3], (q, k, v), ("dq", "dk", "dv"))
@@ -407,7 +418,7 @@ def _flash_attn_varlen_forward(
     lse = torch.full((q.shape[1], q.shape[0]), math.inf, device=q.device)
     for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
         o, lse_rows = _attention_forward(q[None, rows], k[None, keys], v[None, keys], softmax_scale, causal,
-                                  window_size_left, window_size_right)
+                                         window_size_left, window_size_right, softcap)
         out[rows], lse[:, rows] = o[0], lse_rows[0]
     return out, lse, torch.empty((0,), dtype=q.dtype, device=q.device), _rng_state(q)
 
@@ -447,7 +458,7 @@ def _flash_attn_varlen_backward(
     for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
         gq, gk, gv, d = _attention_backward(
             dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows],
-            softmax_lse[None, :, rows], softmax_scale, causal, window_size_left, window_size_right,
+            softmax_lse[None, :, rows], softmax_scale, causal, window_size_left, window_size_right, softcap,
         )
         grads[0][rows], grads[1][keys], grads[2][keys] = gq[0], gk[0], gv[0]  # sequences do not share keys
         softmax_d[:, rows] = d[0]

@@ -34,11 +34,41 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30)).item()
 
 
-def random_qkv(batch, seq, heads, kv_heads, head_dim, *, seed=0, dtype=torch.float32):
-    """Deterministic q [B, S, H, D], k/v [B, S, Hkv, D] and an upstream gradient like q."""
+def random_qkv(batch, seq, heads, kv_heads, head_dim, *, seed=0, dtype=torch.float32, v_head_dim=None):
+    """Deterministic q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] and an upstream gradient
+    like the output [B, S, H, Dv] (Dv: ``v_head_dim``, default D)."""
+    dv = head_dim if v_head_dim is None else v_head_dim
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(batch, seq, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(batch, seq, kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, seq, kv_heads, head_dim, generator=gen).to(dtype)
-    dout = torch.randn(batch, seq, heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, seq, kv_heads, dv, generator=gen).to(dtype)
+    dout = torch.randn(batch, seq, heads, dv, generator=gen).to(dtype)
     return q, k, v, dout
+
+
+def sinks_reference_with_grads(q, k, v, dout, *, causal: bool, sinks=None, softcap=None, rows_bounds=None,
+                               window=None, softmax_scale=None):
+    """(out, dq, dk, dv, dsinks) in float64 autograd, written as the unmodified models do it: scores
+    scaled, soft-capped (``softcap * tanh(scores / softcap)``, Gemma 2), masked (causal, documents
+    ``rows_bounds`` per batch row, window), a sink logit per head appended as one more column
+    (GPT-OSS's eager attention), softmax, the sink column dropped. q [B, S, H, D], k [B, S, Hkv, D],
+    v [B, S, Hkv, Dv], sinks [H] or None (dsinks None then)."""
+    from tests.helpers.mask_reference import visible_mask
+
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    logits = None if sinks is None else sinks.detach().double().requires_grad_()
+    b, s, h, d = q.shape
+    group = h // k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2)) * scale  # [B, H, S, S]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    bounds = rows_bounds if rows_bounds is not None else [[0, s]] * b
+    mask = torch.stack([visible_mask(s, row, causal, window) for row in bounds])  # [B, S, S]
+    scores = scores.masked_fill(~mask[:, None], -math.inf)
+    if logits is not None:
+        scores = torch.cat([scores, logits.view(1, h, 1, 1).expand(b, h, s, 1)], dim=-1)  # [B, H, S, S + 1]
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)[..., :s]  # [B, H, S, S]; rows without keys: 0
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(group, 2))  # [B, S, H, Dv]
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad, None if logits is None else logits.grad

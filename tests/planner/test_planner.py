@@ -60,6 +60,22 @@ def test_bytes_match_test_hybrid_analytic_minimum():
     assert volume.ring_total == sum(per_rank) // r == 9216
 
 
+def test_bytes_with_a_value_head_dim_of_its_own_match_the_runtime_formula():
+    """MLA-like heads (q/k 24, v 16): the planner's all-to-all and mean ring bytes equal
+    hybridsp.formulas.hybrid_bytes (which the attention tests check against the comm counter)."""
+    from hybridsp.formulas import hybrid_bytes
+
+    model = ModelSpec(8, 8, 24, hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=10, v_head_dim=16)
+    assert model.value_head_dim == 16 and ModelSpec(8, 8, 24, 128, 256, 1, 10).value_head_dim == 24
+    volume = comm_volume(model, Workload(64, dtype_bytes=4), MeshConfig(1, 2, 2))
+    per_rank = [hybrid_bytes(batch=1, seq_len=64, heads=8, kv_heads=8, head_dim=24, v_head_dim=16, ulysses=2, ring=2,
+                             ring_rank=r, element_size=4) for r in range(2)]
+    assert volume.all_to_all == per_rank[0]["all_to_all"]
+    assert volume.ring_total == sum(b["ring"] for b in per_rank) // 2
+    with pytest.raises(ValueError, match="v_head_dim must be a positive integer"):
+        ModelSpec(8, 8, 24, 128, 256, 1, 10, v_head_dim=0)
+
+
 def test_bytes_with_gqa_expansion_bf16_and_recompute():
     model = ModelSpec(8, 2, 16, hidden_size=128, intermediate_size=256, num_layers=3, vocab_size=10)
     # U=8: group 4, one query head per rank -> each K/V head repeated 4x: Hkv' = 8, one per rank

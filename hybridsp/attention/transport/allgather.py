@@ -15,7 +15,7 @@ all-to-all plus an fp32 sum at the owner (the same ``(R - 1) / R`` of the buffer
 as a ring reduce-scatter, but every partial is rounded once instead of at every hop). The
 reduce-scatter of chunk ``j`` travels while chunk ``j + 1`` computes.
 
-Bytes per rank per call (K and V each, ``row = B Hkv D`` elements):
+Bytes per rank per call (K and V each, ``row = B Hkv D`` elements; ``B Hkv Dv`` for V):
 forward ``(R - 1) S_local`` rows gathered; backward the same again plus ``(R - 1) S_local``
 rows of dK/dV. Unlike the p2p ring, an all-gather ships whole blocks even where the
 receiver reads half of one (causal zigzag), but it has ``n`` collective latencies instead
@@ -139,12 +139,13 @@ class _ChunkGathers:
 
 
 def _post_reduce(group, dk_all, dv_all, dtype, counter):
-    """Start returning a chunk's partial dK/dV [B, R m, Hkv, D] to their owners: all-to-all of
-    ``[R, 2, B, m, Hkv, D]`` in ``dtype``; returns (work, received)."""
+    """Start returning a chunk's partial dK [B, R m, Hkv, D] / dV [B, R m, Hkv, Dv] to their owners:
+    all-to-all of ``[R, B, m, Hkv (D + Dv)]`` in ``dtype`` (each row's dK then its dV, so the head
+    dims may differ); returns (work, received)."""
     size = dist.get_world_size(group)
     batch, rows = dk_all.shape[0], dk_all.shape[1] // size
-    parts = torch.stack([dk_all, dv_all]).to(dtype)  # [2, B, R m, Hkv, D]
-    send = parts.view(2, batch, size, rows, *dk_all.shape[2:]).permute(2, 0, 1, 3, 4, 5).contiguous()  # [R, 2, B, m, Hkv, D]
+    parts = torch.cat([dk_all.flatten(2), dv_all.flatten(2)], dim=2).to(dtype)  # [B, R m, Hkv (D + Dv)]
+    send = parts.view(batch, size, rows, parts.shape[-1]).transpose(0, 1).contiguous()  # [R, B, m, Hkv (D + Dv)]
     received = torch.empty_like(send)
     if counter is not None:
         counter.record("reduce_scatter", (size - 1) * send[0].numel() * send.element_size())
@@ -153,14 +154,15 @@ def _post_reduce(group, dk_all, dv_all, dtype, counter):
 
 def _add_reduced(pending, dk_acc, dv_acc) -> None:
     """Wait for a chunk's reduce-scatter ``(work, received, rows)`` and add the summed partials
-    (fp32) into those rows of dk/dv_acc."""
+    (fp32) into those rows of dk_acc [B, S, Hkv, D] / dv_acc [B, S, Hkv, Dv]."""
     if pending is None:
         return
     work, received, rows = pending
     work.wait()
-    summed = received.sum(0, dtype=dk_acc.dtype)  # [2, B, m, Hkv, D]
-    dk_acc[:, rows] += summed[0]
-    dv_acc[:, rows] += summed[1]
+    summed = received.sum(0, dtype=dk_acc.dtype)  # [B, m, Hkv (D + Dv)]
+    split = dk_acc.shape[2] * dk_acc.shape[3]
+    dk_acc[:, rows] += summed[..., :split].unflatten(2, dk_acc.shape[2:])  # [B, m, Hkv, D]
+    dv_acc[:, rows] += summed[..., split:].unflatten(2, dv_acc.shape[2:])  # [B, m, Hkv, Dv]
 
 
 class AllGatherTransport(Transport):
