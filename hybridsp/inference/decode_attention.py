@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.attention.merge import merge_blocks
+from hybridsp.attention.sinks import merge_sinks
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, get_kernel
 from hybridsp.kernels.base import expand_kv_heads, lse_for_backward, no_key_result
 from hybridsp.mesh.hybrid_mesh import HybridMesh
@@ -46,6 +47,8 @@ def decode_attention(
     key_positions: torch.Tensor | None = None,
     window: int | None = None,
     key_mask: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Exact attention of the new queries over the whole sharded cache of the context group.
 
@@ -60,15 +63,21 @@ def decode_attention(
         window: sliding window in tokens, or None.
         key_mask: [B, L] bool, False for this rank's cached keys a row must not see (the left
             padding of a batch of prompts), or None.
+        sinks: [H] learned sinks (GPT-OSS), merged once per row after the context merge
+            (:mod:`hybridsp.attention.sinks`), or None.
+        softcap: logit soft-capping (Gemma 2), computed by the fp32 masked path, or None.
 
     Returns:
-        out [B, T, H, D] in q's dtype, identical on every context rank.
+        out [B, T, H, Dv] in q's dtype (Dv: v's head dim), identical on every context rank.
     """
     out, lse = local_decode_attention(
-        q, k, v, softmax_scale=softmax_scale, backend=backend,
-        query_positions=query_positions, key_positions=key_positions, window=window, key_mask=key_mask,
+        q, k, v, softmax_scale=softmax_scale, backend=backend, query_positions=query_positions,
+        key_positions=key_positions, window=window, key_mask=key_mask, softcap=softcap,
     )
-    return merge_over_context(out, lse, mesh).to(q.dtype)
+    out, lse = _merged_with_lse(out, lse, mesh)
+    if sinks is not None:
+        out, _ = merge_sinks(out, lse, sinks)
+    return out.to(q.dtype)
 
 
 def local_decode_attention(
@@ -82,18 +91,22 @@ def local_decode_attention(
     key_positions: torch.Tensor | None = None,
     window: int | None = None,
     key_mask: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's partial: (out [B, T, H, D], lse [B, H, T] fp32); a row that sees no key gives 0, -inf."""
+    """This rank's partial: (out [B, T, H, Dv], lse [B, H, T] fp32); a row that sees no key gives 0, -inf.
+    ``softcap`` (Gemma 2) sends every call to the fp32 masked path, which caps the scores."""
     check_qkv(q, k, v, causal=False)
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
     visible = _with_key_mask(_visibility(q.shape[1], k.shape[1], query_positions, key_positions, window),
                              key_mask, q.shape[0], q.shape[1], k.shape[1])  # None, [T, L] or [B, T, L]
     if k.shape[1] == 0 or (visible is not None and not bool(visible.any())):
         return no_key_result(q, torch.float32, v.shape[-1])
-    if visible is None or bool(visible.all()):
+    if softcap is None and (visible is None or bool(visible.all())):
         kernel = get_kernel(backend, device=q.device, dtype=q.dtype)
         return kernel.forward(q, k, v, causal=False, softmax_scale=scale)
-    return _masked_attention(q, k, v, visible, scale)
+    if visible is None:
+        visible = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device)  # [T, L]
+    return _masked_attention(q, k, v, visible, scale, softcap)
 
 
 def _visibility(t: int, length: int, query_positions, key_positions, window) -> torch.Tensor | None:
@@ -130,7 +143,8 @@ def _with_key_mask(visible, key_mask, batch: int, t: int, length: int) -> torch.
     return base[None] & key_mask[:, None, :]  # [B, T, L]
 
 
-def _masked_attention(q, k, v, visible: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_attention(q, k, v, visible: torch.Tensor, scale: float, softcap: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention over the keys some query sees (``visible`` [T, L] or per row [B, T, L]):
     (out [B, T, H, D] in q's dtype, lse [B, H, T])."""
     per_row = visible if visible.dim() == 3 else visible[None]  # [B or 1, T, L]
@@ -138,6 +152,8 @@ def _masked_attention(q, k, v, visible: torch.Tensor, scale: float) -> tuple[tor
     keys = expand_kv_heads(k.index_select(1, keep), q.shape[2]).float()  # [B, L', H, D]
     values = expand_kv_heads(v.index_select(1, keep), q.shape[2]).float()  # [B, L', H, D]
     scores = torch.einsum("bthd,blhd->bhtl", q.float(), keys) * scale  # [B, H, T, L']
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~per_row[:, None][..., keep], -torch.inf)  # mask [B or 1, 1, T, L']
     lse = torch.logsumexp(scores, dim=-1)  # [B, H, T]
     probs = torch.exp(scores - lse_for_backward(lse).unsqueeze(-1))  # [B, H, T, L']; rows without keys: 0
@@ -146,19 +162,23 @@ def _masked_attention(q, k, v, visible: torch.Tensor, scale: float) -> tuple[tor
 
 
 def merge_over_context(out: torch.Tensor, lse: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
-    """All context ranks' partials merged by LSE: out [B, T, H, D], lse [B, H, T] -> fp32 [B, T, H, D].
+    """All context ranks' partials merged by LSE: out [B, T, H, Dv], lse [B, H, T] -> fp32 [B, T, H, Dv].
 
-    One ``all_gather`` of ``[B, T, H, D+1]`` fp32 over ``mesh.context_group``; merged in shard
+    One ``all_gather`` of ``[B, T, H, Dv+1]`` fp32 over ``mesh.context_group``; merged in shard
     order, so the result is bitwise identical on every rank.
     """
+    return _merged_with_lse(out, lse, mesh)[0]
+
+
+def _merged_with_lse(out: torch.Tensor, lse: torch.Tensor, mesh: HybridMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_over_context` and the merged lse [B, H, T] (fp32)."""
     if mesh.context == 1:
-        return out.float()
-    packed = torch.cat([out.float(), lse.transpose(1, 2).unsqueeze(-1)], dim=-1).contiguous()  # [B, T, H, D+1]
+        return out.float(), lse.float()
+    packed = torch.cat([out.float(), lse.transpose(1, 2).unsqueeze(-1)], dim=-1).contiguous()  # [B, T, H, Dv+1]
     gathered = [torch.empty_like(packed) for _ in range(mesh.context)]
     dist.all_gather(gathered, packed, group=mesh.context_group)  # ascending global rank order
     by_rank = dict(zip(sorted(mesh.context_members()), gathered))
     parts = [by_rank[member] for member in mesh.context_members()]  # shard order r * U + u
-    outs = [part[..., :-1] for part in parts]  # each [B, T, H, D]
+    outs = [part[..., :-1] for part in parts]  # each [B, T, H, Dv]
     lses = [part[..., -1].transpose(1, 2) for part in parts]  # each [B, H, T]
-    merged, _ = merge_blocks(outs, lses)
-    return merged
+    return merge_blocks(outs, lses)

@@ -123,7 +123,7 @@ class ShardedKVCache:
         if self._keys[layer] is None:
             b, h, _, d = keys.shape
             self._keys[layer] = keys.new_empty(b, h, self.capacity, d)  # [B, Hkv, capacity, D]
-            self._values[layer] = values.new_empty(b, h, self.capacity, d)  # [B, Hkv, capacity, D]
+            self._values[layer] = values.new_empty(b, h, self.capacity, values.shape[-1])  # [B, Hkv, capacity, Dv]
         start, count = self._filled[layer], keys.shape[2]
         if start + count > self.capacity:
             raise ValueError(f"layer {layer}: {start} + {count} tokens exceed this shard's capacity {self.capacity}")

@@ -66,13 +66,13 @@ COLUMNS = {  # check -> what "exact" means there, and the test that asserts it
                "tests/integrations/transformers/families/test_switch_matrix.py"),
     "trainer": ("HybridSPTrainer at U2xR2 vs the plain Trainer (loss, grad norm per step)",
                 "tests/integrations/transformers/test_trainer.py"),
-    "tensor parallel": ("T=2 vs the unmodified model", "tests/tensor_parallel/"),
+    "tensor parallel": ("T2xU2 with sequence parallelism vs the unmodified model", "tests/tensor_parallel/test_families.py"),
     "generate": ("greedy ids of hybridsp.integrations.transformers.generate equal model.generate at U2xR2",
                  "tests/integrations/transformers/families/test_generate_matrix.py"),
 }
 
 
-def _row(switch=EXACT, packed=EXACT, trainer=UNTESTED, tensor=UNTESTED, generate=UNTESTED) -> dict[str, str]:
+def _row(switch=EXACT, packed=EXACT, trainer=UNTESTED, tensor=EXACT, generate=UNTESTED) -> dict[str, str]:
     return dict(zip(CHECKS, (switch, packed, trainer, tensor, generate)))
 
 
@@ -83,17 +83,17 @@ SUPPORT = {
     "qwen3": _row(generate=EXACT),
     "qwen3_moe": _row(generate=EXACT),
     "mixtral": _row(generate=EXACT),
-    "gemma2": _row(switch=REFUSED + "softcap", packed=UNTESTED),
+    "gemma2": _row(generate=EXACT),
     "gemma3_text": _row(generate=EXACT),
-    "gpt_oss": _row(switch=REFUSED + "attention sinks", packed=UNTESTED),
-    "deepseek_v3": _row(switch=REFUSED + "k and v must have the same shape", packed=UNTESTED),
+    "gpt_oss": _row(generate=EXACT),
+    "deepseek_v3": _row(generate=EXACT),
     "olmo2": _row(generate=EXACT),
     "olmo3": _row(generate=EXACT),
     "phi3": _row(generate=EXACT),
     "smollm3": _row(generate=EXACT),
     "granite": _row(generate=EXACT),
     "glm4": _row(generate=EXACT),
-    "llama4_text": _row(generate=REFUSED + "chunked-attention layer"),
+    "llama4_text": _row(tensor=UNTESTED, generate=REFUSED + "chunked-attention layer"),
 }
 
 

@@ -14,7 +14,7 @@ from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
-from tests.helpers.families import build_family
+from tests.helpers.families import build_family, families_where
 from tests.helpers.generation import prompt, reference_generate
 from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import expected_of, make_batch, sharded
@@ -24,11 +24,9 @@ pytestmark = [pytest.mark.integration]
 TOLERANCE = 1e-4
 BATCH = make_batch(64, (64, 50))  # B = 2, the second row padded
 # Tensor-parallel and switched at T2 x U2 (Ulysses splits the H/T heads again).
-SWITCHED = ("llama", "qwen3_moe", "mixtral", "gemma3_text", "olmo2", "olmo3", "smollm3", "granite", "glm4", "phi3")
+SWITCHED = tuple(families_where("tensor parallel"))  # the support table's "exact" cells (docs/model-support.md)
 RING_ONLY = ()  # families switched at T2 x R2 only (none since the switch counts heads from the model's config)
-# The switch at this point refuses sinks (GPT-OSS), k/v head dims that differ (DeepSeek-V3's MLA) and soft-capping
-# (Gemma 2): tensor parallelism alone (T = 2, no context parallelism; the other 2 ranks a data-parallel replica).
-TENSOR_ONLY = ("gpt_oss", "deepseek_v3", "gemma2")
+TENSOR_ONLY = ()  # families under tensor parallelism alone (none: the switch takes every family here)
 
 
 def varied(model):
@@ -67,7 +65,7 @@ def family_errors(name: str, mesh, sequence_parallel: bool, switch: bool, overri
     ref_logits, ref_loss, ref_grads = expected_of(model, BATCH)
     model.zero_grad(set_to_none=True)
     hf.tensor_parallel(model, mesh, sequence_parallel=sequence_parallel)
-    handle = hf.apply(model, mesh, backend="torch") if switch else None
+    handle = hf.apply(model, mesh) if switch else None
     logits, loss, grads, _ = sharded(model, mesh, BATCH)
     plan = tensor_plan(model)
     real = BATCH["attention_mask"].bool()  # [B, S]

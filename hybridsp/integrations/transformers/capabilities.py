@@ -63,10 +63,8 @@ def _query_heads(model: nn.Module, module: nn.Module) -> int | None:
 
 
 def _check_module(module: nn.Module, mesh: HybridMesh | None, heads: int | None) -> None:
-    """One attention module: causal, no sinks yet, heads divisible by U."""
+    """One attention module: causal, heads divisible by U."""
     config, layer = module.config, getattr(module, "layer_idx", "?")
-    if getattr(module, "sinks", None) is not None:
-        raise ValueError(f"layer {layer} uses attention sinks, which hybridsp does not support")
     if not getattr(module, "is_causal", True) or not getattr(config, "is_causal", True):
         raise ValueError(f"layer {layer} ({type(module).__name__}) is not causal; hybridsp's transformers "
                          f"integration supports causal decoders only")

@@ -141,7 +141,8 @@ class DecodeStep:
             query_positions=None if positions is None else positions[0],
             key_positions=keys_at, window=kwargs.get("sliding_window"),
             key_mask=None if self.real is None else self.real[:, keys_at],  # [B, L]
-        )  # [B, T, H, D]
+            sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"),
+        )  # [B, T, H, Dv]
         return out, None
 
 

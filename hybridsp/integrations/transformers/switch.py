@@ -15,8 +15,7 @@ Position handling stays the model's own, from the global ``position_ids`` (RoPE 
 layers without RoPE). Refused, with a line naming what is missing: a model with no such module (its
 attention bypasses the interface), encoder-decoders, non-causal attention, chunked-attention layers on a layout that places tokens by document (chunked layers
 otherwise run as documents cut into chunks, Note [chunked layers] in :mod:`.documents`),
-layers that mix tokens outside attention (a causal convolution or a recurrence), attention sinks,
-logit soft-capping, Llama 4's query temperature tuning past ``floor_scale`` tokens under sequence parallelism, attention dropout in training, a ``head_mask``, a user-supplied 4D mask, and a KV
+layers that mix tokens outside attention (a causal convolution or a recurrence), Llama 4's query temperature tuning past ``floor_scale`` tokens under sequence parallelism, attention dropout in training, a ``head_mask``, a user-supplied 4D mask, and a KV
 cache that already holds tokens outside :func:`generate` (long-context generation against a sharded
 K/V cache: :mod:`hybridsp.integrations.transformers.generation`).
 
@@ -155,7 +154,8 @@ def hybridsp_attention_forward(
         dropout: must be 0 (attention dropout is not implemented).
         kwargs: the model's extra arguments: ``sliding_window`` (this layer's window) and
             ``cu_seq_lens_q/k`` (global packed documents, Note [packed documents]) are used;
-            ``softcap``, ``s_aux`` and ``is_causal=False`` are refused. ``hybridsp_decode`` (set by
+            ``s_aux`` (GPT-OSS's sinks) and ``softcap`` (Gemma 2) go to the hybrid attention's
+            ``sinks`` / ``softcap``; ``head_mask`` and ``is_causal=False`` are refused. ``hybridsp_decode`` (set by
             :func:`generate`'s decode steps) sends the call to the decode attention over the sharded cache.
 
     Returns:
@@ -178,7 +178,8 @@ def hybridsp_attention_forward(
         q, k, v, mesh=binding.mesh, causal=True, backend=binding.backend,
         softmax_scale=_scale_of(module, scaling),
         cu_seqlens=cu_seqlens, sliding_window=kwargs.get("sliding_window"),
-    )  # [B, S, H, D]
+        sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"),
+    )  # [B, S, H, Dv]
     return out, None
 
 
@@ -216,7 +217,7 @@ def _check_call(
         raise ValueError(
             f"attention dropout {dropout} is not supported by hybridsp attention; set config.attention_dropout=0"
         )
-    refused = {name: kwargs[name] for name in ("softcap", "s_aux", "head_mask") if kwargs.get(name) is not None}
+    refused = {name: kwargs[name] for name in ("head_mask",) if kwargs.get(name) is not None}
     if refused:
         raise ValueError(f"hybridsp attention does not support {refused}; use a config without them")
     if kwargs.get("is_causal") is False:
