@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--algorithm", choices=("grpo", "rloo"), default="grpo", help="TRL's GRPOTrainer or "
                         "RLOOTrainer (default grpo)")
     parser.add_argument("--loss-type", choices=LOSS_TYPES, default="dapo", help="GRPO's loss (default dapo)")
-    parser.add_argument("--num-generations", type=int, default=2, help="completions per prompt (default 2)")
+    parser.add_argument("--num-generations", type=int, default=4, help="completions per prompt (default 4)")
     parser.add_argument("--completion-len", type=int, default=32, help="new tokens per completion at most "
                         "(default 32)")
     parser.add_argument("--num-iterations", type=int, default=1, help="optimisation passes per generation batch "
