@@ -2,10 +2,11 @@
 
 A case is a dict: ``item`` ("grpo" or "rloo"), ``hybrid`` (None for the plain trainer, else
 ``ulysses``, ``ring`` and ``stage``) and options (``loss_type``, ``num_iterations``,
-``accumulation``, ``peft``, ``beta``). Every rank returns its per-step logs and the completion ids
+``accumulation``, ``peft``, ``beta``, ``checkpointing``). Every rank returns its per-step logs and the completion ids
 it saw (in the order its reward function was called), so a test can check both the numbers
 against the plain run and that every context rank saw the same completions. The tiny Llama is
-saved to a directory first (TRL builds the reference model from the policy's path).
+saved to a directory first and passed by path (TRL loads the policy and builds the reference model
+from it); a PEFT policy is the loaded model with LoRA adapters.
 """
 
 from __future__ import annotations
@@ -60,19 +61,20 @@ def _settings(output_dir: str, case: dict) -> dict:
         gradient_accumulation_steps=case.get("accumulation", 1), max_steps=STEPS, max_grad_norm=1.0,
         learning_rate=5e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
         disable_tqdm=True, seed=0, deepspeed=deepspeed, use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0, bf16=False, gradient_checkpointing=False, num_generations=GENERATIONS,
+        dataloader_num_workers=0, bf16=False, gradient_checkpointing=case.get("checkpointing", False),
+        num_generations=GENERATIONS,
         max_completion_length=COMPLETION, beta=case.get("beta", 0.1), num_iterations=case.get("num_iterations", 1),
     )
 
 
 def _model(path: str, case: dict):
+    """The policy: its path (TRL loads it, as users pass it), or for PEFT the loaded model with LoRA adapters."""
+    if not case.get("peft"):
+        return path
+    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
-    if not case.get("peft"):
-        return model
-    from peft import LoraConfig, get_peft_model
-
     torch.manual_seed(1)  # the adapters' initial A matrices: the same in every process
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
 

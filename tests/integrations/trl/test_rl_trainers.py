@@ -45,6 +45,7 @@ SLOW_CASES = {
         {"item": "grpo", "num_iterations": 2, "accumulation": 2}, 4, U2R2, 1),
     "grpo-dapo-U2xR2-zero3": ({"item": "grpo"}, 4, {**U2R2, "stage": 3}, 1),
     "grpo-lora-U2xR1-zero2": ({"item": "grpo", "peft": True}, 2, U2R1, 1),
+    "grpo-checkpointing-U2xR1-zero2": ({"item": "grpo", "checkpointing": True}, 2, U2R1, 1),
     "grpo-dapo-DP2xU2xR1-zero2": ({"item": "grpo", "accumulation": 2}, 4, U2R1, 2),
     "rloo-U2xR2-zero2": ({"item": "rloo"}, 4, U2R2, 1),
 }
