@@ -1,7 +1,9 @@
 """GRPO / RLOO scoring at a long completion: memory per rank against one process.
 
-    python benchmarks/bench_rl_scoring.py                     # completion 8192 tokens (~5-15 min on 2 busy cores)
-    python benchmarks/bench_rl_scoring.py --completion 2048 --repeats 1   # quick
+    python benchmarks/bench_rl_scoring.py --completion 2048 --prompt 256   # the committed run: 21 min at load 15-50
+    python benchmarks/bench_rl_scoring.py --completion 512 --prompt 128 --repeats 1 --out /tmp/rl   # ~4 min
+
+The default (prompt 512 + completion 8192) needs ~17 GiB on one process: a bigger machine.
 
 The scoring pass of TRL's GRPO/RLOO loss step, as ``HybridGRPOTrainer`` runs it: 2 rows of a
 left-padded prompt (``--prompt`` tokens, the second row 64 shorter) and a right-padded completion
@@ -100,7 +102,7 @@ def _measure(rank: int, world: int, degrees, prompt: int, completion: int) -> di
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
         loss = ((per_token + 0.04 * kl) * keep).sum() / keep.sum()
         loss.backward()
-    return {"peak_mib": memory.peak / MIB, "logps": logps.detach()[0, :256].tolist(), "loss": float(loss)}
+    return {"peak_mib": memory.peak / MIB, "logps": logps.detach()[0, :256].tolist(), "loss": float(loss.detach())}
 
 
 def run(args) -> dict:
