@@ -47,10 +47,11 @@ unchanged on every context rank: ``grpo``, ``dr_grpo``, ``bnpo``, ``dapo`` (and 
 the installed TRL), importance sampling, clipping, the KL term, ``num_iterations > 1`` (old
 log-probs reused), gradient accumulation.
 
-Refused with a ValueError at construction (before any collective): vLLM and continuous-batching
-generation, ``rollout_func``, tools and environments, vision-language models (their pixel
-inputs are not sharded), MoE auxiliary losses, and a generation batch that does not hold whole
-prompt groups at the replica count.
+Refused with a ValueError at construction, before any collective: vLLM and continuous-batching
+generation, ``rollout_func``, tools and environments, and a generation batch that does not hold
+whole prompt groups at the replica count; after TRL's constructor (on every rank alike): MoE
+auxiliary losses; at the first scoring (on every rank alike): inputs beyond the text (pixel
+values, token types of vision-language prompts), which are not sharded.
 """
 
 from __future__ import annotations
