@@ -5,8 +5,9 @@ parallelism on one process (and on two, for the data-parallel case): tiny Llama 
 loaded from disk (TRL builds the reference model from that path), fp32, micro batch 4 of 2
 prompts x ``num_generations=2``, completions of at most 10 tokens sampled at temperature 1, two
 plain-python reward functions, ``beta=0.1``, 3 optimizer steps, ``max_grad_norm=1.0``. Ours:
-``HybridGRPOTrainer`` / ``HybridRLOOTrainer`` at U2 x R1 (2 ranks) and U2 x R2 (4 ranks), ZeRO-2
-(ZeRO-3 in the slow set), on the same prompts. Every context rank must have scored the very
+``HybridGRPOTrainer`` / ``HybridRLOOTrainer`` at U2 x R1 (2 ranks) and, in the slow set, U2 x R2
+(4 ranks), U1 x R3 (3 ranks) and DP2 x U2 (4 ranks, against a plain 2-process run), ZeRO-2 (and
+ZeRO-3), on the same prompts. Every context rank must have scored the very
 completions the plain run sampled (token for token), and the per-step logged ``loss``,
 ``grad_norm``, ``kl``, ``reward``, ``reward_std``, ``entropy``, clip ratio, completion length and
 per-function rewards must agree to relative 1e-4 (absolute 1e-6 near 0; measured: 1e-6).
@@ -46,6 +47,7 @@ SLOW_CASES = {
     "grpo-checkpointing-U2xR1-zero2": ({"item": "grpo", "checkpointing": True}, 2, U2R1, 1),
     "grpo-dapo-DP2xU2xR1-zero2": ({"item": "grpo", "accumulation": 2}, 4, U2R1, 2),
     "rloo-U2xR2-zero2": ({"item": "rloo"}, 4, U2R2, 1),
+    "grpo-dapo-U1xR3-zero2": ({"item": "grpo"}, 3, {"ulysses": 1, "ring": 3, "stage": 2}, 1),  # an odd degree
 }
 
 
