@@ -1,4 +1,4 @@
-"""What the TRL examples (trl_sft.py, trl_dpo.py, peft_lora.py) share: flags, a word-level
+"""What the TRL examples (trl_sft.py, trl_dpo.py, trl_grpo.py, peft_lora.py) share: flags, a word-level
 tokenizer and datasets built in memory, the trainer settings, and the run around ``trainer.train()``.
 
 Nothing is downloaded. The text is CPython's bundled documentation (``text_data.load_corpus``,
@@ -167,7 +167,7 @@ def metrics_callback(path: Path):
     return MetricsFile()
 
 
-EXTRA_SHOWN = ("mean_token_accuracy", "rewards/accuracies", "rewards/margins")
+EXTRA_SHOWN = ("mean_token_accuracy", "rewards/accuracies", "rewards/margins", "reward", "kl")
 
 
 def finite_losses(path: Path) -> list[float]:

@@ -4,7 +4,7 @@
                                         ``"hybridsp"`` config section, mesh-aware checkpoints.
 ``hybridsp.integrations.transformers``  Hugging Face transformers: ``apply(model, mesh)``, generation, the
                                         loss without logits, ``HybridSPTrainer``, PEFT, ``vision/`` (Qwen2-VL).
-``hybridsp.integrations.trl``           TRL's SFT and DPO trainers.
+``hybridsp.integrations.trl``           TRL's SFT, DPO, GRPO and RLOO trainers.
 
 Each face exports its names lazily (:func:`lazy_exports`): ``import hybridsp.integrations.trl`` does not
 import TRL until a trainer is asked for.

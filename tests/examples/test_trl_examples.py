@@ -1,4 +1,4 @@
-"""The TRL examples (trl_sft.py, trl_dpo.py, peft_lora.py) as a user launches them: 2 CPU ranks under
+"""The TRL examples (trl_sft.py, trl_dpo.py, trl_grpo.py, peft_lora.py) as a user launches them: 2 CPU ranks under
 ``deepspeed --num_gpus 2`` or ``torchrun --nproc_per_node 2`` with ds_configs/trainer/cp2.json (U2 x R1,
 ZeRO-3, every Trainer value "auto"), a tiny model and 2 steps; the logged losses are finite, the final
 model (or adapter) is written, and the first step's loss equals the same script's on one process
@@ -126,3 +126,40 @@ def test_lora_example_saves_the_adapter_and_equals_one_process(tmp_path):
     alone = _losses(_run(tmp_path, "peft_lora.py", None, tmp_path / "u1", "--lora-r", "4", "--lora-alpha", "8"),
                     tmp_path / "u1")
     _same_losses(sharded, alone)
+
+
+def _grpo_rows(out: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "loss" in row and "train_loss" not in row]
+
+
+@pytest.mark.integration
+@pytest.mark.distributed
+def test_grpo_example_trains_on_2_ranks(tmp_path):
+    """GRPO under torchrun at U2 x R1, ZeRO-3: finite loss, grad_norm, reward and kl per step; the initial
+    policy (TRL's reference is built from its path) and the final model written."""
+    out = tmp_path / "grpo"
+    result = _run(tmp_path, "trl_grpo.py", "torchrun", out, "--completion-len", "8")
+    _losses(result, out)
+    assert "TRL GRPO example (4 completions of <= 8 tokens" in result.stdout, result.stdout[-2000:]
+    assert "HybridMesh(dp=1, ring=1, ulysses=2" in result.stdout
+    rows = _grpo_rows(out)
+    assert all(math.isfinite(row["reward"]) and math.isfinite(row["kl"]) for row in rows), rows
+    assert (out / "model.safetensors").is_file() and (out / "initial-policy" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.distributed
+def test_grpo_example_equals_one_process(tmp_path):
+    """Both steps' grad_norm, reward and kl on 2 ranks (deepspeed launcher) equal the one-process run's
+    (1e-4; the loss to 1e-6 absolute: dapo's first loss is ~0)."""
+    extra = ("--completion-len", "8")
+    _losses(_run(tmp_path, "trl_grpo.py", "deepspeed", tmp_path / "u2", *extra), tmp_path / "u2")
+    _losses(_run(tmp_path, "trl_grpo.py", None, tmp_path / "u1", *extra), tmp_path / "u1")
+    sharded, alone = _grpo_rows(tmp_path / "u2"), _grpo_rows(tmp_path / "u1")
+    for a, b in zip(sharded, alone):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 + 1e-4 * abs(b["loss"]), (sharded, alone)
+        for key in ("grad_norm", "reward", "kl"):
+            assert abs(a[key] - b[key]) <= 1e-6 + 1e-4 * abs(b[key]), (key, sharded, alone)
+    assert alone[0]["grad_norm"] > 0 or alone[1]["grad_norm"] > 0

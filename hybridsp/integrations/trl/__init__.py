@@ -1,8 +1,11 @@
-"""TRL's SFT and DPO trainers with exact hybrid sequence parallelism: the public face.
+"""TRL's SFT, DPO, GRPO and RLOO trainers with exact hybrid sequence parallelism: the public face.
 
     from hybridsp.integrations.trl import HybridSFTTrainer, HybridDPOTrainer
+    from hybridsp.integrations.trl import HybridGRPOTrainer, HybridRLOOTrainer
 
-Modules: ``trainers`` (the trainers and their notes), ``logprobs`` (TRL's fused log-prob calls sharded).
+Modules: ``trainers`` (SFT, DPO and their notes), ``grpo`` (GRPO, RLOO and their notes), ``rollouts``
+(TRL's per-process arithmetic per replica, identical completions, right-aligned scoring rows),
+``logprobs`` (TRL's fused log-prob calls sharded).
 TRL is imported on first use of a trainer (``pip install -e ".[trl]"``).
 """
 
@@ -13,6 +16,8 @@ from hybridsp.integrations import lazy_exports
 _EXPORTS = {
     "HybridSFTTrainer": "hybridsp.integrations.trl.trainers",
     "HybridDPOTrainer": "hybridsp.integrations.trl.trainers",
+    "HybridGRPOTrainer": "hybridsp.integrations.trl.grpo",
+    "HybridRLOOTrainer": "hybridsp.integrations.trl.grpo",
 }
 
 __all__ = sorted(_EXPORTS)
