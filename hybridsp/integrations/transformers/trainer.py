@@ -44,8 +44,8 @@ real tokens (:func:`hybridsp.sharded_load_balancing_loss`; the ``attention_mask`
 applies it). As the plain Trainer adds it: once per micro-batch (not divided by the
 accumulation steps) and, with ``DP`` replicas, multiplied by ``DP`` as the Trainer multiplies the
 model's loss by the processes (``average_tokens_across_devices``), so its gradient is the sum of
-the replicas' and the logged loss carries ``DP`` times their mean. The evaluation loss adds it
-once per batch, unscaled, as the model's own loss does.
+the replicas' and the logged loss carries ``DP`` times their mean. The evaluation loss adds it the
+same way, once per batch (the Trainer's evaluation scales the model's loss by its processes too).
 
 Note [gradient scale here]: DeepSpeed ZeRO 0-2 sum gradients over the ``DP x C`` ranks and
 divide by ``DP`` (the mpu's data-parallel size), so the summed shares above give the unsharded
@@ -291,8 +291,9 @@ class HybridSPMixin:
         outputs = model(**local, hybridsp_documents=documents, use_cache=False)
         loss = _share_of_loss(outputs.logits, shift_labels, num_items_in_batch, self.hybrid_mesh)
         if self._router_loss is not None:  # Note [router loss]: DP x, as the Trainer scales the model's loss
-            loss = loss + self.hybrid_mesh.dp * self._router_loss.coefficient * self._router_share(
-                getattr(outputs, "router_logits", None), tensors, documents)
+            aux = self._router_share(getattr(outputs, "router_logits", None), tensors, documents)
+            loss = loss + self.hybrid_mesh.dp * self._router_loss.coefficient * aux
+            outputs["aux_loss"] = aux.detach()  # the whole sequence's, not the model's value on this shard
         return (loss, outputs) if return_outputs else loss
 
     # ---- evaluation and prediction -------------------------------------------------------
@@ -314,9 +315,10 @@ class HybridSPMixin:
             if has_labels:
                 count = self._get_num_items_in_batch([inputs], self.args.device)
                 loss = _share_of_loss(logits, shift_labels, count, self.hybrid_mesh).detach()
-                if self._router_loss is not None:  # once per batch, as the model's own loss
+                if self._router_loss is not None:  # Note [router loss]: once per batch, DP x as in training
                     router_logits = getattr(outputs, "router_logits", None)
-                    loss = loss + self._router_loss.coefficient * self._router_share(router_logits, batch, documents)
+                    weight = self.hybrid_mesh.dp * self._router_loss.coefficient
+                    loss = loss + weight * self._router_share(router_logits, batch, documents)
         if prediction_loss_only:
             return loss, None, None
         full_logits = gather_sequence(logits, self.hybrid_mesh, cu_seqlens=documents)[:, :seq_len]  # [B, S, V]

@@ -9,7 +9,8 @@ the change of every parameter over the 3 steps. The router (gate) weights are th
 at Qwen3-MoE, a per-shard loss averaged over the context ranks (what a model computes on its shard)
 moves the logged loss visibly only through its value, but the routers' updates by 10-20 % relative,
 and leaving the loss out entirely by ~100 %; ours agree to ~1e-6. ``causal_lm_loss`` runs in the same
-launch against ``model(**batch).loss``; ``HybridSFTTrainer`` against TRL's ``SFTTrainer`` (slow).
+launch against ``model(**batch).loss``. Slow: Mixtral, ``HybridSFTTrainer`` against TRL's ``SFTTrainer``
+(also its logged ``aux_loss``), and DP2 x U2 against the plain Trainer on 2 DDP processes.
 """
 
 import os
@@ -107,6 +108,16 @@ def test_causal_lm_loss_matches_the_model_loss_mixtral(slow_runs):
     result = slow_runs[2][1]
     _close([result["loss"]], [result["expected"]], "causal_lm_loss")
     assert max(result["errors"].values()) < 1e-4, result["errors"]
+
+
+@pytest.mark.slow
+def test_replicas_add_it_as_the_plain_ddp_trainer():
+    """DP2 x U2 (ZeRO-2) against the plain Trainer on 2 DDP processes: the Trainer multiplies the model's
+    loss, router term included, by its processes, so the router gradients are the sum of the replicas'."""
+    case = dict(item="trainer", family="qwen3_moe")
+    plain = run_distributed(several, 2, [dict(case, hybrid=None)], timeout=600)[0][0]
+    ours = run_distributed(several, 4, [dict(case, hybrid={"ulysses": 2, "ring": 1, "stage": 2})], timeout=900)[0][0]
+    _compare_training(plain, ours, "qwen3_moe DP2")
 
 
 # ---- which models add which router loss (one process, no communication) -------------------------
