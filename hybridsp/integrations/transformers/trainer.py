@@ -293,7 +293,8 @@ class HybridSPMixin:
         if self._router_loss is not None:  # Note [router loss]: DP x, as the Trainer scales the model's loss
             aux = self._router_share(getattr(outputs, "router_logits", None), tensors, documents)
             loss = loss + self.hybrid_mesh.dp * self._router_loss.coefficient * aux
-            outputs["aux_loss"] = aux.detach()  # the whole sequence's, not the model's value on this shard
+            if isinstance(outputs, dict):  # a ModelOutput: the whole sequence's value, not the shard's
+                outputs["aux_loss"] = aux.detach()
         return (loss, outputs) if return_outputs else loss
 
     # ---- evaluation and prediction -------------------------------------------------------
