@@ -40,6 +40,7 @@ _EXPORTS = {
     "generate": "hybridsp.integrations.transformers.generation",
     "prefill": "hybridsp.integrations.transformers.generation",
     "causal_lm_loss": "hybridsp.integrations.transformers.loss",
+    "model_router_loss": "hybridsp.integrations.transformers.loss",
     "tensor_parallel": "hybridsp.tensor_parallel.model_split",
     "HybridSPTrainer": "hybridsp.integrations.transformers.trainer",
     "HybridSPMixin": "hybridsp.integrations.transformers.trainer",

@@ -37,6 +37,16 @@ ranks of the per-step sum, which is then exactly the global token mean) with the
 Trainer not to divide again by the accumulation steps. ``model_accepts_loss_kwargs`` and
 ``average_tokens_across_devices`` no longer matter: the count is always global.
 
+Note [router loss]: a MoE model whose own loss adds ``router_aux_loss_coef * aux`` (its config's
+``output_router_logits``; :func:`~hybridsp.integrations.transformers.loss.model_router_loss`) gets
+it here too, with the whole sequence's load-balancing loss of the replica's micro-batch over its
+real tokens (:func:`hybridsp.sharded_load_balancing_loss`; the ``attention_mask`` as the model
+applies it). As the plain Trainer adds it: once per micro-batch (not divided by the
+accumulation steps) and, with ``DP`` replicas, multiplied by ``DP`` as the Trainer multiplies the
+model's loss by the processes (``average_tokens_across_devices``), so its gradient is the sum of
+the replicas' and the logged loss carries ``DP`` times their mean. The evaluation loss adds it the
+same way, once per batch (the Trainer's evaluation scales the model's loss by its processes too).
+
 Note [gradient scale here]: DeepSpeed ZeRO 0-2 sum gradients over the ``DP x C`` ranks and
 divide by ``DP`` (the mpu's data-parallel size), so the summed shares above give the unsharded
 gradient. ZeRO-3 and DDP average over all ``DP x C`` ranks; a tensor hook multiplies every
@@ -83,6 +93,7 @@ from hybridsp.attention.api import gather_sequence
 from hybridsp.batch import prepare_batch, shard_batch
 from hybridsp.integrations.deepspeed import config as ds_schema
 from hybridsp.integrations.deepspeed import engine as hds
+from hybridsp.integrations.transformers.loss import RouterLoss, model_router_loss
 from hybridsp.integrations.transformers.trainer_data import gather_over_replicas, shard_loader_over_replicas
 from hybridsp.integrations.transformers.trainer_engine import (  # noqa: F401  engine_config: re-exported
     engine_config,
@@ -93,6 +104,7 @@ from hybridsp.integrations.transformers.trainer_engine import (  # noqa: F401  e
 from hybridsp.integrations.transformers.vision import batch as vlm_batch
 from hybridsp.integrations.transformers.vision.model import is_vision_language_model
 from hybridsp.losses.cross_entropy import IGNORE_INDEX
+from hybridsp.losses.router import real_token_mask
 from hybridsp.losses.token_tail import guard_labels, raise_on_bad_labels, token_weighted_share
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
@@ -115,6 +127,7 @@ class HybridSPMixin:
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         self._hybridsp_handle = _switch_attention(self.model, self.hybrid_mesh, self.hybrid_config.backend)
+        self._router_loss = self._checked_router_loss()  # Note [router loss]
         if not self.is_deepspeed_enabled:  # DDP averages over DP x C
             self._scale_gradients(self.model)
 
@@ -151,6 +164,25 @@ class HybridSPMixin:
                 f"it does not support {[k for k, v in refused.items() if v]}: pass model= (not model_init=), no "
                 f"compute_loss_func, label_smoothing_factor=0"
             )
+
+    def _router_loss_settings(self) -> RouterLoss | None:
+        """The router loss the model adds to its own loss (Note [router loss]); TRL's trainers override it."""
+        return model_router_loss(self.model)
+
+    def _checked_router_loss(self) -> RouterLoss | None:
+        router = self._router_loss_settings()
+        if router is not None and is_vision_language_model(self.accelerator.unwrap_model(self.model)):
+            raise ValueError(
+                f"{type(self).__name__} does not shard the router loss of a vision-language model "
+                f"(router_aux_loss_coef={router.coefficient}): set router_aux_loss_coef=0 or output_router_logits=False"
+            )
+        return router
+
+    def _router_share(self, router_logits, tensors: dict, documents) -> torch.Tensor:
+        """The whole micro-batch's load-balancing loss (unweighted) from this rank's ``router_logits``
+        and the full batch ``tensors``; the gradient is this rank's share."""
+        mask = real_token_mask(tensors, self.hybrid_mesh, documents)  # [B, S_local]
+        return self._router_loss.share(router_logits, mask, self.hybrid_mesh)
 
     def undo_hybridsp(self) -> None:
         """Remove what this trainer added to its model (gradient hooks, attention switch); idempotent.
@@ -252,11 +284,17 @@ class HybridSPMixin:
             )
         if num_items_in_batch is None:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
-        local = self._shard(_batch_tensors(inputs))
+        tensors = _batch_tensors(inputs)
+        local = self._shard(tensors)
         shift_labels = local.pop("shift_labels")  # [B, S_local]
         documents = local.pop("documents")  # host data: every layer plans once, no collective to find them
         outputs = model(**local, hybridsp_documents=documents, use_cache=False)
         loss = _share_of_loss(outputs.logits, shift_labels, num_items_in_batch, self.hybrid_mesh)
+        if self._router_loss is not None:  # Note [router loss]: DP x, as the Trainer scales the model's loss
+            aux = self._router_share(getattr(outputs, "router_logits", None), tensors, documents)
+            loss = loss + self.hybrid_mesh.dp * self._router_loss.coefficient * aux
+            if isinstance(outputs, dict):  # a ModelOutput: the whole sequence's value, not the shard's
+                outputs["aux_loss"] = aux.detach()
         return (loss, outputs) if return_outputs else loss
 
     # ---- evaluation and prediction -------------------------------------------------------
@@ -273,11 +311,15 @@ class HybridSPMixin:
             local = self._shard(batch)
             shift_labels = local.pop("shift_labels")  # [B, S_local]
             documents = local.pop("documents")
-            logits = model(**local, hybridsp_documents=documents, use_cache=False).logits  # [B, S_local, V]
-            loss = None
+            outputs = model(**local, hybridsp_documents=documents, use_cache=False)
+            logits, loss = outputs.logits, None  # [B, S_local, V]
             if has_labels:
                 count = self._get_num_items_in_batch([inputs], self.args.device)
                 loss = _share_of_loss(logits, shift_labels, count, self.hybrid_mesh).detach()
+                if self._router_loss is not None:  # Note [router loss]: once per batch, DP x as in training
+                    router_logits = getattr(outputs, "router_logits", None)
+                    weight = self.hybrid_mesh.dp * self._router_loss.coefficient
+                    loss = loss + weight * self._router_share(router_logits, batch, documents)
         if prediction_loss_only:
             return loss, None, None
         full_logits = gather_sequence(logits, self.hybrid_mesh, cu_seqlens=documents)[:, :seq_len]  # [B, S, V]

@@ -39,8 +39,13 @@ disabled, which is already switched (switched once: a second ``apply`` is refuse
 is a per-micro-batch mean: the Trainer divides it by the accumulation steps
 (``loss_is_scaled_for_ga = False``, as in ``DPOTrainer``).
 
-Refused with a ValueError at construction: MoE auxiliary losses (router logits are not
-sharded), SFT ``loss_type`` other than ``nll``/``dft``, DPO's ``precompute_ref_log_probs`` (TRL
+MoE auxiliary loss (SFT): with TRL's ``router_aux_loss_coef`` on, the loss adds it as TRL does (once
+per micro-batch divided by the accumulation steps, not multiplied by the processes: the replicas'
+mean), with the whole micro-batch's load-balancing loss (Note [router loss] in
+:mod:`~hybridsp.integrations.transformers.trainer`); the logged ``aux_loss`` is that value.
+
+Refused with a ValueError at construction: DPO with MoE auxiliary losses (router logits are not
+sharded there), SFT ``loss_type`` other than ``nll``/``dft``, DPO's ``precompute_ref_log_probs`` (TRL
 scores the reference over accelerate's per-process data shards, which the context ranks do not
 share), and what the mixin refuses. At evaluation, DPO's logits for ``compute_metrics``
 (``return_outputs=True``) are refused: full logits are not gathered.
@@ -48,10 +53,13 @@ share), and what the mixin refuses. At evaluation, DPO's logits for ``compute_me
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from trl import DPOTrainer, SFTTrainer
 
 from hybridsp.batch import shard_batch
+from hybridsp.integrations.transformers.loss import captured_router_logits, model_router_loss
 from hybridsp.integrations.transformers.peft import base_model
 from hybridsp.integrations.transformers.switch import apply
 from hybridsp.integrations.transformers.trainer import HybridSPMixin
@@ -93,26 +101,36 @@ class HybridSFTTrainer(HybridSPMixin, SFTTrainer):
         if loss_type not in SFT_LOSS_TYPES:  # before TRL's constructor and its collectives
             raise ValueError(f"HybridSFTTrainer supports loss_type in {SFT_LOSS_TYPES}; got {loss_type!r}")
         super().__init__(*args, **kwargs)
-        _refuse_aux_loss(self)  # the same decision on every rank
         self.data_collator = _WithoutVarlenKeys(self.data_collator)
+
+    def _router_loss_settings(self):
+        """TRL's coefficient, when TRL adds the router loss (``aux_loss_enabled``; MoE auxiliary loss above)."""
+        return model_router_loss(self.model, coefficient=self.router_aux_loss_coef) if self.aux_loss_enabled else None
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """This rank's share of TRL's fused NLL (or DFT) loss of the step (Note [SFT loss])."""
         if "labels" not in inputs:
             raise ValueError(f"HybridSFTTrainer needs 'labels' in every batch; got keys {sorted(inputs)}")
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1  # TRL's aux scale
         if num_items_in_batch is None:
             num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
         tensors = {key: value for key, value in inputs.items() if torch.is_tensor(value) and key not in VARLEN_KEYS}
         local = shard_batch(tensors, self.hybrid_mesh, pad_token_id=self._pad_token_id())
         shift_labels = local.pop("shift_labels")  # [B, S_local]
         documents = local.pop("documents")  # host data: the attention plans once per forward
-        outputs = model(**local, shift_labels=shift_labels, hybridsp_documents=documents, fused_lm_head=True,
-                        use_cache=False)
+        routed = self._router_loss is not None
+        with captured_router_logits(model) if routed else contextlib.nullcontext([]) as router_logits:
+            outputs = model(**local, shift_labels=shift_labels, hybridsp_documents=documents, fused_lm_head=True,
+                            use_cache=False, **({"output_router_logits": True} if routed else {}))
         per_token = -outputs.log_probs  # [B, S_local], 0 where not scored
         if self.args.loss_type == "dft":
             per_token = per_token * outputs.log_probs.exp().detach()
         count = torch.as_tensor(num_items_in_batch, device=per_token.device).double().clamp_min(1.0)
         loss = context_sum(per_token.sum(), self.hybrid_mesh) * (self.hybrid_mesh.dp / count).float()
+        if routed:  # the fused output drops the router logits: captured from the decoder
+            aux = self._router_share(router_logits[-1] if router_logits else None, tensors, documents)
+            loss = loss + self._router_loss.coefficient * aux / steps
+            self._log_aux_loss(aux)
         self._log_token_metrics(outputs, inputs)
         return (loss, outputs) if return_outputs else loss
 
@@ -125,6 +143,11 @@ class HybridSFTTrainer(HybridSPMixin, SFTTrainer):
         with torch.no_grad():
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
+
+    def _log_aux_loss(self, aux: torch.Tensor) -> None:
+        """TRL's ``aux_loss`` metric: the mean over the ranks (each holds its replica's whole value)."""
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather(aux.detach()[None]).mean().item())
 
     def _log_token_metrics(self, outputs, inputs) -> None:
         """TRL's ``entropy``, ``mean_token_accuracy`` and ``num_tokens`` from the disjoint shards."""
