@@ -29,11 +29,15 @@ The real tokens of this rank: :func:`real_token_mask` cuts the full batch's ``at
 ones without one) exactly as :func:`hybridsp.shard_batch` cuts ``input_ids``, with zeros on the
 padding ``shard_batch`` adds to reach the layout's multiple.
 
-Note [tensor parallelism]: no reduction over ``mesh.tensor_group``. The tokens are split over the
+Note [tensor parallelism]: no reduction over ``mesh.tensor_group``: the tokens are split over the
 tensor group only outside the linears (Megatron sequence parallelism: norms and residuals); a
-router is a linear on its MoE block's input, which enters the tensor region gathered (the norm's
-hook in :mod:`hybridsp.tensor_parallel.model_split`), so every tensor rank holds the same logits
-of all this context rank's tokens and computes the same statistics.
+router is a linear on its MoE block's input, which enters the tensor region gathered
+(:mod:`hybridsp.tensor_parallel.model_split`), so every tensor rank holds the same logits of all
+this context rank's tokens and computes the same statistics and the same value. Its *gradient*,
+though, reaches a router whose parameter gradient the tensor split sums over the tensor group (a
+parameter kept whole inside the region sees a partial sum from each rank's share of the experts):
+replicated on T ranks, the router loss's gradient would count T times. So with ``mesh.tensor = T >
+1`` the value is kept and the gradient divided by T.
 
 Precision: the softmax and the top-k run in the logits' dtype, as transformers does; the sums in
 fp32, reduced in fp64. A group with no real token gives 0 (transformers' function gives 0/0 = NaN).
@@ -67,7 +71,8 @@ def sharded_load_balancing_loss(
         token_mask: [B, S_local] (or [B * S_local]) this rank's real tokens, 1 or True where a
             token counts (:func:`real_token_mask`); None: every local token counts.
         mesh: the :class:`~hybridsp.mesh.hybrid_mesh.HybridMesh`; the statistics are summed over
-            ``mesh.context_group`` (Note [tensor parallelism]: never over the tensor group).
+            ``mesh.context_group`` (Note [tensor parallelism]: never over the tensor group; the gradient
+            divided by ``mesh.tensor``).
         num_experts: E, the router's number of experts.
         top_k: experts picked per token (``num_experts_per_tok``).
 
@@ -83,7 +88,8 @@ def sharded_load_balancing_loss(
     if mesh.context > 1:
         with torch.no_grad():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=mesh.context_group)
-    return balancing_loss(totals, probs, num_experts)
+    loss = balancing_loss(totals, probs, num_experts)
+    return loss if mesh.tensor == 1 else loss.detach() + (loss - loss.detach()) / mesh.tensor  # Note [tensor ...]
 
 
 def local_router_statistics(

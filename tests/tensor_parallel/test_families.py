@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hybridsp import init_mesh
+from hybridsp import init_mesh, real_token_mask, shard_batch, sharded_cross_entropy, sharded_load_balancing_loss
 from hybridsp.integrations import transformers as hf
 from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
@@ -93,6 +93,47 @@ def _check(rank, world, cases, sequence_parallel):
                 failures.append(f"T={tensor} U={ulysses} R={ring} {name} sp={sequence_parallel}: {worst} "
                                 f"{errors[worst]:.2e}")
     assert not failures, "\n".join(failures)
+
+
+def router_loss_errors(name: str, mesh) -> dict[str, float]:
+    """{what: relative error} of a split and switched MoE family trained with its router loss
+    (``output_router_logits``, coefficient 0.05) against the unmodified model's own loss with labels."""
+    model = varied(build_family(name, output_router_logits=True, router_aux_loss_coef=0.05))
+    _, ref_loss, ref_grads = expected_of(model, BATCH)
+    model.zero_grad(set_to_none=True)
+    hf.tensor_parallel(model, mesh, sequence_parallel=True)
+    with hf.apply(model, mesh):
+        local = shard_batch(BATCH, mesh, pad_token_id=0)
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                    hybridsp_documents=local["documents"], use_cache=False, output_router_logits=True)
+        aux = sharded_load_balancing_loss(out.router_logits, real_token_mask(BATCH, mesh, local["documents"]), mesh,
+                                          num_experts=model.config.num_experts if hasattr(model.config, "num_experts")
+                                          else model.config.num_local_experts, top_k=model.config.num_experts_per_tok)
+        loss = sharded_cross_entropy(out.logits, local["shift_labels"], mesh) + 0.05 * aux
+        loss.backward()
+    plan, errors = tensor_plan(model), {"loss": rel_err(loss.detach(), ref_loss)}
+    for param_name, param in model.named_parameters():
+        grad = param.grad.clone()
+        dist.all_reduce(grad, group=mesh.context_group)
+        errors[f"grad {param_name}"] = rel_err(full_gradient(grad, param_name, plan, mesh), ref_grads[param_name])
+    return errors
+
+
+def _router_check(rank, world, names):
+    mesh = init_mesh(ulysses=2, ring=1, tensor=2)
+    failures = []
+    for name in names:
+        errors = router_loss_errors(name, mesh)
+        worst = max(errors, key=errors.get)
+        if not errors[worst] <= TOLERANCE:
+            failures.append(f"{name}: {worst} {errors[worst]:.2e}")
+    assert not failures, "\n".join(failures)
+
+
+def test_router_loss_under_tensor_parallelism_equals_the_unmodified_model():
+    """The router sits inside the tensor region (its gradient summed over the tensor group): the router loss's
+    gradient must count once, not T times (Note [tensor parallelism] in hybridsp.losses.router)."""
+    run_distributed(_router_check, 4, ["qwen3_moe"], timeout=600)
 
 
 CASES = [(SWITCHED, (2, 2, 1), True), (RING_ONLY, (2, 1, 2), True), (TENSOR_ONLY, (2, 1, 1), False)]
