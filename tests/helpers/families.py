@@ -17,6 +17,7 @@ SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
              eos_token_id=2, attention_dropout=0.0)
 WINDOWED = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
 EAGER_ONLY = ("gemma2", "gpt_oss")  # transformers refuses sdpa for them
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")  # with a router load-balancing loss (DeepSeek-V3 adds none)
 FAMILIES = {
     "llama": {},
     "mistral": dict(sliding_window=16),
@@ -66,7 +67,8 @@ COLUMNS = {  # check -> what "exact" means there, and the test that asserts it
                "tests/integrations/transformers/families/test_switch_matrix.py"),
     "trainer": ("HybridSPTrainer at U2xR2 vs the plain Trainer (loss, grad norm per step; MoE: with the router "
                 "loss, and the router weights after training)",
-                "tests/integrations/transformers/test_trainer.py, tests/integrations/transformers/test_router_loss.py"),
+                "tests/integrations/transformers/test_trainer.py, tests/integrations/transformers/test_router_loss.py, "
+                "tests/integrations/transformers/families/test_trainer_matrix.py"),
     "tensor parallel": ("T2xU2 with sequence parallelism vs the unmodified model", "tests/tensor_parallel/test_families.py"),
     "generate": ("greedy ids of hybridsp.integrations.transformers.generate equal model.generate at U2xR2",
                  "tests/integrations/transformers/families/test_generate_matrix.py"),
@@ -79,21 +81,21 @@ def _row(switch=EXACT, packed=EXACT, trainer=UNTESTED, tensor=EXACT, generate=UN
 
 SUPPORT = {
     "llama": _row(trainer=EXACT, tensor=EXACT, generate=EXACT),
-    "mistral": _row(generate=EXACT),
-    "qwen2": _row(generate=EXACT),
-    "qwen3": _row(generate=EXACT),
+    "mistral": _row(trainer=EXACT, generate=EXACT),
+    "qwen2": _row(trainer=EXACT, generate=EXACT),
+    "qwen3": _row(trainer=EXACT, generate=EXACT),
     "qwen3_moe": _row(trainer=EXACT, generate=EXACT),
     "mixtral": _row(trainer=EXACT, generate=EXACT),
-    "gemma2": _row(generate=EXACT),
-    "gemma3_text": _row(generate=EXACT),
-    "gpt_oss": _row(generate=EXACT),
-    "deepseek_v3": _row(generate=EXACT),
-    "olmo2": _row(generate=EXACT),
-    "olmo3": _row(generate=EXACT),
-    "phi3": _row(generate=EXACT),
-    "smollm3": _row(generate=EXACT),
-    "granite": _row(generate=EXACT),
-    "glm4": _row(generate=EXACT),
+    "gemma2": _row(trainer=EXACT, generate=EXACT),
+    "gemma3_text": _row(trainer=EXACT, generate=EXACT),
+    "gpt_oss": _row(trainer=EXACT, generate=EXACT),
+    "deepseek_v3": _row(trainer=EXACT, generate=EXACT),
+    "olmo2": _row(trainer=EXACT, generate=EXACT),
+    "olmo3": _row(trainer=EXACT, generate=EXACT),
+    "phi3": _row(trainer=EXACT, generate=EXACT),
+    "smollm3": _row(trainer=EXACT, generate=EXACT),
+    "granite": _row(trainer=EXACT, generate=EXACT),
+    "glm4": _row(trainer=EXACT, generate=EXACT),
     "llama4_text": _row(tensor=UNTESTED, generate=REFUSED + "chunked-attention layer"),
 }
 

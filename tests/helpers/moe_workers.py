@@ -1,5 +1,5 @@
-"""Distributed workers for tests/integrations/transformers/test_router_loss.py: tiny MoE models (Qwen3-MoE,
-Mixtral; tests/helpers/families.py) with the router load-balancing loss on, trained by the plain Trainer /
+"""Distributed workers for tests/integrations/transformers/test_router_loss.py and the family Trainer matrix: tiny
+models (tests/helpers/families.py; the MoE families with the router load-balancing loss on), trained by the plain Trainer /
 TRL's SFTTrainer on one process or by HybridSPTrainer / HybridSFTTrainer on gloo ranks, and one
 ``causal_lm_loss`` call against the unmodified model.
 
@@ -22,9 +22,11 @@ STEPS, ACCUMULATION, MICRO_BATCH = 3, 2, 2
 
 
 def moe_model(family: str):
-    """The family's tiny fp32 MoE model with ``output_router_logits`` on and :data:`ROUTER_COEF`."""
-    from tests.helpers.families import build_family
+    """The family's tiny fp32 model; an MoE family's with ``output_router_logits`` on and :data:`ROUTER_COEF`."""
+    from tests.helpers.families import MOE_FAMILIES, build_family
 
+    if family not in MOE_FAMILIES:
+        return build_family(family)
     return build_family(family, output_router_logits=True, router_aux_loss_coef=ROUTER_COEF)
 
 
