@@ -10,14 +10,17 @@ from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import sharded
 
 
-def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigzag") -> dict:
+def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigzag", linear: bool = True) -> dict:
     """{what: relative error} of logits, loss and every parameter gradient (summed over the context
-    group) of ``family`` switched onto a ``ulysses x ring`` mesh, against the per-document reference."""
+    group) of ``family`` switched onto a ``ulysses x ring`` mesh, against the per-document reference.
+    ``linear=False``: the linear layers are switched back right away (the unmodified mixers run per shard)."""
     model = tiny_hybrid(family)
     batch = packed_batch(rows)
     ref_logits, ref_loss, ref_grads = per_document_reference(model, batch, rows)
     mesh = init_mesh(ulysses=ulysses, ring=ring, layout=layout)
-    with hf.apply(model, mesh):
+    with hf.apply(model, mesh) as handle:
+        if not linear:
+            handle.undo_linear()
         logits, loss, grads, _ = sharded(model, mesh, batch)
     errors = {"logits": rel_err(logits, ref_logits), "loss": rel_err(loss, ref_loss)}
     errors.update({f"grad {n}": rel_err(g, ref_grads[n]) if n in ref_grads else float("inf") for n, g in grads.items()})
@@ -25,10 +28,10 @@ def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigz
 
 
 def cases_worker(rank: int, world: int, cases) -> dict:
-    """Each case ``(name, family, ulysses, ring, rows, layout)`` -> its worst error and what it was."""
+    """Each case ``(name, family, ulysses, ring, rows, layout, linear)`` -> its worst error and what it was."""
     found = {}
-    for name, family, ulysses, ring, rows, layout in cases:
-        errors = model_errors(family, ulysses, ring, rows, layout)
+    for name, family, ulysses, ring, rows, layout, linear in cases:
+        errors = model_errors(family, ulysses, ring, rows, layout, linear)
         worst = max(errors, key=errors.get)
         found[name] = (errors[worst], worst)
     return found
