@@ -5,6 +5,7 @@ every parameter gradient in fp32 within a relative 1e-4 (the kernels compute in 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.linear_workers import cases_worker
@@ -46,3 +47,17 @@ def test_three_ring_ranks():
         ("nemotron_h U1xR3 packed", "nemotron_h", 1, 3, PACKED, "zigzag", True),
     ]
     _check(run_distributed(cases_worker, 3, cases, timeout=400)[0])
+
+
+@pytest.mark.slow
+def test_trainer_u2xr2_zero2_packed_trains_like_the_plain_trainer():
+    """HybridSPTrainer at U2xR2, ZeRO-2, rows of two packed documents, against the plain Trainer on one process
+    with one document per row: per-step loss and grad_norm (4 steps, accumulation 2) within 1e-3."""
+    from tests.helpers.linear_workers import train_hybrid_model
+
+    plain = run_distributed(train_hybrid_model, 1, "qwen3_5", None, timeout=400)[0]
+    ours = run_distributed(train_hybrid_model, 4, "qwen3_5", {"ulysses": 2, "ring": 2, "stage": 2}, timeout=600)[0]
+    assert ours["step"] == plain["step"] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm"):
+        assert torch.allclose(torch.tensor(ours[key]), torch.tensor(plain[key]), rtol=1e-3, atol=0), (
+            key, ours[key], plain[key])
