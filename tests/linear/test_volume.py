@@ -3,13 +3,10 @@ planner's ``--linear`` report (the counters of a real run equal these formulas: 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from hybridsp.__main__ import main
 from hybridsp.linear.volume import LinearLayerSpec, linear_layer_bytes, parse_linear
-from tests.helpers.paths import ROOT
 
 DELTA = LinearLayerSpec("delta_rule", units=4, heads=8, key_dim=32, value_dim=16, conv_kernel=4)
 
@@ -38,8 +35,11 @@ def test_bad_specs_are_refused():
         parse_linear("delta_rule:36:16")
 
 
-def test_planner_reports_the_linear_layers():
-    command = [sys.executable, "-m", "hybridsp", "plan", "--model", "llama3-8b", "--seq-len", "128k", "--ulysses", "2",
-               "--ring", "4", "--zero", "3", "--linear", "delta_rule:36:16:32:128:128", "--top", "1"]
-    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+def test_planner_reports_the_linear_layers(capsys):
+    common = ["plan", "--model", "llama3-8b", "--seq-len", "128k", "--zero", "3", "--top", "1"]
+    assert main([*common, "--ulysses", "2", "--ring", "4", "--linear", "delta_rule:36:16:32:128:128"]) == 0
+    out = capsys.readouterr().out
+    # 2 runs x 16 of 32 value heads x 128 x (128 + 128) fp32 x 3 other ring ranks = 12 MiB
     assert "Linear layers (36 x delta_rule, U=2 x R=4)" in out and "ring state pairs 12.00 MiB" in out
+    assert main([*common, "--ulysses", "8", "--ring", "1", "--linear", "mamba2:27:4:128:128:64"]) == 0
+    assert "4 groups are not divisible by Ulysses 8" in capsys.readouterr().out
