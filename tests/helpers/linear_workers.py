@@ -12,10 +12,12 @@ from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import sharded
 
 
-def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigzag", linear: bool = True) -> dict:
+def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigzag", linear: bool = True,
+                 checkpointing: bool = False) -> dict:
     """{what: relative error} of logits, loss and every parameter gradient (summed over the context
     group) of ``family`` switched onto a ``ulysses x ring`` mesh, against the per-document reference.
-    ``linear=False``: the linear layers are switched back right away (the unmodified mixers run per shard)."""
+    ``linear=False``: the linear layers are switched back right away (the unmodified mixers run per shard);
+    ``checkpointing``: the switched model recomputes every layer in backward (gradient checkpointing)."""
     model = tiny_hybrid(family)
     batch = packed_batch(rows)
     ref_logits, ref_loss, ref_grads = per_document_reference(model, batch, rows)
@@ -23,6 +25,9 @@ def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigz
     with hf.apply(model, mesh) as handle:
         if not linear:
             handle.undo_linear()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
         logits, loss, grads, _ = sharded(model, mesh, batch)
     errors = {"logits": rel_err(logits, ref_logits), "loss": rel_err(loss, ref_loss)}
     errors.update({f"grad {n}": rel_err(g, ref_grads[n]) if n in ref_grads else float("inf") for n, g in grads.items()})
@@ -30,10 +35,11 @@ def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigz
 
 
 def cases_worker(rank: int, world: int, cases) -> dict:
-    """Each case ``(name, family, ulysses, ring, rows, layout, linear)`` -> its worst error and what it was."""
+    """Each case ``(name, family, ulysses, ring, rows, layout, linear[, checkpointing])`` -> its worst error and
+    what it was."""
     found = {}
-    for name, family, ulysses, ring, rows, layout, linear in cases:
-        errors = model_errors(family, ulysses, ring, rows, layout, linear)
+    for name, family, ulysses, ring, rows, layout, linear, *checkpointing in cases:
+        errors = model_errors(family, ulysses, ring, rows, layout, linear, *checkpointing)
         worst = max(errors, key=errors.get)
         found[name] = (errors[worst], worst)
     return found

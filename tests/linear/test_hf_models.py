@@ -49,6 +49,17 @@ def test_three_ring_ranks():
     _check(run_distributed(cases_worker, 3, cases, timeout=400)[0])
 
 
+@pytest.mark.slow
+def test_gradient_checkpointing_recomputes_exactly():
+    """Every layer recomputed in backward (the state passing's collectives run again, in the same order on
+    every rank): U2xR2 packed, both mixer kinds."""
+    cases = [
+        ("qwen3_5 U2xR2 checkpointed", "qwen3_5", 2, 2, PACKED, "zigzag", True, True),
+        ("nemotron_h U2xR2 checkpointed", "nemotron_h", 2, 2, PACKED, "zigzag", True, True),
+    ]
+    _check(run_distributed(cases_worker, 4, cases, timeout=400)[0])
+
+
 @pytest.fixture(scope="module")
 def plain_trainer():
     from tests.helpers.linear_workers import train_hybrid_model
