@@ -88,3 +88,13 @@ def test_a_cached_decode_step_is_refused():
     switch_linear_layers(model, mesh_at(1, 1))
     with pytest.raises(ValueError, match="generation and cached decoding are not supported"):
         model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
+
+
+def test_generate_is_refused_before_any_collective():
+    from hybridsp.integrations import transformers as hf
+
+    model = tiny_hybrid("qwen3_5")
+    mesh = mesh_at(1, 1)  # no process groups: a collective would fail
+    with hf.apply(model, mesh):
+        with pytest.raises(ValueError, match="generation is not supported for them"):
+            hf.generate(model, packed_batch(((8,),))["input_ids"], mesh=mesh, max_new_tokens=2)

@@ -145,6 +145,18 @@ def _check_mixer(module: nn.Module, kind: str, mesh: HybridMesh):
     return kernel
 
 
+def refuse_generation(model: nn.Module) -> None:
+    """Raise ValueError if ``model`` has switched linear layers (generation is not supported for them:
+    Note [documents and caches]); :func:`hybridsp.integrations.transformers.generate` asks before any collective."""
+    switched = [m for m in model.modules() if hasattr(m, MARK)]
+    if switched:
+        raise ValueError(
+            f"{type(model).__name__} has {len(switched)} linear-attention / state-space layers switched to hybridsp; "
+            f"generation is not supported for them (their recurrent and conv states are not kept in the sharded "
+            f"cache): undo the switch and call model.generate on one process"
+        )
+
+
 # --------------------------------------------------------------------------- per-call helpers
 
 
