@@ -338,7 +338,8 @@ def _check_module(module: nn.Module, mesh: HybridMesh) -> None:
         raise ValueError(f"layer {layer} uses attention sinks, which hybridsp does not support")
     if not getattr(module, "is_causal", True) or not getattr(config, "is_causal", True):
         raise ValueError(f"layer {layer} is not causal; hybridsp's transformers integration supports causal LMs only")
-    heads = module.q_proj.weight.shape[0] // module.head_dim  # this rank's: H/T once tensor-parallel
+    # o_proj's inputs, not q_proj's rows: Qwen3.5 / Qwen3-Next double q_proj for an output gate
+    heads = module.o_proj.weight.shape[1] // module.head_dim  # this rank's: H/T once tensor-parallel
     if not heads_divisible(heads, mesh.ulysses):
         raise ValueError(
             f"the model's {heads} query heads are not divisible by the Ulysses degree {mesh.ulysses}; choose a "
