@@ -89,3 +89,17 @@ def packed_collate(rows: list[dict]) -> dict:
     positions = [torch.cat([r["position_ids"], torch.arange(1, longest - len(r["position_ids"]) + 1)
                             + r["position_ids"][-1]]) for r in rows]
     return {**batch, "position_ids": torch.stack(positions)}  # each [B, S]
+
+
+def bf16_errors(rank: int, world: int, family: str, ulysses: int, ring: int, rows) -> dict:
+    """Max |logits - fp32 reference| of the bf16 model on one process (per document) and switched onto the
+    mesh, both against the fp32 model per document (flash-attn's rule: the sharded error <= ~2x the other)."""
+    model = tiny_hybrid(family)
+    batch = packed_batch(rows)
+    reference = per_document_reference(model, batch, rows)[0]
+    model = model.to(torch.bfloat16)
+    single = per_document_reference(model, batch, rows)[0]
+    mesh = init_mesh(ulysses=ulysses, ring=ring)
+    with hf.apply(model, mesh):
+        logits = sharded(model, mesh, batch)[0].float()
+    return {"single": float((single - reference).abs().max()), "sharded": float((logits - reference).abs().max())}

@@ -79,3 +79,14 @@ def test_trainer_u2xr2_packed_trains_like_the_plain_trainer(plain_trainer, stage
     for key in ("loss", "grad_norm"):
         assert torch.allclose(torch.tensor(ours[key]), torch.tensor(plain_trainer[key]), rtol=1e-3, atol=0), (
             key, ours[key], plain_trainer[key])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_bf16_within_twice_the_single_process_error(family):
+    """bf16 at U2xR2, packed rows: the logits' error against the fp32 model is at most about twice the error of
+    the bf16 model on one process (both run per document)."""
+    from tests.helpers.linear_workers import bf16_errors
+
+    found = run_distributed(bf16_errors, 4, family, 2, 2, PACKED, timeout=400)[0]
+    assert found["sharded"] <= 2 * found["single"] + 1e-3, found
