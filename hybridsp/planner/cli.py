@@ -179,6 +179,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "meshes with whole weights and no cache)")
     tensor.add_argument("--tensor-sp", action="store_true",
                         help="with --tensor-inference: Megatron-style sequence parallelism inside the tensor group")
+    work.add_argument("--linear", metavar="KIND:LAYERS:UNITS:HEADS:KEY_DIM:VALUE_DIM[:CONV]",
+                      help="a hybrid model's linear layers (delta_rule or mamba2): their bytes and buffers per rank "
+                           "at the recommended mesh (hybridsp.linear.volume)")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--top", type=int, default=12, help="table rows (0: all)")
@@ -338,6 +341,18 @@ def run_tensor_inference(args: argparse.Namespace, model: ModelSpec, cluster: Cl
     return 0 if options and options[0].fits else 1
 
 
+def _linear(args: argparse.Namespace, result: PlanResult) -> str:
+    """``--linear``: the recurrent layers' report at the recommended mesh."""
+    from hybridsp.linear.volume import linear_report, parse_linear
+
+    try:
+        spec, layers = parse_linear(args.linear)
+    except ValueError as error:
+        raise SystemExit(f"python -m hybridsp plan: error: {error}") from None
+    config, work = result.recommended.config, result.workload
+    return linear_report(spec, layers, work.micro_batch, work.seq_len, config.ulysses, config.ring, args.dtype_bytes)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``plan``; print a table or JSON. Returns the exit status (1: nothing fits)."""
     if args.clusters:
@@ -373,6 +388,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.longest_context:
             extra["packing"]["report"] = (f"packed documents do {work:.1%} of an unpacked row's attention work (step "
                                           f"times above count only that); " + extra["packing"]["report"])
+    if args.linear and result is not None and result.recommended is not None:
+        extra["linear"] = _linear(args, result)
     if args.json:
         print(json.dumps({**(result.to_dict() if result else {"recommended": None, "ranked": []}), **extra}))
     else:
@@ -382,4 +399,6 @@ def run(args: argparse.Namespace) -> int:
         print(format_result(result, args.top, space) if result else "Nothing fits even at the granularity.")
         if "packing" in extra:
             print("\n" + extra["packing"]["report"])
+        if "linear" in extra:
+            print("\n" + extra["linear"])
     return 0 if result is not None and result.recommended is not None else 1

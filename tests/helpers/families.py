@@ -100,6 +100,15 @@ SUPPORT = {
 }
 
 
+LINEAR_TESTS = "tests/linear/test_hf_models.py"
+LINEAR_SUPPORT = {  # hybrid linear-attention families: tiny configs in tests/helpers/linear_models.py, tested there
+    name: dict(zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, UNTESTED,
+                            REFUSED + "generation with linear layers (tests/linear/test_switch.py)")))
+    for name, trainer in (("qwen3_5_text", f"{EXACT} ({LINEAR_TESTS}, slow)"), ("qwen3_next", UNTESTED),
+                          ("nemotron_h", UNTESTED))
+}
+
+
 def families_where(check: str, value: str = EXACT) -> list[str]:
     """The families whose ``check`` cell is ``value`` (``REFUSED``: any refusal)."""
     return [name for name, row in SUPPORT.items() if row[check] == value or (value == REFUSED and
@@ -119,6 +128,10 @@ def render_support_matrix() -> str:
     lines += [f"| {check} | {meaning} | `{test}` |" for check, (meaning, test) in COLUMNS.items()]
     lines += ["", "| family | " + " | ".join(CHECKS) + " |", "|---|" + "---|" * len(CHECKS)]
     lines += [f"| {name} | " + " | ".join(row[c] for c in CHECKS) + " |" for name, row in SUPPORT.items()]
+    lines += ["", "Hybrid linear-attention families (Gated DeltaNet, Mamba-2 layers with exact state passing; "
+              "[linear-attention.md](linear-attention.md)):", "", "| family | " + " | ".join(CHECKS) + " |",
+              "|---|" + "---|" * len(CHECKS)]
+    lines += [f"| {name} | " + " | ".join(row[c] for c in CHECKS) + " |" for name, row in LINEAR_SUPPORT.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from hybridsp.formulas import heads_divisible
 from hybridsp.integrations.transformers.binding import BINDING_ATTR, INTERFACE_NAME, NAME, attention_modules
+from hybridsp.integrations.transformers.linear_layers import mixer_kind
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 from hybridsp.tensor_parallel.model_split import tensor_plan
 
@@ -113,10 +114,11 @@ def check_position_scaled_queries(module: nn.Module, seq_len: int, mesh: HybridM
 
 
 def _refuse_other_token_mixers(model: nn.Module) -> None:
-    """ValueError for layers that mix tokens outside attention (a causal depthwise convolution, a recurrence):
-    run per shard, they would restart at every shard boundary."""
+    """ValueError for layers that mix tokens outside attention (a causal depthwise convolution, a recurrence)
+    other than the linear-attention mixers :mod:`.linear_layers` shards: run per shard, they would restart at
+    every shard boundary."""
     mixers = sorted({type(parent).__name__ for parent in model.modules() for child in parent.children()
-                     if _mixes_tokens(child)})
+                     if _mixes_tokens(child) and mixer_kind(parent) is None})  # linear_layers shards those
     if mixers:
         raise ValueError(
             f"{type(model).__name__} has layers that mix tokens outside attention ({', '.join(mixers)}: a "

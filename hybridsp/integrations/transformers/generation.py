@@ -74,6 +74,7 @@ from hybridsp.attention.api import shard_sequence
 from hybridsp.batch import padded_length
 from hybridsp.inference import ShardedKVCache, decode_attention
 from hybridsp.integrations.transformers.binding import BINDING_ATTR, DECODE_KWARG, DOCUMENTS_KWARG
+from hybridsp.integrations.transformers.linear_layers import refuse_generation
 from hybridsp.integrations.transformers.padding import left_padded_inputs, left_padding_mask
 from hybridsp.integrations.transformers.sampling import (  # noqa: F401  choose_next_tokens: re-exported
     check_sampling,
@@ -375,6 +376,7 @@ def _check_inputs(model: nn.Module, input_ids, mesh: HybridMesh, max_new_tokens)
         )
     if any(getattr(m, BINDING_ATTR).mesh is not mesh for m in modules):
         raise ValueError("the model was switched with a different mesh than the one passed to generate/prefill")
+    refuse_generation(model)  # linear-attention layers keep no state in the sharded cache
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise ValueError(
             f"{type(model).__name__} has no language-model head (no logits_to_keep argument); generate needs a "

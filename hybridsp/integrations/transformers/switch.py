@@ -97,6 +97,7 @@ from hybridsp.integrations.transformers.capabilities import (
     layout_window,
 )
 from hybridsp.integrations.transformers.documents import documents_from_kwargs, install_input_check, layer_documents
+from hybridsp.integrations.transformers.linear_layers import switch_linear_layers
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
@@ -247,6 +248,8 @@ class HybridAttentionHandle:
             return
         if self._hook is not None:
             self._hook.remove()
+        if getattr(self, "undo_linear", None) is not None:
+            self.undo_linear()
         for module in self._modules:
             if hasattr(module, _BINDING_ATTR):
                 delattr(module, _BINDING_ATTR)
@@ -302,8 +305,11 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
     vlm.refuse_other_multimodal(model)
     modules = attention_modules(model)
     check_model(model, modules, mesh)
+    undo_linear = switch_linear_layers(model, mesh, backend)  # checks every linear layer before changing any
     hook = install_input_check(model, mesh, layout_window(model))
-    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook)
+    handle = switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook)
+    handle.undo_linear = undo_linear
+    return handle
 
 
 def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook):

@@ -147,6 +147,12 @@ def test_no_per_shard_mask_is_built_or_accepted():
             model(input_ids=BATCHES["full"]["input_ids"], attention_mask=four_d, use_cache=False)
 
 
+def _with_a_convolution(model):
+    """``model`` with a depthwise causal convolution in its first MLP: a token mixer the switch does not know."""
+    model.model.layers[0].mlp.mixer = torch.nn.Conv1d(64, 64, 4, groups=64, padding=3)
+    return model
+
+
 def test_refused_models_raise_and_change_nothing():
     cases = {
         "4 query heads are not divisible by the Ulysses degree 8": (build("llama"), mesh_at(8, 1)),
@@ -156,10 +162,8 @@ def test_refused_models_raise_and_change_nothing():
         "BartForConditionalGeneration is an encoder-decoder model": (transformers.BartForConditionalGeneration(
             transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
                                     encoder_attention_heads=2, decoder_attention_heads=2)), mesh_at(1, 1)),
-        "has layers that mix tokens outside attention (NemotronHMamba2Mixer": (transformers.NemotronHForCausalLM(
-            transformers.NemotronHConfig(vocab_size=64, hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-                                         head_dim=16, mamba_num_heads=2, mamba_head_dim=16, ssm_state_size=4,
-                                         n_groups=1, layers_block_type=["mamba", "attention"])), mesh_at(1, 1)),
+        "has layers that mix tokens outside attention (LlamaMLP: a convolution": (
+            _with_a_convolution(build("llama")), mesh_at(1, 1)),
     }
     for message, (model, mesh) in cases.items():
         before = model.config._attn_implementation

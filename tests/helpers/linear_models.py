@@ -1,0 +1,74 @@
+"""Tiny hybrid linear-attention HF models (Qwen3.5 text, Qwen3-Next, Nemotron-H) and the references the
+linear-layer tests compare against: the unmodified model on the whole rows, or run per document."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=256, attn_implementation="sdpa",
+              pad_token_id=0)
+FAMILIES = {  # family -> (config class, model class, fields); linear heads: Hk < Hv, odd value head dim
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+        linear_conv_kernel_dim=4, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"])),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+        linear_conv_kernel_dim=4, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        num_experts=0, decoder_sparse_step=1, mlp_only_layers=[0, 1])),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        mamba_num_heads=4, mamba_head_dim=6, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=16,
+        layers_block_type=["mamba", "attention", "mamba", "mlp"])),
+}
+
+
+def tiny_hybrid(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **fields):
+    """A small hybrid causal LM of ``family``, weights fixed by ``seed``; decays slowed so every token
+    keeps a say in the state (the default init forgets within a few tokens, which would hide errors)."""
+    import transformers
+
+    config_class, model_class, defaults = FAMILIES[family]
+    config = getattr(transformers, config_class)(**{**COMMON, **defaults, **fields})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config).to(dtype)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "A_log") and hasattr(module, "dt_bias"):
+                module.A_log.copy_(torch.linspace(-3.0, -1.0, module.A_log.numel()))
+                module.dt_bias.copy_(torch.linspace(-1.0, 0.5, module.dt_bias.numel()))
+    return model
+
+
+def packed_batch(rows: tuple[tuple[int, ...], ...], seed: int = 0) -> dict:
+    """input_ids/labels [B, S] and position_ids restarting at 0 at every document."""
+    seq = sum(rows[0])
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (len(rows), seq), generator=gen)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])  # [B, S]
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions}
+
+
+def per_document_reference(model, batch: dict, rows) -> tuple:
+    """(logits [B, S, V], loss, {name: grad}) of the unmodified model on every document by itself; the loss
+    averages next-token cross-entropy over all targets inside documents."""
+    model.zero_grad(set_to_none=True)
+    ids = batch["input_ids"]
+    logits = torch.zeros(*ids.shape, VOCAB)
+    total, count = 0.0, 0
+    for b, lengths in enumerate(rows):
+        start = 0
+        for length in lengths:
+            doc = ids[b:b + 1, start:start + length]  # [1, n]
+            out = model(input_ids=doc, use_cache=False).logits  # [1, n, V]
+            logits[b, start:start + length] = out[0].detach()
+            total = total + F.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
+            count += length - 1
+            start += length
+    loss = total / count
+    loss.backward()
+    return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
