@@ -26,7 +26,7 @@ def _compare(names) -> None:
                 failures.append(f"{name} {key}: {result[key]} vs {reference[key]}")
         for param, update in reference["updates"].items():
             got, want = torch.tensor(result["updates"][param]), torch.tensor(update)
-            if (got - want).abs().max() > TOLERANCE * max(want.abs().max().item(), 1e-3):
+            if (got - want).abs().max() > TOLERANCE * want.abs().max().item() + 1e-6:  # fp32 rounding of tiny updates
                 failures.append(f"{name} update of {param}: {(got - want).abs().max().item():.2e}")
     assert not failures, "\n".join(failures[:10])
 
