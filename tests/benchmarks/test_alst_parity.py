@@ -1,0 +1,67 @@
+"""The end-to-end comparison's parity check at a tiny size (benchmarks/bench_alst.py measures the rest).
+
+The same tiny Llama (h=64, 4 query / 2 K/V heads, 2 layers, byte vocabulary), the same windows of
+the byte corpus, seed and DeepSpeed ZeRO-3 config (clipping at 1.0, which every step's norm exceeds)
+are trained for 2 steps by one-process DeepSpeed without sequence parallelism (the reference) and by
+
+- DeepSpeed's ALST (UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, the tutorial's weighted loss)
+  at SP = 2,
+- hybridsp (``hybridsp.integrations.deepspeed.initialize``) at U2 x R1 and U1 x R2,
+
+each on 2 gloo ranks (benchmarks/alst_stacks.py). Every step's loss, DeepSpeed's gradient norm and the
+lm_head gradient's norm must equal the reference's (relative 1e-4).
+"""
+
+import sys
+
+import pytest
+
+from tests.helpers.paths import ROOT
+
+TOLERANCE = 1e-4
+TINY = {"hidden": 64, "heads": 4, "kv_heads": 2, "layers": 2, "seq_len": 128, "steps": 2, "head_norm": True}
+RUNS = {  # name -> Run fields
+    "ALST SP2": {"stack": "alst", "ulysses": 2},
+    "hybridsp U2xR1": {"stack": "hybridsp", "ulysses": 2},
+    "hybridsp U1xR2": {"stack": "hybridsp", "ring": 2},
+}
+
+
+def _stacks():
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import alst_stacks
+
+    return alst_stacks
+
+
+def train(rank: int, world: int, fields: dict) -> dict:
+    """One rank of one run (the Run is rebuilt here: the worker imports benchmarks/ itself)."""
+    stacks = _stacks()
+    return stacks.train_rank(rank, world, stacks.Run(**fields))
+
+
+def _trace(fields: dict) -> dict:
+    from hybridsp.testing import run_distributed
+
+    world = 1 if fields.get("stack", "reference") == "reference" else fields.get("ulysses", 1) * fields.get("ring", 1)
+    return run_distributed(train, world, {**TINY, **fields}, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return _trace({"stack": "reference"})
+
+
+def _relative(got: list[float], want: list[float]) -> float:
+    return max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_stack_equals_one_process_deepspeed(name, reference):
+    trace = _trace(RUNS[name])
+    assert len(trace["losses"]) == TINY["steps"]
+    assert min(reference["norms"]) > 1.0, "the clip must act in every step"
+    for key in ("losses", "norms", "head_norms"):
+        error = _relative(trace[key], reference[key])
+        assert error <= TOLERANCE, f"{name} {key}: {trace[key]} vs one process {reference[key]} (rel {error:.2e})"
