@@ -77,6 +77,7 @@ class Run:
     kv_heads: int = 2
     layers: int = 4
     vocab: int = 256
+    tied: bool = False  # tie lm_head to the embedding (ALST's tiled loss then fails under ZeRO-3: see bench_alst.py)
     seed: int = 0
     lr: float = 1e-3
     clip: float = 1.0
@@ -123,7 +124,7 @@ def build_model(run: Run):
     config = LlamaConfig(
         vocab_size=run.vocab, hidden_size=run.hidden, intermediate_size=int(run.hidden * 8 / 3) // 64 * 64,
         num_hidden_layers=run.layers, num_attention_heads=run.heads, num_key_value_heads=run.kv_heads,
-        max_position_embeddings=max(run.seq_len, 2048), rope_theta=500000.0, tie_word_embeddings=True,
+        max_position_embeddings=max(run.seq_len, 2048), rope_theta=500000.0, tie_word_embeddings=run.tied,
         attn_implementation="sdpa",
     )
     torch.manual_seed(run.seed)
@@ -153,7 +154,7 @@ def optimizer_for(model, run: Run):
 
 
 def head_grad_norm(engine) -> float:
-    """Norm of the lm_head weight's full reduced gradient (tied: the embedding's); a collective."""
+    """Norm of the lm_head weight's full reduced gradient (tied: the embedding's too); a collective."""
     from deepspeed.utils import safe_get_full_grad
 
     grad = safe_get_full_grad(engine.module.get_output_embeddings().weight)
