@@ -135,9 +135,14 @@ def build_model(run: Run):
 
 
 def ds_config(run: Run) -> dict:
-    """The DeepSpeed config every stack shares (each adds only its sequence-parallel keys)."""
+    """The DeepSpeed config every stack shares (each adds only its sequence-parallel keys): the ZeRO
+    section of the shipped ``ds_configs/cp4.json`` (buckets of 5e7 elements, not DeepSpeed's 5e8
+    defaults, whose reserved memory would count against a per-rank cap) at ``run.stage``."""
+    import json
+
+    zero = json.loads((ROOT / "ds_configs" / "cp4.json").read_text())["zero_optimization"]
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "gradient_clipping": run.clip, "zero_optimization": {"stage": run.stage},
+            "gradient_clipping": run.clip, "zero_optimization": {**zero, "stage": run.stage},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
@@ -178,7 +183,7 @@ def reference_stack(run: Run):
     data = windows(run)
 
     def step(k: int) -> torch.Tensor:
-        tokens = data.batch(k, 1)  # [1, S]
+        tokens = data.batch(k, 1).to(engine.device)  # [1, S]
         loss = engine(input_ids=tokens, labels=tokens, use_cache=False).loss
         engine.backward(loss)
         return loss
@@ -204,6 +209,7 @@ def hybridsp_stack(run: Run):
     def step(k: int) -> torch.Tensor:
         tokens = data.batch(k, 1)  # [1, S], the same on every rank
         local = hybridsp.shard_batch({"input_ids": tokens, "labels": tokens}, mesh)  # each [1, S / C]
+        local = {key: value.to(engine.device) for key, value in local.items()}
         with offload:
             if run.features == "plain":
                 logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
@@ -246,7 +252,8 @@ def alst_stack(run: Run):
     batches = iter(loader)
 
     def step(k: int) -> torch.Tensor:
-        batch = next(batches)  # input_ids, position_ids, shift_labels: each [1, S / SP]
+        batch = next(batches)  # input_ids, position_ids, shift_labels: each [1, S / SP], on the host
+        batch = {key: value.to(engine.device) for key, value in batch.items()}
         if run.features == "plain":
             logits = engine(**batch, use_cache=False).logits
             local = engine.module.loss_function(logits=logits, labels=None, shift_labels=batch["shift_labels"],

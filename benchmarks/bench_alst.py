@@ -46,6 +46,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import alst_defects  # noqa: E402
@@ -71,12 +72,12 @@ def meshes(world: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
             if world % u == 0 and heads_divisible(heads, u)]
 
 
-def stack_runs(base: alst_stacks.Run, world: int, features: str) -> dict[str, alst_stacks.Run]:
-    """ALST at SP = world and hybridsp at every mesh, with ``features``."""
+def stack_runs(base: alst_stacks.Run, world: int, features: str, only=()) -> dict[str, alst_stacks.Run]:
+    """ALST at SP = world and hybridsp at every mesh, with ``features`` (``--only`` filters by name)."""
     runs = {f"ALST U{world}": replace(base, stack="alst", ulysses=world, ring=1, features=features)}
     for u, r in meshes(world, base.heads, base.kv_heads):
         runs[f"hybridsp U{u}xR{r}"] = replace(base, stack="hybridsp", ulysses=u, ring=r, features=features)
-    return runs
+    return {name: run for name, run in runs.items() if not only or any(word in name for word in only)}
 
 
 def launch(run: alst_stacks.Run, timeout: float = 3600.0) -> list[dict]:
@@ -101,12 +102,12 @@ def parity_row(trace: dict, reference: dict) -> dict:
 # parts
 
 
-def part_parity(base: alst_stacks.Run, world: int) -> dict:
+def part_parity(base: alst_stacks.Run, world: int, only=()) -> dict:
     base = replace(base, head_norm=True)
     reference = launch(alst_stacks.reference_of(base))[0]
     rows = {}
     for features in ("plain", "tiled"):
-        for name, run in stack_runs(base, world, features).items():
+        for name, run in stack_runs(base, world, features, only).items():
             rows[f"{name} {features}"] = parity_row(launch(run)[0], reference)
             print(f"  parity {name} {features}: {rows[f'{name} {features}']['errors']}", flush=True)
     return {"reference": {"losses": reference["losses"], "norms": reference["norms"]}, "rows": rows}
@@ -121,11 +122,11 @@ def _measure(traces: list[dict], warmup: int = 1) -> dict:
             "peak_above_base": max(t["peak_rss"] - t["base_rss"] for t in traces)}
 
 
-def part_timing(base: alst_stacks.Run, world: int, rounds: int) -> dict:
+def part_timing(base: alst_stacks.Run, world: int, rounds: int, only=()) -> dict:
     timed = replace(base, steps=base.steps + 1)  # one warm-up step
     reference = launch(alst_stacks.reference_of(timed))[0]
     runs = {f"{name} {features}": run for features in ("plain", "tiled")
-            for name, run in stack_runs(timed, world, features).items()}
+            for name, run in stack_runs(timed, world, features, only).items()}
     names = list(runs)
     samples = {name: {"cpu": [], "wall": [], "peak_rss": [], "peak_above_base": []} for name in names}
     parity = {}
@@ -139,6 +140,8 @@ def part_timing(base: alst_stacks.Run, world: int, rounds: int) -> dict:
             for key in ("peak_rss", "peak_above_base"):
                 samples[name][key].append(measured[key])
             parity.setdefault(name, parity_row(traces[0], reference))
+            print(f"    {name}: CPU {statistics.median(measured['cpu']):.3f} s, wall "
+                  f"{statistics.median(measured['wall']):.3f} s, peak RSS {measured['peak_rss'] / MIB:.0f} MiB", flush=True)
     return {"rows": {name: _medians(samples[name]) | {"parity": parity[name]} for name in names},
             "samples": samples}
 
@@ -181,10 +184,11 @@ def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log
     return {"longest": good, "first_failure": bad, "attempts": attempts}
 
 
-def part_longest(base: alst_stacks.Run, world: int, budget_mib: int, start: int, granularity: int) -> dict:
+def part_longest(base: alst_stacks.Run, world: int, budget_mib: int, start: int, granularity: int,
+                 only=()) -> dict:
     rows = {}
     for features in ("plain", "best"):
-        for name, run in stack_runs(base, world, features).items():
+        for name, run in stack_runs(base, world, features, only).items():
             rows[f"{name} {features}"] = longest(run, budget_mib * MIB, start, granularity,
                                                  lambda line: print(line, flush=True))
     return {"budget_mib": budget_mib, "granularity": granularity, "rows": rows}
@@ -209,12 +213,14 @@ def _ratio_to_alst(rows: dict, name: str, key: str) -> str:
 def markdown_timing(result: dict) -> str:
     rows = result["rows"]
     lines = ["| stack | features | CPU s/step (sum over ranks) | / ALST | wall s/step | / ALST | peak RSS MiB/rank "
-             "| / ALST | parity vs one process |", "|---|---|---|---|---|---|---|---|---|"]
+             "| / ALST | above the imports, MiB | / ALST | parity vs one process |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in rows.items():
         stack, features = name.rsplit(" ", 1)
         lines.append(f"| {stack} | {features} | {row['median_cpu']:.3f} | {_ratio_to_alst(rows, name, 'median_cpu')} | "
                      f"{row['median_wall']:.3f} | {_ratio_to_alst(rows, name, 'median_wall')} | "
                      f"{row['median_peak_rss'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'median_peak_rss')} | "
+                     f"{row['median_peak_above_base'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'median_peak_above_base')} | "
                      f"{'equal' if row['parity']['ok'] else 'DIFFERS'} ({max(row['parity']['errors'].values()):.1e}) |")
     return "\n".join(lines) + "\n"
 
@@ -243,6 +249,13 @@ def markdown_longest(result: dict) -> str:
 
 def markdown_defects(result: dict) -> str:
     return "\n".join(alst_defects.markdown(name, part) for name, part in result.items())
+
+
+def render(path: str) -> None:
+    """Rewrite ``<part>.md`` from its ``<part>.json`` (``--render PATH``)."""
+    stored = json.loads(Path(path).read_text())
+    part = Path(path).stem
+    write(part, stored["result"], stored["meta"], str(Path(path).parent))
 
 
 RENDER = {"parity": markdown_parity, "timing": markdown_timing, "longest": markdown_longest,
@@ -277,12 +290,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget-mib", type=int, default=1500, help="longest: per-rank cap (MiB)")
     parser.add_argument("--start", type=int, default=8192, help="longest: first S tried")
     parser.add_argument("--granularity", type=int, default=1024, help="longest: S step of the bisection")
+    parser.add_argument("--only", nargs="+", default=[], help="stacks whose name contains one of these "
+                        "(e.g. ALST U4xR1); ALST is always kept as the ratios' denominator")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a stored <part>.json")
     parser.add_argument("--out", help="write <part>.{md,json} here instead of benchmarks/results/alst/")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render:
+        render(args.render)
+        return 0
+    only = [*args.only, "ALST"] if args.only else []
     base = alst_stacks.Run(seq_len=args.seq_len, steps=args.steps, stage=args.stage, hidden=args.hidden,
                            heads=args.heads, kv_heads=args.kv_heads, layers=args.layers, vocab=args.vocab)
     if args.granularity % (2 * args.world):
@@ -290,9 +310,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("HYBRIDSP_TEST_PRELOAD", ",".join(PRELOAD[3:]))
     harness.warm_forkserver(PRELOAD)
     parts = list(RENDER) if args.part == "all" else [args.part]
-    jobs = {"parity": lambda: part_parity(base, args.world),
-            "timing": lambda: part_timing(base, args.world, args.rounds),
-            "longest": lambda: part_longest(base, args.world, args.budget_mib, args.start, args.granularity),
+    jobs = {"parity": lambda: part_parity(base, args.world, only),
+            "timing": lambda: part_timing(base, args.world, args.rounds, only),
+            "longest": lambda: part_longest(base, args.world, args.budget_mib, args.start, args.granularity, only),
             "defects": lambda: part_defects(base, args.world)}
     failed = False
     for part in parts:
