@@ -151,18 +151,22 @@ def _medians(sample: dict) -> dict:
         "steps_timed": len(sample["cpu"])}
 
 
-def fits(run: alst_stacks.Run, seq_len: int, budget: int, report_dir: str) -> tuple[bool, str]:
-    """One step at ``seq_len`` under the cap: (fitted, the failure's first line or "")."""
+MEMORY_WORDS = ("allocate memory", "MemoryError", "Cannot allocate", "out of memory", "Connection", "closed")
+
+
+def fits(run: alst_stacks.Run, seq_len: int, budget: int) -> tuple[bool, str]:
+    """One step at ``seq_len`` under the cap: (fitted, "" or the failure's last line). run_distributed
+    reports the lowest failed rank, often a peer's closed connection rather than the rank that ran out
+    of memory; a failure with none of MEMORY_WORDS is marked "other:" (look at it before trusting the row)."""
     attempt = replace(run, seq_len=seq_len, steps=1, budget=budget, head_norm=False)
     try:
         launch(attempt, timeout=3600.0)
         return True, ""
     except (AssertionError, TimeoutError) as error:
-        text = str(error)
-        if "allocate memory" not in text and "MemoryError" not in text and "Connection" not in text \
-                and "closed" not in text and not isinstance(error, TimeoutError):
-            raise
-        return False, text.strip().splitlines()[-1][:200]
+        text = str(error).strip()
+        last = text.splitlines()[-1][:200] if text else type(error).__name__
+        memory = isinstance(error, TimeoutError) or any(word in text for word in MEMORY_WORDS)
+        return False, last if memory else "other: " + last
 
 
 def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log) -> dict:
@@ -170,14 +174,14 @@ def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log
     attempts, good, bad = [], 0, None
     length = start
     while bad is None:
-        ok, why = fits(run, length, budget, "")
+        ok, why = fits(run, length, budget)
         attempts.append({"seq_len": length, "ok": ok, "why": why})
         log(f"    {run.name} S={length}: {'fits' if ok else 'fails: ' + why}")
         good, bad = (length, None) if ok else (good, length)
         length *= 2
     while bad - good > granularity:
         middle = (good + bad) // 2 // granularity * granularity
-        ok, why = fits(run, middle, budget, "")
+        ok, why = fits(run, middle, budget)
         attempts.append({"seq_len": middle, "ok": ok, "why": why})
         log(f"    {run.name} S={middle}: {'fits' if ok else 'fails: ' + why}")
         good, bad = (middle, bad) if ok else (good, middle)
