@@ -15,7 +15,7 @@ U2xR2, U1xR4 at 4 ranks), and by one-process DeepSpeed without sequence parallel
 Parts:
 
 - ``parity``: every stack's losses, DeepSpeed's gradient norms and the lm_head gradient norms over
-  ``--steps`` steps against the reference (relative 1e-4), plain and tiled.
+  ``--steps`` steps against the reference (relative 1e-4), plain, tiled and best.
 - ``timing``: ``--rounds`` rounds; in each, one launch per stack (the order rotated every round),
   each running ``--steps`` steps after one warm-up step; per step the CPU seconds summed over ranks
   and the wall time (max over ranks); medians over every round's steps; the peak RSS per rank (the
@@ -106,7 +106,7 @@ def part_parity(base: alst_stacks.Run, world: int, only=()) -> dict:
     base = replace(base, head_norm=True)
     reference = launch(alst_stacks.reference_of(base))[0]
     rows = {}
-    for features in ("plain", "tiled"):
+    for features in alst_stacks.FEATURES:
         for name, run in stack_runs(base, world, features, only).items():
             rows[f"{name} {features}"] = parity_row(launch(run)[0], reference)
             print(f"  parity {name} {features}: {rows[f'{name} {features}']['errors']}", flush=True)
