@@ -25,8 +25,10 @@ Parts:
   reference too.
 - ``longest``: the longest S (a multiple of ``--granularity``) that one training step reaches under a
   per-rank cap of ``--budget-mib``: each rank sets the soft ``RLIMIT_DATA`` to its VmData after the
-  imports plus the cap, before it builds the model and engine (so the model, ZeRO-3 partitions and
-  buffers count; tensors >= 256 KiB are mmapped and unmapped at free), and an allocation past it
+  engine build plus the cap (``--limit-from imports``: after the imports, before the model and engine
+  are built, so that they count too; the build reserves VmData it never touches, e.g. 8 MiB stacks
+  of every gloo group's threads: ~100 MiB more for hybridsp's mesh groups than for ALST's, measured,
+  with equal RSS); tensors >= 256 KiB are mmapped and unmapped at free; an allocation past the cap
   fails the attempt. Doubling from ``--start`` until an attempt fails, then bisection. Features
   ``plain`` and ``best`` (ALST: checkpointing + TiledMLP + its tiled loss; hybridsp: checkpointing
   + fused loss + tiled MLP + activation offload into /dev/shm, outside the cap as host memory is
@@ -195,7 +197,7 @@ def part_longest(base: alst_stacks.Run, world: int, budget_mib: int, start: int,
         for name, run in stack_runs(base, world, features, only).items():
             rows[f"{name} {features}"] = longest(run, budget_mib * MIB, start, granularity,
                                                  lambda line: print(line, flush=True))
-    return {"budget_mib": budget_mib, "granularity": granularity, "rows": rows}
+    return {"budget_mib": budget_mib, "granularity": granularity, "limit_from": base.limit_from, "rows": rows}
 
 
 def part_defects(base: alst_stacks.Run, world: int) -> dict:
@@ -241,7 +243,7 @@ def markdown_parity(result: dict) -> str:
 
 def markdown_longest(result: dict) -> str:
     rows = result["rows"]
-    lines = [f"Per-rank cap {result['budget_mib']} MiB (RLIMIT_DATA from the imports), S in steps of "
+    lines = [f"Per-rank cap {result['budget_mib']} MiB (RLIMIT_DATA from after the {result.get('limit_from', 'build')}), S in steps of "
              f"{result['granularity']}.", "", "| stack | features | longest S | first failing S | / ALST |",
              "|---|---|---|---|---|"]
     for name, row in rows.items():
@@ -292,6 +294,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--budget-mib", type=int, default=1500, help="longest: per-rank cap (MiB)")
+    parser.add_argument("--limit-from", choices=("build", "imports"), default="build",
+                        help="longest: the cap counts from after the engine build (default) or after the imports")
     parser.add_argument("--start", type=int, default=8192, help="longest: first S tried")
     parser.add_argument("--granularity", type=int, default=1024, help="longest: S step of the bisection")
     parser.add_argument("--only", nargs="+", default=[], help="stacks whose name contains one of these "
@@ -308,7 +312,8 @@ def main(argv=None) -> int:
         return 0
     only = [*args.only, "ALST"] if args.only else []
     base = alst_stacks.Run(seq_len=args.seq_len, steps=args.steps, stage=args.stage, hidden=args.hidden,
-                           heads=args.heads, kv_heads=args.kv_heads, layers=args.layers, vocab=args.vocab)
+                           heads=args.heads, kv_heads=args.kv_heads, layers=args.layers, vocab=args.vocab,
+                           limit_from=args.limit_from)
     if args.granularity % (2 * args.world):
         raise SystemExit(f"--granularity {args.granularity} must be a multiple of 2 x world = {2 * args.world}")
     os.environ.setdefault("HYBRIDSP_TEST_PRELOAD", ",".join(PRELOAD[3:]))
