@@ -31,13 +31,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import alst_stacks
+import alst_ranks
 import harness
+
+from tests.helpers import alst_stacks
 
 
 def _first_step(run: alst_stacks.Run) -> dict:
     world = 1 if run.stack == "reference" else run.context
-    trace = harness.launch(alst_stacks.train_rank, world, run, timeout=1800)[0]
+    trace = harness.launch(alst_ranks.capped_rank, world, run, timeout=1800)[0]
     return {"norm": trace["norms"][0], "head_norm": trace["head_norms"][0], "loss": trace["losses"][0]}
 
 

@@ -5,7 +5,7 @@
     python benchmarks/bench_alst.py --part longest --budget-mib 1500
     python benchmarks/bench_alst.py --part defects --seq-len 1024
 
-The job (benchmarks/alst_stacks.py): the same tiny HF Llama (h=256, 8 query / 2 K/V heads, 4
+The job (tests/helpers/alst_stacks.py, shared with the parity test; the rank: alst_ranks.py): the same tiny HF Llama (h=256, 8 query / 2 K/V heads, 4
 layers, byte vocabulary 256, tied embeddings, fp32, sdpa; ``--hidden --heads --kv-heads --layers
 --vocab``), seed, windows of the byte corpus and DeepSpeed config (ZeRO-``--stage``, default 3;
 clipping 1.0; client AdamW), on ``--world`` gloo ranks (DP = 1), trained by DeepSpeed's ALST at
@@ -52,10 +52,11 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import alst_defects  # noqa: E402
-import alst_stacks  # noqa: E402
+import alst_ranks  # noqa: E402
 import harness  # noqa: E402
 
 from hybridsp.formulas import heads_divisible  # noqa: E402
+from tests.helpers import alst_stacks  # noqa: E402
 
 PRELOAD = ["torch", "torch.distributed", "hybridsp", "transformers.models.llama.modeling_llama", "deepspeed"]
 TOLERANCE = 1e-4
@@ -84,7 +85,7 @@ def stack_runs(base: alst_stacks.Run, world: int, features: str, only=()) -> dic
 
 def launch(run: alst_stacks.Run, timeout: float = 3600.0) -> list[dict]:
     world = 1 if run.stack == "reference" else run.context
-    return harness.launch(alst_stacks.train_rank, world, run, timeout=timeout)
+    return harness.launch(alst_ranks.capped_rank, world, run, timeout=timeout)
 
 
 def relative(got: list[float], want: list[float]) -> float:

@@ -8,15 +8,13 @@ are trained for 2 steps by one-process DeepSpeed without sequence parallelism (t
   at SP = 2,
 - hybridsp (``hybridsp.integrations.deepspeed.initialize``) at U2 x R1 and U1 x R2,
 
-each on 2 gloo ranks (benchmarks/alst_stacks.py). Every step's loss, DeepSpeed's gradient norm and the
+each on 2 gloo ranks (tests/helpers/alst_stacks.py, which benchmarks/bench_alst.py runs too). Every step's loss, DeepSpeed's gradient norm and the
 lm_head gradient's norm must equal the reference's (relative 1e-4).
 """
 
-import sys
-
 import pytest
 
-from tests.helpers.paths import ROOT
+from tests.helpers.alst_stacks import Run, train_rank
 
 TOLERANCE = 1e-4
 TINY = {"hidden": 64, "heads": 4, "kv_heads": 2, "layers": 2, "seq_len": 128, "steps": 2, "head_norm": True}
@@ -27,25 +25,11 @@ RUNS = {  # name -> Run fields
 }
 
 
-def _stacks():
-    if str(ROOT / "benchmarks") not in sys.path:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    import alst_stacks
-
-    return alst_stacks
-
-
-def train(rank: int, world: int, fields: dict) -> dict:
-    """One rank of one run (the Run is rebuilt here: the worker imports benchmarks/ itself)."""
-    stacks = _stacks()
-    return stacks.train_rank(rank, world, stacks.Run(**fields))
-
-
 def _trace(fields: dict) -> dict:
     from hybridsp.testing import run_distributed
 
     world = 1 if fields.get("stack", "reference") == "reference" else fields.get("ulysses", 1) * fields.get("ring", 1)
-    return run_distributed(train, world, {**TINY, **fields}, timeout=300)[0]
+    return run_distributed(train_rank, world, Run(**{**TINY, **fields}), timeout=300)[0]
 
 
 @pytest.fixture(scope="module")
