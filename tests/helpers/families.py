@@ -58,7 +58,7 @@ def build_family(name: str, seed: int = 0, **overrides):
 # ---- the support matrix: what the tests check per family (rendered into docs/model-support.md) ----------------
 
 EXACT, UNTESTED = "exact", "not tested"
-CHECKS = ("switch", "packed", "trainer", "tensor parallel", "generate")
+CHECKS = ("switch", "packed", "trainer", "TRL SFT", "tensor parallel", "generate")
 REFUSED = "refused: "  # a cell "refused: <reason>": a test asserts the refusal names the reason
 COLUMNS = {  # check -> what "exact" means there, and the test that asserts it
     "switch": ("U2xR2 logits, loss and every parameter gradient vs the unmodified model",
@@ -69,22 +69,25 @@ COLUMNS = {  # check -> what "exact" means there, and the test that asserts it
                 "loss, and the router weights after training)",
                 "tests/integrations/transformers/test_trainer.py, tests/integrations/transformers/test_router_loss.py, "
                 "tests/integrations/transformers/families/test_trainer_matrix.py"),
+    "TRL SFT": ("HybridSFTTrainer at U2xR1 or U2xR2 vs TRL's SFTTrainer, per-step loss and grad norm (MoE: with the "
+                "router loss)",
+                "tests/integrations/trl/test_trainers.py, tests/integrations/transformers/test_router_loss.py"),
     "tensor parallel": ("T2xU2 with sequence parallelism vs the unmodified model", "tests/tensor_parallel/test_families.py"),
     "generate": ("greedy ids of hybridsp.integrations.transformers.generate equal model.generate at U2xR2",
                  "tests/integrations/transformers/families/test_generate_matrix.py"),
 }
 
 
-def _row(switch=EXACT, packed=EXACT, trainer=UNTESTED, tensor=EXACT, generate=UNTESTED) -> dict[str, str]:
-    return dict(zip(CHECKS, (switch, packed, trainer, tensor, generate)))
+def _row(switch=EXACT, packed=EXACT, trainer=UNTESTED, trl=UNTESTED, tensor=EXACT, generate=UNTESTED) -> dict[str, str]:
+    return dict(zip(CHECKS, (switch, packed, trainer, trl, tensor, generate)))
 
 
 SUPPORT = {
-    "llama": _row(trainer=EXACT, tensor=EXACT, generate=EXACT),
+    "llama": _row(trainer=EXACT, trl=EXACT, tensor=EXACT, generate=EXACT),
     "mistral": _row(trainer=EXACT, generate=EXACT),
     "qwen2": _row(trainer=EXACT, generate=EXACT),
     "qwen3": _row(trainer=EXACT, generate=EXACT),
-    "qwen3_moe": _row(trainer=EXACT, generate=EXACT),
+    "qwen3_moe": _row(trainer=EXACT, trl=EXACT, generate=EXACT),
     "mixtral": _row(trainer=EXACT, generate=EXACT),
     "gemma2": _row(trainer=EXACT, generate=EXACT),
     "gemma3_text": _row(trainer=EXACT, generate=EXACT),
@@ -102,7 +105,7 @@ SUPPORT = {
 
 LINEAR_TESTS = "tests/linear/test_hf_models.py"
 LINEAR_SUPPORT = {  # hybrid linear-attention families: tiny configs in tests/helpers/linear_models.py, tested there
-    name: dict(zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, UNTESTED,
+    name: dict(zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, UNTESTED, UNTESTED,
                             REFUSED + "generation with linear layers (tests/linear/test_switch.py)")))
     for name, trainer in (("qwen3_5_text", f"{EXACT} ({LINEAR_TESTS}, slow)"), ("qwen3_next", UNTESTED),
                           ("nemotron_h", UNTESTED))
