@@ -101,11 +101,14 @@ SUPPORT = {
 
 
 LINEAR_TESTS = "tests/linear/test_hf_models.py"
+LINEAR_GENERATE = "tests/linear/test_generate.py"
 LINEAR_SUPPORT = {  # hybrid linear-attention families: tiny configs in tests/helpers/linear_models.py, tested there
     name: dict(zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, UNTESTED,
-                            REFUSED + "generation with linear layers (tests/linear/test_switch.py)")))
-    for name, trainer in (("qwen3_5_text", f"{EXACT} ({LINEAR_TESTS}, slow)"), ("qwen3_next", UNTESTED),
-                          ("nemotron_h", UNTESTED))
+                            generate)))
+    for name, trainer, generate in (
+        ("qwen3_5_text", f"{EXACT} ({LINEAR_TESTS}, slow)", f"{EXACT} ({LINEAR_GENERATE}, U2xR2, U1xR2)"),
+        ("qwen3_next", UNTESTED, f"{EXACT} ({LINEAR_GENERATE}, U1xR3, slow)"),
+        ("nemotron_h", UNTESTED, f"{EXACT} ({LINEAR_GENERATE}, U2xR2, U1xR2)"))
 }
 
 
