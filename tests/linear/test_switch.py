@@ -115,3 +115,19 @@ def test_attention_heads_are_counted_without_the_output_gate():
     with pytest.raises(ValueError, match="2 query heads are not divisible by the Ulysses degree 4"):
         hf.apply(model, mesh_at(4, 1))
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_second_prefill_into_a_generation_cache_is_refused():
+    """A call into a generation cache whose layer already holds the prompt state, without a decode step (a decoder
+    layer that dropped the keyword arguments), would restart the state: refused."""
+    from hybridsp.integrations.transformers.generation import HybridCache
+    from hybridsp.linear.decode import LinearStates
+
+    model = tiny_hybrid("qwen3_5")
+    switch_linear_layers(model, mesh_at(1, 1))
+    mixer = next(m for m, _ in linear_mixers(model))
+    cache = HybridCache.__new__(HybridCache)  # only its linear_states is read here
+    cache.linear_states = LinearStates(4, torch.arange(4))
+    cache.linear_states.layers[mixer.layer_idx] = (None, None)
+    with pytest.raises(ValueError, match="already holds this layer's prompt state"):
+        mixer(torch.randn(1, 1, 64), cache=cache)

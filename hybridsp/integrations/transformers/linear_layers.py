@@ -181,6 +181,12 @@ def _prompt_states(module: nn.Module, hidden_states: torch.Tensor, cache, kwargs
     any other continued cache (Note [documents and caches])."""
     store = getattr(cache, "linear_states", None)
     if isinstance(store, LinearStates):
+        if module.layer_idx in store.layers and kwargs.get(DECODE_KWARG) is None:
+            raise ValueError(
+                f"{type(module).__name__} (layer {module.layer_idx}): the generation cache already holds this layer's "
+                f"prompt state, but the call carries no {DECODE_KWARG}= step (its decoder layer must pass the model "
+                f"call's keyword arguments on to the mixer); decode with hybridsp.integrations.transformers.generation.decode_step"
+            )
         return store
     _refuse_continuation(module, hidden_states, cache, kwargs)
     return None
