@@ -49,3 +49,6 @@ class GatedDeltaRule:
     def outputs(self, pieces: dict, initial) -> torch.Tensor:
         out, _ = self._call(pieces, pieces["v"], initial, False)
         return out  # [m, n, Hv, dv]
+
+    def final_state(self, pieces: dict, initial) -> torch.Tensor:
+        return self._call(pieces, pieces["v"], initial, True)[1]  # [m, Hv, dk, dv]

@@ -45,3 +45,6 @@ class Mamba2Scan:
 
     def outputs(self, pieces: dict, initial) -> torch.Tensor:
         return self._call(pieces, self.D, initial, False)  # [m, n, H, P]
+
+    def final_state(self, pieces: dict, initial) -> torch.Tensor:
+        return self._call(pieces, self.D, initial, True)[1]  # [m, H, P, N]

@@ -45,15 +45,21 @@ class Recurrence(Protocol):
     def outputs(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor) -> torch.Tensor:
         """The outputs ``[m, n, ...]`` of ``m`` stacked segments from states ``initial`` ``[m, *state]``."""
 
+    def final_state(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor | None) -> torch.Tensor:
+        """The state ``[m, *state]`` after ``m`` stacked segments from ``initial`` (None: zero)."""
+
 
 def pass_states(
-    recurrence: Recurrence, inputs: dict[str, torch.Tensor], call: SlotCall, counter: CommCounter | None = None
+    recurrence: Recurrence, inputs: dict[str, torch.Tensor], call: SlotCall, counter: CommCounter | None = None,
+    chained: list | None = None,
 ) -> torch.Tensor:
     """The recurrence's output over the slot's tokens, exact over the ring and packed documents.
 
     Args:
         inputs: name -> [B, L, ...] the slot's tokens in slot order (this rank's heads).
         call: the batch's :class:`~hybridsp.linear.slots.SlotCall`.
+        chained: if a list, each row group's ``{(slot, run): initial state or None}`` is appended
+            (the prefill's final state starts from them: :mod:`hybridsp.linear.decode`).
 
     Returns:
         [B, L, ...] the outputs in slot order.
@@ -65,6 +71,8 @@ def pass_states(
         plan = group.plan
         table = [[pairs[s, :, j] for j in range(plan.max_runs)] for s in range(call.ring)]  # each [b, *pair]
         states = chain_initial_states(plan, table, recurrence.apply, recurrence.external)
+        if chained is not None:
+            chained.append(states)
         outs.append(_segment_outputs(recurrence, inputs, group, call.slot, states))
     joined = torch.cat(outs, dim=0)  # [B, L, ...] rows in group order
     return joined if len(outs) == 1 else joined[call.row_order().to(joined.device)]

@@ -104,11 +104,15 @@ SUPPORT = {
 
 
 LINEAR_TESTS = "tests/linear/test_hf_models.py"
+LINEAR_GENERATE = "tests/linear/test_generate.py"
 LINEAR_SUPPORT = {  # hybrid linear-attention families: tiny configs in tests/helpers/linear_models.py, tested there
-    name: dict(zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, UNTESTED, UNTESTED,
-                            REFUSED + "generation with linear layers (tests/linear/test_switch.py)")))
-    for name, trainer in (("qwen3_5_text", f"{EXACT} ({LINEAR_TESTS}, slow)"), ("qwen3_next", UNTESTED),
-                          ("nemotron_h", UNTESTED))
+    name: dict(zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, sft, UNTESTED,
+                            generate)))
+    for name, trainer, sft, generate in (
+        ("qwen3_5_text", f"{EXACT} ({LINEAR_TESTS}, slow)", f"{EXACT} (packed; tests/integrations/trl/test_trainers.py, "
+                                                             f"slow)", f"{EXACT} ({LINEAR_GENERATE}, U2xR2, U1xR2)"),
+        ("qwen3_next", UNTESTED, UNTESTED, f"{EXACT} ({LINEAR_GENERATE}, U1xR3, slow)"),
+        ("nemotron_h", UNTESTED, UNTESTED, f"{EXACT} ({LINEAR_GENERATE}, U2xR2, U1xR2)"))
 }
 
 

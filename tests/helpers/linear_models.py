@@ -3,6 +3,8 @@ linear-layer tests compare against: the unmodified model on the whole rows, or r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -72,3 +74,29 @@ def per_document_reference(model, batch: dict, rows) -> tuple:
     loss = total / count
     loss.backward()
     return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def per_document_mixers(model) -> None:
+    """Make ``model``'s unmodified recurrent mixers run every packed document by itself: the one-process reference
+    for packed rows (transformers' CPU fallbacks run straight across documents). A document starts wherever the
+    model call's ``position_ids`` are 0 (a forward pre-hook on ``model`` reads them); calls with a cache run as
+    they are."""
+    seen = {}
+    model.register_forward_pre_hook(lambda _, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")),
+                                    with_kwargs=True)
+    for module in model.modules():
+        if hasattr(module, "A_log") and hasattr(module, "conv1d"):
+            module.forward = functools.partial(_run_per_document, module.forward, seen)
+
+
+def _run_per_document(forward, seen: dict, hidden_states, cache=None, attention_mask=None, **kwargs):
+    positions = seen.get("position_ids")
+    if positions is None or cache is not None:
+        return forward(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    rows = []
+    for b in range(hidden_states.shape[0]):
+        starts = sorted({0, *(positions[b] == 0).nonzero().flatten().tolist(), hidden_states.shape[1]})
+        mask = lambda s, e: None if attention_mask is None else attention_mask[b:b + 1, s:e]  # noqa: E731
+        rows.append(torch.cat([forward(hidden_states[b:b + 1, s:e], attention_mask=mask(s, e))
+                               for s, e in zip(starts, starts[1:])], dim=1))  # [1, S, hidden]
+    return torch.cat(rows, dim=0)  # [B, S, hidden]

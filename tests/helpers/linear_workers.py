@@ -103,3 +103,24 @@ def bf16_errors(rank: int, world: int, family: str, ulysses: int, ring: int, row
     with hf.apply(model, mesh):
         logits = sharded(model, mesh, batch)[0].float()
     return {"single": float((single - reference).abs().max()), "sharded": float((logits - reference).abs().max())}
+
+
+def generation_errors(rank: int, world: int, cases) -> dict:
+    """Each case ``(name, family, ulysses, ring, prompt_length, new_tokens[, layout])``: hybridsp's greedy ``generate`` of
+    ``family``'s tiny model (B = 2 different rows) against the unmodified model's own ``model.generate`` ->
+    (ids equal, worst relative error of the logits that chose each token)."""
+    from tests.helpers.generation import reference_generate
+
+    found = {}
+    for name, family, ulysses, ring, length, new, *layout in cases:
+        model = tiny_hybrid(family).eval()
+        model.generation_config.eos_token_id = None  # never stop early: every step is compared
+        ids = packed_batch(((length,), (length,)), seed=length)["input_ids"]  # [2, S]
+        ref_ids, ref_logits = reference_generate(model, ids, max_new_tokens=new)
+        mesh = init_mesh(ulysses=ulysses, ring=ring, layout=(layout or ["zigzag"])[0])
+        with hf.apply(model, mesh):
+            ours, logits = hf.generate(model, ids, mesh=mesh, max_new_tokens=new, eos_token_id=[],
+                                       output_logits=True)
+        found[name] = (bool(torch.equal(ours, ref_ids)), rel_err(logits, ref_logits))
+    return found
+

@@ -71,6 +71,13 @@ def _lora(model):
 
 
 def _model(case: dict):
+    if case.get("model") == "qwen3_5":  # a hybrid linear-attention model (Gated DeltaNet layers)
+        from tests.helpers.linear_models import per_document_mixers, tiny_hybrid
+
+        model = tiny_hybrid("qwen3_5")
+        if case["hybrid"] is None:
+            per_document_mixers(model)  # the plain reference runs each packed document by itself
+        return model
     model = tiny_llama()
     return _lora(model) if case.get("peft") else model
 

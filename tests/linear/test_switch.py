@@ -90,14 +90,19 @@ def test_a_cached_decode_step_is_refused():
         model(input_ids=ids[:, -1:], cache=cache, use_cache=True)
 
 
-def test_generate_is_refused_before_any_collective():
+def test_left_padded_generation_is_refused_before_any_collective():
     from hybridsp.integrations import transformers as hf
 
     model = tiny_hybrid("qwen3_5")
     mesh = mesh_at(1, 1)  # no process groups: a collective would fail
+    ids = packed_batch(((8,), (8,)))["input_ids"]
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # row 1 left-padded by 3
     with hf.apply(model, mesh):
-        with pytest.raises(ValueError, match="generation is not supported for them"):
-            hf.generate(model, packed_batch(((8,),))["input_ids"], mesh=mesh, max_new_tokens=2)
+        with pytest.raises(ValueError, match=r"without left padding \(got \[0, 3\] pad tokens"):
+            hf.generate(model, ids, mesh=mesh, max_new_tokens=2, attention_mask=mask)
+        with pytest.raises(ValueError, match="without left padding"):
+            hf.prefill(model, ids, mesh=mesh, attention_mask=mask)
 
 
 def test_attention_heads_are_counted_without_the_output_gate():
@@ -110,3 +115,19 @@ def test_attention_heads_are_counted_without_the_output_gate():
     with pytest.raises(ValueError, match="2 query heads are not divisible by the Ulysses degree 4"):
         hf.apply(model, mesh_at(4, 1))
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_second_prefill_into_a_generation_cache_is_refused():
+    """A call into a generation cache whose layer already holds the prompt state, without a decode step (a decoder
+    layer that dropped the keyword arguments), would restart the state: refused."""
+    from hybridsp.integrations.transformers.generation import HybridCache
+    from hybridsp.linear.decode import LinearStates
+
+    model = tiny_hybrid("qwen3_5")
+    switch_linear_layers(model, mesh_at(1, 1))
+    mixer = next(m for m, _ in linear_mixers(model))
+    cache = HybridCache.__new__(HybridCache)  # only its linear_states is read here
+    cache.linear_states = LinearStates(4, torch.arange(4))
+    cache.linear_states.layers[mixer.layer_idx] = (None, None)
+    with pytest.raises(ValueError, match="already holds this layer's prompt state"):
+        mixer(torch.randn(1, 1, 64), cache=cache)

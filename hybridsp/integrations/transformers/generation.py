@@ -84,6 +84,7 @@ from hybridsp.integrations.transformers.sampling import (  # noqa: F401  choose_
 )
 from hybridsp.layout.documents import Documents
 from hybridsp.layout.layouts import layout_permutation
+from hybridsp.linear.decode import LinearStates
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 PROMPT_PAD_ID = 0  # fills the prompt up to the layout's multiple; never attended (Note [padding])
@@ -101,6 +102,7 @@ class HybridCache(Cache):
     def __init__(self, store: ShardedKVCache, prompt_index: torch.Tensor | None):
         super().__init__(layers=[])
         self.store, self.prompt_index = store, prompt_index
+        self.linear_states: LinearStates | None = None  # the recurrent layers' (Note [where the decode states live])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         store = self.store
@@ -187,6 +189,7 @@ def prefill(
     """
     _check_inputs(model, input_ids, mesh, max_new_tokens)
     mask = _checked_mask(attention_mask, input_ids, mesh)
+    refuse_generation(model, mask)
     with torch.inference_mode():
         return _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask)
 
@@ -207,6 +210,7 @@ def _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask=None) -> P
         new_tokens=max(max_new_tokens - 1, 0),
     )
     cache = HybridCache(store, None if real.numel() == mine.numel() else real)
+    cache.linear_states = LinearStates(seq, mine)
     last_shard, last_index = (int(i) for i in (shards == seq - 1).nonzero()[0])
     keep = 0 if all_logits else torch.tensor([last_index] * (mesh.context_rank == last_shard), dtype=torch.long,
                                              device=device)
@@ -274,6 +278,7 @@ def generate(
     _check_inputs(model, input_ids, mesh, max_new_tokens)
     check_sampling(do_sample, temperature, top_k, top_p)
     mask = _checked_mask(attention_mask, input_ids, mesh)
+    refuse_generation(model, mask)
     eos = eos_ids(model, eos_token_id)
     pad = pad_id(model, pad_token_id, eos)
     with torch.inference_mode():
@@ -376,7 +381,6 @@ def _check_inputs(model: nn.Module, input_ids, mesh: HybridMesh, max_new_tokens)
         )
     if any(getattr(m, BINDING_ATTR).mesh is not mesh for m in modules):
         raise ValueError("the model was switched with a different mesh than the one passed to generate/prefill")
-    refuse_generation(model)  # linear-attention layers keep no state in the sharded cache
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         raise ValueError(
             f"{type(model).__name__} has no language-model head (no logits_to_keep argument); generate needs a "

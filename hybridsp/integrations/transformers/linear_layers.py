@@ -29,9 +29,12 @@ mixers under the model-call keyword ``hybridsp_documents`` (the Qwen3.5 / Qwen3-
 decoder layers pass their keyword arguments through, and the attention switch's forward pre-hook
 derives them when the caller gave none). Packed documents restart the state and the conv window.
 A cache the model builds by default (``use_cache``) is left untouched: these forwards never take
-transformers' in-place one-token decode path. A call that continues a cache (it holds more tokens
-than the call brings) or a hybridsp decode step is refused: generation with linear layers is not
-supported (undo the switch and call ``model.generate`` on one process).
+transformers' in-place one-token decode path. Generation (:func:`hybridsp.integrations.transformers.generate`)
+hands them a cache carrying :class:`~hybridsp.linear.decode.LinearStates`: the sharded prefill
+fills each layer's final state and conv tail, replicated on every context rank, and each decode
+step (the token replicated) runs the whole layer locally with the model's own single-step math
+(Note [where the decode states live] there). Any other call that continues a cache (it holds
+more tokens than the call brings) is refused, and so are left-padded prompts to generate.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from torch import nn
 from hybridsp.integrations.transformers.binding import DECODE_KWARG, DOCUMENTS_KWARG
 from hybridsp.integrations.transformers.documents import documents_from_kwargs
 from hybridsp.linear.conv import halo_conv
+from hybridsp.linear.decode import LinearStates, conv_step, prompt_conv_tail, prompt_final_state
 from hybridsp.linear.delta_rule import GatedDeltaRule
 from hybridsp.linear.heads import to_sequence, to_slot_heads, unit_range
 from hybridsp.linear.mamba2 import Mamba2Scan
@@ -145,15 +149,16 @@ def _check_mixer(module: nn.Module, kind: str, mesh: HybridMesh):
     return kernel
 
 
-def refuse_generation(model: nn.Module) -> None:
-    """Raise ValueError if ``model`` has switched linear layers (generation is not supported for them:
-    Note [documents and caches]); :func:`hybridsp.integrations.transformers.generate` asks before any collective."""
+def refuse_generation(model: nn.Module, left_padding: torch.Tensor | None) -> None:
+    """Raise ValueError if ``model`` has switched linear layers and the prompts are left-padded
+    (``left_padding``: the [B, S] mask, None without padding); generate and prefill ask before any collective."""
     switched = [m for m in model.modules() if hasattr(m, MARK)]
-    if switched:
+    if switched and left_padding is not None:
+        pads = sorted(set((~left_padding).sum(1).tolist()))
         raise ValueError(
             f"{type(model).__name__} has {len(switched)} linear-attention / state-space layers switched to hybridsp; "
-            f"generation is not supported for them (their recurrent and conv states are not kept in the sharded "
-            f"cache): undo the switch and call model.generate on one process"
+            f"generate takes their prompts without left padding (got {pads[:4]} pad tokens per row: the padding "
+            f"would run through their recurrent state). Generate rows of different lengths in separate calls"
         )
 
 
@@ -169,6 +174,26 @@ def _refuse_continuation(module: nn.Module, hidden_states: torch.Tensor, cache, 
             f"are not supported for linear-attention layers under hybridsp; undo the switch and call model.generate "
             f"on one process, or call the model with use_cache=False"
         )
+
+
+def _prompt_states(module: nn.Module, hidden_states: torch.Tensor, cache, kwargs: dict) -> LinearStates | None:
+    """The generation's :class:`LinearStates` (a hybridsp prefill or decode step), else None after refusing
+    any other continued cache (Note [documents and caches])."""
+    store = getattr(cache, "linear_states", None)
+    if isinstance(store, LinearStates):
+        if module.layer_idx in store.layers and kwargs.get(DECODE_KWARG) is None:
+            raise ValueError(
+                f"{type(module).__name__} (layer {module.layer_idx}): the generation cache already holds this layer's "
+                f"prompt state, but the call carries no {DECODE_KWARG}= step (its decoder layer must pass the model "
+                f"call's keyword arguments on to the mixer); decode with hybridsp.integrations.transformers.generation.decode_step"
+            )
+        return store
+    _refuse_continuation(module, hidden_states, cache, kwargs)
+    return None
+
+
+def _module_function(module: nn.Module, name: str):
+    return getattr(sys.modules.get(type(module).__module__), name, None)
 
 
 def _cached_tokens(cache) -> int:
@@ -234,8 +259,11 @@ def _delta_projections(module, hidden_states: torch.Tensor):
 
 def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor, cache=None,
                        attention_mask=None, **kwargs) -> torch.Tensor:
-    """A Gated DeltaNet's forward over the mesh: [B, S/C, hidden] -> [B, S/C, hidden]."""
-    _refuse_continuation(module, hidden_states, cache, kwargs)
+    """A Gated DeltaNet's forward over the mesh: [B, S/C, hidden] -> [B, S/C, hidden] (a generation
+    prefill also fills its :class:`LinearStates`; a decode step runs :func:`_delta_decode`)."""
+    store = _prompt_states(module, hidden_states, cache, kwargs)
+    if store is not None and kwargs.get(DECODE_KWARG) is not None:
+        return _delta_decode(module, store, _masked(hidden_states, attention_mask))
     hidden_states = _masked(hidden_states, attention_mask)
     batch, length, _ = hidden_states.shape
     hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
@@ -243,6 +271,7 @@ def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Te
     q, k, v, z, b, a = _delta_projections(module, hidden_states)
     parts = [q, k, v.reshape(batch, length, hk, group * dv), b.reshape(batch, length, hk, group),
              a.reshape(batch, length, hk, group)]  # each [B, L, Hk, f]
+    pre = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1) if store is not None else None  # [B, L, C]
     q, k, v, b, a = to_slot_heads(parts, mesh)  # each [B, Ls, hk, f], hk = Hk / U
     slot_len, local_k = q.shape[1], q.shape[2]
     lo, hi = unit_range(hk, mesh)
@@ -261,7 +290,12 @@ def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Te
         "g": -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads]),  # [B, Ls, hv]
         "beta": b.reshape(batch, slot_len, local_k * group).sigmoid(),  # [B, Ls, hv]
     }
-    out = pass_states(GatedDeltaRule(kernel, dv), inputs, call, mesh.comm_counter)  # [B, Ls, hv, dv]
+    chained = [] if store is not None else None
+    out = pass_states(GatedDeltaRule(kernel, dv), inputs, call, mesh.comm_counter, chained)  # [B, Ls, hv, dv]
+    if store is not None:
+        store.layers[module.layer_idx] = (
+            prompt_conv_tail(pre, store, module.conv1d.weight.shape[-1], mesh),
+            prompt_final_state(GatedDeltaRule(kernel, dv), inputs, call, chained[0], store, heads, hv, mesh))
     out = to_sequence(out, mesh)  # [B, L, Hv, dv]
     out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(batch, length, -1)  # [B, L, Hv dv]
     return module.out_proj(out)
@@ -272,8 +306,11 @@ def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Te
 
 def mamba2_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor, cache=None,
                    attention_mask=None, **kwargs) -> torch.Tensor:
-    """A Mamba-2 mixer's forward over the mesh: [B, S/C, hidden] -> [B, S/C, hidden]."""
-    _refuse_continuation(module, hidden_states, cache, kwargs)
+    """A Mamba-2 mixer's forward over the mesh: [B, S/C, hidden] -> [B, S/C, hidden] (a generation
+    prefill also fills its :class:`LinearStates`; a decode step runs :func:`_mamba2_decode`)."""
+    store = _prompt_states(module, hidden_states, cache, kwargs)
+    if store is not None and kwargs.get(DECODE_KWARG) is not None:
+        return _mamba2_decode(module, store, _masked(hidden_states, attention_mask))
     dtype = hidden_states.dtype
     hidden_states = _masked(hidden_states, attention_mask)
     batch, length, _ = hidden_states.shape
@@ -282,6 +319,7 @@ def mamba2_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor
     per_group = heads // groups
     gate, xbc, dt = module.in_proj(hidden_states).split([inner, module.conv_dim, heads], dim=-1)
     x, bm, cm = xbc.split([inner, groups * state, groups * state], dim=-1)
+    pre = xbc if store is not None else None  # [B, L, C]
     parts = [x.reshape(batch, length, groups, per_group * dim), bm.reshape(batch, length, groups, state),
              cm.reshape(batch, length, groups, state), dt.reshape(batch, length, groups, per_group)]
     x, bm, cm, dt = to_slot_heads(parts, mesh)  # each [B, Ls, g, f], g = G / U
@@ -302,9 +340,65 @@ def mamba2_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor
         "B": bm.reshape(batch, slot_len, local, state),  # [B, Ls, g, N]
         "C": cm.reshape(batch, slot_len, local, state),  # [B, Ls, g, N]
     }
-    out = pass_states(scan, inputs, call, mesh.comm_counter)  # [B, Ls, h, P]
+    chained = [] if store is not None else None
+    out = pass_states(scan, inputs, call, mesh.comm_counter, chained)  # [B, Ls, h, P]
+    if store is not None:
+        store.layers[module.layer_idx] = (
+            prompt_conv_tail(pre, store, module.conv1d.weight.shape[-1], mesh),
+            prompt_final_state(scan, inputs, call, chained[0], store, own, heads, mesh))
     out = to_sequence(out, mesh).reshape(batch, length, inner)  # [B, L, H P]
     return module.out_proj(module.norm(out, gate).to(dtype))
+
+
+# --------------------------------------------------------------------------- decode steps (every head, local)
+
+
+def _conv_decode(module, store: LinearStates, pre: torch.Tensor, dtype) -> torch.Tensor:
+    """The conv + activation of one token [B, 1, C] from the layer's tail (which moves on)."""
+    tail, state = store.layers[module.layer_idx]
+    out, tail = conv_step(tail, pre, module.conv1d.weight.squeeze(1), module.conv1d.bias)  # [B, 1, C]
+    store.layers[module.layer_idx] = (tail, state)
+    return _activation(module.activation)(out).to(dtype)
+
+
+def _delta_decode(module, store: LinearStates, hidden_states: torch.Tensor) -> torch.Tensor:
+    """One token [B, 1, hidden] (the same on every context rank) through the whole layer, all heads, with the
+    model's own recurrent step (``torch_recurrent_gated_delta_rule``, else its chunked kernel)."""
+    batch = hidden_states.shape[0]
+    dk, dv = module.head_k_dim, module.head_v_dim
+    q, k, v, z, b, a = _delta_projections(module, hidden_states)
+    pre = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)  # [B, 1, C]
+    mixed = _conv_decode(module, store, pre, hidden_states.dtype)  # [B, 1, C]
+    q, k, v = mixed.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    step = _module_function(module, "torch_recurrent_gated_delta_rule") or _module_function(
+        module, "torch_chunk_gated_delta_rule")
+    tail, state = store.layers[module.layer_idx]
+    out, state = step(
+        q.reshape(batch, 1, -1, dk), k.reshape(batch, 1, -1, dk), v.reshape(batch, 1, -1, dv),  # [B, 1, H, d]
+        g=-module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias), beta=b.sigmoid(),
+        initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)  # [B, 1, Hv, dv]
+    store.layers[module.layer_idx] = (tail, state.float())
+    out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(batch, 1, -1)  # [B, 1, Hv dv]
+    return module.out_proj(out)
+
+
+def _mamba2_decode(module, store: LinearStates, hidden_states: torch.Tensor) -> torch.Tensor:
+    """One token [B, 1, hidden] through the whole mixer, all heads, with the model's own
+    ``mamba2_selective_state_update`` (which updates the state in place)."""
+    batch, dtype = hidden_states.shape[0], hidden_states.dtype
+    inner, groups, size, heads, dim = (module.intermediate_size, module.n_groups, module.ssm_state_size,
+                                       module.num_heads, module.head_dim)
+    gate, xbc, dt = module.in_proj(hidden_states).split([inner, module.conv_dim, heads], dim=-1)
+    x, bm, cm = _conv_decode(module, store, xbc, dtype).split([inner, groups * size, groups * size], dim=-1)
+    _, state = store.layers[module.layer_idx]
+    update = _module_function(module, "mamba2_selective_state_update")
+    out = update(
+        state, x.reshape(batch, heads, dim), dt.transpose(1, 2).expand(-1, -1, dim),  # [B, H, P]
+        (-torch.exp(module.A_log.float()))[:, None, None].expand(-1, dim, size),  # [H, P, N]
+        bm.reshape(batch, groups, size), cm.reshape(batch, groups, size),  # [B, G, N]
+        module.D[:, None].expand(-1, dim), z=None, dt_bias=module.dt_bias[:, None].expand(-1, dim), dt_softplus=True,
+    )  # [B, H, P]
+    return module.out_proj(module.norm(out.reshape(batch, 1, -1), gate).to(dtype))
 
 
 FORWARDS = {"delta_rule": delta_rule_forward, "mamba2": mamba2_forward}

@@ -120,6 +120,17 @@ def test_more_trl_and_peft_cases_match_the_plain_trainers():
         _check(name, ours[name], plain[_key(SLOW_CASES[name][0])], SLOW_CASES)
 
 
+@pytest.mark.slow
+def test_packed_sft_on_a_hybrid_linear_model():
+    """HybridSFTTrainer with packing on Qwen3.5 (Gated DeltaNet layers, exact state passing) at U2xR2 ZeRO-2
+    against the plain SFTTrainer, whose recurrent layers run each packed document by itself."""
+    cases = {"sft-packed-qwen3_5-U2xR2-zero2": ({"item": "sft", "packing": True, "model": "qwen3_5"}, 4,
+                                                {**U2R2, "stage": 2})}
+    ours, plain = _run(cases)
+    for name in cases:
+        _check(name, ours[name], plain[_key(cases[name][0])], cases)
+
+
 def _fused_call_checks(rank, world_size):
     """On one rank (C = 1): a hooked fused call equals TRL's own on the full batch (padding to the layout's
     multiple and the cut back to [B, S - 1] included); bad calls and DPO's precompute are refused."""

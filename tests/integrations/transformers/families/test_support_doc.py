@@ -1,6 +1,14 @@
 """docs/model-support.md is the table the family tests run (tests/helpers/families.py), and names real tests."""
 
-from tests.helpers.families import CHECKS, COLUMNS, LINEAR_SUPPORT, LINEAR_TESTS, SUPPORT, render_support_matrix
+from tests.helpers.families import (
+    CHECKS,
+    COLUMNS,
+    LINEAR_GENERATE,
+    LINEAR_SUPPORT,
+    LINEAR_TESTS,
+    SUPPORT,
+    render_support_matrix,
+)
 from tests.helpers.paths import ROOT
 
 
@@ -15,4 +23,4 @@ def test_every_column_names_tests_that_exist_and_every_family_has_every_check():
             path = path if path.startswith("tests/") else f"tests/integrations/transformers/{path}"
             assert (ROOT / path).exists(), f"{check}: {path}"
     assert all(set(row) == set(CHECKS) for row in [*SUPPORT.values(), *LINEAR_SUPPORT.values()])
-    assert (ROOT / LINEAR_TESTS).exists()
+    assert (ROOT / LINEAR_TESTS).exists() and (ROOT / LINEAR_GENERATE).exists()
