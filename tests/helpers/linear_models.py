@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
+
+from tests.helpers import packed_models
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=256, attn_implementation="sdpa",
@@ -47,33 +48,11 @@ def tiny_hybrid(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, 
 
 
 def packed_batch(rows: tuple[tuple[int, ...], ...], seed: int = 0) -> dict:
-    """input_ids/labels [B, S] and position_ids restarting at 0 at every document."""
-    seq = sum(rows[0])
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (len(rows), seq), generator=gen)
-    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])  # [B, S]
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions}
+    """input_ids/labels [B, S] and position_ids restarting at 0 at every document (S: the first row's total)."""
+    return packed_models.packed_batch(rows, sum(rows[0]), seed, VOCAB)
 
 
-def per_document_reference(model, batch: dict, rows) -> tuple:
-    """(logits [B, S, V], loss, {name: grad}) of the unmodified model on every document by itself; the loss
-    averages next-token cross-entropy over all targets inside documents."""
-    model.zero_grad(set_to_none=True)
-    ids = batch["input_ids"]
-    logits = torch.zeros(*ids.shape, VOCAB)
-    total, count = 0.0, 0
-    for b, lengths in enumerate(rows):
-        start = 0
-        for length in lengths:
-            doc = ids[b:b + 1, start:start + length]  # [1, n]
-            out = model(input_ids=doc, use_cache=False).logits  # [1, n, V]
-            logits[b, start:start + length] = out[0].detach()
-            total = total + F.cross_entropy(out[0, :-1], doc[0, 1:], reduction="sum")
-            count += length - 1
-            start += length
-    loss = total / count
-    loss.backward()
-    return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+per_document_reference = packed_models.per_document_reference  # the unmodified model on every document by itself
 
 
 def per_document_mixers(model) -> None:

@@ -13,21 +13,18 @@ launch against ``model(**batch).loss``. Slow: Mixtral, ``HybridSFTTrainer`` agai
 (also its logged ``aux_loss``), and DP2 x U2 against the plain Trainer on 2 DDP processes.
 """
 
-import os
 import sys
 import types
 
 import pytest
 import torch
 
-from hybridsp.testing import PRELOAD_ENV, run_distributed
+from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
 from tests.helpers.moe_workers import ROUTER_COEF, moe_model, several
+from tests.helpers.preload import preload
 
-os.environ[PRELOAD_ENV] = ",".join(
-    name for name in dict.fromkeys(os.environ.get(PRELOAD_ENV, "").split(",") + ["transformers.trainer", "accelerate"])
-    if name
-)
+preload("transformers.trainer", "accelerate")
 
 RTOL = 1e-4  # loss, grad_norm, eval_loss (measured: ~1e-7)
 ROUTER_RTOL = 1e-4  # relative error of the routers' updates (measured ~1e-6; a per-shard loss: 0.1-0.2)

@@ -23,15 +23,13 @@ import tempfile
 import pytest
 import torch
 
-from hybridsp.testing import PRELOAD_ENV, run_distributed
+from hybridsp.testing import run_distributed
 from tests.helpers.paths import ROOT
+from tests.helpers.preload import preload
 from tests.helpers.trainer_workers import save_and_resume, several
 
 # The workers import the Trainer and accelerate; the forkserver imports them once (if it starts here).
-os.environ[PRELOAD_ENV] = ",".join(
-    name for name in dict.fromkeys(os.environ.get(PRELOAD_ENV, "").split(",") + ["transformers.trainer", "accelerate"])
-    if name
-)
+preload("transformers.trainer", "accelerate")
 
 RTOL = 1e-3
 HYBRID_RUNS = {

@@ -13,7 +13,6 @@ completions the plain run sampled (token for token), and the per-step logged ``l
 per-function rewards must agree to relative 1e-4 (absolute 1e-6 near 0; measured: 1e-6).
 """
 
-import os
 
 import pytest
 import torch
@@ -21,14 +20,11 @@ import torch
 pytest.importorskip("trl", reason="TRL is optional: pip install -e '.[trl]' (the test extra installs it)")
 pytest.importorskip("peft", reason="PEFT is optional: pip install -e '.[trl]' (the test extra installs it)")
 
-from hybridsp.testing import PRELOAD_ENV, run_distributed  # noqa: E402
+from hybridsp.testing import run_distributed  # noqa: E402
+from tests.helpers.preload import preload  # noqa: E402
 from tests.helpers.rl_workers import LOGGED, several  # noqa: E402
 
-os.environ[PRELOAD_ENV] = ",".join(
-    name for name in dict.fromkeys(
-        os.environ.get(PRELOAD_ENV, "").split(",") + ["transformers.trainer", "accelerate", "trl", "datasets", "peft"]
-    ) if name
-)
+preload("transformers.trainer", "accelerate", "trl", "datasets", "peft")
 
 RTOL, ATOL = 1e-4, 1e-6
 U2R1 = {"ulysses": 2, "ring": 1, "stage": 2}

@@ -14,7 +14,6 @@ agree to relative 1e-3 (measured: loss and grad_norm below 1e-6). PEFT runs trai
 LoRA weights and save the same ``adapter_model`` as the plain run.
 """
 
-import os
 
 import pytest
 import torch
@@ -22,14 +21,11 @@ import torch
 pytest.importorskip("trl", reason="TRL is optional: pip install -e '.[trl]' (the test extra installs it)")
 pytest.importorskip("peft", reason="PEFT is optional: pip install -e '.[trl]' (the test extra installs it)")
 
-from hybridsp.testing import PRELOAD_ENV, run_distributed  # noqa: E402
+from hybridsp.testing import run_distributed  # noqa: E402
+from tests.helpers.preload import preload  # noqa: E402
 from tests.helpers.trl_workers import several  # noqa: E402
 
-os.environ[PRELOAD_ENV] = ",".join(
-    name for name in dict.fromkeys(
-        os.environ.get(PRELOAD_ENV, "").split(",") + ["transformers.trainer", "accelerate", "trl", "datasets", "peft"]
-    ) if name
-)
+preload("transformers.trainer", "accelerate", "trl", "datasets", "peft")
 
 RTOL = 1e-3
 U2R1 = {"ulysses": 2, "ring": 1, "stage": 2}

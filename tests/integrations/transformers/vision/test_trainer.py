@@ -7,19 +7,16 @@ between text runs, right-padded; micro batch 2, gradient accumulation 2, 3 steps
 ZeRO-2 and ZeRO-3 (default run) and at U2 x R2 under ZeRO-2 and ZeRO-3 (slow).
 """
 
-import os
 
 import pytest
 import torch
 
-from hybridsp.testing import PRELOAD_ENV, run_distributed
+from hybridsp.testing import run_distributed
+from tests.helpers.preload import preload
 from tests.helpers.vlm_trainer_workers import ACCUMULATION, MICRO_BATCH, STEPS, samples, train
 from tests.helpers.vlm_workers import collate
 
-os.environ[PRELOAD_ENV] = ",".join(
-    name for name in dict.fromkeys(os.environ.get(PRELOAD_ENV, "").split(",") + ["transformers.trainer", "accelerate"])
-    if name
-)
+preload("transformers.trainer", "accelerate")
 RTOL = 1e-5
 
 
