@@ -7,7 +7,8 @@ prompts x ``num_generations=2``, completions of at most 10 tokens sampled at tem
 plain-python reward functions, ``beta=0.1``, 3 optimizer steps, ``max_grad_norm=1.0``. Ours:
 ``HybridGRPOTrainer`` / ``HybridRLOOTrainer`` at U2 x R1 (2 ranks) and, in the slow set, U2 x R2
 (4 ranks), U1 x R3 (3 ranks) and DP2 x U2 (4 ranks, against a plain 2-process run), ZeRO-2 (and
-ZeRO-3), on the same prompts. Every context rank must have scored the very
+ZeRO-3), on the same prompts; with ``"generation": "sharded"`` (hybridsp's sharded generation
+makes the completions, seeded sampling) at U2 x R1 by default and U2 x R2, U1 x R3 in the slow set. Every context rank must have scored the very
 completions the plain run sampled (token for token), and the per-step logged ``loss``,
 ``grad_norm``, ``kl``, ``reward``, ``reward_std``, ``entropy``, clip ratio, completion length and
 per-function rewards must agree to relative 1e-4 (absolute 1e-6 near 0; measured: 1e-6).
