@@ -54,6 +54,7 @@ SLOW_CASES = {
     "grpo-dapo-U1xR3-zero2": ({"item": "grpo"}, 3, {"ulysses": 1, "ring": 3, "stage": 2}, 1),  # an odd degree
     "grpo-dapo-sharded-generation-U2xR2-zero3": ({"item": "grpo"}, 4, {**U2R2, "stage": 3, "generation": "sharded"}, 1),
     "rloo-sharded-generation-U2xR2-zero2": ({"item": "rloo"}, 4, {**U2R2, "generation": "sharded"}, 1),
+    "grpo-lora-sharded-generation-U2xR1-zero2": ({"item": "grpo", "peft": True}, 2, {**U2R1, "generation": "sharded"}, 1),
     "grpo-dapo-sharded-generation-U1xR3-zero2": (
         {"item": "grpo"}, 3, {"ulysses": 1, "ring": 3, "stage": 2, "generation": "sharded"}, 1),
 }
