@@ -52,8 +52,9 @@ the installed TRL), importance sampling, clipping, the KL term, ``num_iterations
 log-probs reused), gradient accumulation.
 
 Refused with a ValueError at construction, before any collective: vLLM and continuous-batching
-generation, ``rollout_func``, tools and environments, and a generation batch that does not hold
-whole prompt groups at the replica count; after TRL's constructor (on every rank alike): MoE
+generation, ``rollout_func``, tools and environments, a generation batch that does not hold
+whole prompt groups at the replica count, and with ``"generation": "sharded"`` generation settings
+it cannot honour or ``layout="balanced"``; after TRL's constructor (on every rank alike): MoE
 auxiliary losses; at the first scoring (on every rank alike): inputs beyond the text (pixel
 values, token types of vision-language prompts), which are not sharded.
 """
