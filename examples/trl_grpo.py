@@ -9,7 +9,8 @@ the policy samples ``--num-generations`` completions of at most ``--completion-l
 prompt and is rewarded by two plain-python functions: the share of its words that occur in the
 paragraph's true continuation, and a length close to ``--target-words``. HybridGRPOTrainer
 (``--algorithm rloo``: HybridRLOOTrainer) generates with the plain model on every context rank
-(the same completions there: docs/trl-peft.md), scores the policy, the old policy and the
+(the same completions there: docs/trl-peft.md; ``--generation sharded``: with hybridsp's sharded
+generation, for prompts too long for one rank), scores the policy, the old policy and the
 reference on sequence shards (only per-token log-probs cross ranks) and trains with TRL's loss.
 TRL builds the reference model from the policy's path, so the built-in small Llama is saved to
 ``--output-dir``/initial-policy first (``--model-path`` is used as it is). Nothing is downloaded.
@@ -42,6 +43,9 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--beta", type=float, default=0.04, help="weight of the KL to the reference (default 0.04)")
     parser.add_argument("--target-words", type=int, default=12, help="the length the second reward prefers")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    parser.add_argument("--generation", choices=("plain", "sharded"), default=None, help="how completions are made "
+                        "(default: the config's \"generation\", else plain): the plain model on every context rank, "
+                        "or hybridsp's sharded generation (prompt and K/V cache sharded; docs/trl-peft.md)")
     return parser.parse_args(argv)
 
 
@@ -113,7 +117,7 @@ def build_trainer(args, plan, config):
     model = trl_common.build_model_for(args, tokenizer, rl)
     rows = prompt_rows(texts, max(args.seq_len - args.completion_len, 2) // 2)
     trainer = cls(model=model, reward_funcs=rewards(args.target_words), args=rl, train_dataset=Dataset.from_list(rows),
-                  processing_class=tokenizer, hybridsp=trl_common.mesh_overrides(args))
+                  processing_class=tokenizer, hybridsp={**trl_common.mesh_overrides(args), "generation": args.generation})
     loss = f", loss_type={args.loss_type}" if args.algorithm == "grpo" else ""
     return trainer, (f"TRL {args.algorithm.upper()} example ({args.num_generations} completions of <= "
                      f"{args.completion_len} tokens per prompt, beta={args.beta}{loss})")

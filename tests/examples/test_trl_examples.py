@@ -152,14 +152,17 @@ def test_grpo_example_trains_on_2_ranks(tmp_path):
 @pytest.mark.integration
 @pytest.mark.distributed
 def test_grpo_example_equals_one_process(tmp_path):
-    """Both steps' grad_norm, reward and kl on 2 ranks (deepspeed launcher) equal the one-process run's
-    (1e-4; the loss to 1e-6 absolute: dapo's first loss is ~0)."""
+    """Both steps' grad_norm, reward and kl on 2 ranks (deepspeed launcher; also with ``--generation sharded``)
+    equal the one-process run's (1e-4; the loss to 1e-6 absolute: dapo's first loss is ~0)."""
     extra = ("--completion-len", "8")
     _losses(_run(tmp_path, "trl_grpo.py", "deepspeed", tmp_path / "u2", *extra), tmp_path / "u2")
+    _losses(_run(tmp_path, "trl_grpo.py", "deepspeed", tmp_path / "u2s", *extra, "--generation", "sharded"),
+            tmp_path / "u2s")
     _losses(_run(tmp_path, "trl_grpo.py", None, tmp_path / "u1", *extra), tmp_path / "u1")
-    sharded, alone = _grpo_rows(tmp_path / "u2"), _grpo_rows(tmp_path / "u1")
-    for a, b in zip(sharded, alone):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 + 1e-4 * abs(b["loss"]), (sharded, alone)
-        for key in ("grad_norm", "reward", "kl"):
-            assert abs(a[key] - b[key]) <= 1e-6 + 1e-4 * abs(b[key]), (key, sharded, alone)
+    alone = _grpo_rows(tmp_path / "u1")
+    for sharded in (_grpo_rows(tmp_path / "u2"), _grpo_rows(tmp_path / "u2s")):
+        for a, b in zip(sharded, alone, strict=True):
+            assert abs(a["loss"] - b["loss"]) <= 1e-6 + 1e-4 * abs(b["loss"]), (sharded, alone)
+            for key in ("grad_norm", "reward", "kl"):
+                assert abs(a[key] - b[key]) <= 1e-6 + 1e-4 * abs(b[key]), (key, sharded, alone)
     assert alone[0]["grad_norm"] > 0 or alone[1]["grad_norm"] > 0

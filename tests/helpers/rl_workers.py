@@ -1,7 +1,7 @@
 """Distributed workers for tests/integrations/trl/test_rl_trainers.py: TRL GRPO / RLOO, plain or hybrid, on gloo ranks.
 
 A case is a dict: ``item`` ("grpo" or "rloo"), ``hybrid`` (None for the plain trainer, else
-``ulysses``, ``ring`` and ``stage``) and options (``loss_type``, ``num_iterations``,
+``ulysses``, ``ring``, ``stage`` and optionally ``generation``, the section's "plain" or "sharded") and options (``loss_type``, ``num_iterations``,
 ``accumulation``, ``peft``, ``beta``, ``checkpointing``). Every rank returns its per-step logs and the completion ids
 it saw (in the order its reward function was called), so a test can check both the numbers
 against the plain run and that every context rank saw the same completions. The tiny Llama is
@@ -56,6 +56,8 @@ class Rewards:
 def _settings(output_dir: str, case: dict) -> dict:
     hybrid = case["hybrid"]
     deepspeed = None if hybrid is None else ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], False)
+    if hybrid is not None and "generation" in hybrid:
+        deepspeed["hybridsp"]["generation"] = hybrid["generation"]
     return dict(
         output_dir=output_dir, per_device_train_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=case.get("accumulation", 1), max_steps=STEPS, max_grad_norm=1.0,
@@ -118,12 +120,38 @@ def _saved_tiny_llama(rank: int, scratch: str) -> str:
     return path[0]
 
 
+class CountedCalls:
+    """Counts the calls of ``module.name`` (a function) during the block; the original is back on exit."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name, self.calls = module, name, 0
+
+    def __enter__(self):
+        original = self.original = getattr(self.module, self.name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        setattr(self.module, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.original)
+
+
 def run_case(rank: int, case: dict) -> dict:
-    """Train one case; this rank's logs and the completions its reward function saw."""
+    """Train one case; this rank's logs, the completions its reward function saw and how many
+    times hybridsp's sharded ``generate`` ran (``sharded_generations``)."""
+    import time
+
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
+    from hybridsp.integrations.trl import generation
 
     # a prefix per rank: forked workers share tempfile's name generator
-    with tempfile.TemporaryDirectory(prefix=f"rl-rank{rank}-") as out, without_cpu_shm_comm_build():
+    start = time.perf_counter()
+    with (tempfile.TemporaryDirectory(prefix=f"rl-rank{rank}-") as out, without_cpu_shm_comm_build(),
+          CountedCalls(generation, "generate") as sharded):
         model_path = _saved_tiny_llama(rank, out)
         rewards = Rewards()
         trainer = _trainer(case, os.path.join(out, "run"), model_path, rewards)
@@ -131,7 +159,8 @@ def run_case(rank: int, case: dict) -> dict:
         import torch.distributed as dist
 
         dist.barrier()  # rank 0's directory (the reference model's path) outlives every rank's use
-        return {**_logs(trainer), "completions": rewards.seen}
+        return {**_logs(trainer), "completions": rewards.seen, "sharded_generations": sharded.calls,
+                "seconds": time.perf_counter() - start}
 
 
 def several(rank: int, world_size: int, cases: list) -> list:

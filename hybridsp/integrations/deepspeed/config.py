@@ -11,7 +11,9 @@ The config section (everything else in the file is plain DeepSpeed)::
         "kv_comm": "ring",            # or "allgather" (how K/V travel inside the ring group)
         "kv_chunks": null,            # all-gather chunks per block (null: at most two blocks gathered)
         "tensor": 1,                  # T: tensor-parallel degree (innermost; hybridsp.integrations.deepspeed.tensor)
-        "tensor_sequence_parallel": false  # Megatron-style SP inside the tensor group (1/T of the tokens)
+        "tensor_sequence_parallel": false,  # Megatron-style SP inside the tensor group (1/T of the tokens)
+        "generation": "plain"         # GRPO/RLOO completions: "plain" (the unswitched model on every context
+                                      # rank) or "sharded" (hybridsp's generate: prompt and K/V cache sharded)
     }
 
 The ``C = U * R`` context ranks of a replica hold the same weights and different tokens of
@@ -47,9 +49,10 @@ from hybridsp.mesh.hybrid_mesh import MeshShape
 
 SECTION = "hybridsp"
 SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend", "kv_comm", "kv_chunks", "tensor",
-                "tensor_sequence_parallel")
+                "tensor_sequence_parallel", "generation")
 OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size", "tensor_parallel")
 PRECISIONS = ("bf16", "fp16", "fp32")
+GENERATION_MODES = ("plain", "sharded")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class HybridConfig:
     kv_chunks: int | None = None
     tensor: int = 1
     tensor_sequence_parallel: bool = False
+    generation: str = "plain"
     sequence_parallel_size: int | None = None
     data_parallel_size: int | None = None
 
@@ -76,6 +80,11 @@ class HybridConfig:
                   self.kv_chunks, self.tensor)  # checks
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        if self.generation not in GENERATION_MODES:
+            raise ValueError(
+                f"unknown generation {self.generation!r} in the {SECTION!r} section (how HybridGRPOTrainer / "
+                f"HybridRLOOTrainer make completions); choose one of {', '.join(map(repr, GENERATION_MODES))}"
+            )
         for name in ("sequence_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):

@@ -23,14 +23,18 @@ during generation-and-scoring and the loss the trainer sees :class:`~hybridsp.in
 So the reward gather, the group statistics, the slice a process keeps, the token counts of
 ``dapo``'s normaliser and every logged metric are those of a ``DP``-process plain run.
 
-Note [identical completions]: generation runs on the whole prompt on every context rank with the
-plain model: the attention switch is undone for TRL's own ``generate`` call (so sampling, its
+Note [identical completions]: by default (``"generation": "plain"`` in the ``"hybridsp"``
+section) generation runs on the whole prompt on every context rank with the plain model: the attention switch is undone for TRL's own ``generate`` call (so sampling, its
 logits processors and the random draws are exactly TRL's) and put back after it. Every context
 rank of a replica starts from the same seed and the same prompts; afterwards context rank 0's
 completion ids and random state are broadcast over the context group
 (:func:`~hybridsp.integrations.trl.rollouts.agree_on_rollouts`, a few kB), so the completions,
 and every later draw (the shuffle of the generation batch), are identical on all of them even
-if a device's generation were not bitwise reproducible.
+if a device's generation were not bitwise reproducible. With ``"generation": "sharded"`` the policy
+stays switched and TRL's ``generate`` call is answered by hybridsp's sharded generation
+(:mod:`hybridsp.integrations.trl.generation`: prompt and K/V cache sharded over the context group,
+every step's token agreed over it, the random generators advanced alike on every rank, TRL's
+post-processing unchanged); no broadcast is needed after it.
 
 Note [sharded scoring]: the policy's, the old policy's and the reference's per-token
 log-probabilities (and entropies) come from TRL's fused LM head call
@@ -48,8 +52,9 @@ the installed TRL), importance sampling, clipping, the KL term, ``num_iterations
 log-probs reused), gradient accumulation.
 
 Refused with a ValueError at construction, before any collective: vLLM and continuous-batching
-generation, ``rollout_func``, tools and environments, and a generation batch that does not hold
-whole prompt groups at the replica count; after TRL's constructor (on every rank alike): MoE
+generation, ``rollout_func``, tools and environments, a generation batch that does not hold
+whole prompt groups at the replica count, and with ``"generation": "sharded"`` generation settings
+it cannot honour or ``layout="balanced"``; after TRL's constructor (on every rank alike): MoE
 auxiliary losses; at the first scoring (on every rank alike): inputs beyond the text (pixel
 values, token types of vision-language prompts), which are not sharded.
 """
@@ -66,6 +71,7 @@ from hybridsp.integrations.deepspeed import config as ds_schema
 from hybridsp.integrations.transformers.peft import base_model
 from hybridsp.integrations.transformers.switch import apply
 from hybridsp.integrations.transformers.trainer import HybridSPMixin
+from hybridsp.integrations.trl.generation import config_settings, generate_options, generating_sharded
 from hybridsp.integrations.trl.logprobs import shard_fused_calls
 from hybridsp.integrations.trl.rollouts import agree_on_rollouts, replica_view, right_aligned
 
@@ -104,7 +110,14 @@ class _HybridRLMixin:
     # ---- generation: the plain model, the same completions on every context rank ---------
 
     def _generate_single_turn(self, *args, **kwargs):
-        """TRL's generation with the attention switch undone, then context rank 0's completions everywhere."""
+        """TRL's generation with the attention switch undone, then context rank 0's completions everywhere;
+        with ``"generation": "sharded"``, TRL's generation on the switched policy (Note [identical completions])."""
+        if self.hybrid_config.generation == "sharded":
+            name = type(self).__name__
+            options = generate_options(self.generation_kwargs, name)  # ValueError on every rank alike
+            unwrapped = self.accelerator.unwrap_model(self.model_wrapped)  # the object TRL calls generate on
+            with generating_sharded(unwrapped, base_model(self.model), self.hybrid_mesh, options, name):
+                return super()._generate_single_turn(*args, **kwargs)
         self._hybridsp_handle.undo()
         try:
             generated = super()._generate_single_turn(*args, **kwargs)  # GRPO: (ids, logprobs), RLOO: ids
@@ -181,6 +194,8 @@ def _per_replica(name: str, config, overrides: dict | None):
     """A copy of the TRL config whose generation batch counts replicas (Note [replicas, not ranks])."""
     deepspeed = getattr(config, "hf_deepspeed_config", None) if config.deepspeed else None
     hybrid = ds_schema.HybridConfig.from_ds_config(deepspeed.config if deepspeed else {}, **dict(overrides or {}))
+    if hybrid.generation == "sharded":
+        _check_sharded_generation(name, config, hybrid)
     replicas = hybrid.mesh_shape(config.world_size).dp  # ValueError quoting the sizes
     config = copy.copy(config)
     per_generation = config.per_device_train_batch_size * replicas * config.steps_per_generation
@@ -192,3 +207,14 @@ def _per_replica(name: str, config, overrides: dict | None):
         )
     config.generation_batch_size = per_generation
     return config
+
+
+def _check_sharded_generation(name: str, config, hybrid) -> None:
+    """ValueError, before any collective, for what ``"generation": "sharded"`` cannot do (TRL's prompts are left-padded)."""
+    generate_options(config_settings(config), name)  # Note [generation settings] in hybridsp.integrations.trl.generation
+    if hybrid.context > 1 and hybrid.layout == "balanced":
+        raise ValueError(
+            f"{name} with \"generation\": \"sharded\" generates left-padded prompts, which layout=\"balanced\" "
+            f"cannot place (Note [balanced layout] in hybridsp.integrations.transformers.generation); set \"layout\": "
+            f"\"zigzag\" or \"generation\": \"plain\" in the hybridsp section"
+        )

@@ -7,7 +7,8 @@ prompts x ``num_generations=2``, completions of at most 10 tokens sampled at tem
 plain-python reward functions, ``beta=0.1``, 3 optimizer steps, ``max_grad_norm=1.0``. Ours:
 ``HybridGRPOTrainer`` / ``HybridRLOOTrainer`` at U2 x R1 (2 ranks) and, in the slow set, U2 x R2
 (4 ranks), U1 x R3 (3 ranks) and DP2 x U2 (4 ranks, against a plain 2-process run), ZeRO-2 (and
-ZeRO-3), on the same prompts. Every context rank must have scored the very
+ZeRO-3), on the same prompts; with ``"generation": "sharded"`` (hybridsp's sharded generation
+makes the completions, seeded sampling) at U2 x R1 by default and U2 x R2, U1 x R3 in the slow set. Every context rank must have scored the very
 completions the plain run sampled (token for token), and the per-step logged ``loss``,
 ``grad_norm``, ``kl``, ``reward``, ``reward_std``, ``entropy``, clip ratio, completion length and
 per-function rewards must agree to relative 1e-4 (absolute 1e-6 near 0; measured: 1e-6).
@@ -30,7 +31,10 @@ RTOL, ATOL = 1e-4, 1e-6
 U2R1 = {"ulysses": 2, "ring": 1, "stage": 2}
 U2R2 = {"ulysses": 2, "ring": 2, "stage": 2}
 # name -> (options, world size of ours, degrees, plain world size = the replicas)
-CASES = {"grpo-dapo-U2xR1-zero2": ({"item": "grpo"}, 2, U2R1, 1)}  # the default run: one representative case
+CASES = {  # the default run: one representative case, and the same with sharded generation
+    "grpo-dapo-U2xR1-zero2": ({"item": "grpo"}, 2, U2R1, 1),
+    "grpo-dapo-sharded-generation-U2xR1-zero2": ({"item": "grpo"}, 2, {**U2R1, "generation": "sharded"}, 1),
+}
 SLOW_CASES = {
     "rloo-U2xR1-zero2": ({"item": "rloo"}, 2, U2R1, 1),
     "grpo-grpo-U2xR2-zero2": ({"item": "grpo", "loss_type": "grpo"}, 4, U2R2, 1),
@@ -44,6 +48,11 @@ SLOW_CASES = {
     "grpo-dapo-DP2xU2xR1-zero2": ({"item": "grpo", "accumulation": 2}, 4, U2R1, 2),
     "rloo-U2xR2-zero2": ({"item": "rloo"}, 4, U2R2, 1),
     "grpo-dapo-U1xR3-zero2": ({"item": "grpo"}, 3, {"ulysses": 1, "ring": 3, "stage": 2}, 1),  # an odd degree
+    "grpo-dapo-sharded-generation-U2xR2-zero3": ({"item": "grpo"}, 4, {**U2R2, "stage": 3, "generation": "sharded"}, 1),
+    "rloo-sharded-generation-U2xR2-zero2": ({"item": "rloo"}, 4, {**U2R2, "generation": "sharded"}, 1),
+    "grpo-lora-sharded-generation-U2xR1-zero2": ({"item": "grpo", "peft": True}, 2, {**U2R1, "generation": "sharded"}, 1),
+    "grpo-dapo-sharded-generation-U1xR3-zero2": (
+        {"item": "grpo"}, 3, {"ulysses": 1, "ring": 3, "stage": 2, "generation": "sharded"}, 1),
 }
 
 
@@ -88,6 +97,8 @@ def _check(name: str, ours: list, plain: list, cases: dict) -> None:
         assert result["completions"] == reference["completions"], f"{name} rank {rank}: other completions"
         for key in LOGGED:
             assert _close(result[key], reference[key]), f"{name} rank {rank} {key}: {result[key]} vs {reference[key]}"
+    sharded = degrees.get("generation") == "sharded"
+    assert all((result["sharded_generations"] > 0) == sharded for result in ours), name  # the path under test ran
     first = plain[0]
     assert first["grad_norm"][0] > 0 and first["kl"][2] != 0  # the runs did train, the KL term is live
 
