@@ -12,7 +12,9 @@ GLM-4, ...; docs/model-support.md lists what the tests check per family), on tra
 ``attention_multiplier``, Gemma's ``query_pre_attn_scalar`` arrive that way), the layer's
 ``sliding_window``, head dims (q/k and v may differ), packed documents (Note [packed documents]).
 Position handling stays the model's own, from the global ``position_ids`` (RoPE per layer type,
-layers without RoPE). Refused, with a line naming what is missing: a model with no such module (its
+layers without RoPE). Hybrid linear-attention models (Qwen3.5, Qwen3-Next, Nemotron-H): the same
+:func:`apply` also switches their Gated DeltaNet / Mamba-2 mixers
+(:func:`~hybridsp.integrations.transformers.linear_layers.switch_linear_layers`; the handle undoes both). Refused, with a line naming what is missing: a model with no such module (its
 attention bypasses the interface), encoder-decoders, non-causal attention, chunked-attention layers on a layout that places tokens by document (chunked layers
 otherwise run as documents cut into chunks, Note [chunked layers] in :mod:`.documents`),
 layers that mix tokens outside attention (a causal convolution or a recurrence), Llama 4's query temperature tuning past ``floor_scale`` tokens under sequence parallelism, attention dropout in training, a ``head_mask``, a user-supplied 4D mask, and a KV
