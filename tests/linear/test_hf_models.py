@@ -24,14 +24,16 @@ def _check(found: dict, sensitive: tuple[str, ...] = ()) -> None:
 
 
 def test_four_ranks_every_family_and_mesh():
-    """U2xR2 for each family (zigzag: two runs per slot, packed rows); U1xR2, U2xR1 and the balanced layout
-    (DP = 2); and, as a control, the same U2xR2 case with the unmodified mixers, which must be wrong."""
+    """U2xR2 for each family (zigzag: two runs per slot, packed rows); U1xR2, U2xR1 (Qwen3.5, Nemotron-H) and the
+    balanced layout (DP = 2); and, as a control, the same U2xR2 case with the unmodified mixers, which must be wrong."""
     cases = [
         ("qwen3_5 U2xR2 packed", "qwen3_5", 2, 2, PACKED, "zigzag", True),
         ("qwen3_5 U1xR2 packed", "qwen3_5", 1, 2, PACKED, "zigzag", True),
         ("qwen3_5 U2xR1 whole", "qwen3_5", 2, 1, WHOLE, "zigzag", True),
         ("qwen3_5 U1xR2 balanced", "qwen3_5", 1, 2, PACKED, "balanced", True),
         ("nemotron_h U2xR2 packed", "nemotron_h", 2, 2, PACKED, "zigzag", True),
+        ("nemotron_h U1xR2 packed", "nemotron_h", 1, 2, PACKED, "zigzag", True),
+        ("nemotron_h U2xR1 whole", "nemotron_h", 2, 1, WHOLE, "zigzag", True),
         ("qwen3_next U2xR2 packed", "qwen3_next", 2, 2, PACKED, "zigzag", True),
         ("control: unswitched mixers", "qwen3_5", 2, 2, PACKED, "zigzag", False),
     ]
