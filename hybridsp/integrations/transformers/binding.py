@@ -36,18 +36,19 @@ def calls_attention_interface(module) -> bool:
     compiled code (``co_names``), so the test does not depend on projection names (Phi-3's fused
     ``qkv_proj``, DeepSeek-V3's MLA projections) or model types. A whole model (a
     ``PreTrainedModel``, whose own methods name the interface to configure it) is not an attention
-    module, nor is anything of torch's.
+    module, nor is anything of torch's. The answer depends on the class only.
     """
+    return _class_calls_interface(type(module))
+
+
+def _class_calls_interface(klass: type) -> bool:
+    """:func:`calls_attention_interface` for every instance of ``klass``."""
     from transformers import PreTrainedModel
 
-    if isinstance(module, PreTrainedModel):
+    if issubclass(klass, PreTrainedModel):
         return False
-    for klass in type(module).__mro__:
-        if klass.__module__.startswith("torch"):
-            continue
-        if any(INTERFACE_NAME in _names_of(value) for value in vars(klass).values()):
-            return True
-    return False
+    return any(INTERFACE_NAME in _names_of(value) for base in klass.__mro__ if not base.__module__.startswith("torch")
+               for value in vars(base).values())
 
 
 def _names_of(value) -> tuple[str, ...]:
@@ -59,4 +60,12 @@ def _names_of(value) -> tuple[str, ...]:
 def attention_modules(root) -> list:
     """The attention modules under ``root`` (an ``nn.Module``) the switch can take, in module order
     (Note [found by what they are])."""
-    return [m for m in root.modules() if calls_attention_interface(m)]
+    answers: dict[type, bool] = {}  # per class, once per walk: a model repeats a few classes many times
+    found = []
+    for module in root.modules():
+        klass = type(module)
+        if klass not in answers:
+            answers[klass] = _class_calls_interface(klass)
+        if answers[klass]:
+            found.append(module)
+    return found
