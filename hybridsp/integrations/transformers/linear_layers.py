@@ -262,9 +262,9 @@ def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Te
     """A Gated DeltaNet's forward over the mesh: [B, S/C, hidden] -> [B, S/C, hidden] (a generation
     prefill also fills its :class:`LinearStates`; a decode step runs :func:`_delta_decode`)."""
     store = _prompt_states(module, hidden_states, cache, kwargs)
-    if store is not None and kwargs.get(DECODE_KWARG) is not None:
-        return _delta_decode(module, store, _masked(hidden_states, attention_mask))
     hidden_states = _masked(hidden_states, attention_mask)
+    if store is not None and kwargs.get(DECODE_KWARG) is not None:
+        return _delta_decode(module, store, hidden_states)
     batch, length, _ = hidden_states.shape
     hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
     group = hv // hk  # value heads per key head
@@ -309,10 +309,10 @@ def mamba2_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor
     """A Mamba-2 mixer's forward over the mesh: [B, S/C, hidden] -> [B, S/C, hidden] (a generation
     prefill also fills its :class:`LinearStates`; a decode step runs :func:`_mamba2_decode`)."""
     store = _prompt_states(module, hidden_states, cache, kwargs)
-    if store is not None and kwargs.get(DECODE_KWARG) is not None:
-        return _mamba2_decode(module, store, _masked(hidden_states, attention_mask))
-    dtype = hidden_states.dtype
     hidden_states = _masked(hidden_states, attention_mask)
+    if store is not None and kwargs.get(DECODE_KWARG) is not None:
+        return _mamba2_decode(module, store, hidden_states)
+    dtype = hidden_states.dtype
     batch, length, _ = hidden_states.shape
     inner, groups, state, heads, dim = (module.intermediate_size, module.n_groups, module.ssm_state_size,
                                         module.num_heads, module.head_dim)
