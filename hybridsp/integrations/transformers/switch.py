@@ -240,8 +240,9 @@ class HybridAttentionHandle:
     idempotent.
     """
 
-    def __init__(self, model: nn.Module, modules: list[nn.Module], previous: list[tuple], hook):
+    def __init__(self, model: nn.Module, modules: list[nn.Module], previous: list[tuple], hook, undo_linear=None):
         self.model, self._modules, self._previous, self._hook = model, modules, previous, hook
+        self._undo_linear = undo_linear  # restores the linear-attention mixers (linear_layers), or None
         self.active = True
 
     def undo(self) -> None:
@@ -250,14 +251,18 @@ class HybridAttentionHandle:
             return
         if self._hook is not None:
             self._hook.remove()
-        if getattr(self, "undo_linear", None) is not None:
-            self.undo_linear()
+        self.undo_linear()
         for module in self._modules:
             if hasattr(module, _BINDING_ATTR):
                 delattr(module, _BINDING_ATTR)
         for config, implementation in self._previous:  # outer configs first: the setter recurses inward
             config._attn_implementation = implementation
         self.active = False
+
+    def undo_linear(self) -> None:
+        """Restore only the linear-attention mixers' own forwards (idempotent; nothing without any)."""
+        if self._undo_linear is not None:
+            self._undo_linear()
 
     def __enter__(self) -> HybridAttentionHandle:
         return self
@@ -309,21 +314,20 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
     check_model(model, modules, mesh)
     undo_linear = switch_linear_layers(model, mesh, backend)  # checks every linear layer before changing any
     hook = install_input_check(model, mesh, layout_window(model))
-    handle = switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook)
-    handle.undo_linear = undo_linear
-    return handle
+    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook, undo_linear)
 
 
-def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook):
+def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook,
+                   undo_linear=None):
     """Bind ``modules`` to ``mesh`` and name ``"hybridsp"`` in ``configs`` (no checks); the handle also
-    removes ``hook``. The step :mod:`hybridsp.integrations.transformers.vision.model` shares with :func:`apply`."""
+    removes ``hook`` and calls ``undo_linear``. The step :mod:`hybridsp.integrations.transformers.vision.model` shares with :func:`apply`."""
     previous = [(config, config._attn_implementation) for config in configs]
     binding = _Binding(mesh, backend)
     for module in modules:
         setattr(module, _BINDING_ATTR, binding)
     for config in configs:
         config._attn_implementation = NAME
-    return HybridAttentionHandle(model, modules, previous, hook)
+    return HybridAttentionHandle(model, modules, previous, hook, undo_linear)
 
 
 def _configs_of(model: nn.Module, modules: list[nn.Module]) -> list:
