@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridsp.attention.resolve import check_causal, check_kv_comm, check_softcap, resolve_ring_call
+from hybridsp.attention.compiled import compiled_attention
+from hybridsp.attention.resolve import check_causal, check_kv_comm, check_softcap, placement_layout, resolve_ring_call
 from hybridsp.attention.ring import run_ring
 from hybridsp.attention.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
 from hybridsp.comm import CommCounter
 from hybridsp.kernels import AttentionKernel
 from hybridsp.layout.block_plan import check_sliding_window
-from hybridsp.layout.documents import Documents, as_documents
-from hybridsp.layout.layouts import TokenLayout, join_shards, shard_index, take_index
+from hybridsp.layout.documents import as_documents
+from hybridsp.layout.layouts import join_shards, shard_index, take_index
 from hybridsp.mesh.hybrid_mesh import HybridMesh
 
 
@@ -101,6 +102,10 @@ def hybrid_attn_func(
         every rank when the context ranks disagree on them (Note [agreement] in :mod:`hybridsp.attention.resolve`).
     """
     check_mesh(mesh)
+    if torch.compiler.is_compiling():  # one custom operator in the graph (Note [compiled call])
+        return compiled_attention(q, k, v, mesh=mesh, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window,
+                                  softmax_scale=softmax_scale, backend=backend, counter=counter, kv_comm=kv_comm,
+                                  sinks=sinks, softcap=softcap)
     kv_comm = mesh.kv_comm if kv_comm is None else kv_comm
     call = resolve_ring_call(
         q, k, v, mesh.ring_group if mesh.ring > 1 else None, ring=mesh.ring, ulysses=mesh.ulysses, causal=causal,
@@ -181,23 +186,6 @@ class HybridAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.mesh!r}, causal={self.causal}, sliding_window={self.sliding_window}, "
                 f"softcap={self.softcap}, sinks={self.sinks is not None}, backend={self.backend!r}")
-
-
-def placement_layout(mesh: HybridMesh, cu_seqlens=None, sliding_window: int | None = None) -> TokenLayout:
-    """The mesh's token layout placing for the window that applies (Note [placement window] in
-    :mod:`hybridsp.layout.layouts`): ``sliding_window`` if given, else the one ``cu_seqlens``
-    carries (a :class:`~hybridsp.layout.documents.Documents`' ``window``), else the mesh's.
-
-    Raises ValueError, before any collective, when ``sliding_window`` and the documents' differ.
-    """
-    carried = cu_seqlens.window if isinstance(cu_seqlens, Documents) else None
-    if sliding_window is not None and carried is not None and sliding_window != carried:
-        raise ValueError(
-            f"sliding_window={sliding_window} was given but the documents were placed for window {carried}: "
-            f"pass the same window that sharded them (or none: the documents carry theirs)"
-        )
-    window = next((w for w in (sliding_window, carried, mesh.sliding_window) if w is not None), None)
-    return mesh.token_layout.placing(window)
 
 
 def shard_sequence(

@@ -162,6 +162,23 @@ def check_ring_inputs(q, k, v, *, causal, layout: TokenLayout, ring: int, ulysse
     layout.check_sequence_length(slot * ring, ring, ulysses, kv_chunks if kv_comm == "allgather" else None)
 
 
+def placement_layout(mesh, cu_seqlens=None, sliding_window: int | None = None) -> TokenLayout:
+    """The mesh's token layout placing for the window that applies (Note [placement window] in
+    :mod:`hybridsp.layout.layouts`): ``sliding_window`` if given, else the one ``cu_seqlens``
+    carries (a :class:`~hybridsp.layout.documents.Documents`' ``window``), else the mesh's.
+
+    Raises ValueError, before any collective, when ``sliding_window`` and the documents' differ.
+    """
+    carried = cu_seqlens.window if isinstance(cu_seqlens, Documents) else None
+    if sliding_window is not None and carried is not None and sliding_window != carried:
+        raise ValueError(
+            f"sliding_window={sliding_window} was given but the documents were placed for window {carried}: "
+            f"pass the same window that sharded them (or none: the documents carry theirs)"
+        )
+    window = next((w for w in (sliding_window, carried, mesh.sliding_window) if w is not None), None)
+    return mesh.token_layout.placing(window)
+
+
 def plan_for(documents: Documents, layout: TokenLayout, ring: int, causal: bool, window: int | None) -> BlockPlan | None:
     """The block plan of a call, kept on the batch's documents; None for a ring of one that nothing masks."""
     window = None if window is None or window >= documents.seq_len else window
@@ -196,9 +213,33 @@ def resolve_ring_call(
     fingerprint = CallFingerprint.of(q, k, v, causal, sliding_window, softmax_scale, layout, kv_comm, chunks, sinks,
                                      softcap)
     check_agreement(agreement_group, documents, fingerprint, q.device)
+    return _ring_call(group, ring, kernel, documents, layout, causal, sliding_window, softmax_scale, q.shape[-1],
+                      kv_comm, chunks, counter, softcap)
+
+
+def replay_ring_call(
+    q, v, group, *, ring: int, causal, cu_seqlens, sliding_window, softmax_scale, backend, layout, counter,
+    kv_comm: str, kv_chunks: int | None, softcap=None,
+) -> RingCall:
+    """The :class:`RingCall` of a call :func:`resolve_ring_call` already checked and agreed on, rebuilt
+    from one ring slot's ``q`` [B, S_slot, H/U, D] and ``v`` [B, S_slot, Hkv/U, Dv] (the same arguments
+    otherwise): for a backward that could not keep the call (:mod:`hybridsp.attention.compiled`). No
+    checks, no communication; the kernel and the plan come from their caches."""
+    layout = get_layout(layout)
+    slot = q.shape[1]
+    documents = as_documents(cu_seqlens, q.shape[0], slot * ring)
+    kernel = resolve_kernel(backend, q, v, softcap)
+    chunks = resolve_kv_chunks(kv_chunks, ring, slot) if kv_comm == "allgather" else None
+    return _ring_call(group, ring, kernel, documents, layout, causal, sliding_window, softmax_scale, q.shape[-1],
+                      kv_comm, chunks, counter, softcap)
+
+
+def _ring_call(group, ring, kernel, documents, layout, causal, window, softmax_scale, head_dim, kv_comm, chunks,
+               counter, softcap) -> RingCall:
+    """The :class:`RingCall` of checked arguments: this rank's place, the plan, the scale."""
     rank = 0 if group is None else dist.get_rank(group)
-    plan = plan_for(documents, layout, ring, causal, sliding_window)
-    scale = default_softmax_scale(q.shape[-1], softmax_scale)
+    plan = plan_for(documents, layout, ring, causal, window)
+    scale = default_softmax_scale(head_dim, softmax_scale)
     return RingCall(group, ring, rank, kernel, scale, causal, plan, kv_comm, chunks, counter,
                     None if softcap is None else float(softcap))
 

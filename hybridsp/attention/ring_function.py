@@ -31,7 +31,7 @@ from hybridsp.kernels import accumulation_dtype
 from hybridsp.kernels.base import softcap_kwargs
 
 
-def _forward(q, k, v, sinks, call):
+def ring_forward(q, k, v, sinks, call):
     """(out [B, S, H, Dv] in q's dtype, lse [B, H, S] in the accumulation dtype), sinks merged."""
     if call.plan is None:
         out, lse = call.kernel.forward(q, k, v, causal=call.causal, softmax_scale=call.scale,
@@ -51,7 +51,7 @@ def _forward(q, k, v, sinks, call):
     return out_acc.to(q.dtype), lse_acc
 
 
-def _backward(dout, q, k, v, out, lse, call):
+def ring_backward(dout, q, k, v, out, lse, call):
     """(dq [B, S, H, D], dk [B, S, Hkv, D], dv [B, S, Hkv, Dv]) in the input dtype, from the final out/lse."""
     if call.plan is None:
         return call.kernel.backward(dout, q, k, v, out, lse, causal=call.causal, softmax_scale=call.scale,
@@ -82,7 +82,7 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, call):
-        out, lse = _forward(q, k, v, sinks, call)
+        out, lse = ring_forward(q, k, v, sinks, call)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
         return out
@@ -90,6 +90,6 @@ class RingAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.call)
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.call)
         dsinks = None if sinks is None or not ctx.needs_input_grad[3] else sink_grad(dout, out, lse, sinks)
         return dq, dk, dv, dsinks, None

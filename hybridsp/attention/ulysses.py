@@ -67,6 +67,17 @@ def _seq_to_heads(tensors, group, counter):
     """Each [B, L, H_i, D] (any strides) -> [B, U*L, H_i/U, D], views of one heads-first buffer
     [B, sum H_i/U, U*L, D] (Note [lean buffers], Note [heads-first])."""
     size = dist.get_world_size(group)
+    return split_heads(_joined_heads(tensors, group, counter), [t.shape[2] // size for t in tensors])
+
+
+def split_heads(joined: torch.Tensor, per_rank: list[int]) -> list[torch.Tensor]:
+    """The [B, U*L, h_i, D] views of a heads-first buffer [B, sum h_i, U*L, D] (h_i heads each)."""
+    return [part.transpose(1, 2) for part in joined.split(per_rank, dim=1)]  # views, each [B, U*L, h_i, D]
+
+
+def _joined_heads(tensors, group, counter) -> torch.Tensor:
+    """The heads-first buffer [B, sum H_i/U, U*L, D] that :func:`_seq_to_heads` splits."""
+    size = dist.get_world_size(group)
     b, length, _, d = tensors[0].shape
     per_rank = [t.shape[2] // size for t in tensors]
     packed = sum(per_rank)
@@ -83,7 +94,7 @@ def _seq_to_heads(tensors, group, counter):
             joined = received.new_empty(b, packed, size * length, d)  # [B, sum H_i/U, U*L, D]
         joined[row].unflatten(1, (size, length)).copy_(received.transpose(0, 1))  # [sum H_i/U, U, L, D]
         del received
-    return [part.transpose(1, 2) for part in joined.split(per_rank, dim=1)]  # views, each [B, U*L, H_i/U, D]
+    return joined
 
 
 def _heads_to_seq(tensors, group, counter):
@@ -129,8 +140,7 @@ def seq_to_heads(
     Every H_i must be divisible by U = the group size (the caller checks and expands K/V).
     """
     results: list[torch.Tensor | None] = [None] * len(tensors)
-    for width in dict.fromkeys(t.shape[-1] for t in tensors):  # head dims in order of appearance
-        members = [i for i, t in enumerate(tensors) if t.shape[-1] == width]
+    for members in head_dim_groups(tensors):
         moved = _Reshard.apply(True, group, counter, *(tensors[i] for i in members))
         for i, x in zip(members, moved):
             results[i] = x
@@ -142,3 +152,26 @@ def heads_to_seq(
 ) -> list[torch.Tensor]:
     """Differentiable inverse of :func:`seq_to_heads`: each [B, U*L, h_i, D] -> [B, L, U*h_i, D]."""
     return list(_Reshard.apply(False, group, counter, *tensors))
+
+
+def head_dim_groups(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``tensors`` that travel together in :func:`seq_to_heads`: one list per distinct
+    head dim, in order of appearance (q, k, v together; v alone when its head dim differs)."""
+    widths = dict.fromkeys(t.shape[-1] for t in tensors)
+    return [[i for i, t in enumerate(tensors) if t.shape[-1] == width] for width in widths]
+
+
+def seq_to_heads_buffers(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None = None
+) -> list[torch.Tensor]:
+    """Not differentiable: :func:`seq_to_heads` of ``tensors`` as its heads-first buffers, one
+    [B, sum H_i/U, U*L, D] per :func:`head_dim_groups` entry (:func:`split_heads` gives the views).
+    For a caller that keeps the buffers itself (:mod:`hybridsp.attention.compiled`)."""
+    return [_joined_heads([tensors[i] for i in members], group, counter) for members in head_dim_groups(tensors)]
+
+
+def heads_to_seq_plain(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None = None
+) -> list[torch.Tensor]:
+    """Not differentiable: :func:`heads_to_seq` without the autograd shell."""
+    return _heads_to_seq(list(tensors), group, counter)

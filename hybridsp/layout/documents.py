@@ -16,11 +16,12 @@ import hashlib
 from typing import Any
 
 import torch
+from torch._opaque_base import OpaqueBaseMeta
 
 Rows = tuple[tuple[int, ...], ...]
 
 
-class Documents:
+class Documents(metaclass=OpaqueBaseMeta):  # an opaque object for torch.compile (Note [compiled call])
     """Per-row global document boundaries of one batch (``rows``: None when every row is one document).
 
     Attributes:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridsp.attention.api import placement_layout
+from hybridsp.attention.resolve import placement_layout
 from hybridsp.layout.documents import Documents, as_documents
 from hybridsp.linear.plan import RowPlan, conv_taps, row_plan, tail_index
 from hybridsp.mesh.hybrid_mesh import HybridMesh

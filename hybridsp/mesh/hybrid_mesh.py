@@ -32,6 +32,7 @@ import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch._opaque_base import OpaqueBaseMeta
 
 from hybridsp.layout.layouts import TokenLayout, get_layout
 from hybridsp.mesh.auto_degrees import choose_degrees
@@ -123,7 +124,7 @@ class MeshShape:
         }
 
 
-class HybridMesh:
+class HybridMesh(metaclass=OpaqueBaseMeta):  # an opaque object for torch.compile (Note [compiled call])
     """A validated :class:`MeshShape` plus this rank's coordinates and process groups.
 
     Build it with :func:`init_mesh`; pass it explicitly to everything that communicates.
