@@ -10,10 +10,10 @@ shapes and a registered autograd formula (``attention_backward`` / ``attention_d
 Inside the node everything runs as in eager (the same resolve, agreement check, transports and
 kernels), so the compiled result is the eager one bit for bit.
 
-The mesh and the documents enter the graph as opaque *reference* objects (``torch.library``'s opaque
-types): the graph has no guard on the documents' boundaries, so a packed batch with new documents
-runs the same graph (no recompilation; the plan is data the node reads). The mesh's degrees and
-``kv_comm`` are read while tracing (``MESH_MEMBERS``) and guarded: another mesh shape recompiles.
+The mesh and the documents enter the graph as opaque references (their ``.opaque``, a
+:class:`~hybridsp.opaque.OpaqueRef`): the graph has no guard on the documents' boundaries, so a packed
+batch with new documents runs the same graph (no recompilation; the plan is data the node reads).
+The Ulysses degree and ``kv_comm`` are read while tracing (constants of the graph, guarded).
 
 The node keeps for its backward what eager's autograd keeps: under Ulysses the heads-first buffers
 of q/k/v after the all-to-all (:func:`~hybridsp.attention.ulysses.seq_to_heads_buffers`) and the
@@ -29,7 +29,6 @@ out [B, L, H, Dv]; under Ulysses a ring slot holds U*L tokens of H/U heads.
 from typing import Optional
 
 import torch
-from torch._library.opaque_object import MemberType, register_opaque_type
 
 from hybridsp.attention.resolve import (
     check_causal,
@@ -52,11 +51,7 @@ from hybridsp.kernels import accumulation_dtype
 from hybridsp.kernels.base import reduce_kv_heads
 from hybridsp.layout.documents import Documents
 from hybridsp.mesh.hybrid_mesh import HybridMesh
-
-MESH_MEMBERS = ("ulysses", "ring", "kv_comm")  # read while tracing: constants of the graph, guarded
-register_opaque_type(HybridMesh, typ="reference", members=dict.fromkeys(MESH_MEMBERS, MemberType.USE_REAL),
-                     guard_fn=lambda mesh: [getattr(mesh, name) for name in MESH_MEMBERS])
-register_opaque_type(Documents, typ="reference")
+from hybridsp.opaque import OpaqueRef
 
 
 def compiled_attention(q, k, v, *, mesh: HybridMesh, causal, cu_seqlens, sliding_window, softmax_scale, backend,
@@ -78,8 +73,10 @@ def compiled_attention(q, k, v, *, mesh: HybridMesh, causal, cu_seqlens, sliding
     settings = (causal, sliding_window, None if softmax_scale is None else float(softmax_scale), backend,
                 mesh.kv_comm if kv_comm is None else kv_comm, None if softcap is None else float(softcap))
     if isinstance(cu_seqlens, Documents):
-        return torch.ops.hybridsp.attention_documents(q, k, v, sinks, mesh, cu_seqlens, *settings)[0]
-    return torch.ops.hybridsp.attention(q, k, v, sinks, mesh, boundary_tensors(cu_seqlens), *settings)[0]
+        return torch.ops.hybridsp.attention_documents(q, k, v, sinks, mesh.opaque, mesh.ulysses, cu_seqlens.opaque,
+                                                      *settings)[0]
+    return torch.ops.hybridsp.attention(q, k, v, sinks, mesh.opaque, mesh.ulysses, boundary_tensors(cu_seqlens),
+                                        *settings)[0]
 
 
 def boundary_tensors(cu_seqlens) -> list[torch.Tensor]:
@@ -95,9 +92,9 @@ def boundary_tensors(cu_seqlens) -> list[torch.Tensor]:
 
 
 def _as_cu_seqlens(bounds):
-    """The inverse of :func:`boundary_tensors` (a Documents passes through)."""
-    if isinstance(bounds, Documents):
-        return bounds
+    """The inverse of :func:`boundary_tensors` (a Documents' reference gives the Documents)."""
+    if isinstance(bounds, OpaqueRef):
+        return bounds.value
     return None if not bounds else bounds[0] if len(bounds) == 1 else list(bounds)
 
 
@@ -113,8 +110,9 @@ def _ring_group(mesh: HybridMesh):
     return mesh.ring_group if mesh.ring > 1 else None
 
 
-def _forward(q, k, v, sinks, mesh, bounds, *settings) -> list[torch.Tensor]:
+def _forward(q, k, v, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, *settings) -> list[torch.Tensor]:
     """[out, lse] without Ulysses, [out, lse, out_slot, *q/k/v buffers] with (Note [compiled call])."""
+    mesh = mesh_ref.value
     args = _ring_args(mesh, bounds, *settings)
     call = resolve_ring_call(q, k, v, _ring_group(mesh), ulysses=mesh.ulysses, sinks=sinks,
                              agreement_group=mesh.context_group if mesh.context > 1 else None, **args)
@@ -132,10 +130,10 @@ def _forward(q, k, v, sinks, mesh, bounds, *settings) -> list[torch.Tensor]:
     return [out.contiguous(), lse.to(acc).contiguous(), out_slot, *buffers]
 
 
-def _forward_fake(q, k, v, sinks, mesh, bounds, *settings) -> list[torch.Tensor]:
-    """The shapes and dtypes of :func:`_forward` (reads only the mesh's degrees)."""
+def _forward_fake(q, k, v, sinks, mesh_ref, ulysses: int, bounds, *settings) -> list[torch.Tensor]:
+    """The shapes and dtypes of :func:`_forward`."""
     b, length, heads, d = q.shape
-    dv, u, acc = v.shape[-1], mesh.ulysses, accumulation_dtype(q.dtype)
+    dv, u, acc = v.shape[-1], ulysses, accumulation_dtype(q.dtype)
     out = q.new_empty(b, length, heads, dv)
     if u == 1:
         return [out, q.new_empty(b, heads, length, dtype=acc)]
@@ -165,8 +163,10 @@ def _heads_of_rank(sinks, mesh: HybridMesh):
     return sinks.narrow(0, mesh.ulysses_rank * local, local)  # [H/U]
 
 
-def _backward(dout, saved, sinks, mesh, bounds, kv_heads: int, *settings) -> list[torch.Tensor]:
+def _backward(dout, saved, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, kv_heads: int,
+              *settings) -> list[torch.Tensor]:
     """[dq, dk, dv] (+ [dsinks [H]]) from the forward's saved tensors (Note [compiled call])."""
+    mesh = mesh_ref.value
     args = _ring_args(mesh, bounds, *settings)
     if mesh.ulysses == 1:
         q, k, v, out, lse = saved
@@ -191,9 +191,10 @@ def _backward(dout, saved, sinks, mesh, bounds, kv_heads: int, *settings) -> lis
     return grads + [full]
 
 
-def _backward_fake(dout, saved, sinks, mesh, bounds, kv_heads: int, *settings) -> list[torch.Tensor]:
+def _backward_fake(dout, saved, sinks, mesh_ref, ulysses: int, bounds, kv_heads: int,
+                   *settings) -> list[torch.Tensor]:
     """The shapes of :func:`_backward`: q's, k's, v's (and the sinks')."""
-    if mesh.ulysses == 1:
+    if ulysses == 1:
         q, k, v = saved[:3]
         shapes = [(q, q.shape), (k, k.shape), (v, v.shape)]
     else:
@@ -205,11 +206,12 @@ def _backward_fake(dout, saved, sinks, mesh, bounds, kv_heads: int, *settings) -
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, sinks, mesh, bounds, *settings = inputs
-    ctx.mesh, ctx.settings, ctx.kv_heads, ctx.has_sinks = mesh, settings, k.shape[2], sinks is not None
-    saved = [q, k, v, output[0], output[1]] if mesh.ulysses == 1 else [output[2], output[1], *output[3:]]
+    q, k, v, sinks, mesh_ref, ulysses, bounds, *settings = inputs
+    ctx.mesh, ctx.ulysses, ctx.settings, ctx.kv_heads = mesh_ref, ulysses, settings, k.shape[2]
+    ctx.has_sinks = sinks is not None
+    saved = [q, k, v, output[0], output[1]] if ulysses == 1 else [output[2], output[1], *output[3:]]
     ctx.saved_count = len(saved)
-    ctx.documents = bounds if isinstance(bounds, Documents) else None
+    ctx.documents = bounds if isinstance(bounds, OpaqueRef) else None
     rest = [] if ctx.documents is not None else list(bounds)
     ctx.save_for_backward(*saved, *([sinks] if sinks is not None else []), *rest)
 
@@ -220,43 +222,43 @@ def _autograd_backward(ctx, grads):
     saved, rest = tensors[: ctx.saved_count], tensors[ctx.saved_count:]
     sinks = rest.pop(0) if ctx.has_sinks else None
     if ctx.documents is not None:
-        result = torch.ops.hybridsp.attention_documents_backward(grads[0], saved, sinks, ctx.mesh, ctx.documents,
-                                                                 ctx.kv_heads, *ctx.settings)
+        result = torch.ops.hybridsp.attention_documents_backward(grads[0], saved, sinks, ctx.mesh, ctx.ulysses,
+                                                                 ctx.documents, ctx.kv_heads, *ctx.settings)
     else:
-        result = torch.ops.hybridsp.attention_backward(grads[0], saved, sinks, ctx.mesh, rest, ctx.kv_heads,
-                                                       *ctx.settings)
+        result = torch.ops.hybridsp.attention_backward(grads[0], saved, sinks, ctx.mesh, ctx.ulysses, rest,
+                                                       ctx.kv_heads, *ctx.settings)
     dsinks = result[3] if ctx.has_sinks else None
-    return (result[0], result[1], result[2], dsinks, None, None, *([None] * len(ctx.settings)))
+    return (result[0], result[1], result[2], dsinks, None, None, None, *([None] * len(ctx.settings)))
 
 
 # The four operators: the call with boundaries as tensors (or none), and with the batch's Documents.
 @torch.library.custom_op("hybridsp::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mesh: HybridMesh,
-               bounds: list[torch.Tensor], causal: bool, window: Optional[int], scale: Optional[float], backend: str,
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mesh: OpaqueRef,
+               ulysses: int, bounds: list[torch.Tensor], causal: bool, window: Optional[int], scale: Optional[float], backend: str,
                kv_comm: str, softcap: Optional[float]) -> list[torch.Tensor]:
-    return _forward(q, k, v, sinks, mesh, bounds, causal, window, scale, backend, kv_comm, softcap)
+    return _forward(q, k, v, sinks, mesh, ulysses, bounds, causal, window, scale, backend, kv_comm, softcap)
 
 
 @torch.library.custom_op("hybridsp::attention_documents", mutates_args=())
 def _attention_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-                         mesh: HybridMesh, documents: Documents, causal: bool, window: Optional[int],
+                         mesh: OpaqueRef, ulysses: int, documents: OpaqueRef, causal: bool, window: Optional[int],
                          scale: Optional[float], backend: str, kv_comm: str, softcap: Optional[float]) -> list[torch.Tensor]:
-    return _forward(q, k, v, sinks, mesh, documents, causal, window, scale, backend, kv_comm, softcap)
+    return _forward(q, k, v, sinks, mesh, ulysses, documents, causal, window, scale, backend, kv_comm, softcap)
 
 
 @torch.library.custom_op("hybridsp::attention_backward", mutates_args=())
-def _attention_backward(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh: HybridMesh,
-                        bounds: list[torch.Tensor], kv_heads: int, causal: bool, window: Optional[int],
+def _attention_backward(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh: OpaqueRef,
+                        ulysses: int, bounds: list[torch.Tensor], kv_heads: int, causal: bool, window: Optional[int],
                         scale: Optional[float], backend: str, kv_comm: str, softcap: Optional[float]) -> list[torch.Tensor]:
-    return _backward(dout, saved, sinks, mesh, bounds, kv_heads, causal, window, scale, backend, kv_comm, softcap)
+    return _backward(dout, saved, sinks, mesh, ulysses, bounds, kv_heads, causal, window, scale, backend, kv_comm, softcap)
 
 
 @torch.library.custom_op("hybridsp::attention_documents_backward", mutates_args=())
 def _attention_documents_backward(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor],
-                                  mesh: HybridMesh, documents: Documents, kv_heads: int, causal: bool,
+                                  mesh: OpaqueRef, ulysses: int, documents: OpaqueRef, kv_heads: int, causal: bool,
                                   window: Optional[int], scale: Optional[float], backend: str, kv_comm: str,
                                   softcap: Optional[float]) -> list[torch.Tensor]:
-    return _backward(dout, saved, sinks, mesh, documents, kv_heads, causal, window, scale, backend, kv_comm, softcap)
+    return _backward(dout, saved, sinks, mesh, ulysses, documents, kv_heads, causal, window, scale, backend, kv_comm, softcap)
 
 
 for _op in (_attention, _attention_documents):

@@ -16,12 +16,13 @@ import hashlib
 from typing import Any
 
 import torch
-from torch._opaque_base import OpaqueBaseMeta
+
+from hybridsp.opaque import OpaqueRef
 
 Rows = tuple[tuple[int, ...], ...]
 
 
-class Documents(metaclass=OpaqueBaseMeta):  # an opaque object for torch.compile (Note [compiled call])
+class Documents:
     """Per-row global document boundaries of one batch (``rows``: None when every row is one document).
 
     Attributes:
@@ -30,13 +31,15 @@ class Documents(metaclass=OpaqueBaseMeta):  # an opaque object for torch.compile
         window: the sliding window a layout that places tokens by document balanced this batch
             for (Note [placement window] in :mod:`hybridsp.layout.layouts`); None: the mesh's.
         memo: derived data keyed by what determines it (plans, layouts, agreement fingerprints).
+        opaque: an :class:`~hybridsp.opaque.OpaqueRef` to this object, for a compiled graph.
     """
 
-    __slots__ = ("batch", "seq_len", "rows", "window", "memo", "_digest")
+    __slots__ = ("batch", "seq_len", "rows", "window", "memo", "opaque", "_digest")
 
     def __init__(self, batch: int, seq_len: int, rows: Rows | None = None, window: int | None = None):
         self.batch, self.seq_len, self.rows, self.window = batch, seq_len, rows, window
         self.memo: dict[Any, Any] = {}
+        self.opaque = OpaqueRef(self)  # what a compiled graph hands the attention operator
         self._digest: tuple[int, int] | None = None
 
     @property

@@ -18,6 +18,10 @@ The log-probabilities (:mod:`hybridsp.losses.logprobs`) use the same guard: thei
 sums carries the count too, and a per-token call given the mesh agrees on it in
 :func:`agree_on_labels`.
 
+Under ``torch.compile`` the check is the operator ``torch.ops.hybridsp.checked_totals`` (it reads the
+count on the host and raises there; the graph does not break, and it returns the totals the loss uses,
+so it is never dropped).
+
 Labels of any integer dtype (int32 from a numpy pipeline, int64) are accepted; the kernel gets int64.
 """
 
@@ -72,7 +76,10 @@ def token_weighted_share(
     if mesh.context > 1:
         with torch.no_grad():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=mesh.context_group)
-    raise_on_bad_labels(int(totals[2].item()), shift_labels, bad, vocab, ignore_index, mesh)
+    if torch.compiler.is_compiling():  # the host read in an operator: no graph break (Note [bad labels])
+        totals = torch.ops.hybridsp.checked_totals(totals, shift_labels, bad, vocab, ignore_index, mesh.rank)
+    else:
+        raise_on_bad_labels(int(totals[2].item()), shift_labels, bad, vocab, ignore_index, mesh)
     count = totals[1] if denominator is None else torch.as_tensor(denominator, device=totals.device).double()
     others = (totals[0] - local_sum.detach().double()).float()  # the rest of the group's loss: value only
     return (local_sum + others) / (count.clamp_min(1.0) / scale).float()
@@ -95,10 +102,28 @@ def raise_on_bad_labels(total_bad: int, shift_labels, bad, vocab: int, ignore_in
     ``mesh`` only names this rank in the message (None: a single process, rank 0)."""
     if total_bad == 0:
         return
+    raise ValueError(_bad_labels_message(total_bad, shift_labels, bad, vocab, ignore_index, 0 if mesh is None else mesh.rank))
+
+
+def _bad_labels_message(total_bad: int, shift_labels, bad, vocab: int, ignore_index: int, rank: int) -> str:
     local = shift_labels[bad][:4].tolist()
-    rank = 0 if mesh is None else mesh.rank
-    raise ValueError(
+    return (
         f"{total_bad} target id(s) in shift_labels lie outside the vocabulary [0, {vocab}) of the logits "
         f"(ignore_index={ignore_index}); this rank ({rank}) has {int(bad.sum())}, e.g. {local}. "
         f"Check the tokenizer's vocabulary against the model's vocab_size"
     )
+
+
+@torch.library.custom_op("hybridsp::checked_totals", mutates_args=())
+def _checked_totals(totals: torch.Tensor, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int,
+                    ignore_index: int, rank: int) -> torch.Tensor:
+    """A copy of ``totals`` [3] (loss sum, count, bad count) once the bad count is 0, else the ValueError."""
+    total_bad = int(totals[2].item())
+    if total_bad:
+        raise ValueError(_bad_labels_message(total_bad, shift_labels, bad, vocab, ignore_index, rank))
+    return totals.clone()
+
+
+@_checked_totals.register_fake
+def _(totals, shift_labels, bad, vocab, ignore_index, rank):
+    return torch.empty_like(totals)

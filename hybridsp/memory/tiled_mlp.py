@@ -21,6 +21,12 @@ cannot deadlock (DeepSpeed's own TiledMLP gathers per tile and must agree on the
 The linear submodules are not called as modules (their DeepSpeed hooks would gather and
 release around every tile); the weights are used functionally (``F.linear``).
 
+Note [compiled tiles]: ``torch.compile`` cannot trace this backward (``torch.autograd.grad`` per
+tile). While dynamo traces, each tile runs under non-reentrant activation checkpointing instead: the
+same memory contract (x kept, one tile's intermediates recomputed at a time in backward), the weight
+gradients summed by autograd in their own dtype (fp32 sums in eager), no ZeRO-3 gather (ZeRO-3 with
+compile is DeepSpeed's own compiler's).
+
 Note [activation checkpointing]: under HF gradient checkpointing the decoder layer's forward
 runs again in backward; this MLP's forward then runs again too (one more gather, no saved
 intermediates), and its backward recomputes per tile as without checkpointing.
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hybridsp.memory.zero_gather import gathered
 
@@ -51,8 +58,23 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, tile_tokens: int) -> torc
         [..., h] in x's dtype.
     """
     params, biased = _params_of(mlp)
+    if torch.compiler.is_compiling():
+        if any(hasattr(p, "ds_id") for p in params):
+            raise ValueError("the tiled MLP under torch.compile cannot gather ZeRO-3 partitioned weights: compile "
+                             "with ZeRO stage 0-2, or leave the MLP untiled (handle.undo())")
+        return _checkpointed_tiles(x, mlp.act_fn, tile_tokens, biased, params)
     with gathered(params):
         return _TiledMLP.apply(x, mlp.act_fn, tile_tokens, biased, *params)
+
+
+def _checkpointed_tiles(x, act, tile: int, biased, params) -> torch.Tensor:
+    """The tiled MLP as a graph can hold it (Note [compiled tiles]): each tile under non-reentrant
+    activation checkpointing, so only x is kept and every tile is recomputed in backward."""
+    flat = x.reshape(-1, x.shape[-1])  # [T, h]
+    tiles = [checkpoint(_mlp_math, flat[start:start + tile], act, params, biased, use_reentrant=False)
+             for start in range(0, flat.shape[0], tile)]  # each [t, h]
+    out = torch.cat(tiles)  # [T, h]
+    return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., h]
 
 
 def _params_of(mlp: nn.Module) -> tuple[list[torch.Tensor], tuple[bool, bool, bool]]:

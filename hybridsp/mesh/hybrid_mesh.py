@@ -32,12 +32,12 @@ import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch._opaque_base import OpaqueBaseMeta
 
 from hybridsp.layout.layouts import TokenLayout, get_layout
 from hybridsp.mesh.auto_degrees import choose_degrees
 from hybridsp.mesh.launcher import ranks_per_node
 from hybridsp.mesh.timeouts import default_group_timeout
+from hybridsp.opaque import OpaqueRef
 
 ORDERS = ("ulysses_inner", "ring_inner")
 KV_COMMS = ("ring", "allgather")  # how K/V blocks travel inside the ring group (hybridsp.attention.ring)
@@ -124,7 +124,7 @@ class MeshShape:
         }
 
 
-class HybridMesh(metaclass=OpaqueBaseMeta):  # an opaque object for torch.compile (Note [compiled call])
+class HybridMesh:
     """A validated :class:`MeshShape` plus this rank's coordinates and process groups.
 
     Build it with :func:`init_mesh`; pass it explicitly to everything that communicates.
@@ -136,6 +136,7 @@ class HybridMesh(metaclass=OpaqueBaseMeta):  # an opaque object for torch.compil
     def __init__(self, shape: MeshShape, rank: int, groups: dict[str, dist.ProcessGroup]):
         self.shape = shape
         self.comm_counter = None
+        self.opaque = OpaqueRef(self)  # what a compiled graph hands the attention operator
         self.rank = rank
         self.dp_rank, self.ring_rank, self.ulysses_rank = shape.coords_of(rank)
         self.tensor_rank = shape.tensor_rank_of(rank)
