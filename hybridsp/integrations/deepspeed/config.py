@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from hybridsp.integrations.deepspeed.compiling import without_compile_keys
 from hybridsp.integrations.deepspeed.tensor import autotp_size
 from hybridsp.kernels import BACKEND_NAMES
 from hybridsp.mesh.hybrid_mesh import MeshShape
@@ -174,7 +175,8 @@ def resolve_precision(config: dict, precision: str | None = None) -> dict:
 
 
 def deepspeed_config(config: dict, hybrid: HybridConfig, *, precision: str | None = None) -> dict:
-    """The dict to hand ``deepspeed.initialize``: precision resolved, our keys removed, ZeRO-3 checked."""
+    """The dict to hand ``deepspeed.initialize``: precision resolved, our keys removed (the ``"compile"``
+    section's too: :mod:`hybridsp.integrations.deepspeed.compiling`), ZeRO-3 checked."""
     zero = config.get("zero_optimization", {})
     if hybrid.context > 1 and zero.get("stage", 0) == 3 and zero.get("reduce_scatter", True) is False:
         raise ValueError(
@@ -182,7 +184,7 @@ def deepspeed_config(config: dict, hybrid: HybridConfig, *, precision: str | Non
             f"divides gradients by DP for parameters that fit reduce_bucket_size and by DP x {hybrid.context} for "
             f"larger ones (Note [gradient scale] in hybridsp.integrations.deepspeed.engine); keep reduce_scatter true"
         )
-    resolved = _torch_adam_on_cpu(resolve_precision(config, precision))
+    resolved = without_compile_keys(_torch_adam_on_cpu(resolve_precision(config, precision)))
     return {key: value for key, value in resolved.items() if key not in OWNED_KEYS}
 
 

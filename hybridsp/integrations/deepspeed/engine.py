@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridsp.integrations.deepspeed.compiling import compile_settings
 from hybridsp.integrations.deepspeed.config import HybridConfig, deepspeed_config, load_config
 from hybridsp.integrations.deepspeed.tensor import (
     check_tensor_optimizer,
@@ -238,8 +239,9 @@ def initialize(
 switch, e.g. the transformers integration's; it returns its undo), passes
     DeepSpeed a :class:`HybridMPU` and the cleaned config, and on ZeRO-3 with ``C > 1`` adds the
     gradient hooks of Note [gradient scale]. ``precision`` forces the value of
-    ``"auto"`` precision sections. Raises ValueError, before any process group is created, for
-    a config whose sizes disagree. ``undo()`` removes what this call added to the model (the
+    ``"auto"`` precision sections. A ``"compile": {"enabled": true, "backend": ..., "kwargs": {...}}``
+    section compiles the engine (``engine.compile``; :mod:`hybridsp.integrations.deepspeed.compiling`).
+    Raises ValueError, before any process group is created, for a config whose sizes disagree. ``undo()`` removes what this call added to the model (the
     ZeRO-3 gradient hooks, the attention switch); the engine is not usable after it.
     """
     import deepspeed
@@ -248,6 +250,7 @@ switch, e.g. the transformers integration's; it returns its undo), passes
     hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm,
                                          layout=layout, tensor=tensor)
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
+    compiling = compile_settings(raw)
     check_tensor_optimizer(optimizer, hybrid.tensor)
     with without_cpu_shm_comm_build():
         deepspeed.init_distributed()  # adopts an existing process group
@@ -268,6 +271,7 @@ switch, e.g. the transformers integration's; it returns its undo), passes
     remove_hooks = _no_undo
     if stage == 3 and mesh.context > 1:
         remove_hooks = scale_gradients(engine.module, mesh.context)  # Note [gradient scale]
+    compiling.apply(engine)  # "compile": {"enabled": true, ...}: hybridsp.integrations.deepspeed.compiling
 
     def undo() -> None:
         remove_hooks()
