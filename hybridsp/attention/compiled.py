@@ -228,7 +228,8 @@ def _autograd_backward(ctx, grads):
         result = torch.ops.hybridsp.attention_backward(grads[0], saved, sinks, ctx.mesh, ctx.ulysses, rest,
                                                        ctx.kv_heads, *ctx.settings)
     dsinks = result[3] if ctx.has_sinks else None
-    return (result[0], result[1], result[2], dsinks, None, None, None, *([None] * len(ctx.settings)))
+    no_bounds = None if ctx.documents is not None else [None] * len(rest)  # the structure of the input
+    return (result[0], result[1], result[2], dsinks, None, None, no_bounds, *([None] * len(ctx.settings)))
 
 
 # The four operators: the call with boundaries as tensors (or none), and with the batch's Documents.
