@@ -78,7 +78,7 @@ def _arguments(output_dir: str, deepspeed: dict | None, **overrides):
     return TrainingArguments(**{**settings, **overrides})
 
 
-def _trainer(output_dir: str, hybrid: dict | None, train, evaluation, **overrides):
+def make_trainer(output_dir: str, hybrid: dict | None, train, evaluation, **overrides):
     """The plain Trainer (``hybrid`` None, no DeepSpeed) or HybridSPTrainer: ``hybrid`` holds
     ``ulysses``, ``ring`` and ``stage`` (a ZeRO stage, or None for DDP without DeepSpeed) and
     optionally ``config_optimizer`` and ``evaluate_first`` (see :func:`train_and_evaluate`)."""
@@ -98,7 +98,7 @@ def _trainer(output_dir: str, hybrid: dict | None, train, evaluation, **override
                            eval_dataset=evaluation, data_collator=collate, hybridsp=None if config else degrees)
 
 
-def _step_logs(trainer) -> dict:
+def step_logs(trainer) -> dict:
     steps = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
     return {"step": [row["step"] for row in steps], "loss": [row["loss"] for row in steps],
             "grad_norm": [row["grad_norm"] for row in steps]}
@@ -110,7 +110,7 @@ def train_and_evaluate(rank: int, world_size: int, hybrid: dict | None) -> dict 
 
     train, evaluation = samples(40, seed=1), samples(5, seed=2)
     with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
-        trainer = _trainer(out, hybrid, train, evaluation)
+        trainer = make_trainer(out, hybrid, train, evaluation)
         if hybrid is not None and hybrid.get("evaluate_first"):  # an inference engine first (ZeRO-3)
             trainer.evaluate()
         trainer.train()
@@ -119,7 +119,7 @@ def train_and_evaluate(rank: int, world_size: int, hybrid: dict | None) -> dict 
     if rank != 0:
         return None
     return {
-        **_step_logs(trainer), "eval_loss": metrics["eval_loss"],
+        **step_logs(trainer), "eval_loss": metrics["eval_loss"],
         "predictions": torch.as_tensor(predictions.predictions).tolist(),
         "label_ids": torch.as_tensor(predictions.label_ids).tolist(),
     }
@@ -135,16 +135,16 @@ def save_and_resume(rank: int, world_size: int, hybrid: dict, out: str) -> dict 
 
     train = samples(40, seed=1)
     with without_cpu_shm_comm_build():
-        first = _trainer(out, hybrid, train, None, save_strategy="steps", save_steps=2)
+        first = make_trainer(out, hybrid, train, None, save_strategy="steps", save_steps=2)
         first.train()
         checkpoint = os.path.join(out, "checkpoint-2")
-        second = _trainer(out, hybrid, train, None)
+        second = make_trainer(out, hybrid, train, None)
         second.train(resume_from_checkpoint=checkpoint)
     if rank != 0:
         return None
     with open(os.path.join(checkpoint, "config.json")) as handle:
         saved_config = json.load(handle)
-    return {"first": _step_logs(first), "resumed": _step_logs(second), "config": saved_config,
+    return {"first": step_logs(first), "resumed": step_logs(second), "config": saved_config,
             "files": sorted(os.listdir(checkpoint))}
 
 
