@@ -5,8 +5,9 @@ key rows and the :class:`~hybridsp.layout.block_plan.Piece` list that says which
 which of them; these two functions run the pieces and fold the results into the caller's
 accumulators. The kernel is complete (:class:`~hybridsp.kernels.base.AttentionKernel`, as
 :func:`~hybridsp.kernels.select.resolve_kernel` returns it): kernels with ``supports_varlen`` run a
-block's pieces in one call per flash window (:mod:`hybridsp.attention.varlen`); others run one call
-per piece, band pieces by the kernel's ``forward_band``/``backward_band``.
+block's pieces in one call per flash window (:mod:`hybridsp.attention.varlen`); others run small
+pieces of one shape as one call stacked along the batch axis (:mod:`hybridsp.attention.stacked`)
+and every other piece in a call of its own, band pieces by the kernel's ``forward_band``/``backward_band``.
 
 Shapes: q [B, S, H, D], dout/out [B, S, H, Dv] local, lse [B, H, S], k_rows [B, rows, Hkv, D],
 v_rows [B, rows, Hkv, Dv];
@@ -16,6 +17,7 @@ piece keys are counted from ``offset`` in the block's own coordinates (``Piece.s
 from __future__ import annotations
 
 from hybridsp.attention.merge import merge_into
+from hybridsp.attention.stacked import gather_lse, gather_rows, scatter_lse, stacks_and_singles
 from hybridsp.attention.varlen import backward_block, forward_block
 from hybridsp.kernels.base import softcap_kwargs
 
@@ -45,7 +47,18 @@ def forward_pieces(kernel, q, k_rows, v_rows, pieces, offset: int, scale: float,
     if kernel.supports_varlen:
         forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc, plan, softcap)
         return
-    for piece in pieces:
+    stacks, singles = stacks_and_singles(pieces, offset, q.shape[0], q.device, plan)
+    for stack in stacks:  # many small pieces of one shape: one call (hybridsp.attention.stacked)
+        block_out, block_lse = _piece_forward(
+            kernel, gather_rows(q, stack.q_batch, stack.q_seq, stack.size),
+            gather_rows(k_rows, stack.k_batch, stack.k_seq, stack.size),
+            gather_rows(v_rows, stack.k_batch, stack.k_seq, stack.size), stack.like, scale, softcap,
+        )  # [G, n, H, Dv], [G, H, n]
+        out_rows, lse_rows = gather_rows(out_acc, stack.q_batch, stack.q_seq, stack.size), gather_lse(lse_acc, stack)
+        merge_into(out_rows, lse_rows, block_out, block_lse)
+        out_acc[stack.q_batch, stack.q_seq] = out_rows.flatten(0, 1)  # [G * n, H, Dv]
+        scatter_lse(lse_acc, stack, lse_rows)
+    for piece in singles:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
         block_out, block_lse = _piece_forward(kernel, q[b, rows], k_rows[b, keys], v_rows[b, keys], piece, scale,
                                               softcap)
@@ -62,7 +75,19 @@ def backward_pieces(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset: i
         backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk_acc, dv_acc, plan,
                        softcap)
         return
-    for piece in pieces:
+    stacks, singles = stacks_and_singles(pieces, offset, q.shape[0], q.device, plan)
+    for stack in stacks:
+        q_rows = (stack.q_batch, stack.q_seq)
+        k_keys = (stack.k_batch, stack.k_seq)
+        dq, dk, dv = _piece_backward(
+            kernel, *(gather_rows(t, *q_rows, stack.size) for t in (dout, q)),
+            *(gather_rows(t, *k_keys, stack.size) for t in (k_rows, v_rows)),
+            gather_rows(out, *q_rows, stack.size), gather_lse(lse, stack), stack.like, scale, softcap,
+        )  # [G, n, H, D], [G, m, Hkv, D], [G, m, Hkv, Dv]
+        dq_acc.index_put_(q_rows, dq.flatten(0, 1).to(dq_acc.dtype), accumulate=True)
+        dk_acc.index_put_(k_keys, dk.flatten(0, 1).to(dk_acc.dtype), accumulate=True)
+        dv_acc.index_put_(k_keys, dv.flatten(0, 1).to(dv_acc.dtype), accumulate=True)
+    for piece in singles:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
         dq, dk, dv = _piece_backward(
             kernel, dout[b, rows], q[b, rows], k_rows[b, keys], v_rows[b, keys], out[b, rows], lse[b, :, rows],

@@ -38,7 +38,7 @@ def _packed_batch(step: int, seq: int = 64) -> dict:
 
 
 def _deepspeed_run(compiled: bool) -> dict:
-    from hybridsp import sharded_cross_entropy, shard_batch
+    from hybridsp import shard_batch, sharded_cross_entropy
     from hybridsp.integrations.deepspeed import initialize, without_cpu_shm_comm_build
     from tests.helpers.families import PAD, build_family
 
