@@ -6,7 +6,8 @@ custom operator that runs the eager code, Note [compiled call] in hybridsp.atten
 the function must compile once for a ``Documents`` (no recompilation for new documents: the plan is
 data, not a guard).
 Cases cover both K/V transports, U2xR2 and U1xR4, documents as a ``Documents`` and as a raw
-``[B, N + 1]`` tensor, a window, GQA down to one K/V head, sinks, strided q, every layout.
+``[B, N + 1]`` tensor, a window, GQA down to one K/V head, sinks, MLA's own value head dim in bf16
+(v travels in its own all-to-all), soft-capping (the reference kernel), U4xR1, strided q, every layout.
 """
 
 import pytest
@@ -27,13 +28,20 @@ CASES = {  # name -> (init_mesh arguments, call settings)
                                         dict(kv_heads=2, window=20, form="documents")),
     "U1xR4-contiguous-sinks": (dict(ulysses=1, ring=4, layout="contiguous"), dict(kv_heads=1, window=None,
                                                                                   sinks=True)),
+    "U2xR2-mla-head-dims-bf16-sinks": (dict(ulysses=2, ring=2), dict(kv_heads=2, window=20, v_head_dim=4,
+                                                                     dtype=torch.bfloat16, sinks=True)),
+    "U4xR1-softcap-reference": (dict(ulysses=4, ring=1), dict(kv_heads=1, window=None, softcap=5.0,
+                                                              backend="reference")),
 }
 BOUNDS = ([[0, 13, 48], [0, 30, 41, 48]], [[0, 48], [0, 5, 9, 48]], [[0, 7, 20, 33, 48], [0, 24, 48]])
 
 
-def _batch(step: int, kv_heads: int, sinks: bool):
-    q, k, v, dout = random_qkv(2, SEQ, HEADS, kv_heads, HEAD_DIM, seed=step)
-    return q, k, v, dout, (torch.randn(HEADS, generator=torch.Generator().manual_seed(step)) if sinks else None)
+def _batch(step: int, settings: dict):
+    dtype = settings.get("dtype", torch.float32)
+    q, k, v, dout = random_qkv(2, SEQ, HEADS, settings["kv_heads"], HEAD_DIM, seed=step, dtype=dtype,
+                               v_head_dim=settings.get("v_head_dim"))
+    sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(step)) if settings.get("sinks") else None
+    return q, k, v, dout, sinks
 
 
 def _cu_seqlens(bounds, form: str):
@@ -52,13 +60,13 @@ def _run_case(mesh_args: dict, settings: dict) -> list[str]:
 
     def attend(q, k, v, cu_seqlens, sinks):
         return hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu_seqlens, sliding_window=settings["window"],
-                                backend="torch", sinks=sinks)
+                                backend=settings.get("backend", "torch"), sinks=sinks, softcap=settings.get("softcap"))
 
     compiled = torch.compile(attend, fullgraph=True)
     failures = []
     for step, bounds in enumerate(BOUNDS):
         cu_seqlens = _cu_seqlens(bounds, form)
-        q, k, v, dout, sinks = _batch(step, settings["kv_heads"], settings.get("sinks", False))
+        q, k, v, dout, sinks = _batch(step, settings)
         shard = [shard_sequence(t, mesh, cu_seqlens=cu_seqlens) for t in (q, k, v, dout)]
         runs = []
         for function in (compiled, attend):

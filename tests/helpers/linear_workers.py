@@ -56,7 +56,7 @@ def train_hybrid_model(rank: int, world: int, family: str, hybrid: dict | None) 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
     from tests.helpers.trainer_workers import VOCAB as TRAINER_VOCAB
-    from tests.helpers.trainer_workers import _arguments, _step_logs, collate, ds_config, samples
+    from tests.helpers.trainer_workers import _arguments, collate, ds_config, samples, step_logs
 
     docs = samples(16, seed=1)
     model = tiny_hybrid(family, vocab_size=TRAINER_VOCAB, dtype=torch.float32)
@@ -70,7 +70,7 @@ def train_hybrid_model(rank: int, world: int, family: str, hybrid: dict | None) 
             trainer = HybridSPTrainer(model=model, args=args, train_dataset=packed_pairs(docs),
                                       data_collator=packed_collate)
         trainer.train()
-    return _step_logs(trainer) if rank == 0 else None
+    return step_logs(trainer) if rank == 0 else None
 
 
 def packed_pairs(docs: list[dict]) -> list[dict]:

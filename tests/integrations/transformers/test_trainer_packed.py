@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridsp.testing import run_distributed
-from tests.helpers.trainer_workers import _arguments, _step_logs, collate, ds_config, samples, tiny_llama
+from tests.helpers.trainer_workers import _arguments, collate, ds_config, samples, step_logs, tiny_llama
 
 RTOL = 1e-3
 DOCS_PER_ROW = 2
@@ -58,7 +58,7 @@ def _train(rank, world, packed: bool):
             args = _arguments(out, None, per_device_train_batch_size=DOCS_PER_ROW, train_sampling_strategy="sequential")
             trainer = Trainer(model=tiny_llama(), args=args, train_dataset=docs, data_collator=collate)
         trainer.train()
-    return _step_logs(trainer) if rank == 0 else None
+    return step_logs(trainer) if rank == 0 else None
 
 
 @pytest.fixture(scope="module")
