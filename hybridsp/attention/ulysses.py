@@ -101,11 +101,11 @@ def _heads_to_seq(tensors, group, counter):
     """Each [B, U*L, h_i, D] (any strides) -> [B, L, U*h_i, D], a view of a heads-first [B, U*h_i, L, D]
     buffer that the all-to-all receives into (Note [lean buffers], Note [heads-first])."""
     size = dist.get_world_size(group)
-    b, total, _, d = tensors[0].shape
+    b, total = tensors[0].shape[:2]
     length = total // size
     results = []
     for t in tensors:
-        h = t.shape[2]
+        h, d = t.shape[2:]  # each its own head dim (dq/dk and an MLA dv differ)
         out = t.new_empty(b, size * h, length, d)  # [B, U*h, L, D]
         for row in range(b):  # one all-to-all per sequence, received straight into its rows
             send = t[row].unflatten(0, (size, length)).permute(0, 2, 1, 3).contiguous()  # [U (dest), h, L, D]
