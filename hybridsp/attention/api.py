@@ -96,6 +96,10 @@ def hybrid_attn_func(
     Returns:
         out [B, S_local, H, Dv] in q's dtype, differentiable in q, k, v (and sinks).
 
+    Under ``torch.compile`` (``fullgraph=True`` included) the call is one custom operator of the graph
+    with the same results (Note [compiled call] in :mod:`hybridsp.attention.compiled`): pass the
+    documents as a ``Documents`` or a tensor, ``backend`` as a name, no ``counter``.
+
     Raises:
         ValueError, on every rank and before any communication, for inputs the mesh or the
         kernel cannot run (shapes, dtypes, devices, heads, sequence length, backend), and on
