@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -21,6 +22,13 @@ import traceback
 from typing import Any, Callable
 
 _GRACE_SECONDS = 3.0
+
+# Note [results by value]: a rank's return value crosses to the parent pickled by the plain pickle
+# module. Through the queue's own pickler (torch.multiprocessing's reductions) a tensor travels as a
+# shared-memory handle that the parent fetches from the rank's process, which may have exited by
+# then: the parent reads a cut message (ConnectionResetError / EOFError). Seen in 2 of 5 launches of
+# tests/losses/test_logprobs.py (ranks return tensors) at one revision, 0 of 5 at the one before: a
+# race whose timing moved, not a cause in the code under test.
 
 
 def _free_port() -> int:
@@ -42,7 +50,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=300))
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        results.put((rank, True, pickle.dumps(value)))  # by value: Note [results by value]
     except BaseException:  # report everything to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -115,7 +123,10 @@ def _collect(results, processes, world_size: int, timeout: float) -> list[Any]:
             if not failures and any(p.exitcode not in (None, 0) for p in processes):
                 failures.update(_crashed(processes, values))
             continue
-        (values if ok else failures)[rank] = value
+        if ok:
+            values[rank] = pickle.loads(value)
+        else:
+            failures[rank] = value
     if failures:
         first = min(failures)
         raise AssertionError(f"rank {first} of {world_size} failed:\n{failures[first]}")

@@ -19,7 +19,8 @@ The node keeps for its backward what eager's autograd keeps: under Ulysses the h
 of q/k/v after the all-to-all (:func:`~hybridsp.attention.ulysses.seq_to_heads_buffers`) and the
 ring's out and lse on them; without Ulysses the inputs, out and lse. The backward rebuilds the call
 (:func:`~hybridsp.attention.resolve.replay_ring_call`: kernel and plan from their caches, no
-agreement collective, the forward's covered the same inputs). Every output is contiguous (the fake
+agreement collective, the forward's covered the same inputs; the byte counter is the mesh's
+``comm_counter`` when the backward runs). Every output is contiguous (the fake
 implementation says so, and the real one is made so), the one copy the caller's reshape would make.
 
 Shapes: q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] this rank's tokens; U the Ulysses degree;

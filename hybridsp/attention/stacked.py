@@ -73,8 +73,12 @@ def _length(span: slice) -> int:
 
 
 def _rows_of(piece: Piece, batch: int) -> range | list[int]:
-    """The batch rows a piece covers."""
-    return range(batch) if piece.batch == slice(None) else [piece.batch.start]
+    """The batch rows a piece covers (every row, or one: :class:`~hybridsp.layout.block_plan.Piece`)."""
+    if piece.batch == slice(None):
+        return range(batch)
+    if piece.batch.stop - piece.batch.start != 1:
+        raise ValueError(f"a plan piece covers every batch row or one; got rows {piece.batch}")
+    return [piece.batch.start]
 
 
 def _disjoint_layers(same_shape: list[Piece], batch: int) -> list[list[Piece]]:

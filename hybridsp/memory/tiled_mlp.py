@@ -73,7 +73,7 @@ def _checkpointed_tiles(x, act, tile: int, biased, params) -> torch.Tensor:
     flat = x.reshape(-1, x.shape[-1])  # [T, h]
     tiles = [checkpoint(_mlp_math, flat[start:start + tile], act, params, biased, use_reentrant=False)
              for start in range(0, flat.shape[0], tile)]  # each [t, h]
-    out = torch.cat(tiles)  # [T, h]
+    out = torch.cat(tiles) if tiles else _mlp_math(flat, act, params, biased)  # [T, h]; T = 0: empty
     return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., h]
 
 

@@ -30,8 +30,8 @@ CASES = {  # name -> (init_mesh arguments, call settings)
                                                                                   sinks=True)),
     "U2xR2-mla-head-dims-bf16-sinks": (dict(ulysses=2, ring=2), dict(kv_heads=2, window=20, v_head_dim=4,
                                                                      dtype=torch.bfloat16, sinks=True)),
-    "U4xR1-softcap-reference": (dict(ulysses=4, ring=1), dict(kv_heads=1, window=None, softcap=5.0,
-                                                              backend="reference")),
+    "U4xR1-softcap-sinks-reference": (dict(ulysses=4, ring=1), dict(kv_heads=1, window=None, softcap=5.0,
+                                                                    backend="reference", sinks=True, form="none")),
 }
 BOUNDS = ([[0, 13, 48], [0, 30, 41, 48]], [[0, 48], [0, 5, 9, 48]], [[0, 7, 20, 33, 48], [0, 24, 48]])
 
@@ -47,6 +47,8 @@ def _batch(step: int, settings: dict):
 def _cu_seqlens(bounds, form: str):
     from hybridsp.layout.documents import as_documents
 
+    if form == "none":  # no documents, no window: the call without a plan
+        return None
     if form == "tensor":
         return torch.tensor([bounds[0], bounds[0]])  # [B, N + 1]: both rows the same documents
     return as_documents([torch.tensor(row) for row in bounds], 2, SEQ)

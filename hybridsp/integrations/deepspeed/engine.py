@@ -271,11 +271,15 @@ switch, e.g. the transformers integration's; it returns its undo), passes
     remove_hooks = _no_undo
     if stage == 3 and mesh.context > 1:
         remove_hooks = scale_gradients(engine.module, mesh.context)  # Note [gradient scale]
-    compiling.apply(engine)  # "compile": {"enabled": true, ...}: hybridsp.integrations.deepspeed.compiling
 
     def undo() -> None:
         remove_hooks()
         undo_norm()
         undo_switch()
 
+    try:
+        compiling.apply(engine)  # "compile": {"enabled": true, ...}: hybridsp.integrations.deepspeed.compiling
+    except BaseException:
+        undo()  # a compile that fails leaves the model as it came
+        raise
     return HybridEngine(engine, ds_optimizer, mesh, undo)
