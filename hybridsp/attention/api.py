@@ -17,7 +17,7 @@ from torch import nn
 from hybridsp.attention.compiled import compiled_attention
 from hybridsp.attention.resolve import check_causal, check_kv_comm, check_softcap, placement_layout, resolve_ring_call
 from hybridsp.attention.ring import run_ring
-from hybridsp.attention.ulysses import expand_kv_heads_for, heads_to_seq, seq_to_heads
+from hybridsp.attention.ulysses import expand_kv_heads_for, heads_of_rank, heads_to_seq, seq_to_heads
 from hybridsp.comm import CommCounter
 from hybridsp.kernels import AttentionKernel
 from hybridsp.layout.block_plan import check_sliding_window
@@ -126,16 +126,6 @@ def hybrid_attn_func(
     out = run_ring(q, k, v, call, heads_of_rank(sinks, mesh))  # [B, S/R, H/U, Dv]
     (out,) = heads_to_seq([out], mesh.ulysses_group, call.counter)  # [B, S/C, H, Dv]
     return out
-
-
-def heads_of_rank(per_head: torch.Tensor | None, mesh: HybridMesh) -> torch.Tensor | None:
-    """The slice of a per-head tensor [H] for the query heads this rank holds after
-    :func:`~hybridsp.attention.ulysses.seq_to_heads`: ``[u H/U, (u + 1) H/U)``, u its rank in the
-    Ulysses group (a differentiable view; None stays None)."""
-    if per_head is None:
-        return None
-    local = per_head.shape[0] // mesh.ulysses
-    return per_head.narrow(0, dist.get_rank(mesh.ulysses_group) * local, local)  # [H/U]
 
 
 class HybridAttention(nn.Module):

@@ -43,6 +43,7 @@ from hybridsp.attention.ring_function import ring_backward, ring_forward
 from hybridsp.attention.sinks import sink_grad
 from hybridsp.attention.ulysses import (
     expand_kv_heads_for,
+    heads_of_rank,
     heads_to_seq_plain,
     seq_to_heads_buffers,
     split_heads,
@@ -125,7 +126,7 @@ def _forward(q, k, v, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, *setting
     k, v = expand_kv_heads_for(k, heads, mesh.ulysses), expand_kv_heads_for(v, heads, mesh.ulysses)
     buffers = seq_to_heads_buffers([q, k, v], mesh.ulysses_group, call.counter)
     q_slot, k_slot, v_slot = _slot_views(buffers, heads, expanded_kv_heads(heads, kv_heads, mesh.ulysses), mesh.ulysses)
-    out_slot, lse = ring_forward(q_slot, k_slot, v_slot, _heads_of_rank(sinks, mesh), call)
+    out_slot, lse = ring_forward(q_slot, k_slot, v_slot, heads_of_rank(sinks, mesh), call)
     out_slot = out_slot.contiguous()  # [B, U*L, H/U, Dv]
     (out,) = heads_to_seq_plain([out_slot], mesh.ulysses_group, call.counter)  # [B, L, H, Dv]
     return [out.contiguous(), lse.to(acc).contiguous(), out_slot, *buffers]
@@ -156,14 +157,6 @@ def _slot_views(buffers, heads: int, kv_heads: int, ulysses: int) -> list[torch.
     return [*split_heads(buffers[0], [h, hkv]), *split_heads(buffers[1], [hkv])]
 
 
-def _heads_of_rank(sinks, mesh: HybridMesh):
-    """The sinks [H] of this rank's heads [H/U] (None stays None)."""
-    if sinks is None:
-        return None
-    local = sinks.shape[0] // mesh.ulysses
-    return sinks.narrow(0, mesh.ulysses_rank * local, local)  # [H/U]
-
-
 def _backward(dout, saved, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, kv_heads: int,
               *settings) -> list[torch.Tensor]:
     """[dq, dk, dv] (+ [dsinks [H]]) from the forward's saved tensors (Note [compiled call])."""
@@ -187,8 +180,7 @@ def _backward(dout, saved, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, kv_
     if sinks is None:
         return grads
     full = torch.zeros_like(sinks)  # [H]: zero for the heads this rank does not hold
-    local = sink_grad(dout_slot, out_slot, lse, _heads_of_rank(sinks, mesh))
-    full.narrow(0, mesh.ulysses_rank * local.shape[0], local.shape[0]).copy_(local)
+    heads_of_rank(full, mesh).copy_(sink_grad(dout_slot, out_slot, lse, heads_of_rank(sinks, mesh)))
     return grads + [full]
 
 

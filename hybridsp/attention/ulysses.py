@@ -36,6 +36,8 @@ attention does) gets its gradients back in that layout. Any input strides are ac
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -43,12 +45,25 @@ from hybridsp.comm import CommCounter, tensor_bytes
 from hybridsp.formulas import expanded_kv_heads
 from hybridsp.kernels.base import expand_kv_heads
 
+if TYPE_CHECKING:
+    from hybridsp.mesh.hybrid_mesh import HybridMesh
+
 
 def expand_kv_heads_for(x: torch.Tensor, num_heads: int, ulysses: int) -> torch.Tensor:
     """[B, S, Hkv, D] -> [B, S, Hkv', D], Hkv' from :func:`hybridsp.formulas.expanded_kv_heads` (each
     K/V head repeated :func:`~hybridsp.formulas.kv_repeats_for` times; x itself when that is once)."""
     heads = expanded_kv_heads(num_heads, x.shape[2], ulysses)
     return x if heads == x.shape[2] else expand_kv_heads(x, heads)  # [B, S, Hkv', D]
+
+
+def heads_of_rank(per_head: torch.Tensor | None, mesh: HybridMesh) -> torch.Tensor | None:
+    """The slice of a per-head tensor [H] for the query heads this rank holds after
+    :func:`seq_to_heads`: ``[u H/U, (u + 1) H/U)``, u its rank in the Ulysses group (a
+    differentiable view; None stays None)."""
+    if per_head is None:
+        return None
+    local = per_head.shape[0] // mesh.ulysses
+    return per_head.narrow(0, dist.get_rank(mesh.ulysses_group) * local, local)  # [H/U]
 
 
 def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter | None,
