@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from harness import combine, interleave, launch, load, machine_info, results_path, revision, write_results  # noqa: E402
 
+from tests.helpers.packs import packed_lm_batch  # noqa: E402
+
 MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=640, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=True)
 
@@ -49,12 +51,8 @@ def build(seq: int):
 
 
 def packed_batch(step: int, seq: int) -> dict:
-    """input_ids/labels [1, seq] of four documents; the cuts move every step."""
-    gen = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, 256, (1, seq), generator=gen)
-    cuts = sorted(torch.randperm(seq - 2, generator=gen)[:3].add(1).tolist())
-    positions = torch.cat([torch.arange(end - start) for start, end in zip([0, *cuts], [*cuts, seq])])
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions[None]}
+    """input_ids/labels [1, seq] of four documents over the byte vocabulary; the cuts move every step."""
+    return packed_lm_batch(step, seq, rows=1, vocab=256, low=0)
 
 
 def step_of(model, mesh, local: dict) -> float:

@@ -3,8 +3,8 @@
 A packed block of many short documents is many small plan pieces; on a kernel without
 ``supports_varlen`` (the aten CPU flash kernel, the reference) one call per piece costs its launch,
 its Python and its merge per document, so the time follows the document count rather than the
-cells the mask keeps (S=8,192 in 4,096 documents of 2 tokens took 7x the time of 128 documents of
-64). Pieces of one shape (query rows n, key rows m, kind and band) need the same mask, so they
+cells the mask keeps (S=8,192 in 4,096 documents of 2 tokens took 14.8x the time of 128 documents
+of 64 on one rank, ``benchmarks/bench_documents.py``; now 0.84x). Pieces of one shape (query rows n, key rows m, kind and band) need the same mask, so they
 run as one call on a batch of G such pieces: their query rows gathered into q [G, n, H, D], their
 key rows into k/v [G, m, Hkv, D(v)], the results merged into the accumulators by index.
 

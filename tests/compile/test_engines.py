@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hybridsp.testing import run_distributed
+from tests.helpers.packs import packed_lm_batch
 from tests.helpers.preload import preload
 
 preload("transformers.trainer", "accelerate")
@@ -30,14 +31,6 @@ def _config(compiled: bool) -> dict:
     return {**config, "compile": {"enabled": True, "backend": "aot_eager"}} if compiled else config
 
 
-def _packed_batch(step: int, seq: int = 64) -> dict:
-    gen = torch.Generator().manual_seed(step)
-    ids = torch.randint(3, 128, (2, seq), generator=gen)
-    cuts = sorted(torch.randperm(seq - 2, generator=gen)[:3].add(1).tolist())
-    positions = torch.cat([torch.arange(end - start) for start, end in zip([0, *cuts], [*cuts, seq])])
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions.expand(2, seq).clone()}
-
-
 def _deepspeed_run(compiled: bool) -> dict:
     from hybridsp import shard_batch, sharded_cross_entropy
     from hybridsp.integrations.deepspeed import initialize, without_cpu_shm_comm_build
@@ -50,7 +43,7 @@ def _deepspeed_run(compiled: bool) -> dict:
         engine, _, mesh, _ = initialize(build_family("llama"), _config(compiled))
     losses, norms = [], []
     for step in range(STEPS):
-        local = shard_batch(_packed_batch(step), mesh, pad_token_id=PAD)
+        local = shard_batch(packed_lm_batch(step, 64), mesh, pad_token_id=PAD)
         out = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
                      hybridsp_documents=local["documents"], use_cache=False)
         loss = sharded_cross_entropy(out.logits, local["shift_labels"], mesh)

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from hybridsp.testing import run_distributed
+from tests.helpers.packs import packed_lm_batch
 
 TOLERANCE = 1e-5
 SEQ, STEPS = 64, 3
@@ -25,15 +26,6 @@ RUNS = {  # name -> (family, init_mesh arguments, tiled MLP, fused loss, torch.c
     "llama-U2xR2-tiled": ("llama", dict(ulysses=2, ring=2), True, False, "inductor"),
     "qwen3-U1xR4-allgather-fused": ("qwen3", dict(ulysses=1, ring=4, kv_comm="allgather"), False, True, "aot_eager"),
 }
-
-
-def _packed_batch(step: int) -> dict:
-    """input_ids/labels [2, SEQ] packed with four documents (position_ids restart), new cuts every step."""
-    gen = torch.Generator().manual_seed(step)
-    ids = torch.randint(3, 128, (2, SEQ), generator=gen)
-    cuts = sorted(torch.randperm(SEQ - 2, generator=gen)[:3].add(1).tolist())
-    positions = torch.cat([torch.arange(end - start) for start, end in zip([0, *cuts], [*cuts, SEQ])])
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions.expand(2, SEQ).clone()}
 
 
 def _switched(family: str, mesh, tiled: bool):
@@ -98,7 +90,7 @@ def _run(family: str, mesh_args: dict, tiled: bool, fused: bool, backend: str) -
     compiled = torch.compile(model, backend=backend)
     errors = []
     for step in range(STEPS):
-        local = shard_batch(_packed_batch(step), mesh, pad_token_id=PAD, sliding_window=hf.layout_window(model))
+        local = shard_batch(packed_lm_batch(step, SEQ), mesh, pad_token_id=PAD, sliding_window=hf.layout_window(model))
         losses = []
         for runner in (compiled, eager):
             runner.zero_grad(set_to_none=True)
@@ -109,7 +101,7 @@ def _run(family: str, mesh_args: dict, tiled: bool, fused: bool, backend: str) -
         errors.append(max([((losses[0] - losses[1]).abs() / losses[1].abs()).item()]
                           + [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in grads]))
     graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
-    ours, theirs = _explained_breaks(family, mesh, tiled, fused, local, _packed_batch(0))
+    ours, theirs = _explained_breaks(family, mesh, tiled, fused, local, packed_lm_batch(0, SEQ))
     return {"errors": errors, "graphs": graphs, "recompiles": recompiles, "breaks": ours, "unswitched_breaks": theirs}
 
 
