@@ -33,6 +33,9 @@ Parts:
   ``plain`` and ``best`` (ALST: checkpointing + TiledMLP + its tiled loss; hybridsp: checkpointing
   + fused loss + tiled MLP + activation offload into /dev/shm, outside the cap as host memory is
   outside an accelerator's; ALST's offload skips CPU tensors).
+- ``memory``: peak memory per rank at one S (``--seq-len``), each stack with its best features, one
+  launch each after a warm-up step: peak RSS (VmHWM, max over ranks) and the step's own peak above
+  the built engine (VmHWM - RSS after the build; the tensors >= 256 KiB mmapped, as under the cap).
 - ``defects``: ALST's two gradient defects (benchmarks/alst_defects.py states what is compared).
 
 Results: ``results/alst/<part>.{md,json}`` (``--out DIR`` writes there instead), each with the
@@ -61,6 +64,7 @@ from tests.helpers import alst_stacks  # noqa: E402
 PRELOAD = ["torch", "torch.distributed", "hybridsp", "transformers.models.llama.modeling_llama", "deepspeed"]
 TOLERANCE = 1e-4
 MIB = 2**20
+UNCAPPED = 2**40  # memory: a cap never reached, so that the ranks mmap tensors as under a real cap
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,6 +205,18 @@ def part_longest(base: alst_stacks.Run, world: int, budget_mib: int, start: int,
     return {"budget_mib": budget_mib, "granularity": granularity, "limit_from": base.limit_from, "rows": rows}
 
 
+def part_memory(base: alst_stacks.Run, world: int, only=()) -> dict:
+    rows = {}
+    for name, run in stack_runs(replace(base, steps=2, budget=UNCAPPED), world, "best", only).items():
+        traces = launch(run)
+        rows[f"{name} best"] = {"peak_rss": max(t["peak_rss"] for t in traces),
+                                "peak_above_build": max(t["peak_rss"] - t["built_rss"] for t in traces),
+                                "parity_losses": traces[0]["losses"]}
+        print(f"    {name} best: peak RSS {rows[f'{name} best']['peak_rss'] / MIB:.0f} MiB, above the build "
+              f"{rows[f'{name} best']['peak_above_build'] / MIB:.0f} MiB", flush=True)
+    return {"seq_len": base.seq_len, "rows": rows}
+
+
 def part_defects(base: alst_stacks.Run, world: int) -> dict:
     return {"zero2": alst_defects.zero2_gradient_scale(base, world),
             "fused_logits": alst_defects.fused_logits_head_gradient(base, world),
@@ -254,6 +270,18 @@ def markdown_longest(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def markdown_memory(result: dict) -> str:
+    rows = result["rows"]
+    lines = [f"S = {result['seq_len']:,}, best features, one warm-up step then one step.", "",
+             "| stack | features | peak RSS MiB/rank | / ALST | step peak above the build, MiB | / ALST |",
+             "|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        stack, features = name.rsplit(" ", 1)
+        lines.append(f"| {stack} | {features} | {row['peak_rss'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'peak_rss')} | "
+                     f"{row['peak_above_build'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'peak_above_build')} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown_defects(result: dict) -> str:
     return "\n".join(alst_defects.markdown(name, part) for name, part in result.items())
 
@@ -265,8 +293,8 @@ def render(path: str) -> None:
     write(part, stored["result"], stored["meta"], str(Path(path).parent))
 
 
-RENDER = {"parity": markdown_parity, "timing": markdown_timing, "longest": markdown_longest,
-          "defects": markdown_defects}
+RENDER = {"parity": markdown_parity, "timing": markdown_timing, "memory": markdown_memory,
+          "longest": markdown_longest, "defects": markdown_defects}
 
 
 def write(part: str, result: dict, meta: dict, out: str | None) -> None:
@@ -322,6 +350,7 @@ def main(argv=None) -> int:
     parts = list(RENDER) if args.part == "all" else [args.part]
     jobs = {"parity": lambda: part_parity(base, args.world, only),
             "timing": lambda: part_timing(base, args.world, args.rounds, only),
+            "memory": lambda: part_memory(base, args.world, only),
             "longest": lambda: part_longest(base, args.world, args.budget_mib, args.start, args.granularity, only),
             "defects": lambda: part_defects(base, args.world)}
     failed = False

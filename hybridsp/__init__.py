@@ -7,6 +7,7 @@ from hybridsp.comm import CommCounter
 from hybridsp.losses.cross_entropy import sharded_cross_entropy
 from hybridsp.losses.fused import fused_cross_entropy
 from hybridsp.losses.router import real_token_mask, sharded_load_balancing_loss
+from hybridsp.memory.lean_norm import apply_lean_norms
 from hybridsp.memory.offload import ActivationOffload, offload_activations
 from hybridsp.memory.tiled_mlp import apply_tiled_mlp
 from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape, init_mesh
@@ -18,6 +19,7 @@ __all__ = [
     "HybridMesh",
     "MeshShape",
     "ShardedDataLoader",
+    "apply_lean_norms",
     "apply_tiled_mlp",
     "fused_cross_entropy",
     "gather_sequence",

@@ -6,7 +6,8 @@ are trained for 2 steps by one-process DeepSpeed without sequence parallelism (t
 
 - DeepSpeed's ALST (UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter, the tutorial's weighted loss)
   at SP = 2,
-- hybridsp (``hybridsp.integrations.deepspeed.initialize``) at U2 x R1 and U1 x R2,
+- hybridsp (``hybridsp.integrations.deepspeed.initialize``) at U2 x R1 and U1 x R2, and at U2 x R1 with
+  its best memory features (checkpointing, fused loss, tiled MLP, lean norms, activation offload),
 
 each on 2 gloo ranks (tests/helpers/alst_stacks.py, which benchmarks/bench_alst.py runs too). Every step's loss, DeepSpeed's gradient norm and the
 lm_head gradient's norm must equal the reference's (relative 1e-4).
@@ -22,6 +23,7 @@ RUNS = {  # name -> Run fields
     "ALST SP2": {"stack": "alst", "ulysses": 2},
     "hybridsp U2xR1": {"stack": "hybridsp", "ulysses": 2},
     "hybridsp U1xR2": {"stack": "hybridsp", "ring": 2},
+    "hybridsp U2xR1 best": {"stack": "hybridsp", "ulysses": 2, "features": "best"},
 }
 
 

@@ -22,7 +22,8 @@ ZeRO ``stage``, clipping, micro batch 1, a client ``torch.optim.AdamW``) and the
   (``causal_lm_loss``) and ``apply_tiled_mlp``.
 
 ``features="best"`` adds HF activation checkpointing to ``tiled`` on both stacks and, for hybridsp,
-``offload_activations`` (the benchmark passes a host allocator outside its memory cap).
+``apply_lean_norms`` and ``offload_activations`` (the benchmark passes a host allocator outside its
+memory cap).
 ALST's own checkpoint offload cannot run on a CPU accelerator (DeepSpeed's skips CPU tensors).
 
 The data: step ``k`` trains window ``k`` (one sequence of ``seq_len`` tokens). The reference and
@@ -195,6 +196,7 @@ def hybridsp_stack(run: Run, host_allocator=None):
     import hybridsp
     from hybridsp.integrations.deepspeed import initialize
     from hybridsp.integrations.transformers import causal_lm_loss
+    from hybridsp.memory.lean_norm import apply_lean_norms
     from hybridsp.memory.tiled_mlp import apply_tiled_mlp
 
     model = build_model(run)
@@ -202,6 +204,8 @@ def hybridsp_stack(run: Run, host_allocator=None):
     engine, _, mesh, _ = initialize(model, config, optimizer=optimizer_for(model, run))
     if run.features != "plain":
         apply_tiled_mlp(engine.module)
+    if run.features == "best":
+        apply_lean_norms(engine.module)
     options = {} if host_allocator is None else {"host_allocator": host_allocator}
     offload = hybridsp.offload_activations(engine.module, enabled=run.features == "best", **options)
     data = windows(run)
