@@ -182,8 +182,19 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         )
 
 
+def _same_float_kind(tensors) -> bool:
+    """Whether every one of ``tensors`` is a floating tensor of the first one's dtype and device."""
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor) or first.dtype not in FLOAT_DTYPES:
+        return False
+    return all(isinstance(t, torch.Tensor) and t.dtype == first.dtype and t.device == first.device
+               for t in tensors[1:])
+
+
 def check_tensor_kinds(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> None:
     """Raise ValueError unless every tensor is a floating tensor of one dtype on one device."""
+    if _same_float_kind(tensors):  # the common case, checked without building any message
+        return
     named = list(zip(names, tensors))
     for name, tensor in named:
         if not torch.is_tensor(tensor):
@@ -226,4 +237,4 @@ def no_key_lse_to_neg_inf(lse: torch.Tensor) -> torch.Tensor:
 
 def lse_for_backward(lse: torch.Tensor) -> torch.Tensor:
     """Map -inf (row saw no key) to +inf so that exp(score - lse) is 0, not inf (Note [no key])."""
-    return torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
+    return lse.masked_fill(lse == -math.inf, math.inf)

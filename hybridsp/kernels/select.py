@@ -149,8 +149,10 @@ def complete_kernel(kernel) -> AttentionKernel:
 
 def _declares_band(kernel) -> bool:
     """Whether ``kernel``'s class defines its own band calls (not the protocol's empty declarations)."""
-    return all(getattr(type(kernel), name, None) not in (None, getattr(AttentionKernel, name))
-               for name in ("forward_band", "backward_band"))
+    cls = type(kernel)
+    forward_band, backward_band = getattr(cls, "forward_band", None), getattr(cls, "backward_band", None)
+    return (forward_band is not None and forward_band is not AttentionKernel.forward_band
+            and backward_band is not None and backward_band is not AttentionKernel.backward_band)
 
 
 def resolve_kernel(backend: str | AttentionKernel, q: torch.Tensor, v: torch.Tensor | None = None,
