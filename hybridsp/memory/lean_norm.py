@@ -32,10 +32,10 @@ the function returns the weight's gradient once, so DeepSpeed's gradient hook fi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
+
+from hybridsp.memory.forward_patch import ForwardPatch, patch_forwards
 
 LLAMA_STYLE_NORMS = frozenset({
     "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm",
@@ -84,27 +84,7 @@ def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens
     return _LeanRMSNorm.apply(x, weight, eps, tile_tokens)
 
 
-@dataclass
-class LeanNormHandle:
-    """What :func:`apply_lean_norms` changed; ``undo()`` restores every norm (idempotent)."""
-
-    modules: list
-    tile_tokens: int
-    active: bool = True
-
-    def undo(self) -> None:
-        if not self.active:
-            return
-        for module in self.modules:
-            if "forward" in vars(module):
-                del module.forward
-        self.active = False
-
-    def __enter__(self) -> LeanNormHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
+LeanNormHandle = ForwardPatch  # what apply_lean_norms returns: ``undo()`` restores every norm
 
 
 def find_llama_style_norms(model: nn.Module) -> list[nn.Module]:
@@ -120,16 +100,8 @@ def apply_lean_norms(model: nn.Module, *, tile_tokens: int = DEFAULT_TILE_TOKENS
         ValueError when the model has no such norm (names in :data:`LLAMA_STYLE_NORMS`), one is
         already switched, or ``tile_tokens < 1``.
     """
-    modules = find_llama_style_norms(model)
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no Llama-style RMSNorm (one of {sorted(LLAMA_STYLE_NORMS)})")
-    if any("forward" in vars(m) for m in modules):
-        raise ValueError(f"a norm of {type(model).__name__} already has an instance-level forward (switched twice?)")
-    if not isinstance(tile_tokens, int) or tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be a positive number of rows; got {tile_tokens!r}")
-    for module in modules:
-        module.forward = _bound_forward(module, tile_tokens)
-    return LeanNormHandle(modules, tile_tokens)
+    return patch_forwards(find_llama_style_norms(model), lambda module: _bound_forward(module, tile_tokens),
+                          tile_tokens, model=model, what=f"Llama-style RMSNorm (one of {sorted(LLAMA_STYLE_NORMS)})")
 
 
 def _bound_forward(module: nn.Module, tile: int):

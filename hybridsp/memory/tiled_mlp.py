@@ -34,13 +34,12 @@ intermediates), and its backward recomputes per tile as without checkpointing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hybridsp.memory.forward_patch import ForwardPatch, patch_forwards
 from hybridsp.memory.zero_gather import gathered
 
 _PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -134,27 +133,7 @@ class _TiledMLP(torch.autograd.Function):
         return (grad_x, None, None, None, *grad_params)
 
 
-@dataclass
-class TiledMLPHandle:
-    """What :func:`apply_tiled_mlp` changed; ``undo()`` restores every MLP (idempotent)."""
-
-    modules: list
-    tile_tokens: int
-    active: bool = True
-
-    def undo(self) -> None:
-        if not self.active:
-            return
-        for module in self.modules:
-            if "forward" in vars(module):
-                del module.forward
-        self.active = False
-
-    def __enter__(self) -> TiledMLPHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
+TiledMLPHandle = ForwardPatch  # what apply_tiled_mlp returns: ``undo()`` restores every MLP
 
 
 def find_gated_mlps(model: nn.Module) -> list[nn.Module]:
@@ -176,16 +155,9 @@ def apply_tiled_mlp(model: nn.Module, *, tile_tokens: int | None = None) -> Tile
         ValueError when the model has no gated MLP, one is already tiled, or ``tile_tokens < 1``.
     """
     modules = find_gated_mlps(model)
-    if not modules:
-        raise ValueError(f"{type(model).__name__} has no gated MLP (gate_proj/up_proj/down_proj + act_fn) to tile")
-    if any("forward" in vars(m) for m in modules):
-        raise ValueError(f"an MLP of {type(model).__name__} already has an instance-level forward (tiled twice?)")
-    tile = modules[0].down_proj.out_features if tile_tokens is None else tile_tokens
-    if not isinstance(tile, int) or tile < 1:
-        raise ValueError(f"tile_tokens must be a positive number of tokens; got {tile_tokens!r}")
-    for module in modules:
-        module.forward = _bound_forward(module, tile)
-    return TiledMLPHandle(modules, tile)
+    tile = modules[0].down_proj.out_features if modules and tile_tokens is None else tile_tokens
+    return patch_forwards(modules, lambda module: _bound_forward(module, tile), 1 if tile is None else tile,
+                          model=model, what="gated MLP (gate_proj/up_proj/down_proj + act_fn) to tile")
 
 
 def _bound_forward(module: nn.Module, tile: int):

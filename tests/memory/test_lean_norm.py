@@ -117,11 +117,11 @@ def test_lean_norm_keeps_no_normalized_copy():
 def test_bad_input_raises():
     model = tiny_causal_lm("gemma2", seed=0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=16)
-    with pytest.raises(ValueError, match="no Llama-style RMSNorm"):
+    with pytest.raises(ValueError, match="has no Llama-style RMSNorm"):
         apply_lean_norms(model)
     llama = tiny_causal_lm("llama", seed=0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1)
-    with pytest.raises(ValueError, match="positive number of rows; got 0"):
+    with pytest.raises(ValueError, match="positive number of rows \(tokens\); got 0"):
         apply_lean_norms(llama, tile_tokens=0)
     apply_lean_norms(llama)
     with pytest.raises(ValueError, match="switched twice"):
