@@ -29,7 +29,7 @@ Parts:
   are built, so that they count too; the build reserves VmData it never touches, e.g. 8 MiB stacks
   of every gloo group's threads: ~100 MiB more for hybridsp's mesh groups than for ALST's, measured,
   with equal RSS); tensors >= 256 KiB are mmapped and unmapped at free; an allocation past the cap
-  fails the attempt. Doubling from ``--start`` until an attempt fails, then bisection. Features
+  fails the attempt. Doubling from ``--start`` until an attempt fails (or passes ``--max-seq-len``), then bisection. Features
   ``plain`` and ``best`` (ALST: checkpointing + TiledMLP + its tiled loss; hybridsp: checkpointing
   + fused loss + tiled MLP + activation offload into /dev/shm, outside the cap as host memory is
   outside an accelerator's; ALST's offload skips CPU tensors).
@@ -176,11 +176,14 @@ def fits(run: alst_stacks.Run, seq_len: int, budget: int) -> tuple[bool, str]:
         return False, last if memory else "other: " + last
 
 
-def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log) -> dict:
-    """Doubling from ``start`` until a step fails, then bisection to ``granularity``."""
+def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log, ceiling: int | None = None) -> dict:
+    """Doubling from ``start`` until a step fails, then bisection to ``granularity``; no attempt beyond
+    ``ceiling`` (then ``first_failure`` is None and the longest S is at least ``longest``)."""
     attempts, good, bad = [], 0, None
     length = start
     while bad is None:
+        if ceiling is not None and length > ceiling:
+            return {"longest": good, "first_failure": None, "attempts": attempts, "ceiling": ceiling}
         ok, why = fits(run, length, budget)
         attempts.append({"seq_len": length, "ok": ok, "why": why})
         log(f"    {run.name} S={length}: {'fits' if ok else 'fails: ' + why}")
@@ -196,12 +199,12 @@ def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log
 
 
 def part_longest(base: alst_stacks.Run, world: int, budget_mib: int, start: int, granularity: int,
-                 only=()) -> dict:
+                 only=(), ceiling: int | None = None) -> dict:
     rows = {}
     for features in ("plain", "best"):
         for name, run in stack_runs(base, world, features, only).items():
             rows[f"{name} {features}"] = longest(run, budget_mib * MIB, start, granularity,
-                                                 lambda line: print(line, flush=True))
+                                                 lambda line: print(line, flush=True), ceiling)
     return {"budget_mib": budget_mib, "granularity": granularity, "limit_from": base.limit_from, "rows": rows}
 
 
@@ -265,8 +268,9 @@ def markdown_longest(result: dict) -> str:
              "|---|---|---|---|---|"]
     for name, row in rows.items():
         stack, features = name.rsplit(" ", 1)
-        lines.append(f"| {stack} | {features} | {row['longest']:,} | {row['first_failure']:,} | "
-                     f"{_ratio_to_alst(rows, name, 'longest')} |")
+        failure = "none tried (search capped)" if row["first_failure"] is None else f"{row['first_failure']:,}"
+        longest_s = f"{row['longest']:,}" + (" or more" if row["first_failure"] is None else "")
+        lines.append(f"| {stack} | {features} | {longest_s} | {failure} | {_ratio_to_alst(rows, name, 'longest')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -327,6 +331,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="longest: the cap counts from after the engine build (default) or after the imports")
     parser.add_argument("--start", type=int, default=8192, help="longest: first S tried")
     parser.add_argument("--granularity", type=int, default=1024, help="longest: S step of the bisection")
+    parser.add_argument("--max-seq-len", type=int, help="longest: no attempt beyond this S (the row then reads "
+                        "'or more'; an attempt near the limit costs minutes of attention on a CPU)")
     parser.add_argument("--only", nargs="+", default=[], help="stacks whose name contains one of these "
                         "(e.g. ALST U4xR1); ALST is always kept as the ratios' denominator")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a stored <part>.json")
@@ -351,7 +357,8 @@ def main(argv=None) -> int:
     jobs = {"parity": lambda: part_parity(base, args.world, only),
             "timing": lambda: part_timing(base, args.world, args.rounds, only),
             "memory": lambda: part_memory(base, args.world, only),
-            "longest": lambda: part_longest(base, args.world, args.budget_mib, args.start, args.granularity, only),
+            "longest": lambda: part_longest(base, args.world, args.budget_mib, args.start, args.granularity, only,
+                                            args.max_seq_len),
             "defects": lambda: part_defects(base, args.world)}
     failed = False
     for part in parts:

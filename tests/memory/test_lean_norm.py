@@ -121,7 +121,7 @@ def test_bad_input_raises():
         apply_lean_norms(model)
     llama = tiny_causal_lm("llama", seed=0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                            num_attention_heads=2, num_key_value_heads=1)
-    with pytest.raises(ValueError, match="positive number of rows \(tokens\); got 0"):
+    with pytest.raises(ValueError, match=r"positive number of rows \(tokens\); got 0"):
         apply_lean_norms(llama, tile_tokens=0)
     apply_lean_norms(llama)
     with pytest.raises(ValueError, match="switched twice"):
