@@ -144,6 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="fused-loss chunk, tokens (default: the library's, ceil(T h / V) capped at 64 MiB of logits)")
     tech.add_argument("--tiled-mlp", action="store_true", help="MLP over sequence tiles with recomputation")
     tech.add_argument("--mlp-tile", type=_POSITIVE_INT, help="tiled-MLP tile, tokens (default: the hidden size)")
+    tech.add_argument("--lean-norms", action="store_true",
+                      help="hybridsp.apply_lean_norms: RMSNorms keep x and one scale per row for backward")
     tech.add_argument("--offload-activations", action="store_true",
                       help="checkpointed layers' inputs in host memory (needs activation checkpointing)")
     tech.add_argument("--keep-last", type=_COUNT, default=Techniques.keep_last,
@@ -232,7 +234,7 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
 def techniques_from_args(args: argparse.Namespace) -> Techniques:
     return Techniques(
         fused_loss=args.fused_loss, loss_chunk=args.loss_chunk, tiled_mlp=args.tiled_mlp, mlp_tile=args.mlp_tile,
-        activation_offload=args.offload_activations, keep_last=args.keep_last,
+        lean_norms=args.lean_norms, activation_offload=args.offload_activations, keep_last=args.keep_last,
         optimizer_offload=args.offload_optimizer, param_offload=args.offload_params, kv_mode=args.kv_mode,
         reduce_bucket=args.reduce_bucket,
     )

@@ -15,7 +15,8 @@ Persistent (does not depend on S)
 Saved for backward, per token (HF Llama as hybridsp runs it; equal to the measured breakdown
 of benchmarks/results/longest_context/longest_context.md, 82,356 B/token at U=1 and 86,452 at U=2, fp32)
     one RMSNorm: (4 + 2e) h + 4 (x in fp32, the normalised x and the weighted output in e,
-        which the next linear keeps, fp32 rstd)
+        which the next linear keeps, fp32 rstd); with lean norms (``hybridsp.apply_lean_norms``)
+        2 e h + 4 (x itself, the weighted output, fp32 rstd)
     attention: e (2 H D + 2 Hkv' D) + [U > 1] e H D + 4 H (q, k, v after the all-to-all, the
         kernel output, the o_proj input after the reverse all-to-all (a view of the output at
         U = 1), fp32 LSE)
@@ -23,8 +24,9 @@ of benchmarks/results/longest_context/longest_context.md, 82,356 B/token at U=1 
         norm's output, already counted)
     layer A = 2 norms + attention + MLP; MLP region = 1 norm + MLP.
     outside the layers G: final norm + RoPE cos/sin 2 D e + token ids and labels 16.
-    recomputed layer (checkpointing): A, less the first norm's fp32 x when e = 4 and the
-        checkpoint stays on the device (``.to(float32)`` of fp32 returns the checkpoint itself).
+    recomputed layer (checkpointing): A, less the first norm's x when it is the checkpoint itself
+        and that stays on the device (HF's norm: e = 4, ``.to(float32)`` of fp32 returns it; a lean
+        norm keeps x as it is, any e).
     checkpoints (activation checkpointing): the layers' inputs, L T h e; with activation
         offload min(L, keep_last + in_flight) T h e stay on the device (the newest
         ``keep_last``, ``offload_in_flight`` = 2 copies in flight on CUDA, one each way) and
@@ -193,8 +195,11 @@ def engine_state_bytes(workload: Workload, config: MeshConfig) -> int:
 # ----------------------------------------------------------------------------- saved per token
 
 
-def norm_bytes_per_token(model: ModelSpec, dtype_bytes: int) -> int:
-    """One HF RMSNorm: x in fp32, the normalised x and the weighted output in e, fp32 rstd."""
+def norm_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean: bool = False) -> int:
+    """One HF RMSNorm: x in fp32, the normalised x and the weighted output in e, fp32 rstd; a lean
+    norm: x as it is and the weighted output in e, fp32 rstd."""
+    if lean:
+        return 2 * dtype_bytes * model.hidden_size + FP32
     return (FP32 + 2 * dtype_bytes) * model.hidden_size + FP32
 
 
@@ -213,25 +218,30 @@ def mlp_bytes_per_token(model: ModelSpec, dtype_bytes: int, tiled: bool = False)
     return 0 if tiled else 4 * model.intermediate_size * dtype_bytes
 
 
-def layer_activation_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int, tiled_mlp: bool = False) -> int:
+def layer_activation_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int, tiled_mlp: bool = False,
+                                     lean_norms: bool = False) -> int:
     """Saved tensors of one Llama layer per local token: 2 norms + attention + MLP."""
-    return (2 * norm_bytes_per_token(model, dtype_bytes) + attention_bytes_per_token(model, ulysses, dtype_bytes)
-            + mlp_bytes_per_token(model, dtype_bytes, tiled_mlp))
+    return (2 * norm_bytes_per_token(model, dtype_bytes, lean_norms)
+            + attention_bytes_per_token(model, ulysses, dtype_bytes) + mlp_bytes_per_token(model, dtype_bytes, tiled_mlp))
 
 
-def outside_layers_bytes_per_token(model: ModelSpec, dtype_bytes: int) -> int:
+def outside_layers_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean_norms: bool = False) -> int:
     """G: the final norm, RoPE cos/sin (one copy for all layers), token ids and labels."""
-    return norm_bytes_per_token(model, dtype_bytes) + 2 * model.head_dim * dtype_bytes + IDS_BYTES_PER_TOKEN
+    return (norm_bytes_per_token(model, dtype_bytes, lean_norms) + 2 * model.head_dim * dtype_bytes
+            + IDS_BYTES_PER_TOKEN)
 
 
 def checkpoint_alias_bytes_per_token(model: ModelSpec, workload: Workload) -> int:
     """Bytes of a recomputed layer that are its checkpoint, already counted by :func:`checkpoint_bytes`:
     the first RMSNorm's fp32 x (its ``.to(float32)`` returns the input itself when e = 4) while
     the checkpoint stays on the device (no activation offload; offload brings a new device copy
-    back for the recompute, which the norm's x term counts). h x 4 in fp32, else 0."""
-    if workload.dtype_bytes != FP32 or workload.techniques.activation_offload:
+    back for the recompute, which the norm's x term counts). h x 4 in fp32, else 0; with lean norms
+    (x kept as it is) h x e in any dtype."""
+    if workload.techniques.activation_offload:
         return 0
-    return FP32 * model.hidden_size
+    if workload.techniques.lean_norms:
+        return workload.dtype_bytes * model.hidden_size
+    return FP32 * model.hidden_size if workload.dtype_bytes == FP32 else 0
 
 
 # ----------------------------------------------------------------------------- step terms
@@ -306,12 +316,12 @@ def mlp_transient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig
 def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tuple[str, int, int, int, int]]:
     """(phase, total, saved, loss, transient) of every training phase (checkpoints excluded)."""
     tokens, e, tech = local_tokens(workload, config), workload.dtype_bytes, workload.techniques
-    layer = tokens * layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp)
+    layer = tokens * layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp, tech.lean_norms)
     if config.checkpointing:
         layer -= tokens * checkpoint_alias_bytes_per_token(model, workload)
-    mlp_region = tokens * (norm_bytes_per_token(model, e) + mlp_bytes_per_token(model, e, tech.tiled_mlp))
+    mlp_region = tokens * (norm_bytes_per_token(model, e, tech.lean_norms) + mlp_bytes_per_token(model, e, tech.tiled_mlp))
     layers = layer if config.checkpointing else model.num_layers * layer
-    outside = tokens * outside_layers_bytes_per_token(model, e)
+    outside = tokens * outside_layers_bytes_per_token(model, e, tech.lean_norms)
     flow = tokens * model.hidden_size * e
     loss = loss_bytes(model, workload, config)
     mlp, attention = mlp_transient_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)

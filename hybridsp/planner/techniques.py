@@ -1,4 +1,4 @@
-"""Memory techniques a step may use, for the planner: fused loss, tiled MLP, offload, K/V mode.
+"""Memory techniques a step may use, for the planner: fused loss, tiled MLP, lean norms, offload, K/V mode.
 
 ``Techniques`` is part of the :class:`hybridsp.planner.Workload`; every term it changes is
 stated in :mod:`hybridsp.planner.memory`. ``ABLATION_ORDER`` is the order in which
@@ -22,6 +22,8 @@ class Techniques:
         ``hybridsp.formulas.default_chunk_size``; the ``[T, V]`` logits never exist).
         tiled_mlp: each MLP runs over tiles of ``mlp_tile`` tokens (None: the hidden size,
         Arctic/ALST's rule) with recomputation.
+    lean_norms: ``hybridsp.apply_lean_norms``: each RMSNorm keeps x and one fp32 scale per row, not
+        the normalised rows (not an ablation step: ``--lean-norms`` turns it on for every row).
     activation_offload: with activation checkpointing, the checkpointed layers' inputs live in
         host memory (``hybridsp.offload_activations``); the newest ``keep_last`` stay, and
         ``offload_in_flight`` more are on the device while copied (2 on CUDA: one each way;
@@ -43,6 +45,7 @@ class Techniques:
     loss_chunk: int | None = None
     tiled_mlp: bool = False
     mlp_tile: int | None = None
+    lean_norms: bool = False
     activation_offload: bool = False
     keep_last: int = 1
     offload_in_flight: int = 2

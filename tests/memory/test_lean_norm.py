@@ -146,3 +146,38 @@ def test_compiled_model_with_lean_norms_equals_eager_hf():
     assert rel_err(got[0], want[0]) <= 1e-6
     for (name, _), g, w in zip(model.named_parameters(), got[1:], want[1:]):
         assert rel_err(g, w) <= 2e-6, f"{name}: rel {rel_err(g, w):.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_planner_norm_term_is_what_a_decoder_layer_keeps(dtype):
+    """hybridsp.planner.memory's lean-norm saving (two norms per layer) equals what autograd stops keeping
+    for one HF Llama decoder layer (unique storages of the saved tensors, HF norms vs lean)."""
+    from hybridsp.planner.memory import norm_bytes_per_token
+    from hybridsp.planner.specs import ModelSpec
+
+    model = tiny_causal_lm("llama", seed=0, dtype=dtype, vocab_size=64, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    tokens = 96
+    hidden = torch.randn(1, tokens, 64, dtype=dtype, requires_grad=True)
+    positions = torch.arange(tokens).unsqueeze(0)
+    embeddings = model.model.rotary_emb(hidden, positions)
+
+    def kept() -> int:
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model.layers[0](hidden * 1, position_embeddings=embeddings, position_ids=positions)
+        return sum(seen.values())
+
+    spec = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, intermediate_size=128, num_layers=1,
+                     vocab_size=64)
+    e = torch.empty((), dtype=dtype).element_size()
+    predicted = 2 * tokens * (norm_bytes_per_token(spec, e) - norm_bytes_per_token(spec, e, lean=True))
+    hf = kept()
+    with apply_lean_norms(model):
+        lean = kept()
+    assert hf - lean == predicted, (hf, lean, predicted)
