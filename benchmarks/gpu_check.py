@@ -15,6 +15,10 @@
    activation checkpointing, one training forward + backward with and without offload: the
    loss and gradients must be identical, and the peak memory must drop by about the bytes
    offloaded (pinned host buffers, side stream); step times side by side (overlap).
+4. Lean norms (``hybridsp.apply_lean_norms``): the same checkpointed Llama, one forward + backward
+   with HF's RMSNorms and with lean ones: the loss must be identical (the forward is bit-identical),
+   the gradients equal to rounding, and the peak memory must not rise (the planner's term:
+   ``hybridsp.planner.memory.norm_bytes_per_token``: 4 h bytes per token and norm less).
 Without CUDA it runs the same code on the CPU ``torch`` backend (small sizes), so the
 script itself is tested anywhere. Writes ``gpu_check.json`` and ``gpu_check.md`` to --out
 (default ``benchmarks/results/gpu_check/``).
@@ -149,6 +153,24 @@ def _offload_model(device, quick: bool):
     return model, ids, dtype
 
 
+def _step_with_peak(model, ids, device, forward_context=None):
+    """(loss, gradients, peak bytes above the start or None on CPU, seconds) of one fwd+bwd; the
+    forward runs inside ``forward_context`` (e.g. the activation offload) when given."""
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    start = time.perf_counter()
+    with forward_context if forward_context is not None else contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
+    return loss.detach().float().item(), [p.grad.detach().clone() for p in model.parameters()], peak, seconds
+
+
 def activation_offload_check(device, quick: bool) -> dict:
     """Loss, gradients, peak memory and time of one fwd+bwd with and without activation offload."""
     from hybridsp import offload_activations
@@ -157,19 +179,7 @@ def activation_offload_check(device, quick: bool) -> dict:
     offload = offload_activations(model)
 
     def step(use_offload: bool):
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        start = time.perf_counter()
-        with offload if use_offload else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        _synchronize(device)
-        seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
-        return loss.detach().float().item(), [p.grad.detach().clone() for p in model.parameters()], peak, seconds
+        return _step_with_peak(model, ids, device, offload if use_offload else contextlib.nullcontext())
 
     rows = {}
     for name, use in (("checkpointing", False), ("offload", True), ("checkpointing ", False), ("offload ", True)):
@@ -186,6 +196,27 @@ def activation_offload_check(device, quick: bool) -> dict:
             "peak_bytes": [plain[2], offloaded[2]], "peak_saved_bytes": saved,
             "seconds": [plain[3], offloaded[3]],
             "ok": plain[0] == offloaded[0] and grad_diff == 0.0 and (saved is None or saved >= 0.8 * expected)}
+
+
+def lean_norms_check(device, quick: bool) -> dict:
+    """Loss, gradients, peak memory and time of one checkpointed fwd+bwd with HF norms and lean norms."""
+    from hybridsp import apply_lean_norms
+
+    model, ids, dtype = _offload_model(device, quick)
+    rows = {"hf": [], "lean": []}
+    for name in ("hf", "lean", "hf", "lean"):  # interleaved, twice each (the first warms up)
+        if name == "lean":
+            with apply_lean_norms(model):
+                rows[name].append(_step_with_peak(model, ids, device))
+        else:
+            rows[name].append(_step_with_peak(model, ids, device))
+    hf, lean = rows["hf"][-1], rows["lean"][-1]
+    grad_rel = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                   for a, b in zip(lean[1], hf[1]))
+    tolerance = 2e-6 if dtype == torch.float32 else 2e-2
+    return {"device": str(device), "dtype": str(dtype), "seq_len": ids.shape[1], "loss": [hf[0], lean[0]],
+            "max_grad_rel": grad_rel, "peak_bytes": [hf[2], lean[2]], "seconds": [hf[3], lean[3]],
+            "ok": hf[0] == lean[0] and grad_rel <= tolerance and (hf[2] is None or lean[2] <= hf[2])}
 
 
 def _markdown(report: dict) -> str:
@@ -209,6 +240,14 @@ def _markdown(report: dict) -> str:
                   f"{o['max_grad_diff']:.1e} | {o['stats']['offloaded_tensors']} / {mib(o['stats']['offloaded_bytes'])} | "
                   f"{mib(o['peak_bytes'][0])} / {mib(o['peak_bytes'][1])} | {mib(o['peak_saved_bytes'])} | "
                   f"{o['seconds'][0]:.3f} / {o['seconds'][1]:.3f} | {o['ok']} |"]
+    if "lean_norms" in report:
+        n, mib = report["lean_norms"], lambda v: "-" if v is None else f"{v / 2**20:,.0f}"
+        lines += ["", "## Lean norms (one fwd+bwd, HF Llama, checkpointing on)", "",
+                  "| device | dtype | S | loss (HF / lean) | max grad rel. diff | peak MiB (HF / lean) | seconds (HF / lean) | ok |",
+                  "|---|---|---|---|---|---|---|---|",
+                  f"| {n['device']} | {n['dtype']} | {n['seq_len']} | {n['loss'][0]:.6f} / {n['loss'][1]:.6f} | "
+                  f"{n['max_grad_rel']:.1e} | {mib(n['peak_bytes'][0])} / {mib(n['peak_bytes'][1])} | "
+                  f"{n['seconds'][0]:.3f} / {n['seconds'][1]:.3f} | {n['ok']} |"]
     return "\n".join(lines) + "\n"
 
 
@@ -227,7 +266,8 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "correctness": correctness(device, backends, args.quick or device.type == "cpu"),
               "blocking": ring_blocking_cost(device, backends[0], args.quick or device.type == "cpu"),
-              "offload": activation_offload_check(device, args.quick)}
+              "offload": activation_offload_check(device, args.quick),
+              "lean_norms": lean_norms_check(device, args.quick)}
     if "flash" in backends:
         try:
             get_kernel("flash").forward(*_inputs(1, 16, 2, 2, 64, torch.float32, device)[:3], causal=False, softmax_scale=0.1)
@@ -242,6 +282,8 @@ def main() -> None:
         raise SystemExit("a backend exceeded twice the same-dtype rounding error")
     if not report["offload"]["ok"]:
         raise SystemExit("activation offload changed the results or did not lower the peak memory")
+    if not report["lean_norms"]["ok"]:
+        raise SystemExit("lean norms changed the loss, moved the gradients past rounding or raised the peak memory")
 
 
 if __name__ == "__main__":
