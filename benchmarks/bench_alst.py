@@ -31,7 +31,7 @@ Parts:
   with equal RSS); tensors >= 256 KiB are mmapped and unmapped at free; an allocation past the cap
   fails the attempt. Doubling from ``--start`` until an attempt fails (or passes ``--max-seq-len``), then bisection. Features
   ``plain`` and ``best`` (ALST: checkpointing + TiledMLP + its tiled loss; hybridsp: checkpointing
-  + fused loss + tiled MLP + activation offload into /dev/shm, outside the cap as host memory is
+  + fused loss + tiled MLP + lean norms + activation offload into /dev/shm, outside the cap as host memory is
   outside an accelerator's; ALST's offload skips CPU tensors).
 - ``memory``: peak memory per rank at one S (``--seq-len``), each stack with its best features, one
   launch each after a warm-up step: peak RSS (VmHWM, max over ranks) and the step's own peak above
@@ -212,11 +212,11 @@ def part_memory(base: alst_stacks.Run, world: int, only=()) -> dict:
     rows = {}
     for name, run in stack_runs(replace(base, steps=2, budget=UNCAPPED), world, "best", only).items():
         traces = launch(run)
-        rows[f"{name} best"] = {"peak_rss": max(t["peak_rss"] for t in traces),
-                                "peak_above_build": max(t["peak_rss"] - t["built_rss"] for t in traces),
-                                "parity_losses": traces[0]["losses"]}
-        print(f"    {name} best: peak RSS {rows[f'{name} best']['peak_rss'] / MIB:.0f} MiB, above the build "
-              f"{rows[f'{name} best']['peak_above_build'] / MIB:.0f} MiB", flush=True)
+        row = rows[f"{name} best"] = {"peak_rss": max(t["peak_rss"] for t in traces),
+                                      "peak_above_build": max(t["peak_rss"] - t["built_rss"] for t in traces),
+                                      "parity_losses": traces[0]["losses"]}
+        print(f"    {name} best: peak RSS {row['peak_rss'] / MIB:.0f} MiB, above the build "
+              f"{row['peak_above_build'] / MIB:.0f} MiB", flush=True)
     return {"seq_len": base.seq_len, "rows": rows}
 
 

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     trees = {"before": args.before, "after": args.after}
     meta = {"command": "python benchmarks/bench_call_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "rounds": args.rounds, "machine": harness.machine_info(), "software": harness.software_info(),
-            "revisions": {name: bench_core_shape._head(tree) for name, tree in trees.items()},
+            "revisions": {name: bench_core_shape.tree_head(tree) for name, tree in trees.items()},
             "load_before": harness.load()}
     raw = {"before": [], "after": []}
     for i in range(args.rounds):

@@ -315,7 +315,7 @@ def main() -> None:
         slow_note = f"not finished within {opts.slow_timeout:.0f} s wall"
     data = {"machine": machine_info(), "software": software_info(), "load_start": start_load, "load_end": load(),
             "uptime": _uptime(), "rounds": opts.rounds, "trees": trees,
-            "revisions": {name: _head(tree) for name, tree in trees.items()}, "slow_note": slow_note, "raw": raw}
+            "revisions": {name: tree_head(tree) for name, tree in trees.items()}, "slow_note": slow_note, "raw": raw}
     os.makedirs(os.path.dirname(os.path.abspath(opts.prefix)), exist_ok=True)
     with open(opts.prefix + ".json", "w") as handle:  # the raw data first, in case the report fails
         json.dump(data, handle, indent=1)
@@ -324,7 +324,7 @@ def main() -> None:
     print(markdown)
 
 
-def _head(tree: str) -> str:
+def tree_head(tree: str) -> str:
     done = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
 

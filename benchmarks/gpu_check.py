@@ -205,10 +205,7 @@ def lean_norms_check(device, quick: bool) -> dict:
     model, ids, dtype = _offload_model(device, quick)
     rows = {"hf": [], "lean": []}
     for name in ("hf", "lean", "hf", "lean"):  # interleaved, twice each (the first warms up)
-        if name == "lean":
-            with apply_lean_norms(model):
-                rows[name].append(_step_with_peak(model, ids, device))
-        else:
+        with apply_lean_norms(model) if name == "lean" else contextlib.nullcontext():
             rows[name].append(_step_with_peak(model, ids, device))
     hf, lean = rows["hf"][-1], rows["lean"][-1]
     grad_rel = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()

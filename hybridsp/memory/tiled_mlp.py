@@ -156,8 +156,7 @@ def apply_tiled_mlp(model: nn.Module, *, tile_tokens: int | None = None) -> Tile
     """
     modules = find_gated_mlps(model)
     tile = modules[0].down_proj.out_features if modules and tile_tokens is None else tile_tokens
-    return patch_forwards(modules, lambda module: _bound_forward(module, tile), 1 if tile is None else tile,
-                          model=model, what="gated MLP (gate_proj/up_proj/down_proj + act_fn) to tile")
+    return patch_forwards(modules, lambda module: _bound_forward(module, tile), tile, model=model, what="gated MLP (gate_proj/up_proj/down_proj + act_fn) to tile")
 
 
 def _bound_forward(module: nn.Module, tile: int):
