@@ -113,6 +113,11 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``: itself when it already is (without the dispatch a no-op ``.to`` still costs)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def unit_stride(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself when its last dim is unit-stride (what fused kernels assume), else a contiguous copy.
 

@@ -50,6 +50,7 @@ from hybridsp.kernels.base import (
     HALF_DTYPES,
     AttentionKernel,
     accumulation_dtype,
+    as_dtype,
     check_qkv,
     expand_kv_heads,
     lse_for_backward,
@@ -120,15 +121,16 @@ class TorchFusedKernel(AttentionKernel):
             layout(qw), layout(kw), layout(vw), 0.0, causal, scale=softmax_scale
         )
         band = (0, None) if causal else (None, None)  # top-left causal, or every key
-        out = _seq_first(out)[..., : v.shape[-1]]  # [B, Sq, H, Dv]
-        return restore_nan_rows(q, k, out, lse.to(accumulation_dtype(q.dtype)), band)
+        out = _seq_first(out)  # [B, Sq, H, W]
+        out = out if out.shape[-1] == v.shape[-1] else out[..., : v.shape[-1]]  # [B, Sq, H, Dv]
+        return restore_nan_rows(q, k, out, as_dtype(lse, accumulation_dtype(q.dtype)), band)
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
         if k.shape[1] == 0 or q.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        lse = lse_for_backward(lse.to(accumulation_dtype(q.dtype)))
-        dout, out = dout.to(q.dtype), out.to(q.dtype)
+        lse = lse_for_backward(as_dtype(lse, accumulation_dtype(q.dtype)))
+        dout, out = as_dtype(dout, q.dtype), as_dtype(out, q.dtype)
         if q.is_cuda:
             return cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
@@ -162,9 +164,9 @@ class TorchFusedKernel(AttentionKernel):
 def restore_nan_rows(q, k, out, lse, band):
     """(out [B, Sq, H, D], lse [B, H, Sq]) of a CPU kernel call with NaN, in place, on the rows whose
     every score inside ``band`` (:mod:`hybridsp.kernels.band`) is NaN (Note [NaN rows])."""
-    zero = lse == 0  # [B, H, Sq]: the kernel's "no key" marker, and rarely a real lse
-    if not bool(zero.any()):
+    if bool(lse.all()):  # no lse is exactly 0 (the kernel's "no key" marker, and rarely a real lse): one op
         return out, lse
+    zero = lse == 0  # [B, H, Sq]
     b, h, i = zero.nonzero().unbind(1)  # each [n]
     acc = accumulation_dtype(q.dtype)
     group = q.shape[2] // k.shape[2]
