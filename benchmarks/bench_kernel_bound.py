@@ -1,0 +1,224 @@
+"""How far hybrid_attn_func is from the kernel-bound limit at each U x R mesh.
+
+    python benchmarks/bench_kernel_bound.py [--meshes 4x1 2x2 1x4] [--seq-len 4096] [--heads 8]
+        [--kv-heads 2] [--head-dim 32] [--repeats 5] [--rounds 3] [--before TREE]
+
+The limit: one single-process call of the same kernel on the whole problem (every head, the whole
+sequence, GQA as given), forward + backward, one thread; divided over C ranks it is what a perfect
+split would cost each. The ratio is the summed process CPU of one ``hybrid_attn_func`` forward +
+backward over the C ranks (gloo, one thread each) divided by that single call's CPU; 1.0 is no
+overhead at all. The total splits three ways, each summed over the ranks: the seconds inside the
+kernel's forward and backward (thread time), the rest of the calling thread (hybridsp's all-to-all
+packing and reordering, ring merges and accumulators, checks, the autograd shell, the caller's side
+of each collective), and gloo's own threads (process time minus the calling thread's: the TCP
+loopback copies and wake-ups of every collective).
+
+Each round launches the single call and every mesh once per tree in a subprocess (``PYTHONPATH``
+the tree; with ``--before`` the two trees alternate round by round); medians of the repeats inside
+a launch, then the median over rounds. Causal, fp32, B=1. Writes
+``results/ring_cost/kernel_bound.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import harness  # noqa: E402
+
+# --------------------------------------------------------------------------------------------
+# the worker (inside a subprocess whose PYTHONPATH is the tree under test)
+
+
+def _timed_kernel():
+    """The torch kernel, summing the thread seconds of its forward and backward calls."""
+    from hybridsp.kernels import TorchFusedKernel
+
+    class TimedKernel(TorchFusedKernel):
+        seconds = 0.0
+
+        def forward(self, *args, **kwargs):
+            start = time.thread_time()
+            result = super().forward(*args, **kwargs)
+            self.seconds += time.thread_time() - start
+            return result
+
+        def backward(self, *args, **kwargs):
+            start = time.thread_time()
+            result = super().backward(*args, **kwargs)
+            self.seconds += time.thread_time() - start
+            return result
+
+    return TimedKernel()
+
+
+def _inputs(shape: dict):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    s, h, hkv, d = shape["seq_len"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    return [torch.randn(1, s, n, d, generator=gen) for n in (h, hkv, hkv, h)]  # q, k, v, dout [B, S, H, D]
+
+
+PARTS = ("total", "kernel", "thread")  # process CPU, inside the kernel, the calling thread
+
+
+def _fwd_bwd(attend, q, k, v, dout, kernel) -> tuple[float, float, float]:
+    """(process CPU s, kernel thread s, calling thread s) of one forward + backward of ``attend(q, k, v, kernel)``."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    kernel.seconds = 0.0
+    start, thread = time.process_time(), time.thread_time()
+    attend(q, k, v, kernel).backward(dout)
+    return time.process_time() - start, kernel.seconds, time.thread_time() - thread
+
+
+def _single(rank, world, shape, repeats):
+    """The limit: one call on the whole problem (a 1 x 1 mesh is one kernel call, no plan)."""
+    from hybridsp import ring_attention
+
+    def attend(q, k, v, kernel):
+        return ring_attention(q, k, v, None, causal=True, backend=kernel)
+
+    kernel, full = _timed_kernel(), _inputs(shape)
+    _fwd_bwd(attend, *full, kernel)
+    return [_fwd_bwd(attend, *full, kernel) for _ in range(repeats)]
+
+
+def _mesh_rank(rank, world, shape, repeats, ulysses, ring):
+    import torch.distributed as dist
+
+    from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
+
+    mesh = init_mesh(ulysses=ulysses, ring=ring)
+
+    def attend(q, k, v, kernel):
+        return hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend=kernel)
+
+    kernel = _timed_kernel()
+    local = [shard_sequence(t, mesh) for t in _inputs(shape)]
+    _fwd_bwd(attend, *local, kernel)  # warm-up
+    costs = []
+    for _ in range(repeats):
+        dist.barrier()
+        costs.append(_fwd_bwd(attend, *local, kernel))
+    return costs
+
+
+def worker(args: dict) -> dict:
+    """{"single": cpu s, mesh: {"total", "kernel", "thread": s summed over the ranks}} (medians over the
+    repeats), and hybridsp's path."""
+    import hybridsp
+
+    shape, repeats = args["shape"], args["repeats"]
+    single = harness.launch(_single, 1, shape, repeats, timeout=1800)[0]
+    out = {"hybridsp": str(Path(hybridsp.__file__).resolve().parent.parent),
+           "single": statistics.median(c[0] for c in single)}
+    for name in args["meshes"]:
+        u, r = (int(x) for x in name.split("x"))
+        per_rank = harness.launch(_mesh_rank, u * r, shape, repeats, u, r, timeout=1800)
+        out[name] = {key: statistics.median(sum(rank[i][j] for rank in per_rank) for i in range(repeats))
+                     for j, key in enumerate(PARTS)}
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the driver
+
+
+def run_tree(tree: str, args: dict) -> dict:
+    env = {**os.environ, "PYTHONPATH": tree}
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200, cwd="/tmp")
+    if done.returncode != 0:
+        raise RuntimeError(f"{tree} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if not result["hybridsp"].startswith(str(Path(tree).resolve())):
+        raise RuntimeError(f"{tree}: imported hybridsp from {result['hybridsp']}")
+    return result
+
+
+def summary(rounds: list[dict], meshes: list[str]) -> dict:
+    """Medians over rounds: the single call, and per mesh total, kernel, the ratio and the rest's share."""
+    out = {"single": statistics.median(r["single"] for r in rounds)}
+    for name in meshes:
+        shares = {"ratio": [r[name]["total"] / r["single"] for r in rounds],
+                  "kernel": [r[name]["kernel"] / r["single"] for r in rounds],
+                  "hybridsp": [(r[name]["thread"] - r[name]["kernel"]) / r["single"] for r in rounds],
+                  "gloo": [(r[name]["total"] - r[name]["thread"]) / r["single"] for r in rounds]}
+        out[name] = {"total": statistics.median(r[name]["total"] for r in rounds), "ratios": shares["ratio"]}
+        out[name] |= {key: statistics.median(values) for key, values in shares.items()}
+    return out
+
+
+def markdown(result: dict, meta: dict) -> str:
+    shape = meta["shape"]
+    lines = [f"# Distance from the kernel-bound limit ({meta['revisions']})", "",
+             f"`{meta['command']}`; causal fp32 B=1 S={shape['seq_len']} H={shape['heads']} Hkv={shape['kv_heads']} "
+             f"D={shape['head_dim']}, fwd+bwd, one thread per rank; {meta['rounds']} rounds; {meta['machine']}; "
+             f"load before {meta['load_before']}, after {meta['load_after']}.", "",
+             "Each share is seconds summed over the ranks / the single call's (medians over rounds).", "",
+             "| tree | mesh | single call CPU s | summed CPU s | / single (the ratio) | kernel | hybridsp's thread "
+             "| gloo's threads | ratio per round |", "|---|" + "---|" * 8]
+    for tree, res in result.items():
+        for name in meta["meshes"]:
+            row = res[name]
+            rounds = ", ".join(f"{x:.3f}" for x in row["ratios"])
+            lines.append(f"| {tree} | U{name.replace('x', 'xR')} | {res['single']:.3f} | {row['total']:.3f} | "
+                         f"**{row['ratio']:.3f}** | {row['kernel']:.3f} | {row['hybridsp']:.3f} | {row['gloo']:.3f} | "
+                         f"{rounds} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--meshes", nargs="+", default=["4x1", "2x2", "1x4"])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--before", help="another tree (a worktree of an earlier revision), alternated with this one")
+    parser.add_argument("--out", help="write kernel_bound.{md,json} here instead of results/ring_cost/")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    shape = {"seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+    trees = {"after": str(HERE.parent)} | ({"before": args.before} if args.before else {})
+    job = {"shape": shape, "repeats": args.repeats, "meshes": args.meshes}
+    meta = {"command": "python benchmarks/bench_kernel_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "shape": shape, "meshes": args.meshes, "rounds": args.rounds, "machine": harness.machine_info(),
+            "revisions": " -> ".join(f"{name} {_head(tree)}" for name, tree in sorted(trees.items())),
+            "load_before": harness.load()}
+    raw = {name: [] for name in trees}
+    for i in range(args.rounds):
+        for name in (sorted(trees) if i % 2 == 0 else sorted(trees, reverse=True)):
+            raw[name].append(run_tree(trees[name], job))
+            print(f"round {i + 1} {name}: " + ", ".join(
+                f"{m} {raw[name][-1][m]['total'] / raw[name][-1]['single']:.3f}" for m in args.meshes), flush=True)
+    meta["load_after"] = harness.load()
+    result = {name: summary(raw[name], args.meshes) for name in sorted(trees)}
+    text = markdown(result, meta)
+    print(text)
+    prefix = str(Path(args.out) / "kernel_bound") if args.out else harness.results_path("ring_cost", "kernel_bound")
+    harness.write_results(prefix, text, {"meta": meta, "result": result, "raw": raw})
+    return 0
+
+
+def _head(tree: str) -> str:
+    done = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
