@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridsp.kernels.base import no_key_lse_to_neg_inf
+from hybridsp.kernels.base import as_dtype, no_key_lse_to_neg_inf
 
 
 def _block_weight(lse_acc: torch.Tensor, block_lse: torch.Tensor) -> torch.Tensor:
@@ -43,8 +43,8 @@ def merge_into(
         block_out: [B, S, H, D] this block's output, any float dtype.
         block_lse: [B, H, S] this block's log-sum-exp.
     """
-    block_lse = no_key_lse_to_neg_inf(block_lse.to(lse_acc.dtype))
-    out_acc.lerp_(block_out.to(out_acc.dtype), _block_weight(lse_acc, block_lse))
+    block_lse = no_key_lse_to_neg_inf(as_dtype(block_lse, lse_acc.dtype))
+    out_acc.lerp_(as_dtype(block_out, out_acc.dtype), _block_weight(lse_acc, block_lse))
     lse_acc.copy_(torch.logaddexp(lse_acc, block_lse))
 
 

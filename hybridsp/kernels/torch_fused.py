@@ -182,9 +182,10 @@ def restore_nan_rows(q, k, out, lse, band):
 def same_head_dims(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Each [B, S, H, D_i] zero-padded to [B, S, H, max D_i] (itself when already that wide;
     Note [value head dim])."""
-    width = max(t.shape[-1] for t in tensors)
-    if all(t.shape[-1] == width for t in tensors):
+    widths = {t.shape[-1] for t in tensors}
+    if len(widths) == 1:
         return list(tensors)
+    width = max(widths)
     return [_pad_head_dim(t, width) for t in tensors]  # each [B, S, H, W]
 
 
