@@ -131,3 +131,55 @@ def test_torch_kernel_nan_row_of_a_short_block_is_nan_other_rows_bitwise_unchang
     exact = {"rtol": 0, "atol": 0, "equal_nan": True}
     torch.testing.assert_close(out[keep], t(raw_out)[keep], **exact)
     torch.testing.assert_close(lse[t(keep)], raw_lse.to(lse.dtype)[t(keep)], **exact)
+
+
+def _qkv_variants():
+    """(name, q, k, v, causal) calls that check_qkv must refuse, each one thing wrong."""
+    q, k, v, _ = random_qkv(2, 8, 4, 2, 16)
+    return [
+        ("k not a tensor", q, k.tolist(), v, False),
+        ("3-D q", q[0], k, v, False),
+        ("mixed dtypes", q, k.double(), v, False),
+        ("mixed devices", q, k.to("meta"), v.to("meta"), False),
+        ("integer tensors", q.long(), k.long(), v.long(), False),
+        ("batch differs", q[:1], k, v, False),
+        ("k/v tokens differ", q, k, v[:, :4], False),
+        ("k/v heads differ", q, k, v[:, :, :1], False),
+        ("head dims of q and k differ", q[..., :8], k, v, False),
+        ("empty value head dim", q, k, v[..., :0], False),
+        ("query heads not a multiple", q[:, :, :3], k, v, False),
+        ("causal, not square", q, k[:, :4], v[:, :4], True),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_qkv_variants())), ids=[c[0] for c in _qkv_variants()])
+def test_check_qkv_refuses_each_bad_call(case):
+    from hybridsp.kernels import check_qkv
+
+    _, q, k, v, causal = _qkv_variants()[case]
+    with pytest.raises(ValueError):
+        check_qkv(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_check_qkv_accepts_valid_calls(causal):
+    from hybridsp.kernels import check_qkv
+
+    q, k, v, _ = random_qkv(2, 8, 4, 1, 16)
+    check_qkv(q, k, v, causal=causal)  # GQA down to one K/V head
+    check_qkv(q.transpose(1, 2).contiguous().transpose(1, 2), k, v[..., :5], causal=causal)  # strided q, Dv < D
+    if not causal:
+        check_qkv(q, k[:, :3], v[:, :3], causal=False)  # fewer keys than queries
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lse_maps_match_their_elementwise_definitions(dtype):
+    from hybridsp.kernels.base import lse_for_backward, no_key_lse_to_neg_inf
+
+    lse = torch.tensor([-math.inf, math.inf, math.nan, -3.5, 0.0, 2.25], dtype=dtype).view(1, 2, 3)
+    backward = lse_for_backward(lse)
+    merged = no_key_lse_to_neg_inf(lse)
+    for got, want in ((backward, [math.inf, math.inf, math.nan, -3.5, 0.0, 2.25]),
+                      (merged, [-math.inf, -math.inf, math.nan, -3.5, 0.0, 2.25])):
+        assert got.dtype == dtype and got.shape == lse.shape
+        torch.testing.assert_close(got.flatten(), torch.tensor(want, dtype=dtype), equal_nan=True, rtol=0, atol=0)
