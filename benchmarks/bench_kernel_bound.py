@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernel_bound.py [--meshes 4x1 2x2 1x4] [--seq-len 4096] [--heads 8]
         [--kv-heads 2] [--head-dim 32] [--repeats 5] [--rounds 3] [--before TREE]
+    python benchmarks/bench_kernel_bound.py --collectives [--world 4]
 
 The limit: one single-process call of the same kernel on the whole problem (every head, the whole
 sequence, GQA as given), forward + backward, one thread; divided over C ranks it is what a perfect
@@ -16,7 +17,12 @@ loopback copies and wake-ups of every collective).
 Each round launches the single call and every mesh once per tree in a subprocess (``PYTHONPATH``
 the tree; with ``--before`` the two trees alternate round by round); medians of the repeats inside
 a launch, then the median over rounds. Causal, fp32, B=1. Writes
-``results/ring_cost/kernel_bound.{md,json}``.
+``results/ring_cost/kernel_bound_s<S>.{md,json}``.
+
+``--collectives``: what gloo itself costs, without attention: the process CPU per round of
+``all_to_all_single`` at ``--world`` ranks for a few sizes, sent as one call, as six (the Ulysses
+call's count) and as the same bytes by batched point-to-point sends
+(``results/ring_cost/gloo_collectives.{md,json}``).
 """
 
 from __future__ import annotations
@@ -129,6 +135,48 @@ def worker(args: dict) -> dict:
     return out
 
 
+def _collective_rank(rank, world, mbytes, calls, repeats):
+    """Process CPU ms of one round: ``mbytes`` per rank through ``calls`` all-to-alls, then the same
+    bytes as one round of batched point-to-point sends (all peers posted at once)."""
+    import torch
+    import torch.distributed as dist
+
+    numel = int(mbytes * 2**20 / 4) // (calls * world) * world
+    sends = [torch.randn(world, numel // world) for _ in range(calls)]
+    outs = [torch.empty_like(t) for t in sends]
+
+    def all_to_all():
+        for out, send in zip(outs, sends):
+            dist.all_to_all_single(out, send)
+
+    def point_to_point():
+        ops = [dist.P2POp(op, buffer[peer], peer) for send, out in zip(sends, outs) for peer in range(world)
+               if peer != rank for op, buffer in ((dist.isend, send), (dist.irecv, out))]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+
+    result = {}
+    for name, round_trip in (("all_to_all", all_to_all), ("p2p", point_to_point)):
+        round_trip()
+        dist.barrier()
+        start = time.process_time()
+        for _ in range(repeats):
+            round_trip()
+        result[name] = 1e3 * (time.process_time() - start) / repeats
+    return result
+
+
+def collectives(world: int) -> str:
+    """A markdown table: gloo's CPU per round, medians over the ranks."""
+    lines = [f"gloo, {world} ranks, process CPU ms per rank and round (median over ranks); load {harness.load()}", "",
+             "| MB per rank | calls | all_to_all_single | batched p2p |", "|---|---|---|---|"]
+    for mbytes, calls in ((0.5, 1), (2, 1), (6, 1), (6, 6)):
+        per_rank = harness.launch(_collective_rank, world, mbytes, calls, 40, timeout=900)
+        cost = {name: statistics.median(r[name] for r in per_rank) for name in ("all_to_all", "p2p")}
+        lines.append(f"| {mbytes} | {calls} | {cost['all_to_all']:.2f} | {cost['p2p']:.2f} |")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------
 # the driver
 
@@ -187,11 +235,18 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--before", help="another tree (a worktree of an earlier revision), alternated with this one")
-    parser.add_argument("--out", help="write kernel_bound.{md,json} here instead of results/ring_cost/")
+    parser.add_argument("--out", help="write kernel_bound_s<S>.{md,json} here instead of results/ring_cost/")
+    parser.add_argument("--collectives", action="store_true", help="gloo's own cost per collective, no attention")
+    parser.add_argument("--world", type=int, default=4, help="ranks for --collectives")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(json.loads(args.worker))))
+        return 0
+    if args.collectives:
+        text = collectives(args.world)
+        print(text)
+        harness.write_results(harness.results_path("ring_cost", "gloo_collectives"), text + "\n", {"markdown": text})
         return 0
     shape = {"seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     trees = {"after": str(HERE.parent)} | ({"before": args.before} if args.before else {})
@@ -210,7 +265,8 @@ def main(argv=None) -> int:
     result = {name: summary(raw[name], args.meshes) for name in sorted(trees)}
     text = markdown(result, meta)
     print(text)
-    prefix = str(Path(args.out) / "kernel_bound") if args.out else harness.results_path("ring_cost", "kernel_bound")
+    name = f"kernel_bound_s{args.seq_len}"
+    prefix = str(Path(args.out) / name) if args.out else harness.results_path("ring_cost", name)
     harness.write_results(prefix, text, {"meta": meta, "result": result, "raw": raw})
     return 0
 
