@@ -20,8 +20,9 @@ a launch, then the median over rounds. Causal, fp32, B=1. Writes
 ``results/ring_cost/kernel_bound_s<S>.{md,json}``.
 
 ``--collectives``: what gloo itself costs, without attention: the process CPU per round of
-``all_to_all_single`` at ``--world`` ranks for a few sizes, sent as one call, as six (the Ulysses
-call's count) and as the same bytes by batched point-to-point sends
+``all_to_all_single`` at ``--world`` ranks for a few sizes, sent as one call or as six (the Ulysses
+call's count), and the same bytes as one batch of point-to-point ops (the local chunk not copied);
+the whole process's CPU, calling thread included
 (``results/ring_cost/gloo_collectives.{md,json}``).
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,25 +47,21 @@ import harness  # noqa: E402
 
 
 def _timed_kernel():
-    """The torch kernel, summing the thread seconds of its forward and backward calls."""
+    """The torch kernel, summing the thread seconds of every kernel call (plain and band pieces)."""
     from hybridsp.kernels import TorchFusedKernel
 
-    class TimedKernel(TorchFusedKernel):
-        seconds = 0.0
-
-        def forward(self, *args, **kwargs):
+    def timed(method):
+        def call(self, *args, **kwargs):
             start = time.thread_time()
-            result = super().forward(*args, **kwargs)
+            result = method(self, *args, **kwargs)
             self.seconds += time.thread_time() - start
             return result
+        return call
 
-        def backward(self, *args, **kwargs):
-            start = time.thread_time()
-            result = super().backward(*args, **kwargs)
-            self.seconds += time.thread_time() - start
-            return result
-
-    return TimedKernel()
+    calls = ("forward", "backward", "forward_band", "backward_band")
+    timed_kernel = type("TimedKernel", (TorchFusedKernel,),
+                        {"seconds": 0.0} | {name: timed(getattr(TorchFusedKernel, name)) for name in calls})
+    return timed_kernel()
 
 
 def _inputs(shape: dict):
@@ -118,9 +116,16 @@ def _mesh_rank(rank, world, shape, repeats, ulysses, ring):
     return costs
 
 
+def _parts(per_rank: list, repeat: int) -> dict:
+    """One repeat's seconds summed over the ranks: total, kernel, hybridsp's thread (calling thread minus
+    kernel) and gloo's threads (process minus calling thread)."""
+    total, kernel, thread = (sum(rank[repeat][j] for rank in per_rank) for j in range(len(PARTS)))
+    return {"total": total, "kernel": kernel, "hybridsp": thread - kernel, "gloo": total - thread}
+
+
 def worker(args: dict) -> dict:
-    """{"single": cpu s, mesh: {"total", "kernel", "thread": s summed over the ranks}} (medians over the
-    repeats), and hybridsp's path."""
+    """{"single": cpu s, mesh: {"total", "kernel", "hybridsp", "gloo": s summed over the ranks}} (each the
+    median over the repeats of that repeat's value), and hybridsp's path."""
     import hybridsp
 
     shape, repeats = args["shape"], args["repeats"]
@@ -130,8 +135,8 @@ def worker(args: dict) -> dict:
     for name in args["meshes"]:
         u, r = (int(x) for x in name.split("x"))
         per_rank = harness.launch(_mesh_rank, u * r, shape, repeats, u, r, timeout=1800)
-        out[name] = {key: statistics.median(sum(rank[i][j] for rank in per_rank) for i in range(repeats))
-                     for j, key in enumerate(PARTS)}
+        repeated = [_parts(per_rank, i) for i in range(repeats)]
+        out[name] = {key: statistics.median(parts[key] for parts in repeated) for key in repeated[0]}
     return out
 
 
@@ -166,15 +171,18 @@ def _collective_rank(rank, world, mbytes, calls, repeats):
     return result
 
 
-def collectives(world: int) -> str:
-    """A markdown table: gloo's CPU per round, medians over the ranks."""
+def collectives(world: int) -> tuple[str, list]:
+    """A markdown table of gloo's CPU per round (medians over the ranks), and its rows with every rank's ms."""
     lines = [f"gloo, {world} ranks, process CPU ms per rank and round (median over ranks); load {harness.load()}", "",
-             "| MB per rank | calls | all_to_all_single | batched p2p |", "|---|---|---|---|"]
+             "| MB per rank | all-to-all calls | all_to_all_single | the same bytes as one batch of p2p ops |",
+             "|---|---|---|---|"]
+    rows = []
     for mbytes, calls in ((0.5, 1), (2, 1), (6, 1), (6, 6)):
         per_rank = harness.launch(_collective_rank, world, mbytes, calls, 40, timeout=900)
         cost = {name: statistics.median(r[name] for r in per_rank) for name in ("all_to_all", "p2p")}
         lines.append(f"| {mbytes} | {calls} | {cost['all_to_all']:.2f} | {cost['p2p']:.2f} |")
-    return "\n".join(lines)
+        rows.append({"mbytes": mbytes, "calls": calls, "median_ms": cost, "per_rank_ms": per_rank})
+    return "\n".join(lines), rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,11 +192,17 @@ def collectives(world: int) -> str:
 def run_tree(tree: str, args: dict) -> dict:
     env = {**os.environ, "PYTHONPATH": tree}
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200, cwd="/tmp")
-    if done.returncode != 0:
-        raise RuntimeError(f"{tree} failed:\n{done.stderr[-3000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    if not result["hybridsp"].startswith(str(Path(tree).resolve())):
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd="/tmp", start_new_session=True)  # its ranks die with it on a timeout
+    try:
+        stdout, stderr = process.communicate(timeout=7200)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    if process.returncode != 0:
+        raise RuntimeError(f"{tree} failed:\n{stderr[-3000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    if Path(result["hybridsp"]) != Path(tree).resolve():
         raise RuntimeError(f"{tree}: imported hybridsp from {result['hybridsp']}")
     return result
 
@@ -197,10 +211,8 @@ def summary(rounds: list[dict], meshes: list[str]) -> dict:
     """Medians over rounds: the single call, and per mesh total, kernel, the ratio and the rest's share."""
     out = {"single": statistics.median(r["single"] for r in rounds)}
     for name in meshes:
-        shares = {"ratio": [r[name]["total"] / r["single"] for r in rounds],
-                  "kernel": [r[name]["kernel"] / r["single"] for r in rounds],
-                  "hybridsp": [(r[name]["thread"] - r[name]["kernel"]) / r["single"] for r in rounds],
-                  "gloo": [(r[name]["total"] - r[name]["thread"]) / r["single"] for r in rounds]}
+        shares = {"ratio": [r[name]["total"] / r["single"] for r in rounds]}
+        shares |= {key: [r[name][key] / r["single"] for r in rounds] for key in ("kernel", "hybridsp", "gloo")}
         out[name] = {"total": statistics.median(r[name]["total"] for r in rounds), "ratios": shares["ratio"]}
         out[name] |= {key: statistics.median(values) for key, values in shares.items()}
     return out
@@ -233,7 +245,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4, help="even: each tree goes first equally often")
     parser.add_argument("--before", help="another tree (a worktree of an earlier revision), alternated with this one")
     parser.add_argument("--out", help="write kernel_bound_s<S>.{md,json} here instead of results/ring_cost/")
     parser.add_argument("--collectives", action="store_true", help="gloo's own cost per collective, no attention")
@@ -244,16 +256,19 @@ def main(argv=None) -> int:
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
     if args.collectives:
-        text = collectives(args.world)
+        text, rows = collectives(args.world)
         print(text)
-        harness.write_results(harness.results_path("ring_cost", "gloo_collectives"), text + "\n", {"markdown": text})
+        meta = {"command": "python benchmarks/bench_kernel_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                "machine": harness.machine_info(), "software": harness.software_info()}
+        harness.write_results(harness.results_path("ring_cost", "gloo_collectives"), text + "\n",
+                              {"meta": meta, "rows": rows})
         return 0
     shape = {"seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     trees = {"after": str(HERE.parent)} | ({"before": args.before} if args.before else {})
     job = {"shape": shape, "repeats": args.repeats, "meshes": args.meshes}
     meta = {"command": "python benchmarks/bench_kernel_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "shape": shape, "meshes": args.meshes, "rounds": args.rounds, "machine": harness.machine_info(),
-            "revisions": " -> ".join(f"{name} {_head(tree)}" for name, tree in sorted(trees.items())),
+            "revisions": " -> ".join(f"{name} {_head(trees[name])}" for name in ("before", "after") if name in trees),
             "load_before": harness.load()}
     raw = {name: [] for name in trees}
     for i in range(args.rounds):

@@ -210,10 +210,9 @@ def resolve_ring_call(
     documents = as_documents(cu_seqlens, q.shape[0], slot * ring)
     kernel = resolve_kernel(backend, q, v, softcap)
     chunks = resolve_kv_chunks(kv_chunks, ring, slot) if kv_comm == "allgather" else None
-    if agreement_group is not None and dist.get_world_size(agreement_group) > 1:  # else nobody to agree with
-        fingerprint = CallFingerprint.of(q, k, v, causal, sliding_window, softmax_scale, layout, kv_comm, chunks,
-                                         sinks, softcap)
-        check_agreement(agreement_group, documents, fingerprint, q.device)
+    fingerprint = CallFingerprint.of(q, k, v, causal, sliding_window, softmax_scale, layout, kv_comm, chunks, sinks,
+                                     softcap)
+    check_agreement(agreement_group, documents, fingerprint, q.device)
     return _ring_call(group, ring, kernel, documents, layout, causal, sliding_window, softmax_scale, q.shape[-1],
                       kv_comm, chunks, counter, softcap)
 

@@ -179,7 +179,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         raise ValueError(
             f"q and k/v must share batch and head dim; got q {tuple(q.shape)} and k/v {tuple(k.shape)}"
         )
-    if hq % hk != 0:
+    if hk == 0 or hq % hk != 0:
         raise ValueError(
             f"query heads ({hq}) must be a multiple of key/value heads ({hk}); change num_key_value_heads"
         )

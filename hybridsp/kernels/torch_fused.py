@@ -99,6 +99,13 @@ def _seq_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)  # [B, S, H, D]
 
 
+def _value_columns(out: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The kernel's heads-first out [B, H, Sq, W] as [B, Sq, H, Dv] (a view; W > Dv only when v was
+    padded, Note [value head dim])."""
+    out = _seq_first(out)  # [B, Sq, H, W]
+    return out if out.shape[-1] == v.shape[-1] else out[..., : v.shape[-1]]  # [B, Sq, H, Dv]
+
+
 class TorchFusedKernel(AttentionKernel):
     """Fused PyTorch kernels (see :mod:`hybridsp.kernels.base` for the protocol)."""
 
@@ -121,9 +128,7 @@ class TorchFusedKernel(AttentionKernel):
             layout(qw), layout(kw), layout(vw), 0.0, causal, scale=softmax_scale
         )
         band = (0, None) if causal else (None, None)  # top-left causal, or every key
-        out = _seq_first(out)  # [B, Sq, H, W]
-        out = out if out.shape[-1] == v.shape[-1] else out[..., : v.shape[-1]]  # [B, Sq, H, Dv]
-        return restore_nan_rows(q, k, out, as_dtype(lse, accumulation_dtype(q.dtype)), band)
+        return restore_nan_rows(q, k, _value_columns(out, v), as_dtype(lse, accumulation_dtype(q.dtype)), band)
 
     def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
         check_qkv(q, k, v, causal=causal)
@@ -150,14 +155,14 @@ class TorchFusedKernel(AttentionKernel):
             _heads_first(qw), _heads_first(kw), _heads_first(vw), 0.0, False,
             attn_mask=additive_mask(visible, q.dtype), scale=softmax_scale,
         )
-        lse = rows_without_keys_to_neg_inf(lse.to(accumulation_dtype(q.dtype)), visible)
-        return restore_nan_rows(q, k, _seq_first(out)[..., : v.shape[-1]], lse, band)
+        lse = rows_without_keys_to_neg_inf(as_dtype(lse, accumulation_dtype(q.dtype)), visible)
+        return restore_nan_rows(q, k, _value_columns(out, v), lse, band)
 
     def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
         check_qkv(q, k, v, causal=False)
         if q.is_cuda:
             return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
-        lse = lse_for_backward(lse.to(accumulation_dtype(q.dtype)))
+        lse = lse_for_backward(as_dtype(lse, accumulation_dtype(q.dtype)))
         return _cpu_band_backward(dout, q, k, v, out, lse, band, softmax_scale)
 
 

@@ -148,6 +148,7 @@ def _qkv_variants():
         ("head dims of q and k differ", q[..., :8], k, v, False),
         ("empty value head dim", q, k, v[..., :0], False),
         ("query heads not a multiple", q[:, :, :3], k, v, False),
+        ("no K/V heads", q, k[:, :, :0], v[:, :, :0], False),
         ("causal, not square", q, k[:, :4], v[:, :4], True),
     ]
 
