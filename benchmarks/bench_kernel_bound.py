@@ -40,6 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import bench_core_shape  # noqa: E402
 import harness  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
@@ -268,7 +269,7 @@ def main(argv=None) -> int:
     job = {"shape": shape, "repeats": args.repeats, "meshes": args.meshes}
     meta = {"command": "python benchmarks/bench_kernel_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "shape": shape, "meshes": args.meshes, "rounds": args.rounds, "machine": harness.machine_info(),
-            "revisions": " -> ".join(f"{name} {_head(trees[name])}" for name in ("before", "after") if name in trees),
+            "revisions": " -> ".join(f"{name} {bench_core_shape.tree_head(trees[name])}" for name in ("before", "after") if name in trees),
             "load_before": harness.load()}
     raw = {name: [] for name in trees}
     for i in range(args.rounds):
@@ -284,11 +285,6 @@ def main(argv=None) -> int:
     prefix = str(Path(args.out) / name) if args.out else harness.results_path("ring_cost", name)
     harness.write_results(prefix, text, {"meta": meta, "result": result, "raw": raw})
     return 0
-
-
-def _head(tree: str) -> str:
-    done = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":
