@@ -49,6 +49,8 @@ from harness import (  # noqa: E402
     machine_info,
     results_path,
     software_info,
+    tree_command,
+    tree_result,
     write_results,
 )
 
@@ -256,25 +258,14 @@ def worker(part: str, args: dict) -> dict:
 
 
 def _command(tree: str, part: str, args: dict):
-    env = {**os.environ, "PYTHONPATH": tree}
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", part, "--args", json.dumps(args)]
-    return command, env
-
-
-def _parse(tree: str, part: str, returncode: int, stdout: str, stderr: str) -> dict:
-    if returncode != 0:
-        raise RuntimeError(f"{part} in {tree} failed:\n{stderr[-3000:]}")
-    result = json.loads(stdout.strip().splitlines()[-1])
-    if not result["hybridsp"].startswith(tree):
-        raise RuntimeError(f"{tree}: imported {result['hybridsp']}")
-    return result
+    return tree_command(__file__, tree, "--worker", part, "--args", json.dumps(args))
 
 
 def run_worker(tree: str, part: str, args: dict, timeout: float = 900) -> dict:
     command, env = _command(tree, part, args)
     started = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd="/tmp")
-    result = _parse(tree, part, done.returncode, done.stdout, done.stderr)
+    result = tree_result(tree, part, done.returncode, done.stdout, done.stderr)
     print(f"  {part} {tree}: {time.perf_counter() - started:.0f} s (load {load()})", flush=True)
     return result
 
@@ -308,7 +299,7 @@ def main() -> None:
                 raw[name].append(run_worker(trees[name], part, _part_args(part, name)))
     try:
         stdout, stderr = slow.communicate(timeout=max(1.0, opts.slow_timeout - (time.perf_counter() - started)))
-        raw["before"].append(_parse(opts.before, "plan", slow.returncode, stdout, stderr))
+        raw["before"].append(tree_result(opts.before, "plan", slow.returncode, stdout, stderr))
         slow_note = None
     except subprocess.TimeoutExpired:
         slow.kill()

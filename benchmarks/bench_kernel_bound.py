@@ -47,7 +47,7 @@ import harness  # noqa: E402
 # the worker (inside a subprocess whose PYTHONPATH is the tree under test)
 
 
-def _timed_kernel():
+def timed_kernel():
     """The torch kernel, summing the thread seconds of every kernel call (plain and band pieces)."""
     from hybridsp.kernels import TorchFusedKernel
 
@@ -92,7 +92,7 @@ def _single(rank, world, shape, repeats):
     def attend(q, k, v, kernel):
         return ring_attention(q, k, v, None, causal=True, backend=kernel)
 
-    kernel, full = _timed_kernel(), _inputs(shape)
+    kernel, full = timed_kernel(), _inputs(shape)
     _fwd_bwd(attend, *full, kernel)
     return [_fwd_bwd(attend, *full, kernel) for _ in range(repeats)]
 
@@ -107,7 +107,7 @@ def _mesh_rank(rank, world, shape, repeats, ulysses, ring):
     def attend(q, k, v, kernel):
         return hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend=kernel)
 
-    kernel = _timed_kernel()
+    kernel = timed_kernel()
     local = [shard_sequence(t, mesh) for t in _inputs(shape)]
     _fwd_bwd(attend, *local, kernel)  # warm-up
     costs = []
@@ -126,12 +126,12 @@ def _parts(per_rank: list, repeat: int) -> dict:
 
 def worker(args: dict) -> dict:
     """{"single": cpu s, mesh: {"total", "kernel", "hybridsp", "gloo": s summed over the ranks}} (each the
-    median over the repeats of that repeat's value), and hybridsp's path."""
+    median over the repeats of that repeat's value), and the ``hybridsp.__file__`` it ran."""
     import hybridsp
 
     shape, repeats = args["shape"], args["repeats"]
     single = harness.launch(_single, 1, shape, repeats, timeout=1800)[0]
-    out = {"hybridsp": str(Path(hybridsp.__file__).resolve().parent.parent),
+    out = {"hybridsp": hybridsp.__file__,
            "single": statistics.median(c[0] for c in single)}
     for name in args["meshes"]:
         u, r = (int(x) for x in name.split("x"))
@@ -191,8 +191,7 @@ def collectives(world: int) -> tuple[str, list]:
 
 
 def run_tree(tree: str, args: dict) -> dict:
-    env = {**os.environ, "PYTHONPATH": tree}
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(args)]
+    command, env = harness.tree_command(__file__, tree, "--worker", json.dumps(args))
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                cwd="/tmp", start_new_session=True)  # its ranks die with it on a timeout
     try:
@@ -200,12 +199,7 @@ def run_tree(tree: str, args: dict) -> dict:
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         raise
-    if process.returncode != 0:
-        raise RuntimeError(f"{tree} failed:\n{stderr[-3000:]}")
-    result = json.loads(stdout.strip().splitlines()[-1])
-    if Path(result["hybridsp"]) != Path(tree).resolve():
-        raise RuntimeError(f"{tree}: imported hybridsp from {result['hybridsp']}")
-    return result
+    return harness.tree_result(tree, "the kernel-bound worker", process.returncode, stdout, stderr)
 
 
 def summary(rounds: list[dict], meshes: list[str]) -> dict:

@@ -25,31 +25,12 @@ from pathlib import Path
 import harness
 import torch
 import torch.distributed as dist
+from bench_kernel_bound import timed_kernel
 
 from hybridsp import ring_attention
-from hybridsp.kernels import TorchFusedKernel
 from hybridsp.layout.layouts import take_shard
 
 HEADS, HEAD_DIM = 8, 64
-
-
-class TimedKernel(TorchFusedKernel):
-    """The torch kernel, accumulating the seconds spent in its forward and backward calls."""
-
-    def __init__(self):
-        self.seconds = 0.0
-
-    def forward(self, *args, **kwargs):
-        start = time.thread_time()
-        result = super().forward(*args, **kwargs)
-        self.seconds += time.thread_time() - start
-        return result
-
-    def backward(self, *args, **kwargs):
-        start = time.thread_time()
-        result = super().backward(*args, **kwargs)
-        self.seconds += time.thread_time() - start
-        return result
 
 
 def _inputs(seq_len: int):
@@ -70,7 +51,7 @@ def _fwd_bwd(q, k, v, dout, group, kernel, layout):
 def _rank_costs(rank, world, seq_len, repeats, layout):
     full = _inputs(seq_len)
     shard = [take_shard(t, rank, 0, world, layout=layout) for t in full]
-    kernel = TimedKernel()
+    kernel = timed_kernel()
     _fwd_bwd(*shard, dist.group.WORLD, kernel, layout)  # warm-up
     costs = []
     for _ in range(repeats):
@@ -80,7 +61,7 @@ def _rank_costs(rank, world, seq_len, repeats, layout):
 
 
 def _single_cost(rank, world, seq_len, repeats):
-    kernel = TimedKernel()
+    kernel = timed_kernel()
     full = _inputs(seq_len)
     _fwd_bwd(*full, None, kernel, "zigzag")
     return [_fwd_bwd(*full, None, kernel, "zigzag") for _ in range(repeats)]

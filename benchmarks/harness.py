@@ -13,6 +13,8 @@
   (:class:`Allocations`), live tensor bytes, glibc knobs and soft rlimits.
 - Bytes: :class:`ByteCounter` wraps torch.distributed's sending calls and counts what leaves a rank.
 - Machine: :func:`machine_info`, :func:`software_info`, :func:`load`, :func:`revision`.
+- Other revisions: :func:`tree_command` runs a script's worker with another checkout's hybridsp on
+  ``PYTHONPATH``; :func:`tree_result` reads its JSON answer and checks which hybridsp it imported.
 - Results: :func:`results_path` names ``benchmarks/results/<question>/<name>`` (one folder per
   question, the index in ``benchmarks/README.md``); :func:`write_results` writes ``<prefix>.md`` and
   ``<prefix>.json``, creating the folder.
@@ -30,6 +32,7 @@ import platform
 import resource
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -381,6 +384,22 @@ def revision() -> str:
 
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def tree_command(script: str, tree: str, *argv: str) -> tuple[list[str], dict]:
+    """(command, environment) that run ``script`` with ``argv`` under ``tree``'s hybridsp (``PYTHONPATH``)."""
+    return [sys.executable, str(Path(script).resolve()), *argv], {**os.environ, "PYTHONPATH": tree}
+
+
+def tree_result(tree: str, what: str, returncode: int, stdout: str, stderr: str) -> dict:
+    """The JSON last line a :func:`tree_command` worker printed (with ``"hybridsp"``: its
+    ``hybridsp.__file__``); RuntimeError when it failed or imported hybridsp from outside ``tree``."""
+    if returncode != 0:
+        raise RuntimeError(f"{what} in {tree} failed:\n{stderr[-3000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    if not Path(result["hybridsp"]).resolve().is_relative_to(Path(tree).resolve()):
+        raise RuntimeError(f"{what} in {tree}: imported hybridsp from {result['hybridsp']}")
+    return result
 
 
 def results_path(question: str, name: str) -> str:
