@@ -42,7 +42,7 @@ def _patch_before(source: str) -> None:
     """Swap the resharding functions of an earlier ulysses.py into this process's hybridsp."""
     import types
 
-    import hybridsp.attention.ulysses as ulysses
+    import hybridsp.attention._ulysses as ulysses
 
     old = types.ModuleType("hybridsp_ulysses_before")
     exec(compile(source, "ulysses_before.py", "exec"), old.__dict__)  # noqa: S102 - our own earlier file
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--before", default="352cdf7")
     parser.add_argument("--out", default=harness.results_path("memory", "a2a_memory.json"))
     args = parser.parse_args(argv)
-    before = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:hybridsp/attention/ulysses.py"],
+    before = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:hybridsp/attention/_ulysses.py"],
                             check=True, capture_output=True, text=True).stdout
     shapes = [(world, 8, kv, batch) for world in map(int, args.worlds.split(",")) for kv, batch in ((8, 1), (8, 2))]
     rows, started = [], time.perf_counter()

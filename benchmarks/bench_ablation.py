@@ -55,7 +55,7 @@ import bench_longest_context as blc  # noqa: E402
 import harness  # noqa: E402
 import torch  # noqa: E402
 
-from hybridsp.planner import calibration  # noqa: E402
+from hybridsp.planner import _calibration as calibration  # noqa: E402
 
 MIB = 2**20
 WORLD, ULYSSES, RING, CONFIG = calibration.WORLD, calibration.ULYSSES, calibration.RING, "cp8.json"
@@ -79,9 +79,9 @@ class NotAvailable(RuntimeError):
 
 
 def _tiled_mlp_function():
-    """The tiled-MLP switch ``f(model, mesh)`` if this branch has one (``hybridsp.memory.tiled_mlp``), else None."""
+    """The tiled-MLP switch ``f(model, mesh)`` if this branch has one (``hybridsp.memory._tiled_mlp``), else None."""
     try:
-        import hybridsp.memory.tiled_mlp as tiled
+        import hybridsp.memory._tiled_mlp as tiled
     except ImportError:
         return None
     for name in ("apply_tiled_mlp", "tile_mlp", "apply"):
@@ -295,7 +295,7 @@ def search(vocab, layers, techniques, budget, granularity, start, log, timeout,
            max_attempts: int = 8) -> tuple[int, list[Attempt], bool]:
     """From ``start`` (the planner's prediction) by 15% steps until the outcome flips, then bisect.
     Returns (longest that fit, attempts, whether the bisection finished within ``max_attempts``)."""
-    from hybridsp.layout.layouts import check_sequence_length
+    from hybridsp.layout._layouts import check_sequence_length
 
     step = math.lcm(granularity, 2 * RING * ULYSSES)
     attempts = []

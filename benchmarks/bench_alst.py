@@ -58,7 +58,7 @@ import alst_defects  # noqa: E402
 import alst_ranks  # noqa: E402
 import harness  # noqa: E402
 
-from hybridsp.formulas import heads_divisible  # noqa: E402
+from hybridsp._formulas import heads_divisible  # noqa: E402
 from tests.helpers import alst_stacks  # noqa: E402
 
 PRELOAD = ["torch", "torch.distributed", "hybridsp", "transformers.models.llama.modeling_llama", "deepspeed"]

@@ -3,7 +3,7 @@
 Run:  python benchmarks/bench_balance.py [--seeds 100] [--repeats 15]
 
 For each pack set (one batch row's document boundaries) and each design, from the runs that
-``hybridsp.layout.balance.tries`` returns for every ring slot:
+``hybridsp.layout._balance.tries`` returns for every ring slot:
 
 * **work max/mean**: cells per slot (a token at offset p of its document attends to
   min(p + 1, W) keys), the busiest slot over the mean; the worst pack of the set and the mean;
@@ -16,7 +16,7 @@ For each pack set (one batch row's document boundaries) and each design, from th
   receiver sees (what hybridsp's block plan ships); ratios to zigzag on the same packs;
 * **build ms**: host time of one layout (min over ``--repeats``; the machine is shared).
 
-Designs (all ``hybridsp.layout.balance.tries.design_slot_runs`` knobs, except zigzag):
+Designs (all ``hybridsp.layout._balance.tries.design_slot_runs`` knobs, except zigzag):
 zigzag; ``headtail`` (every document of >= 2R tokens per-document zigzag over all slots, as
 TransformerEngine's THD; shorter ones whole); ``lpt`` (every document whole, most work first,
 cut only to make token counts exact); ``lpt+balancer``; ``hybrid 0.35 (no balancer)`` (documents
@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from harness import load, machine_info, results_path, revision, write_results  # noqa: E402
 
-from hybridsp.formulas import zigzag_slot_runs  # noqa: E402
-from hybridsp.layout.balance.bound import kv_rows_lower_bound  # noqa: E402
-from hybridsp.layout.balance.tries import SPLITS, balanced_slot_runs, design_slot_runs  # noqa: E402
-from hybridsp.layout.balance.work import hull_rows, slot_work  # noqa: E402
+from hybridsp._formulas import zigzag_slot_runs  # noqa: E402
+from hybridsp.layout._balance.bound import kv_rows_lower_bound  # noqa: E402
+from hybridsp.layout._balance.tries import SPLITS, balanced_slot_runs, design_slot_runs  # noqa: E402
+from hybridsp.layout._balance.work import hull_rows, slot_work  # noqa: E402
 
 INF = math.inf
 DESIGNS = {
@@ -283,7 +283,7 @@ def markdown(results: list[dict], timing: list[dict], info: dict) -> str:
                          f"{m['pieces']:.1f} | {m['kv_rows_vs_zigzag']:.2f} | {m['kv_causal_vs_zigzag']:.2f} | "
                          f"{m['kv_hull_vs_zigzag']:.2f} | {m['kv_hull'] / pack_set['packs']:,.0f} | {m['pairs']:.1f} |")
         lines.append("")
-    lines += ["## K/V rows against a lower bound (`hybridsp.layout.balance.bound.kv_rows_lower_bound`)", "",
+    lines += ["## K/V rows against a lower bound (`hybridsp.layout._balance.bound.kv_rows_lower_bound`)", "",
               "Hull rows summed over the packs; the bound holds for *any* layout whose busiest slot has at most",
               "that balance (Note [rows bound]); *infeasible* = packs on which no layout within 1.05 balance",
               "can ship within 5% of zigzag's rows.", "",

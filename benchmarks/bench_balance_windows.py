@@ -6,7 +6,7 @@ On bench_balance's lognormal packs (S = 16,384, lengths exp(N(6.4, 1.2)) clipped
 packs docs/packed-documents.md quotes), at R = 2, 4 and 8, for each window W (and none), three
 layouts: ``zigzag``, ``balanced (blind)`` (placed as if there were no window: what
 ``layout="balanced"`` did before it knew the window) and ``balanced (W)`` (``Balanced(window=W)``,
-Note [placement window] in hybridsp/layout/layouts.py):
+Note [placement window] in hybridsp/layout/_layouts.py):
 
 * **plan max/mean**: ``BlockPlan.work`` (the cells the plan's pieces compute, what the torch kernel
   spends) of the busiest ring slot over the mean, worst pack and mean over packs;
@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_balance import lognormal_pack  # noqa: E402
 from harness import load, machine_info, results_path, revision, write_results  # noqa: E402
 
-from hybridsp.layout.balance.work import slot_work  # noqa: E402
-from hybridsp.layout.block_plan import build_plan  # noqa: E402
-from hybridsp.layout.layouts import BALANCED, ZIGZAG, get_layout  # noqa: E402
-from hybridsp.layout.runs_cache import RUNS_CACHE  # noqa: E402
+from hybridsp.layout._balance.work import slot_work  # noqa: E402
+from hybridsp.layout._block_plan import build_plan  # noqa: E402
+from hybridsp.layout._layouts import BALANCED, ZIGZAG, get_layout  # noqa: E402
+from hybridsp.layout._runs_cache import RUNS_CACHE  # noqa: E402
 
 SEQ = 16384
 RINGS = (2, 4, 8)

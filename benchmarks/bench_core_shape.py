@@ -7,7 +7,7 @@ Every measurement runs in a subprocess with ``PYTHONPATH`` set to the tree it me
 "before" worktree, or this checkout), alternating before / after round by round so that the
 machine's load drifts over both alike:
 
-1. **Plan building**: ``hybridsp.layout.block_plan.build_plan(65536, 4, "zigzag", causal=True, docs=(bounds,),
+1. **Plan building**: ``hybridsp.layout._block_plan.build_plan(65536, 4, "zigzag", causal=True, docs=(bounds,),
    window=None, batch=1)`` for 1,000 / 8,000 / 32,000 random (seeded) document boundaries, the
    plan cache cleared before every build; medians of process CPU time and wall time.
 2. **One training step of a switched 4-layer Llama** (hidden 64, 4 heads, 2 KV heads, vocab 128)
@@ -71,7 +71,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 
 def _plan_cache():
     """The lru-cached function that builds plans: build_plan before, masks._build_plan after."""
-    import hybridsp.layout.block_plan as masks
+    import hybridsp.layout._block_plan as masks
     return getattr(masks, "_build_plan", masks.build_plan)
 
 
@@ -83,7 +83,7 @@ def random_bounds(docs: int, seq: int = SEQ_PLAN, seed: int = 0) -> tuple[int, .
 
 def plan_times(docs: int, repeats: int) -> dict:
     """{"cpu": [s], "wall": [s], "pieces": n} of ``repeats`` cold builds of the plan for ``docs`` documents."""
-    from hybridsp.layout.block_plan import build_plan
+    from hybridsp.layout._block_plan import build_plan
 
     bounds, cache = random_bounds(docs), _plan_cache()
     cpu, wall = [], []
@@ -125,7 +125,7 @@ class CallCounter:
         setattr(owner, name, wrapped)
 
     def __enter__(self):
-        import hybridsp.layout.block_plan as masks
+        import hybridsp.layout._block_plan as masks
 
         self._cache = _plan_cache()  # before wrapping: masks.build_plan itself is the cache before
         self._misses = self._cache.cache_info().misses

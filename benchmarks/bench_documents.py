@@ -8,7 +8,7 @@ has no varlen entry) on S tokens packed with documents of one length L (S / L do
 U1xR1 (a ring of one: one block) and U1xR4 (zigzag). Paths, interleaved in one process group
 (``harness.interleave``, one warm-up round), per document length:
 
-- ``stacked``: today's pieces (:mod:`hybridsp.attention.stacked`: small pieces of one shape in one
+- ``stacked``: today's pieces (:mod:`hybridsp.attention._stacked`: small pieces of one shape in one
   kernel call along the batch axis);
 - ``per-piece``: the same with stacking off (``stacked.MAX_ROWS = 0``: one kernel call per piece, the
   code before stacking).
@@ -38,8 +38,8 @@ HEADS, HEAD_DIM = 4, 64
 
 def measure(rank: int, world: int, seq: int, lengths: list[int], iters: int) -> dict | None:
     from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
-    from hybridsp.attention import stacked
-    from hybridsp.layout.documents import as_documents
+    from hybridsp.attention import _stacked as stacked
+    from hybridsp.layout._documents import as_documents
 
     mesh = init_mesh(ulysses=1, ring=world)
     gen = torch.Generator().manual_seed(0)

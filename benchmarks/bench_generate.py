@@ -75,7 +75,7 @@ def run_rank(rank: int, world: int, ulysses: int, ring: int, context: int, steps
 
     from hybridsp import init_mesh
     from hybridsp.integrations.transformers import apply
-    from hybridsp.integrations.transformers.generation import decode_step, prefill
+    from hybridsp.integrations.transformers._generation import decode_step, prefill
 
     mesh = init_mesh(ulysses=ulysses, ring=ring)
     model = example_model()

@@ -6,7 +6,7 @@
 1. **Bytes per rank / analytic minimum**, every U x R of W = 8, fp32 and bf16, GQA 8:8 and
    8:1, both modes: bytes are counted by wrapping torch.distributed itself (``batch_isend_irecv``
    isends, ``all_to_all_single`` minus the own slice, ``all_gather_single`` / ``_into_tensor``
-   times R - 1: ``harness.ByteCounter``), not by hybridsp's counter, and divided by :func:`hybridsp.attention.volume.hybrid_bytes`.
+   times R - 1: ``harness.ByteCounter``), not by hybridsp's counter, and divided by :func:`hybridsp.attention._volume.hybrid_bytes`.
 2. **bf16 error ratios at R = 8** (U1 x R8): max |x - ref| of out/dq/dk/dv against an fp32
    reference on the same bf16 inputs, over the same error of one bf16 kernel call on the whole
    sequence (flash-attn's rule: <= 2).
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import ByteCounter, combine, interleave, launch, results_path  # noqa: E402
 
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence  # noqa: E402
-from hybridsp.attention.volume import hybrid_bytes  # noqa: E402
+from hybridsp.attention._volume import hybrid_bytes  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -4,8 +4,8 @@ Question: what does exact state passing cost per linear layer and rank? For ever
 (U4xR1, U2xR2, U1xR4) and one process, a forward + backward of the same layer on the same input
 (B=1, S tokens, hidden 256, 4 key / 8 value heads of 32):
 
-- bytes each rank sends (hybridsp.comm.CommCounter, forward + backward) against
-  hybridsp.linear.volume's forward formulas, and the formulas' alternatives: gathering the sequence
+- bytes each rank sends (hybridsp._comm.CommCounter, forward + backward) against
+  hybridsp.linear_attention._volume's forward formulas, and the formulas' alternatives: gathering the sequence
   over the ring, and the whole context on the Ulysses axis;
 - torch's allocated peak per rank over the call (harness.Allocations) against one process;
 - CPU time of the call summed over ranks against one process (medians, interleaved with nothing
@@ -49,8 +49,8 @@ def _input(seq_len: int) -> torch.Tensor:
 
 def run(rank: int, world: int, ulysses: int, ring: int, seq_len: int, iters: int) -> dict:
     from hybridsp import init_mesh, shard_sequence
-    from hybridsp.comm import CommCounter
-    from hybridsp.integrations.transformers.linear_layers import switch_linear_layers
+    from hybridsp._comm import CommCounter
+    from hybridsp.integrations.transformers._linear_layers import switch_linear_layers
 
     layer, full = _layer(), _input(seq_len)
     with torch.no_grad():
@@ -84,7 +84,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--out", default=results_path("linear", "linear"))
     args = parser.parse_args()
-    from hybridsp.linear.volume import LinearLayerSpec, linear_layer_bytes
+    from hybridsp.linear_attention._volume import LinearLayerSpec, linear_layer_bytes
 
     spec = LinearLayerSpec("delta_rule", SHAPE["linear_num_key_heads"], SHAPE["linear_num_value_heads"], 32, 32, 4)
     loads = [load()]
@@ -113,7 +113,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|", *rows, "",
         f"One process: peak {one['peak'] / 2**20:.1f} MiB, CPU median {statistics.median(one['cpu']):.3f} s.", "",
         "fwd measured = the all-gathers plus half the all-to-all bytes (forward and backward move the same all-to-all "
-        "bytes); gather-seq / ours and Ulysses-only / ours are forward-byte ratios from hybridsp.linear.volume "
+        "bytes); gather-seq / ours and Ulysses-only / ours are forward-byte ratios from hybridsp.linear_attention._volume "
         "(Ulysses-only needs C to divide the 4 key heads: only U4xR1 can run it).",
     ])
     write_results(args.out, markdown + "\n", data)

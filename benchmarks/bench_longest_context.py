@@ -491,7 +491,7 @@ def _timeout_for(seq_len: int, successes: list[Attempt], first: float) -> float:
 
 def search(name: str, start: int, settings: Settings, log, variant=None) -> tuple[int, list[Attempt]]:
     """Doubling from ``start`` until a failure, then bisection to the step; returns (longest, attempts)."""
-    from hybridsp.layout.layouts import check_sequence_length
+    from hybridsp.layout._layouts import check_sequence_length
 
     world, ulysses, ring, _ = CONFIGS[name]
     step = math.lcm(settings.granularity, 2 * ring * ulysses)
@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(Path(args.render).read_text())
         clusters = None
         if data.get("clusters"):
-            from hybridsp.planner import clusters as predict_clusters
+            from hybridsp.planner import _clusters as predict_clusters
 
             clusters = clusters_section(predict_clusters, data["clusters"])
         Path(args.render).with_suffix(".md").write_text(markdown(data["configs"], data["meta"], data["limit_checks"],
@@ -661,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         f"B/(token x h)")
     clusters = cluster_rows = None
     if not args.no_clusters:
-        from hybridsp.planner import clusters as predict_clusters
+        from hybridsp.planner import _clusters as predict_clusters
 
         cluster_rows, _ = predict_clusters.run()
         clusters = clusters_section(predict_clusters, cluster_rows)

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from hybridsp import CommCounter, ring_attention
-from hybridsp.layout.block_plan import build_plan
-from hybridsp.layout.documents import normalize_cu_seqlens
-from hybridsp.layout.layouts import take_shard
+from hybridsp.layout._block_plan import build_plan
+from hybridsp.layout._documents import normalize_cu_seqlens
+from hybridsp.layout._layouts import take_shard
 
 HEADS, HEAD_DIM = 8, 64
 

@@ -18,7 +18,7 @@ glibc serving every allocation >= 256 KiB by mmap). Analytic: the logits path ke
 fp32 tensors at its peak; the fused path ``c x V x 4`` for one chunk (``+ c x V x dtype bytes``
 below fp32), plus ``V x h x 4`` (the fp32 weight-gradient accumulator, which becomes
 ``weight.grad`` in fp32; ``+ V x h x dtype`` below fp32) and ``T x h x dtype`` (the hidden gradient).
-The default chunk is ``ceil(T h / V)`` rows (``hybridsp.formulas.default_chunk_size``).
+The default chunk is ``ceil(T h / V)`` rows (``hybridsp._formulas.default_chunk_size``).
 
 Part 2, the longest trainable context at cp8 (U=4 x R=2, ZeRO-3, fp32) of the example model of
 ``examples/train.py`` with a V = 32000 vocabulary (tied embeddings; the byte corpus's ids are a
@@ -103,7 +103,7 @@ def part_loss(repeats: int, log) -> list[dict]:
             for mode, chunk in modes:  # interleaved, a fresh process each
                 runs[(mode, chunk)].append(harness.launch(this.loss_rank, 1, mode, dtype, tokens, VOCAB, hidden_size,
                                                            chunk, timeout=600)[0])
-        from hybridsp.formulas import default_chunk_size
+        from hybridsp._formulas import default_chunk_size
 
         for (mode, chunk), results in runs.items():
             c = default_chunk_size(VOCAB, tokens, hidden_size) if (mode == "fused" and chunk is None) else chunk
@@ -134,7 +134,7 @@ class Variant:
 
     def prepare(self, model) -> None:
         if self.tiled:
-            from hybridsp.memory.tiled_mlp import apply_tiled_mlp
+            from hybridsp.memory._tiled_mlp import apply_tiled_mlp
 
             apply_tiled_mlp(model)
 

@@ -67,7 +67,7 @@ def lognormal_pack(seed: int, seq: int = SEQ) -> tuple[int, ...]:
 def skewed_packs(ring: int, count: int, threshold: float = 1.4, window=None) -> list[tuple[int, ...]]:
     """The first ``count`` seeded packs on which zigzag's plan imbalance at ``ring`` is >= ``threshold``
     (with ``window``: the window-blind balanced layout's, >= 1.1)."""
-    from hybridsp.layout.block_plan import build_plan
+    from hybridsp.layout._block_plan import build_plan
 
     layout, threshold = ("zigzag", threshold) if window is None else ("balanced", 1.1)
     found, seed = [], 0
@@ -83,9 +83,9 @@ def skewed_packs(ring: int, count: int, threshold: float = 1.4, window=None) -> 
 
 def plan_metrics(bounds, ulysses: int, ring: int, shape=(HEADS, KV_HEADS, HEAD_DIM), window=None) -> dict:
     """Plan-level work and bytes of each variant on one pack (no processes)."""
-    from hybridsp.attention.volume import hybrid_bytes
-    from hybridsp.layout.block_plan import build_plan
-    from hybridsp.layout.layouts import get_layout
+    from hybridsp.attention._volume import hybrid_bytes
+    from hybridsp.layout._block_plan import build_plan
+    from hybridsp.layout._layouts import get_layout
 
     out = {}
     for layout, (name, placed) in variants(window).items():

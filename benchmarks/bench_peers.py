@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from hybridsp.formulas import heads_divisible
+from hybridsp._formulas import heads_divisible
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -99,7 +99,7 @@ def _revision_modules(revision: str):
 
 def _hybridsp_at(revision: str, mesh, scale):
     """hybrid_attn_func with the resharding and CPU kernel of ``revision`` swapped in for each call."""
-    import hybridsp.attention.ulysses as current
+    import hybridsp.attention._ulysses as current
     from hybridsp import hybrid_attn_func
 
     old_ulysses, old_kernels = _revision_modules(revision)
@@ -127,7 +127,7 @@ class _SwapDuringBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        import hybridsp.attention.ulysses as current
+        import hybridsp.attention._ulysses as current
 
         current._RESHARD.update({True: ctx.old._seq_to_heads, False: ctx.old._heads_to_seq})
         return grad, None, None
@@ -167,8 +167,8 @@ def analytic_bytes(case: Case) -> int:
     """The most bytes a rank must send per forward + backward (max over ring ranks) at the
     byte minimum: Ulysses (U-1)/U of q, k, v, out each way; K/V rows only where the receiver reads them,
     forward and again backward, each visited block's dK/dV home once, in the input dtype
-    (:func:`hybridsp.attention.volume.hybrid_bytes` with ``kv_comm="ring"``)."""
-    from hybridsp.formulas import hybrid_bytes
+    (:func:`hybridsp.attention._volume.hybrid_bytes` with ``kv_comm="ring"``)."""
+    from hybridsp._formulas import hybrid_bytes
 
     return max(sum(hybrid_bytes(batch=case.batch, seq_len=case.seq, heads=case.heads, kv_heads=case.kv_heads,
                                 head_dim=case.head_dim, ulysses=case.ulysses, ring=case.ring, ring_rank=r,
@@ -187,12 +187,12 @@ def _setup_method(case: Case, rank: int):
             return _hybridsp_at(case.method.split("@", 1)[1], mesh, scale), lambda x: shard_sequence(x, mesh)
         mode = {"kv_comm": case.method.split("-", 1)[1]} if "-" in case.method else {}
 
-        import hybridsp.attention.ulysses
+        import hybridsp.attention._ulysses
 
-        current = dict(hybridsp.attention.ulysses._RESHARD)  # a hybridsp@REV method swaps its own in for its calls
+        current = dict(hybridsp.attention._ulysses._RESHARD)  # a hybridsp@REV method swaps its own in for its calls
 
         def attention(q, k, v, counter=None):
-            hybridsp.attention.ulysses._RESHARD.update(current)
+            hybridsp.attention._ulysses._RESHARD.update(current)
             return hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch", counter=counter, **mode)
 
         return attention, lambda x: shard_sequence(x, mesh)

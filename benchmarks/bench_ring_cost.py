@@ -28,7 +28,7 @@ import torch.distributed as dist
 from bench_kernel_bound import timed_kernel
 
 from hybridsp import ring_attention
-from hybridsp.layout.layouts import take_shard
+from hybridsp.layout._layouts import take_shard
 
 HEADS, HEAD_DIM = 8, 64
 

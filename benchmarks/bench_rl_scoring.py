@@ -67,7 +67,7 @@ def _rows(prompt: int, completion: int):
 
 def _score(model, ids, mask, completion: int, hybrid: bool, grad: bool):
     """Per-token log-probs and entropies [2, C] of the completion tokens, TRL's way or hybridsp's."""
-    from hybridsp.integrations.trl.rollouts import right_aligned
+    from hybridsp.integrations.trl._rollouts import right_aligned
 
     with torch.set_grad_enabled(grad):
         if hybrid:
@@ -83,7 +83,7 @@ def _score(model, ids, mask, completion: int, hybrid: bool, grad: bool):
 def _measure(rank: int, world: int, degrees, prompt: int, completion: int) -> dict:
     from hybridsp import init_mesh
     from hybridsp.integrations.transformers import apply
-    from hybridsp.integrations.trl.logprobs import shard_fused_calls
+    from hybridsp.integrations.trl._logprobs import shard_fused_calls
 
     policy, reference = _model(0), _model(0)
     ids, mask = _rows(prompt, completion)

@@ -13,7 +13,7 @@ zigzag), each one fwd+bwd of ``hybrid_attn_func`` on 4 gloo ranks:
 - ``softcap``: ``plain-Dqk`` with ``softcap=30`` (the only CPU kernel that caps is the reference math).
 
 1. **Bytes** (hybridsp's ``CommCounter``, both ``kv_comm`` modes) per rank, summed over the ranks,
-   against :func:`hybridsp.attention.volume.hybrid_bytes` (with ``v_head_dim`` for ``mla``), and as
+   against :func:`hybridsp.attention._volume.hybrid_bytes` (with ``v_head_dim`` for ``mla``), and as
    ratios to ``plain-Dqk`` and ``plain-Dv``.
 2. **Time**, ``kv_comm="ring"``: all paths interleaved in one process group (``harness.interleave``,
    one warm-up each), medians of the per-iteration wall (max over ranks) and CPU (sum over ranks)
@@ -40,7 +40,7 @@ from harness import combine, interleave, launch, load, machine_info, results_pat
 
 import hybridsp  # noqa: E402
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence  # noqa: E402
-from hybridsp.attention.volume import hybrid_bytes  # noqa: E402
+from hybridsp.attention._volume import hybrid_bytes  # noqa: E402
 
 HEADS, DQK, DV = 8, 48, 32
 SOFTCAP = 30.0

@@ -57,8 +57,8 @@ def measure(rank: int, world: int, frames: int, size: int, iters: int) -> dict:
 
     from hybridsp import init_mesh, sharded_cross_entropy
     from hybridsp.integrations.transformers import apply
-    from hybridsp.integrations.transformers.vision.batch import shard_vlm_batch
-    from hybridsp.integrations.transformers.vision.model import encode_shard
+    from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
+    from hybridsp.integrations.transformers._vision.model import encode_shard
 
     model, batch = example.build_model(), example.make_batch(frames, size)
     mesh = init_mesh(*WORLDS[world])
@@ -98,8 +98,8 @@ def measure(rank: int, world: int, frames: int, size: int, iters: int) -> dict:
 
 def _vision_modes(model, mesh, batches: dict, iters: int) -> dict:
     """Per batch: the vision encoder's forward + backward per mode, interleaved; patches per rank."""
-    from hybridsp.integrations.transformers.vision.batch import shard_vlm_batch
-    from hybridsp.integrations.transformers.vision.model import encode_shard
+    from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
+    from hybridsp.integrations.transformers._vision.model import encode_shard
 
     timings = {}
     for label, batch in batches.items():

@@ -18,7 +18,7 @@
 4. Lean norms (``hybridsp.apply_lean_norms``): the same checkpointed Llama, one forward + backward
    with HF's RMSNorms and with lean ones: the loss must be identical (the forward is bit-identical),
    the gradients equal to rounding, and the peak memory must not rise (the planner's term:
-   ``hybridsp.planner.memory.norm_bytes_per_token``: 4 h bytes per token and norm less).
+   ``hybridsp.planner._memory.norm_bytes_per_token``: 4 h bytes per token and norm less).
 Without CUDA it runs the same code on the CPU ``torch`` backend (small sizes), so the
 script itself is tested anywhere. Writes ``gpu_check.json`` and ``gpu_check.md`` to --out
 (default ``benchmarks/results/gpu_check/``).
@@ -35,10 +35,10 @@ from pathlib import Path
 import harness
 import torch
 
-from hybridsp.attention.merge import merge_into
+from hybridsp.attention._merge import merge_into
 from hybridsp.kernels import get_kernel
-from hybridsp.kernels.reference import attention_in_input_dtype
-from hybridsp.layout.block_plan import build_plan
+from hybridsp.kernels._reference import attention_in_input_dtype
+from hybridsp.layout._block_plan import build_plan
 
 
 def _synchronize(device):

@@ -69,7 +69,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "median over rounds of the per-round ratio. All ranks share the machine's cores, so time is total "
         "work plus communication and scheduling, not a multi-device speed-up.",
         "- `sent/rank`: bytes per rank per forward + backward (torch.distributed's sending calls wrapped, max "
-        "over ranks); `min`: the most any rank must send (`hybridsp.attention.volume.hybrid_bytes`, ring mode): "
+        "over ranks); `min`: the most any rank must send (`hybridsp.attention._volume.hybrid_bytes`, ring mode): "
         "Ulysses 2 (U-1)/U x (q, k, v, out); K/V rows only where the receiver reads them, forward and backward, "
         "each visited block's dK/dV home once, in the input dtype. `peak mem`: RSS added "
         "by one steady-state forward + backward (VmHWM reset via /proc/self/clear_refs), max over ranks.",

@@ -10,9 +10,9 @@ files). The model is ``examples/train.py``'s small Llama (its ``--seed``, ``--hi
 ``train.py`` saved (``--checkpoint runs/cp8-u4r2``, the main job's run directory) or random ones, or a local Hugging Face
 model (``--model-path``). The prefill runs sequence-parallel through the hybrid attention,
 every decode step attends to the sharded cache and merges by log-sum-exp
-(``hybridsp.integrations.transformers.generation``). Rank 0 prints the continuation, prefill and
+(``hybridsp.integrations.transformers._generation``). Rank 0 prints the continuation, prefill and
 decode tokens/s, and every rank's peak memory and K/V cache size; during the prefill it prints a
-line per finished layer. The process group is :func:`hybridsp.mesh.process_group.init_process_group`'s
+line per finished layer. The process group is :func:`hybridsp.launch._process_group.init_process_group`'s
 (a world of one without a launcher, the gloo interface for multi-host runs, ``--collective-timeout``).
 """
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Prefill and decode; rank 0 reports."""
-    from hybridsp.mesh.process_group import init_process_group
+    from hybridsp.launch._process_group import init_process_group
 
     device = init_process_group(args.collective_timeout)  # a world of one without a launcher
     import hybridsp

@@ -13,7 +13,7 @@ threads as the machine has cores, so 8 CPU ranks on 2 cores ran 16 busy compute 
 every collective waited for descheduled peers. :func:`share_cpu_cores` gives each of the
 node's ranks ``cores // ranks per node`` threads (at least 1) unless ``OMP_NUM_THREADS`` says
 otherwise, as torchrun does and as ``hybridsp.testing`` does for the tests. The ranks per node
-come from :mod:`hybridsp.mesh.launcher` (DeepSpeed's launcher says ``LOCAL_SIZE``, not
+come from :mod:`hybridsp.launch._launcher` (DeepSpeed's launcher says ``LOCAL_SIZE``, not
 ``LOCAL_WORLD_SIZE``: reading only the latter ran 16 threads for 8 ranks on 2 cores).
 """
 
@@ -50,7 +50,7 @@ def share_cpu_cores() -> int:
 
     if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()
-    from hybridsp.mesh.launcher import ranks_per_node
+    from hybridsp.launch._launcher import ranks_per_node
 
     ranks = ranks_per_node(1)  # LOCAL_SIZE under deepspeed, LOCAL_WORLD_SIZE under torchrun, ...
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))

@@ -77,8 +77,8 @@ def check_model_type(path: str, model_type) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hybridsp.integrations.transformers.capabilities import check_switchable
-    from hybridsp.integrations.transformers.vision.model import VLM_MODEL_TYPES
+    from hybridsp.integrations.transformers._capabilities import check_switchable
+    from hybridsp.integrations.transformers._vision.model import VLM_MODEL_TYPES
 
     if model_type in VLM_MODEL_TYPES:
         return
@@ -99,7 +99,7 @@ def default_save_dir(config_path: str, ulysses: int, ring: int, tensor: int = 1)
 
 def preflight(args) -> RunPlan:
     """Validate the run before anything expensive; RunConfigError with every problem found, in one line."""
-    from hybridsp.formulas import heads_divisible
+    from hybridsp._formulas import heads_divisible
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     config = load_ds_config(args.ds_config)  # nothing else can be checked without it
@@ -163,9 +163,9 @@ def argument_problems(args) -> list[str]:
 
 def _hybrid_section(args, config: dict, world: int, problems: list[str]):
     """The validated hybrid section (None if it is unusable); problems with it appended to ``problems``."""
-    from hybridsp.attention.resolve import check_kv_chunks
+    from hybridsp.attention._resolve import check_kv_chunks
     from hybridsp.integrations.deepspeed import HybridConfig
-    from hybridsp.layout.layouts import check_sequence_length
+    from hybridsp.layout._layouts import check_sequence_length
 
     try:
         hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
@@ -271,9 +271,9 @@ def exit_once(error: Exception) -> None:
 
 def report_placement(mesh, save_dir: Path) -> None:
     """Where the ranks run (a collective): rank 0 prints one line (hosts, ranks, groups) and writes
-    ``<save_dir>/placement.json``; see :mod:`hybridsp.mesh.placement`. Runs before the first step, so a
+    ``<save_dir>/placement.json``; see :mod:`hybridsp.launch._placement`. Runs before the first step, so a
     Ulysses group that crosses hosts shows before a long run, not after it."""
-    from hybridsp.mesh.placement import gather_placement
+    from hybridsp.launch._placement import gather_placement
 
     placement = gather_placement(mesh)
     if mesh.rank == 0:

@@ -11,7 +11,7 @@ whatever the degrees. Rank 0 shows a progress bar, writes JSON-lines metrics
 (``--metrics-out``) and a loss-curve PNG; checkpoints go through DeepSpeed's own
 save/load (``--save-dir``, default ``runs/<config>-u<U>r<R>``; ``--resume``; ``--resume-from DIR``
 continues another run's checkpoint, also on another world size or U x R: see
-``hybridsp.integrations.deepspeed.checkpoint``). Config errors are reported once, before the expensive
+``hybridsp.integrations.deepspeed._checkpoint``). Config errors are reported once, before the expensive
 imports (``preflight.py``); known-harmless library noise is filtered (``console.py``).
 """
 
@@ -86,8 +86,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
 
 def load_model(args: argparse.Namespace) -> torch.nn.Module:
     """``--model-path`` the way DeepSpeed and transformers load big models: under ZeRO-3 each rank
-    holds only its partition while loading (hybridsp.integrations.transformers.checkpoint.load_pretrained)."""
-    from hybridsp.integrations.transformers.checkpoint import load_pretrained
+    holds only its partition while loading (hybridsp.integrations.transformers._checkpoint.load_pretrained)."""
+    from hybridsp.integrations.transformers._checkpoint import load_pretrained
 
     config = _config_with_lr(args)
     model = load_pretrained(args.model_path, config, ulysses=args.ulysses, ring=args.ring)
@@ -98,7 +98,7 @@ def load_model(args: argparse.Namespace) -> torch.nn.Module:
 
 def export_model(engine, args: argparse.Namespace) -> None:
     """``--export-hf DIR``: the trained weights as a Hugging Face directory (all ranks call it)."""
-    from hybridsp.integrations.transformers.checkpoint import export_hf
+    from hybridsp.integrations.transformers._checkpoint import export_hf
 
     directory = export_hf(engine, args.export_hf)
     if dist.get_rank() == 0:
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
 
     from tqdm import tqdm
 
-    from hybridsp.integrations.deepspeed import checkpoint as ckpt
+    from hybridsp.integrations.deepspeed import _checkpoint as ckpt
     from hybridsp.integrations.deepspeed import init_distributed, initialize
 
     _single_process_environment()
@@ -394,7 +394,7 @@ def _grad_norm(engine) -> float | None:
 
 def _plan_resume(args: argparse.Namespace, plan: RunPlan, config: dict):
     """None for a fresh run; else how to load (direct or universal); no communication."""
-    from hybridsp.integrations.deepspeed.checkpoint import plan_resume
+    from hybridsp.integrations.deepspeed._checkpoint import plan_resume
 
     if not (args.resume or args.resume_from):
         return None

@@ -12,8 +12,8 @@ import re
 import sys
 
 COMMANDS = {  # name -> module implementing it
-    "plan": "hybridsp.planner.cli",
-    "check-mesh": "hybridsp.mesh.check_command",
+    "plan": "hybridsp.planner._cli",
+    "check-mesh": "hybridsp._commands.check_mesh",
 }
 
 

@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from hybridsp import ShardedDataLoader, init_mesh, shard_batch
-from hybridsp.batch import padded_length, prepare_batch, replica_sampler
-from hybridsp.layout.layouts import join_shards
+from hybridsp.data._batch import padded_length, prepare_batch, replica_sampler
+from hybridsp.layout._layouts import join_shards
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
 
@@ -150,7 +150,7 @@ def test_sharded_data_loader_shards_and_detects_differing_batches():
 
 
 def test_fingerprint_sees_a_swap_of_two_tokens_1009_apart():
-    from hybridsp.batch import batch_fingerprint
+    from hybridsp.data._batch import batch_fingerprint
 
     ids = torch.randint(0, 50000, (1, 4096), generator=torch.Generator().manual_seed(0))
     swapped = ids.clone()
@@ -161,7 +161,7 @@ def test_fingerprint_sees_a_swap_of_two_tokens_1009_apart():
 
 
 def _swapped_batches(rank, world):
-    from hybridsp.batch import check_same_across_context
+    from hybridsp.data._batch import check_same_across_context
 
     mesh = init_mesh(1, world)
     ids = torch.randint(0, 50000, (2, 2048), generator=torch.Generator().manual_seed(1))

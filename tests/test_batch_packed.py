@@ -2,8 +2,8 @@
 
 import torch
 
-from hybridsp.batch import packed_cu_seqlens, prepare_batch
-from hybridsp.losses.cross_entropy import IGNORE_INDEX
+from hybridsp.data._batch import packed_cu_seqlens, prepare_batch
+from hybridsp.losses._cross_entropy import IGNORE_INDEX
 from tests.helpers.mesh import mesh_at
 
 

@@ -116,24 +116,24 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
         "from .. import degrees\n"
         "def later():\n"
         "    import hybridsp.layout as layout\n"
-        "    from hybridsp.kernels.reference import _private\n"
+        "    from hybridsp.kernels._reference import _private\n"
     )
-    known = {"hybridsp", "hybridsp.mesh", "hybridsp.formulas", "hybridsp.planner", "hybridsp.planner.specs",
-             "hybridsp.planner.costs", "hybridsp.degrees", "hybridsp.layout", "hybridsp.kernels",
-             "hybridsp.kernels.reference"}
-    assert sorted((target, name) for target, name, _ in _imports("hybridsp.planner.cli", source, known)) == [
-        ("hybridsp", "init_mesh"), ("hybridsp.degrees", ""), ("hybridsp.formulas", ""),
-        ("hybridsp.kernels.reference", "_private"), ("hybridsp.layout", ""), ("hybridsp.mesh", ""),
-        ("hybridsp.planner.costs", "comm_volume"), ("hybridsp.planner.specs", ""),
+    known = {"hybridsp", "hybridsp.mesh", "hybridsp._formulas", "hybridsp.planner", "hybridsp.planner._specs",
+             "hybridsp.planner._costs", "hybridsp.degrees", "hybridsp.layout", "hybridsp.kernels",
+             "hybridsp.kernels._reference"}
+    assert sorted((target, name) for target, name, _ in _imports("hybridsp.planner._cli", source, known)) == [
+        ("hybridsp", "init_mesh"), ("hybridsp.degrees", ""), ("hybridsp._formulas", ""),
+        ("hybridsp.kernels._reference", "_private"), ("hybridsp.layout", ""), ("hybridsp.mesh", ""),
+        ("hybridsp.planner._costs", "comm_volume"), ("hybridsp.planner._specs", ""),
     ]
     graph = _graph()
-    assert "hybridsp.kernels.flash" in graph["hybridsp.kernels.select"]  # inside a function
+    assert "hybridsp.kernels._flash" in graph["hybridsp.kernels._select"]  # inside a function
     found = _find_cycle({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}})
     assert found == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b": 1}, "b": {}, "c": {"a": 1, "b": 1}}) is None
-    assert _resolve("hybridsp.planner.cli", 1, "specs", False) == "hybridsp.planner.specs"
-    assert _resolve("hybridsp.planner", 1, "specs", True) == "hybridsp.planner.specs"
-    assert _resolve("hybridsp.planner.cli", 2, None, False) == "hybridsp"
+    assert _resolve("hybridsp.planner._cli", 1, "specs", False) == "hybridsp.planner._specs"
+    assert _resolve("hybridsp.planner", 1, "specs", True) == "hybridsp.planner._specs"
+    assert _resolve("hybridsp.planner._cli", 2, None, False) == "hybridsp"
 
 
 def _assert_acyclic(graph: dict[str, dict[str, int]]) -> None:

@@ -7,7 +7,7 @@ of one (:mod:`.select`: ``get_kernel``, ``choose_backend``, ``resolve_kernel``).
 
 from __future__ import annotations
 
-from hybridsp.kernels.base import (
+from hybridsp.kernels._base import (
     AttentionKernel,
     accumulation_dtype,
     check_qkv,
@@ -15,8 +15,8 @@ from hybridsp.kernels.base import (
     default_softmax_scale,
     unit_stride,
 )
-from hybridsp.kernels.reference import ReferenceKernel
-from hybridsp.kernels.select import (
+from hybridsp.kernels._reference import ReferenceKernel
+from hybridsp.kernels._select import (
     BACKEND_NAMES,
     FLASH_ATTN_MAX_HEAD_DIM,
     choose_backend,
@@ -24,7 +24,7 @@ from hybridsp.kernels.select import (
     get_kernel,
     resolve_kernel,
 )
-from hybridsp.kernels.torch_fused import TorchFusedKernel
+from hybridsp.kernels._torch_fused import TorchFusedKernel
 
 __all__ = [
     "AttentionKernel",

@@ -46,14 +46,14 @@ Links (rank order ``rank = (dp R + r) U + u``, Ulysses innermost; node = rank //
         compute (stages 0-2), stage 3's traffic the whole step: exposed = max(0, traffic/bw -
         that compute); the all-gather after the step (stages 1-2) is fully exposed.
 
-Memory per rank (every term in :mod:`hybridsp.planner.memory`)
+Memory per rank (every term in :mod:`hybridsp.planner._memory`)
     persistent: ZeRO-partitioned model states (e + e + 12 bytes/param) + DeepSpeed's gradient
         bucket; at the peak of the step: the checkpointed layers' inputs (on the device, or in
         host memory with activation offload) + the largest of three phases (the loss; an MLP
         backward; an attention backward with its workspace). Techniques
-        (:class:`hybridsp.planner.techniques.Techniques`: fused loss, tiled MLP, activation,
+        (:class:`hybridsp.planner._techniques.Techniques`: fused loss, tiled MLP, activation,
         optimizer and parameter offload) change the terms; host memory per node and PCIe
-        bandwidth bound offload (:func:`hybridsp.planner.timing.offload_timing`).
+        bandwidth bound offload (:func:`hybridsp.planner._timing.offload_timing`).
     fits iff the device total <= memory - reserved (default 4 GiB) and this rank's offloaded
         bytes <= its share of the node's host memory (default 2 TiB per node).
 
@@ -65,11 +65,11 @@ Step time and ranking
     (10%) of usable memory free, then the faster of them.
 """
 
-from hybridsp.planner.ablation import AblationRow, ablation, format_ablation
-from hybridsp.planner.costs import CommVolume, Flops, comm_volume, flops_per_rank
-from hybridsp.planner.memory import MemoryUse, memory_use
-from hybridsp.planner.plans import Plan, evaluate, mesh_problems
-from hybridsp.planner.search import (
+from hybridsp.planner._ablation import AblationRow, ablation, format_ablation
+from hybridsp.planner._costs import CommVolume, Flops, comm_volume, flops_per_rank
+from hybridsp.planner._memory import MemoryUse, memory_use
+from hybridsp.planner._plans import Plan, evaluate, mesh_problems
+from hybridsp.planner._search import (
     LongestContext,
     PlanResult,
     SearchSpace,
@@ -78,7 +78,7 @@ from hybridsp.planner.search import (
     plan_degrees,
     recommend,
 )
-from hybridsp.planner.specs import (
+from hybridsp.planner._specs import (
     GPUS,
     INTER_LINKS,
     MODELS,
@@ -88,8 +88,8 @@ from hybridsp.planner.specs import (
     Workload,
     preset_cluster,
 )
-from hybridsp.planner.techniques import ABLATION_ORDER, Techniques
-from hybridsp.planner.timing import Timing, Topology, mesh_topology, step_timing
+from hybridsp.planner._techniques import ABLATION_ORDER, Techniques
+from hybridsp.planner._timing import Timing, Topology, mesh_topology, step_timing
 
 __all__ = [
     "ABLATION_ORDER", "AblationRow", "Techniques", "ablation", "format_ablation",

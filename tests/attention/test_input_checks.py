@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp import HybridAttention, hybrid_attn_func, init_mesh, ring_attention, shard_sequence
-from hybridsp.layout.documents import normalize_cu_seqlens
+from hybridsp.layout._documents import normalize_cu_seqlens
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
 from tests.helpers.reference import random_qkv
@@ -137,7 +137,7 @@ def test_meshes_placing_for_different_windows_raise_on_every_rank():
 
 def _later_call_disagrees(rank, world, scenario):
     """Calls that share one Documents object: the first ones agree; the last has a window on the last rank only."""
-    from hybridsp.layout.documents import as_documents
+    from hybridsp.layout._documents import as_documents
 
     mesh = init_mesh(ulysses=2, ring=world // 2)
     q, k, v, _ = random_qkv(1, 64, 4, 2, 8, seed=3)

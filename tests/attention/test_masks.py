@@ -1,6 +1,6 @@
 """Packed documents and sliding windows across the hybrid attention, against float64 masked attention.
 
-The block plan (:mod:`hybridsp.layout.block_plan`) is checked cell by cell against the dense mask; the
+The block plan (:mod:`hybridsp.layout._block_plan`) is checked cell by cell against the dense mask; the
 band kernels against float64 math; the whole Ulysses x ring attention, forward and q/k/v
 gradients, at world 4 and 8 for (U, R) in {(2,2), (1,4), (4,1), (2,4), (1,8)}.
 """
@@ -17,11 +17,11 @@ import torch
 import hybridsp
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.kernels import get_kernel
-from hybridsp.kernels.band import band_mask, flash_window
-from hybridsp.kernels.flash import FlashAttnKernel
-from hybridsp.layout.block_plan import build_plan
-from hybridsp.layout.documents import normalize_cu_seqlens
-from hybridsp.layout.layouts import layout_permutation
+from hybridsp.kernels._band import band_mask, flash_window
+from hybridsp.kernels._flash import FlashAttnKernel
+from hybridsp.layout._block_plan import build_plan
+from hybridsp.layout._documents import normalize_cu_seqlens
+from hybridsp.layout._layouts import layout_permutation
 from hybridsp.testing import run_distributed
 from tests.helpers.flash_attn_standin import make_standin
 from tests.helpers.mask_cases import DOCS, ROW2, SEQ, check_meshes, piece_cells
@@ -192,7 +192,7 @@ def _varlen_vs_per_piece(rank, world):
     import torch.distributed as dist
 
     from hybridsp import ring_attention
-    from hybridsp.layout.layouts import take_shard
+    from hybridsp.layout._layouts import take_shard
     from tests.helpers.flash_attn_standin import with_varlen
 
     full = random_qkv(2, 128, 4, 2, 16, seed=1, dtype=torch.bfloat16)
@@ -289,7 +289,7 @@ def _window_bytes(rank, world, windows):
     import torch.distributed as dist
 
     from hybridsp import ring_attention
-    from hybridsp.layout.layouts import take_shard
+    from hybridsp.layout._layouts import take_shard
 
     sent = []
     for window in windows:

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from hybridsp.attention.merge import merge_blocks
+from hybridsp.attention._merge import merge_blocks
 from tests.helpers.reference import rel_err
 
 INF = math.inf

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from hybridsp import ring_attention
-from hybridsp.attention import resolve
-from hybridsp.attention.transport import exchange
-from hybridsp.attention.transport.allgather import AllGatherTransport
-from hybridsp.attention.transport.base import Block, Transport
-from hybridsp.attention.transport.local import LocalTransport
-from hybridsp.attention.transport.p2p import P2PTransport
-from hybridsp.formulas import zigzag_slot_runs
+from hybridsp._formulas import zigzag_slot_runs
+from hybridsp.attention import _resolve as resolve
+from hybridsp.attention._transport import exchange
+from hybridsp.attention._transport.allgather import AllGatherTransport
+from hybridsp.attention._transport.base import Block, Transport
+from hybridsp.attention._transport.local import LocalTransport
+from hybridsp.attention._transport.p2p import P2PTransport
 from hybridsp.kernels import (
     AttentionKernel,
     ReferenceKernel,
@@ -25,10 +25,10 @@ from hybridsp.kernels import (
     get_kernel,
     resolve_kernel,
 )
-from hybridsp.kernels.flash import FlashAttnKernel
-from hybridsp.kernels.select import CompletedKernel
-from hybridsp.layout.balance.tries import TRIES, BalancerTry, GreedyTry, HostedTry
-from hybridsp.layout.layouts import get_layout
+from hybridsp.kernels._flash import FlashAttnKernel
+from hybridsp.kernels._select import CompletedKernel
+from hybridsp.layout._balance.tries import TRIES, BalancerTry, GreedyTry, HostedTry
+from hybridsp.layout._layouts import get_layout
 from tests.helpers.flash_attn_standin import make_standin
 from tests.helpers.paths import ROOT
 

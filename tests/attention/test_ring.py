@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp import ring_attention
-from hybridsp.layout.layouts import join_shards, take_shard
+from hybridsp.layout._layouts import join_shards, take_shard
 from hybridsp.testing import run_distributed
 from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
 

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import hybridsp
 from hybridsp import HybridAttention, hybrid_attn_func, init_mesh, shard_sequence
-from hybridsp.attention.ring import ring_attention
-from hybridsp.attention.volume import hybrid_bytes
+from hybridsp.attention._ring import ring_attention
+from hybridsp.attention._volume import hybrid_bytes
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
 from tests.helpers.reference import random_qkv, rel_err, sinks_reference_with_grads
@@ -44,7 +44,7 @@ def _backend(name: str):
     """A backend name, or the flash adapter on the CPU stand-in (built in the rank: not picklable)."""
     if name != "flash-standin":
         return name
-    from hybridsp.kernels.flash import FlashAttnKernel
+    from hybridsp.kernels._flash import FlashAttnKernel
     from tests.helpers.flash_attn_standin import make_standin, with_varlen
 
     return FlashAttnKernel(with_varlen(make_standin("2.8")))

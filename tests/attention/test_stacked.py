@@ -1,4 +1,4 @@
-"""Small plan pieces of one shape in one kernel call (hybridsp.attention.stacked), against float64 masked attention.
+"""Small plan pieces of one shape in one kernel call (hybridsp.attention._stacked), against float64 masked attention.
 
 Many tiny documents (lengths 1-5 and a uniform 2), per-row documents (B = 2), a window that cuts
 them into band pieces, GQA down to one K/V head, on a ring of one, U1xR4 and U2xR2 (torch backend,
@@ -13,9 +13,9 @@ import random
 
 import torch
 
-from hybridsp.attention.stacked import MAX_ROWS, stacks_and_singles
-from hybridsp.layout.block_plan import build_plan
-from hybridsp.layout.documents import normalize_cu_seqlens
+from hybridsp.attention._stacked import MAX_ROWS, stacks_and_singles
+from hybridsp.layout._block_plan import build_plan
+from hybridsp.layout._documents import normalize_cu_seqlens
 from hybridsp.testing import run_distributed
 from tests.helpers.mask_reference import masked_reference_with_grads
 from tests.helpers.reference import random_qkv, rel_err

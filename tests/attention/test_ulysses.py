@@ -16,7 +16,7 @@ def _full(batch, heads, seed):
 
 
 def _check(rank, world):
-    from hybridsp.attention.ulysses import heads_to_seq, seq_to_heads
+    from hybridsp.attention._ulysses import heads_to_seq, seq_to_heads
 
     group, failures = dist.new_group(list(range(world))), []
     for batch in (1, 3):

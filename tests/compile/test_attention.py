@@ -2,7 +2,7 @@
 
 One 4-rank launch runs each mesh case over three packed batches whose documents all differ: the
 compiled outputs and gradients must equal eager's (relative 1e-5, fp32; measured 0: the call is one
-custom operator that runs the eager code, Note [compiled call] in hybridsp.attention.compiled), and
+custom operator that runs the eager code, Note [compiled call] in hybridsp.attention._compiled), and
 the function must compile once for a ``Documents`` (no recompilation for new documents: the plan is
 data, not a guard).
 Cases cover both K/V transports, U2xR2 and U1xR4, documents as a ``Documents`` and as a raw
@@ -45,7 +45,7 @@ def _batch(step: int, settings: dict):
 
 
 def _cu_seqlens(bounds, form: str):
-    from hybridsp.layout.documents import as_documents
+    from hybridsp.layout._documents import as_documents
 
     if form == "none":  # no documents, no window: the call without a plan
         return None

@@ -174,7 +174,7 @@ def head_grad_norm(engine) -> float:
 def reference_stack(run: Run, host_allocator=None):
     import deepspeed
 
-    from hybridsp.integrations.deepspeed.engine import without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed._engine import without_cpu_shm_comm_build
 
     model = build_model(run)
     with without_cpu_shm_comm_build():
@@ -196,8 +196,8 @@ def hybridsp_stack(run: Run, host_allocator=None):
     import hybridsp
     from hybridsp.integrations.deepspeed import initialize
     from hybridsp.integrations.transformers import causal_lm_loss
-    from hybridsp.memory.lean_norm import apply_lean_norms
-    from hybridsp.memory.tiled_mlp import apply_tiled_mlp
+    from hybridsp.memory._lean_norm import apply_lean_norms
+    from hybridsp.memory._tiled_mlp import apply_tiled_mlp
 
     model = build_model(run)
     config = {**ds_config(run), "hybridsp": {"ulysses": run.ulysses, "ring": run.ring}}
@@ -231,7 +231,7 @@ def alst_stack(run: Run, host_allocator=None):
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
 
-    from hybridsp.integrations.deepspeed.engine import without_cpu_shm_comm_build
+    from hybridsp.integrations.deepspeed._engine import without_cpu_shm_comm_build
 
     model = build_model(run)
     with without_cpu_shm_comm_build():

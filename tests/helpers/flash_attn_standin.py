@@ -2,7 +2,7 @@
 
 flash-attn needs CUDA and cannot be installed on the CPU machines the tests run on, so this
 module reproduces the *interface* of its two low-level functions, with plain fp32 torch math
-on CPU, so that :class:`hybridsp.kernels.flash.FlashAttnKernel` can be tested anywhere.
+on CPU, so that :class:`hybridsp.kernels._flash.FlashAttnKernel` can be tested anywhere.
 
 The module-level ``_flash_attn_forward`` / ``_flash_attn_backward`` copy flash-attn 2.8's
 argument names and order, return tuples and conventions (read from flash-attn v2.8.3's

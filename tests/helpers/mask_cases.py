@@ -5,7 +5,7 @@ worker that checks every case on a list of meshes (the attention and K/V-transpo
 import torch
 
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
-from hybridsp.kernels.band import band_mask
+from hybridsp.kernels._band import band_mask
 from tests.helpers.mask_reference import masked_reference_with_grads
 from tests.helpers.reference import random_qkv, rel_err
 

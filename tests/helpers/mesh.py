@@ -1,6 +1,6 @@
 """Meshes without process groups, for tests where nothing communicates."""
 
-from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
+from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape
 
 
 def mesh_at(ulysses, ring, r=0, u=0, layout="zigzag", dp=1, dp_rank=0) -> HybridMesh:

@@ -146,7 +146,7 @@ def run_case(rank: int, case: dict) -> dict:
     import time
 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
-    from hybridsp.integrations.trl import generation
+    from hybridsp.integrations.trl import _generation as generation
 
     # a prefix per rank: forked workers share tempfile's name generator
     start = time.perf_counter()

@@ -122,7 +122,7 @@ def _compare(model, batch: dict, mesh, mode: str, expected) -> dict:
     import torch.distributed as dist
 
     from hybridsp import gather_sequence, sharded_cross_entropy
-    from hybridsp.integrations.transformers.vision.batch import shard_vlm_batch
+    from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
 
     logits_ref, loss_ref, grads_ref = expected
     local = shard_vlm_batch(batch, mesh, model, vision=mode)
@@ -161,7 +161,7 @@ def generate_matches(rank: int, world_size: int, kind: str, ulysses: int, ring: 
 
     from hybridsp import init_mesh
     from hybridsp.integrations.transformers import apply
-    from hybridsp.integrations.transformers.vision.generation import generate_vlm
+    from hybridsp.integrations.transformers._vision.generation import generate_vlm
 
     model = tiny_vlm(kind).eval()
     batch = prompt_batch()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridsp.kernels import choose_backend
-from hybridsp.kernels.torch_fused import cuda_backward, cuda_forward, cuda_variant
+from hybridsp.kernels._torch_fused import cuda_backward, cuda_forward, cuda_variant
 
 
 @pytest.mark.parametrize("device,dtype,head_dim,installed,expected", [

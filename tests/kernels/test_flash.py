@@ -1,4 +1,4 @@
-"""FlashAttnKernel (hybridsp.kernels.flash) against a CPU stand-in for flash-attn's low-level API.
+"""FlashAttnKernel (hybridsp.kernels._flash) against a CPU stand-in for flash-attn's low-level API.
 
 The stand-in (tests/helpers/flash_attn_standin.py) is not flash-attn: it copies flash-attn's
 signatures and conventions with fp32 torch math, so these tests check the adapter's
@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from hybridsp.kernels.flash import FlashAttnKernel
-from hybridsp.kernels.reference import ReferenceKernel
+from hybridsp.kernels._flash import FlashAttnKernel
+from hybridsp.kernels._reference import ReferenceKernel
 from tests.helpers import flash_attn_standin as standin
 from tests.helpers.paths import ROOT
 
@@ -58,7 +58,7 @@ def _check_against_reference(kernel, q, k, v, dout, causal):
 
 
 IMPORT_PROBE = (
-    "import sys, hybridsp, hybridsp.kernels, hybridsp.kernels.flash\n"
+    "import sys, hybridsp, hybridsp.kernels, hybridsp.kernels._flash\n"
     "assert 'flash_attn' not in sys.modules, sorted(m for m in sys.modules if 'flash' in m)\n"
 )
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridsp.kernels import get_kernel
-from hybridsp.kernels.reference import attention_in_input_dtype
+from hybridsp.kernels._reference import attention_in_input_dtype
 from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
 
 CASES = [  # (heads, kv_heads, head_dim, causal)
@@ -85,7 +85,7 @@ def test_torch_kernel_bf16_same_on_heads_first_and_seq_first_storage(kv_heads):
     """bf16 CPU kernel: q/k/v/dout as [B, S, H, D] views of heads-first storage (what the Ulysses
     all-to-all hands out; used without a copy) give bitwise the results of [B, S, H, D] storage
     (which is copied to dense planes), and both are close to float64."""
-    from hybridsp.kernels.torch_fused import heads_first_dense
+    from hybridsp.kernels._torch_fused import heads_first_dense
 
     q, k, v, dout = (t.bfloat16() for t in random_qkv(2, 40, 4, kv_heads, 32, seed=7))
     heads_first = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout)]  # [B, S, H, D] views
@@ -105,7 +105,7 @@ def test_torch_kernel_bf16_same_on_heads_first_and_seq_first_storage(kv_heads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("call", ["causal", "dense", "band"])
 def test_torch_kernel_nan_row_of_a_short_block_is_nan_other_rows_bitwise_unchanged(dtype, call):
-    """Note [NaN rows] in hybridsp.kernels.torch_fused: fewer keys than one vector (4 here), a NaN query row
+    """Note [NaN rows] in hybridsp.kernels._torch_fused: fewer keys than one vector (4 here), a NaN query row
     (and a row whose only key is NaN) came back out 0 / lse 0 from aten; now NaN, every other row the same bits."""
     kernel = get_kernel("torch")
     q, k, v, _ = random_qkv(1, 4, 4, 2, 8, seed=5, dtype=dtype)
@@ -175,7 +175,7 @@ def test_check_qkv_accepts_valid_calls(causal):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_lse_maps_match_their_elementwise_definitions(dtype):
-    from hybridsp.kernels.base import lse_for_backward, no_key_lse_to_neg_inf
+    from hybridsp.kernels._base import lse_for_backward, no_key_lse_to_neg_inf
 
     lse = torch.tensor([-math.inf, math.inf, math.nan, -3.5, 0.0, 2.25], dtype=dtype).view(1, 2, 3)
     backward = lse_for_backward(lse)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hybridsp.kernels import choose_backend, get_kernel, resolve_kernel
-from hybridsp.kernels.band import band_mask
-from hybridsp.kernels.flash import FlashAttnKernel
+from hybridsp.kernels._band import band_mask
+from hybridsp.kernels._flash import FlashAttnKernel
 from tests.helpers import flash_attn_standin as standin
 from tests.helpers.flash_attn_standin import make_standin, with_varlen
 from tests.helpers.reference import random_qkv, rel_err, sinks_reference_with_grads
@@ -149,7 +149,7 @@ def test_user_kernels_declare_soft_capping_to_be_given_it():
 
 
 def test_math_kernels_chunk_query_rows_without_changing_the_result(monkeypatch):
-    from hybridsp.kernels import band as band_module
+    from hybridsp.kernels import _band as band_module
 
     kernel = get_kernel("reference")
     q, k, v, dout = random_qkv(2, 13, 4, 2, 16, v_head_dim=8, seed=8)

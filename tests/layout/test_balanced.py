@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hybridsp import gather_sequence, hybrid_attn_func, init_mesh, shard_sequence
-from hybridsp.layout.block_plan import build_plan
-from hybridsp.layout.documents import Documents
-from hybridsp.layout.layouts import BALANCED, ZIGZAG, layout_permutation
+from hybridsp.layout._block_plan import build_plan
+from hybridsp.layout._documents import Documents
+from hybridsp.layout._layouts import BALANCED, ZIGZAG, layout_permutation
 from hybridsp.testing import run_distributed
 from tests.helpers.mask_reference import masked_reference_with_grads, visible_mask
 from tests.helpers.reference import random_qkv, rel_err
@@ -143,9 +143,9 @@ def test_balanced_full_matrix():
 
 def _bytes(rank, world):
     from hybridsp import CommCounter
-    from hybridsp.attention.resolve import plan_for
-    from hybridsp.attention.volume import hybrid_bytes
-    from hybridsp.layout.documents import as_documents
+    from hybridsp.attention._resolve import plan_for
+    from hybridsp.attention._volume import hybrid_bytes
+    from hybridsp.layout._documents import as_documents
 
     out = []
     for layout in ("zigzag", "balanced"):
@@ -174,7 +174,7 @@ def test_planner_reports_what_the_balanced_layout_buys():
     import subprocess
     import sys
 
-    from hybridsp.planner.packing import pack_bounds, packing_imbalance
+    from hybridsp.planner._packing import pack_bounds, packing_imbalance
 
     assert pack_bounds([5, 3], 12) == (0, 5, 8, 12)
     skewed = packing_imbalance([3000, 500, 100, 4000, 200], 16384, 4)

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from hybridsp import gather_sequence, hybrid_attn_func, init_mesh, shard_sequence
-from hybridsp.layout.block_plan import build_plan
-from hybridsp.layout.documents import Documents
-from hybridsp.layout.layouts import BALANCED, get_layout, layout_permutation
-from hybridsp.layout.runs_cache import RUNS_CACHE, RunsCache, entry_bytes
+from hybridsp.layout._block_plan import build_plan
+from hybridsp.layout._documents import Documents
+from hybridsp.layout._layouts import BALANCED, get_layout, layout_permutation
+from hybridsp.layout._runs_cache import RUNS_CACHE, RunsCache, entry_bytes
 from hybridsp.testing import run_distributed
 from tests.helpers.mask_reference import masked_reference_with_grads
 from tests.helpers.packs import lognormal_pack
@@ -135,8 +135,8 @@ def test_windowed_balanced_attention_equals_float64_reference(ulysses):
 
 
 def test_plan_work_counts_the_block_plans_cells():
-    from hybridsp.layout.balance.refine import plan_work
-    from hybridsp.layout.balance.work import TiledWindow
+    from hybridsp.layout._balance.refine import plan_work
+    from hybridsp.layout._balance.work import TiledWindow
 
     for window, ring, seed in ((512, 8, 19), (64, 4, 3), (2048, 2, 5)):
         bounds = lognormal_pack(SEQ, seed)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridsp.layout.documents import Documents, chunked_documents
+from hybridsp.layout._documents import Documents, chunked_documents
 
 
 def _chunk_ids(bounds, chunk):

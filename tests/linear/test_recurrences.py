@@ -1,4 +1,4 @@
-"""The two recurrences' transitions (hybridsp.linear.delta_rule, .mamba2) against transformers' own kernels: the
+"""The two recurrences' transitions (hybridsp.linear_attention._delta_rule, .mamba2) against transformers' own kernels: the
 state after a segment from any initial state S equals apply(transition pair, S), and the outputs from S equal the
 kernel's outputs from S (B > 1, key heads < value heads, Mamba-2 groups shared by heads, odd sizes)."""
 
@@ -8,8 +8,8 @@ import torch
 from transformers.models.nemotron_h import modeling_nemotron_h as nemotron
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
-from hybridsp.linear.delta_rule import GatedDeltaRule
-from hybridsp.linear.mamba2 import Mamba2Scan
+from hybridsp.linear_attention._delta_rule import GatedDeltaRule
+from hybridsp.linear_attention._mamba2 import Mamba2Scan
 
 
 def _delta_inputs(batch=2, n=37, hk=2, hv=6, dk=5, dv=3, seed=0):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from hybridsp.integrations.transformers.linear_layers import MARK, linear_mixers, switch_linear_layers
-from hybridsp.layout.documents import Documents
+from hybridsp.integrations.transformers._linear_layers import MARK, linear_mixers, switch_linear_layers
+from hybridsp.layout._documents import Documents
 from tests.helpers.linear_models import packed_batch, per_document_reference, tiny_hybrid
 from tests.helpers.mesh import mesh_at
 from tests.helpers.reference import rel_err
@@ -120,8 +120,8 @@ def test_attention_heads_are_counted_without_the_output_gate():
 def test_a_second_prefill_into_a_generation_cache_is_refused():
     """A call into a generation cache whose layer already holds the prompt state, without a decode step (a decoder
     layer that dropped the keyword arguments), would restart the state: refused."""
-    from hybridsp.integrations.transformers.generation import HybridCache
-    from hybridsp.linear.decode import LinearStates
+    from hybridsp.integrations.transformers._generation import HybridCache
+    from hybridsp.linear_attention._decode import LinearStates
 
     model = tiny_hybrid("qwen3_5")
     switch_linear_layers(model, mesh_at(1, 1))

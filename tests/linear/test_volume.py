@@ -1,4 +1,4 @@
-"""hybridsp.linear.volume: the per-rank bytes and buffers of a recurrent layer against hand counts, and the
+"""hybridsp.linear_attention._volume: the per-rank bytes and buffers of a recurrent layer against hand counts, and the
 planner's ``--linear`` report (the counters of a real run equal these formulas: benchmarks/bench_linear.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridsp.__main__ import main
-from hybridsp.linear.volume import LinearLayerSpec, linear_layer_bytes, parse_linear
+from hybridsp.linear_attention._volume import LinearLayerSpec, linear_layer_bytes, parse_linear
 
 DELTA = LinearLayerSpec("delta_rule", units=4, heads=8, key_dim=32, value_dim=16, conv_kernel=4)
 

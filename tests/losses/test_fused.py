@@ -141,7 +141,7 @@ def test_the_logits_are_never_materialised():
     for the default one, ceil(T h / V) rows."""
     from torch.profiler import ProfilerActivity, profile
 
-    from hybridsp.formulas import default_chunk_size
+    from hybridsp._formulas import default_chunk_size
 
     tokens, vocab, hidden_size = 2048, 4096, 32
     assert default_chunk_size(vocab, tokens, hidden_size) == 16

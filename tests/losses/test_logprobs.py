@@ -1,4 +1,4 @@
-"""hybridsp.losses.logprobs against single-process float64 math (U2 x R1 on 2 ranks, U2 x R2 on 4).
+"""hybridsp.losses._logprobs against single-process float64 math (U2 x R1 on 2 ranks, U2 x R2 on 4).
 
 Every rank takes its shard of the same full logits (a leaf), computes a DPO-style loss from
 :func:`sequence_logprobs` (per-sequence sums, non-linear in them) and a GRPO-style loss from
@@ -38,7 +38,7 @@ def _losses(seq_logp: torch.Tensor, token_logp: torch.Tensor, labels: torch.Tens
 
 
 def _reference():
-    from hybridsp.losses.logprobs import token_logprobs
+    from hybridsp.losses._logprobs import token_logprobs
 
     logits, labels, old = _full_inputs()
     logits.requires_grad_(True)
@@ -50,7 +50,7 @@ def _reference():
 
 def _sharded(rank, world_size, ulysses, ring):
     from hybridsp import gather_sequence, init_mesh, shard_sequence
-    from hybridsp.losses.logprobs import gather_tokens, sequence_logprobs, token_logprobs
+    from hybridsp.losses._logprobs import gather_tokens, sequence_logprobs, token_logprobs
 
     mesh = init_mesh(ulysses=ulysses, ring=ring)
     logits, labels, old = _full_inputs()
@@ -75,7 +75,7 @@ def test_sharded_logprob_losses_and_gradients_equal_unsharded(ulysses, ring, wor
 def _bad_target_on_one_rank(rank, world, which):
     """U1 x R2: a target outside the vocabulary [0, V) sits on the last rank only."""
     from hybridsp import init_mesh
-    from hybridsp.losses.logprobs import gather_tokens, sequence_logprobs, token_logprobs
+    from hybridsp.losses._logprobs import gather_tokens, sequence_logprobs, token_logprobs
 
     mesh = init_mesh(ulysses=1, ring=world)
     logits = torch.randn(2, 6, V, requires_grad=True)
@@ -101,7 +101,7 @@ def test_a_target_outside_the_vocabulary_on_one_rank_raises_on_every_rank(which)
 
 
 def test_token_logprobs_without_a_mesh_names_the_bad_target():
-    from hybridsp.losses.logprobs import token_logprobs
+    from hybridsp.losses._logprobs import token_logprobs
 
     labels = torch.tensor([[1, 2, V, -100]])
     with pytest.raises(ValueError, match=rf"1 target id\(s\) .* outside the vocabulary \[0, {V}\).*e\.g\. \[{V}\]"):

@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from hybridsp.memory.lean_norm import LLAMA_STYLE_NORMS, apply_lean_norms, lean_rms_norm
+from hybridsp.memory._lean_norm import LLAMA_STYLE_NORMS, apply_lean_norms, lean_rms_norm
 from tests.helpers.reference import rel_err
 from tests.helpers.tiny_models import tiny_causal_lm
 
@@ -150,10 +150,10 @@ def test_compiled_model_with_lean_norms_equals_eager_hf():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_planner_norm_term_is_what_a_decoder_layer_keeps(dtype):
-    """hybridsp.planner.memory's lean-norm saving (two norms per layer) equals what autograd stops keeping
+    """hybridsp.planner._memory's lean-norm saving (two norms per layer) equals what autograd stops keeping
     for one HF Llama decoder layer (unique storages of the saved tensors, HF norms vs lean)."""
-    from hybridsp.planner.memory import norm_bytes_per_token
-    from hybridsp.planner.specs import ModelSpec
+    from hybridsp.planner._memory import norm_bytes_per_token
+    from hybridsp.planner._specs import ModelSpec
 
     model = tiny_causal_lm("llama", seed=0, dtype=dtype, vocab_size=64, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")

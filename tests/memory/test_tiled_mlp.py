@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from hybridsp.memory.tiled_mlp import apply_tiled_mlp, tiled_mlp_forward
+from hybridsp.memory._tiled_mlp import apply_tiled_mlp, tiled_mlp_forward
 from tests.helpers.reference import rel_err
 from tests.helpers.tiny_models import tiny_causal_lm
 

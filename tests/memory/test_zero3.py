@@ -10,7 +10,7 @@ through ``hybridsp.integrations.deepspeed.initialize``:
 - ``fused_cross_entropy`` called directly on the decoder's output and the *partitioned*
   ``lm_head`` weight (``model.lm_head.weight``, NOT_AVAILABLE at the call; untied and tied): it
   gathers the weight once for the call and its gradient reaches ZeRO-3's reduction once
-  (``hybridsp.memory.zero_grad``), so the training steps equal the reference's; under no_grad it
+  (``hybridsp.integrations.deepspeed._zero_grad``), so the training steps equal the reference's; under no_grad it
   gives the logits path's loss.
 
 Loss, every reduced gradient (as ZeRO-3 holds it) at each step and the final parameters must
@@ -61,7 +61,7 @@ def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool, direct: bo
     from hybridsp import fused_cross_entropy, shard_batch, sharded_cross_entropy
     from hybridsp.integrations import deepspeed as hds
     from hybridsp.integrations.transformers import causal_lm_loss
-    from hybridsp.memory.tiled_mlp import apply_tiled_mlp
+    from hybridsp.memory._tiled_mlp import apply_tiled_mlp
 
     model = _model(tied)
     if checkpointing:

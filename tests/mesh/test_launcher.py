@@ -1,4 +1,4 @@
-"""The launcher environment, read the same way by the mesh and the examples (hybridsp.mesh.launcher).
+"""The launcher environment, read the same way by the mesh and the examples (hybridsp.launch._launcher).
 
 The environments below are what each launcher sets, copied from their sources (DeepSpeed
 0.19.8 ``launcher/launch.py``, torch ``distributed/run.py``, accelerate ``state.py``, SLURM's
@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from hybridsp.mesh.launcher import ranks_per_node, read_launch_env, slurm_tasks_on_node
+from hybridsp.launch._launcher import ranks_per_node, read_launch_env, slurm_tasks_on_node
 from hybridsp.testing import run_distributed
 
 # `deepspeed --hostfile H` (2 nodes x 4) on node 1, rank 6

@@ -9,9 +9,9 @@ import socket
 
 import pytest
 
-from hybridsp.mesh.gloo_interface import choose_gloo_interface, interface_addresses, interface_for
-from hybridsp.mesh.hybrid_mesh import MeshShape
-from hybridsp.mesh.placement import Placement
+from hybridsp.launch._gloo_interface import choose_gloo_interface, interface_addresses, interface_for
+from hybridsp.launch._placement import Placement
+from hybridsp.mesh._hybrid_mesh import MeshShape
 
 
 def _placement(hosts: list[str], ulysses: int, ring: int) -> Placement:

@@ -1,4 +1,4 @@
-"""hybridsp.mesh.process_group: a world of one without a launcher, the collective timeout reaching the groups."""
+"""hybridsp.launch._process_group: a world of one without a launcher, the collective timeout reaching the groups."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hybridsp.mesh.process_group import init_process_group, single_process_environment
+from hybridsp.launch._process_group import init_process_group, single_process_environment
 from tests.helpers.paths import ROOT
 
 
@@ -26,8 +26,8 @@ def test_a_timeout_that_is_not_positive_is_refused():
 
 
 def test_the_timeout_reaches_the_default_group_and_the_mesh_groups():
-    code = ("from hybridsp.mesh.process_group import init_process_group\n"
-            "from hybridsp.mesh.timeouts import default_group_timeout\n"
+    code = ("from hybridsp.launch._process_group import init_process_group\n"
+            "from hybridsp.launch._timeouts import default_group_timeout\n"
             "import hybridsp, torch.distributed as dist\n"
             "init_process_group(7.0, backend='gloo'); hybridsp.init_mesh(1, 1)\n"
             "print(dist.get_world_size(), default_group_timeout().total_seconds())\n")

@@ -2,7 +2,7 @@
 
 Each namespace has its own network stack (``lo`` and one veth end, 10.77.0.1 and 10.77.0.2);
 the ranks of host B reach host A only over the veth pair, with a master address that is not
-127.0.0.1 and gloo choosing its interface (hybridsp.mesh.gloo_interface). Where the ranks run is read from
+127.0.0.1 and gloo choosing its interface (hybridsp.launch._gloo_interface). Where the ranks run is read from
 the processes themselves (the inode of ``/proc/<pid>/ns/net`` against the namespaces'), not
 from the launcher's or the library's belief. Skipped where namespaces cannot be made (not root).
 

@@ -1,19 +1,11 @@
-"""``python -m hybridsp plan --clusters`` (hybridsp.planner.clusters): its rows are the planner's own
+"""``python -m hybridsp plan --clusters`` (hybridsp.planner._clusters): its rows are the planner's own
 longest_context answers, and its loss what-if changes only the loss term of the fit test."""
 
 from dataclasses import replace
 
-from hybridsp.planner import (
-    MODELS,
-    MeshConfig,
-    SearchSpace,
-    Workload,
-    clusters,
-    longest_context,
-    memory_use,
-    preset_cluster,
-)
-from hybridsp.planner.costs import local_tokens
+from hybridsp.planner import MODELS, MeshConfig, SearchSpace, Workload, longest_context, memory_use, preset_cluster
+from hybridsp.planner import _clusters as clusters
+from hybridsp.planner._costs import local_tokens
 
 
 def test_loss_what_if_replaces_only_the_loss_term():

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from hybridsp.__main__ import main
-from hybridsp.planner.cli import _tokens, add_arguments
-from hybridsp.planner.packing import attention_work_fraction
+from hybridsp.planner._cli import _tokens, add_arguments
+from hybridsp.planner._packing import attention_work_fraction
 
 
 def _plan(capsys, *args: str) -> tuple[int, str]:

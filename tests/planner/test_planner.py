@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from hybridsp.__main__ import main
-from hybridsp.layout.layouts import check_sequence_length
-from hybridsp.mesh.hybrid_mesh import MeshShape
+from hybridsp.layout._layouts import check_sequence_length
+from hybridsp.mesh._hybrid_mesh import MeshShape
 from hybridsp.planner import (
     MODELS,
     ClusterSpec,
@@ -26,10 +26,10 @@ from hybridsp.planner import (
     plan_degrees,
     preset_cluster,
 )
-from hybridsp.planner.costs import zero_bytes
-from hybridsp.planner.memory import layer_activation_bytes_per_token, model_state_bytes
-from hybridsp.planner.specs import GIB
-from hybridsp.planner.techniques import Techniques
+from hybridsp.planner._costs import zero_bytes
+from hybridsp.planner._memory import layer_activation_bytes_per_token, model_state_bytes
+from hybridsp.planner._specs import GIB
+from hybridsp.planner._techniques import Techniques
 from tests.helpers.paths import DATA
 
 # h=32, H=4, Hkv=2, D=8, I=64, L=2, V=100
@@ -62,8 +62,8 @@ def test_bytes_match_test_hybrid_analytic_minimum():
 
 def test_bytes_with_a_value_head_dim_of_its_own_match_the_runtime_formula():
     """MLA-like heads (q/k 24, v 16): the planner's all-to-all and mean ring bytes equal
-    hybridsp.formulas.hybrid_bytes (which the attention tests check against the comm counter)."""
-    from hybridsp.formulas import hybrid_bytes
+    hybridsp._formulas.hybrid_bytes (which the attention tests check against the comm counter)."""
+    from hybridsp._formulas import hybrid_bytes
 
     model = ModelSpec(8, 8, 24, hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=10, v_head_dim=16)
     assert model.value_head_dim == 16 and ModelSpec(8, 8, 24, 128, 256, 1, 10).value_head_dim == 24
@@ -189,7 +189,7 @@ MEASURED_SAVED_PER_TOKEN = {1: 82_356, 2: 86_452}  # U=1 (w1), U=2 (cp4)
 
 
 def test_saved_activations_equal_the_measured_breakdown():
-    from hybridsp.planner.memory import outside_layers_bytes_per_token
+    from hybridsp.planner._memory import outside_layers_bytes_per_token
 
     for ulysses, measured in MEASURED_SAVED_PER_TOKEN.items():
         layers = EXAMPLE.num_layers * layer_activation_bytes_per_token(EXAMPLE, ulysses, 4)
@@ -221,7 +221,7 @@ def test_memory_within_10_percent_of_every_measured_step():
 
 def test_offload_moves_states_and_checkpoints_to_host():
     from hybridsp.planner import Techniques
-    from hybridsp.planner.memory import checkpoint_bytes, host_state_bytes
+    from hybridsp.planner._memory import checkpoint_bytes, host_state_bytes
 
     psi, n = SMALL.total_params, 4
     assert model_state_bytes(SMALL, 3, n, False, 2, optimizer_offload=True) == (
@@ -239,14 +239,14 @@ def test_offload_moves_states_and_checkpoints_to_host():
     assert checkpoint_bytes(deep, offload, MeshConfig(1, 2, 2, checkpointing=False)) == (0, 0)
     memory = memory_use(deep, offload, MeshConfig(1, 2, 2, zero_stage=3, checkpointing=True))
     assert memory.host_activations == 9 * one and memory.host == 9 * one
-    from hybridsp.planner.memory import staged_gradient_bytes
+    from hybridsp.planner._memory import staged_gradient_bytes
 
     # gradients alive before ZeRO's bucket takes them: the LM head's and the running layer's, with or without
     # checkpointing (the whole model's worth at the end of the backward is the reduce-scatter's copy, a phase)
     for checkpointing in (True, False):
         assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, checkpointing)) == 2 * (
             deep.embedding_params + deep.layer_params)
-    from hybridsp.planner.memory import reduction_bytes
+    from hybridsp.planner._memory import reduction_bytes
 
     assert reduction_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * (deep.total_params + deep.embedding_params)
     gloo = Workload(4096, techniques=Techniques(collective_copies=1))  # gloo clones the flat bucket once more
@@ -259,7 +259,7 @@ def test_offload_moves_states_and_checkpoints_to_host():
 
 def test_tiled_mlp_and_fused_loss_terms():
     from hybridsp.planner import Techniques
-    from hybridsp.planner.memory import loss_bytes, mlp_transient_bytes
+    from hybridsp.planner._memory import loss_bytes, mlp_transient_bytes
 
     config, tokens = MeshConfig(1, 2, 2), 1024
     assert mlp_transient_bytes(SMALL, Workload(4096), config) == tokens * 2 * 64 * 2
@@ -275,9 +275,9 @@ def test_tiled_mlp_and_fused_loss_terms():
 
 
 def test_fused_loss_chunk_follows_the_library_default():
-    from hybridsp.formulas import CHUNK_LOGITS_BYTES, default_chunk_size
+    from hybridsp._formulas import CHUNK_LOGITS_BYTES, default_chunk_size
     from hybridsp.planner import Techniques
-    from hybridsp.planner.memory import FUSED_CHUNK_LOGITS_BYTES, fused_loss_chunk
+    from hybridsp.planner._memory import FUSED_CHUNK_LOGITS_BYTES, fused_loss_chunk
 
     assert FUSED_CHUNK_LOGITS_BYTES == CHUNK_LOGITS_BYTES
     for model in (SMALL, EXAMPLE, MODELS["llama3-8b"]):

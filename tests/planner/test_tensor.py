@@ -2,8 +2,8 @@
 
 import pytest
 
-from hybridsp.planner.specs import MODELS, ModelSpec, preset_cluster
-from hybridsp.planner.tensor import (
+from hybridsp.planner._specs import MODELS, ModelSpec, preset_cluster
+from hybridsp.planner._tensor import (
     inference_option,
     inference_options,
     param_bytes_per_rank,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from hybridsp import init_mesh, real_token_mask, shard_batch, sharded_cross_entropy, sharded_load_balancing_loss
 from hybridsp.integrations import transformers as hf
-from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_plan
+from hybridsp.tensor_parallel._model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
 from tests.helpers.families import build_family, families_where
 from tests.helpers.generation import prompt, reference_generate
@@ -41,7 +41,7 @@ def varied(model):
 
 
 def assemble(pieces: list[torch.Tensor], dim: int, blocks) -> torch.Tensor:
-    """The full tensor from the T ranks' shards (inverse of :func:`hybridsp.tensor_parallel.plan.take_shard`)."""
+    """The full tensor from the T ranks' shards (inverse of :func:`hybridsp.tensor_parallel._plan.take_shard`)."""
     if blocks is None:
         return torch.cat(pieces, dim=dim)
     per_rank = [piece.split([b // len(pieces) for b in blocks], dim=dim) for piece in pieces]
@@ -132,7 +132,7 @@ def _router_check(rank, world, names):
 
 def test_router_loss_under_tensor_parallelism_equals_the_unmodified_model():
     """The router sits inside the tensor region (its gradient summed over the tensor group): the router loss's
-    gradient must count once, not T times (Note [tensor parallelism] in hybridsp.losses.router)."""
+    gradient must count once, not T times (Note [tensor parallelism] in hybridsp.losses._router)."""
     run_distributed(_router_check, 4, ["qwen3_moe"], timeout=600)
 
 

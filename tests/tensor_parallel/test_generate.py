@@ -1,7 +1,7 @@
 """Long-context inference with tensor parallelism: a tiny GQA Llama and a GQA Qwen2, saved as a
 Hugging Face checkpoint, loaded by each rank straight into its tensor shards (built on ``meta``,
 read through safetensors slices), switched to hybrid attention and run by
-``hybridsp.integrations.transformers.generation`` with the K/V cache sharded over the sequence (C)
+``hybridsp.integrations.transformers._generation`` with the K/V cache sharded over the sequence (C)
 and the heads (T): the greedy ids equal the unmodified model's own ``generate``, the logits match,
 and each rank's layer weights are 1/T of the model's."""
 
@@ -11,7 +11,7 @@ import transformers
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
-from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_plan
+from hybridsp.tensor_parallel._model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
 from tests.helpers.generation import COMMON, prompt, reference_generate
 from tests.helpers.reference import rel_err

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from hybridsp import gather_sequence, init_mesh, shard_batch, sharded_cross_entropy
 from hybridsp.integrations import transformers as hf
-from hybridsp.mesh.hybrid_mesh import MeshShape, check_tensor_heads
-from hybridsp.tensor_parallel.model_split import tensor_plan
+from hybridsp.mesh._hybrid_mesh import MeshShape, check_tensor_heads
+from hybridsp.tensor_parallel._model_split import tensor_plan
 from hybridsp.testing import run_distributed
 from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import PAD, build, expected_of, make_batch, shard_of

@@ -23,22 +23,22 @@ from __future__ import annotations
 from hybridsp.integrations import lazy_exports
 
 _EXPORTS = {
-    "OWNED_KEYS": "hybridsp.integrations.deepspeed.config",
-    "PRECISIONS": "hybridsp.integrations.deepspeed.config",
-    "SECTION": "hybridsp.integrations.deepspeed.config",
-    "SECTION_KEYS": "hybridsp.integrations.deepspeed.config",
-    "HybridConfig": "hybridsp.integrations.deepspeed.config",
-    "auto_precision": "hybridsp.integrations.deepspeed.config",
-    "deepspeed_config": "hybridsp.integrations.deepspeed.config",
-    "load_config": "hybridsp.integrations.deepspeed.config",
-    "resolve_precision": "hybridsp.integrations.deepspeed.config",
-    "HybridEngine": "hybridsp.integrations.deepspeed.engine",
-    "HybridMPU": "hybridsp.integrations.deepspeed.engine",
-    "build_mesh": "hybridsp.integrations.deepspeed.engine",
-    "init_distributed": "hybridsp.integrations.deepspeed.engine",
-    "initialize": "hybridsp.integrations.deepspeed.entry",
-    "scale_gradients": "hybridsp.integrations.deepspeed.engine",
-    "without_cpu_shm_comm_build": "hybridsp.integrations.deepspeed.engine",
+    "OWNED_KEYS": "hybridsp.integrations.deepspeed._config",
+    "PRECISIONS": "hybridsp.integrations.deepspeed._config",
+    "SECTION": "hybridsp.integrations.deepspeed._config",
+    "SECTION_KEYS": "hybridsp.integrations.deepspeed._config",
+    "HybridConfig": "hybridsp.integrations.deepspeed._config",
+    "auto_precision": "hybridsp.integrations.deepspeed._config",
+    "deepspeed_config": "hybridsp.integrations.deepspeed._config",
+    "load_config": "hybridsp.integrations.deepspeed._config",
+    "resolve_precision": "hybridsp.integrations.deepspeed._config",
+    "HybridEngine": "hybridsp.integrations.deepspeed._engine",
+    "HybridMPU": "hybridsp.integrations.deepspeed._engine",
+    "build_mesh": "hybridsp.integrations.deepspeed._engine",
+    "init_distributed": "hybridsp.integrations.deepspeed._engine",
+    "initialize": "hybridsp.integrations.deepspeed._entry",
+    "scale_gradients": "hybridsp.integrations.deepspeed._engine",
+    "without_cpu_shm_comm_build": "hybridsp.integrations.deepspeed._engine",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,10 +14,10 @@ from __future__ import annotations
 from hybridsp.integrations import lazy_exports
 
 _EXPORTS = {
-    "HybridSFTTrainer": "hybridsp.integrations.trl.trainers",
-    "HybridDPOTrainer": "hybridsp.integrations.trl.trainers",
-    "HybridGRPOTrainer": "hybridsp.integrations.trl.grpo",
-    "HybridRLOOTrainer": "hybridsp.integrations.trl.grpo",
+    "HybridSFTTrainer": "hybridsp.integrations.trl._trainers",
+    "HybridDPOTrainer": "hybridsp.integrations.trl._trainers",
+    "HybridGRPOTrainer": "hybridsp.integrations.trl._grpo",
+    "HybridRLOOTrainer": "hybridsp.integrations.trl._grpo",
 }
 
 __all__ = sorted(_EXPORTS)

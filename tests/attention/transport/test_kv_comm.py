@@ -1,5 +1,5 @@
 """K/V transports (``kv_comm="ring"`` and ``"allgather"``): exactness against float64 and the
-bytes each rank sends against the analytic formulas of :mod:`hybridsp.attention.volume`."""
+bytes each rank sends against the analytic formulas of :mod:`hybridsp.attention._volume`."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from hybridsp import CommCounter, hybrid_attn_func, init_mesh, shard_batch, shard_sequence
-from hybridsp.attention.transport.allgather import chunk_pieces
-from hybridsp.attention.volume import hybrid_bytes
-from hybridsp.batch import padded_length
-from hybridsp.formulas import default_kv_chunks, ring_rows
-from hybridsp.layout.block_plan import build_plan
-from hybridsp.layout.documents import normalize_cu_seqlens
-from hybridsp.layout.layouts import layout_permutation
-from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
+from hybridsp._formulas import default_kv_chunks, ring_rows
+from hybridsp.attention._transport.allgather import chunk_pieces
+from hybridsp.attention._volume import hybrid_bytes
+from hybridsp.data._batch import padded_length
+from hybridsp.layout._block_plan import build_plan
+from hybridsp.layout._documents import normalize_cu_seqlens
+from hybridsp.layout._layouts import layout_permutation
+from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape
 from hybridsp.testing import run_distributed
 from tests.helpers import mask_cases
 from tests.helpers.mask_reference import visible_mask
@@ -81,7 +81,7 @@ def test_ring_rows_equal_the_block_plan():
 
 
 def test_bad_kv_comm_and_chunks_are_refused_before_any_collective():
-    from hybridsp.mesh.hybrid_mesh import MeshShape
+    from hybridsp.mesh._hybrid_mesh import MeshShape
 
     with pytest.raises(ValueError, match="unknown kv_comm 'gather'"):
         MeshShape(4, 2, 2, kv_comm="gather")
@@ -156,7 +156,7 @@ def test_bytes_sent_equal_the_formula_for_every_mesh_at_world8():
 def _both_gathers(rank, world):
     import torch.distributed as dist
 
-    from hybridsp.attention.transport.allgather import gather_chunk
+    from hybridsp.attention._transport.allgather import gather_chunk
 
     part = torch.full((2, 3, 1, 4), float(rank)) + torch.arange(4.0)  # [B, m, Hkv, D]
     outputs = []

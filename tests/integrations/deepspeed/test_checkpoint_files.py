@@ -1,4 +1,4 @@
-"""Partitions written on other disks end up on rank 0's (hybridsp.integrations.deepspeed.checkpoint_files).
+"""Partitions written on other disks end up on rank 0's (hybridsp.integrations.deepspeed._checkpoint_files).
 
 Separate disks are simulated by giving ranks different directories for the same tag; the bytes
 rank 0 ends up with must equal what each rank wrote.
@@ -20,7 +20,7 @@ def _write_and_collect(rank, world, base, layouts):
     folder and collect; returns what each collect reported."""
     from pathlib import Path
 
-    from hybridsp.integrations.deepspeed import checkpoint_files as checkpoint_collect
+    from hybridsp.integrations.deepspeed import _checkpoint_files as checkpoint_collect
 
     checkpoint_collect.CHUNK_BYTES = 1000  # several chunks per file
     reported = []

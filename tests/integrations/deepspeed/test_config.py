@@ -16,7 +16,7 @@ from hybridsp.integrations.deepspeed import (
     resolve_precision,
     scale_gradients,
 )
-from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
+from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape
 from tests.helpers.paths import ROOT
 
 SHIPPED = sorted((ROOT / "ds_configs").glob("*.json")) + sorted((ROOT / "ds_configs" / "trainer").glob("*.json"))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridsp.integrations.deepspeed.checkpoint import SavedMesh, plan_resume
-from hybridsp.mesh.hybrid_mesh import MeshShape
+from hybridsp.integrations.deepspeed._checkpoint import SavedMesh, plan_resume
+from hybridsp.mesh._hybrid_mesh import MeshShape
 from hybridsp.testing import run_distributed
 from tests.helpers.paths import ROOT
 

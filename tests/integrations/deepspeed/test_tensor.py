@@ -57,7 +57,7 @@ def _engine_errors(stage, section, extra, reference):
     from deepspeed.utils import safe_get_full_grad
 
     from hybridsp.integrations import deepspeed as hds
-    from hybridsp.tensor_parallel.model_split import tensor_plan
+    from hybridsp.tensor_parallel._model_split import tensor_plan
 
     steps, final = reference
     model = build("llama", num_key_value_heads=2)

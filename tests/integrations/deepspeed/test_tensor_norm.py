@@ -75,7 +75,7 @@ def _engine_errors(stage: int, section: dict, reference) -> dict[str, float]:
     import deepspeed
 
     from hybridsp.integrations import deepspeed as hds
-    from hybridsp.tensor_parallel.model_split import tensor_plan
+    from hybridsp.tensor_parallel._model_split import tensor_plan
 
     ref_norms, ref_change = reference
     model = _model()
@@ -134,7 +134,7 @@ def test_count_tensor_shards_in_norm_sets_the_zero_attributes_undoably_and_refus
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from hybridsp.integrations.deepspeed.tensor import count_tensor_shards_in_norm
+    from hybridsp.integrations.deepspeed._tensor import count_tensor_shards_in_norm
 
     def fake(kind, **attributes):
         """An instance of DeepSpeed's optimizer class ``kind`` holding only ``attributes``."""

@@ -60,7 +60,7 @@ def _round_trip(rank, world, directory):
 
     from hybridsp import gather_sequence, shard_batch, sharded_cross_entropy
     from hybridsp.integrations import deepspeed as hds
-    from hybridsp.integrations.transformers.checkpoint import export_hf, load_pretrained
+    from hybridsp.integrations.transformers._checkpoint import export_hf, load_pretrained
 
     torch.set_num_threads(1)
     directory = Path(directory)
@@ -103,7 +103,7 @@ def test_load_partitioned_train_export_round_trip(tmp_path):
 
 
 def test_config_precision_picks_the_load_dtype():
-    from hybridsp.integrations.transformers.checkpoint import config_dtype
+    from hybridsp.integrations.transformers._checkpoint import config_dtype
 
     assert config_dtype({"bf16": {"enabled": True}, "fp16": {"enabled": False}}) == torch.bfloat16
     assert config_dtype({"fp16": {"enabled": True}}) == torch.float16
@@ -112,7 +112,7 @@ def test_config_precision_picks_the_load_dtype():
 
 
 def _load_with_trainer_config(rank, world, directory):
-    from hybridsp.integrations.transformers.checkpoint import load_pretrained
+    from hybridsp.integrations.transformers._checkpoint import load_pretrained
 
     torch.set_num_threads(1)
     forbid_jit_builds(directory)

@@ -1,5 +1,5 @@
 """Long-context inference: prefill through the hybrid attention, decode against a K/V cache that stays
-sharded, and hybridsp.integrations.transformers.generation, against the unmodified Hugging Face model
+sharded, and hybridsp.integrations.transformers._generation, against the unmodified Hugging Face model
 (``model.generate`` and plain forwards in one process) and float64 attention math."""
 
 import math
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from hybridsp import gather_sequence, init_mesh
-from hybridsp.inference import ShardedKVCache, assign_new_tokens, decode_attention
+from hybridsp.inference import ShardedKVCache, assign_new_tokens
+from hybridsp.inference import _decode_attention as decode_attention
 from hybridsp.integrations import transformers as hf
-from hybridsp.integrations.transformers.generation import choose_next_tokens
+from hybridsp.integrations.transformers._generation import choose_next_tokens
 from tests.helpers.generation import build, launch, portable, prompt, reference_generate
 from tests.helpers.mesh import mesh_at
 
@@ -400,5 +401,5 @@ def test_the_switched_model_still_refuses_a_cache_outside_generate():
     model = build("llama")
     with hf.apply(model, mesh):
         out = model(input_ids=prompt(1, 8), position_ids=torch.arange(8)[None], use_cache=True)
-        with pytest.raises(ValueError, match=r"only supported through hybridsp.integrations.transformers.generation"):
+        with pytest.raises(ValueError, match=r"only supported through hybridsp.integrations.transformers._generation"):
             model(input_ids=prompt(1, 1), position_ids=torch.tensor([[8]]), cache=out.cache, use_cache=True)

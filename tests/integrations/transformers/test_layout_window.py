@@ -1,5 +1,5 @@
 """The window ``layout="balanced"`` places a switched model's tokens for (Note [layout window] in
-:mod:`hybridsp.integrations.transformers.switch`): read from the layers, the majority's, and the
+:mod:`hybridsp.integrations.transformers._switch`): read from the layers, the majority's, and the
 forward pre-hook refusing documents placed for another one (one process, a mesh without groups:
 the refusal comes before anything communicates)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridsp.integrations import transformers as hf
-from hybridsp.layout.documents import Documents
+from hybridsp.layout._documents import Documents
 from tests.helpers.mesh import mesh_at
 from tests.helpers.switched_models import build
 

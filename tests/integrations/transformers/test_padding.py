@@ -9,7 +9,7 @@ import torch
 
 from hybridsp import gather_sequence, init_mesh, shard_sequence
 from hybridsp.integrations import transformers as hf
-from hybridsp.integrations.transformers.padding import flattened_boundaries, padded_documents
+from hybridsp.integrations.transformers._padding import flattened_boundaries, padded_documents
 from hybridsp.testing import run_distributed
 from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import build

@@ -144,7 +144,7 @@ def _engine_config_check():
     from types import SimpleNamespace
 
     from hybridsp.integrations import deepspeed as hds
-    from hybridsp.integrations.transformers.trainer import engine_config
+    from hybridsp.integrations.transformers._trainer import engine_config
 
     raw = {"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": 4, "data_parallel_size": 2,
            "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5, "train_batch_size": 120,
@@ -160,7 +160,7 @@ def _replica_loaders():
     from accelerate.data_loader import prepare_data_loader
     from torch.utils.data import DataLoader
 
-    from hybridsp.integrations.transformers.trainer_data import shard_loader_over_replicas
+    from hybridsp.integrations.transformers._trainer_data import shard_loader_over_replicas
 
     world, context, seen = 4, 2, []
     for rank in range(world):
@@ -233,7 +233,7 @@ def test_importing_the_integration_stays_cheap():
     integration module loads neither accelerate nor the Trainer."""
     code = (
         "import sys, hybridsp.integrations.transformers as t; "
-        "assert 'accelerate' not in sys.modules and 'hybridsp.integrations.transformers.trainer' not in sys.modules; "
+        "assert 'accelerate' not in sys.modules and 'hybridsp.integrations.transformers._trainer' not in sys.modules; "
         "assert 'transformers.trainer' not in sys.modules; assert {'HybridSPTrainer', 'HybridSPMixin'} <= "
         "set(t.__all__)"
     )

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("trl", reason="TRL is optional: pip install -e '.[trl]' (the test extra installs it)")
 
-from hybridsp.integrations.deepspeed.config import HybridConfig  # noqa: E402
-from hybridsp.integrations.trl.generation import config_settings, generate_options  # noqa: E402
+from hybridsp.integrations.deepspeed._config import HybridConfig  # noqa: E402
+from hybridsp.integrations.trl._generation import config_settings, generate_options  # noqa: E402
 
 
 def test_the_section_takes_plain_or_sharded_generation():

@@ -28,7 +28,7 @@ def test_right_aligned_rows_keep_trls_completion_log_probs():
     rounding), on every real completion token; the labels score exactly the completion's real tokens."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from hybridsp.integrations.trl.rollouts import right_aligned
+    from hybridsp.integrations.trl._rollouts import right_aligned
     from tests.helpers.trainer_workers import tiny_llama
 
     model = tiny_llama()
@@ -50,7 +50,7 @@ def test_right_aligned_rows_keep_trls_completion_log_probs():
 
 
 def test_right_aligned_refuses_a_row_without_a_prompt_token():
-    from hybridsp.integrations.trl.rollouts import right_aligned
+    from hybridsp.integrations.trl._rollouts import right_aligned
 
     ids, mask = _trl_rows()
     mask[1, :7] = 0
@@ -67,7 +67,7 @@ def _construction_checks(rank, world_size):
 
     from hybridsp import init_mesh
     from hybridsp.integrations.trl import HybridGRPOTrainer
-    from hybridsp.integrations.trl.rollouts import ReplicaAccelerator
+    from hybridsp.integrations.trl._rollouts import ReplicaAccelerator
     from tests.helpers.trainer_workers import ds_config, tiny_llama
 
     mesh = init_mesh(ulysses=2, ring=1)

@@ -134,7 +134,7 @@ def _fused_call_checks(rank, world_size):
 
     from hybridsp import init_mesh
     from hybridsp.integrations.transformers import apply
-    from hybridsp.integrations.trl.logprobs import shard_fused_calls
+    from hybridsp.integrations.trl._logprobs import shard_fused_calls
     from tests.helpers.trainer_workers import tiny_llama
 
     model = tiny_llama()

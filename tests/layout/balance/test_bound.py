@@ -9,10 +9,10 @@ from itertools import combinations
 
 import pytest
 
-from hybridsp.formulas import zigzag_slot_runs
-from hybridsp.layout.balance.bound import kv_rows_lower_bound
-from hybridsp.layout.balance.tries import balanced_slot_runs
-from hybridsp.layout.balance.work import hull_rows, slot_work
+from hybridsp._formulas import zigzag_slot_runs
+from hybridsp.layout._balance.bound import kv_rows_lower_bound
+from hybridsp.layout._balance.tries import balanced_slot_runs
+from hybridsp.layout._balance.work import hull_rows, slot_work
 from tests.helpers.packs import lognormal_pack
 
 

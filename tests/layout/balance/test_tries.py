@@ -1,4 +1,4 @@
-"""hybridsp.layout.balance.tries: the document-balanced slot layout against brute-force token accounting.
+"""hybridsp.layout._balance.tries: the document-balanced slot layout against brute-force token accounting.
 
 References are independent of the module: every token's document and offset are listed one by
 one (no prefix formulas), the partition is checked token by token, and the packs are generated
@@ -14,12 +14,12 @@ import sys
 
 import pytest
 
-from hybridsp.formulas import zigzag_slot_runs
-from hybridsp.layout.balance import search as balance_search
-from hybridsp.layout.balance import tries as balance
-from hybridsp.layout.balance import work as balance_work
-from hybridsp.layout.balance.tries import balanced_slot_runs, design_slot_runs
-from hybridsp.layout.balance.work import slot_work
+from hybridsp._formulas import zigzag_slot_runs
+from hybridsp.layout._balance import search as balance_search
+from hybridsp.layout._balance import tries as balance
+from hybridsp.layout._balance import work as balance_work
+from hybridsp.layout._balance.tries import balanced_slot_runs, design_slot_runs
+from hybridsp.layout._balance.work import slot_work
 from tests.helpers.packs import lognormal_pack
 
 FILES = {module.__file__ for module in (balance, balance_search, balance_work)}  # the layout's code, traced
@@ -194,7 +194,7 @@ SHIPPED_VS_ZIGZAG = {2: 1.85, 4: 1.45, 8: 1.75}
 def test_kv_rows_shipped_against_zigzag(ring):
     """K/V rows the ring ships per forward, from build_plan's hulls (not timed), summed over packs:
     pinned against zigzag on the same packs; hull_rows (the tries' objective) equals the plan's."""
-    from hybridsp.layout.block_plan import build_plan
+    from hybridsp.layout._block_plan import build_plan
 
     shipped = {"balanced": 0, "zigzag": 0}
     for seed in range(12):
@@ -210,7 +210,7 @@ def test_kv_rows_shipped_against_zigzag(ring):
 
 
 def count_lines(fn, *args) -> int:
-    """Lines of hybridsp/layout/balance/tries.py executed by fn(*args) (a timing-free measure of its cost)."""
+    """Lines of hybridsp/layout/_balance/tries.py executed by fn(*args) (a timing-free measure of its cost)."""
     count = 0
 
     def local(frame, event, arg):

@@ -42,7 +42,7 @@ def test_four_ranks_equal_unsharded(kind, ulysses, ring):
 
 def test_split_mode_balances_and_local_mode_repeats_only_boundary_units():
     """The patches each rank encodes: split ~ total / C each; local >= total (boundary units twice)."""
-    from hybridsp.integrations.transformers.vision.batch import plan_vision
+    from hybridsp.integrations.transformers._vision.batch import plan_vision
     from tests.helpers.mesh import mesh_at
 
     model, batch = tiny_vlm(), mixed_batch()
@@ -69,7 +69,7 @@ def test_generate_qwen2_5_vl_on_four_ranks_equals_model_generate():
 
 
 def test_bad_batches_raise_clear_errors():
-    from hybridsp.integrations.transformers.vision.batch import shard_vlm_batch
+    from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
     from tests.helpers.mesh import mesh_at
 
     model, batch, mesh = tiny_vlm(), mixed_batch(), mesh_at(2, 1, 0)
@@ -109,8 +109,8 @@ def test_apply_switches_the_language_model_only_and_refuses_other_vision_models(
 
 
 def test_auto_splits_clustered_images_and_keeps_a_spread_video_local():
-    from hybridsp.batch import padded_length
-    from hybridsp.integrations.transformers.vision.batch import plan_vision
+    from hybridsp.data._batch import padded_length
+    from hybridsp.integrations.transformers._vision.batch import plan_vision
     from tests.helpers.mesh import mesh_at
     from tests.helpers.vlm_workers import collate, sample
 

@@ -1,0 +1,111 @@
+"""Lean RMSNorm: Llama's RMSNorm with its backward keeping the input and one scale per row only.
+
+Hugging Face's ``LlamaRMSNorm`` (and the families that copy it) computes
+
+    out = weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)        x: [..., h]
+
+as four autograd ops, and autograd keeps, besides the input x, the normalized rows
+``x * rsqrt(...)`` ([..., h] in fp32) for the weight's multiply: one activation of the hidden size
+per norm, two per decoder layer, and the backward's temporaries (pow, mul, div chains) add several
+more at the peak. Under activation checkpointing the peak of a step is one layer's recompute plus
+its backward, and these copies are a large share of it.
+
+:func:`apply_lean_norms` switches every such norm of a model to one autograd function that
+
+    forward   the same ops in the same order (bit-identical output), keeps x and ``rstd`` [..., 1]
+    backward  per tile of ``tile_tokens`` rows: rebuilds the normalized rows and returns
+              dx = rstd * (g - xhat * mean(g * xhat)),  g = grad * weight  (fp32)
+              dweight = sum over rows of grad * xhat.to(x.dtype)  (summed in fp32)
+
+so the norm adds no [..., h] activation of its own and its backward's temporaries are one tile's.
+Gradients equal autograd's up to fp32 rounding (the same formula, another association).
+
+Note [which norms]: only classes whose forward is exactly the formula above are switched
+(:data:`LLAMA_STYLE_NORMS`, by class name; each is checked against its own forward by
+tests/memory/test_lean_norm.py). Gemma's ``(1 + weight)`` norm, LayerNorm, and norms with other
+casts are left alone.
+
+Note [ZeRO-3]: the weight is read only inside the module's own call (forward, and the backward of
+its output), where DeepSpeed's module hooks have gathered it, exactly as for the original forward;
+the function returns the weight's gradient once, so DeepSpeed's gradient hook fires once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridsp.memory._forward_patch import ForwardPatch, patch_forwards
+
+LLAMA_STYLE_NORMS = frozenset({
+    "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm",
+    "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Phi3RMSNorm",
+})
+DEFAULT_TILE_TOKENS = 1024
+
+
+class _LeanRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, tile):
+        wide = x.to(torch.float32)
+        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        out = weight * (wide * rstd).to(x.dtype)  # [..., h]
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.tile = tile
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        width = x.shape[-1]
+        rows, grads, scales = x.reshape(-1, width), grad_out.reshape(-1, width), rstd.reshape(-1, 1)  # [T, h], [T, 1]
+        grad_x = torch.empty_like(rows) if ctx.needs_input_grad[0] else None  # [T, h]
+        grad_w = torch.zeros(width, dtype=torch.float32, device=x.device) if ctx.needs_input_grad[1] else None
+        for start in range(0, rows.shape[0], ctx.tile):
+            tile = slice(start, start + ctx.tile)
+            _tile_backward(rows[tile], grads[tile], scales[tile], weight, grad_x, grad_w, tile)
+        grad_x = None if grad_x is None else grad_x.reshape(x.shape)
+        grad_w = None if grad_w is None else grad_w.to(weight.dtype)
+        return grad_x, grad_w, None, None
+
+
+def _tile_backward(x, grad, rstd, weight, grad_x, grad_w, rows: slice) -> None:
+    """One tile's share: writes ``grad_x[rows]`` and adds into ``grad_w`` (x, grad: [t, h]; rstd [t, 1])."""
+    xhat = x.to(torch.float32) * rstd  # [t, h]
+    if grad_w is not None:
+        grad_w += (grad * xhat.to(x.dtype)).to(torch.float32).sum(0)
+    if grad_x is not None:
+        g = (grad * weight).to(torch.float32)  # [t, h]
+        grad_x[rows] = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int = DEFAULT_TILE_TOKENS):
+    """Llama's RMSNorm of ``x`` [..., h] with ``weight`` [h] (module docstring); [..., h]."""
+    return _LeanRMSNorm.apply(x, weight, eps, tile_tokens)
+
+
+LeanNormHandle = ForwardPatch  # what apply_lean_norms returns: ``undo()`` restores every norm
+
+
+def find_llama_style_norms(model: nn.Module) -> list[nn.Module]:
+    """Every module of a class in :data:`LLAMA_STYLE_NORMS` with a ``weight`` and ``variance_epsilon``."""
+    return [m for m in model.modules() if type(m).__name__ in LLAMA_STYLE_NORMS
+            and isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "variance_epsilon")]
+
+
+def apply_lean_norms(model: nn.Module, *, tile_tokens: int = DEFAULT_TILE_TOKENS) -> LeanNormHandle:
+    """Switch every Llama-style RMSNorm of ``model`` to :func:`lean_rms_norm`; returns the undo handle.
+
+    Raises:
+        ValueError when the model has no such norm (names in :data:`LLAMA_STYLE_NORMS`), one is
+        already switched, or ``tile_tokens < 1``.
+    """
+    return patch_forwards(find_llama_style_norms(model), lambda module: _bound_forward(module, tile_tokens),
+                          tile_tokens, model=model, what=f"Llama-style RMSNorm (one of {sorted(LLAMA_STYLE_NORMS)})")
+
+
+def _bound_forward(module: nn.Module, tile: int):
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        return lean_rms_norm(hidden_states, module.weight, module.variance_epsilon, tile)
+
+    return forward

@@ -1,0 +1,256 @@
+"""What the planner is given: a model's shapes, a cluster, a workload, and one mesh choice.
+
+Every spec is a frozen dataclass validated in ``__post_init__``; a bad number raises
+ValueError quoting it. Presets for common accelerators, links and models live at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from hybridsp.planner._techniques import Techniques
+
+GIB = 2**30
+TIB = 2**40
+
+
+def _require_positive_ints(spec, *names: str) -> None:
+    for name in names:
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{type(spec).__name__}.{name} must be a positive integer; got {value!r}")
+
+
+def _require_positive_numbers(spec, *names: str) -> None:
+    for name in names:
+        value = getattr(spec, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{type(spec).__name__}.{name} must be a positive number; got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Llama-family decoder: GQA attention, SwiGLU MLP, RMSNorm, untied LM head by default."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    vocab_size: int
+    tied_embeddings: bool = False
+    name: str = "custom"
+    v_head_dim: int | None = None  # v's head dim when it differs from q/k's (MLA); None: head_dim
+
+    def __post_init__(self):
+        _require_positive_ints(
+            self, "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size", "num_layers",
+            "vocab_size",
+        )
+        if self.v_head_dim is not None:
+            _require_positive_ints(self, "v_head_dim")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"query heads ({self.num_heads}) must be a multiple of K/V heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def value_head_dim(self) -> int:
+        """v's (and the attention output's) head dim: ``v_head_dim``, else ``head_dim``."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """q and o projections (h x H*D each) plus k and v (h x Hkv*D each); no biases."""
+        h, d = self.hidden_size, self.head_dim
+        return 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d
+
+    @property
+    def mlp_params_per_layer(self) -> int:
+        """gate, up and down projections: 3 x h x I."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer: attention + MLP + two RMSNorm weights."""
+        return self.attention_params_per_layer + self.mlp_params_per_layer + 2 * self.hidden_size
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def total_params(self) -> int:
+        """Everything ZeRO stores: layers, final norm, embedding and (untied) LM head."""
+        head = 0 if self.tied_embeddings else self.embedding_params
+        return self.num_layers * self.layer_params + self.hidden_size + self.embedding_params + head
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token: the layers' projections and the LM head."""
+        per_layer = self.attention_params_per_layer + self.mlp_params_per_layer
+        return self.num_layers * per_layer + self.embedding_params
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Identical nodes of identical accelerators.
+
+    Bandwidths are bytes/s per accelerator per direction: ``intra_bw`` inside a node (NVLink,
+    PCIe), ``inter_bw`` from one accelerator to another node (its share of the NICs).
+    ``efficiency`` is the fraction of ``peak_flops`` the kernels achieve; ``reserved_bytes``
+    is memory the model never gets (CUDA context, NCCL buffers, allocator fragmentation).
+    Offload: ``host_memory_bytes`` per node (shared by its accelerators; 2 TiB by default, a
+    DGX H100's), ``host_bw`` bytes/s per accelerator per direction over PCIe, and
+    ``host_adam_params_per_s``: parameters per second a node's CPUs update with Adam
+    (DeepSpeed's CPU Adam; 1e9 is an assumption, measure your nodes).
+    """
+
+    nodes: int
+    gpus_per_node: int
+    intra_bw: float
+    inter_bw: float
+    peak_flops: float
+    memory_bytes: float
+    efficiency: float = 0.5
+    reserved_bytes: float = 4 * GIB
+    name: str = "custom"
+    host_memory_bytes: float = 2 * TIB
+    host_bw: float = 50e9
+    host_adam_params_per_s: float = 1e9
+
+    def __post_init__(self):
+        _require_positive_ints(self, "nodes", "gpus_per_node")
+        _require_positive_numbers(self, "intra_bw", "inter_bw", "peak_flops", "memory_bytes", "efficiency",
+                                  "host_memory_bytes", "host_bw", "host_adam_params_per_s")
+        if self.efficiency > 1:
+            raise ValueError(f"efficiency is a fraction of peak in (0, 1]; got {self.efficiency}")
+        if not 0 <= self.reserved_bytes < self.memory_bytes:
+            raise ValueError(
+                f"reserved memory ({self.reserved_bytes / GIB:.1f} GiB) must be >= 0 and less than the "
+                f"accelerator's {self.memory_bytes / GIB:.1f} GiB"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.memory_bytes - self.reserved_bytes
+
+    @property
+    def achieved_flops(self) -> float:
+        return self.peak_flops * self.efficiency
+
+    @property
+    def host_bytes_per_gpu(self) -> float:
+        """Each accelerator's share of its node's host memory (what offload may fill)."""
+        return self.host_memory_bytes / self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training (or forward-only) step: ``micro_batch`` sequences of ``seq_len`` tokens per replica.
+
+    ``dtype_bytes`` is the element size of activations, q/k/v and their gradients (2 for bf16).
+    ``chunked_loss``: the loss never materialises the full logits (kept for compatibility: the
+    same as ``techniques.fused_loss``). ``techniques``: fused loss, tiled MLP, offload
+    (:class:`hybridsp.planner._techniques.Techniques`). ``attention_work``: the attention FLOPs as a
+    fraction of one unpacked sequence's (packed documents attend only within themselves:
+    :func:`hybridsp.planner._packing.attention_work_fraction`; 1 for one document per row).
+    """
+
+    seq_len: int
+    micro_batch: int = 1
+    forward_only: bool = False
+    causal: bool = True
+    dtype_bytes: int = 2
+    chunked_loss: bool = False
+    techniques: Techniques = field(default_factory=Techniques)
+    attention_work: float = 1.0
+
+    def __post_init__(self):
+        _require_positive_ints(self, "seq_len", "micro_batch", "dtype_bytes")
+        if not 0 < self.attention_work <= 1:
+            raise ValueError(f"Workload.attention_work is a fraction in (0, 1]; got {self.attention_work}")
+        if not isinstance(self.techniques, Techniques):
+            raise ValueError(f"Workload.techniques must be a Techniques; got {self.techniques!r}")
+
+    @property
+    def fused_loss(self) -> bool:
+        return self.chunked_loss or self.techniques.fused_loss
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """One candidate: ``world = dp * ulysses * ring``, a ZeRO stage, activation checkpointing on/off."""
+
+    dp: int
+    ulysses: int
+    ring: int
+    zero_stage: int = 0
+    checkpointing: bool = False
+
+    def __post_init__(self):
+        _require_positive_ints(self, "dp", "ulysses", "ring")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {self.zero_stage!r}")
+
+    @property
+    def context(self) -> int:
+        return self.ulysses * self.ring
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.context
+
+    def label(self) -> str:
+        ckpt = " ckpt" if self.checkpointing else ""
+        return f"DP={self.dp} U={self.ulysses} R={self.ring} ZeRO-{self.zero_stage}{ckpt}"
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    """Dense bf16 peak, memory, and per-direction link bandwidths of one accelerator model."""
+
+    peak_flops: float
+    memory_bytes: float
+    nvlink_bw: float
+    pcie_bw: float
+
+
+GPUS = {
+    "a100": GpuPreset(312e12, 80 * GIB, nvlink_bw=300e9, pcie_bw=32e9),  # NVLink 3, PCIe gen4
+    "h100": GpuPreset(989e12, 80 * GIB, nvlink_bw=450e9, pcie_bw=64e9),  # SXM, NVLink 4, PCIe gen5
+    "h200": GpuPreset(989e12, 141 * GIB, nvlink_bw=450e9, pcie_bw=64e9),
+}
+INTER_LINKS = {"ib": 50e9, "ethernet": 12.5e9}  # 400 Gb/s NDR per GPU; 100 GbE per GPU
+INTRA_LINKS = ("nvlink", "pcie")
+
+MODELS = {
+    "llama3-8b": ModelSpec(32, 8, 128, 4096, 14336, 32, 128256, name="llama3-8b"),
+    "llama3-70b": ModelSpec(64, 8, 128, 8192, 28672, 80, 128256, name="llama3-70b"),
+    "llama3-405b": ModelSpec(128, 8, 128, 16384, 53248, 126, 128256, name="llama3-405b"),
+    "llama2-7b": ModelSpec(32, 32, 128, 4096, 11008, 32, 32000, name="llama2-7b"),
+    "qwen2.5-7b": ModelSpec(28, 4, 128, 3584, 18944, 28, 152064, name="qwen2.5-7b"),
+}
+
+
+def preset_cluster(
+    gpu: str, nodes: int, gpus_per_node: int, intra: str = "nvlink", inter: str = "ib", **overrides
+) -> ClusterSpec:
+    """A :class:`ClusterSpec` from preset names; keyword ``overrides`` replace any field."""
+    for value, known, what in ((gpu, GPUS, "gpu"), (intra, INTRA_LINKS, "intra-node link"),
+                               (inter, INTER_LINKS, "inter-node link")):
+        if value not in known:
+            raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(known)}")
+    preset = GPUS[gpu]
+    cluster = ClusterSpec(
+        nodes=nodes, gpus_per_node=gpus_per_node,
+        intra_bw=preset.nvlink_bw if intra == "nvlink" else preset.pcie_bw,
+        inter_bw=INTER_LINKS[inter], peak_flops=preset.peak_flops, memory_bytes=preset.memory_bytes,
+        name=f"{nodes}x{gpus_per_node} {gpu} {intra}/{inter}", host_bw=preset.pcie_bw,
+    )
+    return replace(cluster, **overrides) if overrides else cluster
