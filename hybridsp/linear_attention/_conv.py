@@ -4,7 +4,7 @@ Each output sees the ``K`` inputs ending at its token; at a run's start the ``K 
 belong to another run, usually on another ring slot. Every slot all-gathers its runs' last
 ``K - 1`` inputs (the halo; :func:`~hybridsp.linear_attention._gather.gather_ring`, whose backward brings
 the halo's gradients home), and each output sums its taps from ``[own tokens, gathered tails,
-zero]`` (:func:`~hybridsp.linear_attention._plan.conv_taps`): inputs before the token's document start read
+zero]`` (:func:`~hybridsp.linear_attention._segments.conv_taps`): inputs before the token's document start read
 the zero, so packed documents reset the window exactly as the unmodified layer run per document.
 """
 

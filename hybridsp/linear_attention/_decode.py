@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridsp.linear_attention._plan import run_of
+from hybridsp.linear_attention._segments import run_of
 from hybridsp.linear_attention._slots import SlotCall
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 

@@ -8,7 +8,7 @@ delta rule, ``S -> a S + E`` for Mamba-2) is split over the ring exactly in thre
    size does not depend on the run's length (:meth:`Recurrence.transitions`);
 2. one all-gather of the pairs over the ring (:func:`~hybridsp.linear_attention._gather.gather_ring`), and
    every rank combines them in natural token order
-   (:func:`~hybridsp.linear_attention._plan.chain_initial_states`, Note [natural order] there);
+   (:func:`~hybridsp.linear_attention._segments.chain_initial_states`, Note [natural order] there);
 3. each rank reruns its segments from their true initial states (:meth:`Recurrence.outputs`).
 
 Backward is autograd through these steps: the all-gather's adjoint sends each rank the
@@ -26,7 +26,7 @@ import torch
 
 from hybridsp._comm import CommCounter
 from hybridsp.linear_attention._gather import gather_ring
-from hybridsp.linear_attention._plan import chain_initial_states
+from hybridsp.linear_attention._segments import chain_initial_states
 from hybridsp.linear_attention._slots import SlotCall
 
 

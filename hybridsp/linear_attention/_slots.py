@@ -1,5 +1,5 @@
 """Which plan each batch row of a recurrent layer's call follows: rows with the same document
-boundaries share one :class:`~hybridsp.linear_attention._plan.RowPlan` (every row alike when nothing is
+boundaries share one :class:`~hybridsp.linear_attention._segments.SegmentChain` (every row alike when nothing is
 packed), kept in the batch's :class:`~hybridsp.layout._documents.Documents` memo so every layer of a
 forward reuses it."""
 
@@ -11,7 +11,7 @@ import torch
 
 from hybridsp.attention._resolve import placement_layout
 from hybridsp.layout._documents import Documents, as_documents
-from hybridsp.linear_attention._plan import RowPlan, conv_taps, row_plan, tail_index
+from hybridsp.linear_attention._segments import SegmentChain, conv_taps, row_plan, tail_index
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 
@@ -21,14 +21,14 @@ class RowGroup:
 
     rows: tuple[int, ...]
     bounds: tuple[int, ...]
-    plan: RowPlan
+    plan: SegmentChain
 
     def taps(self, slot: int, kernel: int) -> torch.Tensor:
-        """:func:`~hybridsp.linear_attention._plan.conv_taps` of ``slot`` (memoised on the group)."""
+        """:func:`~hybridsp.linear_attention._segments.conv_taps` of ``slot`` (memoised on the group)."""
         return _memo(self, ("taps", slot, kernel), lambda: conv_taps(self.plan, slot, kernel, self.bounds))
 
     def tails(self, slot: int, halo: int) -> torch.Tensor:
-        """:func:`~hybridsp.linear_attention._plan.tail_index` of ``slot`` (memoised on the group)."""
+        """:func:`~hybridsp.linear_attention._segments.tail_index` of ``slot`` (memoised on the group)."""
         return _memo(self, ("tails", slot, halo), lambda: tail_index(self.plan, slot, halo))
 
 

@@ -23,7 +23,7 @@ Note [ZeRO-3]: through a module call (``causal_lm_loss``) DeepSpeed's own hooks 
 directly on a partitioned weight, the weight is gathered once for the call
 (``deepspeed.zero.GatheredParameters``, one all-gather for all chunks) and partitioned again
 when it returns; its gradient, made in the forward, lands in backward on the parameter's own
-``AccumulateGrad`` node (:func:`hybridsp.integrations.deepspeed._zero_grad.land_full_gradient` gives the partitioned
+``AccumulateGrad`` node (:func:`hybridsp.memory._sharded_params.land_full_gradient` gives the partitioned
 parameter its full shape for that moment, no second all-gather), so DeepSpeed's gradient hook
 reduce-scatters it exactly once, summed with a tied embedding's gradient by autograd as for
 any shared parameter.
@@ -48,10 +48,9 @@ from __future__ import annotations
 import torch
 
 from hybridsp._formulas import default_chunk_size
-from hybridsp.integrations.deepspeed._zero_gather import gathered
-from hybridsp.integrations.deepspeed._zero_grad import land_full_gradient
 from hybridsp.losses._cross_entropy import IGNORE_INDEX
 from hybridsp.losses._token_tail import guard_labels, token_weighted_share
+from hybridsp.memory._sharded_params import gathered, land_full_gradient
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 

@@ -13,7 +13,7 @@ so at most one tile's intermediates exist at a time. Gradients are exact (the sa
 row; weight gradients are sums over rows in any order).
 
 Note [ZeRO-3]: the MLP's weights are gathered once per layer per pass (once in forward, once in
-backward: :func:`hybridsp.integrations.deepspeed._zero_gather.gathered`, i.e. ``deepspeed.zero.GatheredParameters``),
+backward: :func:`hybridsp.memory._sharded_params.gathered`, i.e. ``deepspeed.zero.GatheredParameters``),
 never per tile, and the autograd function returns each weight's gradient once, summed over the
 tiles, so DeepSpeed's gradient hook (reduce-scatter) fires once per weight per backward. The
 number of tiles therefore never reaches a collective: ranks with different local lengths
@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hybridsp.integrations.deepspeed._zero_gather import gathered
 from hybridsp.memory._forward_patch import ForwardPatch, patch_forwards
+from hybridsp.memory._sharded_params import gathered
 
 _PARTS = ("gate_proj", "up_proj", "down_proj")
 

@@ -68,7 +68,7 @@ Step time and ranking
 from hybridsp.planner._ablation import AblationRow, ablation, format_ablation
 from hybridsp.planner._costs import CommVolume, Flops, comm_volume, flops_per_rank
 from hybridsp.planner._memory import MemoryUse, memory_use
-from hybridsp.planner._plans import Plan, evaluate, mesh_problems
+from hybridsp.planner._candidates import CandidatePlan, evaluate, mesh_problems
 from hybridsp.planner._search import (
     LongestContext,
     PlanResult,
@@ -94,7 +94,7 @@ from hybridsp.planner._timing import Timing, Topology, mesh_topology, step_timin
 __all__ = [
     "ABLATION_ORDER", "AblationRow", "Techniques", "ablation", "format_ablation",
     "GPUS", "INTER_LINKS", "MODELS", "ClusterSpec", "CommVolume", "Flops", "LongestContext", "MemoryUse",
-    "MeshConfig", "ModelSpec", "Plan", "PlanResult", "SearchSpace", "Timing", "Topology", "Workload",
+    "MeshConfig", "ModelSpec", "CandidatePlan", "PlanResult", "SearchSpace", "Timing", "Topology", "Workload",
     "comm_volume", "evaluate", "flops_per_rank", "longest_context", "memory_use", "mesh_problems",
     "mesh_topology", "plan", "plan_degrees", "preset_cluster", "recommend", "step_timing",
 ]

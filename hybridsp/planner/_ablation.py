@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from hybridsp.planner import _search as search
-from hybridsp.planner._plans import Plan, format_seconds
+from hybridsp.planner._candidates import CandidatePlan, format_seconds
 from hybridsp.planner._search import LongestContext, PlanResult, SearchSpace, longest_context
 from hybridsp.planner._specs import GIB, ClusterSpec, ModelSpec, Workload
 from hybridsp.planner._techniques import ABLATION_ORDER, Techniques
@@ -32,7 +32,7 @@ class AblationRow:
     longest: LongestContext
 
     @property
-    def plan(self) -> Plan | None:
+    def plan(self) -> CandidatePlan | None:
         return self.longest.result.recommended if self.longest.result else None
 
     def to_dict(self) -> dict:
@@ -71,7 +71,7 @@ def ablation(
     return rows
 
 
-def _mesh(plan: Plan | None) -> str:
+def _mesh(plan: CandidatePlan | None) -> str:
     return "-" if plan is None else f"{plan.config.dp} x {plan.config.ulysses} x {plan.config.ring}"
 
 
@@ -106,7 +106,7 @@ def format_ablation(rows: list[AblationRow], model: ModelSpec, cluster: ClusterS
     return "\n".join(lines)
 
 
-def _describe(plan: Plan) -> str:
+def _describe(plan: CandidatePlan) -> str:
     c = plan.config
     return f"DP={c.dp} x U={c.ulysses} x R={c.ring}, ZeRO-{c.zero_stage}, ckpt {'on' if c.checkpointing else 'off'}"
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 from hybridsp.planner import _clusters as clusters
 from hybridsp.planner._ablation import ablation, format_ablation, recommendation_lines
 from hybridsp.planner._packing import attention_work_fraction, packing_summary
-from hybridsp.planner._plans import Plan, format_seconds
+from hybridsp.planner._candidates import CandidatePlan, format_seconds
 from hybridsp.planner._search import PlanResult, SearchSpace, longest_context, plan
 from hybridsp.planner._specs import (
     GIB,
@@ -246,7 +246,7 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
     return SearchSpace(stages, checkpointing, args.dp, args.ulysses, args.ring, args.order)
 
 
-def _why(plan: Plan) -> str:
+def _why(plan: CandidatePlan) -> str:
     """The table's short reason: what keeps this plan from being faster or from fitting."""
     if not plan.fits:
         return f"needs {plan.memory.total / GIB:.1f} GiB"
@@ -261,7 +261,7 @@ def _why(plan: Plan) -> str:
     return ", ".join(parts)
 
 
-def _row(index: int, plan: Plan, best: Plan | None) -> str:
+def _row(index: int, plan: CandidatePlan, best: CandidatePlan | None) -> str:
     c, t = plan.config, plan.timing
     mark = "*" if plan is best else " "
     ratio = f"x{plan.seconds_per_sequence / best.seconds_per_sequence:.3f}" if best else "-"

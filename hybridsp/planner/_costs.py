@@ -2,7 +2,7 @@
 
 All functions are pure and exact in integers; the formulas are stated in
 :mod:`hybridsp.planner` (module docstring). Callers validate the mesh first
-(:func:`hybridsp.planner._plans.mesh_problems`): the sequence must split evenly, U must
+(:func:`hybridsp.planner._candidates.mesh_problems`): the sequence must split evenly, U must
 divide the query heads.
 """
 
@@ -154,7 +154,7 @@ def comm_volume(model: ModelSpec, workload: Workload, config: MeshConfig) -> Com
 
 def resolved_kv_mode(workload: Workload) -> str:
     """The workload's K/V mode; ``"auto"`` counts as ``"ring"`` here (the leaner one) until
-    :func:`hybridsp.planner._plans.evaluate` compares both."""
+    :func:`hybridsp.planner._candidates.evaluate` compares both."""
     mode = workload.techniques.kv_mode
     return "ring" if mode == "auto" else mode
 

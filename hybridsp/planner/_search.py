@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from hybridsp._formulas import heads_divisible
 from hybridsp.mesh._auto_degrees import check_launch, divisors, largest_inside_node, ulysses_candidates
 from hybridsp.planner._memory import memory_use
-from hybridsp.planner._plans import LAYOUT, Plan, evaluate, mesh_problems
+from hybridsp.planner._candidates import LAYOUT, CandidatePlan, evaluate, mesh_problems
 from hybridsp.planner._specs import ClusterSpec, MeshConfig, ModelSpec, Workload
 from hybridsp.planner._techniques import Techniques
 from hybridsp.planner._timing import mesh_topology
@@ -66,7 +66,7 @@ def _configs(workload: Workload, space: SearchSpace, dp: int, u: int, r: int) ->
     return [MeshConfig(dp, u, r, stage, ckpt) for stage in stages for ckpt in checkpointing]
 
 
-def evaluate_all(model: ModelSpec, workload: Workload, cluster: ClusterSpec, space: SearchSpace) -> list[Plan]:
+def evaluate_all(model: ModelSpec, workload: Workload, cluster: ClusterSpec, space: SearchSpace) -> list[CandidatePlan]:
     """Every candidate of ``space``; an invalid mesh appears once (its first stage) with its problems."""
     plans = []
     for dp, u, r in degree_triples(cluster.world_size):
@@ -81,7 +81,7 @@ def evaluate_all(model: ModelSpec, workload: Workload, cluster: ClusterSpec, spa
     return plans
 
 
-def _preference(plan: Plan, headroom: float = 0.0) -> tuple:
+def _preference(plan: CandidatePlan, headroom: float = 0.0) -> tuple:
     """Among equally fast plans: Ulysses inside a node, larger U, ``headroom`` of memory left
     free, then the faster, then lower ZeRO stage and no recompute."""
     cramped = plan.memory.total > (1 - headroom) * plan.usable_bytes
@@ -89,7 +89,7 @@ def _preference(plan: Plan, headroom: float = 0.0) -> tuple:
             plan.config.zero_stage, plan.config.checkpointing)
 
 
-def recommend(plans: list[Plan], tie_tolerance: float = 0.02, headroom: float = 0.10) -> Plan | None:
+def recommend(plans: list[CandidatePlan], tie_tolerance: float = 0.02, headroom: float = 0.10) -> CandidatePlan | None:
     """The fastest plan that fits (per sequence); ties within ``tie_tolerance`` go to :func:`_preference`."""
     fitting = [plan for plan in plans if plan.fits]
     if not fitting:
@@ -107,9 +107,9 @@ class PlanResult:
     model: ModelSpec
     cluster: ClusterSpec
     workload: Workload
-    recommended: Plan | None
-    ranked: tuple[Plan, ...]
-    rejected: tuple[Plan, ...] = field(default=())
+    recommended: CandidatePlan | None
+    ranked: tuple[CandidatePlan, ...]
+    rejected: tuple[CandidatePlan, ...] = field(default=())
 
     def to_dict(self) -> dict:
         return {
@@ -120,7 +120,7 @@ class PlanResult:
         }
 
 
-def _ranked(plans: list[Plan], recommended: Plan | None) -> tuple[Plan, ...]:
+def _ranked(plans: list[CandidatePlan], recommended: CandidatePlan | None) -> tuple[CandidatePlan, ...]:
     """The recommendation, the other fitting plans by speed, then the rest by memory needed."""
     fitting = sorted((p for p in plans if p.fits and p is not recommended), key=_preference_by_speed)
     too_big = sorted((p for p in plans if p.valid and not p.fits),
@@ -128,7 +128,7 @@ def _ranked(plans: list[Plan], recommended: Plan | None) -> tuple[Plan, ...]:
     return (*([recommended] if recommended else []), *fitting, *too_big)
 
 
-def _preference_by_speed(plan: Plan) -> tuple:
+def _preference_by_speed(plan: CandidatePlan) -> tuple:
     return (plan.seconds_per_sequence, _preference(plan))
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from hybridsp.tensor_parallel._plan import TensorPlan, split_parameter
+from hybridsp.tensor_parallel._cut_rule import TensorSplit, split_parameter
 from hybridsp.tensor_parallel._width_norm import WidthShardedRMSNorm, is_plain_rms_norm
 
 STANDARD = ("q_proj", "k_proj", "v_proj")
@@ -39,7 +39,7 @@ def _head_dim(attention: nn.Module, config) -> int:
         config.hidden_size // config.num_attention_heads)
 
 
-def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Callable[[str, TensorPlan, object], None]:
+def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Callable[[str, TensorSplit, object], None]:
     """Check that ``attention`` can be split ``tensor`` ways (ValueError naming the part and the numbers) and
     return the function that splits it: ``split(prefix, plan, group)``; ``o_proj`` is left to the caller
     (row-parallel)."""
@@ -59,7 +59,7 @@ def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Cal
     per_head, over_width = _check_head_norms(attention, config, where)
     _refuse_unknown(attention, (*column, "o_proj", "sinks", *shared, *per_head, *over_width), where)
 
-    def split(prefix: str, plan: TensorPlan, group) -> None:
+    def split(prefix: str, plan: TensorSplit, group) -> None:
         for name, blocks in column.items():
             _split_linear_rows(getattr(attention, name), f"{prefix}.{name}", plan, blocks)
         for name in over_width:
@@ -122,7 +122,7 @@ def _refuse_unknown(attention: nn.Module, known: tuple[str, ...], where: str) ->
                              f"(tensor_parallel knows {', '.join(known)})")
 
 
-def _split_linear_rows(linear: nn.Linear, name: str, plan: TensorPlan, blocks: tuple[int, ...] | None) -> None:
+def _split_linear_rows(linear: nn.Linear, name: str, plan: TensorSplit, blocks: tuple[int, ...] | None) -> None:
     """Keep this rank's output rows of ``linear`` (weight [out/T, in], bias [out/T]) in place."""
     split_parameter(linear, "weight", f"{name}.weight", plan, 0, blocks)
     if linear.bias is not None:

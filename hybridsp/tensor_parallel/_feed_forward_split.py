@@ -36,7 +36,7 @@ from collections.abc import Callable
 from torch import nn
 
 from hybridsp.tensor_parallel._layers import reduce_from_tensor, scatter_tokens
-from hybridsp.tensor_parallel._plan import TensorPlan, split_parameter
+from hybridsp.tensor_parallel._cut_rule import TensorSplit, split_parameter
 
 SHARED_MODULES = ("gate", "router", "shared_expert_gate")  # replicated inside a mixture-of-experts block
 
@@ -66,7 +66,7 @@ def _check_width(width: int, tensor: int, what: str) -> None:
                          f"that divides {width}")
 
 
-def plan_dense(mlp: nn.Module, tensor: int, where: str) -> Callable[[str, TensorPlan], None]:
+def plan_dense(mlp: nn.Module, tensor: int, where: str) -> Callable[[str, TensorSplit], None]:
     """Check a dense MLP and return ``split(prefix, plan)``, which splits its column linears; ``down_proj`` is
     left to the caller (row-parallel)."""
     parts = dense_parts(mlp)
@@ -77,7 +77,7 @@ def plan_dense(mlp: nn.Module, tensor: int, where: str) -> Callable[[str, Tensor
     _check_width(width, tensor, f"{where}'s intermediate width (down_proj in_features)")
     _refuse_unknown(mlp, (*columns, "down_proj"), where)
 
-    def split(prefix: str, plan: TensorPlan) -> None:
+    def split(prefix: str, plan: TensorSplit) -> None:
         for name, blocks in columns.items():
             linear = getattr(mlp, name)
             split_parameter(linear, "weight", f"{prefix}.{name}.weight", plan, 0, blocks)  # [out/T, h]
@@ -102,7 +102,7 @@ def _expert_axes(experts: nn.Module) -> tuple[int, int, int]:
     return experts.down_proj.shape[down_axis], 2 if transposed else 1, down_axis
 
 
-def plan_experts(block: nn.Module, tensor: int, where: str) -> Callable[[str, TensorPlan, object], None]:
+def plan_experts(block: nn.Module, tensor: int, where: str) -> Callable[[str, TensorSplit, object], None]:
     """Check a mixture-of-experts block and return ``split(prefix, plan, group)``: experts and shared experts
     split, the output reduction and the once-only down bias hooked."""
     experts = block.experts
@@ -123,7 +123,7 @@ def plan_experts(block: nn.Module, tensor: int, where: str) -> Callable[[str, Te
     _refuse_unknown(block, known, where)
     _refuse_unknown(experts, ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"), f"{where}.experts")
 
-    def split(prefix: str, plan: TensorPlan, group) -> None:
+    def split(prefix: str, plan: TensorSplit, group) -> None:
         names = {"gate_up_proj": (gate_up_axis, blocks), "gate_up_proj_bias": (1, blocks),
                  "down_proj": (down_axis, None)}
         for attr, (axis, cut) in names.items():

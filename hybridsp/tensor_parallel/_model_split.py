@@ -61,10 +61,10 @@ from hybridsp.tensor_parallel._layers import (
     split_tokens,
     sum_grad_over_tensor,
 )
-from hybridsp.tensor_parallel._plan import PLAN_ATTR, TensorPlan, split_parameter, tensor_plan
+from hybridsp.tensor_parallel._cut_rule import PLAN_ATTR, TensorSplit, split_parameter, tensor_plan
 from hybridsp.tensor_parallel._sharded_loading import load_sharded_safetensors
 
-__all__ = ["TensorPlan", "check_tensor_parallel", "load_sharded_safetensors", "tensor_parallel", "tensor_plan"]
+__all__ = ["TensorSplit", "check_tensor_parallel", "load_sharded_safetensors", "tensor_parallel", "tensor_plan"]
 
 COLUMN, ROW = 0, 1  # the dimension of a weight that is split
 
@@ -89,14 +89,14 @@ def _blocks(layer: nn.Module, where: str) -> tuple[str, nn.Module, str, nn.Modul
     return (*attention[0], *forward[0])
 
 
-def _plan_layer(layer: nn.Module, config, tensor: int, where: str) -> Callable[[str, TensorPlan, object], None]:
+def _plan_layer(layer: nn.Module, config, tensor: int, where: str) -> Callable[[str, TensorSplit, object], None]:
     """Check one decoder layer; return ``shard(prefix, plan, group)``, which splits it and installs its hooks."""
     attn_name, attention, ff_name, forward = _blocks(layer, where)
     split_attention = plan_attention(attention, config, tensor, f"{where}.{attn_name}")
     moe = is_mixture_of_experts(forward)
     split_forward = (plan_experts if moe else plan_dense)(forward, tensor, f"{where}.{ff_name}")
 
-    def shard(prefix: str, plan: TensorPlan, group) -> None:
+    def shard(prefix: str, plan: TensorSplit, group) -> None:
         sp = plan.sequence_parallel
         split_attention(f"{prefix}.{attn_name}", plan, group)
         attention.o_proj = _split_row(attention.o_proj, f"{prefix}.{attn_name}.o_proj", plan, group)
@@ -127,7 +127,7 @@ def check_tensor_parallel(model: nn.Module, mesh: HybridMesh) -> list[Callable]:
     return [_plan_layer(layer, config, tensor, f"layer {index}") for index, layer in enumerate(_layers(model))]
 
 
-def _split_row(linear: nn.Linear, name: str, plan: TensorPlan, group) -> RowParallelLinear:
+def _split_row(linear: nn.Linear, name: str, plan: TensorSplit, group) -> RowParallelLinear:
     """A :class:`RowParallelLinear` holding input columns ``[rank/T, (rank+1)/T)`` of ``linear``."""
     split_parameter(linear, "weight", f"{name}.weight", plan, 1)  # [out, in/T]
     return RowParallelLinear(linear.weight, linear.bias, group, plan.sequence_parallel)
@@ -145,7 +145,7 @@ def _enter_hook(group, sequence_parallel: bool):
     return hook
 
 
-def _partial_grad_params(block: nn.Module, prefix: str, plan: TensorPlan) -> list[nn.Parameter]:
+def _partial_grad_params(block: nn.Module, prefix: str, plan: TensorSplit) -> list[nn.Parameter]:
     """The replicated parameters of a block whose gradient each tensor rank only holds a part of (Note
     [replicated parameters in the tensor region]): every unsplit one, but a row-parallel bias without SP."""
     whole = set() if plan.sequence_parallel else {id(m.bias) for m in block.modules()
@@ -177,7 +177,7 @@ def _gather_after(group):
     return hook
 
 
-def _sequence_parallel_ends(model: nn.Module, plan: TensorPlan, group) -> None:
+def _sequence_parallel_ends(model: nn.Module, plan: TensorSplit, group) -> None:
     """Split the hidden states [B, S, h] -> [B, S/T, h] before layer 0; gather them after the final norm."""
     base = getattr(model, "model", model)
     plan.handles.append(_layers(model)[0].register_forward_pre_hook(_split_first_layer_input(group, plan.tensor),
@@ -204,7 +204,7 @@ def tensor_parallel(model: nn.Module, mesh: HybridMesh, *, sequence_parallel: bo
     if mesh.tensor == 1:
         return model
     shards = check_tensor_parallel(model, mesh)
-    plan = TensorPlan(mesh.tensor, mesh.tensor_rank, sequence_parallel)
+    plan = TensorSplit(mesh.tensor, mesh.tensor_rank, sequence_parallel)
     base_prefix = "model." if hasattr(model, "model") else ""
     for index, shard in enumerate(shards):
         shard(f"{base_prefix}layers.{index}", plan, mesh.tensor_group)

@@ -2,7 +2,7 @@
 
 The model is built on ``meta`` and split by :func:`~hybridsp.tensor_parallel._model_split.tensor_parallel`; each
 tensor is read through ``safe_open(...).get_slice``, so a rank reads only its rows, columns or expert axis
-(every fused block's part, :func:`hybridsp.tensor_parallel._plan.take_shard`). Replicated tensors are read whole.
+(every fused block's part, :func:`hybridsp.tensor_parallel._cut_rule.take_shard`). Replicated tensors are read whole.
 
 Checkpoints keep mixture-of-experts weights per expert (``experts.{e}.gate_proj.weight [I, h]``, ``up_proj``,
 ``down_proj [h, I]``: how transformers saves Qwen3-MoE and DeepSeek-V3 and how their hub checkpoints are) while
@@ -20,7 +20,7 @@ import os
 import torch
 from torch import nn
 
-from hybridsp.tensor_parallel._plan import TensorPlan, tensor_plan
+from hybridsp.tensor_parallel._cut_rule import TensorSplit, tensor_plan
 
 FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
@@ -62,7 +62,7 @@ def load_sharded_safetensors(model: nn.Module, directory: str | os.PathLike, *, 
     return model
 
 
-def _range(size: int, plan: TensorPlan | None) -> slice:
+def _range(size: int, plan: TensorSplit | None) -> slice:
     """This rank's ``1/T`` of ``size`` (all of it unsplit)."""
     if plan is None:
         return slice(0, size)
@@ -70,7 +70,7 @@ def _range(size: int, plan: TensorPlan | None) -> slice:
     return slice(plan.rank * step, (plan.rank + 1) * step)
 
 
-def _read_shard(piece, name: str, plan: TensorPlan | None) -> torch.Tensor:
+def _read_shard(piece, name: str, plan: TensorSplit | None) -> torch.Tensor:
     """This rank's part of a safetensors slice (all of it when ``name`` is not split): the rows (or columns,
     or expert axis) of every fused block along the split dim."""
     if plan is None or name not in plan.split_dims:
@@ -93,7 +93,7 @@ def _has_expert_parts(index: dict, name: str) -> bool:
     return all(_expert_key(name, 0, p) in index for p in projections)
 
 
-def _fused_from_experts(model: nn.Module, index: dict, name: str, plan: TensorPlan | None) -> torch.Tensor:
+def _fused_from_experts(model: nn.Module, index: dict, name: str, plan: TensorSplit | None) -> torch.Tensor:
     """The fused ``gate_up_proj`` [E, 2I/T, h] (or [E, h, 2I/T]) or ``down_proj`` [E, h, I/T] (or [E, I/T, h]) of
     this rank, stacked from the checkpoint's per-expert ``gate_proj``/``up_proj`` [I, h] and ``down_proj`` [h, I]."""
     experts = model.get_submodule(name.rsplit(".", 1)[0])

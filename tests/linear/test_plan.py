@@ -1,4 +1,4 @@
-"""The sequence-order plan of a slot's runs (hybridsp.linear_attention._plan) on the host, against brute force: natural
+"""The sequence-order plan of a slot's runs (hybridsp.linear_attention._segments) on the host, against brute force: natural
 order, segments cut at document starts, and every convolution tap of every slot (from the slot, a gathered
 halo or zero) equal to a depthwise causal conv run per document on the whole row."""
 
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridsp.layout._layouts import get_layout
-from hybridsp.linear_attention._plan import conv_taps, row_plan, tail_index
+from hybridsp.linear_attention._segments import conv_taps, row_plan, tail_index
 
 CASES = [  # (layout, ring, seq_len, bounds)
     ("zigzag", 2, 120, (0, 120)),

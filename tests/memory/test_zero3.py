@@ -10,7 +10,7 @@ through ``hybridsp.integrations.deepspeed.initialize``:
 - ``fused_cross_entropy`` called directly on the decoder's output and the *partitioned*
   ``lm_head`` weight (``model.lm_head.weight``, NOT_AVAILABLE at the call; untied and tied): it
   gathers the weight once for the call and its gradient reaches ZeRO-3's reduction once
-  (``hybridsp.integrations.deepspeed._zero_grad``), so the training steps equal the reference's; under no_grad it
+  (``hybridsp.integrations.deepspeed._zero``), so the training steps equal the reference's; under no_grad it
   gives the logits path's loss.
 
 Loss, every reduced gradient (as ZeRO-3 holds it) at each step and the final parameters must

@@ -41,7 +41,7 @@ def varied(model):
 
 
 def assemble(pieces: list[torch.Tensor], dim: int, blocks) -> torch.Tensor:
-    """The full tensor from the T ranks' shards (inverse of :func:`hybridsp.tensor_parallel._plan.take_shard`)."""
+    """The full tensor from the T ranks' shards (inverse of :func:`hybridsp.tensor_parallel._cut_rule.take_shard`)."""
     if blocks is None:
         return torch.cat(pieces, dim=dim)
     per_rank = [piece.split([b // len(pieces) for b in blocks], dim=dim) for piece in pieces]

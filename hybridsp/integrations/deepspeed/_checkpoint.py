@@ -57,7 +57,7 @@ class SavedMesh:
 
 
 @dataclass(frozen=True)
-class ResumePlan:
+class ResumeSource:
     """Where and how to load: ``engine.load_checkpoint(load_dir, tag=load_tag)``."""
 
     load_dir: Path
@@ -129,7 +129,7 @@ def read_saved_mesh(tag_dir: Path) -> SavedMesh | None:
     return SavedMesh(**json.loads(path.read_text())) if path.is_file() else None
 
 
-def plan_resume(load_dir: str | Path, shape: MeshShape, zero_stage: int, tag: str | None = None) -> ResumePlan:
+def plan_resume(load_dir: str | Path, shape: MeshShape, zero_stage: int, tag: str | None = None) -> ResumeSource:
     """Decide how to resume ``load_dir`` (tag: its ``latest``) on ``shape``; no communication.
 
     Raises FileNotFoundError when there is no checkpoint, ValueError (one sentence saying what
@@ -142,7 +142,7 @@ def plan_resume(load_dir: str | Path, shape: MeshShape, zero_stage: int, tag: st
     saved = read_saved_mesh(load_dir / tag)
     current = SavedMesh.of(shape, zero_stage)
     if saved is None or saved == current:
-        return ResumePlan(load_dir, tag, universal=False, saved=saved)
+        return ResumeSource(load_dir, tag, universal=False, saved=saved)
     if saved.zero_stage != current.zero_stage:
         raise ValueError(
             f"checkpoint {load_dir / tag} was written with ZeRO-{saved.zero_stage} and this run uses "
@@ -154,11 +154,11 @@ def plan_resume(load_dir: str | Path, shape: MeshShape, zero_stage: int, tag: st
             f"DeepSpeed cannot convert to another world; resume it on {saved.world_size} ranks"
         )
     if saved.world_size == current.world_size:  # ZeRO partitions over all DP x C ranks: the same partitions
-        return ResumePlan(load_dir, tag, universal=False, saved=saved)
-    return ResumePlan(load_dir, tag, universal=True, saved=saved)
+        return ResumeSource(load_dir, tag, universal=False, saved=saved)
+    return ResumeSource(load_dir, tag, universal=True, saved=saved)
 
 
-def convert_to_universal(plan: ResumePlan) -> None:
+def convert_to_universal(plan: ResumeSource) -> None:
     """Rank 0 runs DeepSpeed's converter once (skipped when done before); all ranks wait (a collective)."""
     target = plan.load_dir / plan.load_tag
     if dist.get_rank() == 0 and not (target / "zero").is_dir():

@@ -18,7 +18,7 @@ PLAN_ATTR = "_hybridsp_tensor"  # the attribute of a split model that holds its 
 
 
 @dataclass
-class TensorPlan:
+class TensorSplit:
     """Which parameter is split along which dim (``split_dims``), fused block sizes where not one block
     (``split_blocks``), and the hooks installed (``handles``)."""
 
@@ -45,7 +45,7 @@ def take_shard(full: torch.Tensor, dim: int, blocks: tuple[int, ...] | None, ten
     return torch.cat(pieces, dim=dim)
 
 
-def split_parameter(module: nn.Module, attr: str, name: str, plan: TensorPlan, dim: int,
+def split_parameter(module: nn.Module, attr: str, name: str, plan: TensorSplit, dim: int,
                     blocks: tuple[int, ...] | None = None) -> None:
     """Replace ``module.<attr>`` by this rank's shard (a new parameter, ``requires_grad`` kept) and record it
     in ``plan`` under the full name ``name``."""
@@ -58,7 +58,7 @@ def split_parameter(module: nn.Module, attr: str, name: str, plan: TensorPlan, d
         plan.split_blocks[name] = tuple(blocks)
 
 
-def tensor_plan(model: nn.Module) -> TensorPlan | None:
-    """The :class:`TensorPlan` of a model :func:`~hybridsp.tensor_parallel._model_split.tensor_parallel` changed,
+def tensor_plan(model: nn.Module) -> TensorSplit | None:
+    """The :class:`TensorSplit` of a model :func:`~hybridsp.tensor_parallel._model_split.tensor_parallel` changed,
     else None."""
     return getattr(model, PLAN_ATTR, None)

@@ -49,7 +49,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class RowPlan:
+class SegmentChain:
     """The plan of one row (one set of document boundaries) over every ring slot.
 
     runs: per slot, its ``(global start, length)`` runs in slot order. segments: per slot, its
@@ -68,8 +68,8 @@ class RowPlan:
     max_runs: int
 
 
-def row_plan(layout: TokenLayout, seq_len: int, ring: int, bounds: tuple[int, ...]) -> RowPlan:
-    """The :class:`RowPlan` of one row with document boundaries ``bounds`` ``(0, ..., S)``."""
+def row_plan(layout: TokenLayout, seq_len: int, ring: int, bounds: tuple[int, ...]) -> SegmentChain:
+    """The :class:`SegmentChain` of one row with document boundaries ``bounds`` ``(0, ..., S)``."""
     slots = layout.slot_runs(seq_len, ring, tuple(bounds))
     doc_starts = sorted(set(bounds[:-1]))
     segments, tails, restarts, starts = [], [], [], []
@@ -90,7 +90,7 @@ def row_plan(layout: TokenLayout, seq_len: int, ring: int, bounds: tuple[int, ..
         starts.append(tuple(slot_starts))
     order = tuple(sorted(((s, j) for s, runs in enumerate(slots) for j in range(len(runs))),
                          key=lambda sj: slots[sj[0]][sj[1]][0]))
-    return RowPlan(tuple(slots), tuple(segments), tuple(tails), tuple(restarts), tuple(starts), order,
+    return SegmentChain(tuple(slots), tuple(segments), tuple(tails), tuple(restarts), tuple(starts), order,
                    max(len(runs) for runs in slots))
 
 
@@ -107,7 +107,7 @@ def _is_doc_start(doc_starts: list[int], position: int) -> bool:
     return index < len(doc_starts) and doc_starts[index] == position
 
 
-def chain_initial_states(plan: RowPlan, pairs, apply, external) -> dict:
+def chain_initial_states(plan: SegmentChain, pairs, apply, external) -> dict:
     """Every run's true initial state, combined in natural order (Note [natural order]).
 
     ``pairs[slot][run]`` is the run tail's transition pair: the state after the run is
@@ -125,7 +125,7 @@ def chain_initial_states(plan: RowPlan, pairs, apply, external) -> dict:
     return states
 
 
-def run_of(plan: RowPlan, position: int) -> tuple[int, int, int]:
+def run_of(plan: SegmentChain, position: int) -> tuple[int, int, int]:
     """(slot, run, end) of the run holding global ``position``."""
     for slot, runs in enumerate(plan.runs):
         for index, (start, length) in enumerate(runs):
@@ -134,7 +134,7 @@ def run_of(plan: RowPlan, position: int) -> tuple[int, int, int]:
     raise ValueError(f"position {position} is in no run")
 
 
-def tail_index(plan: RowPlan, slot: int, halo: int) -> torch.Tensor:
+def tail_index(plan: SegmentChain, slot: int, halo: int) -> torch.Tensor:
     """Indices into ``[slot tokens..., zero]`` of each run's last ``halo`` tokens, right-aligned,
     padded to ``max_runs`` runs: int64 [max_runs * halo] (the zero index where a run is short)."""
     runs = plan.runs[slot]
@@ -148,7 +148,7 @@ def tail_index(plan: RowPlan, slot: int, halo: int) -> torch.Tensor:
     return index.reshape(-1)  # [max_runs * (K-1)]
 
 
-def conv_taps(plan: RowPlan, slot: int, kernel: int, doc_bounds: tuple[int, ...]) -> torch.Tensor:
+def conv_taps(plan: SegmentChain, slot: int, kernel: int, doc_bounds: tuple[int, ...]) -> torch.Tensor:
     """Where each of the ``kernel`` convolution inputs of every token of ``slot`` lives, int64
     [L, kernel], indexing ``ext = [slot tokens (L), gathered tails (R * max_runs * (K-1)), zero]``:
     tap ``i`` of token ``t`` is the input at global position ``pos(t) - (K-1) + i``; zero before

@@ -44,7 +44,7 @@ def mesh_problems(model: ModelSpec, workload: Workload, cluster: ClusterSpec, co
 
 
 @dataclass(frozen=True)
-class Plan:
+class CandidatePlan:
     """A candidate mesh with its costs (``None`` when the mesh is invalid) and its reasons."""
 
     config: MeshConfig
@@ -190,7 +190,7 @@ def _notes(model: ModelSpec, config: MeshConfig, topology: Topology, timing: Tim
 def evaluate(
     model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig,
     topology: Topology | None = None, order: str = "ulysses_inner",
-) -> Plan:
+) -> CandidatePlan:
     """Validate ``config`` and, when valid, compute its FLOPs, bytes, memory, timing and notes.
 
     ``kv_mode="auto"`` evaluates the ring and the all-gather transport and keeps the faster
@@ -203,11 +203,11 @@ def evaluate(
     base = dict(config=config, usable_bytes=cluster.usable_bytes, micro_batch=workload.micro_batch,
                 seq_len=workload.seq_len, host_usable_bytes=cluster.host_bytes_per_gpu)
     if problems:
-        return Plan(problems=problems, **base)
+        return CandidatePlan(problems=problems, **base)
     topology = topology or mesh_topology(config, cluster.gpus_per_node, order)
     flops = flops_per_rank(model, workload, config)
     memory = memory_use(model, workload, config)
     timing = step_timing(model, workload, config, topology, cluster, flops)
     notes = _notes(model, config, topology, timing, memory, cluster.usable_bytes, cluster.host_bytes_per_gpu)
-    return Plan(problems=(), flops=flops, comm=comm_volume(model, workload, config), memory=memory,
+    return CandidatePlan(problems=(), flops=flops, comm=comm_volume(model, workload, config), memory=memory,
                 timing=timing, topology=topology, notes=notes, **base)
