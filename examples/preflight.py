@@ -271,9 +271,9 @@ def exit_once(error: Exception) -> None:
 
 def report_placement(mesh, save_dir: Path) -> None:
     """Where the ranks run (a collective): rank 0 prints one line (hosts, ranks, groups) and writes
-    ``<save_dir>/placement.json``; see :mod:`hybridsp.launch._placement`. Runs before the first step, so a
+    ``<save_dir>/placement.json``; see :mod:`hybridsp.mesh._placement`. Runs before the first step, so a
     Ulysses group that crosses hosts shows before a long run, not after it."""
-    from hybridsp.launch._placement import gather_placement
+    from hybridsp.mesh._placement import gather_placement
 
     placement = gather_placement(mesh)
     if mesh.rank == 0:

@@ -269,7 +269,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
 
     from tqdm import tqdm
 
-    from hybridsp.integrations.deepspeed import _checkpoint as ckpt
+    from hybridsp.integrations import deepspeed as ckpt
     from hybridsp.integrations.deepspeed import init_distributed, initialize
 
     _single_process_environment()

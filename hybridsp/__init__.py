@@ -1,24 +1,50 @@
-"""hybridsp: hybrid Ulysses x ring sequence-parallel attention for long-context training."""
+"""hybridsp: hybrid Ulysses x ring sequence-parallel attention for long-context training.
+
+The names most programs need are here; each package's face has the rest (docs/api.md lists
+the whole public surface):
+
+- :mod:`hybridsp.attention`: ``hybrid_attn_func``, ``HybridAttention``, ``ring_attention``,
+  ``shard_sequence`` / ``gather_sequence``, ``CallSpec``
+- :mod:`hybridsp.mesh`: ``init_mesh``, ``HybridMesh``; :mod:`hybridsp.launch`: the process group
+- :mod:`hybridsp.data`: ``shard_batch``, ``ShardedDataLoader``, ``replica_sampler``
+- :mod:`hybridsp.losses`, :mod:`hybridsp.memory`, :mod:`hybridsp.layout`, :mod:`hybridsp.kernels`,
+  :mod:`hybridsp.inference`, :mod:`hybridsp.tensor_parallel`, :mod:`hybridsp.planner`
+- :mod:`hybridsp.integrations`: DeepSpeed, transformers, TRL (none imported here)
+
+Modules whose names start with ``_`` are private: they may change without notice.
+"""
 
 from hybridsp._comm import CommCounter
-from hybridsp.attention._api import HybridAttention, gather_sequence, hybrid_attn_func, shard_sequence
-from hybridsp.attention._ring import ring_attention
-from hybridsp.data._batch import ShardedDataLoader, shard_batch
-from hybridsp.losses._cross_entropy import sharded_cross_entropy
-from hybridsp.losses._fused import fused_cross_entropy
-from hybridsp.losses._router import real_token_mask, sharded_load_balancing_loss
-from hybridsp.memory._lean_norm import apply_lean_norms
-from hybridsp.memory._offload import ActivationOffload, offload_activations
-from hybridsp.memory._tiled_mlp import apply_tiled_mlp
-from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape, init_mesh
+from hybridsp._version import __version__
+from hybridsp.attention import (
+    CallSpec,
+    HybridAttention,
+    gather_sequence,
+    hybrid_attn_func,
+    ring_attention,
+    shard_sequence,
+)
+from hybridsp.data import ShardedDataLoader, replica_sampler, shard_batch
+from hybridsp.layout import Documents
+from hybridsp.losses import (
+    fused_cross_entropy,
+    real_token_mask,
+    sharded_cross_entropy,
+    sharded_load_balancing_loss,
+)
+from hybridsp.memory import ActivationOffload, apply_lean_norms, apply_tiled_mlp, offload_activations
+from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 
 __all__ = [
     "ActivationOffload",
+    "CallSpec",
     "CommCounter",
+    "Documents",
     "HybridAttention",
     "HybridMesh",
     "MeshShape",
     "ShardedDataLoader",
+    "__version__",
     "apply_lean_norms",
     "apply_tiled_mlp",
     "fused_cross_entropy",
@@ -27,6 +53,7 @@ __all__ = [
     "init_mesh",
     "offload_activations",
     "real_token_mask",
+    "replica_sampler",
     "ring_attention",
     "shard_batch",
     "shard_sequence",

@@ -8,8 +8,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from hybridsp import ShardedDataLoader, init_mesh, shard_batch
-from hybridsp.data._batch import padded_length, prepare_batch, replica_sampler
+from hybridsp.data._batch import prepare_batch, replica_sampler
 from hybridsp.layout._layouts import join_shards
+from hybridsp.mesh._hybrid_mesh import padded_length
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
 

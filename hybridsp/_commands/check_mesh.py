@@ -8,7 +8,7 @@ Run it with the launcher and the degrees of the real job, e.g.
 
 Every rank initialises the process group (gloo on CPU, NCCL on GPUs; the gloo interface as in
 hybridsp.launch._gloo_interface), builds the mesh and reports its host; rank 0 prints what the launcher said
-(hybridsp.launch._launcher), one placement line (hybridsp.launch._placement) and the time of one all-reduce
+(hybridsp.launch._launcher), one placement line (hybridsp.mesh._placement) and the time of one all-reduce
 over a Ulysses group and over a ring group. Exit status 1 when a Ulysses group crosses hosts.
 """
 
@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridsp.launch._gloo_interface import choose_gloo_interface
     from hybridsp.launch._launcher import read_launch_env
-    from hybridsp.launch._placement import gather_placement
     from hybridsp.mesh._hybrid_mesh import init_mesh
+    from hybridsp.mesh._placement import gather_placement
 
     if "WORLD_SIZE" not in os.environ:
         print("check-mesh: error: run it under the job's launcher (torchrun, deepspeed, srun), not alone",

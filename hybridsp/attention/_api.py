@@ -18,6 +18,7 @@ from hybridsp._comm import CommCounter
 from hybridsp.attention._compiled import compiled_attention
 from hybridsp.attention._resolve import check_causal, check_kv_comm, check_softcap, placement_layout, resolve_ring_call
 from hybridsp.attention._ring import run_ring
+from hybridsp.attention._spec import CallSpec
 from hybridsp.attention._ulysses import expand_kv_heads_for, heads_of_rank, heads_to_seq, seq_to_heads
 from hybridsp.kernels import AttentionKernel
 from hybridsp.layout._block_plan import check_sliding_window
@@ -110,14 +111,11 @@ def hybrid_attn_func(
         return compiled_attention(q, k, v, mesh=mesh, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window,
                                   softmax_scale=softmax_scale, backend=backend, counter=counter, kv_comm=kv_comm,
                                   sinks=sinks, softcap=softcap)
-    kv_comm = mesh.kv_comm if kv_comm is None else kv_comm
-    call = resolve_ring_call(
-        q, k, v, mesh.ring_group if mesh.ring > 1 else None, ring=mesh.ring, ulysses=mesh.ulysses, causal=causal,
-        cu_seqlens=cu_seqlens, sliding_window=sliding_window, softmax_scale=softmax_scale, backend=backend,
-        layout=placement_layout(mesh, cu_seqlens), counter=mesh.comm_counter if counter is None else counter, kv_comm=kv_comm,
-        kv_chunks=mesh.kv_chunks, agreement_group=mesh.context_group if mesh.context > 1 else None,
-        sinks=sinks, softcap=softcap,
-    )
+    spec = CallSpec.on_mesh(mesh, kv_comm=kv_comm, counter=counter, causal=causal, cu_seqlens=cu_seqlens,
+                            sliding_window=sliding_window, softmax_scale=softmax_scale, backend=backend, softcap=softcap)
+    call = resolve_ring_call(q, k, v, spec, group=mesh.ring_group if mesh.ring > 1 else None, ring=mesh.ring,
+                             ulysses=mesh.ulysses, agreement_group=mesh.context_group if mesh.context > 1 else None,
+                             sinks=sinks)
     if mesh.ulysses == 1:
         return run_ring(q, k, v, call, sinks)  # [B, S/C, H, Dv]
     heads = q.shape[2]

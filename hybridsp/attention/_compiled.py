@@ -37,12 +37,12 @@ from hybridsp.attention._resolve import (
     check_causal,
     check_softcap,
     check_softmax_scale,
-    placement_layout,
     replay_ring_call,
     resolve_ring_call,
 )
 from hybridsp.attention._ring_function import ring_backward, ring_forward
 from hybridsp.attention._sinks import sink_grad
+from hybridsp.attention._spec import CallSpec
 from hybridsp.attention._ulysses import (
     expand_kv_heads_for,
     heads_of_rank,
@@ -100,12 +100,10 @@ def _as_cu_seqlens(bounds):
     return None if not bounds else bounds[0] if len(bounds) == 1 else list(bounds)
 
 
-def _ring_args(mesh: HybridMesh, bounds, causal, window, scale, backend, kv_comm, softcap) -> dict:
-    """The keyword arguments :func:`resolve_ring_call` and :func:`replay_ring_call` share."""
-    cu_seqlens = _as_cu_seqlens(bounds)
-    return dict(ring=mesh.ring, causal=causal, cu_seqlens=cu_seqlens, sliding_window=window, softmax_scale=scale,
-                backend=backend, layout=placement_layout(mesh, cu_seqlens), counter=mesh.comm_counter,
-                kv_comm=kv_comm, kv_chunks=mesh.kv_chunks, softcap=softcap)
+def _spec(mesh: HybridMesh, bounds, causal, window, scale, backend, kv_comm, softcap) -> CallSpec:
+    """The :class:`CallSpec` :func:`resolve_ring_call` and :func:`replay_ring_call` share."""
+    return CallSpec.on_mesh(mesh, kv_comm=kv_comm, causal=causal, cu_seqlens=_as_cu_seqlens(bounds), sliding_window=window,
+                            softmax_scale=scale, backend=backend, softcap=softcap)
 
 
 def _ring_group(mesh: HybridMesh):
@@ -115,9 +113,9 @@ def _ring_group(mesh: HybridMesh):
 def _forward(q, k, v, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, *settings) -> list[torch.Tensor]:
     """[out, lse] without Ulysses, [out, lse, out_slot, *q/k/v buffers] with (Note [compiled call])."""
     mesh = mesh_ref.value
-    args = _ring_args(mesh, bounds, *settings)
-    call = resolve_ring_call(q, k, v, _ring_group(mesh), ulysses=mesh.ulysses, sinks=sinks,
-                             agreement_group=mesh.context_group if mesh.context > 1 else None, **args)
+    call = resolve_ring_call(q, k, v, _spec(mesh, bounds, *settings), group=_ring_group(mesh), ring=mesh.ring,
+                             ulysses=mesh.ulysses, sinks=sinks,
+                             agreement_group=mesh.context_group if mesh.context > 1 else None)
     acc = accumulation_dtype(q.dtype)
     if mesh.ulysses == 1:
         out, lse = ring_forward(q, k, v, sinks, call)
@@ -161,16 +159,16 @@ def _backward(dout, saved, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, kv_
               *settings) -> list[torch.Tensor]:
     """[dq, dk, dv] (+ [dsinks [H]]) from the forward's saved tensors (Note [compiled call])."""
     mesh = mesh_ref.value
-    args = _ring_args(mesh, bounds, *settings)
+    spec = _spec(mesh, bounds, *settings)
     if mesh.ulysses == 1:
         q, k, v, out, lse = saved
-        call = replay_ring_call(q, v, _ring_group(mesh), **args)
+        call = replay_ring_call(q, v, spec, group=_ring_group(mesh), ring=mesh.ring)
         grads = [g.contiguous() for g in ring_backward(dout, q, k, v, out, lse, call)]
         return grads + ([] if sinks is None else [sink_grad(dout, out, lse, sinks)])
     out_slot, lse, *buffers = saved
     u, heads = mesh.ulysses, out_slot.shape[2] * mesh.ulysses
     q_slot, k_slot, v_slot = _slot_views(buffers, heads, expanded_kv_heads(heads, kv_heads, u), u)
-    call = replay_ring_call(q_slot, v_slot, _ring_group(mesh), **args)
+    call = replay_ring_call(q_slot, v_slot, spec, group=_ring_group(mesh), ring=mesh.ring)
     (dout_slot,) = split_heads(seq_to_heads_buffers([dout], mesh.ulysses_group, call.counter)[0], [heads // u])
     slot_grads = ring_backward(dout_slot, q_slot, k_slot, v_slot, out_slot, lse, call)
     dq, dk, dv = heads_to_seq_plain(slot_grads, mesh.ulysses_group, call.counter)  # [B, L, H(kv'), D(v)]

@@ -16,43 +16,50 @@ piece keys are counted from ``offset`` in the block's own coordinates (``Piece.s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hybridsp.attention._merge import merge_into
 from hybridsp.attention._stacked import gather_lse, gather_rows, scatter_lse, stacks_and_singles
 from hybridsp.attention._varlen import backward_block, forward_block
 from hybridsp.kernels._base import softcap_kwargs
 
+if TYPE_CHECKING:
+    from hybridsp.attention._resolve import RingCall
+    from hybridsp.attention._transport.base import Block
 
-def _piece_forward(kernel, q, k, v, piece, scale, softcap):
+
+def _piece_forward(call: RingCall, q, k, v, piece):
     """(out, lse) of one plan piece; q/k/v already cut to the piece."""
+    kernel, capped = call.kernel, softcap_kwargs(call.softcap)
     if piece.kind == "band":
-        return kernel.forward_band(q, k, v, band=piece.band, softmax_scale=scale, **softcap_kwargs(softcap))
-    return kernel.forward(q, k, v, causal=piece.kind == "causal", softmax_scale=scale, **softcap_kwargs(softcap))
+        return kernel.forward_band(q, k, v, band=piece.band, softmax_scale=call.scale, **capped)
+    return kernel.forward(q, k, v, causal=piece.kind == "causal", softmax_scale=call.scale, **capped)
 
 
-def _piece_backward(kernel, dout, q, k, v, out, lse, piece, scale, softcap):
+def _piece_backward(call: RingCall, dout, q, k, v, out, lse, piece):
     """(dq, dk, dv) of one plan piece given the final out/lse cut to its rows."""
-    capped = softcap_kwargs(softcap)
+    kernel, capped = call.kernel, softcap_kwargs(call.softcap)
     if piece.kind == "band":
-        return kernel.backward_band(dout, q, k, v, out, lse, band=piece.band, softmax_scale=scale, **capped)
-    return kernel.backward(dout, q, k, v, out, lse, causal=piece.kind == "causal", softmax_scale=scale, **capped)
+        return kernel.backward_band(dout, q, k, v, out, lse, band=piece.band, softmax_scale=call.scale, **capped)
+    return kernel.backward(dout, q, k, v, out, lse, causal=piece.kind == "causal", softmax_scale=call.scale, **capped)
 
 
-def forward_pieces(kernel, q, k_rows, v_rows, pieces, offset: int, scale: float, out_acc, lse_acc, plan=None,
-                   softcap: float | None = None) -> None:
+def forward_pieces(call: RingCall, q, block: Block, out_acc, lse_acc) -> None:
     """Attend q's piece rows to the block's piece keys; merge into out_acc [B, S, H, Dv] / lse_acc [B, H, S].
-    ``plan``: the plan that owns ``pieces`` (varlen index tables are kept on it); ``softcap``: the
-    kernel's soft-capping (:mod:`hybridsp.kernels._base`), None for none."""
+    The call gives the kernel, the scale, the soft-capping and the plan that owns the block's pieces
+    (varlen index tables are kept on it)."""
+    pieces, offset, k_rows, v_rows, plan = block.pieces, block.offset, block.k, block.v, call.plan
     if not pieces:
         return
-    if kernel.supports_varlen:
-        forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc, plan, softcap)
+    if call.kernel.supports_varlen:
+        forward_block(call, q, block, out_acc, lse_acc)
         return
     stacks, singles = stacks_and_singles(pieces, offset, q.shape[0], q.device, plan)
     for stack in stacks:  # many small pieces of one shape: one call (hybridsp.attention._stacked)
         block_out, block_lse = _piece_forward(
-            kernel, gather_rows(q, stack.q_batch, stack.q_seq, stack.size),
+            call, gather_rows(q, stack.q_batch, stack.q_seq, stack.size),
             gather_rows(k_rows, stack.k_batch, stack.k_seq, stack.size),
-            gather_rows(v_rows, stack.k_batch, stack.k_seq, stack.size), stack.like, scale, softcap,
+            gather_rows(v_rows, stack.k_batch, stack.k_seq, stack.size), stack.like,
         )  # [G, n, H, Dv], [G, H, n]
         out_rows, lse_rows = gather_rows(out_acc, stack.q_batch, stack.q_seq, stack.size), gather_lse(lse_acc, stack)
         merge_into(out_rows, lse_rows, block_out, block_lse)
@@ -60,29 +67,27 @@ def forward_pieces(kernel, q, k_rows, v_rows, pieces, offset: int, scale: float,
         scatter_lse(lse_acc, stack, lse_rows)
     for piece in singles:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
-        block_out, block_lse = _piece_forward(kernel, q[b, rows], k_rows[b, keys], v_rows[b, keys], piece, scale,
-                                              softcap)
+        block_out, block_lse = _piece_forward(call, q[b, rows], k_rows[b, keys], v_rows[b, keys], piece)
         merge_into(out_acc[b, rows], lse_acc[b, :, rows], block_out, block_lse)
 
 
-def backward_pieces(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset: int, scale: float,
-                    dq_acc, dk_acc, dv_acc, plan=None, softcap: float | None = None) -> None:
-    """Add the pieces' gradients: dq into dq_acc [B, S, H, D], dk/dv into dk_acc [B, rows, Hkv, D] /
-    dv_acc [B, rows, Hkv, Dv] (accumulators in the accumulation dtype; the block's keys counted from ``offset``)."""
+def backward_pieces(call: RingCall, dout, q, out, lse, block: Block, dq_acc, dk_acc, dv_acc) -> None:
+    """Add the block's pieces' gradients: dq into dq_acc [B, S, H, D], dk/dv into dk_acc [B, rows, Hkv, D] /
+    dv_acc [B, rows, Hkv, Dv] (accumulators in the accumulation dtype; the block's keys counted from its offset)."""
+    pieces, offset, k_rows, v_rows, plan = block.pieces, block.offset, block.k, block.v, call.plan
     if not pieces:
         return
-    if kernel.supports_varlen:
-        backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk_acc, dv_acc, plan,
-                       softcap)
+    if call.kernel.supports_varlen:
+        backward_block(call, dout, q, out, lse, block, dq_acc, dk_acc, dv_acc)
         return
     stacks, singles = stacks_and_singles(pieces, offset, q.shape[0], q.device, plan)
     for stack in stacks:
         q_rows = (stack.q_batch, stack.q_seq)
         k_keys = (stack.k_batch, stack.k_seq)
         dq, dk, dv = _piece_backward(
-            kernel, *(gather_rows(t, *q_rows, stack.size) for t in (dout, q)),
+            call, *(gather_rows(t, *q_rows, stack.size) for t in (dout, q)),
             *(gather_rows(t, *k_keys, stack.size) for t in (k_rows, v_rows)),
-            gather_rows(out, *q_rows, stack.size), gather_lse(lse, stack), stack.like, scale, softcap,
+            gather_rows(out, *q_rows, stack.size), gather_lse(lse, stack), stack.like,
         )  # [G, n, H, D], [G, m, Hkv, D], [G, m, Hkv, Dv]
         dq_acc.index_put_(q_rows, dq.flatten(0, 1).to(dq_acc.dtype), accumulate=True)
         dk_acc.index_put_(k_keys, dk.flatten(0, 1).to(dk_acc.dtype), accumulate=True)
@@ -90,8 +95,7 @@ def backward_pieces(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset: i
     for piece in singles:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
         dq, dk, dv = _piece_backward(
-            kernel, dout[b, rows], q[b, rows], k_rows[b, keys], v_rows[b, keys], out[b, rows], lse[b, :, rows],
-            piece, scale, softcap,
+            call, dout[b, rows], q[b, rows], k_rows[b, keys], v_rows[b, keys], out[b, rows], lse[b, :, rows], piece,
         )
         dq_acc[b, rows] += dq
         dk_acc[b, keys] += dk

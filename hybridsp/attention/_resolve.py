@@ -27,8 +27,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from hybridsp._checks import check_positive
 from hybridsp._comm import CommCounter
 from hybridsp._formulas import default_kv_chunks, heads_divisible
+from hybridsp._types import KV_COMMS, KVComm
+from hybridsp.attention._spec import CallSpec
 from hybridsp.attention._transport.allgather import AllGatherTransport
 from hybridsp.attention._transport.base import Transport
 from hybridsp.attention._transport.local import LocalTransport
@@ -38,24 +41,38 @@ from hybridsp.kernels._base import FLOAT_DTYPES
 from hybridsp.layout._block_plan import BlockPlan, build_plan, check_sliding_window
 from hybridsp.layout._documents import Documents, as_documents
 from hybridsp.layout._layouts import LAYOUTS, TokenLayout, get_layout
-from hybridsp.mesh._hybrid_mesh import KV_COMMS
 
 
 @dataclass(frozen=True)
 class RingCall:
-    """One resolved ring attention call (immutable; the autograd shell keeps it for the backward)."""
+    """One resolved ring attention call (immutable; the autograd shell keeps it for the backward):
+    the checked :class:`~hybridsp.attention._spec.CallSpec` and what was resolved from it."""
 
+    spec: CallSpec
     group: dist.ProcessGroup | None
     ring: int
     rank: int
     kernel: AttentionKernel
     scale: float
-    causal: bool
     plan: BlockPlan | None  # None: one kernel call on the whole local sequence
-    kv_comm: str
-    kv_chunks: int | None
-    counter: CommCounter | None
-    softcap: float | None = None  # the kernels' soft-capping (hybridsp.kernels._base); None: none
+    kv_chunks: int | None  # the all-gather transport's chunks per block; None for the other transports
+
+    @property
+    def causal(self) -> bool:
+        return self.spec.causal
+
+    @property
+    def kv_comm(self) -> KVComm:
+        return self.spec.kv_comm
+
+    @property
+    def counter(self) -> CommCounter | None:
+        return self.spec.counter
+
+    @property
+    def softcap(self) -> float | None:
+        """The kernels' soft-capping (:mod:`hybridsp.kernels._base`); None: none."""
+        return None if self.spec.softcap is None else float(self.spec.softcap)
 
     def transport(self, k, v) -> Transport:
         """The K/V transport of one pass (Note [one shell] in :mod:`hybridsp.attention._ring_function`)."""
@@ -68,23 +85,13 @@ class RingCall:
 
 def check_softmax_scale(softmax_scale: float | None) -> None:
     """Raise ValueError unless the scale is None or a finite positive number."""
-    if softmax_scale is None:
-        return
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
-        0 < float(softmax_scale) < float("inf")
-    ):
-        raise ValueError(f"softmax_scale must be a finite positive number (or None for 1/sqrt(D)); got {softmax_scale!r}")
+    check_positive(softmax_scale, "softmax_scale", or_none="1/sqrt(D)")
 
 
 def check_softcap(softcap: float | None) -> None:
-    """Raise ValueError unless ``softcap`` is None or a finite positive number."""
-    if softcap is None:
-        return
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < float(softcap) < float("inf")):
-        raise ValueError(
-            f"softcap must be a finite positive number (scores become softcap * tanh(scores / softcap); "
-            f"Gemma 2 uses 50.0) or None for no soft-capping; got {softcap!r}"
-        )
+    """Raise ValueError unless ``softcap`` is None or a finite positive number (scores become
+    ``softcap * tanh(scores / softcap)``; Gemma 2 uses 50.0)."""
+    check_positive(softcap, "softcap", or_none="no soft-capping; scores become softcap * tanh(scores / softcap)")
 
 
 def check_sinks(sinks, q: torch.Tensor) -> None:
@@ -132,17 +139,17 @@ def resolve_kv_chunks(kv_chunks: int | None, ring: int, local_len: int) -> int:
     return default_kv_chunks(ring, local_len) if kv_chunks is None else kv_chunks
 
 
-def check_ring_inputs(q, k, v, *, causal, layout: TokenLayout, ring: int, ulysses: int, softmax_scale,
-                      sliding_window, kv_comm: str, kv_chunks: int | None, sinks=None, softcap=None) -> None:
+def check_ring_inputs(q, k, v, spec: CallSpec, layout: TokenLayout, *, ring: int, ulysses: int,
+                      sinks=None) -> None:
     """Raise ValueError for inputs the ring cannot run (before any communication).
 
     ``q`` [B, S_local, H, D], ``k`` [B, S_local, Hkv, D], ``v`` [B, S_local, Hkv, Dv] are this rank's
     tokens (before the Ulysses all-to-all, which makes ``S_local x ulysses`` tokens per ring slot);
-    ``sinks`` [H] or None; ``softcap`` a positive number or None.
+    ``layout``: ``spec.layout`` as an object; ``sinks`` [H] or None.
     """
     check_qkv(q, k, v, causal=False)
     check_sinks(sinks, q)
-    check_softcap(softcap)
+    check_softcap(spec.softcap)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}"
@@ -152,14 +159,15 @@ def check_ring_inputs(q, k, v, *, causal, layout: TokenLayout, ring: int, ulysse
             f"query heads ({q.shape[2]}) must be divisible by the Ulysses degree ({ulysses}); choose a "
             f"Ulysses degree that divides {q.shape[2]} and move the rest of the context ranks to the ring"
         )
-    check_causal(causal)
-    check_softmax_scale(softmax_scale)
-    check_sliding_window(sliding_window)
-    check_kv_comm(kv_comm)
+    check_causal(spec.causal)
+    check_softmax_scale(spec.softmax_scale)
+    check_sliding_window(spec.sliding_window)
+    check_kv_comm(spec.kv_comm)
     slot = q.shape[1] * ulysses
-    if kv_comm == "allgather":
-        check_kv_chunks(kv_chunks, slot)
-    layout.check_sequence_length(slot * ring, ring, ulysses, kv_chunks if kv_comm == "allgather" else None)
+    chunks = spec.kv_chunks if spec.kv_comm == "allgather" else None
+    if chunks is not None:
+        check_kv_chunks(chunks, slot)
+    layout.check_sequence_length(slot * ring, ring, ulysses, chunks)
 
 
 def placement_layout(mesh, cu_seqlens=None, sliding_window: int | None = None) -> TokenLayout:
@@ -191,57 +199,44 @@ def plan_for(documents: Documents, layout: TokenLayout, ring: int, causal: bool,
     )
 
 
-def resolve_ring_call(
-    q, k, v, group, *, ring: int, ulysses: int = 1, causal, cu_seqlens, sliding_window, softmax_scale, backend,
-    layout, counter, kv_comm: str, kv_chunks: int | None, agreement_group=None, sinks=None, softcap=None,
-) -> RingCall:
-    """Validate the ring part of a call and resolve it (see the module docstring).
+def resolve_ring_call(q, k, v, spec: CallSpec, *, group, ring: int, ulysses: int = 1, agreement_group=None,
+                      sinks=None) -> RingCall:
+    """Check ``spec`` with this call's tensors and resolve it (see the module docstring).
 
     ``q``/``k``/``v`` are this rank's tokens ``[B, S_local, H(kv), D(v)]`` before any all-to-all;
-    ``ring``/``ulysses`` the degrees (a slot holds ``S_local x ulysses`` tokens);
-    ``agreement_group``: the group whose ranks must agree (Note [agreement]; None: no check);
-    ``sinks`` [H] (checked here, merged by the autograd shell) and ``softcap`` (kept on the call).
+    ``group``: the ring's process group (None: a ring of one); ``ring``/``ulysses`` the degrees (a
+    slot holds ``S_local x ulysses`` tokens); ``agreement_group``: the group whose ranks must agree
+    (Note [agreement]; None: no check); ``sinks`` [H] (checked here, merged by the autograd shell).
     """
-    layout = get_layout(layout)
-    check_ring_inputs(q, k, v, causal=causal, layout=layout, ring=ring, ulysses=ulysses, softmax_scale=softmax_scale,
-                      sliding_window=sliding_window, kv_comm=kv_comm, kv_chunks=kv_chunks, sinks=sinks,
-                      softcap=softcap)
+    layout = get_layout(spec.layout)
+    check_ring_inputs(q, k, v, spec, layout, ring=ring, ulysses=ulysses, sinks=sinks)
     slot = q.shape[1] * ulysses
-    documents = as_documents(cu_seqlens, q.shape[0], slot * ring)
-    kernel = resolve_kernel(backend, q, v, softcap)
-    chunks = resolve_kv_chunks(kv_chunks, ring, slot) if kv_comm == "allgather" else None
-    fingerprint = CallFingerprint.of(q, k, v, causal, sliding_window, softmax_scale, layout, kv_comm, chunks, sinks,
-                                     softcap)
+    documents = as_documents(spec.cu_seqlens, q.shape[0], slot * ring)
+    chunks = resolve_kv_chunks(spec.kv_chunks, ring, slot) if spec.kv_comm == "allgather" else None
+    fingerprint = CallFingerprint.of(q, k, v, spec, layout, chunks, sinks)
     check_agreement(agreement_group, documents, fingerprint, q.device)
-    return _ring_call(group, ring, kernel, documents, layout, causal, sliding_window, softmax_scale, q.shape[-1],
-                      kv_comm, chunks, counter, softcap)
+    return _ring_call(q, v, spec, group, ring, layout, documents, chunks)
 
 
-def replay_ring_call(
-    q, v, group, *, ring: int, causal, cu_seqlens, sliding_window, softmax_scale, backend, layout, counter,
-    kv_comm: str, kv_chunks: int | None, softcap=None,
-) -> RingCall:
+def replay_ring_call(q, v, spec: CallSpec, *, group, ring: int) -> RingCall:
     """The :class:`RingCall` of a call :func:`resolve_ring_call` already checked and agreed on, rebuilt
-    from one ring slot's ``q`` [B, S_slot, H/U, D] and ``v`` [B, S_slot, Hkv/U, Dv] (the same arguments
-    otherwise): for a backward that could not keep the call (:mod:`hybridsp.attention._compiled`). No
-    checks, no communication; the kernel and the plan come from their caches."""
-    layout = get_layout(layout)
+    from one ring slot's ``q`` [B, S_slot, H/U, D] and ``v`` [B, S_slot, Hkv/U, Dv] and the same spec:
+    for a backward that could not keep the call (:mod:`hybridsp.attention._compiled`). No checks, no
+    communication; the kernel and the plan come from their caches."""
     slot = q.shape[1]
-    documents = as_documents(cu_seqlens, q.shape[0], slot * ring)
-    kernel = resolve_kernel(backend, q, v, softcap)
-    chunks = resolve_kv_chunks(kv_chunks, ring, slot) if kv_comm == "allgather" else None
-    return _ring_call(group, ring, kernel, documents, layout, causal, sliding_window, softmax_scale, q.shape[-1],
-                      kv_comm, chunks, counter, softcap)
+    documents = as_documents(spec.cu_seqlens, q.shape[0], slot * ring)
+    chunks = resolve_kv_chunks(spec.kv_chunks, ring, slot) if spec.kv_comm == "allgather" else None
+    return _ring_call(q, v, spec, group, ring, get_layout(spec.layout), documents, chunks)
 
 
-def _ring_call(group, ring, kernel, documents, layout, causal, window, softmax_scale, head_dim, kv_comm, chunks,
-               counter, softcap) -> RingCall:
-    """The :class:`RingCall` of checked arguments: this rank's place, the plan, the scale."""
+def _ring_call(q, v, spec: CallSpec, group, ring: int, layout: TokenLayout, documents: Documents,
+               chunks: int | None) -> RingCall:
+    """The :class:`RingCall` of a checked spec: the kernel, this rank's place, the plan, the scale."""
+    kernel = resolve_kernel(spec.backend, q, v, spec.softcap)
     rank = 0 if group is None else dist.get_rank(group)
-    plan = plan_for(documents, layout, ring, causal, window)
-    scale = default_softmax_scale(head_dim, softmax_scale)
-    return RingCall(group, ring, rank, kernel, scale, causal, plan, kv_comm, chunks, counter,
-                    None if softcap is None else float(softcap))
+    plan = plan_for(documents, layout, ring, spec.causal, spec.sliding_window)
+    scale = default_softmax_scale(q.shape[-1], spec.softmax_scale)
+    return RingCall(spec, group, ring, rank, kernel, scale, plan, chunks)
 
 
 class CallFingerprint(NamedTuple):
@@ -265,12 +260,14 @@ class CallFingerprint(NamedTuple):
     softcap: int  # the float64 bits >> 2 (0: none)
 
     @classmethod
-    def of(cls, q, k, v, causal, window, scale, layout, kv_comm, chunks, sinks=None, softcap=None) -> CallFingerprint:
-        """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv]."""
-        return cls(*q.shape, k.shape[2], v.shape[-1], FLOAT_DTYPES.index(q.dtype), int(causal),
-                   -1 if window is None else window, _float_bits(scale), LAYOUTS.index(layout.name),
-                   -1 if layout.window is None else layout.window, KV_COMMS.index(kv_comm), chunks or 0,
-                   0 if sinks is None else 1 + FLOAT_DTYPES.index(sinks.dtype), _float_bits(softcap))
+    def of(cls, q, k, v, spec: CallSpec, layout: TokenLayout, chunks: int | None, sinks=None) -> CallFingerprint:
+        """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv]
+        (``layout``: the spec's layout object; ``chunks``: the resolved all-gather chunks)."""
+        window = spec.sliding_window
+        return cls(*q.shape, k.shape[2], v.shape[-1], FLOAT_DTYPES.index(q.dtype), int(spec.causal),
+                   -1 if window is None else window, _float_bits(spec.softmax_scale), LAYOUTS.index(layout.name),
+                   -1 if layout.window is None else layout.window, KV_COMMS.index(spec.kv_comm), chunks or 0,
+                   0 if sinks is None else 1 + FLOAT_DTYPES.index(sinks.dtype), _float_bits(spec.softcap))
 
 
 def _float_bits(value: float | None) -> int:

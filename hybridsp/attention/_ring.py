@@ -25,6 +25,7 @@ import torch.distributed as dist
 from hybridsp._comm import CommCounter
 from hybridsp.attention._resolve import RingCall, resolve_ring_call
 from hybridsp.attention._ring_function import RingAttentionFunction
+from hybridsp.attention._spec import CallSpec
 from hybridsp.kernels import AttentionKernel
 
 
@@ -88,9 +89,8 @@ def ring_attention(
         ranks that disagree (one small agreement check per call; see :mod:`hybridsp.attention._resolve`).
     """
     ring = 1 if group is None else dist.get_world_size(group)
-    call = resolve_ring_call(
-        q, k, v, group, ring=ring, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window,
-        softmax_scale=softmax_scale, backend=backend, layout=layout, counter=counter, kv_comm=kv_comm,
-        kv_chunks=kv_chunks, agreement_group=group, sinks=sinks, softcap=softcap,
-    )
+    spec = CallSpec(causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window, softmax_scale=softmax_scale,
+                    backend=backend, layout=layout, kv_comm=kv_comm, kv_chunks=kv_chunks, softcap=softcap,
+                    counter=counter)
+    call = resolve_ring_call(q, k, v, spec, group=group, ring=ring, agreement_group=group, sinks=sinks)
     return run_ring(q, k, v, call, sinks)

@@ -27,6 +27,7 @@ import torch
 
 from hybridsp.attention._pieces import backward_pieces, forward_pieces
 from hybridsp.attention._sinks import merge_sinks, sink_grad
+from hybridsp.attention._transport.base import Block
 from hybridsp.kernels import accumulation_dtype
 from hybridsp.kernels._base import softcap_kwargs
 
@@ -44,8 +45,7 @@ def ring_forward(q, k, v, sinks, call):
     out_acc = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)  # [B, S, H, Dv]
     lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), -torch.inf, dtype=acc, device=q.device)
     for block in call.transport(k, v).blocks():
-        forward_pieces(call.kernel, q, block.k, block.v, block.pieces, block.offset, call.scale, out_acc, lse_acc,
-                       call.plan, call.softcap)
+        forward_pieces(call, q, block, out_acc, lse_acc)
     if sinks is not None:
         out_acc, lse_acc = merge_sinks(out_acc, lse_acc, sinks)
     return out_acc.to(q.dtype), lse_acc
@@ -63,15 +63,14 @@ def ring_backward(dout, q, k, v, out, lse, call):
     transport = call.transport(k, v)
     for block in transport.blocks():
         if block.own:
-            backward_pieces(call.kernel, dout, q, k, v, out, lse, block.pieces, 0, call.scale, dq_acc, dk_acc, dv_acc,
-                            call.plan, call.softcap)
+            own = Block(block.pieces, k, v, own=True)  # the local k/v whole, keys from 0
+            backward_pieces(call, dout, q, out, lse, own, dq_acc, dk_acc, dv_acc)
             continue
         grads = None
         if block.pieces:
             grads = [torch.zeros(block.k.shape, dtype=acc, device=k.device),
                      torch.zeros(block.v.shape, dtype=acc, device=v.device)]
-            backward_pieces(call.kernel, dout, q, block.k, block.v, out, lse, block.pieces, block.offset,
-                            call.scale, dq_acc, *grads, call.plan, call.softcap)
+            backward_pieces(call, dout, q, out, lse, block, dq_acc, *grads)
         transport.send_home(block, grads, dk_acc, dv_acc)
     transport.finish(dk_acc, dv_acc)
     return dq_acc.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

@@ -13,6 +13,7 @@ path; gradients are scattered back with ``index_add_``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,10 @@ from hybridsp.attention._merge import merge_into
 from hybridsp.kernels._band import flash_window
 from hybridsp.kernels._base import softcap_kwargs
 from hybridsp.layout._block_plan import Piece
+
+if TYPE_CHECKING:
+    from hybridsp.attention._resolve import RingCall
+    from hybridsp.attention._transport.base import Block
 
 
 @dataclass
@@ -82,15 +87,16 @@ def _flat_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.transpose(1, 2).reshape(lse.shape[0] * lse.shape[2], lse.shape[1])  # [B*S, H]
 
 
-def forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse_acc, plan=None, softcap=None) -> None:
+def forward_block(call: RingCall, q, block: Block, out_acc, lse_acc) -> None:
     """Merge one visiting block's pieces into ``out_acc`` [B, S, H, Dv] / ``lse_acc`` [B, H, S] (fp32)."""
+    k_rows, v_rows = block.k, block.v
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
-    for group in varlen_groups(pieces, offset, batch, seq_q, seq_k, q.device, plan):
-        out, lse = kernel.forward_varlen(
+    for group in varlen_groups(block.pieces, block.offset, batch, seq_q, seq_k, q.device, call.plan):
+        out, lse = call.kernel.forward_varlen(
             _flat(q).index_select(0, group.q_index), _flat(k_rows).index_select(0, group.k_index),
             _flat(v_rows).index_select(0, group.k_index), cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k,
-            max_seqlen_q=group.max_q, max_seqlen_k=group.max_k, window=group.window, softmax_scale=scale,
-            **softcap_kwargs(softcap),
+            max_seqlen_q=group.max_q, max_seqlen_k=group.max_k, window=group.window, softmax_scale=call.scale,
+            **softcap_kwargs(call.softcap),
         )  # out [Tq, H, Dv], lse [H, Tq]
         bounds = group.q_bounds
         for (piece, b), start, stop in zip(group.members, bounds, bounds[1:]):
@@ -98,20 +104,20 @@ def forward_block(kernel, q, k_rows, v_rows, pieces, offset, scale, out_acc, lse
                        out[start:stop].unsqueeze(0), lse[:, start:stop].unsqueeze(0))
 
 
-def backward_block(kernel, dout, q, k_rows, v_rows, out, lse, pieces, offset, scale, dq_acc, dk, dv, plan=None,
-                   softcap=None) -> None:
+def backward_block(call: RingCall, dout, q, out, lse, block: Block, dq_acc, dk, dv) -> None:
     """Add one visiting block's gradients into ``dq_acc`` [B, S, H, D] and ``dk`` [B, S_block, Hkv, D] /
     ``dv`` [B, S_block, Hkv, Dv] (fp32)."""
+    k_rows, v_rows = block.k, block.v
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
     flat_lse = _flat_lse(lse)  # [B*S, H]
-    for group in varlen_groups(pieces, offset, batch, seq_q, seq_k, q.device, plan):
+    for group in varlen_groups(block.pieces, block.offset, batch, seq_q, seq_k, q.device, call.plan):
         rows, keys = group.q_index, group.k_index
-        dq, dk_packed, dv_packed = kernel.backward_varlen(
+        dq, dk_packed, dv_packed = call.kernel.backward_varlen(
             _flat(dout).index_select(0, rows), _flat(q).index_select(0, rows),
             _flat(k_rows).index_select(0, keys), _flat(v_rows).index_select(0, keys),
             _flat(out).index_select(0, rows), flat_lse.index_select(0, rows).t().contiguous(),
             cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k, max_seqlen_q=group.max_q, max_seqlen_k=group.max_k,
-            window=group.window, softmax_scale=scale, **softcap_kwargs(softcap),
+            window=group.window, softmax_scale=call.scale, **softcap_kwargs(call.softcap),
         )
         _flat(dq_acc).index_add_(0, rows, dq.float())
         _flat(dk).index_add_(0, keys, dk_packed.float())

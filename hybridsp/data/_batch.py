@@ -45,17 +45,10 @@ import torch.distributed as dist
 
 from hybridsp.attention._api import shard_tensors
 from hybridsp.layout._documents import Documents, normalize_cu_seqlens
-from hybridsp.layout._layouts import required_multiple
 from hybridsp.losses._cross_entropy import IGNORE_INDEX
-from hybridsp.mesh._hybrid_mesh import HybridMesh
+from hybridsp.mesh._hybrid_mesh import HybridMesh, padded_length
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
-
-
-def padded_length(seq_len: int, mesh: HybridMesh) -> int:
-    """The shortest length >= ``seq_len`` that the mesh's token layout splits evenly."""
-    step = required_multiple(mesh.ring, mesh.ulysses, mesh.token_layout, mesh.kv_chunks)
-    return -(-seq_len // step) * step
 
 
 def prepare_batch(

@@ -3,25 +3,38 @@
 ``hybridsp.integrations.deepspeed``     DeepSpeed ZeRO 0-3 over the data-parallel x context ranks, the
                                         ``"hybridsp"`` config section, mesh-aware checkpoints.
 ``hybridsp.integrations.transformers``  Hugging Face transformers: ``apply(model, mesh)``, generation, the
-                                        loss without logits, ``HybridSPTrainer``, PEFT, ``vision/`` (Qwen2-VL).
+                                        loss without logits, ``HybridSPTrainer``, PEFT, vision-language models.
 ``hybridsp.integrations.trl``           TRL's SFT, DPO, GRPO and RLOO trainers.
 
-Each face exports its names lazily (:func:`lazy_exports`): ``import hybridsp.integrations.trl`` does not
-import TRL until a trainer is asked for.
+Each face imports its names on first use (:func:`lazy_exports`), so ``import hybridsp.integrations.trl``
+does not import TRL until a trainer is asked for; the same names are imported under ``TYPE_CHECKING``
+so type checkers and IDEs see their real types.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Callable
 
 
-def lazy_exports(package: str, table: dict[str, str]) -> Callable[[str], object]:
-    """A module ``__getattr__`` for ``package`` that imports ``name`` from ``table[name]`` on first use."""
+def lazy_exports(package: str, table: dict[str, str],
+                 deprecated: dict[str, tuple[str, str]] | None = None) -> Callable[[str], object]:
+    """A module ``__getattr__`` for ``package``: ``name`` is imported from ``table[name]`` on first use.
 
-    def __getattr__(name: str):
-        if name not in table:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(table[name]), name)
+    ``deprecated`` maps names that left the face to ``(module, advice)``: they still resolve, with a
+    ``DeprecationWarning`` that gives the advice (what to use instead).
+    """
+    deprecated = deprecated or {}
+
+    def __getattr__(name: str) -> object:
+        if name in table:
+            return getattr(importlib.import_module(table[name]), name)
+        if name in deprecated:
+            module, advice = deprecated[name]
+            warnings.warn(f"{package}.{name} is deprecated and will be removed in hybridsp 0.3: {advice}",
+                          DeprecationWarning, stacklevel=2)
+            return getattr(importlib.import_module(module), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     return __getattr__

@@ -24,13 +24,13 @@ import importlib.util
 
 import torch
 
+from hybridsp._types import BACKEND_NAMES
 from hybridsp.kernels._base import HALF_DTYPES, AttentionKernel, padded_head_dim
 from hybridsp.kernels._reference import ReferenceKernel
 from hybridsp.kernels._torch_fused import TorchFusedKernel
 
 FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's limit (hybridsp.kernels._flash.MAX_HEAD_DIM), without importing it
 
-BACKEND_NAMES = ("auto", "torch", "flash", "reference")
 
 
 @functools.lru_cache(maxsize=None)

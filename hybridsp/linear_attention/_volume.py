@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridsp._checks import check_positive
+
 
 @dataclass(frozen=True)
 class LinearLayerSpec:
@@ -43,9 +45,7 @@ class LinearLayerSpec:
         if self.kind not in ("delta_rule", "mamba2"):
             raise ValueError(f"LinearLayerSpec.kind must be 'delta_rule' or 'mamba2'; got {self.kind!r}")
         for name in ("units", "heads", "key_dim", "value_dim", "conv_kernel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"LinearLayerSpec.{name} must be a positive integer; got {value!r}")
+            check_positive(getattr(self, name), f"LinearLayerSpec.{name}", integer=True)
         if self.heads % self.units:
             raise ValueError(f"LinearLayerSpec: {self.heads} heads do not divide into {self.units} groups")
 

@@ -1,6 +1,21 @@
-"""Losses over a sequence sharded across the context group.
+"""Losses over a sequence sharded across the context group, token-weighted over the whole sequence.
 
-``token_tail`` (the token-weighted tail every loss shares), ``cross_entropy`` (``sharded_cross_entropy``),
-``fused`` (``fused_cross_entropy`` without logits), ``logprobs`` (per-token and per-sequence log-probs),
-``router`` (``sharded_load_balancing_loss``: the MoE auxiliary loss of the whole sequence).
+Public: :func:`sharded_cross_entropy`, :func:`fused_cross_entropy` (no logits held),
+:func:`token_logprobs` / :func:`sequence_logprobs`, :func:`sharded_load_balancing_loss` and
+:func:`real_token_mask` (an MoE router's auxiliary loss). Inside: ``_token_tail`` (the tail every
+loss shares), ``_cross_entropy``, ``_fused``, ``_logprobs``, ``_router``.
 """
+
+from hybridsp.losses._cross_entropy import sharded_cross_entropy
+from hybridsp.losses._fused import fused_cross_entropy
+from hybridsp.losses._logprobs import sequence_logprobs, token_logprobs
+from hybridsp.losses._router import real_token_mask, sharded_load_balancing_loss
+
+__all__ = [
+    "fused_cross_entropy",
+    "real_token_mask",
+    "sequence_logprobs",
+    "sharded_cross_entropy",
+    "sharded_load_balancing_loss",
+    "token_logprobs",
+]

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridsp._checks import check_positive
 from hybridsp._formulas import default_chunk_size
 from hybridsp.losses._cross_entropy import IGNORE_INDEX
 from hybridsp.losses._token_tail import guard_labels, token_weighted_share
@@ -189,6 +190,5 @@ def _check_inputs(hidden, weight, shift_labels, ignore_index, chunk_size) -> int
         )
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype; cast one of them")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive number of tokens; got {chunk_size!r}")
+    check_positive(chunk_size, "chunk_size", integer=True, unit="tokens", or_none="the default")
     return shape[0]

@@ -51,8 +51,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.attention._api import shard_tensors
-from hybridsp.data._batch import padded_length
-from hybridsp.mesh._hybrid_mesh import HybridMesh
+from hybridsp.mesh._hybrid_mesh import HybridMesh, padded_length
 
 
 def sharded_load_balancing_loss(

@@ -1,4 +1,13 @@
-"""Memory helpers outside attention: ``tiled_mlp``, ``lean_norm`` (RMSNorm keeping no normalized copy),
-``offload`` (activation offload),
-``zero_gather`` / ``zero_grad`` (ZeRO-3 partitioned parameters gathered and given gradients).
+"""Memory techniques outside attention, each modelled by the planner.
+
+Public: :func:`apply_tiled_mlp`, :func:`apply_lean_norms` (RMSNorm keeping no normalized copy),
+:func:`offload_activations` / :class:`ActivationOffload`. Inside: ``_forward_patch`` (the
+instance-level forwards and their undo), ``_sharded_params`` (parameters an engine keeps
+sharded, gathered through that engine's integration).
 """
+
+from hybridsp.memory._lean_norm import apply_lean_norms
+from hybridsp.memory._offload import ActivationOffload, offload_activations
+from hybridsp.memory._tiled_mlp import apply_tiled_mlp
+
+__all__ = ["ActivationOffload", "apply_lean_norms", "apply_tiled_mlp", "offload_activations"]

@@ -12,6 +12,8 @@ from typing import Callable
 
 from torch import nn
 
+from hybridsp._checks import check_positive
+
 
 @dataclass
 class ForwardPatch:
@@ -48,8 +50,7 @@ def patch_forwards(modules: list[nn.Module], make_forward: Callable[[nn.Module],
         raise ValueError(f"{type(model).__name__} has no {what}")
     if any("forward" in vars(m) for m in modules):
         raise ValueError(f"a module of {type(model).__name__} already has an instance-level forward (switched twice?)")
-    if not isinstance(tile_tokens, int) or isinstance(tile_tokens, bool) or tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be a positive number of rows (tokens); got {tile_tokens!r}")
+    check_positive(tile_tokens, "tile_tokens", integer=True, unit="rows (tokens)")
     for module in modules:
         module.forward = make_forward(module)
     return ForwardPatch(modules, tile_tokens)

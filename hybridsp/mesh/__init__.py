@@ -1,6 +1,25 @@
-"""The device mesh and where its ranks run.
+"""The device mesh: DP x ring x Ulysses (x tensor) ranks with explicit process groups.
 
-``hybrid_mesh`` (``MeshShape``, ``HybridMesh``, ``init_mesh``), ``auto_degrees`` (the ``"auto"`` rule),
-``timeouts``, ``launcher`` (what the launcher says), ``gloo_interface``, ``placement`` (hosts and groups),
-``check_command`` (``python -m hybridsp check-mesh``), ``process_group`` (the default group for scripts without DeepSpeed).
+Public: :func:`init_mesh`, :class:`HybridMesh`, :class:`MeshShape`, :func:`padded_length` (the
+shortest length the mesh's layout splits evenly) and :func:`choose_degrees`
+(the ``"auto"`` rule), :func:`gather_placement` / :class:`Placement` (where the groups land on
+hosts). Where the ranks run (the launcher's environment, hosts, the gloo
+interface, the default process group) is :mod:`hybridsp.launch`.
 """
+
+from hybridsp._types import KVComm, MeshOrder
+from hybridsp.mesh._auto_degrees import choose_degrees
+from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape, init_mesh, padded_length
+from hybridsp.mesh._placement import Placement, gather_placement
+
+__all__ = [
+    "HybridMesh",
+    "KVComm",
+    "MeshOrder",
+    "MeshShape",
+    "Placement",
+    "choose_degrees",
+    "gather_placement",
+    "init_mesh",
+    "padded_length",
+]

@@ -11,6 +11,7 @@ Rule (nothing else known): the largest U that divides the query heads, the conte
 
 from __future__ import annotations
 
+from hybridsp._checks import check_positive
 from hybridsp._formulas import heads_divisible
 from hybridsp.layout._layouts import check_sequence_length
 
@@ -21,11 +22,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_positive(**values) -> None:
+def check_positive_ints(**values) -> None:
     """Raise ValueError naming the first argument that is not a positive integer."""
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        check_positive(value, name, integer=True)
 
 
 def sequence_splits(seq_len: int | None, ulysses: int, ring: int, layout: str = LAYOUT) -> bool:
@@ -42,7 +42,7 @@ def sequence_splits(seq_len: int | None, ulysses: int, ring: int, layout: str = 
 def check_launch(world_size: int, local_world_size: int, context: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, micro_batch: int = 1) -> None:
     """Raise ValueError, quoting the numbers, for sizes no degree choice can work with."""
-    check_positive(world_size=world_size, local_world_size=local_world_size, num_heads=num_heads,
+    check_positive_ints(world_size=world_size, local_world_size=local_world_size, num_heads=num_heads,
                    num_kv_heads=num_kv_heads, head_dim=head_dim, context_size=context, micro_batch=micro_batch)
     if world_size % local_world_size != 0:
         raise ValueError(f"local world size {local_world_size} does not divide the world size {world_size}")

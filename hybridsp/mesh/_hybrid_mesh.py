@@ -33,14 +33,15 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from hybridsp._checks import check_positive
 from hybridsp._opaque import OpaqueRef
+from hybridsp._types import KV_COMMS, MESH_ORDERS
 from hybridsp.launch._launcher import ranks_per_node
 from hybridsp.launch._timeouts import default_group_timeout
-from hybridsp.layout._layouts import TokenLayout, get_layout
+from hybridsp.layout._layouts import TokenLayout, get_layout, required_multiple
 from hybridsp.mesh._auto_degrees import choose_degrees
 
-ORDERS = ("ulysses_inner", "ring_inner")
-KV_COMMS = ("ring", "allgather")  # how K/V blocks travel inside the ring group (hybridsp.attention._ring)
+ORDERS = MESH_ORDERS
 
 
 @dataclass(frozen=True)
@@ -59,18 +60,14 @@ class MeshShape:
 
     def __post_init__(self):
         for name in ("ulysses", "ring", "tensor"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} degree must be a positive integer; got {value!r}")
+            check_positive(getattr(self, name), f"{name} degree", integer=True)
         if self.order not in ORDERS:
             raise ValueError(f"unknown rank order {self.order!r}; choose one of {', '.join(ORDERS)}")
         get_layout(self.layout)  # ValueError for an unknown name
         get_layout("balanced", self.sliding_window)  # ValueError for a window that is not a positive int
         if self.kv_comm not in KV_COMMS:
             raise ValueError(f"unknown kv_comm {self.kv_comm!r}; choose one of {', '.join(KV_COMMS)}")
-        if self.kv_chunks is not None and (isinstance(self.kv_chunks, bool) or not isinstance(self.kv_chunks, int)
-                                           or self.kv_chunks < 1):
-            raise ValueError(f"kv_chunks must be a positive integer or None; got {self.kv_chunks!r}")
+        check_positive(self.kv_chunks, "kv_chunks", integer=True, or_none="")
         context = self.ulysses * self.ring
         if self.world_size % (context * self.tensor) != 0:
             what = f"ulysses={self.ulysses} x ring={self.ring}" + (f" x tensor={self.tensor}" if self.tensor > 1 else "")
@@ -295,3 +292,9 @@ def init_mesh(
             if rank in members:
                 groups[kind] = group
     return HybridMesh(shape, rank, groups)
+
+
+def padded_length(seq_len: int, mesh: HybridMesh) -> int:
+    """The shortest length >= ``seq_len`` that the mesh's token layout splits evenly."""
+    step = required_multiple(mesh.ring, mesh.ulysses, mesh.token_layout, mesh.kv_chunks)
+    return -(-seq_len // step) * step

@@ -66,9 +66,9 @@ Step time and ranking
 """
 
 from hybridsp.planner._ablation import AblationRow, ablation, format_ablation
+from hybridsp.planner._candidates import CandidatePlan, evaluate, mesh_problems
 from hybridsp.planner._costs import CommVolume, Flops, comm_volume, flops_per_rank
 from hybridsp.planner._memory import MemoryUse, memory_use
-from hybridsp.planner._candidates import CandidatePlan, evaluate, mesh_problems
 from hybridsp.planner._search import (
     LongestContext,
     PlanResult,

@@ -20,8 +20,8 @@ from dataclasses import replace
 
 from hybridsp.planner import _clusters as clusters
 from hybridsp.planner._ablation import ablation, format_ablation, recommendation_lines
-from hybridsp.planner._packing import attention_work_fraction, packing_summary
 from hybridsp.planner._candidates import CandidatePlan, format_seconds
+from hybridsp.planner._packing import attention_work_fraction, packing_summary
 from hybridsp.planner._search import PlanResult, SearchSpace, longest_context, plan
 from hybridsp.planner._specs import (
     GIB,

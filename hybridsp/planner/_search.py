@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
+from hybridsp._checks import check_positive
 from hybridsp._formulas import heads_divisible
 from hybridsp.mesh._auto_degrees import check_launch, divisors, largest_inside_node, ulysses_candidates
-from hybridsp.planner._memory import memory_use
 from hybridsp.planner._candidates import LAYOUT, CandidatePlan, evaluate, mesh_problems
+from hybridsp.planner._memory import memory_use
 from hybridsp.planner._specs import ClusterSpec, MeshConfig, ModelSpec, Workload
 from hybridsp.planner._techniques import Techniques
 from hybridsp.planner._timing import mesh_topology
@@ -38,9 +39,7 @@ class SearchSpace:
         if not self.checkpointing or not set(self.checkpointing) <= {False, True}:
             raise ValueError(f"checkpointing must be a non-empty subset of (False, True); got {self.checkpointing!r}")
         for name in ("dp", "ulysses", "ring"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive integer or None; got {value!r}")
+            check_positive(getattr(self, name), name, integer=True, or_none="")
         if self.tie_tolerance < 0:
             raise ValueError(f"tie_tolerance must be >= 0; got {self.tie_tolerance}")
         if not 0 <= self.headroom < 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from hybridsp._checks import check_positive
 from hybridsp.planner._techniques import Techniques
 
 GIB = 2**30
@@ -16,16 +17,12 @@ TIB = 2**40
 
 def _require_positive_ints(spec, *names: str) -> None:
     for name in names:
-        value = getattr(spec, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{type(spec).__name__}.{name} must be a positive integer; got {value!r}")
+        check_positive(getattr(spec, name), f"{type(spec).__name__}.{name}", integer=True)
 
 
 def _require_positive_numbers(spec, *names: str) -> None:
     for name in names:
-        value = getattr(spec, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise ValueError(f"{type(spec).__name__}.{name} must be a positive number; got {value!r}")
+        check_positive(getattr(spec, name), f"{type(spec).__name__}.{name}")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from hybridsp._checks import check_positive
+
 ABLATION_ORDER = ("fused_loss", "tiled_mlp", "activation_offload", "optimizer_offload")
 KV_MODES = ("auto", "ring", "allgather")  # auto: the planner prices both per mesh (hybridsp.planner._kv_modes)
 
@@ -58,13 +60,9 @@ class Techniques:
 
     def __post_init__(self):
         for name in ("reduce_bucket", "prefetch_bucket"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Techniques.{name} must be a positive integer; got {value!r}")
+            check_positive(getattr(self, name), f"Techniques.{name}", integer=True)
         for name in ("loss_chunk", "mlp_tile"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"Techniques.{name} must be a positive integer or None; got {value!r}")
+            check_positive(getattr(self, name), f"Techniques.{name}", integer=True, or_none="")
         for name in ("keep_last", "offload_in_flight", "collective_copies"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -35,8 +35,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from hybridsp.tensor_parallel._layers import reduce_from_tensor, scatter_tokens
 from hybridsp.tensor_parallel._cut_rule import TensorSplit, split_parameter
+from hybridsp.tensor_parallel._layers import reduce_from_tensor, scatter_tokens
 
 SHARED_MODULES = ("gate", "router", "shared_expert_gate")  # replicated inside a mixture-of-experts block
 

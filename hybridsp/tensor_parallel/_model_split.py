@@ -52,6 +52,7 @@ from torch import nn
 
 from hybridsp.mesh._hybrid_mesh import HybridMesh, check_tensor_heads
 from hybridsp.tensor_parallel._attention_split import plan_attention
+from hybridsp.tensor_parallel._cut_rule import PLAN_ATTR, TensorSplit, split_parameter, tensor_plan
 from hybridsp.tensor_parallel._feed_forward_split import dense_parts, is_mixture_of_experts, plan_dense, plan_experts
 from hybridsp.tensor_parallel._layers import (
     RowParallelLinear,
@@ -61,7 +62,6 @@ from hybridsp.tensor_parallel._layers import (
     split_tokens,
     sum_grad_over_tensor,
 )
-from hybridsp.tensor_parallel._cut_rule import PLAN_ATTR, TensorSplit, split_parameter, tensor_plan
 from hybridsp.tensor_parallel._sharded_loading import load_sharded_safetensors
 
 __all__ = ["TensorSplit", "check_tensor_parallel", "load_sharded_safetensors", "tensor_parallel", "tensor_plan"]

@@ -11,6 +11,7 @@ import torch
 
 from hybridsp import ring_attention
 from hybridsp._formulas import zigzag_slot_runs
+from hybridsp.attention import CallSpec
 from hybridsp.attention import _resolve as resolve
 from hybridsp.attention._transport import exchange
 from hybridsp.attention._transport.allgather import AllGatherTransport
@@ -137,12 +138,12 @@ def test_the_fingerprint_names_its_fields():
     assert fields[:4] == ("batch", "local_tokens", "query_heads", "head_dim")
     assert len(resolve._NAMES) == len(fields) + 2 and resolve._NAMES[-2:] == ("documents", "documents")
     k = torch.zeros(2, 8, 2, 16)
-    fingerprint = resolve.CallFingerprint.of(torch.zeros(2, 8, 4, 16), k, k[..., :12], True, None, None,
-                                             get_layout("zigzag"), "ring", None)
+    zigzag = get_layout("zigzag")
+    fingerprint = resolve.CallFingerprint.of(torch.zeros(2, 8, 4, 16), k, k[..., :12], CallSpec(), zigzag, None)
     assert fingerprint.batch == 2 and fingerprint.kv_heads == 2 and fingerprint.sliding_window == -1
     assert tuple(fingerprint) == (2, 8, 4, 16, 2, 12, 2, 1, -1, 0, 0, -1, 0, 0, 0, 0)
-    capped = resolve.CallFingerprint.of(torch.zeros(2, 8, 4, 16), k, k, True, None, None, get_layout("zigzag"),
-                                        "ring", None, torch.zeros(4, dtype=torch.bfloat16), 50.0)
+    capped = resolve.CallFingerprint.of(torch.zeros(2, 8, 4, 16), k, k, CallSpec(softcap=50.0), zigzag, None,
+                                        torch.zeros(4, dtype=torch.bfloat16))
     assert capped.sinks == 2 and capped.softcap > 0 and capped.v_head_dim == 16
 
 

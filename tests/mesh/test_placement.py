@@ -10,8 +10,8 @@ import socket
 import pytest
 
 from hybridsp.launch._gloo_interface import choose_gloo_interface, interface_addresses, interface_for
-from hybridsp.launch._placement import Placement
 from hybridsp.mesh._hybrid_mesh import MeshShape
+from hybridsp.mesh._placement import Placement
 
 
 def _placement(hosts: list[str], ulysses: int, ring: int) -> Placement:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from hybridsp._types import GENERATION_MODES
 from hybridsp.integrations.deepspeed._compiling import without_compile_keys
 from hybridsp.integrations.deepspeed._tensor import autotp_size
 from hybridsp.kernels import BACKEND_NAMES
@@ -53,7 +54,6 @@ SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend", "kv_comm", "kv_
                 "tensor_sequence_parallel", "generation")
 OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size", "tensor_parallel")
 PRECISIONS = ("bf16", "fp16", "fp32")
-GENERATION_MODES = ("plain", "sharded")
 
 
 @dataclass(frozen=True)

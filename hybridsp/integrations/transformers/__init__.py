@@ -11,41 +11,98 @@
     loss.backward()                                     # sum gradients over the context group
     handle.undo()                                       # the model is exactly what it was
 
-Modules: ``switch`` (``register``/``apply``, the attention entry and its notes), ``binding``,
-``documents`` (the pre-hook), ``padding``, ``generation``, ``loss``, ``checkpoint`` (HF weights under
-ZeRO), ``trainer`` / ``trainer_data`` / ``trainer_engine`` (``HybridSPTrainer``), ``peft``, ``vision/`` (Qwen2-VL).
-Names are imported on first use, so importing this face imports none of them.
+Names are imported on first use, so importing this face imports neither transformers nor any
+private module (``_switch``, ``_binding``, ``_capabilities``, ``_documents``, ``_padding``,
+``_generation``, ``_loss``, ``_checkpoint``, ``_trainer``, ``_peft``, ``_linear_layers``, ``_vision/``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hybridsp.integrations import lazy_exports
 
+if TYPE_CHECKING:
+    from hybridsp.integrations.transformers._capabilities import check_switchable, layer_windows, layout_window
+    from hybridsp.integrations.transformers._checkpoint import export_hf, load_pretrained
+    from hybridsp.integrations.transformers._generation import Prefill, generate, prefill
+    from hybridsp.integrations.transformers._loss import causal_lm_loss, model_router_loss
+    from hybridsp.integrations.transformers._padding import padded_documents
+    from hybridsp.integrations.transformers._peft import base_model
+    from hybridsp.integrations.transformers._switch import (
+        NAME,
+        HybridAttentionHandle,
+        ModelAdapter,
+        apply,
+        register,
+    )
+    from hybridsp.integrations.transformers._trainer import HybridSPMixin, HybridSPTrainer
+    from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
+    from hybridsp.integrations.transformers._vision.generation import generate_vlm
+    from hybridsp.integrations.transformers._vision.model import VLM_MODEL_TYPES
+    from hybridsp.tensor_parallel import tensor_parallel
+
+_P = "hybridsp.integrations.transformers."
 _EXPORTS = {
-    "DECODE_KWARG": "hybridsp.integrations.transformers._binding",
-    "DOCUMENTS_KWARG": "hybridsp.integrations.transformers._binding",
-    "global_cu_seq_lens": "hybridsp.integrations.transformers._documents",
-    "MIN_TRANSFORMERS_VERSION": "hybridsp.integrations.transformers._switch",
-    "NAME": "hybridsp.integrations.transformers._switch",
-    "HybridAttentionHandle": "hybridsp.integrations.transformers._switch",
-    "apply": "hybridsp.integrations.transformers._switch",
-    "check_switchable": "hybridsp.integrations.transformers._capabilities",
-    "layer_windows": "hybridsp.integrations.transformers._capabilities",
-    "layout_window": "hybridsp.integrations.transformers._capabilities",
-    "check_transformers_version": "hybridsp.integrations.transformers._switch",
-    "hybridsp_attention_forward": "hybridsp.integrations.transformers._switch",
-    "register": "hybridsp.integrations.transformers._switch",
-    "switch_modules": "hybridsp.integrations.transformers._switch",
-    "Prefill": "hybridsp.integrations.transformers._generation",
-    "generate": "hybridsp.integrations.transformers._generation",
-    "prefill": "hybridsp.integrations.transformers._generation",
-    "causal_lm_loss": "hybridsp.integrations.transformers._loss",
-    "model_router_loss": "hybridsp.integrations.transformers._loss",
-    "tensor_parallel": "hybridsp.tensor_parallel._model_split",
-    "HybridSPTrainer": "hybridsp.integrations.transformers._trainer",
-    "HybridSPMixin": "hybridsp.integrations.transformers._trainer",
+    "NAME": _P + "_switch",
+    "HybridAttentionHandle": _P + "_switch",
+    "ModelAdapter": _P + "_switch",
+    "apply": _P + "_switch",
+    "register": _P + "_switch",
+    "check_switchable": _P + "_capabilities",
+    "layer_windows": _P + "_capabilities",
+    "layout_window": _P + "_capabilities",
+    "Prefill": _P + "_generation",
+    "generate": _P + "_generation",
+    "prefill": _P + "_generation",
+    "causal_lm_loss": _P + "_loss",
+    "model_router_loss": _P + "_loss",
+    "padded_documents": _P + "_padding",
+    "export_hf": _P + "_checkpoint",
+    "load_pretrained": _P + "_checkpoint",
+    "base_model": _P + "_peft",
+    "HybridSPTrainer": _P + "_trainer",
+    "HybridSPMixin": _P + "_trainer",
+    "shard_vlm_batch": _P + "_vision.batch",
+    "generate_vlm": _P + "_vision.generation",
+    "VLM_MODEL_TYPES": _P + "_vision.model",
+    "tensor_parallel": "hybridsp.tensor_parallel",
+}
+_INTERNAL = "an internal of the switch, not a public name"
+_DEPRECATED = {
+    "DECODE_KWARG": (_P + "_binding", _INTERNAL),
+    "DOCUMENTS_KWARG": (_P + "_binding", "pass the documents as hybridsp_documents=... (the keyword is fixed)"),
+    "global_cu_seq_lens": (_P + "_documents", _INTERNAL),
+    "MIN_TRANSFORMERS_VERSION": (_P + "_switch", "the supported versions are in pyproject.toml and docs/versions.md"),
+    "check_transformers_version": (_P + "_switch", "apply() checks the version itself"),
+    "hybridsp_attention_forward": (_P + "_switch", "register() installs it; call apply(model, mesh)"),
+    "switch_modules": (_P + "_switch", "call apply(model, mesh), or pass a ModelAdapter to apply"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "HybridAttentionHandle",
+    "HybridSPMixin",
+    "HybridSPTrainer",
+    "ModelAdapter",
+    "NAME",
+    "Prefill",
+    "VLM_MODEL_TYPES",
+    "apply",
+    "base_model",
+    "causal_lm_loss",
+    "check_switchable",
+    "export_hf",
+    "generate",
+    "generate_vlm",
+    "layer_windows",
+    "layout_window",
+    "load_pretrained",
+    "model_router_loss",
+    "padded_documents",
+    "prefill",
+    "register",
+    "shard_vlm_batch",
+    "tensor_parallel",
+]
 
-__getattr__ = lazy_exports(__name__, _EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS, _DEPRECATED)

@@ -31,7 +31,7 @@ and with explicit global ``position_ids``:
   the ranks can never disagree even if their logits differed in the last bit.
 
 Note [padding]: a prompt whose length the layout cannot split (zigzag: a multiple of 2R, and
-of U inside a slot; :func:`hybridsp.data._batch.padded_length`) is padded on the right with token
+of U inside a slot; :func:`hybridsp.mesh._hybrid_mesh.padded_length`) is padded on the right with token
 0 to ``S_pad``. Causal attention keeps the padding invisible to every real prompt token, and
 its K/V are never stored in the cache (the padded positions are dropped before ``update``
 writes), so decode cannot see them: results equal the unpadded prompt's. New tokens continue
@@ -71,7 +71,6 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from hybridsp.attention._api import shard_sequence
-from hybridsp.data._batch import padded_length
 from hybridsp.inference import ShardedKVCache
 from hybridsp.inference import _decode_attention as decode_attention
 from hybridsp.integrations.transformers._binding import BINDING_ATTR, DECODE_KWARG, DOCUMENTS_KWARG
@@ -86,7 +85,7 @@ from hybridsp.integrations.transformers._sampling import (  # noqa: F401  choose
 from hybridsp.layout._documents import Documents
 from hybridsp.layout._layouts import layout_permutation
 from hybridsp.linear_attention._decode import LinearStates
-from hybridsp.mesh._hybrid_mesh import HybridMesh
+from hybridsp.mesh._hybrid_mesh import HybridMesh, padded_length
 
 PROMPT_PAD_ID = 0  # fills the prompt up to the layout's multiple; never attended (Note [padding])
 

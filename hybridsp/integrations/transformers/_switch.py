@@ -83,11 +83,14 @@ them; the model's default 0..S/C-1 would be wrong RoPE), and ``labels`` must not
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence
+
 import torch
 import transformers
 from packaging.version import Version
 from torch import nn
 
+from hybridsp._types import BackendName
 from hybridsp.attention._api import hybrid_attn_func
 from hybridsp.integrations.transformers._binding import BINDING_ATTR as _BINDING_ATTR
 from hybridsp.integrations.transformers._binding import DECODE_KWARG, DOCUMENTS_KWARG, NAME, attention_modules
@@ -275,7 +278,39 @@ class HybridAttentionHandle:
         return f"HybridAttentionHandle({name}, {count} attention modules, active={self.active})"
 
 
-def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel = "auto") -> HybridAttentionHandle:
+class ModelAdapter(Protocol):
+    """A model family :func:`apply` switches its own way instead of the generic path (every module
+    that calls the attention interface). :func:`apply` asks each adapter in turn: the first whose
+    ``matches(model)`` is true switches the model; a model no adapter matches goes through every
+    adapter's ``check(model)`` (a ValueError for relatives it cannot switch), then the generic path.
+    """
+
+    name: str
+
+    def matches(self, model: nn.Module) -> bool:
+        """Whether this adapter switches ``model``."""
+        ...
+
+    def check(self, model: nn.Module) -> None:
+        """Raise ValueError, before anything changes, for a model of this family's kind that no
+        adapter switches (e.g. a vision tower of another family)."""
+        ...
+
+    def apply(self, model: nn.Module, mesh: HybridMesh, backend: BackendName | AttentionKernel) -> HybridAttentionHandle:
+        """Switch ``model`` (checks first, nothing changed on failure); the handle undoes it."""
+        ...
+
+
+def default_adapters() -> tuple[ModelAdapter, ...]:
+    """The adapters :func:`apply` uses unless given others: the vision-language models (Qwen2-VL,
+    Qwen2.5-VL: the language model's attention only)."""
+    from hybridsp.integrations.transformers._vision.model import VisionLanguageAdapter
+
+    return (VisionLanguageAdapter(),)
+
+
+def apply(model: nn.Module, mesh: HybridMesh, *, backend: BackendName | AttentionKernel = "auto",
+          adapters: Sequence[ModelAdapter] | None = None) -> HybridAttentionHandle:
     """Switch one model instance to hybrid sequence-parallel attention over ``mesh``.
 
     Registers ``"hybridsp"`` (idempotent), binds the mesh to every attention module
@@ -287,6 +322,8 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
             ``Gemma3ForCausalLM``, ...) whose attention calls the attention interface (Note [capabilities]).
         mesh: the :class:`~hybridsp.mesh._hybrid_mesh.HybridMesh` the model's attention runs over.
         backend: the local attention kernel (``auto``, ``torch``, ``flash``, ``reference``).
+        adapters: the :class:`ModelAdapter` s to ask before the generic path (None:
+            :func:`default_adapters`); pass ``(*default_adapters(), MyAdapter())`` to add one.
 
     Returns:
         a :class:`HybridAttentionHandle`; ``handle.undo()`` restores the model exactly.
@@ -301,13 +338,14 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: str | AttentionKernel 
             f"apply(model, mesh) (register() alone makes attn_implementation={NAME!r} loadable)"
         )
     register()
-    from hybridsp.integrations.transformers._vision import model as vlm
-
-    if vlm.is_vision_language_model(model):
+    adapters = default_adapters() if adapters is None else tuple(adapters)
+    adapter = next((a for a in adapters if a.matches(model)), None)
+    if adapter is not None:
         if any(hasattr(m, _BINDING_ATTR) for m in model.modules()):
             raise ValueError(f"{type(model).__name__} is already switched to {NAME}: undo the first handle first")
-        return vlm.apply_to_language_model(model, mesh, backend, switch_modules)
-    vlm.refuse_other_multimodal(model)
+        return adapter.apply(model, mesh, backend)
+    for other in adapters:
+        other.check(model)
     modules = attention_modules(model)
     check_model(model, modules, mesh)
     undo_linear = switch_linear_layers(model, mesh, backend)  # checks every linear layer before changing any

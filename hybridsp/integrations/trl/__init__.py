@@ -3,15 +3,21 @@
     from hybridsp.integrations.trl import HybridSFTTrainer, HybridDPOTrainer
     from hybridsp.integrations.trl import HybridGRPOTrainer, HybridRLOOTrainer
 
-Modules: ``trainers`` (SFT, DPO and their notes), ``grpo`` (GRPO, RLOO and their notes), ``rollouts``
+Private modules: ``_trainers`` (SFT, DPO and their notes), ``_grpo`` (GRPO, RLOO and their notes), ``_rollouts``
 (TRL's per-process arithmetic per replica, identical completions, right-aligned scoring rows),
-``logprobs`` (TRL's fused log-prob calls sharded).
+``_logprobs`` (TRL's fused log-prob calls sharded).
 TRL is imported on first use of a trainer (``pip install -e ".[trl]"``).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from hybridsp.integrations import lazy_exports
+
+if TYPE_CHECKING:
+    from hybridsp.integrations.trl._grpo import HybridGRPOTrainer, HybridRLOOTrainer
+    from hybridsp.integrations.trl._trainers import HybridDPOTrainer, HybridSFTTrainer
 
 _EXPORTS = {
     "HybridSFTTrainer": "hybridsp.integrations.trl._trainers",
@@ -20,6 +26,11 @@ _EXPORTS = {
     "HybridRLOOTrainer": "hybridsp.integrations.trl._grpo",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "HybridDPOTrainer",
+    "HybridGRPOTrainer",
+    "HybridRLOOTrainer",
+    "HybridSFTTrainer",
+]
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -13,11 +13,10 @@ from hybridsp import CommCounter, hybrid_attn_func, init_mesh, shard_batch, shar
 from hybridsp._formulas import default_kv_chunks, ring_rows
 from hybridsp.attention._transport.allgather import chunk_pieces
 from hybridsp.attention._volume import hybrid_bytes
-from hybridsp.data._batch import padded_length
 from hybridsp.layout._block_plan import build_plan
 from hybridsp.layout._documents import normalize_cu_seqlens
 from hybridsp.layout._layouts import layout_permutation
-from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape
+from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape, padded_length
 from hybridsp.testing import run_distributed
 from tests.helpers import mask_cases
 from tests.helpers.mask_reference import visible_mask

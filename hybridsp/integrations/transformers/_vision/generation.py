@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridsp.data._batch import padded_length
 from hybridsp.inference import ShardedKVCache
 from hybridsp.integrations.transformers._binding import DECODE_KWARG
 from hybridsp.integrations.transformers._generation import (
@@ -39,7 +38,7 @@ from hybridsp.integrations.transformers._switch import NAME
 from hybridsp.integrations.transformers._vision.batch import VISION_KEYS, multimodal_positions, shard_vlm_batch
 from hybridsp.integrations.transformers._vision.model import VISION_KWARG, language_model_of
 from hybridsp.layout._layouts import layout_permutation
-from hybridsp.mesh._hybrid_mesh import HybridMesh
+from hybridsp.mesh._hybrid_mesh import HybridMesh, padded_length
 
 
 def generate_vlm(

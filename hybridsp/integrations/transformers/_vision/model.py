@@ -60,6 +60,24 @@ def refuse_other_multimodal(model: nn.Module) -> None:
         )
 
 
+class VisionLanguageAdapter:
+    """The :class:`~hybridsp.integrations.transformers.ModelAdapter` of Qwen2-VL / Qwen2.5-VL: the
+    language model's attention is switched; the vision tower runs on each rank's share of the images."""
+
+    name = "vision-language (Qwen2-VL, Qwen2.5-VL)"
+
+    def matches(self, model: nn.Module) -> bool:
+        return is_vision_language_model(model)
+
+    def check(self, model: nn.Module) -> None:
+        refuse_other_multimodal(model)
+
+    def apply(self, model: nn.Module, mesh: HybridMesh, backend):
+        from hybridsp.integrations.transformers._switch import switch_modules
+
+        return apply_to_language_model(model, mesh, backend, switch_modules)
+
+
 def language_model_of(model: nn.Module) -> nn.Module:
     """The decoder (``...TextModel``) of a ``...ForConditionalGeneration`` or ``...Model``."""
     inner = getattr(model, "model", model)

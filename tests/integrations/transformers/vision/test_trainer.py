@@ -72,7 +72,7 @@ def test_text_only_replica_with_context_ranks_matches_the_plain_trainer(plain_mi
 def test_images_span_shards(ulysses, ring):
     """Most micro-batches of the run hold an image whose tokens lie on two or more ranks."""
     from hybridsp import shard_sequence
-    from hybridsp.data._batch import padded_length
+    from hybridsp.mesh._hybrid_mesh import padded_length
     from tests.helpers.mesh import mesh_at
     from tests.helpers.vlm_workers import IMAGE
 

@@ -109,8 +109,8 @@ def test_apply_switches_the_language_model_only_and_refuses_other_vision_models(
 
 
 def test_auto_splits_clustered_images_and_keeps_a_spread_video_local():
-    from hybridsp.data._batch import padded_length
     from hybridsp.integrations.transformers._vision.batch import plan_vision
+    from hybridsp.mesh._hybrid_mesh import padded_length
     from tests.helpers.mesh import mesh_at
     from tests.helpers.vlm_workers import collate, sample
 

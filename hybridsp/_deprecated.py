@@ -1,0 +1,30 @@
+"""Old import paths that moved in 0.2, kept working for one release with a ``DeprecationWarning``.
+
+Each old module is a two-line file at its old path whose ``__getattr__`` is :func:`moved_module`:
+``from hybridsp.layout.documents import Documents`` still works and says to write
+``from hybridsp.layout import Documents``. The list of old paths is in docs/api.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Callable
+
+
+def moved_module(old: str, new: str, face: str | None) -> Callable[[str], object]:
+    """The module ``__getattr__`` of the old path ``old``: names resolve from ``new`` (the private
+    module that holds them now) with a warning naming the public ``face`` that exports them, or
+    saying that the name is private now."""
+
+    def __getattr__(name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = getattr(importlib.import_module(new), name)
+        public = face is not None and name in getattr(importlib.import_module(face), "__all__", ())
+        advice = f"import {name} from {face}" if public else f"{name} is private now ({new}) and may change"
+        warnings.warn(f"{old} is deprecated and will be removed in hybridsp 0.3: {advice}", DeprecationWarning,
+                      stacklevel=2)
+        return value
+
+    return __getattr__

@@ -1,0 +1,65 @@
+"""One attention call's settings as one frozen object, built once per call and handed whole to
+:func:`~hybridsp.attention._resolve.resolve_ring_call`, which checks it and keeps it on the
+:class:`~hybridsp.attention._resolve.RingCall` that the ring, the transports, the pieces and the
+varlen groups read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from hybridsp._types import BackendName, KVComm, LayoutName
+
+if TYPE_CHECKING:
+    from hybridsp._comm import CommCounter
+    from hybridsp.kernels._base import AttentionKernel
+    from hybridsp.layout._documents import Documents
+    from hybridsp.layout._layouts import TokenLayout
+    from hybridsp.mesh._hybrid_mesh import HybridMesh
+
+CuSeqlens = Union[torch.Tensor, "list[torch.Tensor]", "list[list[int]]", "Documents", None]
+"""Packed-document boundaries over the global sequence: ``[num_docs + 1]``, ``[B, num_docs + 1]``,
+a list of B boundary tensors/lists, or a batch's :class:`~hybridsp.layout.Documents`."""
+
+
+@dataclass(frozen=True, eq=False)
+class CallSpec:
+    """What one attention call computes and how, apart from its tensors (q, k, v, sinks).
+
+    ``layout`` is the token layout the tokens were sharded with (a name or a
+    :class:`~hybridsp.layout.TokenLayout`, placed for the window that applies); ``kv_chunks`` the
+    all-gather transport's chunk count (None: the default); ``counter`` records bytes sent. The
+    other fields are :func:`~hybridsp.attention.hybrid_attn_func`'s arguments of the same names.
+    Nothing is checked here: :func:`~hybridsp.attention._resolve.resolve_ring_call` checks the spec
+    together with the tensors, before any communication.
+    """
+
+    causal: bool = True
+    cu_seqlens: CuSeqlens = None
+    sliding_window: int | None = None
+    softmax_scale: float | None = None
+    backend: BackendName | AttentionKernel = "auto"
+    layout: LayoutName | TokenLayout = "zigzag"
+    kv_comm: KVComm = "ring"
+    kv_chunks: int | None = None
+    softcap: float | None = None
+    counter: CommCounter | None = None
+
+    @classmethod
+    def on_mesh(cls, mesh: HybridMesh, *, kv_comm: KVComm | None = None, counter: CommCounter | None = None,
+                **settings) -> CallSpec:
+        """The spec of a call on ``mesh``: its K/V transport, chunking and byte counter unless given,
+        and its token layout placed for the window the documents carry (``settings``: the other fields)."""
+        from hybridsp.attention._resolve import placement_layout
+
+        return cls(
+            layout=placement_layout(mesh, settings.get("cu_seqlens")), kv_comm=mesh.kv_comm if kv_comm is None else kv_comm,
+            kv_chunks=mesh.kv_chunks, counter=mesh.comm_counter if counter is None else counter, **settings,
+        )
+
+    def with_(self, **changes) -> CallSpec:
+        """A copy with ``changes`` (the spec itself is frozen)."""
+        return replace(self, **changes)

@@ -1,0 +1,5 @@
+"""Deprecated path (keep-old-paths): use ``hybridsp.integrations.deepspeed``; removed in hybridsp 0.3."""
+
+from hybridsp._deprecated import moved_module
+
+__getattr__ = moved_module(__name__, "hybridsp.integrations.deepspeed._checkpoint", "hybridsp.integrations.deepspeed")

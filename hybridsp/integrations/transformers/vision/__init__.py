@@ -1,0 +1,1 @@
+"""Deprecated package path (keep-old-paths): see hybridsp._deprecated."""
