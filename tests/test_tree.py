@@ -1,5 +1,6 @@
-"""The source and test trees stay navigable: few modules per folder, no families of look-alike names, and
-tests that share code through tests/helpers/ rather than through each other."""
+"""The source and test trees stay navigable: no families of look-alike module names (a family wants a
+package of its own), and tests that share code through tests/helpers/ rather than through each other.
+The package's layering is tests/test_layers.py."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ from pathlib import Path
 from tests.helpers.paths import ROOT, TESTS
 
 PACKAGE = ROOT / "hybridsp"
-MAX_TOP_LEVEL_MODULES = 8  # hybridsp/*.py
-MAX_MODULES_PER_FOLDER = 15  # .py files directly in any folder of hybridsp/
 MAX_SHARED_PREFIX = 2  # sibling modules named <prefix>_<rest>.py
 MAX_FILES_DIRECTLY_UNDER_TESTS = 12
 
@@ -24,20 +23,10 @@ def _modules(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.py"))
 
 
-def test_few_modules_directly_in_the_package():
-    modules = [path.name for path in _modules(PACKAGE)]
-    assert len(modules) <= MAX_TOP_LEVEL_MODULES, f"{len(modules)} modules directly in hybridsp/: {modules}"
-
-
-def test_no_folder_of_the_package_holds_more_than_15_modules():
-    crowded = {str(folder.relative_to(ROOT)): len(_modules(folder)) for folder in _folders(PACKAGE)
-               if len(_modules(folder)) > MAX_MODULES_PER_FOLDER}
-    assert not crowded, f"folders with more than {MAX_MODULES_PER_FOLDER} modules: {crowded}"
-
-
 def _prefix_families(folder: Path) -> dict[str, list[str]]:
     """{prefix: [module names]} for three or more siblings named ``<prefix>_<rest>.py`` (dunder files aside)."""
-    stems = [path.stem for path in _modules(folder) if not path.stem.startswith("__") and "_" in path.stem.strip("_")]
+    stems = [path.stem.lstrip("_") for path in _modules(folder) if not path.stem.startswith("__")]  # _x.py: private x
+    stems = [stem for stem in stems if "_" in stem]
     counts = Counter(stem.split("_")[0] for stem in stems)
     return {prefix: sorted(s for s in stems if s.split("_")[0] == prefix)
             for prefix, count in counts.items() if count > MAX_SHARED_PREFIX}

@@ -16,9 +16,9 @@ from torch import nn
 
 from hybridsp._comm import CommCounter
 from hybridsp.attention._compiled import compiled_attention
-from hybridsp.attention._resolve import check_causal, check_kv_comm, check_softcap, placement_layout, resolve_ring_call
+from hybridsp.attention._resolve import check_causal, check_kv_comm, check_softcap, resolve_ring_call
 from hybridsp.attention._ring import run_ring
-from hybridsp.attention._spec import CallSpec
+from hybridsp.attention._spec import CallSpec, placement_layout
 from hybridsp.attention._ulysses import expand_kv_heads_for, heads_of_rank, heads_to_seq, seq_to_heads
 from hybridsp.kernels import AttentionKernel
 from hybridsp.layout._block_plan import check_sliding_window
@@ -66,7 +66,7 @@ def hybrid_attn_func(
             :class:`~hybridsp.layout._documents.Documents` (``shard_batch(...)["documents"]``: checked and
             planned once per batch instead of once per call; the ranks' agreement is checked on every call). A query attends keys of its own
             document only. With ``layout="balanced"`` the same boundaries that sharded the tokens,
-            and the same placement window (:func:`placement_layout`): a ``Documents`` carries its
+            and the same placement window (:func:`~hybridsp.attention._spec.placement_layout`): a ``Documents`` carries its
             own, raw boundaries get the mesh's ``sliding_window``.
         sliding_window: W: query i attends keys j with ``i - W < j <= i`` (transformers'
             convention, flash-attn's ``window_size=(W - 1, 0)``; ``|i - j| < W`` when not
@@ -188,7 +188,7 @@ def shard_sequence(
     ``cu_seqlens``: the batch's global document boundaries (any form :func:`hybrid_attn_func`
     takes); needed by ``layout="balanced"``, which places tokens by document (ignored by the
     other layouts). ``sliding_window``: the window ``layout="balanced"`` balances work for
-    (default: the one a ``Documents`` carries, else the mesh's; :func:`placement_layout`):
+    (default: the one a ``Documents`` carries, else the mesh's; :func:`~hybridsp.attention._spec.placement_layout`):
     :func:`gather_sequence` must get the same, and :func:`hybrid_attn_func` the same through a
     ``Documents`` (``Documents.window``) or the mesh. No communication; identical across
     data-parallel replicas. Raises ValueError when the layout cannot split ``x.shape[dim]`` evenly.

@@ -170,23 +170,6 @@ def check_ring_inputs(q, k, v, spec: CallSpec, layout: TokenLayout, *, ring: int
     layout.check_sequence_length(slot * ring, ring, ulysses, chunks)
 
 
-def placement_layout(mesh, cu_seqlens=None, sliding_window: int | None = None) -> TokenLayout:
-    """The mesh's token layout placing for the window that applies (Note [placement window] in
-    :mod:`hybridsp.layout._layouts`): ``sliding_window`` if given, else the one ``cu_seqlens``
-    carries (a :class:`~hybridsp.layout._documents.Documents`' ``window``), else the mesh's.
-
-    Raises ValueError, before any collective, when ``sliding_window`` and the documents' differ.
-    """
-    carried = cu_seqlens.window if isinstance(cu_seqlens, Documents) else None
-    if sliding_window is not None and carried is not None and sliding_window != carried:
-        raise ValueError(
-            f"sliding_window={sliding_window} was given but the documents were placed for window {carried}: "
-            f"pass the same window that sharded them (or none: the documents carry theirs)"
-        )
-    window = next((w for w in (sliding_window, carried, mesh.sliding_window) if w is not None), None)
-    return mesh.token_layout.placing(window)
-
-
 def plan_for(documents: Documents, layout: TokenLayout, ring: int, causal: bool, window: int | None) -> BlockPlan | None:
     """The block plan of a call, kept on the batch's documents; None for a ring of one that nothing masks."""
     window = None if window is None or window >= documents.seq_len else window

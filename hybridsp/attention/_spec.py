@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from hybridsp._types import BackendName, KVComm, LayoutName
+from hybridsp.layout._documents import Documents
 
 if TYPE_CHECKING:
     from hybridsp._comm import CommCounter
     from hybridsp.kernels._base import AttentionKernel
-    from hybridsp.layout._documents import Documents
     from hybridsp.layout._layouts import TokenLayout
     from hybridsp.mesh._hybrid_mesh import HybridMesh
 
@@ -53,8 +53,6 @@ class CallSpec:
                 **settings) -> CallSpec:
         """The spec of a call on ``mesh``: its K/V transport, chunking and byte counter unless given,
         and its token layout placed for the window the documents carry (``settings``: the other fields)."""
-        from hybridsp.attention._resolve import placement_layout
-
         return cls(
             layout=placement_layout(mesh, settings.get("cu_seqlens")), kv_comm=mesh.kv_comm if kv_comm is None else kv_comm,
             kv_chunks=mesh.kv_chunks, counter=mesh.comm_counter if counter is None else counter, **settings,
@@ -63,3 +61,20 @@ class CallSpec:
     def with_(self, **changes) -> CallSpec:
         """A copy with ``changes`` (the spec itself is frozen)."""
         return replace(self, **changes)
+
+
+def placement_layout(mesh, cu_seqlens=None, sliding_window: int | None = None) -> TokenLayout:
+    """The mesh's token layout placing for the window that applies (Note [placement window] in
+    :mod:`hybridsp.layout._layouts`): ``sliding_window`` if given, else the one ``cu_seqlens``
+    carries (a :class:`~hybridsp.layout._documents.Documents`' ``window``), else the mesh's.
+
+    Raises ValueError, before any collective, when ``sliding_window`` and the documents' differ.
+    """
+    carried = cu_seqlens.window if isinstance(cu_seqlens, Documents) else None
+    if sliding_window is not None and carried is not None and sliding_window != carried:
+        raise ValueError(
+            f"sliding_window={sliding_window} was given but the documents were placed for window {carried}: "
+            f"pass the same window that sharded them (or none: the documents carry theirs)"
+        )
+    window = next((w for w in (sliding_window, carried, mesh.sliding_window) if w is not None), None)
+    return mesh.token_layout.placing(window)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridsp.attention._resolve import placement_layout
+from hybridsp.attention._spec import placement_layout
 from hybridsp.layout._documents import Documents, as_documents
 from hybridsp.linear_attention._segments import SegmentChain, conv_taps, row_plan, tail_index
 from hybridsp.mesh._hybrid_mesh import HybridMesh

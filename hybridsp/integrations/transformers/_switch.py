@@ -102,6 +102,7 @@ from hybridsp.integrations.transformers._capabilities import (
     layout_window,
 )
 from hybridsp.integrations.transformers._documents import documents_from_kwargs, install_input_check, layer_documents
+from hybridsp.integrations.transformers._handle import HybridAttentionHandle, switch_modules
 from hybridsp.integrations.transformers._linear_layers import switch_linear_layers
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh._hybrid_mesh import HybridMesh
@@ -236,48 +237,6 @@ def _check_call(
         )
 
 
-class HybridAttentionHandle:
-    """What :func:`apply` changed on one model, and :meth:`undo` to change it back.
-
-    Also a context manager: ``with apply(model, mesh): ...`` undoes on exit. ``undo`` is
-    idempotent.
-    """
-
-    def __init__(self, model: nn.Module, modules: list[nn.Module], previous: list[tuple], hook, undo_linear=None):
-        self.model, self._modules, self._previous, self._hook = model, modules, previous, hook
-        self._undo_linear = undo_linear  # restores the linear-attention mixers (linear_layers), or None
-        self.active = True
-
-    def undo(self) -> None:
-        """Remove the bindings and the input check, restore every config's attention implementation."""
-        if not self.active:
-            return
-        if self._hook is not None:
-            self._hook.remove()
-        self.undo_linear()
-        for module in self._modules:
-            if hasattr(module, _BINDING_ATTR):
-                delattr(module, _BINDING_ATTR)
-        for config, implementation in self._previous:  # outer configs first: the setter recurses inward
-            config._attn_implementation = implementation
-        self.active = False
-
-    def undo_linear(self) -> None:
-        """Restore only the linear-attention mixers' own forwards (idempotent; nothing without any)."""
-        if self._undo_linear is not None:
-            self._undo_linear()
-
-    def __enter__(self) -> HybridAttentionHandle:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.undo()
-
-    def __repr__(self) -> str:
-        name, count = type(self.model).__name__, len(self._modules)
-        return f"HybridAttentionHandle({name}, {count} attention modules, active={self.active})"
-
-
 class ModelAdapter(Protocol):
     """A model family :func:`apply` switches its own way instead of the generic path (every module
     that calls the attention interface). :func:`apply` asks each adapter in turn: the first whose
@@ -351,19 +310,6 @@ def apply(model: nn.Module, mesh: HybridMesh, *, backend: BackendName | Attentio
     undo_linear = switch_linear_layers(model, mesh, backend)  # checks every linear layer before changing any
     hook = install_input_check(model, mesh, layout_window(model))
     return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook, undo_linear)
-
-
-def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook,
-                   undo_linear=None):
-    """Bind ``modules`` to ``mesh`` and name ``"hybridsp"`` in ``configs`` (no checks); the handle also
-    removes ``hook`` and calls ``undo_linear``. The step :mod:`hybridsp.integrations.transformers._vision.model` shares with :func:`apply`."""
-    previous = [(config, config._attn_implementation) for config in configs]
-    binding = _Binding(mesh, backend)
-    for module in modules:
-        setattr(module, _BINDING_ATTR, binding)
-    for config in configs:
-        config._attn_implementation = NAME
-    return HybridAttentionHandle(model, modules, previous, hook, undo_linear)
 
 
 def _configs_of(model: nn.Module, modules: list[nn.Module]) -> list:

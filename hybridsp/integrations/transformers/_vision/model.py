@@ -73,7 +73,7 @@ class VisionLanguageAdapter:
         refuse_other_multimodal(model)
 
     def apply(self, model: nn.Module, mesh: HybridMesh, backend):
-        from hybridsp.integrations.transformers._switch import switch_modules
+        from hybridsp.integrations.transformers._handle import switch_modules
 
         return apply_to_language_model(model, mesh, backend, switch_modules)
 
