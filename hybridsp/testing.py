@@ -31,6 +31,9 @@ _GRACE_SECONDS = 3.0
 # race whose timing moved, not a cause in the code under test.
 
 
+__all__ = ["PRELOAD_ENV", "run_distributed"]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
