@@ -1,4 +1,4 @@
-"""Old import paths that moved in 0.2, kept working for one release with a ``DeprecationWarning``.
+"""Old import paths that moved in 0.2, kept working for one release with a ``DeprecationWarning`` (keep-old-paths).
 
 Each old module is a two-line file at its old path whose ``__getattr__`` is :func:`moved_module`:
 ``from hybridsp.layout.documents import Documents`` still works and says to write
