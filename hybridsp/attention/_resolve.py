@@ -195,10 +195,11 @@ def resolve_ring_call(q, k, v, spec: CallSpec, *, group, ring: int, ulysses: int
     check_ring_inputs(q, k, v, spec, layout, ring=ring, ulysses=ulysses, sinks=sinks)
     slot = q.shape[1] * ulysses
     documents = as_documents(spec.cu_seqlens, q.shape[0], slot * ring)
+    kernel = resolve_kernel(spec.backend, q, v, spec.softcap)  # ValueError for a backend that cannot run it
     chunks = resolve_kv_chunks(spec.kv_chunks, ring, slot) if spec.kv_comm == "allgather" else None
     fingerprint = CallFingerprint.of(q, k, v, spec, layout, chunks, sinks)
     check_agreement(agreement_group, documents, fingerprint, q.device)
-    return _ring_call(q, v, spec, group, ring, layout, documents, chunks)
+    return _ring_call(q, spec, kernel, group, ring, layout, documents, chunks)
 
 
 def replay_ring_call(q, v, spec: CallSpec, *, group, ring: int) -> RingCall:
@@ -209,13 +210,13 @@ def replay_ring_call(q, v, spec: CallSpec, *, group, ring: int) -> RingCall:
     slot = q.shape[1]
     documents = as_documents(spec.cu_seqlens, q.shape[0], slot * ring)
     chunks = resolve_kv_chunks(spec.kv_chunks, ring, slot) if spec.kv_comm == "allgather" else None
-    return _ring_call(q, v, spec, group, ring, get_layout(spec.layout), documents, chunks)
-
-
-def _ring_call(q, v, spec: CallSpec, group, ring: int, layout: TokenLayout, documents: Documents,
-               chunks: int | None) -> RingCall:
-    """The :class:`RingCall` of a checked spec: the kernel, this rank's place, the plan, the scale."""
     kernel = resolve_kernel(spec.backend, q, v, spec.softcap)
+    return _ring_call(q, spec, kernel, group, ring, get_layout(spec.layout), documents, chunks)
+
+
+def _ring_call(q, spec: CallSpec, kernel: AttentionKernel, group, ring: int, layout: TokenLayout,
+               documents: Documents, chunks: int | None) -> RingCall:
+    """The :class:`RingCall` of a checked spec and its kernel: this rank's place, the plan, the scale."""
     rank = 0 if group is None else dist.get_rank(group)
     plan = plan_for(documents, layout, ring, spec.causal, spec.sliding_window)
     scale = default_softmax_scale(q.shape[-1], spec.softmax_scale)

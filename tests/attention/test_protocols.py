@@ -128,7 +128,7 @@ def test_point_to_point_tags_are_distinct_and_in_one_module():
 
 
 def test_no_discovery_in_the_call_path():
-    for name in ("attention/pieces.py", "attention/varlen.py", "attention/resolve.py", "attention/ring_function.py"):
+    for name in ("attention/_pieces.py", "attention/_varlen.py", "attention/_resolve.py", "attention/_ring_function.py"):
         source = (PACKAGE / name).read_text()
         assert "hasattr(" not in source and "getattr(" not in source, name
 
