@@ -12,7 +12,7 @@ model (``--model-path``). The prefill runs sequence-parallel through the hybrid 
 every decode step attends to the sharded cache and merges by log-sum-exp
 (``hybridsp.integrations.transformers._generation``). Rank 0 prints the continuation, prefill and
 decode tokens/s, and every rank's peak memory and K/V cache size; during the prefill it prints a
-line per finished layer. The process group is :func:`hybridsp.launch._process_group.init_process_group`'s
+line per finished layer. The process group is :func:`hybridsp.launch.init_process_group`'s
 (a world of one without a launcher, the gloo interface for multi-host runs, ``--collective-timeout``).
 """
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Prefill and decode; rank 0 reports."""
-    from hybridsp.launch._process_group import init_process_group
+    from hybridsp.launch import init_process_group
 
     device = init_process_group(args.collective_timeout)  # a world of one without a launcher
     import hybridsp

@@ -50,7 +50,7 @@ def share_cpu_cores() -> int:
 
     if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
         return torch.get_num_threads()
-    from hybridsp.launch._launcher import ranks_per_node
+    from hybridsp.launch import ranks_per_node
 
     ranks = ranks_per_node(1)  # LOCAL_SIZE under deepspeed, LOCAL_WORLD_SIZE under torchrun, ...
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))

@@ -125,8 +125,7 @@ def peak_rss_bytes() -> int:
 
 def run(args: argparse.Namespace) -> dict:
     from hybridsp import init_mesh, sharded_cross_entropy
-    from hybridsp.integrations.transformers import apply
-    from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
+    from hybridsp.integrations.transformers import apply, shard_vlm_batch
 
     world = dist.get_world_size()
     ulysses = args.ulysses or max(world // args.ring, 1)
@@ -165,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    from hybridsp.launch._process_group import init_process_group
+    from hybridsp.launch import init_process_group
 
     init_process_group(args.collective_timeout, backend="gloo")  # CPU only; a world of one without a launcher; adopts an existing group
     try:

@@ -77,8 +77,7 @@ def check_model_type(path: str, model_type) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hybridsp.integrations.transformers._capabilities import check_switchable
-    from hybridsp.integrations.transformers._vision.model import VLM_MODEL_TYPES
+    from hybridsp.integrations.transformers import VLM_MODEL_TYPES, check_switchable
 
     if model_type in VLM_MODEL_TYPES:
         return
@@ -99,8 +98,6 @@ def default_save_dir(config_path: str, ulysses: int, ring: int, tensor: int = 1)
 
 def preflight(args) -> RunPlan:
     """Validate the run before anything expensive; RunConfigError with every problem found, in one line."""
-    from hybridsp._formulas import heads_divisible
-
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     config = load_ds_config(args.ds_config)  # nothing else can be checked without it
     problems = argument_problems(args)
@@ -110,12 +107,12 @@ def preflight(args) -> RunPlan:
     except RunConfigError as error:
         problems.append(str(error))
     else:
-        if hybrid is not None and not heads_divisible(heads, hybrid.ulysses):
+        if hybrid is not None and heads % hybrid.ulysses:
             problems.append(
                 f"the model's {heads} query heads are not divisible by ulysses={hybrid.ulysses}; pass --ulysses with "
                 f"a divisor of {heads} (and a larger --ring)"
             )
-        elif hybrid is not None and not heads_divisible(heads, hybrid.ulysses * hybrid.tensor):
+        elif hybrid is not None and heads % (hybrid.ulysses * hybrid.tensor):
             problems.append(
                 f"the model's {heads} query heads are not divisible by tensor={hybrid.tensor} x ulysses="
                 f"{hybrid.ulysses}; pass --tensor and --ulysses whose product divides {heads}"
@@ -163,9 +160,8 @@ def argument_problems(args) -> list[str]:
 
 def _hybrid_section(args, config: dict, world: int, problems: list[str]):
     """The validated hybrid section (None if it is unusable); problems with it appended to ``problems``."""
-    from hybridsp.attention._resolve import check_kv_chunks
     from hybridsp.integrations.deepspeed import HybridConfig
-    from hybridsp.layout._layouts import check_sequence_length
+    from hybridsp.layout import get_layout
 
     try:
         hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
@@ -185,9 +181,8 @@ def _hybrid_section(args, config: dict, world: int, problems: list[str]):
     seq_len = getattr(args, "seq_len", None)
     if seq_len is not None and seq_len >= 1:
         try:
-            check_sequence_length(seq_len, hybrid.ring, hybrid.ulysses, hybrid.layout)
-            if hybrid.kv_comm == "allgather":
-                check_kv_chunks(hybrid.kv_chunks, seq_len // hybrid.ring)
+            chunks = hybrid.kv_chunks if hybrid.kv_comm == "allgather" else None
+            get_layout(hybrid.layout).check_sequence_length(seq_len, hybrid.ring, hybrid.ulysses, chunks)
         except ValueError as error:
             problems.append(f"--seq-len {seq_len}: {error}")
     return hybrid
@@ -273,7 +268,7 @@ def report_placement(mesh, save_dir: Path) -> None:
     """Where the ranks run (a collective): rank 0 prints one line (hosts, ranks, groups) and writes
     ``<save_dir>/placement.json``; see :mod:`hybridsp.mesh._placement`. Runs before the first step, so a
     Ulysses group that crosses hosts shows before a long run, not after it."""
-    from hybridsp.mesh._placement import gather_placement
+    from hybridsp.mesh import gather_placement
 
     placement = gather_placement(mesh)
     if mesh.rank == 0:

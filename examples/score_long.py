@@ -13,7 +13,7 @@ holds S/C tokens' activations of one layer at a time plus the weights, so the lo
 grows with the number of ranks. Rank 0 prints (and ``--json-out`` writes) the mean negative
 log-likelihood per token, the perplexity, the wall time and the peak memory of every rank;
 while the forward runs, it prints a line per finished layer (to standard error). The process
-group is :func:`hybridsp.launch._process_group.init_process_group`'s (a world of one without a
+group is :func:`hybridsp.launch.init_process_group`'s (a world of one without a
 launcher, the gloo interface chosen for multi-host runs, ``--collective-timeout``).
 
 Defaults need no download: the Python documentation shipped with CPython, UTF-8 bytes, and a
@@ -64,7 +64,7 @@ def build_model(args: argparse.Namespace, vocab_size: int, dtype: torch.dtype, s
     """The model to score with (every rank holds all weights unless ``--tensor`` T > 1: then 1/T of the layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    from hybridsp.tensor_parallel._model_split import load_sharded_safetensors, tensor_parallel
+    from hybridsp.tensor_parallel import load_sharded_safetensors, tensor_parallel
 
     if args.model_path and mesh is not None and mesh.tensor > 1:  # straight into the shards: never the whole model
         with torch.device("meta"):
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
     """Build the mesh and the model, score, report on rank 0."""
     from hybridsp import init_mesh
     from hybridsp.integrations.transformers import apply
-    from hybridsp.launch._process_group import init_process_group
+    from hybridsp.launch import init_process_group
 
     device = init_process_group(args.collective_timeout)
     world = dist.get_world_size()

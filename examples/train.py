@@ -86,8 +86,8 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
 
 def load_model(args: argparse.Namespace) -> torch.nn.Module:
     """``--model-path`` the way DeepSpeed and transformers load big models: under ZeRO-3 each rank
-    holds only its partition while loading (hybridsp.integrations.transformers._checkpoint.load_pretrained)."""
-    from hybridsp.integrations.transformers._checkpoint import load_pretrained
+    holds only its partition while loading (hybridsp.integrations.transformers.load_pretrained)."""
+    from hybridsp.integrations.transformers import load_pretrained
 
     config = _config_with_lr(args)
     model = load_pretrained(args.model_path, config, ulysses=args.ulysses, ring=args.ring)
@@ -98,7 +98,7 @@ def load_model(args: argparse.Namespace) -> torch.nn.Module:
 
 def export_model(engine, args: argparse.Namespace) -> None:
     """``--export-hf DIR``: the trained weights as a Hugging Face directory (all ranks call it)."""
-    from hybridsp.integrations.transformers._checkpoint import export_hf
+    from hybridsp.integrations.transformers import export_hf
 
     directory = export_hf(engine, args.export_hf)
     if dist.get_rank() == 0:
@@ -394,7 +394,7 @@ def _grad_norm(engine) -> float | None:
 
 def _plan_resume(args: argparse.Namespace, plan: RunPlan, config: dict):
     """None for a fresh run; else how to load (direct or universal); no communication."""
-    from hybridsp.integrations.deepspeed._checkpoint import plan_resume
+    from hybridsp.integrations.deepspeed import plan_resume
 
     if not (args.resume or args.resume_from):
         return None

@@ -202,7 +202,7 @@ def main(parse_args, build_trainer, argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, plan, build_trainer) -> None:
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
-    from hybridsp.launch._process_group import init_process_group
+    from hybridsp.launch import init_process_group
 
     output = Path(args.output_dir)
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated")  # TRL / PEFT ask it
@@ -246,7 +246,7 @@ def build_model_for(args: argparse.Namespace, tokenizer, training):
     if args.model_path:
         from transformers.integrations.deepspeed import set_hf_deepspeed_config
 
-        from hybridsp.integrations.transformers._checkpoint import load_pretrained
+        from hybridsp.integrations.transformers import load_pretrained
 
         filled = {k: v for k, v in training.hf_deepspeed_config.config.items() if k != "train_batch_size"}
         precision = "bf16" if training.bf16 else "fp16" if training.fp16 else "fp32"
