@@ -1,4 +1,4 @@
-"""ALST's two gradient defects, each as a comparison against one-process DeepSpeed (bench_alst.py --part defects).
+"""ALST's two gradient defects, each as a comparison against one-process DeepSpeed (alst.compare --part defects).
 
 Both compare, for the first step from the same weights and the same window, the norm of the full
 reduced gradient that DeepSpeed reports (``engine.get_global_grad_norm()``: before clipping) and the
@@ -31,10 +31,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import alst_ranks
-import harness
-
-from tests.helpers import alst_stacks
+from benchmarks.alst import _ranks as alst_ranks
+from benchmarks.common import alst_stacks, harness
 
 
 def _first_step(run: alst_stacks.Run) -> dict:

@@ -1,25 +1,16 @@
-"""bench_alst.py's rank: one stack of tests/helpers/alst_stacks.py trained under a per-rank memory cap.
+"""alst.compare's rank: one stack of :mod:`benchmarks.common.alst_stacks` trained under a per-rank memory cap.
 
 With ``run.budget`` set, the rank sets the soft ``RLIMIT_DATA`` to its VmData plus the budget, after
 the imports (``run.limit_from="imports"``) or after the engine build (default), mmaps every tensor of
-256 KiB or more (bench_longest_context.py Note [malloc]) and gives hybridsp's activation offload host
-copies in /dev/shm, which the limit does not count (``bench_ablation.shared_host_tensor``: host memory
+256 KiB or more (longest.context's Note [malloc]) and gives hybridsp's activation offload host
+copies in /dev/shm, which the limit does not count (``harness.shared_host_tensor``: host memory
 is outside an accelerator's).
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import harness  # noqa: E402
-from bench_ablation import shared_host_tensor  # noqa: E402
-
-from tests.helpers import alst_stacks  # noqa: E402
+from benchmarks.common import alst_stacks, harness
+from benchmarks.common.harness import shared_host_tensor
 
 MMAP_THRESHOLD = 256 * 1024
 

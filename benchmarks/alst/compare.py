@@ -1,11 +1,11 @@
 """End to end against DeepSpeed's ALST: what a DeepSpeed user picks between, on the same job.
 
-    python benchmarks/bench_alst.py                          # every part at S=4096, 3 rounds (quiet machine)
-    python benchmarks/bench_alst.py --part timing --seq-len 1024 --rounds 1 --out /tmp/alst
-    python benchmarks/bench_alst.py --part longest --budget-mib 1500
-    python benchmarks/bench_alst.py --part defects --seq-len 1024
+    python -m benchmarks run alst.compare                    # every part at S=4096, 3 rounds (quiet machine)
+    python -m benchmarks run alst.compare --part timing --seq-len 1024 --rounds 1 --out /tmp/alst
+    python -m benchmarks run alst.compare --part longest --budget-mib 1500
+    python -m benchmarks run alst.compare --part defects --seq-len 1024
 
-The job (tests/helpers/alst_stacks.py, shared with the parity test; the rank: alst_ranks.py): the same tiny HF Llama (h=256, 8 query / 2 K/V heads, 4
+The job (:mod:`benchmarks.common.alst_stacks`, shared with the parity test; the rank: alst._ranks): the same tiny HF Llama (h=256, 8 query / 2 K/V heads, 4
 layers, byte vocabulary 256, tied embeddings, fp32, sdpa; ``--hidden --heads --kv-heads --layers
 --vocab``), seed, windows of the byte corpus and DeepSpeed config (ZeRO-``--stage``, default 3;
 clipping 1.0; client AdamW), on ``--world`` gloo ranks (DP = 1), trained by DeepSpeed's ALST at
@@ -36,7 +36,7 @@ Parts:
 - ``memory``: peak memory per rank at one S (``--seq-len``), each stack with its best features, one
   launch each after a warm-up step: peak RSS (VmHWM, max over ranks) and the step's own peak above
   the built engine (VmHWM - RSS after the build; the tensors >= 256 KiB mmapped, as under the cap).
-- ``defects``: ALST's two gradient defects (benchmarks/alst_defects.py states what is compared).
+- ``defects``: ALST's two gradient defects (benchmarks/alst/_defects.py states what is compared).
 
 Results: ``results/alst/<part>.{md,json}`` (``--out DIR`` writes there instead), each with the
 machine, the load (``uptime``) before and after, and the revision.
@@ -53,13 +53,12 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import alst_defects  # noqa: E402
-import alst_ranks  # noqa: E402
-import harness  # noqa: E402
+from benchmarks.alst import _defects as alst_defects
+from benchmarks.alst import _ranks as alst_ranks
+from benchmarks.common import alst_stacks, harness
+from hybridsp.formulas import heads_divisible
 
-from hybridsp.formulas import heads_divisible  # noqa: E402
-from tests.helpers import alst_stacks  # noqa: E402
+MODULE = "benchmarks.alst.compare"
 
 PRELOAD = ["torch", "torch.distributed", "hybridsp", "transformers.models.llama.modeling_llama", "deepspeed"]
 TOLERANCE = 1e-4
@@ -363,7 +362,7 @@ def main(argv=None) -> int:
     failed = False
     for part in parts:
         print(f"{part} (load {harness.load()})", flush=True)
-        meta = {"command": "python benchmarks/bench_alst.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        meta = {"command": harness.command(MODULE, argv),
                 "job": json.dumps(asdict(base)), "world": args.world, "machine": harness.machine_info(),
                 "software": harness.software_info(), "revision": harness.revision(), "load_before": harness.load()}
         started = time.perf_counter()

@@ -1,12 +1,9 @@
-"""The markdown report of bench_peers.py (tables and a reading, computed from its rows).
+"""The markdown report of attention.peers (tables and a reading, computed from its rows).
 
-    python benchmarks/peers_report.py benchmarks/results/peers/peers.json   # rewrite the .md from the .json
+    python -m benchmarks run attention.peers --render benchmarks/results/peers/peers.json   # rewrite the .md
 """
 
 from __future__ import annotations
-
-import json
-import sys
 
 _TENSORS = ("out", "dq", "dk", "dv")
 
@@ -93,10 +90,3 @@ def reading(rows: list[dict]) -> list[str]:
         out.append(where + ("; ".join(parts) if parts else "no ratio (a method did not pass)") + ".")
     return out + [""]
 
-
-if __name__ == "__main__":
-    path = sys.argv[1]
-    with open(path) as handle:
-        data = json.load(handle)
-    with open(path[: -len(".json")] + ".md", "w") as handle:
-        handle.write(markdown(data["rows"], data["meta"]))

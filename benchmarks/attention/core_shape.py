@@ -1,11 +1,11 @@
 """The core reshaping (linear plan builder, documents found once), before (4a51805) against after (this checkout).
 
     git worktree add --detach /work/wt-before 4a51805      # once
-    python benchmarks/bench_core_shape.py --before /work/wt-before        # ~5-10 min on 2 busy cores
+    python -m benchmarks run attention.core_shape --before /work/wt-before   # ~5-10 min on 2 busy cores
 
-Every measurement runs in a subprocess with ``PYTHONPATH`` set to the tree it measures (the
-"before" worktree, or this checkout), alternating before / after round by round so that the
-machine's load drifts over both alike:
+Every measurement runs in a worker subprocess under the hybridsp of the tree it measures (the
+"before" worktree, or this checkout; :mod:`benchmarks.common.trees`), alternating before / after
+round by round so that the machine's load drifts over both alike:
 
 1. **Plan building**: ``hybridsp.layout.block_plan.build_plan(65536, 4, "zigzag", causal=True, docs=(bounds,),
    window=None, batch=1)`` for 1,000 / 8,000 / 32,000 random (seeded) document boundaries, the
@@ -20,7 +20,7 @@ machine's load drifts over both alike:
 3. **Per-call overhead of hybrid_attn_func on a 1 x 1 mesh** (world-1 gloo group) against the bare
    kernel (``get_kernel("torch").forward`` then ``.backward``) and torch's own SDPA with autograd,
    B=1, S=64, H=2, D=16 fp32 causal, forward+backward, interleaved (harness.interleave); ratio of
-   medians.
+   medians (:mod:`benchmarks.common.overhead`).
 """
 
 from __future__ import annotations
@@ -33,26 +33,26 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from harness import (  # noqa: E402
+from benchmarks.common import ROOT
+from benchmarks.common.harness import (
     combine,
+    command,
     interleave,
     launch,
     load,
     machine_info,
     results_path,
     software_info,
-    tree_command,
-    tree_result,
     write_results,
 )
+from benchmarks.common.overhead import overhead_rank
+from benchmarks.common.trees import tree_head, tree_process, tree_result
+
+MODULE = "benchmarks.attention.core_shape"
 
 SEQ_PLAN, RING_PLAN = 65_536, 4
 DOC_COUNTS = (1_000, 8_000, 32_000)
@@ -193,49 +193,6 @@ def _model_rank(rank: int, world: int, variants: list[str], iters: int) -> dict:
     return result
 
 
-def _overhead_rank(rank: int, world: int, shapes: list) -> dict:
-    """Per ([B, S, H, D], iters): harness.interleave times of hybrid_attn_func / bare kernel / SDPA
-    fwd+bwd (fp32, causal) on a 1 x 1 mesh."""
-    import hybridsp
-
-    mesh = hybridsp.init_mesh(ulysses=1, ring=1)
-    return {"x".join(map(str, shape)): _overhead_times(mesh, tuple(shape), iters) for shape, iters in shapes}
-
-
-def _overhead_times(mesh, shape: tuple, iters: int) -> dict:
-    import hybridsp
-    from hybridsp.kernels import get_kernel
-
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(shape, generator=gen) for _ in range(4))  # [B, S, H, D]
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    kernel, scale = get_kernel("torch"), shape[-1] ** -0.5
-
-    def hybrid():
-        hybridsp.hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch").backward(dout)
-
-    def bare():
-        out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), causal=True, softmax_scale=scale)
-        kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, causal=True, softmax_scale=scale)
-
-    def sdpa():
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)  # [B, H, S, D]
-        out.transpose(1, 2).backward(dout)
-
-    def raw_aten():  # the aten CPU kernels alone, no wrapper (the floor)
-        heads_first = [t.detach().transpose(1, 2) for t in (q, k, v, dout)]  # each [B, H, S, D]
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*heads_first[:3], 0.0, True, scale=scale)
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            heads_first[3], *heads_first[:3], out, lse, 0.0, True, scale=scale)
-
-    calls = {"hybrid_attn_func": hybrid, "bare kernel": bare, "torch SDPA": sdpa, "raw aten": raw_aten}
-    for call in calls.values():
-        for _ in range(10):
-            call()
-    return interleave(calls, iters)
-
-
 def worker(part: str, args: dict) -> dict:
     """One measurement in this process's tree; the result is printed as the last stdout line."""
     import hybridsp
@@ -248,7 +205,7 @@ def worker(part: str, args: dict) -> dict:
         out["model"] = {v: {"calls": [r[v]["calls"] for r in ranks], "loss": ranks[0][v]["loss"],
                             "time": combine([r[v]["times"] for r in ranks])} for v in args["variants"]}
     elif part == "overhead":
-        shapes = launch(_overhead_rank, 1, args["shapes"])[0]
+        shapes = launch(overhead_rank, 1, args["shapes"])[0]
         out["overhead"] = {shape: {name: combine([t]) for name, t in times.items()} for shape, times in shapes.items()}
     return out
 
@@ -257,38 +214,37 @@ def worker(part: str, args: dict) -> dict:
 # the driver (this checkout's Python; each measurement in a subprocess)
 
 
-def _command(tree: str, part: str, args: dict):
-    return tree_command(__file__, tree, "--worker", part, "--args", json.dumps(args))
+def _process(tree: str, part: str, args: dict) -> dict:
+    return tree_process(MODULE, tree, "--worker", part, "--args", json.dumps(args))
 
 
 def run_worker(tree: str, part: str, args: dict, timeout: float = 900) -> dict:
-    command, env = _command(tree, part, args)
     started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, cwd="/tmp")
+    done = subprocess.run(**_process(tree, part, args), capture_output=True, text=True, timeout=timeout)
     result = tree_result(tree, part, done.returncode, done.stdout, done.stderr)
     print(f"  {part} {tree}: {time.perf_counter() - started:.0f} s (load {load()})", flush=True)
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", default="/work/wt-before")
-    parser.add_argument("--after", default=str(HERE.parent))
+    parser.add_argument("--after", default=str(ROOT))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--slow-timeout", type=float, default=1800,
                         help="wall seconds for the old builder's one 32,000-document build (runs alongside)")
     parser.add_argument("--prefix", default=results_path("core_shape", "core_shape"))
     parser.add_argument("--worker")
     parser.add_argument("--args")
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     if opts.worker:
         print(json.dumps(worker(opts.worker, json.loads(opts.args))))
-        return
+        return 0
     trees = {"before": opts.before, "after": opts.after}
     raw = {"before": [], "after": []}
     start_load, started = load(), time.perf_counter()
-    command, env = _command(opts.before, "plan", {"repeats": {str(DOC_COUNTS[-1]): 1}})
-    slow = subprocess.Popen(command, env=env, cwd="/tmp", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    slow = subprocess.Popen(**_process(opts.before, "plan", {"repeats": {str(DOC_COUNTS[-1]): 1}}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for i in range(opts.rounds):
         order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
         print(f"round {i + 1}/{opts.rounds}", flush=True)
@@ -304,7 +260,8 @@ def main() -> None:
     except subprocess.TimeoutExpired:
         slow.kill()
         slow_note = f"not finished within {opts.slow_timeout:.0f} s wall"
-    data = {"machine": machine_info(), "software": software_info(), "load_start": start_load, "load_end": load(),
+    data = {"command": command(MODULE, argv), "machine": machine_info(), "software": software_info(),
+            "load_start": start_load, "load_end": load(),
             "uptime": _uptime(), "rounds": opts.rounds, "trees": trees,
             "revisions": {name: tree_head(tree) for name, tree in trees.items()}, "slow_note": slow_note, "raw": raw}
     os.makedirs(os.path.dirname(os.path.abspath(opts.prefix)), exist_ok=True)
@@ -313,11 +270,7 @@ def main() -> None:
     markdown, data["summary"] = report(data)
     write_results(opts.prefix, markdown, data)
     print(markdown)
-
-
-def tree_head(tree: str) -> str:
-    done = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
+    return 0
 
 
 def _uptime() -> str:
@@ -420,7 +373,7 @@ def report(data: dict) -> tuple[str, dict]:
     summary = summarise(data["raw"])
     lines = [
         "# The core reshaping, before (4a51805) vs after", "",
-        f"`python benchmarks/bench_core_shape.py` ({data['rounds']} rounds, before/after alternating; "
+        f"`{data.get('command', 'python benchmarks/bench_core_shape.py')}` ({data['rounds']} rounds, before/after alternating; "
         f"revisions {data.get('revisions', 'not recorded')}). {data['machine']}; {data['software']}.",
         f"Load average (1/5/15 min) at start {data['load_start']}, at end {data['load_end']}; `{data['uptime']}`. "
         "The machine was shared with other jobs: CPU times (process_time) are the steadier measure, "
@@ -443,4 +396,4 @@ def report(data: dict) -> tuple[str, dict]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

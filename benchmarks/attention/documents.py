@@ -1,7 +1,7 @@
 """Cost that follows the work on packed data: many tiny documents against a few long ones (torch backend).
 
-    python benchmarks/bench_documents.py            # S = 8192, 1 and 4 ranks, 7 rounds (~3 min)
-    python benchmarks/bench_documents.py --quick    # S = 2048, 3 rounds; writes to the temp dir
+    python -m benchmarks run attention.documents            # S = 8192, 1 and 4 ranks, 7 rounds (~3 min)
+    python -m benchmarks run attention.documents --quick    # S = 2048, 3 rounds; the temp dir (or --out DIR)
 
 One fwd+bwd of ``hybrid_attn_func`` (fp32, causal, H = 4, D = 64, B = 1, the aten CPU kernel, which
 has no varlen entry) on S tokens packed with documents of one length L (S / L documents), at
@@ -27,11 +27,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import combine, interleave, launch, load, machine_info, results_path, revision, write_results  # noqa: E402
+from benchmarks.common.harness import (
+    combine,
+    interleave,
+    launch,
+    load,
+    machine_info,
+    results_path,
+    revision,
+    write_results,
+)
 
 HEADS, HEAD_DIM = 4, 64
 
@@ -95,14 +100,16 @@ def report(results: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2, 8, 64, 1024])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--iters", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--out", help="folder for documents_s<S>.{md,json} (default benchmarks/results/packed; "
+                        "quick: the temp dir)")
+    args = parser.parse_args(argv)
     if args.quick:
         args.seq, args.iters, args.lengths = 2048, 3, [2, 16, 256]
     results = {"load_before": load(), "worlds": {}}
@@ -111,9 +118,11 @@ def main() -> None:
     markdown = report(results, args)
     print(markdown)
     name = f"documents_s{args.seq}"
-    prefix = results_path("packed", name) if not args.quick else str(Path(tempfile.gettempdir()) / name)
+    prefix = str(Path(args.out) / name) if args.out else \
+        results_path("packed", name) if not args.quick else str(Path(tempfile.gettempdir()) / name)
     write_results(prefix, markdown, {**results, "args": vars(args)})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """How far hybrid_attn_func is from the kernel-bound limit at each U x R mesh.
 
-    python benchmarks/bench_kernel_bound.py [--meshes 4x1 2x2 1x4] [--seq-len 4096] [--heads 8]
+    python -m benchmarks run attention.kernel_bound [--meshes 4x1 2x2 1x4] [--seq-len 4096] [--heads 8]
         [--kv-heads 2] [--head-dim 32] [--repeats 5] [--rounds 3] [--before TREE]
-    python benchmarks/bench_kernel_bound.py --collectives [--world 4]
+    python -m benchmarks run attention.kernel_bound --collectives [--world 4]
 
 The limit: one single-process call of the same kernel on the whole problem (every head, the whole
 sequence, GQA as given), forward + backward, one thread; divided over C ranks it is what a perfect
@@ -14,8 +14,8 @@ packing and reordering, ring merges and accumulators, checks, the autograd shell
 of each collective), and gloo's own threads (process time minus the calling thread's: the TCP
 loopback copies and wake-ups of every collective).
 
-Each round launches the single call and every mesh once per tree in a subprocess (``PYTHONPATH``
-the tree; with ``--before`` the two trees alternate round by round); medians of the repeats inside
+Each round launches the single call and every mesh once per tree in a subprocess under that tree's
+hybridsp (:mod:`benchmarks.common.trees`; with ``--before`` the two trees alternate round by round); medians of the repeats inside
 a launch, then the median over rounds. Causal, fp32, B=1. Writes
 ``results/ring_cost/kernel_bound_s<S>.{md,json}``.
 
@@ -30,39 +30,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_core_shape  # noqa: E402
-import harness  # noqa: E402
+from benchmarks.common import ROOT, harness
+from benchmarks.common.harness import timed_kernel
+from benchmarks.common.trees import run_in_tree, tree_head
+
+MODULE = "benchmarks.attention.kernel_bound"
 
 # --------------------------------------------------------------------------------------------
-# the worker (inside a subprocess whose PYTHONPATH is the tree under test)
-
-
-def timed_kernel():
-    """The torch kernel, summing the thread seconds of every kernel call (plain and band pieces)."""
-    from hybridsp.kernels import TorchFusedKernel
-
-    def timed(method):
-        def call(self, *args, **kwargs):
-            start = time.thread_time()
-            result = method(self, *args, **kwargs)
-            self.seconds += time.thread_time() - start
-            return result
-        return call
-
-    calls = ("forward", "backward", "forward_band", "backward_band")
-    timed_kernel = type("TimedKernel", (TorchFusedKernel,),
-                        {"seconds": 0.0} | {name: timed(getattr(TorchFusedKernel, name)) for name in calls})
-    return timed_kernel()
+# the worker (inside a subprocess under the hybridsp of the tree under test)
 
 
 def _inputs(shape: dict):
@@ -191,15 +171,7 @@ def collectives(world: int) -> tuple[str, list]:
 
 
 def run_tree(tree: str, args: dict) -> dict:
-    command, env = harness.tree_command(__file__, tree, "--worker", json.dumps(args))
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd="/tmp", start_new_session=True)  # its ranks die with it on a timeout
-    try:
-        stdout, stderr = process.communicate(timeout=7200)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
-    return harness.tree_result(tree, "the kernel-bound worker", process.returncode, stdout, stderr)
+    return run_in_tree(MODULE, tree, "--worker", json.dumps(args), what="the kernel-bound worker", timeout=7200)
 
 
 def summary(rounds: list[dict], meshes: list[str]) -> dict:
@@ -242,7 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="even: each tree goes first equally often")
     parser.add_argument("--before", help="another tree (a worktree of an earlier revision), alternated with this one")
-    parser.add_argument("--out", help="write kernel_bound_s<S>.{md,json} here instead of results/ring_cost/")
+    parser.add_argument("--out", help="write kernel_bound_s<S>.{md,json} (gloo_collectives.{md,json}) here instead "
+                        "of results/ring_cost/")
     parser.add_argument("--collectives", action="store_true", help="gloo's own cost per collective, no attention")
     parser.add_argument("--world", type=int, default=4, help="ranks for --collectives")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -253,17 +226,19 @@ def main(argv=None) -> int:
     if args.collectives:
         text, rows = collectives(args.world)
         print(text)
-        meta = {"command": "python benchmarks/bench_kernel_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                "machine": harness.machine_info(), "software": harness.software_info()}
-        harness.write_results(harness.results_path("ring_cost", "gloo_collectives"), text + "\n",
+        meta = {"command": harness.command(MODULE, argv), "machine": harness.machine_info(),
+                "software": harness.software_info()}
+        prefix = str(Path(args.out) / "gloo_collectives") if args.out else harness.results_path("ring_cost",
+                                                                                                "gloo_collectives")
+        harness.write_results(prefix, text + "\n",
                               {"meta": meta, "rows": rows})
         return 0
     shape = {"seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
-    trees = {"after": str(HERE.parent)} | ({"before": args.before} if args.before else {})
+    trees = {"after": str(ROOT)} | ({"before": args.before} if args.before else {})
     job = {"shape": shape, "repeats": args.repeats, "meshes": args.meshes}
-    meta = {"command": "python benchmarks/bench_kernel_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = {"command": harness.command(MODULE, argv),
             "shape": shape, "meshes": args.meshes, "rounds": args.rounds, "machine": harness.machine_info(),
-            "revisions": " -> ".join(f"{name} {bench_core_shape.tree_head(trees[name])}" for name in ("before", "after") if name in trees),
+            "revisions": " -> ".join(f"{name} {tree_head(trees[name])}" for name in ("before", "after") if name in trees),
             "load_before": harness.load()}
     raw = {name: [] for name in trees}
     for i in range(args.rounds):

@@ -1,7 +1,7 @@
 """The two K/V transports side by side: bytes on the wire, bf16 error, time.
 
-    python benchmarks/bench_kv_comm.py            # W = 8 bytes + errors, W = 4 timing (~10 min, 2 cores)
-    python benchmarks/bench_kv_comm.py --quick    # smaller; writes to the temp dir
+    python -m benchmarks run attention.kv_comm            # W = 8 bytes + errors, W = 4 timing (~10 min, 2 cores)
+    python -m benchmarks run attention.kv_comm --quick    # smaller; writes to the temp dir (or --out PREFIX)
 
 1. **Bytes per rank / analytic minimum**, every U x R of W = 8, fp32 and bf16, GQA 8:8 and
    8:1, both modes: bytes are counted by wrapping torch.distributed itself (``batch_isend_irecv``
@@ -29,14 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import ByteCounter, combine, interleave, launch, results_path  # noqa: E402
-
-from hybridsp import hybrid_attn_func, init_mesh, shard_sequence  # noqa: E402
-from hybridsp.attention.volume import hybrid_bytes  # noqa: E402
+from benchmarks.common.harness import ByteCounter, combine, interleave, launch, results_path
+from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
+from hybridsp.attention.volume import hybrid_bytes
 
 HEADS, HEAD_DIM = 8, 64
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -118,7 +113,7 @@ def _timing_rows(rank, world, seq, iters, meshes):
 
 
 def _markdown(result) -> str:
-    lines = [f"# K/V transports (`bench_kv_comm.py`), {result['date']}, load {result['load']}", "",
+    lines = [f"# K/V transports (`attention.kv_comm`), {result['date']}, load {result['load']}", "",
              "## Bytes per rank / analytic minimum (max over ranks, W = 8)", "",
              "| U x R | mode | dtype | K/V heads | max sent/minimum | min sent/minimum |", "|---|---|---|---|---|---|"]
     groups = {}
@@ -139,11 +134,12 @@ def _markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--iters", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--out", help="output prefix (default benchmarks/results/kv_comm/kv_comm; quick: the temp dir)")
+    args = parser.parse_args(argv)
     bytes_seq, err_seq, time_seq = (256, 1024, 1024) if args.quick else (1024, 4096, 4096)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": os.getloadavg()[0]}
     result["bytes"] = [row for rows in launch(_bytes_rows, 8, bytes_seq, timeout=1800) for row in rows]
@@ -153,13 +149,15 @@ def main() -> None:
     result["timing"] = launch(_timing_rows, 4, time_seq, 3 if args.quick else args.iters, meshes,
                                        timeout=3600)[0]
     result["load_after"] = os.getloadavg()[0]
-    out = Path(tempfile.gettempdir()) / "results_kv_comm_quick" if args.quick else \
+    out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / "results_kv_comm_quick" if args.quick else \
         Path(results_path("kv_comm", "kv_comm"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(_markdown(result))
     print(_markdown(result))
+    print(f"wrote {out}.md and {out}.json")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

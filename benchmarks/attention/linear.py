@@ -12,7 +12,7 @@ Question: what does exact state passing cost per linear layer and rank? For ever
   else: each mesh runs in its own launch; the load is noted);
 - the output's max relative error against the unmodified layer on one process.
 
-Run: ``PYTHONPATH=$PWD python benchmarks/bench_linear.py [--seq-len 4096] [--iters 5]``
+Run: ``python -m benchmarks run attention.linear [--seq-len 4096] [--iters 5] [--out PREFIX]``
 (~2-4 min on 2 cores). Writes results/linear/linear.{md,json}.
 """
 
@@ -21,13 +21,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-from harness import Allocations, interleave, launch, load, machine_info, results_path, revision, write_results  # noqa: E402,I001
+from benchmarks.common.harness import (
+    Allocations,
+    interleave,
+    launch,
+    load,
+    machine_info,
+    results_path,
+    revision,
+    write_results,
+)
 
 SHAPE = dict(hidden_size=256, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
              linear_value_head_dim=32, linear_conv_kernel_dim=4)
@@ -78,12 +84,12 @@ def run(rank: int, world: int, ulysses: int, ring: int, seq_len: int, iters: int
     return {"bytes": counted, "peak": allocated.peak, "cpu": times["cpu"], "wall": times["wall"], "error": error}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--out", default=results_path("linear", "linear"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=results_path("linear", "linear"), help="output prefix")
+    args = parser.parse_args(argv)
     from hybridsp.linear.volume import LinearLayerSpec, linear_layer_bytes
 
     spec = LinearLayerSpec("delta_rule", SHAPE["linear_num_key_heads"], SHAPE["linear_num_value_heads"], 32, 32, 4)
@@ -118,7 +124,8 @@ def main() -> None:
     ])
     write_results(args.out, markdown + "\n", data)
     print(markdown)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """Packed documents and sliding windows on the ring, side by side with full causal attention.
 
-Run:  python benchmarks/bench_masks.py [--seq-len 8192] [--ring 4] [--window 256] [--repeats 5]
+Run:  python -m benchmarks run attention.masks [--seq-len 8192] [--ring 4] [--window 256] [--repeats 5] [--out DIR]
 
 For each workload (full causal; packed documents of mixed lengths in the zigzag and the
 contiguous layout; a sliding window; window + documents), on ``R`` gloo ranks with one
@@ -15,7 +15,7 @@ thread each, fp32, torch kernels, B=1, H=8, D=64, forward + backward:
 * wall time of forward + backward, the max over ranks of each rank's median, workloads
   interleaved repeat by repeat (the machine is shared; ``uptime`` load is recorded).
 
-Prints a markdown table and writes benchmarks/results/masks/masks.json and masks.md.
+Prints a markdown table and writes benchmarks/results/masks/masks.json and masks.md (``--out DIR``: there).
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import harness
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import harness
 from hybridsp import CommCounter, ring_attention
 from hybridsp.layout.block_plan import build_plan
 from hybridsp.layout.documents import normalize_cu_seqlens
@@ -97,13 +99,15 @@ def window_bound_bytes(window: int) -> int:
     return rows * per_row * (2 + 2 + 2)  # K,V forward; K,V backward; dK,dV home
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--ring", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--out", default=harness.results_dir("masks"), help="folder for masks.{md,json} "
+                        "(default benchmarks/results/masks)")
+    args = parser.parse_args(argv)
     specs = workloads(args.seq_len, args.window)
     load_before = os.getloadavg()
     per_rank = harness.launch(_rank_run, args.ring, args.seq_len, specs, args.repeats, timeout=3600)
@@ -125,12 +129,14 @@ def main() -> None:
               "window": args.window, "window_bound_bytes": bound, "documents": specs["packed (zigzag)"]["cu"],
               "repeats": args.repeats, "load_before": load_before, "load_after": load_after, "rows": rows,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out = harness.RESULTS / "masks"
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "masks.json").write_text(json.dumps(result, indent=1) + "\n")
     table = _markdown(result)
     (out / "masks.md").write_text(table)
     print(table)
+    print(f"wrote {out}/masks.md and masks.json")
+    return 0
 
 
 def _markdown(result: dict) -> str:
@@ -154,4 +160,4 @@ def _markdown(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,15 +1,16 @@
 """hybridsp vs DeepSpeed-Ulysses vs yunchang (USP) on CPU, one local kernel, interleaved in one process group.
 
-    python benchmarks/bench_peers.py            # world 4 and 8, fp32 and bf16, + GQA (~15 min on 2 idle cores)
-    python benchmarks/bench_peers.py --quick    # world 4, S=2048, 5 iterations (~2 min); writes to the temp dir
+    python -m benchmarks run attention.peers            # world 4 and 8, fp32 and bf16, + GQA (~15 min on 2 idle cores)
+    python -m benchmarks run attention.peers --quick    # world 4, S=2048, 5 iterations (~2 min); the temp dir
+    python -m benchmarks run attention.peers --render benchmarks/results/peers/peers.json   # rewrite the .md
 
 One launch of W gloo ranks (one torch thread each) per U x R: it sets up hybridsp at U x R (every
 ``kv_comm`` mode its ``hybrid_attn_func`` offers) AND the peer of equal degrees -- DeepSpeed-Ulysses
 ``DistributedAttention`` at U = W, yunchang ``LongContextAttention`` (zigzag ring, ``use_ulysses_low``)
 at U x R with R > 1 -- with the *same* local kernel, ``aten._scaled_dot_product_flash_attention_for_cpu``
 and its ``_backward`` (hybridsp ``backend="torch"``; DeepSpeed: a small autograd Function over the aten
-ops; yunchang: its ``pytorch_attn_forward/backward`` swapped for wrappers over them, see
-/work/shared/notes/peers-on-cpu.md). Causal attention, forward + backward.
+ops; yunchang: its ``pytorch_attn_forward/backward`` swapped for wrappers over them; the methods are
+set up in :mod:`benchmarks.common.peers`). Causal attention, forward + backward.
 
 Every method's first call is its verification (and warm-up): each rank compares its shard of out, dq,
 dk, dv with a single-process fp32 reference (the same kernel in fp32 on the same rounded inputs;
@@ -18,7 +19,8 @@ pass are timed: a second, untimed call measures the peak RSS it adds (harness.Pe
 ``--iters`` rounds of harness.interleave (A B C, B C A, ...; a barrier before each call). The tables
 show medians over iterations of the wall time (max over ranks) and CPU time (sum over ranks) and the
 ratio hybridsp / peer of the medians. The full run writes benchmarks/results/peers/peers.{md,json};
-``--quick`` writes results_peers_quick.* in the temp dir and never the committed results.
+``--quick`` writes results_peers_quick.* in the temp dir (``--out PREFIX`` elsewhere) and never the
+committed results.
 """
 
 from __future__ import annotations
@@ -26,48 +28,26 @@ from __future__ import annotations
 import argparse
 import datetime
 import inspect
-import math
+import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.attention._peers_report import markdown
+from benchmarks.common import harness
+from benchmarks.common.peers import DTYPES, Case, make_inputs, prebuild_deepspeed_ops, setup_method
 from hybridsp.formulas import heads_divisible
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
-from peer_kernels import LocalCpuAttention, patch_yunchang_cpu_kernel, patch_yunchang_fp32_alias, prebuild_deepspeed_ops  # noqa: E402
-
+MODULE = "benchmarks.attention.peers"
 _aten = torch.ops.aten
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _TENSORS = ("dk", "dq", "dv", "out")
-
-
-@dataclass
-class Case:
-    """One method at one U x R and shape (bench_a2a_memory builds these too)."""
-
-    method: str  # hybridsp | hybridsp-allgather | hybridsp@REV | deepspeed | yunchang
-    world: int
-    ulysses: int
-    ring: int
-    dtype: str
-    seq: int
-    heads: int
-    kv_heads: int
-    head_dim: int = 64
-    batch: int = 1
-    iters: int = 15
-    before: str = ""  # a git revision: also time hybridsp's ulysses.py + torch kernel of that revision
-
-    @property
-    def peer(self) -> str:
-        return "deepspeed" if self.ulysses == self.world else "yunchang"
 
 
 def kv_modes() -> list[str]:
@@ -80,65 +60,6 @@ def kv_modes() -> list[str]:
 def methods_of(block: Case) -> list[str]:
     before = [f"hybridsp@{block.before}"] if block.before else []
     return ["hybridsp" if m == "ring" else f"hybridsp-{m}" for m in kv_modes()] + before + [block.peer]
-
-
-def _revision_modules(revision: str):
-    """(ulysses, torch_fused) modules built from hybridsp's files at a git revision (for before/after)."""
-    import subprocess
-    import types
-
-    modules = []
-    for name in ("ulysses", "kernels/torch_fused"):
-        source = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "show",
-                                 f"{revision}:hybridsp/{name}.py"], check=True, capture_output=True, text=True).stdout
-        module = types.ModuleType(f"hybridsp_{name.replace('/', '_')}_at_{revision}")
-        exec(compile(source, f"{revision}:{name}.py", "exec"), module.__dict__)  # noqa: S102 - our own file
-        modules.append(module)
-    return modules
-
-
-def _hybridsp_at(revision: str, mesh, scale):
-    """hybrid_attn_func with the resharding and CPU kernel of ``revision`` swapped in for each call."""
-    import hybridsp.attention.ulysses as current
-    from hybridsp import hybrid_attn_func
-
-    old_ulysses, old_kernels = _revision_modules(revision)
-    kernel, mine = old_kernels.TorchFusedKernel(), dict(current._RESHARD)
-
-    def attention(q, k, v, counter=None):
-        current._RESHARD.update({True: old_ulysses._seq_to_heads, False: old_ulysses._heads_to_seq})
-        try:
-            out = hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend=kernel, counter=counter)
-            return _SwapDuringBackward.apply(out, old_ulysses, mine)
-        finally:
-            current._RESHARD.update(mine)
-
-    return attention
-
-
-class _SwapDuringBackward(torch.autograd.Function):
-    """Identity whose backward swaps the old resharding in for the rest of the backward pass (it is
-    the first node backward meets); the current hybridsp method swaps its own back in per call."""
-
-    @staticmethod
-    def forward(ctx, out, old, mine):
-        ctx.old = old
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        import hybridsp.attention.ulysses as current
-
-        current._RESHARD.update({True: ctx.old._seq_to_heads, False: ctx.old._heads_to_seq})
-        return grad, None, None
-
-
-def make_inputs(case: Case, seed: int = 1234) -> dict[str, torch.Tensor]:
-    """Full q, k, v, dout [B, S, H(kv), D] in the case's dtype, identical in every process."""
-    gen = torch.Generator().manual_seed(seed)
-    heads = {"q": case.heads, "k": case.kv_heads, "v": case.kv_heads, "dout": case.heads}
-    return {n: torch.randn(case.batch, case.seq, h, case.head_dim, generator=gen).to(_DTYPES[case.dtype])
-            for n, h in heads.items()}
 
 
 def kernel_fwd_bwd(q, k, v, dout):
@@ -172,64 +93,13 @@ def analytic_bytes(case: Case) -> int:
 
     return max(sum(hybrid_bytes(batch=case.batch, seq_len=case.seq, heads=case.heads, kv_heads=case.kv_heads,
                                 head_dim=case.head_dim, ulysses=case.ulysses, ring=case.ring, ring_rank=r,
-                                element_size=_DTYPES[case.dtype].itemsize).values())
+                                element_size=DTYPES[case.dtype].itemsize).values())
                for r in range(case.ring))
-
-
-def _setup_method(case: Case, rank: int):
-    """(attention(q, k, v, counter=None) -> out, shard(full [B, S, ...]) -> this rank's tokens)."""
-    scale = 1.0 / math.sqrt(case.head_dim)
-    if case.method.startswith("hybridsp"):
-        from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
-
-        mesh = init_mesh(case.ulysses, case.ring)
-        if "@" in case.method:
-            return _hybridsp_at(case.method.split("@", 1)[1], mesh, scale), lambda x: shard_sequence(x, mesh)
-        mode = {"kv_comm": case.method.split("-", 1)[1]} if "-" in case.method else {}
-
-        import hybridsp.attention.ulysses
-
-        current = dict(hybridsp.attention.ulysses._RESHARD)  # a hybridsp@REV method swaps its own in for its calls
-
-        def attention(q, k, v, counter=None):
-            hybridsp.attention.ulysses._RESHARD.update(current)
-            return hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch", counter=counter, **mode)
-
-        return attention, lambda x: shard_sequence(x, mesh)
-    if case.method == "deepspeed":
-        import deepspeed
-        from deepspeed.sequence.layer import DistributedAttention
-
-        deepspeed.init_distributed(dist_backend="gloo")  # adopts the initialised torch.distributed
-        layer = DistributedAttention(LocalCpuAttention(True, scale), dist.new_group(list(range(case.world))),
-                                     scatter_idx=2, gather_idx=1)
-        repeats = -(-case.world // case.kv_heads)
-
-        def attention(q, k, v, counter=None):
-            if repeats > 1:  # ALST-style caller-side K/V replication (DistributedAttention needs Hkv >= world)
-                k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-            return layer(q, k, v, 0)  # batch_dim_idx=0: [B, S, H, D]
-
-        return attention, lambda x: x.chunk(case.world, dim=1)[rank].contiguous()
-    if case.method == "yunchang":
-        import yunchang
-        from yunchang import LongContextAttention, set_seq_parallel_pg
-        from yunchang.kernels import AttnType
-
-        patch_yunchang_cpu_kernel()
-        if case.dtype == "fp32":
-            patch_yunchang_fp32_alias()
-        set_seq_parallel_pg(case.ulysses, case.ring, rank, case.world, use_ulysses_low=True)
-        layer = LongContextAttention(ring_impl_type="zigzag", attn_type=AttnType.TORCH_FLASH)
-        extract = yunchang.EXTRACT_FUNC_DICT["zigzag"]
-        return (lambda q, k, v, counter=None: layer(q, k, v, softmax_scale=scale, causal=True),
-                lambda x: extract(x, rank, case.world, case.ring, case.ulysses))
-    raise ValueError(case.method)
 
 
 def _prepare(case: Case, rank: int, inputs: dict, ref: dict, ref_max: dict, kernel_errors: dict):
     """Set one method up and verify it: (call() -> None, report dict); call is None when it failed."""
-    attention, shard = _setup_method(case, rank)
+    attention, shard = setup_method(case, rank)
     q, k, v = (shard(inputs[n]).detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
     dout = shard(inputs["dout"]).detach().clone()
 
@@ -317,7 +187,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="world 4, S=2048, 5 iterations (~2 min)")
     parser.add_argument("--worlds", type=int, nargs="+", help="world sizes (default 4 8; quick: 4)")
     parser.add_argument("--seq", type=int, help="global sequence length (default 4096; quick: 2048)")
-    parser.add_argument("--dtypes", nargs="+", choices=sorted(_DTYPES), help="default bf16 fp32")
+    parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default bf16 fp32")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, help="default = heads")
     parser.add_argument("--degrees", nargs="+", help="only these U x R, e.g. 4x1 2x2")
@@ -326,7 +196,12 @@ def main(argv=None) -> int:
     parser.add_argument("--before", default="", help="git revision: also time hybridsp's ulysses.py and CPU kernel "
                         "of that revision, interleaved (before/after)")
     parser.add_argument("--out", help="output prefix (default benchmarks/results/peers/peers; quick: the temp dir)")
+    parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown beside a results JSON")
     args = parser.parse_args(argv)
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        Path(args.render).with_suffix(".md").write_text(markdown(data["rows"], data["meta"]))
+        return 0
     prefix = args.out or (os.path.join(tempfile.gettempdir(), "results_peers_quick") if args.quick
                           else harness.results_path("peers", "peers"))
     todo = blocks(args.worlds or ([4] if args.quick else [4, 8]), args.dtypes or ["bf16", "fp32"],
@@ -337,7 +212,7 @@ def main(argv=None) -> int:
     for block in todo:
         block.before = args.before
     meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": "python benchmarks/bench_peers.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
+            "command": harness.command(MODULE, argv),
             "machine": harness.machine_info(), "software": harness.software_info("deepspeed", "yunchang"),
             "hybridsp": harness.revision(), "kv_modes": kv_modes(), "load_start": harness.load()}
     if any(b.peer == "deepspeed" for b in todo):
@@ -351,8 +226,6 @@ def main(argv=None) -> int:
             rows.append(run_block(block, refs[key]))
             print(f"[{time.monotonic() - start:5.0f} s] {summary(rows[-1])}", flush=True)
     meta["total_wall_s"] = time.monotonic() - start
-    from peers_report import markdown
-
     harness.write_results(prefix, markdown(rows, meta), {"meta": meta, "rows": rows})
     return 0
 

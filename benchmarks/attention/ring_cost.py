@@ -1,6 +1,6 @@
 """What ring attention costs in compute, and how evenly it spreads causal work.
 
-Run:  python benchmarks/bench_ring_cost.py [--seq-len 8192] [--ring 4] [--repeats 3]
+Run:  python -m benchmarks run attention.ring_cost [--seq-len 8192] [--ring 4] [--repeats 3] [--out FILE]
 
 Measures, in one run, on gloo ranks with one thread each:
 1. Total CPU work of ring attention forward+backward at ring size R (the sum over ranks of
@@ -11,7 +11,7 @@ Measures, in one run, on gloo ranks with one thread each:
    max / mean over ranks, for causal attention in the zigzag and the contiguous layouts:
    1.0 is perfect balance; the contiguous layout gives the last rank all the work.
 Results are printed as a markdown table and appended as JSON lines to
-benchmarks/results/ring_cost/ring_cost.jsonl.
+benchmarks/results/ring_cost/ring_cost.jsonl (``--out FILE``: appended there instead).
 """
 
 from __future__ import annotations
@@ -19,14 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import harness
 import torch
 import torch.distributed as dist
-from bench_kernel_bound import timed_kernel
 
+from benchmarks.common import harness
+from benchmarks.common.harness import timed_kernel
 from hybridsp import ring_attention
 from hybridsp.layout.layouts import take_shard
 
@@ -103,21 +104,24 @@ def _table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--ring", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--out", help="the JSON-lines file to append to (default results/ring_cost/ring_cost.jsonl)")
+    args = parser.parse_args(argv)
     result = measure(args.seq_len, args.ring, args.repeats)
     result["date"] = time.strftime("%Y-%m-%d")
     print(f"causal fp32 B=1 S={args.seq_len} H={HEADS} D={HEAD_DIM}, ring={args.ring}, 1 thread per rank")
     print(_table(result))
-    sink_path = Path(harness.results_path("ring_cost", "ring_cost.jsonl"))
+    sink_path = Path(args.out or harness.results_path("ring_cost", "ring_cost.jsonl"))
     sink_path.parent.mkdir(parents=True, exist_ok=True)
     with open(sink_path, "a") as sink:
         sink.write(json.dumps(result) + "\n")
+    print(f"appended to {sink_path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Sinks, MLA head dims and soft-capping against the plain attention: bytes and CPU time, U2 x R2.
 
-    python benchmarks/bench_sinks_mla.py            # S = 2048, 9 rounds (~3-5 min on 2 busy cores)
-    python benchmarks/bench_sinks_mla.py --quick    # S = 512, 3 rounds; writes to the temp dir
+    python -m benchmarks run attention.sinks_mla            # S = 2048, 9 rounds (~3-5 min on 2 busy cores)
+    python -m benchmarks run attention.sinks_mla --quick    # S = 512, 3 rounds; the temp dir (or --out PREFIX)
 
 Paths, at the same shapes (B = 1, H = Hkv = 8 as MLA's K/V after ``kv_b_proj``, bf16, causal,
 zigzag), each one fwd+bwd of ``hybrid_attn_func`` on 4 gloo ranks:
@@ -32,15 +32,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import combine, interleave, launch, load, machine_info, results_path, revision, write_results  # noqa: E402
-
-import hybridsp  # noqa: E402
-from hybridsp import hybrid_attn_func, init_mesh, shard_sequence  # noqa: E402
-from hybridsp.attention.volume import hybrid_bytes  # noqa: E402
+import hybridsp
+from benchmarks.common.harness import (
+    combine,
+    interleave,
+    launch,
+    load,
+    machine_info,
+    results_path,
+    revision,
+    write_results,
+)
+from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
+from hybridsp.attention.volume import hybrid_bytes
 
 HEADS, DQK, DV = 8, 48, 32
 SOFTCAP = 30.0
@@ -99,7 +103,7 @@ def _timing(rank, world, seq, iters):
 
 
 def _markdown(result) -> str:
-    lines = [f"# Sinks, MLA head dims, soft-capping vs plain (`bench_sinks_mla.py`), {result['date']}", "",
+    lines = [f"# Sinks, MLA head dims, soft-capping vs plain (`attention.sinks_mla`), {result['date']}", "",
              f"U2 x R2 on gloo (4 ranks, one thread each), B = 1, S = {result['seq']}, H = Hkv = {HEADS}, bf16, "
              f"causal zigzag; Dqk = {DQK}, Dv = {DV} (DeepSeek-V3's 192/128 scaled by 1/4); load before "
              f"{result['load']}, after {result['load_after']}; {result['machine']}; hybridsp {result['revision']}.",
@@ -122,12 +126,14 @@ def _markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=9)
-    args = parser.parse_args()
+    parser.add_argument("--out", help="output prefix (default benchmarks/results/sinks_mla/sinks_mla; quick: the temp "
+                        "dir)")
+    args = parser.parse_args(argv)
     seq, iters = (512, 3) if args.quick else (args.seq, args.iters)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load(), "seq": seq,
               "iters": iters, "machine": machine_info(), "revision": revision()}
@@ -136,12 +142,13 @@ def main() -> None:
                        for mode in ("ring", "allgather")}
     result["timing"] = launch(_timing, 4, seq, iters, timeout=3600)[0]
     result["load_after"] = load()
-    prefix = str(Path(tempfile.gettempdir()) / "sinks_mla_quick") if args.quick else \
-        results_path("sinks_mla", "sinks_mla")
+    prefix = args.out or (str(Path(tempfile.gettempdir()) / "sinks_mla_quick") if args.quick else
+                          results_path("sinks_mla", "sinks_mla"))
     markdown = _markdown(result)
     write_results(prefix, markdown, result)
     print(markdown)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

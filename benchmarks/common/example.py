@@ -1,22 +1,37 @@
 """The example run the longest-context benchmarks measure: its configs, model and the planner's view.
 
-Shared by :mod:`bench_longest_context` (which measures), :mod:`longest_report` (which renders) and
-:mod:`bench_ablation` / :mod:`bench_memory`; importing it puts ``examples/`` and the repository
-root on ``sys.path`` (the example's ``train`` module and ``hybridsp``).
+Shared by longest.context (which measures), longest._report (which renders), longest.ablation and
+memory.loss. The examples are scripts, not a package: :func:`example` loads ``examples/<name>.py`` by
+its path as the module ``name`` (what ``import name`` gives when ``examples/`` is on the path), so that
+nothing here edits ``sys.path``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from dataclasses import asdict
-from pathlib import Path
+from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT
+
 EXAMPLES = ROOT / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+
+
+def example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as the module ``name`` (loaded once; ``train`` loads its own siblings)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 CONFIGS = {  # name -> (world, ulysses, ring, ds config)
@@ -30,10 +45,9 @@ VOCAB = 256  # examples/text_data.py BYTE_VOCAB
 
 def example_model_spec():
     """The example model of examples/train.py (defaults, byte vocabulary) as a planner ModelSpec."""
-    import train
-
     from hybridsp.planner import ModelSpec
 
+    train = example("train")
     args = train.parse_args([])
     intermediate = int(args.hidden_size * 8 / 3) // 64 * 64  # as train.build_model computes it
     return ModelSpec(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.hidden_size // args.heads,

@@ -13,11 +13,14 @@
   (:class:`Allocations`), live tensor bytes, glibc knobs and soft rlimits.
 - Bytes: :class:`ByteCounter` wraps torch.distributed's sending calls and counts what leaves a rank.
 - Machine: :func:`machine_info`, :func:`software_info`, :func:`load`, :func:`revision`.
-- Other revisions: :func:`tree_command` runs a script's worker with another checkout's hybridsp on
-  ``PYTHONPATH``; :func:`tree_result` reads its JSON answer and checks which hybridsp it imported.
+- Kernel time: :func:`timed_kernel` (hybridsp's torch kernel summing the thread seconds of its calls).
+- Host memory outside a cap: :func:`shared_host_tensor` (``/dev/shm``, not counted by ``RLIMIT_DATA``).
 - Results: :func:`results_path` names ``benchmarks/results/<question>/<name>`` (one folder per
-  question, the index in ``benchmarks/README.md``); :func:`write_results` writes ``<prefix>.md`` and
-  ``<prefix>.json``, creating the folder.
+  question, the index in ``benchmarks/README.md``; under ``$BENCHMARKS_RESULTS`` instead when it is
+  set, as ``python -m benchmarks run NAME --quick`` sets it); :func:`write_results` writes
+  ``<prefix>.md`` and ``<prefix>.json``, creating the folder.
+
+Runs under another checkout's hybridsp (before / after) are in :mod:`benchmarks.common.trees`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -93,6 +97,25 @@ def combine(per_rank: list[dict[str, list]]) -> dict:
     wall = [max(r["wall"][i] for r in per_rank) for i in range(iters)]
     cpu = [sum(r["cpu"][i] for r in per_rank) for i in range(iters)]
     return {"wall": wall, "cpu": cpu, "median_wall": statistics.median(wall), "median_cpu": statistics.median(cpu)}
+
+
+def timed_kernel():
+    """hybridsp's torch kernel, summing in ``.seconds`` the thread seconds of every kernel call (plain and
+    band pieces); set ``.seconds = 0.0`` before the block to time."""
+    from hybridsp.kernels import TorchFusedKernel
+
+    def timed(method):
+        def call(self, *args, **kwargs):
+            start = time.thread_time()
+            result = method(self, *args, **kwargs)
+            self.seconds += time.thread_time() - start
+            return result
+        return call
+
+    calls = ("forward", "backward", "forward_band", "backward_band")
+    kernel = type("TimedKernel", (TorchFusedKernel,),
+                  {"seconds": 0.0} | {name: timed(getattr(TorchFusedKernel, name)) for name in calls})
+    return kernel()
 
 
 # --------------------------------------------------------------------------------------------
@@ -252,6 +275,22 @@ def lift_limit(limit: str) -> None:
         resource.setrlimit(kind, (resource.getrlimit(kind)[1], resource.getrlimit(kind)[1]))
 
 
+def shared_host_tensor(shape, dtype) -> torch.Tensor:
+    """A CPU tensor in a MAP_SHARED mapping of an unlinked /dev/shm file: host memory that
+    RLIMIT_DATA does not count (the model of an accelerator's host memory)."""
+    numel = math.prod(shape)
+    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    handle, path = tempfile.mkstemp(dir="/dev/shm", prefix="hybridsp_offload_")
+    try:
+        os.ftruncate(handle, nbytes)
+    finally:
+        os.close(handle)
+    try:
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
+    finally:
+        os.unlink(path)
+
+
 def _noop() -> None:
     pass
 
@@ -340,6 +379,12 @@ class ByteCounter:
 # machine and results
 
 
+def command(module: str, argv: list[str] | None = None) -> str:
+    """The command line that ran ``module`` (``python -m benchmarks.<group>.<name> ...``), for the results."""
+    args = sys.argv[1:] if argv is None else argv
+    return f"python -m {module}" + "".join(f" {a}" for a in args)
+
+
 def load() -> str:
     """The machine's load averages (1, 5, 15 min), as uptime shows them."""
     return "/".join(f"{x:.2f}" for x in os.getloadavg())
@@ -383,28 +428,24 @@ def revision() -> str:
     return head + (" + uncommitted changes in hybridsp/" if dirty else "")
 
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # the committed results
+RESULTS_ENV = "BENCHMARKS_RESULTS"  # when set: the folder that stands in for RESULTS (quick runs)
 
 
-def tree_command(script: str, tree: str, *argv: str) -> tuple[list[str], dict]:
-    """(command, environment) that run ``script`` with ``argv`` under ``tree``'s hybridsp (``PYTHONPATH``)."""
-    return [sys.executable, str(Path(script).resolve()), *argv], {**os.environ, "PYTHONPATH": tree}
+def results_root() -> Path:
+    """Where results go: ``$BENCHMARKS_RESULTS`` when set, else the committed ``benchmarks/results``."""
+    return Path(os.environ[RESULTS_ENV]) if os.environ.get(RESULTS_ENV) else RESULTS
 
 
-def tree_result(tree: str, what: str, returncode: int, stdout: str, stderr: str) -> dict:
-    """The JSON last line a :func:`tree_command` worker printed (with ``"hybridsp"``: its
-    ``hybridsp.__file__``); RuntimeError when it failed or imported hybridsp from outside ``tree``."""
-    if returncode != 0:
-        raise RuntimeError(f"{what} in {tree} failed:\n{stderr[-3000:]}")
-    result = json.loads(stdout.strip().splitlines()[-1])
-    if not Path(result["hybridsp"]).resolve().is_relative_to(Path(tree).resolve()):
-        raise RuntimeError(f"{what} in {tree}: imported hybridsp from {result['hybridsp']}")
-    return result
+def results_dir(question: str) -> str:
+    """``benchmarks/results/<question>`` (or its stand-in under ``$BENCHMARKS_RESULTS``)."""
+    return str(results_root() / question)
 
 
 def results_path(question: str, name: str) -> str:
-    """``benchmarks/results/<question>/<name>``: a results file, or a prefix for :func:`write_results`."""
-    return str(RESULTS / question / name)
+    """``benchmarks/results/<question>/<name>`` (see :func:`results_dir`): a results file, or a prefix for
+    :func:`write_results`."""
+    return str(results_root() / question / name)
 
 
 def write_results(prefix: str, markdown: str, data: dict) -> None:

@@ -1,4 +1,10 @@
-"""The peers' local kernel on CPU: the aten CPU flash kernel (what hybridsp's ``backend="torch"`` calls).
+"""The methods the peers benchmarks compare (attention.peers, memory.a2a), each on the same CPU kernel.
+
+:class:`Case` is one method at one U x R and shape; :func:`setup_method` sets it up inside a rank
+(hybridsp at every ``kv_comm``, hybridsp with an earlier revision's resharding and CPU kernel swapped
+in, DeepSpeed-Ulysses, yunchang USP); :func:`make_inputs` makes the full q, k, v, dout.
+
+The peers' local kernel on CPU is the aten CPU flash kernel (what hybridsp's ``backend="torch"`` calls):
 
 - DeepSpeed-Ulysses: :class:`LocalCpuAttention`, the local attention module inside
   ``DistributedAttention``; [B, S, H, D] in and out, passed to the kernel as [B, H, S, D] views.
@@ -9,11 +15,156 @@
 
 from __future__ import annotations
 
+import math
+import os
 import time
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 _aten = torch.ops.aten
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class Case:
+    """One method at one U x R and shape (memory.a2a builds these too)."""
+
+    method: str  # hybridsp | hybridsp-allgather | hybridsp@REV | deepspeed | yunchang
+    world: int
+    ulysses: int
+    ring: int
+    dtype: str
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int = 64
+    batch: int = 1
+    iters: int = 15
+    before: str = ""  # a git revision: also time hybridsp's ulysses.py + torch kernel of that revision
+
+    @property
+    def peer(self) -> str:
+        return "deepspeed" if self.ulysses == self.world else "yunchang"
+
+
+# --------------------------------------------------------------------------------------------
+# the methods
+
+
+def _revision_modules(revision: str):
+    """(ulysses, torch_fused) modules built from hybridsp's files at a git revision (for before/after)."""
+    import subprocess
+    import types
+
+    modules = []
+    for name in ("ulysses", "kernels/torch_fused"):
+        source = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "show",
+                                 f"{revision}:hybridsp/{name}.py"], check=True, capture_output=True, text=True).stdout
+        module = types.ModuleType(f"hybridsp_{name.replace('/', '_')}_at_{revision}")
+        exec(compile(source, f"{revision}:{name}.py", "exec"), module.__dict__)  # noqa: S102 - our own file
+        modules.append(module)
+    return modules
+
+
+def _hybridsp_at(revision: str, mesh, scale):
+    """hybrid_attn_func with the resharding and CPU kernel of ``revision`` swapped in for each call."""
+    import hybridsp.attention.ulysses as current
+    from hybridsp import hybrid_attn_func
+
+    old_ulysses, old_kernels = _revision_modules(revision)
+    kernel, mine = old_kernels.TorchFusedKernel(), dict(current._RESHARD)
+
+    def attention(q, k, v, counter=None):
+        current._RESHARD.update({True: old_ulysses._seq_to_heads, False: old_ulysses._heads_to_seq})
+        try:
+            out = hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend=kernel, counter=counter)
+            return _SwapDuringBackward.apply(out, old_ulysses, mine)
+        finally:
+            current._RESHARD.update(mine)
+
+    return attention
+
+
+class _SwapDuringBackward(torch.autograd.Function):
+    """Identity whose backward swaps the old resharding in for the rest of the backward pass (it is
+    the first node backward meets); the current hybridsp method swaps its own back in per call."""
+
+    @staticmethod
+    def forward(ctx, out, old, mine):
+        ctx.old = old
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import hybridsp.attention.ulysses as current
+
+        current._RESHARD.update({True: ctx.old._seq_to_heads, False: ctx.old._heads_to_seq})
+        return grad, None, None
+
+
+def make_inputs(case: Case, seed: int = 1234) -> dict[str, torch.Tensor]:
+    """Full q, k, v, dout [B, S, H(kv), D] in the case's dtype, identical in every process."""
+    gen = torch.Generator().manual_seed(seed)
+    heads = {"q": case.heads, "k": case.kv_heads, "v": case.kv_heads, "dout": case.heads}
+    return {n: torch.randn(case.batch, case.seq, h, case.head_dim, generator=gen).to(DTYPES[case.dtype])
+            for n, h in heads.items()}
+
+
+def setup_method(case: Case, rank: int):
+    """(attention(q, k, v, counter=None) -> out, shard(full [B, S, ...]) -> this rank's tokens)."""
+    scale = 1.0 / math.sqrt(case.head_dim)
+    if case.method.startswith("hybridsp"):
+        from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
+
+        mesh = init_mesh(case.ulysses, case.ring)
+        if "@" in case.method:
+            return _hybridsp_at(case.method.split("@", 1)[1], mesh, scale), lambda x: shard_sequence(x, mesh)
+        mode = {"kv_comm": case.method.split("-", 1)[1]} if "-" in case.method else {}
+
+        import hybridsp.attention.ulysses
+
+        current = dict(hybridsp.attention.ulysses._RESHARD)  # a hybridsp@REV method swaps its own in for its calls
+
+        def attention(q, k, v, counter=None):
+            hybridsp.attention.ulysses._RESHARD.update(current)
+            return hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch", counter=counter, **mode)
+
+        return attention, lambda x: shard_sequence(x, mesh)
+    if case.method == "deepspeed":
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the initialised torch.distributed
+        layer = DistributedAttention(LocalCpuAttention(True, scale), dist.new_group(list(range(case.world))),
+                                     scatter_idx=2, gather_idx=1)
+        repeats = -(-case.world // case.kv_heads)
+
+        def attention(q, k, v, counter=None):
+            if repeats > 1:  # ALST-style caller-side K/V replication (DistributedAttention needs Hkv >= world)
+                k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+            return layer(q, k, v, 0)  # batch_dim_idx=0: [B, S, H, D]
+
+        return attention, lambda x: x.chunk(case.world, dim=1)[rank].contiguous()
+    if case.method == "yunchang":
+        import yunchang
+        from yunchang import LongContextAttention, set_seq_parallel_pg
+        from yunchang.kernels import AttnType
+
+        patch_yunchang_cpu_kernel()
+        if case.dtype == "fp32":
+            patch_yunchang_fp32_alias()
+        set_seq_parallel_pg(case.ulysses, case.ring, rank, case.world, use_ulysses_low=True)
+        layer = LongContextAttention(ring_impl_type="zigzag", attn_type=AttnType.TORCH_FLASH)
+        extract = yunchang.EXTRACT_FUNC_DICT["zigzag"]
+        return (lambda q, k, v, counter=None: layer(q, k, v, softmax_scale=scale, causal=True),
+                lambda x: extract(x, rank, case.world, case.ring, case.ulysses))
+    raise ValueError(case.method)
+
+
+# --------------------------------------------------------------------------------------------
+# the peers' local kernel on CPU
 
 
 class CpuFlashAttention(torch.autograd.Function):

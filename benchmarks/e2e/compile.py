@@ -1,9 +1,11 @@
 """torch.compile of the main job's model against eager: step time, compile time, graph breaks.
 
-    python benchmarks/bench_compile.py                 # U2xR2 on 4 ranks, S = 4096, 7 rounds (~5 min)
-    python benchmarks/bench_compile.py --quick         # S = 1024, 3 rounds; writes to the temp dir
-    python benchmarks/bench_compile.py --explain-only  # only the graph-break count (run it on an old
-                                                       # revision with PYTHONPATH=<old checkout> for "before")
+    python -m benchmarks run e2e.compile                 # U2xR2 on 4 ranks, S = 4096, 7 rounds (~5 min)
+    python -m benchmarks run e2e.compile --quick         # S = 1024, 3 rounds; the temp dir (or --out DIR)
+    python -m benchmarks run e2e.compile --explain-only  # only the graph-break count
+
+For "before" on an old revision: ``PYTHONPATH=<old checkout>:<this checkout> python -m benchmarks.e2e.compile
+--explain-only``, started outside both checkouts (so that hybridsp comes from the old one).
 
 The model is ``examples/train.py``'s on its defaults (Llama, hidden 256, 4 layers, 8 query / 4 K/V
 heads, intermediate 640, byte vocabulary 256, tied embeddings), fp32 on the CPU, switched with
@@ -31,13 +33,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import combine, interleave, launch, load, machine_info, results_path, revision, write_results  # noqa: E402
-
-from tests.helpers.packs import packed_lm_batch  # noqa: E402
+from benchmarks.common.harness import (
+    combine,
+    interleave,
+    launch,
+    load,
+    machine_info,
+    results_path,
+    revision,
+    write_results,
+)
+from benchmarks.common.packs import packed_lm_batch
 
 MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=640, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=True)
@@ -155,7 +161,7 @@ def report(result: dict, args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--explain-only", action="store_true")
@@ -163,7 +169,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--ulysses", type=int, default=2)
     parser.add_argument("--ring", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--out", help="folder for compile_s<S>.{md,json} (default benchmarks/results/compile; "
+                        "quick: the temp dir)")
+    args = parser.parse_args(argv)
     if args.quick:
         args.seq, args.iters = 1024, 3
     before = load()
@@ -171,14 +179,16 @@ def main() -> None:
                     args.explain_only, timeout=3600)[0]
     if args.explain_only:
         print(result)
-        return
+        return 0
     result["load_before"] = before
     markdown = report(result, args)
     print(markdown)
     name = f"compile_s{args.seq}"
-    prefix = results_path("compile", name) if not args.quick else str(Path(tempfile.gettempdir()) / name)
+    prefix = str(Path(args.out) / name) if args.out else \
+        results_path("compile", name) if not args.quick else str(Path(tempfile.gettempdir()) / name)
     write_results(prefix, markdown, {**result, "args": vars(args)})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Long-context decoding: K/V cache memory per rank and decode latency, sharded vs one process.
 
-    python benchmarks/bench_generate.py                       # contexts 2k-16k, W=1 vs W=4 (2x2, 1x4)
-    python benchmarks/bench_generate.py --contexts 4096 --steps 8 --budget-mib 32
+    python -m benchmarks run e2e.generate                       # contexts 2k-16k, W=1 vs W=4 (2x2, 1x4)
+    python -m benchmarks run e2e.generate --contexts 4096 --steps 8 --budget-mib 32
 
 The model is ``examples/train.py``'s small Llama (hidden 256, 4 layers, 8 query / 4 K/V heads,
 head dim 32, fp32: 4 KiB of K/V per token). For every context S and mesh, one launch (gloo,
@@ -31,12 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-import harness
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+from benchmarks.common import harness
+from benchmarks.common.example import example
 
 MESHES = {"w1": (1, 1), "u2r2": (2, 2), "u1r4": (1, 4)}  # name: (ulysses, ring)
 
@@ -63,10 +61,9 @@ class StepPeak:
 
 
 def example_model():
-    from train import build_model, parse_args
-
-    args = parse_args(["--seq-len", "2048"])  # train.py's defaults; max_position_embeddings >= 2048
-    return build_model(args, 256).eval()
+    train = example("train")
+    args = train.parse_args(["--seq-len", "2048"])  # train.py's defaults; max_position_embeddings >= 2048
+    return train.build_model(args, 256).eval()
 
 
 def run_rank(rank: int, world: int, ulysses: int, ring: int, context: int, steps: int) -> dict:
@@ -132,15 +129,15 @@ def summarize(rows: list[dict], budget_mib: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--meshes", nargs="+", default=list(MESHES), choices=list(MESHES))
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--budget-mib", type=float, default=32.0)
-    parser.add_argument("--out", default=harness.results_path("generate", "generate.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=harness.results_path("generate", "generate.json"), help="the JSON file")
+    args = parser.parse_args(argv)
     rows = []
     for round_index in range(args.rounds):
         for context in args.contexts:
@@ -154,7 +151,8 @@ def main() -> None:
     print(summarize(rows, args.budget_mib))
     print("load average (1 min) during the runs: %.1f-%.1f" % (min(r["load"] for r in rows),
                                                               max(r["load"] for r in rows)))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

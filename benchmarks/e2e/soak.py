@@ -1,14 +1,15 @@
 """Soak: a long run of the main job; memory must stay flat and every number finite.
 
-    python benchmarks/bench_soak.py                       # runs the job (8 CPU ranks, ~10-15 min), then reports
-    python benchmarks/bench_soak.py --metrics FILE        # reports on an existing run's metrics.jsonl
+    python -m benchmarks run e2e.soak                       # runs the job (8 CPU ranks, ~10-15 min), then reports
+    python -m benchmarks run e2e.soak --metrics FILE        # reports on an existing run's metrics.jsonl
 
 The job is the README's main command at a short sequence:
 ``deepspeed --num_gpus 8 examples/train.py --deepspeed ds_configs/cp8.json --seq-len 1024 --max-steps 300``.
 From its metrics (one row per step; ``rss_bytes_per_rank`` is every rank's resident set size
 after the step) it reports, per rank, the RSS growth from step ``--after`` to the end (goal:
 < 1%), whether every loss and gradient norm is finite, the loss at the start and the end, and
-the median step time. The result is appended to ``benchmarks/results/soak/soak.md``.
+the median step time. The result is appended to ``benchmarks/results/soak/soak.md`` (``--out FILE``:
+there instead). The exit status is 1 when the goal is missed or a number is not finite.
 """
 
 from __future__ import annotations
@@ -22,9 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import harness
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.common import ROOT, harness
 
 
 def run_job(run_dir: Path, steps: int, seq_len: int, world: int) -> Path:
@@ -65,15 +64,16 @@ def markdown(result: dict, command: str) -> str:
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--metrics", type=Path, help="report on this metrics.jsonl instead of running the job")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--after", type=int, default=50, help="growth is measured from this step on")
-    parser.add_argument("--out", type=Path, default=Path(harness.results_path("soak", "soak.md")))
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path(harness.results_path("soak", "soak.md")),
+                        help="the markdown file to append to")
+    args = parser.parse_args(argv)
     command = (f"deepspeed --num_gpus {args.world} examples/train.py --deepspeed ds_configs/cp8.json "
                f"--seq-len {args.seq_len} --max-steps {args.steps}")
     metrics = args.metrics or run_job(Path(tempfile.mkdtemp(prefix="soak-")), args.steps, args.seq_len, args.world)
@@ -82,8 +82,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("a") as sink:
         sink.write(markdown(result, command))
-    sys.exit(0 if result["all_finite"] and result["max_rss_growth"] < 0.01 else 1)
+    return 0 if result["all_finite"] and result["max_rss_growth"] < 0.01 else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,9 @@
 """Gradient-norm ratio to the plain Trainer: HybridSPTrainer vs DeepSpeed's own SP path (ALST).
 
-    python benchmarks/trainer_grad_scale.py [--stages 1 2 3] [--out benchmarks/results/trainer/trainer_grad_scale.json]
+    python -m benchmarks run e2e.trainer_grad_scale [--stages 1 2 3] [--out FILE.json]
 
-The tiny Llama and data of tests/helpers/trainer_workers.py (micro batch 2, accumulation 2, 4 steps,
+The tiny Llama and data of the Trainer tests (:mod:`benchmarks.common.trainer`, a copy of
+tests/helpers/trainer_workers.py's; micro batch 2, accumulation 2, 4 steps,
 ``max_grad_norm=1.0``) are trained by the plain ``Trainer`` on one process (the reference), by
 ``HybridSPTrainer`` on 2 ranks (U2 x R1) and by the plain ``Trainer`` with transformers'
 ``ParallelismConfig(sp_backend="deepspeed", sp_size=2)`` (DeepSpeed's Ulysses + its loss
@@ -19,16 +20,14 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import harness
+from benchmarks.common.trainer import arguments, collate, ds_config, samples, step_logs, tiny_llama, train_logs
 
 
 def _fixed_collate(rows):
-    """tests' right-padding collate, padded to 40 tokens, with position_ids (DeepSpeed's SP adapter
+    """The tests' right-padding collate, padded to 40 tokens, with position_ids (DeepSpeed's SP adapter
     gathers the SP ranks' batches, so all must have one even length, and needs position_ids)."""
     import torch
-
-    from tests.helpers.trainer_workers import collate
 
     batch = collate(rows)
     extra = 40 - batch["input_ids"].shape[1]
@@ -46,10 +45,9 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
     from transformers import Trainer
 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
-    from tests.helpers.trainer_workers import _arguments, _step_logs, ds_config, samples, tiny_llama
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    config = ds_config(1, 1, stage, False)
+    config = ds_config(1, 1, stage)
     config.pop("hybridsp")
     parallelism = ParallelismConfig(
         sp_backend="deepspeed", sp_size=world_size,
@@ -59,25 +57,22 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
         import deepspeed
 
         deepspeed.init_distributed()  # with use_cpu accelerate leaves deepspeed.comm uninitialised; ALST needs it
-        trainer = Trainer(model=tiny_llama(), args=_arguments(out, config, parallelism_config=parallelism),
+        trainer = Trainer(model=tiny_llama(), args=arguments(out, config, parallelism_config=parallelism),
                           train_dataset=samples(40, seed=1), data_collator=_fixed_collate)
         trainer.train()
-    return _step_logs(trainer) if rank == 0 else None
+    return step_logs(trainer) if rank == 0 else None
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "trainer" / "trainer_grad_scale.json"))
-    args = parser.parse_args()
-    import harness
-
-    from tests.helpers.trainer_workers import several
-
-    reference = harness.launch(several, 1, [None], timeout=600)[0][0]["grad_norm"]
+    parser.add_argument("--out", default=harness.results_path("trainer", "trainer_grad_scale.json"),
+                        help="the JSON file (default benchmarks/results/trainer/trainer_grad_scale.json)")
+    args = parser.parse_args(argv)
+    reference = harness.launch(train_logs, 1, None, timeout=600)[0]["grad_norm"]
     results = {"reference_grad_norm": reference, "hybridsp": {}, "deepspeed_sp": {}}
     for stage in args.stages:
-        ours = harness.launch(several, 2, [dict(ulysses=2, ring=1, stage=stage)], timeout=600)[0][0]["grad_norm"]
+        ours = harness.launch(train_logs, 2, dict(ulysses=2, ring=1, stage=stage), timeout=600)[0]["grad_norm"]
         results["hybridsp"][stage] = [round(a / b, 4) for a, b in zip(ours, reference)]
         try:
             theirs = harness.launch(deepspeed_sp, 2, stage, timeout=600)[0]["grad_norm"]
@@ -88,7 +83,9 @@ def main() -> None:
               flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The prepared accelerator check: one command, under 8 minutes on one H200.
 
-    python benchmarks/gpu_check.py [--out DIR] [--quick]
+    python -m benchmarks run gpu.check [--out DIR] [--quick]
 
 1. Correctness of the ``flash`` backend (and PyTorch's CUDA ``torch`` backend) against the
    fp32 ``reference`` kernel, bf16 and fp16, causal and not, MHA and GQA, forward and
@@ -29,12 +29,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
 from pathlib import Path
 
-import harness
 import torch
 
+from benchmarks.common import harness
 from hybridsp.attention.merge import merge_into
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels.reference import attention_in_input_dtype
@@ -248,11 +249,11 @@ def _markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(harness.RESULTS / "gpu_check"))
+    parser.add_argument("--out", default=harness.results_dir("gpu_check"), help="folder for gpu_check.{md,json}")
     parser.add_argument("--quick", action="store_true", help="small sizes (for a CPU dry run)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backends = ["torch"]
     if device.type == "cuda":
@@ -281,7 +282,8 @@ def main() -> None:
         raise SystemExit("activation offload changed the results or did not lower the peak memory")
     if not report["lean_norms"]["ok"]:
         raise SystemExit("lean norms changed the loss, moved the gradients past rounding or raised the peak memory")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

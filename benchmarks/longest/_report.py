@@ -1,6 +1,6 @@
-"""The markdown report of bench_longest_context.py (tables, breakdowns and a reading, from its rows).
+"""The markdown report of longest.context (tables, breakdowns and a reading, from its rows).
 
-    python benchmarks/bench_longest_context.py --render benchmarks/results/longest_context/longest_context.json
+    python -m benchmarks run longest.context --render benchmarks/results/longest_context/longest_context.json
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ def breakdown_lines(meta: dict) -> list[str]:
             cells = " | ".join(f"{values[n]:,.0f}" if n in values else "-" for n in names)
             lines.append(f"| {node} | {dim} | {dtype} | {cells} | {_what(node, dim, dtype)} |")
         totals = " | ".join(f"**{sum(row[3] for row in breakdowns[n]):,.0f}**" for n in names)
-        from longest_setup import CONFIGS, VOCAB, planner_memory  # the planner's view of the example
+        from benchmarks.common.example import CONFIGS, VOCAB, planner_memory  # the planner's view of the example
 
         length = meta["breakdown_len"]
         planned = []
@@ -219,7 +219,8 @@ def reading(rows: list[dict], meta: dict) -> str:
     norm_saved = checks.get("rmsnorm_saved_bytes_per_hidden", float("nan"))
     slopes = [r["step_alloc_per_token"]["slope"] for r in done if r.get("step_alloc_per_token")]
     spread = max(slopes) / min(slopes) - 1 if slopes else float("nan")
-    from longest_setup import ROOT, example_model_spec
+    from benchmarks.common import ROOT
+    from benchmarks.common.example import example_model_spec
 
     zero = json.loads((ROOT / "ds_configs" / w1["ds_config"]).read_text())["zero_optimization"]
     bucket_bytes = int(zero["reduce_bucket_size"]) * 4  # fp32 gradients

@@ -1,8 +1,8 @@
 """Measured CPU analog of the planner's ablation: the longest trainable context at cp8 as memory
 techniques are added, with the planner's prediction for each row beside it.
 
-    python benchmarks/bench_ablation.py                 # the default rows below (~1.5 h on 2 cores)
-    python benchmarks/bench_ablation.py --rows none checkpointing+activation_offload --vocab 32000
+    python -m benchmarks run longest.ablation                 # the default rows below (~1.5 h on 2 cores)
+    python -m benchmarks run longest.ablation --rows none checkpointing+activation_offload --vocab 32000
 
 Each technique is a flag of a row (``+``-joined names in ``--rows``): ``fused_loss``
 (``hybridsp.fused_cross_entropy``), ``tiled_mlp`` (a tiled MLP: :func:`_enable_tiled_mlp` is the
@@ -11,7 +11,7 @@ one hook to point at its API), ``checkpointing`` (HF activation checkpointing, n
 a technique this branch lacks is reported "not available" (with the planner's prediction) and
 not measured.
 
-Rules (those of ``bench_longest_context.py``, whose rank machinery this reuses): the example
+Rules (those of longest.context, whose rank machinery this reuses: :mod:`benchmarks.common.longest`): the example
 model of ``examples/train.py`` (h=256, 8/4 heads of 32, I=640, tied embeddings, fp32) with
 ``--vocab`` (default 32000: a realistic vocabulary; token ids are the byte corpus's) and
 ``--layers``, ZeRO-3 from ``ds_configs/cp8.json`` through ``hybridsp.integrations.deepspeed
@@ -46,23 +46,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT / "benchmarks", ROOT / "examples", ROOT):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+from benchmarks.common import ROOT, harness
+from benchmarks.common import longest as blc
+from benchmarks.common.example import example_model_spec
+from benchmarks.common.harness import shared_host_tensor
+from hybridsp.planner import calibration
 
-import bench_longest_context as blc  # noqa: E402
-import harness  # noqa: E402
-import torch  # noqa: E402
-
-from hybridsp.planner import calibration  # noqa: E402
+MODULE = "benchmarks.longest.ablation"
 
 MIB = 2**20
 WORLD, ULYSSES, RING, CONFIG = calibration.WORLD, calibration.ULYSSES, calibration.RING, "cp8.json"
 FIXTURE = ROOT / "tests" / "data" / "planner_calibration_cpu.json"  # what tests/planner/test_calibration.py reads
 TECHNIQUES = ("fused_loss", "tiled_mlp", "checkpointing", "activation_offload")
 DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the ablation's rows at V=32000, 1.5 GiB (192 MiB
-    # per rank: at bench_longest_context's 1 GiB / 8 = 128 MiB nothing trains at V=32000, measured: the step's fixed
+    # per rank: at longest.context's 1 GiB / 8 = 128 MiB nothing trains at V=32000, measured: the step's fixed
     # ZeRO-3 part (the tied 31 MiB embedding re-gathered, the gradient bucket's reduce-scatter copies) is ~146 MiB)
     (32000, 4, 1536, ()), (32000, 4, 1536, ("fused_loss",)), (32000, 4, 1536, ("fused_loss", "tiled_mlp")),
     (32000, 4, 1536, ("checkpointing", "fused_loss", "tiled_mlp")),
@@ -100,22 +97,6 @@ def unavailable(techniques) -> list[str]:
     if "tiled_mlp" in techniques and _tiled_mlp_function() is None:
         missing.append("tiled_mlp")
     return missing
-
-
-def shared_host_tensor(shape, dtype) -> torch.Tensor:
-    """A CPU tensor in a MAP_SHARED mapping of an unlinked /dev/shm file: host memory that
-    RLIMIT_DATA does not count (the model of an accelerator's host memory)."""
-    numel = math.prod(shape)
-    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
-    handle, path = tempfile.mkstemp(dir="/dev/shm", prefix="hybridsp_offload_")
-    try:
-        os.ftruncate(handle, nbytes)
-    finally:
-        os.close(handle)
-    try:
-        return torch.from_file(path, shared=True, size=numel, dtype=dtype).view(shape)
-    finally:
-        os.unlink(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,16 +175,16 @@ def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: i
 
 
 def model_spec(vocab: int, layers: int):
-    return calibration.model_spec(blc.example_model_spec(), vocab, layers)
+    return calibration.model_spec(example_model_spec(), vocab, layers)
 
 
 def planner_memory(vocab: int, layers: int, techniques, seq_len: int):
-    return calibration.memory(blc.example_model_spec(), vocab, layers, techniques, seq_len)
+    return calibration.memory(example_model_spec(), vocab, layers, techniques, seq_len)
 
 
 def planner_longest(vocab: int, layers: int, techniques, budget: int, granularity: int) -> int:
     """Longest context in the planner's model for the measured rules (module docstring)."""
-    return calibration.longest(blc.example_model_spec(), vocab, layers, techniques, budget, granularity)
+    return calibration.longest(example_model_spec(), vocab, layers, techniques, budget, granularity)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,7 +204,7 @@ class Attempt:
 
 
 def _rank_reports(directory: str) -> list[tuple[float, int, str]]:
-    """bench_longest_context's reader, skipping a report a killed rank left half-written."""
+    """common.longest's reader, skipping a report a killed rank left half-written."""
     reports = []
     for path in Path(directory).glob("rank*.txt"):
         stamp, _, text = path.read_text().partition("\n")
@@ -235,15 +216,15 @@ def _rank_reports(directory: str) -> list[tuple[float, int, str]]:
 
 
 def planner_row(vocab: int, layers: int, techniques, seq_len: int) -> dict:
-    return calibration.attempt(blc.example_model_spec(), vocab, layers, techniques, seq_len)
+    return calibration.attempt(example_model_spec(), vocab, layers, techniques, seq_len)
 
 
 def calibration_fixture(rows: list[dict]) -> dict:
     """The measured rows reduced to what the planner's calibration test reads, with the base model."""
     keep = ("vocab", "layers", "budget_total", "techniques", "at", "longest", "complete", "granularity")
     return {
-        "source": "benchmarks/bench_ablation.py (results/longest_context/ablation_cpu.json), written by its save step",
-        "model": asdict(blc.example_model_spec()),
+        "source": "benchmarks/longest/ablation.py (results/longest_context/ablation_cpu.json), written by its save step",
+        "model": asdict(example_model_spec()),
         "rows": [{**{key: row[key] for key in keep if key in row},
                   "attempt_list": [{"seq_len": a["seq_len"], "ok": a["ok"],
                                     "step_alloc_peak": (a.get("worst") or {}).get("step_alloc_peak")}
@@ -356,7 +337,7 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
         f"- Machine: {meta['machine']}; {meta['software']}",
         f"- Rules: `examples/train.py`'s model (h=256, 8/4 heads of 32, I=640, tied embeddings, fp32), ZeRO-3 "
         f"(`ds_configs/cp8.json`), U4 x R2 on 8 gloo ranks, one training step; RLIMIT_DATA = VmData after the "
-        f"engine build + the row's total budget / 8 per rank (bench_longest_context.py's rules); "
+        f"engine build + the row's total budget / 8 per rank (longest.context's rules); "
         f"lengths in multiples of {meta['step']}; offloaded activations in /dev/shm (outside the limit, as host "
         "memory). Planner: `longest_context` with the budget + its own after-build states, same mesh/ZeRO-3/"
         "checkpointing, `offload_in_flight=0` (CPU copies are synchronous). allocated = live tensors after the "
@@ -482,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-mib", type=int, default=1536, help="total budget of --rows, split over the 8 ranks")
     parser.add_argument("--granularity", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt")
-    parser.add_argument("--out", default=str(harness.RESULTS / "longest_context"),
+    parser.add_argument("--out", default=harness.results_dir("longest_context"),
                         help="folder for ablation_cpu.{json,md} (default benchmarks/results/longest_context)")
     parser.add_argument("--fixture", default=str(FIXTURE), help="where to write the rows the planner's calibration "
                                                                 "test reads ('' for nowhere)")
@@ -508,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     results = [replan(row, row.get("granularity", args.granularity)) for row in previous["rows"]]
     runs = previous.get("runs", [])
     run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": "python benchmarks/bench_ablation.py" + (f" {' '.join(argv)}" if argv else ""),
+                "command": harness.command(MODULE, argv),
                 "load_before": load_before, "machine": harness.machine_info(), "software": harness.software_info(),
                 "step": math.lcm(args.granularity, 2 * RING * ULYSSES)}
     runs.append(run_meta)

@@ -1,13 +1,13 @@
 """Peak memory of one hybrid attention forward + backward at U = world, against DeepSpeed-Ulysses.
 
-    python benchmarks/bench_a2a_memory.py            # world 4 and 8, S=8192, fp32 (~2 min)
+    python -m benchmarks run memory.a2a            # world 4 and 8, S=8192, fp32 (~2 min)
 
 Side by side, interleaved, each (method, shape) in a fresh gloo launch per repeat:
 - ``hybridsp``: ``hybrid_attn_func`` at U = world, R = 1, torch kernel (this tree's lean all-to-all);
 - ``hybridsp-before``: the same with ``_seq_to_heads`` / ``_heads_to_seq`` of revision
   ``--before`` (default 352cdf7, before the lean all-to-all) swapped in, read with ``git show``;
 - ``deepspeed``: DeepSpeed-Ulysses ``DistributedAttention`` (scatter heads, gather sequence)
-  around the same aten CPU flash kernel, from ``bench_peers.py``'s harness.
+  around the same aten CPU flash kernel, set up as attention.peers sets it up (:mod:`benchmarks.common.peers`).
 
 Measured per rank: the peak of torch's own allocations inside the call (profiler memory
 events, so the inputs q, k, v, dout that exist before are not counted; the analogue of
@@ -26,13 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+import torch
 
-import harness  # noqa: E402
-import torch  # noqa: E402
+from benchmarks.common import ROOT, harness
+from benchmarks.common.peers import Case, make_inputs, setup_method
 
 MIB = 2**20
 METHODS = ("hybridsp", "hybridsp-before", "deepspeed")
@@ -51,8 +48,6 @@ def _patch_before(source: str) -> None:
 
 def rank_main(rank, world, method, seq, heads, kv_heads, batch, before_source):
     import torch.distributed as dist
-    from bench_longest_context import Allocations
-    from bench_peers import Case, _setup_method, make_inputs
 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
 
@@ -61,7 +56,7 @@ def rank_main(rank, world, method, seq, heads, kv_heads, batch, before_source):
     if method == "hybridsp-before":
         _patch_before(before_source)
     with without_cpu_shm_comm_build():
-        attention, shard = _setup_method(case, rank)
+        attention, shard = setup_method(case, rank)
     inputs = make_inputs(case)
     q, k, v = (shard(inputs[n]).detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
     dout = shard(inputs["dout"]).detach().clone()
@@ -71,7 +66,7 @@ def rank_main(rank, world, method, seq, heads, kv_heads, batch, before_source):
     attention(q, k, v).backward(dout)  # warm-up (one-off allocations: process groups, kernels)
     q.grad = k.grad = v.grad = None
     dist.barrier()
-    with Allocations() as allocations:
+    with harness.Allocations() as allocations:
         out = attention(q, k, v)
         out.backward(dout)
     error = float((out.detach() - expected).abs().max() / expected.abs().max())

@@ -1,7 +1,7 @@
 """Memory outside attention: the loss with and without logits, and the longest context at cp8, V=32000.
 
-    python benchmarks/bench_memory.py                  # both parts (bounded: ~10-20 min on 2 busy cores)
-    python benchmarks/bench_memory.py --part loss      # part 1 only (~1 min... ~10 min on a busy machine)
+    python -m benchmarks run memory.loss                  # both parts (bounded: ~10-20 min on 2 busy cores)
+    python -m benchmarks run memory.loss --part loss      # part 1 only (~1 min... ~10 min on a busy machine)
 
 Writes ``benchmarks/results/memory/memory.{md,json}`` (``--part loss``: ``loss.{md,json}``; ``--part longest``:
 ``longest.{md,json}``; ``--out PREFIX`` elsewhere).
@@ -22,11 +22,11 @@ The default chunk is ``ceil(T h / V)`` rows (``hybridsp.formulas.default_chunk_s
 
 Part 2, the longest trainable context at cp8 (U=4 x R=2, ZeRO-3, fp32) of the example model of
 ``examples/train.py`` with a V = 32000 vocabulary (tied embeddings; the byte corpus's ids are a
-subset), through ``bench_longest_context.search`` with its budget rules (soft ``RLIMIT_DATA``
+subset), through ``benchmarks.common.longest.search`` with longest.context's budget rules (soft ``RLIMIT_DATA``
 = VmData after the engine build + budget / world; one training step per attempt; doubling then
 bisection) for three steps: today's path (logits + ``sharded_cross_entropy``), the fused loss
 (``causal_lm_loss``), and the fused loss + ``apply_tiled_mlp``. The budget defaults to 2 GiB
-(256 MiB per rank), not bench_longest_context's 1 GiB: with V = 32000 the V x h matrix is
+(256 MiB per rank), not longest.context's 1 GiB: with V = 32000 the V x h matrix is
 31 MiB, and its gathers and gradients (lm_head and the embedding's dense gradient) take ~100 MiB
 of a 128 MiB rank before any activation.
 """
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -43,14 +44,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks", ROOT / "examples"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+import torch
 
-import bench_longest_context as longest  # noqa: E402
-import harness  # noqa: E402
-import torch  # noqa: E402
+from benchmarks.common import harness, longest
+from benchmarks.common.example import example
 
 MIB, GIB = 2**20, 2**30
 VOCAB = 32000
@@ -92,7 +89,7 @@ def loss_rank(rank, world, mode, dtype_name, tokens, vocab, hidden_size, chunk):
 
 
 def part_loss(repeats: int, log) -> list[dict]:
-    import bench_memory as this  # workers unpickle the function from this module, not __main__
+    this = importlib.import_module(__spec__.name)  # workers unpickle the function from this module, not __main__
 
     tokens, hidden_size = 8192, 512
     modes = [("logits", None), ("fused", None), ("fused", 128)]
@@ -124,7 +121,7 @@ def part_loss(repeats: int, log) -> list[dict]:
 
 @dataclass(frozen=True)
 class Variant:
-    """How bench_longest_context's attempt builds the model and runs the step (its ``variant``)."""
+    """How common.longest's attempt builds the model and runs the step (its ``variant``)."""
 
     name: str
     fused: bool = False
@@ -139,7 +136,7 @@ class Variant:
             apply_tiled_mlp(model)
 
     def train_step(self, engine, mesh, windows, step, micro_batch, accumulation) -> float:
-        import train
+        train = example("train")
 
         if not self.fused:
             return train.train_step(engine, mesh, windows, step, micro_batch, accumulation)
@@ -160,7 +157,7 @@ class Variant:
 
 
 def part_longest(budget_gib: float, granularity: int, starts: dict, log) -> list[dict]:
-    import bench_memory as this
+    this = importlib.import_module(__spec__.name)
 
     settings = longest.Settings(budget_total=int(budget_gib * GIB), granularity=granularity, first_timeout=900.0)
     longest.warm_forkserver()
@@ -216,7 +213,7 @@ def main(argv=None) -> int:
     names = ("today (logits)", "fused loss", "fused loss + tiled MLP")
     starts = dict(zip(names, map(int, args.starts.split(","))))
     result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "budget_gib": args.budget_gib,
-              "machine": harness.machine_info() if hasattr(longest, "machine_info") else None,
+              "machine": harness.machine_info(),
               "load_start": os.getloadavg()[0]}
     started = time.perf_counter()
     if args.part in ("loss", "both"):

@@ -1,7 +1,7 @@
 """GRPO / RLOO scoring at a long completion: memory per rank against one process.
 
-    python benchmarks/bench_rl_scoring.py --completion 2048 --prompt 256   # the committed run: 21 min at load 15-50
-    python benchmarks/bench_rl_scoring.py --completion 512 --prompt 128 --repeats 1 --out /tmp/rl   # ~4 min
+    python -m benchmarks run memory.rl_scoring --completion 2048 --prompt 256   # the committed run: 21 min at load 15-50
+    python -m benchmarks run memory.rl_scoring --completion 512 --prompt 128 --repeats 1 --out /tmp/rl   # ~4 min
 
 The default (prompt 512 + completion 8192) needs ~17 GiB on one process: a bigger machine.
 
@@ -31,12 +31,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+from benchmarks.common import harness
 
 CONFIGS = {"plain": (1, None), "hybridsp C=1": (1, (1, 1)), "U2xR1": (2, (2, 1)), "U2xR2": (4, (2, 2))}
 MIB = 2**20
@@ -144,7 +142,7 @@ def markdown(table: dict, args, load_before: str, load_after: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--completion", type=int, default=8192)
@@ -156,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     report = markdown(table, args, load_before, harness.load())
     print(report)
     harness.write_results(args.out, report, {"args": vars(args), "table": table})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

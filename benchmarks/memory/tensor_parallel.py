@@ -1,6 +1,6 @@
 """Per-rank parameter and activation memory with tensor parallelism at a fixed context size C.
 
-    python benchmarks/bench_tensor_memory.py [--seq 2048] [--context 2]
+    python -m benchmarks run memory.tensor_parallel [--seq 2048] [--context 2] [--out PREFIX]
 
 For T = 1, 2, 4 (world = T x C, C = U = 2 Ulysses ranks) a small Llama (hidden 512, 8 heads, 4 K/V
 heads, MLP 2048, 2 layers, fp32) runs one forward on one sequence of ``--seq`` tokens, with and
@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import launch, machine_info, results_path, revision, write_results  # noqa: E402
+from benchmarks.common.harness import launch, machine_info, results_path, revision, write_results
 
 SHAPE = dict(vocab_size=256, hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=8192, attn_implementation="sdpa")
@@ -76,10 +74,12 @@ def _measure(rank, world, seq, context, sequence_parallel):
                 activations=counter.total, norm_activations=counter.norm, hidden_shape=list(hidden.shape))
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--context", type=int, default=2)
+    parser.add_argument("--out", default=results_path("tensor_parallel", "tensor_memory"),
+                        help="output prefix (default benchmarks/results/tensor_parallel/tensor_memory)")
     args = parser.parse_args(argv)
     rows = []
     for tensor in (1, 2, 4):
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
             print(rows[-1], flush=True)
     base = rows[0]
     lines = [f"Per-rank memory, Llama {SHAPE['hidden_size']}h x {SHAPE['num_hidden_layers']} layers fp32, one "
-             f"sequence of {args.seq} tokens, C = U = {args.context}, rank 0 (`bench_tensor_memory.py`).", "",
+             f"sequence of {args.seq} tokens, C = U = {args.context}, rank 0 (`memory.tensor_parallel`).", "",
              "| T | SP in tensor group | parameters MiB | layer params MiB | activations saved MiB | of which norms MiB"
              " | activations vs T=1 |", "|---|---|---|---|---|---|---|"]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
@@ -97,10 +97,11 @@ def main(argv=None) -> None:
                      f" | {mib(row['activations'])} | {mib(row['norm_activations'])} | "
                      f"{row['activations'] / base['activations']:.2f} |")
     lines += ["", machine_info(), f"revision {revision()}"]
-    write_results(results_path("tensor_parallel", "tensor_memory"), "\n".join(lines) + "\n",
+    write_results(args.out, "\n".join(lines) + "\n",
                   {"rows": rows, "seq": args.seq, "context": args.context, "shape": SHAPE})
     print("\n".join(lines))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

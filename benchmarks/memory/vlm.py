@@ -1,8 +1,8 @@
 """A long video as one sequence: memory per rank (vision encoder's share, language model's share)
 against one process, and the two ways of dividing the vision encoder's work.
 
-    python benchmarks/bench_vlm_memory.py                 # ~10-20 min on 2 busy cores
-    python benchmarks/bench_vlm_memory.py --frames 64     # quicker
+    python -m benchmarks run memory.vlm                 # ~10-20 min on 2 busy cores
+    python -m benchmarks run memory.vlm --frames 64     # quicker
 
 The model and the video are ``examples/long_video.py``'s (a small untrained Qwen2-VL: 4 language
 layers, hidden 128; 2 vision blocks, embed 64; drawn frames of 224 x 224 pixels, 2 frames x 14 x 14
@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import harness  # noqa: E402
+from benchmarks.common import harness
+from benchmarks.common.example import example as load_example
 
 WORLDS = {1: (1, 1), 2: (2, 1), 4: (2, 2)}  # world -> (ulysses, ring)
 
@@ -52,7 +50,7 @@ def _images_first(example, count: int = 16, size: int = 224, text: int = 3000) -
 
 
 def measure(rank: int, world: int, frames: int, size: int, iters: int) -> dict:
-    import long_video as example
+    example = load_example("long_video")
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     from hybridsp import init_mesh, sharded_cross_entropy
@@ -152,19 +150,20 @@ def report(results: dict[int, list[dict]], frames: int, size: int) -> tuple[str,
     return "\n".join(lines) + "\n", data
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, default=128)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--out", default=harness.results_path("vlm", "vlm_memory"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=harness.results_path("vlm", "vlm_memory"), help="output prefix")
+    args = parser.parse_args(argv)
     results = {world: harness.launch(measure, world, args.frames, args.size, args.iters, timeout=1800)
                for world in WORLDS}
     markdown, data = report(results, args.frames, args.size)
     print(markdown)
     harness.write_results(args.out, markdown, data)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

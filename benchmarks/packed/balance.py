@@ -1,6 +1,6 @@
 """Document-balanced token layouts at the plan level: design choices side by side (no kernels).
 
-Run:  python benchmarks/bench_balance.py [--seeds 100] [--repeats 15]
+Run:  python -m benchmarks run packed.balance [--seeds 100] [--repeats 15] [--out PREFIX]
 
 For each pack set (one batch row's document boundaries) and each design, from the runs that
 ``hybridsp.layout.balance.tries`` returns for every ring slot:
@@ -38,18 +38,13 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import load, machine_info, results_path, revision, write_results  # noqa: E402
-
-from hybridsp.formulas import zigzag_slot_runs  # noqa: E402
-from hybridsp.layout.balance.bound import kv_rows_lower_bound  # noqa: E402
-from hybridsp.layout.balance.tries import SPLITS, balanced_slot_runs, design_slot_runs  # noqa: E402
-from hybridsp.layout.balance.work import hull_rows, slot_work  # noqa: E402
+from benchmarks.common.harness import load, machine_info, results_path, revision, write_results
+from benchmarks.common.packs import lognormal_pack
+from hybridsp.formulas import zigzag_slot_runs
+from hybridsp.layout.balance.bound import kv_rows_lower_bound
+from hybridsp.layout.balance.tries import SPLITS, balanced_slot_runs, design_slot_runs
+from hybridsp.layout.balance.work import hull_rows, slot_work
 
 INF = math.inf
 DESIGNS = {
@@ -76,24 +71,13 @@ DESIGNS = {
 }
 
 
-def lognormal_pack(seq_len: int, seed: int, mu: float = 6.4, sigma: float = 1.2) -> tuple[int, ...]:
-    """Boundaries of documents with lengths exp(N(mu, sigma)) clipped to [16, 8000] (median ~600;
-    the last one truncated to end at S)."""
-    rng = random.Random(seed)
-    bounds = [0]
-    while bounds[-1] < seq_len:
-        length = min(8000, max(16, round(math.exp(rng.gauss(mu, sigma)))))
-        bounds.append(min(seq_len, bounds[-1] + length))
-    return tuple(bounds)
-
-
 def uniform_cuts(seq_len: int, documents: int, seed: int) -> tuple[int, ...]:
     """``documents`` documents at uniformly random cut points (exponential-like lengths)."""
     cuts = sorted(random.Random(seed).sample(range(1, seq_len), documents - 1))
     return (0, *cuts, seq_len)
 
 
-ISSUE_PACK = (2396, 840, 420, 1731, 708, 1070, 135, 296, 595, 1)  # bench_masks.py's 10 documents (RESULTS.md)
+ISSUE_PACK = (2396, 840, 420, 1731, 708, 1070, 135, 296, 595, 1)  # attention.masks' 10 documents (RESULTS.md)
 
 
 def pack_sets(seeds: int) -> list[dict]:
@@ -104,7 +88,7 @@ def pack_sets(seeds: int) -> list[dict]:
     sets += [
         dict(name="lognormal S=16384 R=4 W=512", seq_len=16384, ring=4, window=512,
              packs=[lognormal_pack(16384, s) for s in range(seeds)]),
-        dict(name="bench_masks' 10 documents S=8192 R=4", seq_len=8192, ring=4, window=None, packs=[issue]),
+        dict(name="attention.masks' 10 documents S=8192 R=4", seq_len=8192, ring=4, window=None, packs=[issue]),
         dict(name="4 documents S=8192 R=4", seq_len=8192, ring=4, window=None,
              packs=[uniform_cuts(8192, 4, s) for s in range(seeds)]),
         dict(name="100 documents S=65536 R=8", seq_len=65536, ring=8, window=None,
@@ -306,11 +290,13 @@ def markdown(results: list[dict], timing: list[dict], info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=100, help="packs per random pack set")
     parser.add_argument("--repeats", type=int, default=15, help="build-time repeats (min reported)")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=results_path("packed", "balance"), help="output prefix (default "
+                        "benchmarks/results/packed/balance)")
+    args = parser.parse_args(argv)
     info = dict(date=time.strftime("%Y-%m-%d"), machine=machine_info(), load=load(), revision=revision())
     results = []
     for pack_set in pack_sets(args.seeds):
@@ -322,9 +308,10 @@ def main() -> None:
     info["load_after"] = load()
     text = markdown(results, timing, info)
     print(text)
-    write_results(results_path("packed", "balance"), text,
+    write_results(args.out, text,
                   dict(info=info, designs={k: v for k, v in DESIGNS.items()}, pack_sets=results, build_times=timing))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """The balanced layout with sliding windows at the plan level: placing for the window or not (no kernels).
 
-Run:  python benchmarks/bench_balance_windows.py [--seeds 30] [--windows 512,2048]
+Run:  python -m benchmarks run packed.balance_windows [--seeds 30] [--windows 512,2048] [--out PREFIX]
 
-On bench_balance's lognormal packs (S = 16,384, lengths exp(N(6.4, 1.2)) clipped to [16, 8000], the
+On packed.balance's lognormal packs (S = 16,384, lengths exp(N(6.4, 1.2)) clipped to [16, 8000], the
 packs docs/packed-documents.md quotes), at R = 2, 4 and 8, for each window W (and none), three
 layouts: ``zigzag``, ``balanced (blind)`` (placed as if there were no window: what
 ``layout="balanced"`` did before it knew the window) and ``balanced (W)`` (``Balanced(window=W)``,
@@ -23,19 +23,13 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_balance import lognormal_pack  # noqa: E402
-from harness import load, machine_info, results_path, revision, write_results  # noqa: E402
-
-from hybridsp.layout.balance.work import slot_work  # noqa: E402
-from hybridsp.layout.block_plan import build_plan  # noqa: E402
-from hybridsp.layout.layouts import BALANCED, ZIGZAG, get_layout  # noqa: E402
-from hybridsp.layout.runs_cache import RUNS_CACHE  # noqa: E402
+from benchmarks.common.harness import load, machine_info, results_path, revision, write_results
+from benchmarks.common.packs import lognormal_pack
+from hybridsp.layout.balance.work import slot_work
+from hybridsp.layout.block_plan import build_plan
+from hybridsp.layout.layouts import BALANCED, ZIGZAG, get_layout
+from hybridsp.layout.runs_cache import RUNS_CACHE
 
 SEQ = 16384
 RINGS = (2, 4, 8)
@@ -71,7 +65,7 @@ def measure(packs, ring: int, window) -> dict:
 def markdown(rows: list[dict], info: dict) -> str:
     lines = ["# The balanced layout and sliding windows (plan level)", "",
              f"{info['machine']}; load {info['load']} -> {info['load_after']}; revision {info['revision']}; "
-             f"{info['seeds']} lognormal packs (bench_balance's), S = {SEQ:,}.", "",
+             f"{info['seeds']} lognormal packs (packed.balance's), S = {SEQ:,}.", "",
              "| W | R | layout | plan max/mean worst | plan mean | visible max/mean worst | visible mean | build ms |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -82,10 +76,12 @@ def markdown(rows: list[dict], info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=30, help="packs")
     parser.add_argument("--windows", default="512,2048", help="comma-separated windows (none is always run)")
+    parser.add_argument("--out", default=results_path("packed", "balance_windows"),
+                        help="output prefix (default benchmarks/results/packed/balance_windows)")
     args = parser.parse_args(argv)
     info = dict(machine=machine_info(), load=load(), revision=revision(), seeds=args.seeds)
     packs = [lognormal_pack(SEQ, seed) for seed in range(args.seeds)]
@@ -97,8 +93,9 @@ def main(argv=None) -> None:
     info["load_after"] = load()
     text = markdown(rows, info)
     print(text)
-    write_results(results_path("packed", "balance_windows"), text, dict(info=info, rows=rows))
+    write_results(args.out, text, dict(info=info, rows=rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

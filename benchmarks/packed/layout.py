@@ -1,6 +1,6 @@
 """Packed batches: the zigzag and the document-balanced layout side by side, in one run.
 
-Run:  python benchmarks/bench_packed_layout.py [--packs 3] [--repeats 3]
+Run:  python -m benchmarks run packed.layout [--packs 3] [--repeats 3] [--window W] [--out PREFIX]
 
 For mixed packs (lognormal document lengths from ~16 to ~8,000 tokens, S = 16,384; the first seeds
 on which zigzag's busiest ring rank does >= 1.4x the mean work at that ring degree, the balanced
@@ -30,16 +30,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import torch
 
-import torch  # noqa: E402
-from harness import launch, load, machine_info, results_path, revision, write_results  # noqa: E402
+from benchmarks.common.harness import launch, load, machine_info, results_path, revision, write_results
 
 SEQ, HEADS, KV_HEADS, HEAD_DIM = 16384, 8, 2, 128
 MESHES = ((1, 4), (2, 2))
