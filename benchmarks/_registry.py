@@ -48,7 +48,7 @@ BENCHMARKS = (
               "results/linear", ("--seq-len", "512", "--iters", "1", "--out", "{tmp}/linear")),
     # memory
     Benchmark("memory.loss", "Memory: the loss with and without logits (fused cross-entropy)?",
-              "results/memory", ("--part", "loss", "--repeats", "1", "--out", "{tmp}/loss")),
+              "results/memory", ("--part", "loss", "--tokens", "1024", "--repeats", "1", "--out", "{tmp}/loss")),
     Benchmark("memory.a2a", "Memory: the Ulysses all-to-all against DeepSpeed-Ulysses?",
               "results/memory", ("--worlds", "4", "--seq", "2048", "--repeats", "1", "--out", "{tmp}/a2a_memory.json")),
     Benchmark("memory.tensor_parallel", "Tensor parallelism x hybrid SP: parameters and activations per rank?",

@@ -6,7 +6,7 @@
 Writes ``benchmarks/results/memory/memory.{md,json}`` (``--part loss``: ``loss.{md,json}``; ``--part longest``:
 ``longest.{md,json}``; ``--out PREFIX`` elsewhere).
 
-Part 1, the loss alone: peak memory per rank of one loss forward + backward at S_local = 8192
+Part 1, the loss alone: peak memory per rank of one loss forward + backward at S_local = 8192 (``--tokens``)
 tokens, V = 32000, h = 512, fp32 and bf16, in a fresh process per measurement (one gloo rank;
 the loss's only collective is over the context group), interleaved, the median of the repeats:
 - ``logits``: ``hidden @ weight.T`` then ``sharded_cross_entropy`` (the logits held until the
@@ -88,10 +88,10 @@ def loss_rank(rank, world, mode, dtype_name, tokens, vocab, hidden_size, chunk):
             "seconds": seconds, "grad_norm": float(weight.grad.float().norm())}
 
 
-def part_loss(repeats: int, log) -> list[dict]:
+def part_loss(repeats: int, log, tokens: int = 8192) -> list[dict]:
     this = importlib.import_module(__spec__.name)  # workers unpickle the function from this module, not __main__
 
-    tokens, hidden_size = 8192, 512
+    hidden_size = 512
     modes = [("logits", None), ("fused", None), ("fused", 128)]
     rows = []
     for dtype in ("fp32", "bf16"):
@@ -179,7 +179,8 @@ def part_longest(budget_gib: float, granularity: int, starts: dict, log) -> list
 
 
 def markdown(result: dict) -> str:
-    lines = ["## Loss memory per rank at S_local = 8192, V = 32000, h = 512 (one rank, fresh processes)", "",
+    tokens = result["loss"][0]["tokens"] if result.get("loss") else 8192
+    lines = [f"## Loss memory per rank at S_local = {tokens}, V = 32000, h = 512 (one rank, fresh processes)", "",
              "| dtype | loss | chunk (tokens) | torch allocated peak MiB | RSS peak MiB | s | loss value |",
              "|---|---|---|---|---|---|---|"]
     for r in result.get("loss", []):
@@ -201,6 +202,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("loss", "longest", "both"), default="both")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=8192, help="part 1: tokens on the rank (S_local)")
     parser.add_argument("--budget-gib", type=float, default=2.0)
     parser.add_argument("--granularity", type=int, default=2048)
     parser.add_argument("--starts", default="2048,8192,12288", help="first length per variant (today, fused, tiled)")
@@ -217,7 +219,7 @@ def main(argv=None) -> int:
               "load_start": os.getloadavg()[0]}
     started = time.perf_counter()
     if args.part in ("loss", "both"):
-        result["loss"] = part_loss(args.repeats, log)
+        result["loss"] = part_loss(args.repeats, log, args.tokens)
     if args.part in ("longest", "both"):
         result["longest"] = part_longest(args.budget_gib, args.granularity, starts, log)
     result["total_s"], result["load_end"] = time.perf_counter() - started, os.getloadavg()[0]
