@@ -1,4 +1,4 @@
-"""The end-to-end comparison's parity check at a tiny size (benchmarks/bench_alst.py measures the rest).
+"""The end-to-end comparison's parity check at a tiny size (benchmarks/alst/compare.py measures the rest).
 
 The same tiny Llama (h=64, 4 query / 2 K/V heads, 2 layers, byte vocabulary), the same windows of
 the byte corpus, seed and DeepSpeed ZeRO-3 config (clipping at 1.0, which every step's norm exceeds)
@@ -9,13 +9,13 @@ are trained for 2 steps by one-process DeepSpeed without sequence parallelism (t
 - hybridsp (``hybridsp.integrations.deepspeed.initialize``) at U2 x R1 and U1 x R2, and at U2 x R1 with
   its best memory features (checkpointing, fused loss, tiled MLP, lean norms, activation offload),
 
-each on 2 gloo ranks (tests/helpers/alst_stacks.py, which benchmarks/bench_alst.py runs too). Every step's loss, DeepSpeed's gradient norm and the
+each on 2 gloo ranks (benchmarks/common/alst_stacks.py, which benchmarks/alst/compare.py runs too). Every step's loss, DeepSpeed's gradient norm and the
 lm_head gradient's norm must equal the reference's (relative 1e-4).
 """
 
 import pytest
 
-from tests.helpers.alst_stacks import Run, train_rank
+from benchmarks.common.alst_stacks import Run, train_rank
 
 TOLERANCE = 1e-4
 TINY = {"hidden": 64, "heads": 4, "kv_heads": 2, "layers": 2, "seq_len": 128, "steps": 2, "head_norm": True}
@@ -56,7 +56,7 @@ def test_stack_equals_one_process_deepspeed(name, reference):
 @pytest.mark.slow
 def test_alst_defects_are_what_the_benchmark_states():
     """ALST's recipe at ZeRO-2: every gradient SP = 2 times the reference's; TiledFusedLogitsLoss at ZeRO-3:
-    the lm_head gradient (S - 1) / SP times (benchmarks/alst_defects.py); hybridsp at ZeRO-2 is exact."""
+    the lm_head gradient (S - 1) / SP times (benchmarks/alst/_defects.py); hybridsp at ZeRO-2 is exact."""
     one_step = {"steps": 1}
     for stage in (2, 3):
         reference = _trace({"stack": "reference", "stage": stage, **one_step})

@@ -1,0 +1,1 @@
+"""The prepared accelerator check (not run on a GPU yet)."""
