@@ -1,5 +1,5 @@
 """hybridsp.linear_attention._volume: the per-rank bytes and buffers of a recurrent layer against hand counts, and the
-planner's ``--linear`` report (the counters of a real run equal these formulas: benchmarks/bench_linear.py)."""
+planner's ``--linear`` report (the counters of a real run equal these formulas: benchmarks/attention/linear.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The planner against the measured CPU ablation of benchmarks/bench_ablation.py (longest context and step memory),
+"""The planner against the measured CPU ablation of benchmarks/longest/ablation.py (longest context and step memory),
 as its rows are kept in tests/data/planner_calibration_cpu.json."""
 
 import json
@@ -13,7 +13,7 @@ FIXTURE = DATA / "planner_calibration_cpu.json"
 
 def _base_and_rows():
     """(the measured model as a ModelSpec, the measured rows): tests/data/planner_calibration_cpu.json,
-    which benchmarks/bench_ablation.py writes with its results."""
+    which benchmarks/longest/ablation.py writes with its results."""
     from hybridsp.planner import ModelSpec
 
     data = json.loads(FIXTURE.read_text())
@@ -21,7 +21,7 @@ def _base_and_rows():
 
 
 def test_planner_against_the_measured_cpu_ablation():
-    """benchmarks/results_ablation_cpu.json (bench_ablation.py: cp8 = U4 x R2, ZeRO-3, fp32,
+    """benchmarks/results_ablation_cpu.json (benchmarks/longest/ablation.py: cp8 = U4 x R2, ZeRO-3, fp32,
     V = 32000, 1.5 GiB in all): for every completely searched row, the planner's longest context
     within 15% of the measured one and its step memory at that length within 10% of
     the worst rank's allocated peak; at 1 GiB the planner, like the
