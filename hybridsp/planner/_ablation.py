@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from hybridsp.planner import _search as search
-from hybridsp.planner._candidates import CandidatePlan, format_seconds
+from hybridsp.planner._candidates import CandidatePlan, format_seconds, memory_of
 from hybridsp.planner._search import LongestContext, PlanResult, SearchSpace, longest_context
 from hybridsp.planner._specs import GIB, ClusterSpec, ModelSpec, Workload
 from hybridsp.planner._techniques import ABLATION_ORDER, Techniques
@@ -43,13 +43,14 @@ class AblationRow:
                "dp": best.config.dp if best else None, "ulysses": best.config.ulysses if best else None,
                "ring": best.config.ring if best else None}
         if best is not None:
-            memory = best.memory
+            memory, timing = memory_of(best), best.timing
+            assert timing is not None  # evaluate() sets every cost of a valid plan
             row.update(zero_stage=best.config.zero_stage, activation_checkpointing=best.config.checkpointing,
                        step_s=best.step_s, tokens_per_s=best.tokens_per_s, peak_phase=memory.peak_phase,
                        memory={**{k: v for k, v in asdict(memory).items() if k != "phases"},
                                "phases": dict(memory.phases), "total": memory.total, "host": memory.host},
                        usable_bytes=best.usable_bytes, host_usable_bytes=best.host_usable_bytes,
-                       host_traffic_bytes=best.timing.host_traffic_bytes, offload_s=best.timing.offload_s)
+                       host_traffic_bytes=timing.host_traffic_bytes, offload_s=timing.offload_s)
         return row
 
 
@@ -95,7 +96,7 @@ def format_ablation(rows: list[AblationRow], model: ModelSpec, cluster: ClusterS
         if best is None:
             lines.append(f"| {name} | nothing fits | | | | | | | | |")
             continue
-        m = best.memory
+        m = memory_of(best)
         terms = " / ".join(f"{value / GIB:.1f}" for value in (
             m.params, m.grads, m.optimizer, m.gathered_params, m.engine_state, m.checkpoints, m.activations,
             m.logits, m.workspace))
@@ -163,18 +164,19 @@ def _all_of(variants: list) -> tuple[Workload, SearchSpace]:
 def _outcome(result: PlanResult, workload: Workload, space: SearchSpace) -> tuple[bool, float]:
     """(fits, the least memory any plan of the search needs, bytes) with this workload and space."""
     tried = search.plan(result.model, workload, result.cluster, space)
-    valid = [p.memory.total for p in tried.ranked if p.valid]
+    valid = [memory_of(p).total for p in tried.ranked if p.valid]
     return tried.recommended is not None, min(valid) if valid else float("inf")
 
 
 def no_fit_hint(result: PlanResult, space: SearchSpace) -> list[str]:
     """Nothing fits: what the smallest plan needs, and each technique that is off, tried on the same search."""
-    smallest = min(result.ranked, key=lambda p: p.memory.total)
-    lines = [f"No plan fits in memory: the smallest ({_describe(smallest)}) needs {smallest.memory.total / GIB:.1f} "
+    smallest = min(result.ranked, key=lambda p: memory_of(p).total)
+    lines = [f"No plan fits in memory: the smallest ({_describe(smallest)}) needs "
+             f"{memory_of(smallest).total / GIB:.1f} "
              f"GiB, {smallest.usable_bytes / GIB:.1f} GiB usable per GPU."]
     variants = list(_variants(result.workload, space))
     tried = [(flag, *_outcome(result, w, s)) for flag, w, s in variants]
-    helping = [(flag, fits, need) for flag, fits, need in tried if need < smallest.memory.total * 0.999]
+    helping = [(flag, fits, need) for flag, fits, need in tried if need < memory_of(smallest).total * 0.999]
     if helping:
         lines.append("  Off now, each alone: " + "; ".join(
             f"{flag}: {'fits,' if fits else 'no fit,'} {need / GIB:.1f} GiB" for flag, fits, need in helping))
@@ -208,7 +210,8 @@ def recommendation_lines(result: PlanResult, space: SearchSpace) -> list[str]:
         return [_why_no_mesh(result)]
     if best is None:
         return no_fit_hint(result, space)
-    c, t, m = best.config, best.timing, best.memory
+    c, t, m = best.config, best.timing, memory_of(best)
+    assert t is not None  # evaluate() sets every cost of a valid plan
     lines = [
         f"Recommended: DP={c.dp} x Ulysses={c.ulysses} x ring={c.ring}, ZeRO-{c.zero_stage}, "
         f"activation checkpointing {'on' if c.checkpointing else 'off'}",

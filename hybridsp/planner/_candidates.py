@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from typing import Any, TypedDict
 
 from hybridsp._formulas import heads_divisible
 from hybridsp.layout._layouts import check_sequence_length
@@ -66,11 +67,15 @@ class CandidatePlan:
 
     @property
     def fits(self) -> bool:
-        return self.valid and self.memory.total <= self.usable_bytes and self.memory.host <= self.host_usable_bytes
+        return (self.valid and memory_of(self).total <= self.usable_bytes
+                and memory_of(self).host <= self.host_usable_bytes)
 
     @property
     def step_s(self) -> float:
-        return self.timing.step_s if self.valid else float("inf")
+        if not self.valid:
+            return float("inf")
+        assert self.timing is not None  # evaluate() sets every cost of a valid plan
+        return self.timing.step_s
 
     @property
     def seconds_per_sequence(self) -> float:
@@ -83,46 +88,72 @@ class CandidatePlan:
 
     @property
     def ulysses_inside_node(self) -> bool:
-        return self.valid and not self.topology.ulysses_crosses_nodes
+        if not self.valid:
+            return False
+        assert self.topology is not None  # evaluate() sets every cost of a valid plan
+        return not self.topology.ulysses_crosses_nodes
 
     def mfu(self, peak_flops: float) -> float:
         """Useful model FLOPs over peak (recomputation is not useful work)."""
-        return self.flops.model / (self.step_s * peak_flops) if self.valid else 0.0
+        if not self.valid:
+            return 0.0
+        assert self.flops is not None  # evaluate() sets every cost of a valid plan
+        return self.flops.model / (self.step_s * peak_flops)
 
     @property
     def reasons(self) -> tuple[str, ...]:
         return self.problems + self.notes
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """The headline numbers as plain JSON-able values."""
-        row = {
+        row: dict[str, Any] = {
             "dp": self.config.dp, "ulysses": self.config.ulysses, "ring": self.config.ring,
             "zero_stage": self.config.zero_stage, "activation_checkpointing": self.config.checkpointing,
             "valid": self.valid, "fits": self.fits, "reasons": list(self.reasons),
         }
         if self.valid:
+            memory, topology, comm = memory_of(self), self.topology, self.comm
+            assert topology is not None and comm is not None  # evaluate() sets every cost of a valid plan
             row.update(
                 step_s=self.step_s, seconds_per_sequence=self.seconds_per_sequence, tokens_per_s=self.tokens_per_s,
-                memory_gib=self.memory.total / GIB, usable_gib=self.usable_bytes / GIB,
-                host_gib=self.memory.host / GIB, peak_phase=self.memory.peak_phase,
-                all_to_all_crosses_nodes=self.topology.ulysses_crosses_nodes,
-                ring_crosses_nodes=self.topology.ring_crosses_nodes, kv_comm=self.comm.kv_comm,
+                memory_gib=memory.total / GIB, usable_gib=self.usable_bytes / GIB,
+                host_gib=memory.host / GIB, peak_phase=memory.peak_phase,
+                all_to_all_crosses_nodes=topology.ulysses_crosses_nodes,
+                ring_crosses_nodes=topology.ring_crosses_nodes, kv_comm=comm.kv_comm,
             )
         return row
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Everything: the summary plus FLOPs, bytes, memory and timing breakdowns."""
         row = self.summary()
         if self.valid:
+            flops, comm, memory, timing = self.flops, self.comm, memory_of(self), self.timing
+            assert flops is not None and comm is not None and timing is not None  # set for every valid plan
             row.update(
-                flops=asdict(self.flops),
-                bytes_per_step={"all_to_all": self.comm.all_to_all, "ring": self.comm.ring_total},
-                comm=asdict(self.comm),
-                memory={**asdict(self.memory), "phases": dict(self.memory.phases), "total": self.memory.total,
-                        "host": self.memory.host, "host_usable": self.host_usable_bytes},
-                timing={**asdict(self.timing), "step_s": self.step_s, "exposed_comm_s": self.timing.exposed_comm_s},
+                flops=asdict(flops),
+                bytes_per_step={"all_to_all": comm.all_to_all, "ring": comm.ring_total},
+                comm=asdict(comm),
+                memory={**asdict(memory), "phases": dict(memory.phases), "total": memory.total,
+                        "host": memory.host, "host_usable": self.host_usable_bytes},
+                timing={**asdict(timing), "step_s": self.step_s, "exposed_comm_s": timing.exposed_comm_s},
             )
         return row
+
+
+def memory_of(plan: CandidatePlan) -> MemoryUse:
+    """The memory a valid plan needs (:func:`evaluate` sets every cost of a plan whose mesh is valid)."""
+    assert plan.memory is not None, "an invalid mesh has no memory use"
+    return plan.memory
+
+
+class _PlanBase(TypedDict):
+    """What every :class:`CandidatePlan` of one evaluation shares, valid or not."""
+
+    config: MeshConfig
+    usable_bytes: float
+    micro_batch: int
+    seq_len: int
+    host_usable_bytes: float
 
 
 def _all_to_all_note(model: ModelSpec, config: MeshConfig, topology: Topology, timing: Timing) -> list[str]:
@@ -200,8 +231,8 @@ def evaluate(
         modes = [replace(workload, techniques=replace(workload.techniques, kv_mode=mode)) for mode in ("ring", "allgather")]
         return best_of([evaluate(model, w, cluster, config, topology, order) for w in modes])
     problems = tuple(mesh_problems(model, workload, cluster, config))
-    base = dict(config=config, usable_bytes=cluster.usable_bytes, micro_batch=workload.micro_batch,
-                seq_len=workload.seq_len, host_usable_bytes=cluster.host_bytes_per_gpu)
+    base = _PlanBase(config=config, usable_bytes=cluster.usable_bytes, micro_batch=workload.micro_batch,
+                     seq_len=workload.seq_len, host_usable_bytes=cluster.host_bytes_per_gpu)
     if problems:
         return CandidatePlan(problems=problems, **base)
     topology = topology or mesh_topology(config, cluster.gpus_per_node, order)

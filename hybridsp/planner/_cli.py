@@ -17,10 +17,11 @@ import json
 import math
 import sys
 from dataclasses import replace
+from typing import Any
 
 from hybridsp.planner import _clusters as clusters
 from hybridsp.planner._ablation import ablation, format_ablation, recommendation_lines
-from hybridsp.planner._candidates import CandidatePlan, format_seconds
+from hybridsp.planner._candidates import CandidatePlan, format_seconds, memory_of
 from hybridsp.planner._packing import attention_work_fraction, packing_summary
 from hybridsp.planner._search import PlanResult, SearchSpace, longest_context, plan
 from hybridsp.planner._specs import (
@@ -249,27 +250,30 @@ def space_from_args(args: argparse.Namespace) -> SearchSpace:
 def _why(plan: CandidatePlan) -> str:
     """The table's short reason: what keeps this plan from being faster or from fitting."""
     if not plan.fits:
-        return f"needs {plan.memory.total / GIB:.1f} GiB"
+        return f"needs {memory_of(plan).total / GIB:.1f} GiB"
+    topology, timing = plan.topology, plan.timing
+    assert topology is not None and timing is not None  # a plan that fits is valid: evaluate() set its costs
     parts = []
-    if plan.config.ulysses > 1 and plan.topology.ulysses_crosses_nodes:
+    if plan.config.ulysses > 1 and topology.ulysses_crosses_nodes:
         parts.append("all-to-all crosses nodes")
-    ring = plan.timing.ring
+    ring = timing.ring
     if ring is not None and not (ring.forward_hidden and ring.backward_hidden):
         parts.append(f"ring exposed {format_seconds(ring.exposed_s)}")
-    if plan.timing.zero_exposed_s > 0:
-        parts.append(f"ZeRO exposed {format_seconds(plan.timing.zero_exposed_s)}")
+    if timing.zero_exposed_s > 0:
+        parts.append(f"ZeRO exposed {format_seconds(timing.zero_exposed_s)}")
     return ", ".join(parts)
 
 
 def _row(index: int, plan: CandidatePlan, best: CandidatePlan | None) -> str:
-    c, t = plan.config, plan.timing
+    c, t, topology = plan.config, plan.timing, plan.topology
+    assert t is not None and topology is not None  # ranked plans are valid: evaluate() set their costs
     mark = "*" if plan is best else " "
     ratio = f"x{plan.seconds_per_sequence / best.seconds_per_sequence:.3f}" if best else "-"
-    a2a = "-" if c.ulysses == 1 else ("xnode" if plan.topology.ulysses_crosses_nodes else "node")
+    a2a = "-" if c.ulysses == 1 else ("xnode" if topology.ulysses_crosses_nodes else "node")
     ring = "-" if t.ring is None else ("xnode" if t.ring.link == "inter" else "node")
     ckpt = "on" if c.checkpointing else "off"
     return (f"{index:>3}{mark} {c.dp:>3} {c.ulysses:>3} {c.ring:>3} {c.zero_stage:>4} {ckpt:>4} "
-            f"{plan.step_s:>9.3f} {ratio:>7} {plan.tokens_per_s:>10.0f} {plan.memory.total / GIB:>7.1f} "
+            f"{plan.step_s:>9.3f} {ratio:>7} {plan.tokens_per_s:>10.0f} {memory_of(plan).total / GIB:>7.1f} "
             f"{t.all_to_all_s:>7.3f} {t.ring_exposed_s:>7.3f} {a2a:>5} {ring:>5}  {_why(plan)}")
 
 
@@ -351,6 +355,7 @@ def _linear(args: argparse.Namespace, result: PlanResult) -> str:
         spec, layers = parse_linear(args.linear)
     except ValueError as error:
         raise SystemExit(f"python -m hybridsp plan: error: {error}") from None
+    assert result.recommended is not None  # run() asks for the report only when a plan is recommended
     config, work = result.recommended.config, result.workload
     return linear_report(spec, layers, work.micro_batch, work.seq_len, config.ulysses, config.ring, args.dtype_bytes)
 
@@ -359,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``plan``; print a table or JSON. Returns the exit status (1: nothing fits)."""
     if args.clusters:
         return run_clusters(args)
+    extra: dict[str, Any]
     try:
         model, cluster, space = model_from_args(args), cluster_from_args(args), space_from_args(args)
         techniques = techniques_from_args(args)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from hybridsp.planner._candidates import memory_of
 from hybridsp.planner._costs import local_tokens
 from hybridsp.planner._memory import memory_use
 from hybridsp.planner._search import SearchSpace, longest_context
@@ -63,13 +64,14 @@ def predict(model_name: str, gpu: str, world: int, granularity: int) -> dict:
     best = found.result.recommended if found.result else None
     if best is None:
         return row
-    c, t, m = best.config, best.timing, best.memory
+    c, t, m, topology = best.config, best.timing, memory_of(best), best.topology
+    assert t is not None and topology is not None  # evaluate() sets every cost of a valid plan
     row.update(
         dp=c.dp, ulysses=c.ulysses, ring=c.ring, zero_stage=c.zero_stage, checkpointing=c.checkpointing,
         step_s=best.step_s, tokens_per_s=best.tokens_per_s, mfu=best.mfu(cluster.peak_flops),
         compute_s=t.compute_s, all_to_all_s=t.all_to_all_s, ring_exposed_s=t.ring_exposed_s,
-        zero_exposed_s=t.zero_exposed_s, all_to_all_crosses_nodes=best.topology.ulysses_crosses_nodes,
-        ring_crosses_nodes=best.topology.ring_crosses_nodes,
+        zero_exposed_s=t.zero_exposed_s, all_to_all_crosses_nodes=topology.ulysses_crosses_nodes,
+        ring_crosses_nodes=topology.ring_crosses_nodes,
         memory_gib={"total": m.total / GIB, "model_states": m.model_states / GIB, "activations": m.activations / GIB,
                     "logits": m.logits / GIB, "workspace": m.workspace / GIB, "usable": best.usable_bytes / GIB},
     )

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field, replace
 from hybridsp._checks import check_positive
 from hybridsp._formulas import heads_divisible
 from hybridsp.mesh._auto_degrees import check_launch, divisors, largest_inside_node, ulysses_candidates
-from hybridsp.planner._candidates import LAYOUT, CandidatePlan, evaluate, mesh_problems
+from hybridsp.planner._candidates import LAYOUT, CandidatePlan, evaluate, memory_of, mesh_problems
 from hybridsp.planner._memory import memory_use
 from hybridsp.planner._specs import ClusterSpec, MeshConfig, ModelSpec, Workload
 from hybridsp.planner._techniques import Techniques
@@ -83,7 +83,7 @@ def evaluate_all(model: ModelSpec, workload: Workload, cluster: ClusterSpec, spa
 def _preference(plan: CandidatePlan, headroom: float = 0.0) -> tuple:
     """Among equally fast plans: Ulysses inside a node, larger U, ``headroom`` of memory left
     free, then the faster, then lower ZeRO stage and no recompute."""
-    cramped = plan.memory.total > (1 - headroom) * plan.usable_bytes
+    cramped = memory_of(plan).total > (1 - headroom) * plan.usable_bytes
     return (not plan.ulysses_inside_node, -plan.config.ulysses, cramped, plan.seconds_per_sequence,
             plan.config.zero_stage, plan.config.checkpointing)
 
@@ -123,7 +123,7 @@ def _ranked(plans: list[CandidatePlan], recommended: CandidatePlan | None) -> tu
     """The recommendation, the other fitting plans by speed, then the rest by memory needed."""
     fitting = sorted((p for p in plans if p.fits and p is not recommended), key=_preference_by_speed)
     too_big = sorted((p for p in plans if p.valid and not p.fits),
-                     key=lambda p: (p.memory.total, p.seconds_per_sequence))
+                     key=lambda p: (memory_of(p).total, p.seconds_per_sequence))
     return (*([recommended] if recommended else []), *fitting, *too_big)
 
 

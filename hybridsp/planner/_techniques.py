@@ -8,6 +8,7 @@ stated in :mod:`hybridsp.planner._memory`. ``ABLATION_ORDER`` is the order in wh
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from hybridsp._checks import check_positive
 
@@ -80,4 +81,5 @@ class Techniques:
         unknown = sorted(set(names) - set(ABLATION_ORDER))
         if unknown:
             raise ValueError(f"unknown techniques {unknown}; choose from {', '.join(ABLATION_ORDER)}")
-        return replace(self, **{name: name in names for name in ABLATION_ORDER})
+        switches: dict[str, Any] = {name: name in names for name in ABLATION_ORDER}  # bool fields, by name
+        return replace(self, **switches)

@@ -54,7 +54,7 @@ def mesh_topology(config: MeshConfig, gpus_per_node: int, order: str = "ulysses_
         for node in set(nodes):
             same = nodes.count(node) - 1
             peers.add((same, len(members) - 1 - same))
-    hops = set()
+    hops: set[str] = set()
     for members in groups["ring"]:  # sorted global ranks are in ring order for both rank orders
         if len(members) > 1:
             nodes = [rank // gpus_per_node for rank in members]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import cast
 
 from torch import nn
 
@@ -66,6 +67,7 @@ def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Cal
             norm = getattr(attention, name)
             split_parameter(norm, "weight", f"{prefix}.{name}.weight", plan, 0)  # [W/T]
             eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+            assert isinstance(eps, float)  # is_plain_rms_norm accepted this norm only with a float eps
             setattr(attention, name, WidthShardedRMSNorm(norm.weight, eps, norm.weight.numel() * plan.tensor, group))
         if isinstance(getattr(attention, "sinks", None), nn.Parameter):
             split_parameter(attention, "sinks", f"{prefix}.sinks", plan, 0)  # [H/T]
@@ -86,7 +88,7 @@ def _fused_qkv_blocks(attention: nn.Module, config) -> tuple[int, int, int]:
     dim = _head_dim(attention, config)
     kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     blocks = (config.num_attention_heads * dim, kv * dim, kv * dim)
-    rows = attention.qkv_proj.out_features
+    rows = cast(nn.Linear, attention.qkv_proj).out_features
     if sum(blocks) != rows:
         raise ValueError(f"qkv_proj has {rows} rows, not H*D + 2*Hkv*D = {' + '.join(map(str, blocks))}: "
                          f"its layout is not q | k | v")

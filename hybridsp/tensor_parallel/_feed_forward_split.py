@@ -32,7 +32,9 @@ each rank's partial sum, as for every replicated parameter of the region.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
+import torch
 from torch import nn
 
 from hybridsp.tensor_parallel._cut_rule import TensorSplit, split_parameter
@@ -42,8 +44,8 @@ SHARED_MODULES = ("gate", "router", "shared_expert_gate")  # replicated inside a
 
 
 def is_mixture_of_experts(block: nn.Module) -> bool:
-    experts = getattr(block, "experts", None)
-    return isinstance(getattr(experts, "down_proj", None), nn.Parameter) and experts.down_proj.dim() == 3
+    down = getattr(getattr(block, "experts", None), "down_proj", None)
+    return isinstance(down, nn.Parameter) and down.dim() == 3
 
 
 def dense_parts(mlp: nn.Module) -> tuple[dict[str, tuple[int, ...] | None], int] | None:
@@ -52,7 +54,8 @@ def dense_parts(mlp: nn.Module) -> tuple[dict[str, tuple[int, ...] | None], int]
     if not isinstance(down, nn.Linear):
         return None
     width = down.in_features
-    if isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear) and mlp.gate_up_proj.out_features == 2 * width:
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    if isinstance(gate_up, nn.Linear) and gate_up.out_features == 2 * width:
         return {"gate_up_proj": (width, width)}, width
     names = [n for n in ("gate_proj", "up_proj") if isinstance(getattr(mlp, n, None), nn.Linear)]
     if "up_proj" not in names or any(getattr(mlp, n).out_features != width for n in names):
@@ -99,20 +102,21 @@ def _expert_axes(experts: nn.Module) -> tuple[int, int, int]:
     """(width I, the 2I axis of gate_up_proj, the I axis of down_proj)."""
     transposed = getattr(experts, "is_transposed", False)
     down_axis = 1 if transposed else 2  # [E, I, h] or [E, h, I]
-    return experts.down_proj.shape[down_axis], 2 if transposed else 1, down_axis
+    down = cast(torch.Tensor, experts.down_proj)  # a 3-D parameter (is_mixture_of_experts)
+    return down.shape[down_axis], 2 if transposed else 1, down_axis
 
 
 def plan_experts(block: nn.Module, tensor: int, where: str) -> Callable[[str, TensorSplit, object], None]:
     """Check a mixture-of-experts block and return ``split(prefix, plan, group)``: experts and shared experts
     split, the output reduction and the once-only down bias hooked."""
-    experts = block.experts
+    experts = cast(nn.Module, block.experts)  # a module holding 3-D parameters (is_mixture_of_experts)
     if getattr(experts, "has_post_expert_norm", False):
         raise ValueError(f"{where}.experts normalises each expert's output, which a split of the intermediate "
                          f"width cannot reproduce (tensor_parallel refuses; run with tensor=1)")
     width, gate_up_axis, down_axis = _expert_axes(experts)
     _check_width(width, tensor, f"{where}.experts' intermediate width")
     gated = getattr(experts, "has_gate", True)
-    up_rows = experts.gate_up_proj.shape[gate_up_axis]
+    up_rows = cast(torch.Tensor, experts.gate_up_proj).shape[gate_up_axis]
     if up_rows != (2 * width if gated else width):
         raise ValueError(f"{where}.experts.gate_up_proj has {up_rows} rows along its projection axis for "
                          f"an intermediate width {width}: its layout is not known")

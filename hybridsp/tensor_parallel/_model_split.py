@@ -47,6 +47,7 @@ The change is not undoable (the other shards are dropped).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 from torch import nn
 
@@ -94,17 +95,20 @@ def _plan_layer(layer: nn.Module, config, tensor: int, where: str) -> Callable[[
     attn_name, attention, ff_name, forward = _blocks(layer, where)
     split_attention = plan_attention(attention, config, tensor, f"{where}.{attn_name}")
     moe = is_mixture_of_experts(forward)
-    split_forward = (plan_experts if moe else plan_dense)(forward, tensor, f"{where}.{ff_name}")
+    # split(prefix, plan, group) for experts, split(prefix, plan) for a dense MLP
+    split_forward: Callable[..., None] = (plan_experts if moe else plan_dense)(forward, tensor, f"{where}.{ff_name}")
 
     def shard(prefix: str, plan: TensorSplit, group) -> None:
         sp = plan.sequence_parallel
         split_attention(f"{prefix}.{attn_name}", plan, group)
-        attention.o_proj = _split_row(attention.o_proj, f"{prefix}.{attn_name}.o_proj", plan, group)
+        o_proj = cast(nn.Linear, attention.o_proj)  # checked by plan_attention
+        attention.o_proj = _split_row(o_proj, f"{prefix}.{attn_name}.o_proj", plan, group)
         if moe:
             split_forward(f"{prefix}.{ff_name}", plan, group)
         else:
             split_forward(f"{prefix}.{ff_name}", plan)
-            forward.down_proj = _split_row(forward.down_proj, f"{prefix}.{ff_name}.down_proj", plan, group)
+            down_proj = cast(nn.Linear, forward.down_proj)  # checked by plan_dense
+            forward.down_proj = _split_row(down_proj, f"{prefix}.{ff_name}.down_proj", plan, group)
         for name, block in ((attn_name, attention), (ff_name, forward)):
             plan.handles.append(block.register_forward_pre_hook(_enter_hook(group, sp), with_kwargs=True))
             partial = _partial_grad_params(block, f"{prefix}.{name}", plan)
@@ -119,7 +123,8 @@ def _plan_layer(layer: nn.Module, config, tensor: int, where: str) -> Callable[[
 def check_tensor_parallel(model: nn.Module, mesh: HybridMesh) -> list[Callable]:
     """Raise ValueError, before anything changes, when the model cannot be split ``mesh.tensor`` ways; returns
     the per-layer split functions (:func:`tensor_parallel` runs them)."""
-    config, tensor = model.config, mesh.tensor
+    config: Any = model.config  # a transformers config (a dynamic nn.Module attribute)
+    tensor = mesh.tensor
     if getattr(model, PLAN_ATTR, None) is not None:
         raise ValueError(f"{type(model).__name__} is already tensor-parallel; call tensor_parallel once")
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -130,7 +135,8 @@ def check_tensor_parallel(model: nn.Module, mesh: HybridMesh) -> list[Callable]:
 def _split_row(linear: nn.Linear, name: str, plan: TensorSplit, group) -> RowParallelLinear:
     """A :class:`RowParallelLinear` holding input columns ``[rank/T, (rank+1)/T)`` of ``linear``."""
     split_parameter(linear, "weight", f"{name}.weight", plan, 1)  # [out, in/T]
-    return RowParallelLinear(linear.weight, linear.bias, group, plan.sequence_parallel)
+    weight = cast(nn.Parameter, linear.weight)  # split_parameter set a new nn.Parameter
+    return RowParallelLinear(weight, linear.bias, group, plan.sequence_parallel)
 
 
 def _enter_hook(group, sequence_parallel: bool):
@@ -182,8 +188,9 @@ def _sequence_parallel_ends(model: nn.Module, plan: TensorSplit, group) -> None:
     base = getattr(model, "model", model)
     plan.handles.append(_layers(model)[0].register_forward_pre_hook(_split_first_layer_input(group, plan.tensor),
                                                                 with_kwargs=True))
-    plan.handles.append(base.norm.register_forward_hook(_gather_after(group)))
-    plan.handles += [sum_grad_over_tensor(p, group) for p in base.norm.parameters() if p.requires_grad]
+    norm = cast(nn.Module, base.norm)  # the final norm of a transformers decoder
+    plan.handles.append(norm.register_forward_hook(_gather_after(group)))
+    plan.handles += [sum_grad_over_tensor(p, group) for p in norm.parameters() if p.requires_grad]
 
 
 def tensor_parallel(model: nn.Module, mesh: HybridMesh, *, sequence_parallel: bool = False) -> nn.Module:

@@ -10,6 +10,8 @@ variant (``(1 + weight)`` scaling, a centred layer norm) is refused rather than 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -35,10 +37,11 @@ def is_plain_rms_norm(norm: nn.Module) -> bool:
         return False
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(3, PROBE_WIDTH, generator=gen)  # [N, W]
+    weight = cast(torch.Tensor, probe.weight)  # the norm's own parameter (a dynamic nn.Module attribute)
     with torch.no_grad():
-        probe.weight.copy_(torch.rand(PROBE_WIDTH, generator=gen) + 0.5)
+        weight.copy_(torch.rand(PROBE_WIDTH, generator=gen) + 0.5)
         got = probe(x)
-        want = _plain(probe.weight, x, eps, PROBE_WIDTH, x.pow(2).sum(-1, keepdim=True))
+        want = _plain(weight, x, eps, PROBE_WIDTH, x.pow(2).sum(-1, keepdim=True))
     return got.shape == want.shape and torch.allclose(got, want, rtol=1e-6, atol=1e-6)
 
 

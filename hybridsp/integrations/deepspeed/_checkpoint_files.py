@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -54,14 +55,14 @@ def _send(tag_dir: Path) -> None:
 
 
 def _receive(tag_dir: Path, rank: int) -> None:
-    listing = [None]
+    listing: list[Any] = [None]  # filled with the rank's [(name, size), ...]
     dist.recv_object_list(listing, src=rank)
     for name, size in listing[0]:
         partial = tag_dir / f"{name}.partial"
         with partial.open("wb") as sink:
             written = 0
             while written < size:
-                chunk = [None]
+                chunk: list[Any] = [None]  # filled with bytes
                 dist.recv_object_list(chunk, src=rank)
                 sink.write(chunk[0])
                 written += len(chunk[0])

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hybridsp._types import GENERATION_MODES
+from hybridsp._types import GENERATION_MODES, BackendName
 from hybridsp.integrations.deepspeed._compiling import without_compile_keys
 from hybridsp.integrations.deepspeed._tensor import autotp_size
 from hybridsp.kernels import BACKEND_NAMES
@@ -64,7 +64,7 @@ class HybridConfig:
     ring: int = 1
     order: str = "ulysses_inner"
     layout: str = "zigzag"
-    backend: str = "auto"
+    backend: BackendName = "auto"
     kv_comm: str = "ring"
     kv_chunks: int | None = None
     tensor: int = 1

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridsp._types import BackendName
 from hybridsp.integrations.deepspeed._compiling import compile_settings
 from hybridsp.integrations.deepspeed._config import HybridConfig, deepspeed_config, load_config
 from hybridsp.integrations.deepspeed._tensor import (
@@ -158,7 +159,7 @@ def scale_gradients(model: nn.Module, factor: float) -> Callable[[], None]:
     return remove
 
 
-AttentionSwitch = Callable[[nn.Module, HybridMesh, str], Callable[[], None]]
+AttentionSwitch = Callable[[nn.Module, HybridMesh, BackendName], Callable[[], None]]
 """``switch(model, mesh, backend) -> undo``: what :func:`initialize` calls to put a model's attention on the mesh."""
 
 

@@ -12,11 +12,12 @@ import sys
 
 from torch import nn
 
+from hybridsp._types import BackendName
 from hybridsp.integrations.deepspeed import _engine as engine
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 
-def switch_transformers(model: nn.Module, mesh: HybridMesh, backend: str):
+def switch_transformers(model: nn.Module, mesh: HybridMesh, backend: BackendName):
     """The transformers integration's switch for ``model``; returns its undo."""
     from hybridsp.integrations.transformers._switch import apply
 

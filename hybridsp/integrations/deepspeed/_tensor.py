@@ -85,11 +85,13 @@ def mark_split_parameters(model: nn.Module) -> list[str]:
     """Set ``tensor_model_parallel = True`` (the attribute DeepSpeed's and Megatron's norms read)
     on every parameter :func:`tensor_parallel` split; returns their names
     (Note [tensor-parallel gradient norm])."""
-    split = tensor_plan(model).split_dims
+    plan = tensor_plan(model)
+    assert plan is not None  # split_tensors calls it right after tensor_parallel
+    split = plan.split_dims
     marked = []
     for name, param in model.named_parameters():
         if name in split:
-            param.tensor_model_parallel = True
+            param.tensor_model_parallel = True  # type: ignore[attr-defined]  # read by DeepSpeed's norm
             marked.append(name)
     if len(marked) != len(split):
         missing = sorted(set(split) - set(marked))

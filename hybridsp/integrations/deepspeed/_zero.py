@@ -60,7 +60,8 @@ def gathered(params: Iterable[torch.Tensor]):
         return contextlib.nullcontext()
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    pending = [p for p in pending if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+    # ds_status: a ZeRO-3 parameter's dynamic attribute
+    pending = [p for p in pending if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]  # type: ignore[attr-defined]
     if not pending:
         return contextlib.nullcontext()
     import deepspeed
@@ -82,12 +83,13 @@ def land_full_gradient(output: torch.Tensor, input_index: int, param: torch.Tens
     if not hasattr(param, "ds_id") or not param.requires_grad or output.grad_fn is None:
         return
     node = output.grad_fn.next_functions[input_index][0]
-    if node is None or type(node).__name__ != "AccumulateGrad" or node.variable is not param:
+    if (node is None or type(node).__name__ != "AccumulateGrad"
+            or node.variable is not param):  # type: ignore[attr-defined]  # AccumulateGrad's; not in torch's Node stub
         raise RuntimeError(f"input {input_index} of {output.grad_fn.name()} is not the parameter's gradient "
                            f"accumulator ({type(node).__name__}); cannot arm the ZeRO-3 gradient landing")
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    state = {}
+    state: dict[str, torch.Tensor] = {}
 
     def before(grad_inputs):
         before_handle.remove()

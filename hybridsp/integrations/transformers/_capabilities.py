@@ -19,6 +19,8 @@ placed for another window on a ring of more than one slot.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from torch import nn
 
 from hybridsp._formulas import heads_divisible
@@ -26,6 +28,9 @@ from hybridsp.integrations.transformers._binding import BINDING_ATTR, INTERFACE_
 from hybridsp.integrations.transformers._linear_layers import mixer_kind
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 from hybridsp.tensor_parallel._model_split import tensor_plan
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def check_switchable(model: nn.Module, mesh: HybridMesh | None = None) -> None:
@@ -56,8 +61,9 @@ def check_model(model: nn.Module, modules: list[nn.Module], mesh: HybridMesh | N
 
 def _query_heads(model: nn.Module, module: nn.Module) -> int | None:
     """The query heads one attention call of this rank receives (H, or H/T once tensor-parallel)."""
-    config = getattr(model, "config", None) or module.config  # the model's own: tensor_parallel may give a
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # module a split copy
+    # the model's own config: tensor_parallel may give a module a split copy
+    config = cast("PretrainedConfig", getattr(model, "config", None) or module.config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
     plan = tensor_plan(model)
     return None if heads is None else heads // (plan.tensor if plan is not None else 1)
@@ -79,7 +85,7 @@ def _check_module(module: nn.Module, mesh: HybridMesh | None, heads: int | None)
 def chunk_size_of(module: nn.Module) -> int | None:
     """The chunk of a chunked-attention layer (Llama 4's ``attention_chunk_size`` on a layer whose
     ``layer_types`` entry is ``"chunked_attention"``), else None."""
-    config, layer = module.config, getattr(module, "layer_idx", None)
+    config, layer = cast("PretrainedConfig", module.config), getattr(module, "layer_idx", None)
     kinds = getattr(config, "layer_types", None)
     if not kinds or layer is None or kinds[layer] != "chunked_attention":
         return None
@@ -89,7 +95,7 @@ def chunk_size_of(module: nn.Module) -> int | None:
 def _refuse_chunked_on_document_layout(modules: list[nn.Module], mesh: HybridMesh | None) -> None:
     """Chunked layers attend within chunks cut from the documents (Note [chunked layers] in :mod:`.documents`);
     a layout that places tokens by document would place them for the cut documents instead."""
-    chunks = {chunk_size_of(m) for m in modules} - {None}
+    chunks = {size for size in map(chunk_size_of, modules) if size is not None}
     if chunks and mesh is not None and mesh.token_layout.uses_documents:
         raise ValueError(
             f"the model has chunked-attention layers (attention_chunk_size={min(chunks)}), which layout="
@@ -104,12 +110,15 @@ def check_position_scaled_queries(module: nn.Module, seq_len: int, mesh: HybridM
     *local* tensor, which is 1 (no scaling) for every index below ``floor_scale - 1`` and wrong beyond it."""
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return
-    if mesh.context > 1 and seq_len >= module.floor_scale:
+    if mesh.context <= 1:
+        return
+    floor_scale = cast(int, module.floor_scale)  # Llama 4 attention's
+    if seq_len >= floor_scale:
         raise ValueError(
             f"layer {module.layer_idx} scales queries by token index (attn_temperature_tuning, floor_scale="
-            f"{module.floor_scale}), which it reads from the shard, not the sequence: wrong at {seq_len} tokens over "
+            f"{floor_scale}), which it reads from the shard, not the sequence: wrong at {seq_len} tokens over "
             f"{mesh.context} context ranks; set attn_temperature_tuning=False or keep sequences under "
-            f"{module.floor_scale - 1} tokens"
+            f"{floor_scale - 1} tokens"
         )
 
 
@@ -140,8 +149,8 @@ def layer_windows(model: nn.Module) -> list[int | None]:
 
 def _module_window(module: nn.Module) -> int | None:
     """The window a layer passes to the attention: its own (Qwen2/3), else its config's (Mistral)."""
-    window = module.sliding_window if hasattr(module, "sliding_window") else getattr(module.config, "sliding_window",
-                                                                                    None)
+    window = (cast("int | None", module.sliding_window) if hasattr(module, "sliding_window")
+              else getattr(module.config, "sliding_window", None))
     return None if window is None else int(window)
 
 

@@ -123,6 +123,7 @@ def _documents_of_positions(position_ids: torch.Tensor | None, mesh: HybridMesh,
     if mask is not None:
         cu_seq_lens = padded_cu_seq_lens(mask, position_ids, mesh)
     else:
+        assert position_ids is not None  # _with_documents passes no mask only with position_ids
         cu_seq_lens = global_cu_seq_lens(position_ids, mesh)
     if cu_seq_lens is None:
         return Documents(batch, seq_len)

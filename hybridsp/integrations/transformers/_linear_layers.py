@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -290,9 +291,10 @@ def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Te
         "g": -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads]),  # [B, Ls, hv]
         "beta": b.reshape(batch, slot_len, local_k * group).sigmoid(),  # [B, Ls, hv]
     }
-    chained = [] if store is not None else None
+    chained: list[Any] | None = [] if store is not None else None
     out = pass_states(GatedDeltaRule(kernel, dv), inputs, call, mesh.comm_counter, chained)  # [B, Ls, hv, dv]
     if store is not None:
+        assert pre is not None and chained is not None  # both set with the store
         store.layers[module.layer_idx] = (
             prompt_conv_tail(pre, store, module.conv1d.weight.shape[-1], mesh),
             prompt_final_state(GatedDeltaRule(kernel, dv), inputs, call, chained[0], store, heads, hv, mesh))
@@ -340,9 +342,10 @@ def mamba2_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor
         "B": bm.reshape(batch, slot_len, local, state),  # [B, Ls, g, N]
         "C": cm.reshape(batch, slot_len, local, state),  # [B, Ls, g, N]
     }
-    chained = [] if store is not None else None
+    chained: list[Any] | None = [] if store is not None else None
     out = pass_states(scan, inputs, call, mesh.comm_counter, chained)  # [B, Ls, h, P]
     if store is not None:
+        assert pre is not None and chained is not None  # both set with the store
         store.layers[module.layer_idx] = (
             prompt_conv_tail(pre, store, module.conv1d.weight.shape[-1], mesh),
             prompt_final_state(scan, inputs, call, chained[0], store, own, heads, mesh))

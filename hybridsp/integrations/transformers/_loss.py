@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, cast
 
 import torch
 from torch import nn
@@ -71,7 +71,8 @@ def causal_lm_loss(
     if missing:
         raise ValueError(f"local_batch lacks {missing}: pass the dict that hybridsp.shard_batch returned")
     inner = getattr(model, "module", model)  # a DeepSpeed engine holds the model as .module
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    get_head = getattr(inner, "get_output_embeddings", None)  # a transformers model's
+    head = get_head() if get_head is not None else None
     if not isinstance(head, nn.Linear):
         raise ValueError(
             f"{type(inner).__name__} has no nn.Linear output embedding (get_output_embeddings() gave "
@@ -134,7 +135,7 @@ def model_router_loss(model: nn.Module, coefficient: float | None = None) -> Rou
     if coefficient is None:
         if not (adds_one and getattr(getattr(inner, "config", None), "output_router_logits", False)):
             return None
-        coefficient = inner.router_aux_loss_coef
+        coefficient = cast(float, inner.router_aux_loss_coef)  # a transformers MoE model's attribute
     if not coefficient:
         return None
     experts, top_k = getattr(inner, "num_experts", None), getattr(inner, "num_experts_per_tok", None)
@@ -177,7 +178,7 @@ def _loss_as_head_output(head: nn.Linear, shift_labels, mesh, ignore_index, chun
         return fused_cross_entropy(hidden, head.weight, shift_labels, mesh, ignore_index=ignore_index,
                                    chunk_size=chunk_size)
 
-    head.forward = loss_forward
+    head.forward = loss_forward  # type: ignore[method-assign,assignment]  # an instance-level forward, on purpose
     try:
         yield
     finally:
@@ -190,7 +191,8 @@ def captured_router_logits(model: nn.Module):
     last call's tuple at ``[-1]``): for a forward whose output drops them (TRL's fused LM head returns
     ``aux_loss`` only). A forward hook on the decoder (``get_decoder()``), removed when the block ends."""
     inner = base_model(getattr(model, "module", model))
-    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else getattr(inner, "model", None)
+    get_decoder = getattr(inner, "get_decoder", None)  # a transformers model's
+    decoder = get_decoder() if get_decoder is not None else getattr(inner, "model", None)
     if not isinstance(decoder, nn.Module):
         raise ValueError(f"{type(inner).__name__} has no decoder module (get_decoder()) whose output carries "
                          f"the router logits")

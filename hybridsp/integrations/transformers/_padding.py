@@ -122,7 +122,9 @@ def padded_cu_seq_lens(attention_mask: torch.Tensor, position_ids: torch.Tensor 
             f"{tuple(position_ids.shape)}: pass the mask's shard (hybridsp.shard_sequence(mask, mesh)), not the "
             f"whole rows"
         )
+    positions: torch.Tensor | None
     if mesh.context > 1:
+        assert position_ids is not None  # C > 1: the model's input check refused a call without them
         local = torch.stack([attention_mask.long(), position_ids.long()], dim=-1)  # [B, S/C, 2]
         full = gather_sequence(local, mesh)  # [B, S, 2]
         mask, positions = full[..., 0], full[..., 1]  # [B, S] each

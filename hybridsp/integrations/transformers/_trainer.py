@@ -83,12 +83,15 @@ parallelism] in :mod:`hybridsp.integrations.transformers._trainer_engine`: use
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Trainer
 
+from hybridsp._types import BackendName
 from hybridsp.attention._api import gather_sequence
 from hybridsp.data._batch import prepare_batch, shard_batch
 from hybridsp.integrations.deepspeed import _config as ds_schema
@@ -108,8 +111,18 @@ from hybridsp.losses._router import real_token_mask
 from hybridsp.losses._token_tail import guard_labels, raise_on_bad_labels, token_weighted_share
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
+if TYPE_CHECKING:
+    from torch import nn
+    from transformers import PreTrainedModel
 
-class HybridSPMixin:
+    from hybridsp.integrations.transformers._handle import HybridAttentionHandle
+
+    _TrainerBase = Trainer  # the type checker sees the Trainer the mixin is composed with
+else:
+    _TrainerBase = object
+
+
+class HybridSPMixin(_TrainerBase):
     """Hybrid sequence parallelism for a ``transformers.Trainer`` subclass (module docstring).
 
     Put it first in the bases. Extra keyword ``hybridsp``: a dict of ``"hybridsp"`` section
@@ -120,10 +133,12 @@ class HybridSPMixin:
     """
 
     loss_is_scaled_for_ga = True  # Note [the loss]: normalised by the whole step's token count
+    model: PreTrainedModel | nn.Module  # never None: the Trainer needs a model, and model_init is refused
 
     def __init__(self, *args, hybridsp: dict | None = None, **kwargs):
         self._hybridsp_overrides = dict(hybridsp or {})
-        self._hybridsp_unhook = None  # removes the gradient-scale hooks (Note [gradient scale here])
+        # removes the gradient-scale hooks (Note [gradient scale here])
+        self._hybridsp_unhook: Callable[[], None] | None = None
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
         self._hybridsp_handle = _switch_attention(self.model, self.hybrid_mesh, self.hybrid_config.backend)
@@ -182,6 +197,7 @@ class HybridSPMixin:
         """The whole micro-batch's load-balancing loss (unweighted) from this rank's ``router_logits``
         and the full batch ``tensors``; the gradient is this rank's share."""
         mask = real_token_mask(tensors, self.hybrid_mesh, documents)  # [B, S_local]
+        assert self._router_loss is not None  # called only when the model has a router loss
         return self._router_loss.share(router_logits, mask, self.hybrid_mesh)
 
     def undo_hybridsp(self) -> None:
@@ -225,20 +241,23 @@ class HybridSPMixin:
                               device=device)  # [2]: valid targets, bad targets
         if self.hybrid_mesh.dp > 1:
             dist.all_reduce(totals, group=self.hybrid_mesh.data_group)
-        # a bad label on one replica: every replica raises here, before the forward (Note [bad labels])
+        # a bad label on one replica: every replica raises here, before the forward (Note [bad labels]);
+        # vocab None: no label is flagged on any replica (same model), so the message never reads it
         raise_on_bad_labels(int(totals[1]), torch.cat([x.flatten() for x in labels]),
-                            torch.cat([b.flatten() for b in bad]), vocab, IGNORE_INDEX, self.hybrid_mesh)
+                            torch.cat([b.flatten() for b in bad]), vocab,  # type: ignore[arg-type]  # None: unread
+                            IGNORE_INDEX, self.hybrid_mesh)
         return totals[0]
 
     def _vocab_size(self) -> int | None:
         """Rows of the output embedding (its full shape under ZeRO-3), else the text config's
         ``vocab_size``, else None: the V the loss will see."""
-        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        get_head = getattr(self.model, "get_output_embeddings", None)  # a transformers model's, a PEFT wrapper's
+        head = get_head() if get_head is not None else None
         weight = getattr(head, "weight", None)
         if weight is not None:
             return int(getattr(weight, "ds_shape", weight.shape)[0])
         config = getattr(self.model, "config", None)
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
         vocab = getattr(config, "vocab_size", None)
         return int(vocab) if vocab else None
 
@@ -384,7 +403,7 @@ def _mesh(hybrid: ds_schema.HybridConfig) -> HybridMesh:
     return hds.build_mesh(hybrid)
 
 
-def _switch_attention(model, mesh: HybridMesh, backend: str):
+def _switch_attention(model, mesh: HybridMesh, backend: BackendName) -> HybridAttentionHandle:
     from hybridsp.integrations.transformers._peft import base_model
     from hybridsp.integrations.transformers._switch import apply
 

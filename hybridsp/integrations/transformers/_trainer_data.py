@@ -39,7 +39,11 @@ def shard_loader_over_replicas(dataloader, mesh: HybridMesh):
     """
     if mesh.context == 1 or mesh.world_size == 1:
         return dataloader
-    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard
+    from accelerate.data_loader import (  # type: ignore[import-untyped]  # accelerate ships no type information
+        BatchSamplerShard,
+        DataLoaderDispatcher,
+        IterableDatasetShard,
+    )
 
     if isinstance(dataloader, DataLoaderDispatcher):
         raise ValueError(
@@ -75,7 +79,7 @@ def gather_over_replicas(data: Any, mesh: HybridMesh, gradient_state=None) -> An
     ``gather_for_metrics`` does. A collective over ``mesh.data_group``; objects that are not
     tensors are gathered with ``all_gather_object``.
     """
-    from accelerate.utils import recursively_apply
+    from accelerate.utils import recursively_apply  # type: ignore[import-untyped]  # no type information
 
     if not _all_tensors(data):
         gathered = [data]

@@ -85,9 +85,9 @@ def sharded_generate(policy: nn.Module, mesh: HybridMesh, options: dict, name: s
     :func:`~hybridsp.integrations.transformers.generate` on the switched ``policy`` with ``options``."""
 
     def generate_sharded(input_ids=None, attention_mask=None, generation_config=None, **extras: Any):
-        extras = sorted(key for key, value in extras.items() if value is not None)
-        if extras:
-            raise ValueError(f"{name} with \"generation\": \"sharded\" generates from text only; got {extras}")
+        given = sorted(key for key, value in extras.items() if value is not None)
+        if given:
+            raise ValueError(f"{name} with \"generation\": \"sharded\" generates from text only; got {given}")
         return generate(policy, input_ids, mesh=mesh, attention_mask=attention_mask, **options)  # [B, S + new]
 
     return generate_sharded

@@ -62,9 +62,10 @@ values, token types of vision-language prompts), which are not sharded.
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import set_seed  # type: ignore[import-untyped]  # accelerate ships no type information
 from trl import GRPOTrainer, RLOOTrainer
 
 from hybridsp.integrations.deepspeed import _config as ds_schema
@@ -75,26 +76,33 @@ from hybridsp.integrations.trl._generation import config_settings, generate_opti
 from hybridsp.integrations.trl._logprobs import shard_fused_calls
 from hybridsp.integrations.trl._rollouts import agree_on_rollouts, replica_view, right_aligned
 
+if TYPE_CHECKING:
+    # TRL's _BaseTrainer sets loss_is_scaled_for_ga = None, which mypy reads as the type None
+    class _RLBase(HybridSPMixin, GRPOTrainer):  # type: ignore[misc]
+        """What the type checker sees: the mixin on an online TRL trainer (RLOOTrainer has the same methods)."""
+else:
+    _RLBase = object
+
 REFUSED_ARGS = ("use_vllm", "use_transformers_continuous_batching", "use_transformers_paged")
 REFUSED_KWARGS = ("rollout_func", "tools", "environment_factory")
 
 
-class _HybridRLMixin:
+class _HybridRLMixin(_RLBase):
     """What GRPO and RLOO share under hybrid SP (module notes); first in the bases, then HybridSPMixin."""
 
     _trl_module = ""  # the TRL module whose gather / gather_object count replicas (Note [replicas, not ranks])
 
     def __init__(self, *args, hybridsp: dict | None = None, **kwargs):
-        name, args = type(self).__name__, list(args)
-        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        name, positional = type(self).__name__, list(args)
+        config = kwargs.get("args", positional[2] if len(positional) > 2 else None)
         if config is None:
             raise ValueError(f"{name} needs args= a TRL config with deepspeed= (its \"hybridsp\" section) set")
         _refuse_unsupported(name, config, kwargs)
-        if len(args) > 2:
-            args[2] = _per_replica(name, config, hybridsp)
+        if len(positional) > 2:
+            positional[2] = _per_replica(name, config, hybridsp)
         else:
             kwargs["args"] = _per_replica(name, config, hybridsp)
-        super().__init__(*args, hybridsp=hybridsp, **kwargs)  # HybridSPMixin has switched the policy
+        super().__init__(*positional, hybridsp=hybridsp, **kwargs)  # HybridSPMixin has switched the policy
         if getattr(self, "aux_loss_enabled", False):
             raise ValueError(f"{name} does not shard MoE router logits: set router_aux_loss_coef=0.0")
         policy = base_model(self.model)

@@ -36,6 +36,7 @@ from torch import nn
 
 from hybridsp.attention._api import shard_sequence
 from hybridsp.data._batch import batch_documents, prepare_batch
+from hybridsp.layout._documents import Documents
 from hybridsp.losses._cross_entropy import IGNORE_INDEX
 from hybridsp.losses._logprobs import gather_tokens
 from hybridsp.mesh._hybrid_mesh import HybridMesh
@@ -49,7 +50,8 @@ class _ShardedFusedCalls:
 
     def __init__(self, mesh: HybridMesh, pad_token_id: int):
         self.mesh, self.pad_token_id = mesh, pad_token_id
-        self.pending = None  # (this call's local shift_labels, full length S, scored mask [B, S - 1], documents)
+        # (this call's local shift_labels, full length S, scored mask [B, S - 1], documents)
+        self.pending: tuple[torch.Tensor, int, torch.Tensor, Documents] | None = None
 
     def before(self, module, args, kwargs):
         """Forward pre-hook: a full-sequence fused call -> this rank's tokens."""

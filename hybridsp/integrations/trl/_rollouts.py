@@ -97,8 +97,9 @@ def replica_view(trainer, module_name: str) -> Iterator[None]:
     saved = {name: getattr(module, name) for name in ("gather", "gather_object")}
     mesh = trainer.hybrid_mesh
     trainer.accelerator = ReplicaAccelerator(accelerator, mesh)
-    module.gather = lambda data: gather_over_replicas(data, mesh)
-    module.gather_object = _gather_object(mesh)
+    # patch the TRL module's functions (restored below)
+    module.gather = lambda data: gather_over_replicas(data, mesh)  # type: ignore[attr-defined]
+    module.gather_object = _gather_object(mesh)  # type: ignore[attr-defined]
     try:
         yield
     finally:

@@ -54,9 +54,10 @@ share), and what the mixin refuses. At evaluation, DPO's logits for ``compute_me
 from __future__ import annotations
 
 import contextlib
+from typing import Any, cast
 
 import torch
-from trl import DPOTrainer, SFTTrainer
+from trl import DPOTrainer, SFTConfig, SFTTrainer
 
 from hybridsp.data._batch import shard_batch
 from hybridsp.integrations.transformers._loss import captured_router_logits, model_router_loss
@@ -93,7 +94,8 @@ def _refuse_aux_loss(trainer) -> None:
         )
 
 
-class HybridSFTTrainer(HybridSPMixin, SFTTrainer):
+# TRL's _BaseTrainer sets loss_is_scaled_for_ga = None, which mypy reads as the type None
+class HybridSFTTrainer(HybridSPMixin, SFTTrainer):  # type: ignore[misc]
     """``trl.SFTTrainer`` with hybrid sequence parallelism; same constructor plus ``hybridsp=`` (Note [SFT loss])."""
 
     def __init__(self, *args, **kwargs):
@@ -119,15 +121,18 @@ class HybridSFTTrainer(HybridSPMixin, SFTTrainer):
         shift_labels = local.pop("shift_labels")  # [B, S_local]
         documents = local.pop("documents")  # host data: the attention plans once per forward
         routed = self._router_loss is not None
-        with captured_router_logits(model) if routed else contextlib.nullcontext([]) as router_logits:
+        capture: contextlib.AbstractContextManager[list[Any]] = (
+            captured_router_logits(model) if routed else contextlib.nullcontext([]))
+        with capture as router_logits:
             outputs = model(**local, shift_labels=shift_labels, hybridsp_documents=documents, fused_lm_head=True,
                             use_cache=False, **({"output_router_logits": True} if routed else {}))
         per_token = -outputs.log_probs  # [B, S_local], 0 where not scored
-        if self.args.loss_type == "dft":
+        if cast(SFTConfig, self.args).loss_type == "dft":  # SFTTrainer makes its args an SFTConfig
             per_token = per_token * outputs.log_probs.exp().detach()
         count = torch.as_tensor(num_items_in_batch, device=per_token.device).double().clamp_min(1.0)
         loss = context_sum(per_token.sum(), self.hybrid_mesh) * (self.hybrid_mesh.dp / count).float()
         if routed:  # the fused output drops the router logits: captured from the decoder
+            assert self._router_loss is not None  # routed
             aux = self._router_share(router_logits[-1] if router_logits else None, tensors, documents)
             loss = loss + self._router_loss.coefficient * aux / steps
             self._log_aux_loss(aux)

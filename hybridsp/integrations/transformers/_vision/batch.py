@@ -366,10 +366,12 @@ def _unit_pixels(batch: Mapping[str, Any], units: _Units, encode: torch.Tensor, 
     images, videos = batch.get("pixel_values"), batch.get("pixel_values_videos")
     reference = images if torch.is_tensor(images) else videos
     if encode.numel() == 0:
+        assert reference is not None  # a vision batch: pixels come with their grids (_check_keys)
         return reference.new_zeros(merge * merge, reference.shape[-1]), torch.tensor([[1, merge, merge]])
     pieces = []
     for unit in encode.tolist():
         source = videos if bool(units.video[unit]) else images
+        assert source is not None  # the unit's grid came with its pixels (_check_keys)
         start = int(units.patch_start[unit])
         pieces.append(source[start : start + int(units.patches[unit])])  # [h * w, F]
     grid = torch.cat([torch.ones(len(encode), 1, dtype=torch.long), units.hw[encode]], dim=1)  # [n, 3]

@@ -19,7 +19,7 @@ positions. The prefill and decode steps otherwise follow
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from hybridsp.integrations.transformers._vision.batch import VISION_KEYS, multim
 from hybridsp.integrations.transformers._vision.model import VISION_KWARG, language_model_of
 from hybridsp.layout._layouts import layout_permutation
 from hybridsp.mesh._hybrid_mesh import HybridMesh, padded_length
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def generate_vlm(
@@ -77,6 +80,7 @@ def generate_vlm(
         for index in range(max_new_tokens):
             tokens = agree_across_context(choose_next_tokens(logits), mesh)  # [B]
             if eos:
+                assert pad is not None  # with an EOS, pad defaults to eos[0]
                 tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
                 unfinished &= ~torch.isin(tokens, eos_ids)
             pieces.append(tokens[:, None])
@@ -97,7 +101,8 @@ def _prefill(model, batch, mesh: HybridMesh, max_new_tokens: int, vision: str):
     shards = layout_permutation(seq_pad, mesh.ring, mesh.ulysses, mesh.layout).view(mesh.context, -1)  # [C, S_pad/C]
     mine = shards[mesh.context_rank].to(input_ids.device)  # [S_pad/C] sequence indices of this rank's tokens
     real = (mine < seq).nonzero().squeeze(1)
-    store = ShardedKVCache(mesh, language_model_of(model).config.num_hidden_layers, positions=mine[real],
+    text_config = cast("PretrainedConfig", language_model_of(model).config)  # the decoder's transformers config
+    store = ShardedKVCache(mesh, text_config.num_hidden_layers, positions=mine[real],
                            shard_lengths=(shards < seq).sum(1).tolist(), new_tokens=max(max_new_tokens - 1, 0))
     cache = HybridCache(store, None if real.numel() == mine.numel() else real)
     last_shard, last_index = (int(i) for i in (shards == seq - 1).nonzero()[0])

@@ -30,6 +30,8 @@ missing ``position_ids`` and ``labels``.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,9 @@ from torch import nn
 from hybridsp.integrations.transformers._binding import attention_modules
 from hybridsp.integrations.transformers._vision.batch import Exchange, VisionShard
 from hybridsp.mesh._hybrid_mesh import HybridMesh
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 VLM_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 VISION_KWARG = "hybridsp_vision"
@@ -52,7 +57,8 @@ def refuse_other_multimodal(model: nn.Module) -> None:
     """ValueError for a model with a vision tower that is not one of :data:`VLM_MODEL_TYPES` (e.g. LLaVA):
     switching every config would also reach its vision encoder."""
     config = getattr(model, "config", None)
-    if getattr(config, "vision_config", None) is not None and not is_vision_language_model(model):
+    if (config is not None and getattr(config, "vision_config", None) is not None
+            and not is_vision_language_model(model)):
         raise ValueError(
             f"model type {config.model_type!r} has a vision encoder; hybridsp supports the vision-language model "
             f"types {', '.join(VLM_MODEL_TYPES)}. For another one, switch its language model only: "
@@ -81,7 +87,7 @@ class VisionLanguageAdapter:
 def language_model_of(model: nn.Module) -> nn.Module:
     """The decoder (``...TextModel``) of a ``...ForConditionalGeneration`` or ``...Model``."""
     inner = getattr(model, "model", model)
-    return inner.language_model
+    return cast(nn.Module, inner.language_model)  # a transformers VLM's decoder
 
 
 def apply_to_language_model(model: nn.Module, mesh: HybridMesh, backend, switch):
@@ -93,7 +99,7 @@ def apply_to_language_model(model: nn.Module, mesh: HybridMesh, backend, switch)
     """
     text = language_model_of(model)
     modules = attention_modules(text)
-    config = text.config
+    config = cast("PretrainedConfig", text.config)  # the language model's transformers config
     if not modules:
         raise ValueError(f"{type(model).__name__}'s language model has no q/k/v/o attention module to switch")
     if config.num_attention_heads % mesh.ulysses:
@@ -149,15 +155,19 @@ def encode_shard(model: nn.Module, shard: VisionShard, mesh: HybridMesh) -> dict
     """``mm_encoder_outputs`` for this rank's tokens: features [n_img, D] / [n_vid, D] (a collective in split mode)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    pooled = model.get_image_features(shard.pixels, shard.grid, return_dict=True).pooler_output
+    get_image_features = cast(Callable[..., Any], model.get_image_features)  # a Qwen2-VL model's method
+    pooled = get_image_features(shard.pixels, shard.grid, return_dict=True).pooler_output
     features = torch.cat(list(pooled), dim=0)  # [n_encoded, D]
     if shard.exchange is not None:
         features = exchange_features(features, shard.exchange, mesh)  # [n_local_tokens, D]
     outputs = {}
     if shard.has_images:
-        outputs["image"] = BaseModelOutputWithPooling(pooler_output=(features.index_select(0, shard.image_rows),))
+        # transformers' Qwen2-VL holds a tuple of per-image features in pooler_output (its annotation: a Tensor)
+        outputs["image"] = BaseModelOutputWithPooling(
+            pooler_output=(features.index_select(0, shard.image_rows),))  # type: ignore[arg-type]
     if shard.has_videos:
-        outputs["video"] = BaseModelOutputWithPooling(pooler_output=(features.index_select(0, shard.video_rows),))
+        outputs["video"] = BaseModelOutputWithPooling(
+            pooler_output=(features.index_select(0, shard.video_rows),))  # type: ignore[arg-type]  # as above
     return outputs
 
 
