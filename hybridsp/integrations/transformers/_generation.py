@@ -72,8 +72,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from hybridsp.attention._api import shard_sequence
-from hybridsp.inference import ShardedKVCache
-from hybridsp.inference import _decode_attention as decode_attention
+from hybridsp.inference import ShardedKVCache, decode_attention
 from hybridsp.integrations.transformers._binding import BINDING_ATTR, DECODE_KWARG, DOCUMENTS_KWARG
 from hybridsp.integrations.transformers._linear_layers import refuse_generation
 from hybridsp.integrations.transformers._padding import left_padded_inputs, left_padding_mask
@@ -139,9 +138,7 @@ class DecodeStep:
         if self.index is not None:
             positions = torch.full((1, 1), self.index, dtype=torch.long, device=query.device)  # [1, T]
         keys_at = self.store.key_positions(cast(int, module.layer_idx))  # [L] this rank's cached tokens' indices
-        # BUG?: decode_attention is the module hybridsp.inference._decode_attention (imported as a module since
-        # the restructure f5979ea), not the function: calling it raises TypeError
-        out = decode_attention(  # type: ignore[operator]
+        out = decode_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, T, H, D], [B, L, Hkv, D]
             mesh=binding.mesh, softmax_scale=scaling, backend=binding.backend,
             query_positions=None if positions is None else positions[0],

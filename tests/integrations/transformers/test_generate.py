@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from hybridsp import gather_sequence, init_mesh
-from hybridsp.inference import ShardedKVCache, assign_new_tokens
-from hybridsp.inference import _decode_attention as decode_attention
+from hybridsp.inference import ShardedKVCache, assign_new_tokens, decode_attention
 from hybridsp.integrations import transformers as hf
 from hybridsp.integrations.transformers._generation import choose_next_tokens
 from tests.helpers.generation import build, launch, portable, prompt, reference_generate
