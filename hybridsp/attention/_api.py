@@ -15,19 +15,20 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridsp._comm import CommCounter
+from hybridsp._types import BackendName, KVComm
 from hybridsp.attention._compiled import compiled_attention
 from hybridsp.attention._resolve import check_causal, check_kv_comm, check_softcap, resolve_ring_call
 from hybridsp.attention._ring import run_ring
-from hybridsp.attention._spec import CallSpec, placement_layout
+from hybridsp.attention._spec import CallSpec, CuSeqlens, placement_layout
 from hybridsp.attention._ulysses import expand_kv_heads_for, heads_of_rank, heads_to_seq, seq_to_heads
 from hybridsp.kernels import AttentionKernel
 from hybridsp.layout._block_plan import check_sliding_window
-from hybridsp.layout._documents import as_documents
+from hybridsp.layout._documents import Rows, as_documents
 from hybridsp.layout._layouts import join_shards, shard_index, take_index
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 
-def check_mesh(mesh) -> None:
+def check_mesh(mesh: object) -> None:
     """Raise ValueError unless ``mesh`` is a :class:`~hybridsp.mesh._hybrid_mesh.HybridMesh`."""
     if not isinstance(mesh, HybridMesh):
         raise ValueError(f"mesh must be a hybridsp.HybridMesh (from hybridsp.init_mesh); got {type(mesh).__name__}")
@@ -40,12 +41,12 @@ def hybrid_attn_func(
     *,
     mesh: HybridMesh,
     causal: bool = True,
-    cu_seqlens=None,
+    cu_seqlens: CuSeqlens = None,
     sliding_window: int | None = None,
     softmax_scale: float | None = None,
-    backend: str | AttentionKernel = "auto",
+    backend: BackendName | AttentionKernel = "auto",
     counter: CommCounter | None = None,
-    kv_comm: str | None = None,
+    kv_comm: KVComm | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
@@ -142,14 +143,14 @@ class HybridAttention(nn.Module):
         mesh: HybridMesh,
         *,
         causal: bool = True,
-        cu_seqlens=None,
+        cu_seqlens: CuSeqlens = None,
         sliding_window: int | None = None,
         softmax_scale: float | None = None,
-        backend: str | AttentionKernel = "auto",
-        kv_comm: str | None = None,
+        backend: BackendName | AttentionKernel = "auto",
+        kv_comm: KVComm | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
-    ):
+    ) -> None:
         super().__init__()
         check_causal(causal)
         check_sliding_window(sliding_window)
@@ -159,13 +160,14 @@ class HybridAttention(nn.Module):
         self.mesh, self.causal, self.softmax_scale, self.backend = mesh, causal, softmax_scale, backend
         self.kv_comm, self.softcap = kv_comm, softcap
         self.cu_seqlens, self.sliding_window = cu_seqlens, sliding_window
+        self.sinks: nn.Parameter | None
         if sinks is not None:
             self.sinks = sinks if isinstance(sinks, nn.Parameter) else nn.Parameter(sinks.detach().clone())
         else:
             self.sinks = None
 
-    def forward(self, q, k, v, cu_seqlens=None, *, sinks: torch.Tensor | None = None,
-                counter: CommCounter | None = None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: CuSeqlens = None, *,
+                sinks: torch.Tensor | None = None, counter: CommCounter | None = None) -> torch.Tensor:
         """q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv] -> out [B, S_local, H, Dv];
         ``cu_seqlens`` and ``sinks`` [H] as in :func:`hybrid_attn_func` (default: the module's own)."""
         return hybrid_attn_func(
@@ -181,7 +183,8 @@ class HybridAttention(nn.Module):
 
 
 def shard_sequence(
-    x: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens=None, *, sliding_window: int | None = None
+    x: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens: CuSeqlens = None, *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """This rank's tokens of the full tensor ``x`` along ``dim``, in the mesh's token layout.
 
@@ -197,7 +200,8 @@ def shard_sequence(
 
 
 def shard_tensors(
-    tensors: list[torch.Tensor], mesh: HybridMesh, dim: int = 1, cu_seqlens=None, *, sliding_window=None
+    tensors: list[torch.Tensor], mesh: HybridMesh, dim: int = 1, cu_seqlens: CuSeqlens = None, *,
+    sliding_window: int | None = None,
 ) -> list[torch.Tensor]:
     """:func:`shard_sequence` of tensors of one shape along ``dim`` ([B, S, ...]), the layout's
     positions computed once for all of them (each row's runs once)."""
@@ -211,7 +215,8 @@ def shard_tensors(
 
 
 def gather_sequence(
-    x_local: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens=None, *, sliding_window: int | None = None
+    x_local: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens: CuSeqlens = None, *,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full tensor in original order, on every rank of the context group.
 
@@ -230,7 +235,8 @@ def gather_sequence(
     return join_shards(shards, mesh.ring, mesh.ulysses, layout, dim, bounds)
 
 
-def _layout_bounds(x: torch.Tensor, mesh: HybridMesh, dim: int, cu_seqlens, local: bool = False):
+def _layout_bounds(x: torch.Tensor, mesh: HybridMesh, dim: int, cu_seqlens: CuSeqlens,
+                   local: bool = False) -> Rows | None:
     """Per-row document boundaries for a layout that places tokens by document, else None."""
     if not mesh.token_layout.uses_documents or cu_seqlens is None:
         return None

@@ -27,12 +27,15 @@ Shapes: q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] this rank's tokens; 
 out [B, L, H, Dv]; under Ulysses a ring slot holds U*L tokens of H/U heads.
 """
 
-from typing import Optional
+from typing import Any, Optional, Union, cast
 
 import torch
+import torch.distributed as dist
 
+from hybridsp._comm import CommCounter
 from hybridsp._formulas import expanded_kv_heads
 from hybridsp._opaque import OpaqueRef
+from hybridsp._types import BackendName, KVComm
 from hybridsp.attention._resolve import (
     check_causal,
     check_softcap,
@@ -42,7 +45,7 @@ from hybridsp.attention._resolve import (
 )
 from hybridsp.attention._ring_function import ring_backward, ring_forward
 from hybridsp.attention._sinks import sink_grad
-from hybridsp.attention._spec import CallSpec
+from hybridsp.attention._spec import CallSpec, CuSeqlens
 from hybridsp.attention._ulysses import (
     expand_kv_heads_for,
     heads_of_rank,
@@ -50,14 +53,22 @@ from hybridsp.attention._ulysses import (
     seq_to_heads_buffers,
     split_heads,
 )
-from hybridsp.kernels import accumulation_dtype
+from hybridsp.kernels import AttentionKernel, accumulation_dtype
 from hybridsp.kernels._base import reduce_kv_heads
 from hybridsp.layout._documents import Documents
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
+Boundaries = Union[torch.Tensor, list[torch.Tensor], list[list[int]], None]
+"""``cu_seqlens`` in any form but a Documents (:data:`~hybridsp.attention._spec.CuSeqlens`)."""
+Bounds = Union[OpaqueRef, list[torch.Tensor]]
+"""What an operator gets for the documents: a Documents' reference, or :func:`boundary_tensors`."""
 
-def compiled_attention(q, k, v, *, mesh: HybridMesh, causal, cu_seqlens, sliding_window, softmax_scale, backend,
-                       counter, kv_comm, sinks, softcap) -> torch.Tensor:
+
+def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: HybridMesh, causal: bool,
+                       cu_seqlens: CuSeqlens, sliding_window: Optional[int], softmax_scale: Optional[float],
+                       backend: Union[BackendName, AttentionKernel], counter: Optional[CommCounter],
+                       kv_comm: Optional[KVComm], sinks: Optional[torch.Tensor],
+                       softcap: Optional[float]) -> torch.Tensor:
     """:func:`~hybridsp.attention._api.hybrid_attn_func` while dynamo traces (Note [compiled call]);
     the same arguments, out [B, L, H, Dv].
 
@@ -75,13 +86,13 @@ def compiled_attention(q, k, v, *, mesh: HybridMesh, causal, cu_seqlens, sliding
     settings = (causal, sliding_window, None if softmax_scale is None else float(softmax_scale), backend,
                 mesh.kv_comm if kv_comm is None else kv_comm, None if softcap is None else float(softcap))
     if isinstance(cu_seqlens, Documents):
-        return torch.ops.hybridsp.attention_documents(q, k, v, sinks, mesh.opaque, mesh.ulysses, cu_seqlens.opaque,
-                                                      *settings)[0]
-    return torch.ops.hybridsp.attention(q, k, v, sinks, mesh.opaque, mesh.ulysses, boundary_tensors(cu_seqlens),
-                                        *settings)[0]
+        return cast(torch.Tensor, torch.ops.hybridsp.attention_documents(q, k, v, sinks, mesh.opaque, mesh.ulysses,
+                                                                         cu_seqlens.opaque, *settings)[0])
+    return cast(torch.Tensor, torch.ops.hybridsp.attention(q, k, v, sinks, mesh.opaque, mesh.ulysses,
+                                                           boundary_tensors(cu_seqlens), *settings)[0])
 
 
-def boundary_tensors(cu_seqlens) -> list[torch.Tensor]:
+def boundary_tensors(cu_seqlens: Boundaries) -> list[torch.Tensor]:
     """``cu_seqlens`` in any form but a Documents as a list of tensors: [] for None, [one] for a
     tensor shared by the rows or [B, N + 1], else one per row (Python ints become constants)."""
     if cu_seqlens is None:
@@ -93,26 +104,29 @@ def boundary_tensors(cu_seqlens) -> list[torch.Tensor]:
     return [row if torch.is_tensor(row) else torch.tensor(list(row), dtype=torch.int64) for row in cu_seqlens]
 
 
-def _as_cu_seqlens(bounds):
+def _as_cu_seqlens(bounds: Bounds) -> CuSeqlens:
     """The inverse of :func:`boundary_tensors` (a Documents' reference gives the Documents)."""
     if isinstance(bounds, OpaqueRef):
-        return bounds.value
+        documents: Documents = bounds.value
+        return documents
     return None if not bounds else bounds[0] if len(bounds) == 1 else list(bounds)
 
 
-def _spec(mesh: HybridMesh, bounds, causal, window, scale, backend, kv_comm, softcap) -> CallSpec:
+def _spec(mesh: HybridMesh, bounds: Bounds, causal: bool, window: Optional[int], scale: Optional[float],
+          backend: BackendName, kv_comm: KVComm, softcap: Optional[float]) -> CallSpec:
     """The :class:`CallSpec` :func:`resolve_ring_call` and :func:`replay_ring_call` share."""
     return CallSpec.on_mesh(mesh, kv_comm=kv_comm, causal=causal, cu_seqlens=_as_cu_seqlens(bounds), sliding_window=window,
                             softmax_scale=scale, backend=backend, softcap=softcap)
 
 
-def _ring_group(mesh: HybridMesh):
+def _ring_group(mesh: HybridMesh) -> Optional[dist.ProcessGroup]:
     return mesh.ring_group if mesh.ring > 1 else None
 
 
-def _forward(q, k, v, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, *settings) -> list[torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mesh_ref: OpaqueRef,
+             ulysses: int, bounds: Bounds, *settings: Any) -> list[torch.Tensor]:
     """[out, lse] without Ulysses, [out, lse, out_slot, *q/k/v buffers] with (Note [compiled call])."""
-    mesh = mesh_ref.value
+    mesh: HybridMesh = mesh_ref.value
     call = resolve_ring_call(q, k, v, _spec(mesh, bounds, *settings), group=_ring_group(mesh), ring=mesh.ring,
                              ulysses=mesh.ulysses, sinks=sinks,
                              agreement_group=mesh.context_group if mesh.context > 1 else None)
@@ -130,7 +144,8 @@ def _forward(q, k, v, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, *setting
     return [out.contiguous(), lse.to(acc).contiguous(), out_slot, *buffers]
 
 
-def _forward_fake(q, k, v, sinks, mesh_ref, ulysses: int, bounds, *settings) -> list[torch.Tensor]:
+def _forward_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                  mesh_ref: OpaqueRef, ulysses: int, bounds: Bounds, *settings: Any) -> list[torch.Tensor]:
     """The shapes and dtypes of :func:`_forward`."""
     b, length, heads, d = q.shape
     dv, u, acc = v.shape[-1], ulysses, accumulation_dtype(q.dtype)
@@ -147,7 +162,7 @@ def _forward_fake(q, k, v, sinks, mesh_ref, ulysses: int, bounds, *settings) -> 
     return [out, lse, out_slot, *buffers]
 
 
-def _slot_views(buffers, heads: int, kv_heads: int, ulysses: int) -> list[torch.Tensor]:
+def _slot_views(buffers: list[torch.Tensor], heads: int, kv_heads: int, ulysses: int) -> list[torch.Tensor]:
     """q, k, v [B, U*L, H(kv)/U, D(v)] of the heads-first buffers of :func:`seq_to_heads_buffers`."""
     h, hkv = heads // ulysses, kv_heads // ulysses
     if len(buffers) == 1:
@@ -155,10 +170,10 @@ def _slot_views(buffers, heads: int, kv_heads: int, ulysses: int) -> list[torch.
     return [*split_heads(buffers[0], [h, hkv]), *split_heads(buffers[1], [hkv])]
 
 
-def _backward(dout, saved, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, kv_heads: int,
-              *settings) -> list[torch.Tensor]:
+def _backward(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh_ref: OpaqueRef,
+              ulysses: int, bounds: Bounds, kv_heads: int, *settings: Any) -> list[torch.Tensor]:
     """[dq, dk, dv] (+ [dsinks [H]]) from the forward's saved tensors (Note [compiled call])."""
-    mesh = mesh_ref.value
+    mesh: HybridMesh = mesh_ref.value
     spec = _spec(mesh, bounds, *settings)
     if mesh.ulysses == 1:
         q, k, v, out, lse = saved
@@ -182,9 +197,10 @@ def _backward(dout, saved, sinks, mesh_ref: OpaqueRef, ulysses: int, bounds, kv_
     return grads + [full]
 
 
-def _backward_fake(dout, saved, sinks, mesh_ref, ulysses: int, bounds, kv_heads: int,
-                   *settings) -> list[torch.Tensor]:
+def _backward_fake(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh_ref: OpaqueRef,
+                   ulysses: int, bounds: Bounds, kv_heads: int, *settings: Any) -> list[torch.Tensor]:
     """The shapes of :func:`_backward`: q's, k's, v's (and the sinks')."""
+    shapes: list[tuple[torch.Tensor, tuple[int, ...]]]
     if ulysses == 1:
         q, k, v = saved[:3]
         shapes = [(q, q.shape), (k, k.shape), (v, v.shape)]
@@ -196,7 +212,7 @@ def _backward_fake(dout, saved, sinks, mesh_ref, ulysses: int, bounds, kv_heads:
     return grads + ([] if sinks is None else [torch.empty_like(sinks)])
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]) -> None:
     q, k, v, sinks, mesh_ref, ulysses, bounds, *settings = inputs
     ctx.mesh, ctx.ulysses, ctx.settings, ctx.kv_heads = mesh_ref, ulysses, settings, k.shape[2]
     ctx.has_sinks = sinks is not None
@@ -207,7 +223,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*saved, *([sinks] if sinks is not None else []), *rest)
 
 
-def _autograd_backward(ctx, grads):
+def _autograd_backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Union[torch.Tensor, list[None], None], ...]:
     """grads: one per output of the forward (a list output's gradients arrive as one list)."""
     tensors = list(ctx.saved_tensors)
     saved, rest = tensors[: ctx.saved_count], tensors[ctx.saved_count:]

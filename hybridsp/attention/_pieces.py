@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from hybridsp.attention._merge import merge_into
 from hybridsp.attention._stacked import gather_lse, gather_rows, scatter_lse, stacks_and_singles
 from hybridsp.attention._varlen import backward_block, forward_block
@@ -26,9 +28,11 @@ from hybridsp.kernels._base import softcap_kwargs
 if TYPE_CHECKING:
     from hybridsp.attention._resolve import RingCall
     from hybridsp.attention._transport.base import Block
+    from hybridsp.layout._block_plan import Piece
 
 
-def _piece_forward(call: RingCall, q, k, v, piece):
+def _piece_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of one plan piece; q/k/v already cut to the piece."""
     kernel, capped = call.kernel, softcap_kwargs(call.softcap)
     if piece.kind == "band":
@@ -36,7 +40,9 @@ def _piece_forward(call: RingCall, q, k, v, piece):
     return kernel.forward(q, k, v, causal=piece.kind == "causal", softmax_scale=call.scale, **capped)
 
 
-def _piece_backward(call: RingCall, dout, q, k, v, out, lse, piece):
+def _piece_backward(call: RingCall, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, piece: Piece
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one plan piece given the final out/lse cut to its rows."""
     kernel, capped = call.kernel, softcap_kwargs(call.softcap)
     if piece.kind == "band":
@@ -44,13 +50,15 @@ def _piece_backward(call: RingCall, dout, q, k, v, out, lse, piece):
     return kernel.backward(dout, q, k, v, out, lse, causal=piece.kind == "causal", softmax_scale=call.scale, **capped)
 
 
-def forward_pieces(call: RingCall, q, block: Block, out_acc, lse_acc) -> None:
+def forward_pieces(call: RingCall, q: torch.Tensor, block: Block, out_acc: torch.Tensor,
+                   lse_acc: torch.Tensor) -> None:
     """Attend q's piece rows to the block's piece keys; merge into out_acc [B, S, H, Dv] / lse_acc [B, H, S].
     The call gives the kernel, the scale, the soft-capping and the plan that owns the block's pieces
     (varlen index tables are kept on it)."""
     pieces, offset, k_rows, v_rows, plan = block.pieces, block.offset, block.k, block.v, call.plan
     if not pieces:
         return
+    assert k_rows is not None and v_rows is not None  # a block with pieces has arrived
     if call.kernel.supports_varlen:
         forward_block(call, q, block, out_acc, lse_acc)
         return
@@ -71,12 +79,14 @@ def forward_pieces(call: RingCall, q, block: Block, out_acc, lse_acc) -> None:
         merge_into(out_acc[b, rows], lse_acc[b, :, rows], block_out, block_lse)
 
 
-def backward_pieces(call: RingCall, dout, q, out, lse, block: Block, dq_acc, dk_acc, dv_acc) -> None:
+def backward_pieces(call: RingCall, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                    block: Block, dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
     """Add the block's pieces' gradients: dq into dq_acc [B, S, H, D], dk/dv into dk_acc [B, rows, Hkv, D] /
     dv_acc [B, rows, Hkv, Dv] (accumulators in the accumulation dtype; the block's keys counted from its offset)."""
     pieces, offset, k_rows, v_rows, plan = block.pieces, block.offset, block.k, block.v, call.plan
     if not pieces:
         return
+    assert k_rows is not None and v_rows is not None  # a block with pieces has arrived
     if call.kernel.supports_varlen:
         backward_block(call, dout, q, out, lse, block, dq_acc, dk_acc, dv_acc)
         return
@@ -85,8 +95,8 @@ def backward_pieces(call: RingCall, dout, q, out, lse, block: Block, dq_acc, dk_
         q_rows = (stack.q_batch, stack.q_seq)
         k_keys = (stack.k_batch, stack.k_seq)
         dq, dk, dv = _piece_backward(
-            call, *(gather_rows(t, *q_rows, stack.size) for t in (dout, q)),
-            *(gather_rows(t, *k_keys, stack.size) for t in (k_rows, v_rows)),
+            call, gather_rows(dout, *q_rows, stack.size), gather_rows(q, *q_rows, stack.size),
+            gather_rows(k_rows, *k_keys, stack.size), gather_rows(v_rows, *k_keys, stack.size),
             gather_rows(out, *q_rows, stack.size), gather_lse(lse, stack), stack.like,
         )  # [G, n, H, D], [G, m, Hkv, D], [G, m, Hkv, Dv]
         dq_acc.index_put_(q_rows, dq.flatten(0, 1).to(dq_acc.dtype), accumulate=True)

@@ -74,7 +74,7 @@ class RingCall:
         """The kernels' soft-capping (:mod:`hybridsp.kernels._base`); None: none."""
         return None if self.spec.softcap is None else float(self.spec.softcap)
 
-    def transport(self, k, v) -> Transport:
+    def transport(self, k: torch.Tensor, v: torch.Tensor) -> Transport:
         """The K/V transport of one pass (Note [one shell] in :mod:`hybridsp.attention._ring_function`)."""
         if self.ring == 1:
             return LocalTransport(self, k, v)
@@ -94,7 +94,7 @@ def check_softcap(softcap: float | None) -> None:
     check_positive(softcap, "softcap", or_none="no soft-capping; scores become softcap * tanh(scores / softcap)")
 
 
-def check_sinks(sinks, q: torch.Tensor) -> None:
+def check_sinks(sinks: object, q: torch.Tensor) -> None:
     """Raise ValueError unless ``sinks`` is None or a float tensor [H] on q's device (q [B, S, H, D])."""
     if sinks is None:
         return
@@ -117,7 +117,7 @@ def check_kv_comm(kv_comm: str) -> None:
         raise ValueError(f"unknown kv_comm {kv_comm!r}; choose one of {', '.join(map(repr, KV_COMMS))}")
 
 
-def check_causal(causal) -> None:
+def check_causal(causal: object) -> None:
     """Raise ValueError unless ``causal`` is a bool (``causal="no"`` would silently run as causal)."""
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False; got {causal!r} ({type(causal).__name__})")
@@ -139,8 +139,8 @@ def resolve_kv_chunks(kv_chunks: int | None, ring: int, local_len: int) -> int:
     return default_kv_chunks(ring, local_len) if kv_chunks is None else kv_chunks
 
 
-def check_ring_inputs(q, k, v, spec: CallSpec, layout: TokenLayout, *, ring: int, ulysses: int,
-                      sinks=None) -> None:
+def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec, layout: TokenLayout, *,
+                      ring: int, ulysses: int, sinks: torch.Tensor | None = None) -> None:
     """Raise ValueError for inputs the ring cannot run (before any communication).
 
     ``q`` [B, S_local, H, D], ``k`` [B, S_local, Hkv, D], ``v`` [B, S_local, Hkv, Dv] are this rank's
@@ -175,15 +175,18 @@ def plan_for(documents: Documents, layout: TokenLayout, ring: int, causal: bool,
     window = None if window is None or window >= documents.seq_len else window
     if ring == 1 and not documents.packed and window is None:
         return None
-    return documents.remember(
+    plan: BlockPlan = documents.remember(
         ("plan", layout, ring, causal, window),
         lambda: build_plan(documents.seq_len, ring, layout, causal=causal, docs=documents.rows, window=window,
                            batch=documents.batch),
     )
+    return plan
 
 
-def resolve_ring_call(q, k, v, spec: CallSpec, *, group, ring: int, ulysses: int = 1, agreement_group=None,
-                      sinks=None) -> RingCall:
+def resolve_ring_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec, *,
+                      group: dist.ProcessGroup | None, ring: int, ulysses: int = 1,
+                      agreement_group: dist.ProcessGroup | None = None,
+                      sinks: torch.Tensor | None = None) -> RingCall:
     """Check ``spec`` with this call's tensors and resolve it (see the module docstring).
 
     ``q``/``k``/``v`` are this rank's tokens ``[B, S_local, H(kv), D(v)]`` before any all-to-all;
@@ -202,7 +205,8 @@ def resolve_ring_call(q, k, v, spec: CallSpec, *, group, ring: int, ulysses: int
     return _ring_call(q, spec, kernel, group, ring, layout, documents, chunks)
 
 
-def replay_ring_call(q, v, spec: CallSpec, *, group, ring: int) -> RingCall:
+def replay_ring_call(q: torch.Tensor, v: torch.Tensor, spec: CallSpec, *, group: dist.ProcessGroup | None,
+                     ring: int) -> RingCall:
     """The :class:`RingCall` of a call :func:`resolve_ring_call` already checked and agreed on, rebuilt
     from one ring slot's ``q`` [B, S_slot, H/U, D] and ``v`` [B, S_slot, Hkv/U, Dv] and the same spec:
     for a backward that could not keep the call (:mod:`hybridsp.attention._compiled`). No checks, no
@@ -214,8 +218,8 @@ def replay_ring_call(q, v, spec: CallSpec, *, group, ring: int) -> RingCall:
     return _ring_call(q, spec, kernel, group, ring, get_layout(spec.layout), documents, chunks)
 
 
-def _ring_call(q, spec: CallSpec, kernel: AttentionKernel, group, ring: int, layout: TokenLayout,
-               documents: Documents, chunks: int | None) -> RingCall:
+def _ring_call(q: torch.Tensor, spec: CallSpec, kernel: AttentionKernel, group: dist.ProcessGroup | None,
+               ring: int, layout: TokenLayout, documents: Documents, chunks: int | None) -> RingCall:
     """The :class:`RingCall` of a checked spec and its kernel: this rank's place, the plan, the scale."""
     rank = 0 if group is None else dist.get_rank(group)
     plan = plan_for(documents, layout, ring, spec.causal, spec.sliding_window)
@@ -244,11 +248,14 @@ class CallFingerprint(NamedTuple):
     softcap: int  # the float64 bits >> 2 (0: none)
 
     @classmethod
-    def of(cls, q, k, v, spec: CallSpec, layout: TokenLayout, chunks: int | None, sinks=None) -> CallFingerprint:
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec, layout: TokenLayout,
+           chunks: int | None, sinks: torch.Tensor | None = None) -> CallFingerprint:
         """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv]
         (``layout``: the spec's layout object; ``chunks``: the resolved all-gather chunks)."""
         window = spec.sliding_window
-        return cls(*q.shape, k.shape[2], v.shape[-1], FLOAT_DTYPES.index(q.dtype), int(spec.causal),
+        batch, local_tokens, query_heads, head_dim = q.shape  # 4-D (checked): the first four fields
+        return cls(batch, local_tokens, query_heads, head_dim, k.shape[2], v.shape[-1], FLOAT_DTYPES.index(q.dtype),
+                   int(spec.causal),
                    -1 if window is None else window, _float_bits(spec.softmax_scale), LAYOUTS.index(layout.name),
                    -1 if layout.window is None else layout.window, KV_COMMS.index(spec.kv_comm), chunks or 0,
                    0 if sinks is None else 1 + FLOAT_DTYPES.index(sinks.dtype), _float_bits(spec.softcap))
@@ -265,12 +272,13 @@ _LABELS = {"local_tokens": "local tokens", "query_heads": "query heads", "head_d
 _NAMES = tuple(_LABELS.get(field, field) for field in CallFingerprint._fields) + ("documents", "documents")
 
 
-def check_agreement(group, documents: Documents, fields: CallFingerprint, device) -> None:
+def check_agreement(group: dist.ProcessGroup | None, documents: Documents, fields: CallFingerprint,
+                    device: torch.device) -> None:
     """Raise ValueError on every rank of ``group`` unless all ranks call with the same settings and
     documents (Note [agreement]); one small all_reduce on every call, whatever was agreed before."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    mine = documents.remember(  # [16 + 2] int64: the fields, then the documents' digest
+    mine: torch.Tensor = documents.remember(  # [16 + 2] int64: the fields, then the documents' digest
         ("fingerprint", fields, device),
         lambda: torch.tensor([*fields, *documents.digest()], dtype=torch.int64, device=device),
     )

@@ -19,21 +19,25 @@ A ring of one that nothing masks runs one kernel call on the whole local sequenc
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 
 from hybridsp._comm import CommCounter
+from hybridsp._types import BackendName, KVComm, LayoutName
 from hybridsp.attention._resolve import RingCall, resolve_ring_call
 from hybridsp.attention._ring_function import RingAttentionFunction
-from hybridsp.attention._spec import CallSpec
+from hybridsp.attention._spec import CallSpec, CuSeqlens
 from hybridsp.kernels import AttentionKernel
+from hybridsp.layout._layouts import TokenLayout
 
 
 def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,
              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A resolved call on one ring slot's q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> out
     [B, S, H, Dv]; ``sinks`` [H]: the sink logits of these H heads (:mod:`hybridsp.attention._sinks`)."""
-    return RingAttentionFunction.apply(q, k, v, sinks, call)
+    return cast(torch.Tensor, RingAttentionFunction.apply(q, k, v, sinks, call))
 
 
 def ring_attention(
@@ -43,13 +47,13 @@ def ring_attention(
     group: dist.ProcessGroup | None,
     *,
     causal: bool = True,
-    cu_seqlens=None,
+    cu_seqlens: CuSeqlens = None,
     sliding_window: int | None = None,
     softmax_scale: float | None = None,
-    backend: str | AttentionKernel = "auto",
-    layout="zigzag",
+    backend: BackendName | AttentionKernel = "auto",
+    layout: LayoutName | TokenLayout = "zigzag",
     counter: CommCounter | None = None,
-    kv_comm: str = "ring",
+    kv_comm: KVComm = "ring",
     kv_chunks: int | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,

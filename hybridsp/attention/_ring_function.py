@@ -23,6 +23,8 @@ out [B, S, H, Dv], lse [B, H, S], sinks [H] (this rank's heads) or None.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from hybridsp.attention._pieces import backward_pieces, forward_pieces
@@ -31,8 +33,12 @@ from hybridsp.attention._transport.base import Block
 from hybridsp.kernels import accumulation_dtype
 from hybridsp.kernels._base import softcap_kwargs
 
+if TYPE_CHECKING:
+    from hybridsp.attention._resolve import RingCall
 
-def ring_forward(q, k, v, sinks, call):
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                 call: RingCall) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, S, H, Dv] in q's dtype, lse [B, H, S] in the accumulation dtype), sinks merged."""
     if call.plan is None:
         out, lse = call.kernel.forward(q, k, v, causal=call.causal, softmax_scale=call.scale,
@@ -51,7 +57,8 @@ def ring_forward(q, k, v, sinks, call):
     return out_acc.to(q.dtype), lse_acc
 
 
-def ring_backward(dout, q, k, v, out, lse, call):
+def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, call: RingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq [B, S, H, D], dk [B, S, Hkv, D], dv [B, S, Hkv, Dv]) in the input dtype, from the final out/lse."""
     if call.plan is None:
         return call.kernel.backward(dout, q, k, v, out, lse, causal=call.causal, softmax_scale=call.scale,
@@ -66,8 +73,9 @@ def ring_backward(dout, q, k, v, out, lse, call):
             own = Block(block.pieces, k, v, own=True)  # the local k/v whole, keys from 0
             backward_pieces(call, dout, q, out, lse, own, dq_acc, dk_acc, dv_acc)
             continue
-        grads = None
+        grads: list[torch.Tensor] | None = None
         if block.pieces:
+            assert block.k is not None and block.v is not None  # a block with pieces has arrived
             grads = [torch.zeros(block.k.shape, dtype=acc, device=k.device),
                      torch.zeros(block.v.shape, dtype=acc, device=v.device)]
             backward_pieces(call, dout, q, out, lse, block, dq_acc, *grads)
@@ -80,14 +88,17 @@ class RingAttentionFunction(torch.autograd.Function):
     """Ring attention of one resolved call (:class:`hybridsp.attention._resolve.RingCall`; Note [one shell])."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, call):
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                call: RingCall) -> torch.Tensor:
         out, lse = ring_forward(q, k, v, sinks, call)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(
+        ctx: Any, dout: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, ctx.call)
         dsinks = None if sinks is None or not ctx.needs_input_grad[3] else sink_grad(dout, out, lse, sinks)

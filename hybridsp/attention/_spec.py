@@ -7,7 +7,7 @@ varlen groups read.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -50,7 +50,7 @@ class CallSpec:
 
     @classmethod
     def on_mesh(cls, mesh: HybridMesh, *, kv_comm: KVComm | None = None, counter: CommCounter | None = None,
-                **settings) -> CallSpec:
+                **settings: Any) -> CallSpec:
         """The spec of a call on ``mesh``: its K/V transport, chunking and byte counter unless given,
         and its token layout placed for the window the documents carry (``settings``: the other fields)."""
         return cls(
@@ -58,12 +58,14 @@ class CallSpec:
             kv_chunks=mesh.kv_chunks, counter=mesh.comm_counter if counter is None else counter, **settings,
         )
 
-    def with_(self, **changes) -> CallSpec:
+    def with_(self, **changes: Any) -> CallSpec:
         """A copy with ``changes`` (the spec itself is frozen)."""
         return replace(self, **changes)
 
 
-def placement_layout(mesh, cu_seqlens=None, sliding_window: int | None = None) -> TokenLayout:
+def placement_layout(
+    mesh: HybridMesh, cu_seqlens: CuSeqlens = None, sliding_window: int | None = None
+) -> TokenLayout:
     """The mesh's token layout placing for the window that applies (Note [placement window] in
     :mod:`hybridsp.layout._layouts`): ``sliding_window`` if given, else the one ``cu_seqlens``
     carries (a :class:`~hybridsp.layout._documents.Documents`' ``window``), else the mesh's.

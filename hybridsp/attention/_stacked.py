@@ -21,11 +21,13 @@ in :mod:`hybridsp.attention._pieces`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
-from hybridsp.layout._block_plan import Piece
+from hybridsp.layout._block_plan import Band, BlockPlan, Piece
 
 MAX_ROWS = 256  # pieces with more query or key rows than this run alone (Note [stacks])
 
@@ -42,15 +44,18 @@ class Stack:
     k_seq: torch.Tensor  # [G * m] its row in the block
 
 
-def stacks_and_singles(pieces, offset: int, batch: int, device, plan=None) -> tuple[list[Stack], list[Piece]]:
+def stacks_and_singles(pieces: Sequence[Piece], offset: int, batch: int, device: torch.device,
+                       plan: BlockPlan | None = None) -> tuple[list[Stack], list[Piece]]:
     """One block's pieces split into stacks (Note [stacks]) and the pieces that run alone (original keys).
 
     With ``plan`` (the :class:`~hybridsp.layout._block_plan.BlockPlan` that owns ``pieces``) the split is
     built once per plan, offset, batch and device and reused by every layer and the backward."""
     if plan is not None:
         key = ("stacks", id(pieces), offset, batch, str(device), MAX_ROWS)
-        return plan.memo(key, lambda: stacks_and_singles(pieces, offset, batch, device))
-    by_shape: dict[tuple, list[Piece]] = {}
+        split: tuple[list[Stack], list[Piece]] = plan.memo(
+            key, lambda: stacks_and_singles(pieces, offset, batch, device))
+        return split
+    by_shape: dict[tuple[int, int, str, Band], list[Piece]] = {}
     singles = []
     for piece in pieces:
         shifted = piece.shifted(offset)
@@ -68,7 +73,7 @@ def stacks_and_singles(pieces, offset: int, batch: int, device, plan=None) -> tu
     return stacks, singles
 
 
-def _length(span: slice) -> int:
+def _length(span: slice[int, int, int | None]) -> int:
     return span.stop - span.start
 
 
@@ -98,7 +103,7 @@ def _disjoint_layers(same_shape: list[Piece], batch: int) -> list[list[Piece]]:
     return layers
 
 
-def _stack(members: list[tuple[Piece, int]], device) -> Stack:
+def _stack(members: list[tuple[Piece, int]], device: torch.device) -> Stack:
     like = members[0][0]
     q_seq = torch.cat([torch.arange(p.rows.start, p.rows.stop) for p, _ in members])  # [G * n]
     k_seq = torch.cat([torch.arange(p.keys.start, p.keys.stop) for p, _ in members])  # [G * m]
@@ -110,12 +115,13 @@ def _stack(members: list[tuple[Piece, int]], device) -> Stack:
 
 def gather_rows(x: torch.Tensor, batch_index: torch.Tensor, seq_index: torch.Tensor, size: int) -> torch.Tensor:
     """[B, S, H, D] -> [G, n, H, D]: the stack's rows of ``x`` (a copy)."""
-    return x[batch_index, seq_index].unflatten(0, (size, -1))  # [G, n, H, D]
+    return cast(torch.Tensor, x[batch_index, seq_index].unflatten(0, (size, -1)))  # [G, n, H, D]
 
 
 def gather_lse(lse: torch.Tensor, stack: Stack) -> torch.Tensor:
     """[B, H, S] -> [G, H, n]: the stack's query rows of a log-sum-exp (a copy)."""
-    return lse[stack.q_batch, :, stack.q_seq].unflatten(0, (stack.size, -1)).transpose(1, 2).contiguous()  # [G, H, n]
+    gathered = cast(torch.Tensor, lse[stack.q_batch, :, stack.q_seq].unflatten(0, (stack.size, -1)))  # [G, n, H]
+    return gathered.transpose(1, 2).contiguous()  # [G, H, n]
 
 
 def scatter_lse(lse: torch.Tensor, stack: Stack, values: torch.Tensor) -> None:

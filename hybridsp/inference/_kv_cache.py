@@ -127,16 +127,20 @@ class ShardedKVCache:
         start, count = self._filled[layer], keys.shape[2]
         if start + count > self.capacity:
             raise ValueError(f"layer {layer}: {start} + {count} tokens exceed this shard's capacity {self.capacity}")
-        self._keys[layer][:, :, start : start + count].copy_(keys)
-        self._values[layer][:, :, start : start + count].copy_(values)
+        keys_buffer, values_buffer = self._keys[layer], self._values[layer]
+        assert keys_buffer is not None and values_buffer is not None  # allocated above
+        keys_buffer[:, :, start : start + count].copy_(keys)
+        values_buffer[:, :, start : start + count].copy_(values)
         self._filled[layer] = start + count
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (keys, values) of ``layer``, each a view [B, Hkv, L, D]."""
-        if self._keys[layer] is None:
+        keys, values = self._keys[layer], self._values[layer]
+        if keys is None:
             raise ValueError(f"layer {layer} of the cache was never written (run the prefill first)")
+        assert values is not None  # allocated with the keys
         filled = self._filled[layer]
-        return self._keys[layer][:, :, :filled], self._values[layer][:, :, :filled]
+        return keys[:, :, :filled], values[:, :, :filled]
 
     def key_positions(self, layer: int) -> torch.Tensor:
         """[L] global positions of ``layer``'s cached tokens, in cache order."""

@@ -48,6 +48,7 @@ def halo_conv(
         ext = torch.cat([x[rows], halo, zero[rows]], dim=1)  # [b, L + R*M*(K-1) + 1, C]
         taps = group.taps(call.slot, kernel).to(x.device)  # [L, K]
         out = sum(ext[:, taps[:, i]] * weight[:, i] for i in range(kernel))  # [b, L, C]
+        assert isinstance(out, torch.Tensor)  # kernel >= 2 taps: a tensor, never sum's start 0
         outs.append(out if bias is None else out + bias)
     joined = torch.cat(outs, dim=0)  # [B, L, C] rows in group order
     return joined if len(outs) == 1 else joined[call.row_order().to(x.device)]

@@ -21,12 +21,17 @@ exact):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
-from hybridsp.linear_attention._segments import run_of
+from hybridsp.linear_attention._segments import ChainedStates, run_of
 from hybridsp.linear_attention._slots import SlotCall
 from hybridsp.mesh._hybrid_mesh import HybridMesh
+
+if TYPE_CHECKING:
+    from hybridsp.linear_attention._passing import Recurrence
 
 
 class LinearStates:
@@ -38,7 +43,7 @@ class LinearStates:
     each decode step.
     """
 
-    def __init__(self, prompt_length: int, positions: torch.Tensor):
+    def __init__(self, prompt_length: int, positions: torch.Tensor) -> None:
         self.prompt_length, self.positions = prompt_length, positions
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -67,8 +72,8 @@ def prompt_conv_tail(pre: torch.Tensor, store: LinearStates, kernel: int, mesh: 
     return _context_sum(tail.contiguous(), mesh)
 
 
-def prompt_final_state(recurrence, inputs: dict, call: SlotCall, chained: dict, store: LinearStates,
-                       heads: slice, total_heads: int, mesh: HybridMesh) -> torch.Tensor:
+def prompt_final_state(recurrence: Recurrence, inputs: dict[str, torch.Tensor], call: SlotCall, chained: ChainedStates,
+                       store: LinearStates, heads: slice, total_heads: int, mesh: HybridMesh) -> torch.Tensor:
     """The state after the last prompt token, every head, on every rank (a collective).
 
     Args:
@@ -84,7 +89,7 @@ def prompt_final_state(recurrence, inputs: dict, call: SlotCall, chained: dict, 
     [group] = call.rows  # the prefill gives every row one document
     last = store.prompt_length - 1
     slot, run, _ = run_of(group.plan, last)
-    state = None
+    state: torch.Tensor | None = None
     if slot == call.slot:
         [seg] = [s for s in group.plan.segments[slot] if s.run == run and s.start <= last < s.start + s.length]
         end = seg.offset + last - seg.start + 1

@@ -14,7 +14,12 @@ its documented keywords; it repeats key heads for the value heads it serves itse
 
 from __future__ import annotations
 
+from typing import Callable, Literal, overload
+
 import torch
+
+ChunkFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+"""The model's chunked kernel: (out [b, n, Hv, dv], final state [b, Hv, dk, dv] or None unless asked)."""
 
 
 class GatedDeltaRule:
@@ -23,14 +28,23 @@ class GatedDeltaRule:
     Pairs are fp32 ``[b, Hv, dk, dv + dk]`` = ``[E | M]``; states ``[b, Hv, dk, dv]``.
     """
 
-    def __init__(self, chunk_fn, value_dim: int):
+    def __init__(self, chunk_fn: ChunkFn, value_dim: int) -> None:
         self.chunk_fn, self.value_dim = chunk_fn, value_dim
 
-    def _call(self, pieces: dict, value: torch.Tensor, initial, final: bool):
+    @overload
+    def _call(self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None,
+              final: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    @overload
+    def _call(self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None,
+              final: Literal[False]) -> tuple[torch.Tensor, None]: ...
+
+    def _call(self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None,
+              final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.chunk_fn(pieces["q"], pieces["k"], value, g=pieces["g"], beta=pieces["beta"],
                              initial_state=initial, output_final_state=final, use_qk_l2norm_in_kernel=True)
 
-    def transitions(self, pieces: dict) -> torch.Tensor:
+    def transitions(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
         v = pieces["v"]
         m, n, heads, dv = v.shape
         dk = pieces["k"].shape[-1]
@@ -46,9 +60,9 @@ class GatedDeltaRule:
     def external(self, pair: torch.Tensor) -> torch.Tensor:
         return pair[..., :self.value_dim]  # [b, Hv, dk, dv]
 
-    def outputs(self, pieces: dict, initial) -> torch.Tensor:
+    def outputs(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor | None) -> torch.Tensor:
         out, _ = self._call(pieces, pieces["v"], initial, False)
         return out  # [m, n, Hv, dv]
 
-    def final_state(self, pieces: dict, initial) -> torch.Tensor:
+    def final_state(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor | None) -> torch.Tensor:
         return self._call(pieces, pieces["v"], initial, True)[1]  # [m, Hv, dk, dv]

@@ -14,6 +14,8 @@ simpler and runs on gloo).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -24,7 +26,7 @@ class _GatherRing(torch.autograd.Function):
     """flat [n] -> [R, n] over ``group`` (group-rank order); backward: all-reduce, own slice."""
 
     @staticmethod
-    def forward(ctx, flat, group, counter):
+    def forward(ctx: Any, flat: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter | None) -> torch.Tensor:
         ctx.group, ctx.counter = group, counter
         size = dist.get_world_size(group)
         out = flat.new_empty(size * flat.numel())  # [R * n]
@@ -35,7 +37,7 @@ class _GatherRing(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         if ctx.counter is not None:
@@ -43,7 +45,8 @@ class _GatherRing(torch.autograd.Function):
         return grad[dist.get_rank(ctx.group)], None, None
 
 
-def gather_ring(tensors: list[torch.Tensor], group, counter: CommCounter | None = None) -> list[torch.Tensor]:
+def gather_ring(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
+                counter: CommCounter | None = None) -> list[torch.Tensor]:
     """Differentiable: each tensor ``x_i`` (one dtype) -> ``[R, *x_i.shape]``, every ring rank's
     ``x_i`` in ring-rank order, in one all-gather (a group of one: ``x_i[None]``)."""
     if group is None or dist.get_world_size(group) == 1:

@@ -20,14 +20,15 @@ recurrence together (one call per length).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 
 from hybridsp._comm import CommCounter
 from hybridsp.linear_attention._gather import gather_ring
-from hybridsp.linear_attention._segments import chain_initial_states
-from hybridsp.linear_attention._slots import SlotCall
+from hybridsp.linear_attention._segments import ChainedStates, Segment, chain_initial_states
+from hybridsp.linear_attention._slots import RowGroup, SlotCall
 
 
 class Recurrence(Protocol):
@@ -42,8 +43,9 @@ class Recurrence(Protocol):
     def external(self, pair: torch.Tensor) -> torch.Tensor:
         """``E``: the state after the segment from a zero state."""
 
-    def outputs(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor) -> torch.Tensor:
-        """The outputs ``[m, n, ...]`` of ``m`` stacked segments from states ``initial`` ``[m, *state]``."""
+    def outputs(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor | None) -> torch.Tensor:
+        """The outputs ``[m, n, ...]`` of ``m`` stacked segments from states ``initial`` ``[m, *state]``
+        (None: zero)."""
 
     def final_state(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor | None) -> torch.Tensor:
         """The state ``[m, *state]`` after ``m`` stacked segments from ``initial`` (None: zero)."""
@@ -51,7 +53,7 @@ class Recurrence(Protocol):
 
 def pass_states(
     recurrence: Recurrence, inputs: dict[str, torch.Tensor], call: SlotCall, counter: CommCounter | None = None,
-    chained: list | None = None,
+    chained: list[ChainedStates] | None = None,
 ) -> torch.Tensor:
     """The recurrence's output over the slot's tokens, exact over the ring and packed documents.
 
@@ -78,23 +80,23 @@ def pass_states(
     return joined if len(outs) == 1 else joined[call.row_order().to(joined.device)]
 
 
-def _pieces(inputs: dict, rows: list[int], segments) -> dict[str, torch.Tensor]:
+def _pieces(inputs: dict[str, torch.Tensor], rows: list[int], segments: Sequence[Segment]) -> dict[str, torch.Tensor]:
     """Each input's tokens of ``segments`` (equal lengths) stacked: name -> [m * b, n, ...]."""
     return {name: torch.cat([x[rows, s.offset:s.offset + s.length] for s in segments]) for name, x in inputs.items()}
 
 
-def _by_length(segments) -> dict[int, list]:
-    found: dict[int, list] = {}
+def _by_length(segments: Iterable[Segment]) -> dict[int, list[Segment]]:
+    found: dict[int, list[Segment]] = {}
     for seg in segments:
         found.setdefault(seg.length, []).append(seg)
     return found
 
 
-def _tail_pairs(recurrence: Recurrence, inputs: dict, group, slot: int) -> torch.Tensor:
+def _tail_pairs(recurrence: Recurrence, inputs: dict[str, torch.Tensor], group: RowGroup, slot: int) -> torch.Tensor:
     """The slot's run tails' pairs, zero-padded to ``max_runs``: [b, max_runs, *pair]."""
     plan, rows = group.plan, list(group.rows)
     tails = [plan.segments[slot][i] for i in plan.tails[slot]]
-    by_run = {}
+    by_run: dict[int, torch.Tensor] = {}
     for segments in _by_length(tails).values():
         pairs = recurrence.transitions(_pieces(inputs, rows, segments))  # [m * b, *pair]
         for seg, pair in zip(segments, pairs.split(len(rows))):
@@ -104,10 +106,11 @@ def _tail_pairs(recurrence: Recurrence, inputs: dict, group, slot: int) -> torch
     return torch.stack([by_run[j] for j in range(len(tails))] + padding, dim=1)  # [b, max_runs, *pair]
 
 
-def _segment_outputs(recurrence: Recurrence, inputs: dict, group, slot: int, states: dict) -> torch.Tensor:
+def _segment_outputs(recurrence: Recurrence, inputs: dict[str, torch.Tensor], group: RowGroup, slot: int,
+                     states: ChainedStates) -> torch.Tensor:
     """The slot's outputs, every segment from its true initial state: [b, L, ...]."""
     plan, rows = group.plan, list(group.rows)
-    done = {}
+    done: dict[int, torch.Tensor] = {}
     for segments in _by_length(plan.segments[slot]).values():
         initial = torch.cat([_initial(states, slot, seg) for seg in segments]) if any(
             s.chained for s in segments) else None
@@ -117,7 +120,7 @@ def _segment_outputs(recurrence: Recurrence, inputs: dict, group, slot: int, sta
     return torch.cat([done[offset] for offset in sorted(done)], dim=1)  # [b, L, ...]
 
 
-def _initial(states: dict, slot: int, seg) -> torch.Tensor:
+def _initial(states: ChainedStates, slot: int, seg: Segment) -> torch.Tensor:
     """A segment's initial state [b, *state] (zeros where it starts a document)."""
     state = states[(slot, seg.run)] if seg.chained else None
     if state is not None:

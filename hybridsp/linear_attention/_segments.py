@@ -25,7 +25,9 @@ the runs [0,30) and [90,120), slot 1 the run [30,90), so the chain reads slot 0 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -59,13 +61,17 @@ class SegmentChain:
     ``(slot, run)`` in natural token order. max_runs: the most runs any slot holds.
     """
 
-    runs: tuple
-    segments: tuple
-    tails: tuple
-    restarts: tuple
-    starts: tuple
-    order: tuple
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+    segments: tuple[tuple[Segment, ...], ...]
+    tails: tuple[tuple[int, ...], ...]
+    restarts: tuple[tuple[bool, ...], ...]
+    starts: tuple[tuple[bool, ...], ...]
+    order: tuple[tuple[int, int], ...]
     max_runs: int
+
+
+ChainedStates = dict[tuple[int, int], torch.Tensor | None]
+"""Every run's true initial state: ``{(slot, run): S or None}`` (None: a zero state)."""
 
 
 def row_plan(layout: TokenLayout, seq_len: int, ring: int, bounds: tuple[int, ...]) -> SegmentChain:
@@ -107,7 +113,9 @@ def _is_doc_start(doc_starts: list[int], position: int) -> bool:
     return index < len(doc_starts) and doc_starts[index] == position
 
 
-def chain_initial_states(plan: SegmentChain, pairs, apply, external) -> dict:
+def chain_initial_states(plan: SegmentChain, pairs: Sequence[Sequence[torch.Tensor]],
+                         apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         external: Callable[[torch.Tensor], torch.Tensor]) -> ChainedStates:
     """Every run's true initial state, combined in natural order (Note [natural order]).
 
     ``pairs[slot][run]`` is the run tail's transition pair: the state after the run is
@@ -115,13 +123,16 @@ def chain_initial_states(plan: SegmentChain, pairs, apply, external) -> dict:
     tail restarts. Returns ``{(slot, run): S or None}`` (None: a zero state, the run starts a
     document). Differentiable through ``apply`` and ``external``.
     """
-    states, state = {}, None
+    states: ChainedStates = {}
+    state: torch.Tensor | None = None
     for slot, run in plan.order:
         initial = None if plan.starts[slot][run] else state
         states[(slot, run)] = initial
         pair = pairs[slot][run]
-        restarted = plan.restarts[slot][run] or initial is None
-        state = external(pair) if restarted else apply(pair, initial)
+        if plan.restarts[slot][run] or initial is None:  # restarted
+            state = external(pair)
+        else:
+            state = apply(pair, initial)
     return states
 
 

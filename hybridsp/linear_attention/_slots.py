@@ -6,11 +6,14 @@ forward reuses it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from hybridsp.attention._spec import placement_layout
+from hybridsp.attention._spec import CuSeqlens, placement_layout
 from hybridsp.layout._documents import Documents, as_documents
+from hybridsp.layout._layouts import TokenLayout
 from hybridsp.linear_attention._segments import SegmentChain, conv_taps, row_plan, tail_index
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
@@ -32,8 +35,8 @@ class RowGroup:
         return _memo(self, ("tails", slot, halo), lambda: tail_index(self.plan, slot, halo))
 
 
-def _memo(group: RowGroup, key, compute):
-    store = group.__dict__.setdefault("_memo", {})
+def _memo(group: RowGroup, key: tuple[str, int, int], compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    store: dict[tuple[str, int, int], torch.Tensor] = group.__dict__.setdefault("_memo", {})
     if key not in store:
         store[key] = compute()
     return store[key]
@@ -45,7 +48,7 @@ class SlotCall:
 
     slot: int
     ring: int
-    group: object  # the ring's ProcessGroup (None: a ring of one)
+    group: dist.ProcessGroup | None  # the ring's ProcessGroup (None: a ring of one)
     rows: tuple[RowGroup, ...]
 
     def row_order(self) -> torch.Tensor:
@@ -56,18 +59,18 @@ class SlotCall:
         return inverse
 
 
-def slot_call(mesh: HybridMesh, documents, batch: int, seq_len: int) -> SlotCall:
+def slot_call(mesh: HybridMesh, documents: CuSeqlens, batch: int, seq_len: int) -> SlotCall:
     """The :class:`SlotCall` of this rank for a batch of ``batch`` rows of ``seq_len`` global tokens
     (``documents``: the batch's :class:`Documents`, any ``cu_seqlens`` form, or None)."""
     documents = Documents(batch, seq_len) if documents is None else as_documents(documents, batch, seq_len)
     layout = placement_layout(mesh, documents)
     key = ("linear_rows", layout, mesh.ring)
-    rows = documents.remember(key, lambda: _row_groups(documents, layout, mesh.ring))
+    rows: tuple[RowGroup, ...] = documents.remember(key, lambda: _row_groups(documents, layout, mesh.ring))
     group = mesh.ring_group if mesh.ring > 1 else None
     return SlotCall(mesh.ring_rank, mesh.ring, group, rows)
 
 
-def _row_groups(documents: Documents, layout, ring: int) -> tuple[RowGroup, ...]:
+def _row_groups(documents: Documents, layout: TokenLayout, ring: int) -> tuple[RowGroup, ...]:
     by_bounds: dict[tuple[int, ...], list[int]] = {}
     for b in range(documents.batch):
         by_bounds.setdefault(tuple(documents.row(b)), []).append(b)

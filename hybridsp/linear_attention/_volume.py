@@ -41,7 +41,7 @@ class LinearLayerSpec:
     value_dim: int
     conv_kernel: int = 4
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in ("delta_rule", "mamba2"):
             raise ValueError(f"LinearLayerSpec.kind must be 'delta_rule' or 'mamba2'; got {self.kind!r}")
         for name in ("units", "heads", "key_dim", "value_dim", "conv_kernel"):

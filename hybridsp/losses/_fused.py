@@ -45,6 +45,8 @@ are summed in fp32 and cast to the weight's dtype once.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybridsp._checks import check_positive
@@ -104,7 +106,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """local_sum = sum of CE over this rank's valid tokens; gradients made in forward (Note above)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, shift_labels, ignore_index, chunk):
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int,
+                chunk: int) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])  # [T, h]
         labels = shift_labels.reshape(-1)  # [T]
         grad_hidden = torch.empty_like(flat) if ctx.needs_input_grad[0] else None  # [T, h]
@@ -128,7 +131,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(
+        ctx: Any, grad_total: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         if ctx.consumed:
             raise RuntimeError("fused_cross_entropy's gradients are made in its forward and handed out once: a second "
                                "backward through the same loss (retain_graph=True) is not supported; call it again")
@@ -163,7 +168,8 @@ def _loss_and_grad_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: in
     return loss
 
 
-def _chunked_loss(hidden, weight, shift_labels, ignore_index, chunk) -> torch.Tensor:
+def _chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int,
+                  chunk: int) -> torch.Tensor:
     """The loss value only (no grad needed): chunked, nothing kept."""
     flat, labels = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1)  # [T, h], [T]
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -175,14 +181,15 @@ def _chunked_loss(hidden, weight, shift_labels, ignore_index, chunk) -> torch.Te
     return total
 
 
-def _check_inputs(hidden, weight, shift_labels, ignore_index, chunk_size) -> int:
+def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int,
+                  chunk_size: int | None) -> int:
     """Raise ValueError, quoting the numbers, before any collective; returns V."""
     if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(shift_labels.shape):
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and shift_labels {tuple(shift_labels.shape)} do not match: expected "
             f"hidden [B, S_local, h] and shift_labels [B, S_local] of the same rank (shard_batch's shift_labels)"
         )
-    shape = tuple(getattr(weight, "ds_shape", weight.shape))
+    shape: tuple[int, ...] = tuple(getattr(weight, "ds_shape", weight.shape))
     if len(shape) != 2 or shape[1] != hidden.shape[-1]:
         raise ValueError(
             f"weight {shape} must be [V, h] with h = hidden's last dimension {hidden.shape[-1]} "

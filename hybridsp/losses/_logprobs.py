@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridsp.attention._api import gather_sequence, shard_sequence
+from hybridsp.attention._spec import CuSeqlens
 from hybridsp.losses._cross_entropy import IGNORE_INDEX
 from hybridsp.losses._token_tail import agree_on_labels, guard_labels, raise_on_bad_labels
 from hybridsp.mesh._hybrid_mesh import HybridMesh
@@ -58,7 +59,7 @@ def context_sum(local: torch.Tensor, mesh: HybridMesh) -> torch.Tensor:
     return local + (total - local.detach())  # value: the group's sum; gradient: the identity on local
 
 
-def gather_tokens(local: torch.Tensor, mesh: HybridMesh, cu_seqlens=None) -> torch.Tensor:
+def gather_tokens(local: torch.Tensor, mesh: HybridMesh, cu_seqlens: CuSeqlens = None) -> torch.Tensor:
     """Per-token values of this rank's shard [B, S/C, ...] -> the full sequence [B, S, ...] in token order.
 
     Every context rank gets the same values; only this rank's own positions carry a gradient
@@ -92,7 +93,8 @@ def token_logprobs(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_inde
     return logp
 
 
-def _guarded_token_logprobs(logits, shift_labels, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _guarded_token_logprobs(logits: torch.Tensor, shift_labels: torch.Tensor,
+                            ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [B, S_local] fp32, 0 where ignored or bad; bad-target mask [B, S_local]) of logits
     [B, S_local, V]: targets outside the vocabulary are ignored here and reported by the caller."""
     if tuple(logits.shape[:-1]) != tuple(shift_labels.shape):

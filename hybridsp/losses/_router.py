@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from hybridsp.attention._api import shard_tensors
+from hybridsp.attention._spec import CuSeqlens
 from hybridsp.mesh._hybrid_mesh import HybridMesh, padded_length
 
 
@@ -118,7 +119,7 @@ def balancing_loss(totals: torch.Tensor, local_probs: torch.Tensor, num_experts:
     return num_experts * (fractions * (local_probs + others)).sum() / rows.float()
 
 
-def real_token_mask(batch: Mapping[str, torch.Tensor], mesh: HybridMesh, documents=None) -> torch.Tensor:
+def real_token_mask(batch: Mapping[str, torch.Tensor], mesh: HybridMesh, documents: CuSeqlens = None) -> torch.Tensor:
     """This rank's real tokens [B, S_pad / C] (bool), cut as :func:`hybridsp.shard_batch` cuts ``input_ids``.
 
     Args:
@@ -142,7 +143,8 @@ def real_token_mask(batch: Mapping[str, torch.Tensor], mesh: HybridMesh, documen
     return shard_tensors([real], mesh, cu_seqlens=documents)[0] != 0  # [B, S_pad / C]
 
 
-def _checked(router_logits, token_mask, num_experts, top_k) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _checked(router_logits: Sequence[torch.Tensor] | None, token_mask: torch.Tensor | None, num_experts: int,
+             top_k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """([T, E] per layer, [T] fp32 weights), or ValueError quoting the numbers (before any collective)."""
     if router_logits is None or isinstance(router_logits, torch.Tensor) or len(router_logits) == 0:
         got = "None" if router_logits is None else f"a {type(router_logits).__name__}"

@@ -52,7 +52,7 @@ def token_weighted_share(
     *,
     vocab: int,
     ignore_index: int,
-    denominator=None,
+    denominator: torch.Tensor | float | None = None,
     scale: float = 1.0,
 ) -> torch.Tensor:
     """``scale x (local_sum + rest of the group's sum) / N``: value the group's loss, gradient this rank's share.
@@ -85,7 +85,8 @@ def token_weighted_share(
     return (local_sum + others) / (count.clamp_min(1.0) / scale).float()
 
 
-def agree_on_labels(shift_labels, bad: torch.Tensor, mesh: HybridMesh | None, *, vocab: int, ignore_index: int) -> None:
+def agree_on_labels(shift_labels: torch.Tensor, bad: torch.Tensor, mesh: HybridMesh | None, *, vocab: int,
+                    ignore_index: int) -> None:
     """ValueError on every context rank together when any rank's ``bad`` [B, S_local] (from
     :func:`guard_labels`) is set: one no-grad all_reduce of one number over ``mesh.context_group``;
     no communication for ``mesh=None`` or a context of one (then only this rank's labels count)."""
@@ -95,7 +96,7 @@ def agree_on_labels(shift_labels, bad: torch.Tensor, mesh: HybridMesh | None, *,
     raise_on_bad_labels(int(total.item()), shift_labels, bad, vocab, ignore_index, mesh)
 
 
-def raise_on_bad_labels(total_bad: int, shift_labels, bad, vocab: int, ignore_index: int,
+def raise_on_bad_labels(total_bad: int, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int,
                         mesh: HybridMesh | None) -> None:
     """ValueError quoting the count and a few ids when the group holds any bad label (Note [bad labels]).
 
@@ -105,7 +106,8 @@ def raise_on_bad_labels(total_bad: int, shift_labels, bad, vocab: int, ignore_in
     raise ValueError(_bad_labels_message(total_bad, shift_labels, bad, vocab, ignore_index, 0 if mesh is None else mesh.rank))
 
 
-def _bad_labels_message(total_bad: int, shift_labels, bad, vocab: int, ignore_index: int, rank: int) -> str:
+def _bad_labels_message(total_bad: int, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int,
+                        rank: int) -> str:
     local = shift_labels[bad][:4].tolist()
     return (
         f"{total_bad} target id(s) in shift_labels lie outside the vocabulary [0, {vocab}) of the logits "
@@ -125,5 +127,6 @@ def _checked_totals(totals: torch.Tensor, shift_labels: torch.Tensor, bad: torch
 
 
 @_checked_totals.register_fake
-def _(totals, shift_labels, bad, vocab, ignore_index, rank):
+def _(totals: torch.Tensor, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int,
+      rank: int) -> torch.Tensor:
     return torch.empty_like(totals)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from hybridsp._checks import check_positive
@@ -20,7 +21,7 @@ class ForwardPatch:
     """What a technique changed: ``modules`` with an instance-level forward, the ``tile_tokens`` it uses;
     ``undo()`` restores every module (idempotent); a context manager that undoes at exit."""
 
-    modules: list
+    modules: list[nn.Module]
     tile_tokens: int
     active: bool = True
 
@@ -35,11 +36,12 @@ class ForwardPatch:
     def __enter__(self) -> ForwardPatch:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.undo()
 
 
-def patch_forwards(modules: list[nn.Module], make_forward: Callable[[nn.Module], Callable], tile_tokens: int,
+def patch_forwards(modules: list[nn.Module],
+                   make_forward: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]], tile_tokens: int,
                    *, model: nn.Module, what: str) -> ForwardPatch:
     """Give each of ``modules`` the forward ``make_forward(module)``; ``what`` names them in errors.
 

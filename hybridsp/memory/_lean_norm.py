@@ -32,6 +32,8 @@ the function returns the weight's gradient once, so DeepSpeed's gradient hook fi
 
 from __future__ import annotations
 
+from typing import Any, Callable, cast
+
 import torch
 from torch import nn
 
@@ -46,7 +48,7 @@ DEFAULT_TILE_TOKENS = 1024
 
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, tile):
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, tile: int) -> torch.Tensor:
         wide = x.to(torch.float32)
         rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
         out = weight * (wide * rstd).to(x.dtype)  # [..., h]
@@ -55,7 +57,7 @@ class _LeanRMSNorm(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight, rstd = ctx.saved_tensors
         width = x.shape[-1]
         rows, grads, scales = x.reshape(-1, width), grad_out.reshape(-1, width), rstd.reshape(-1, 1)  # [T, h], [T, 1]
@@ -69,7 +71,8 @@ class _LeanRMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def _tile_backward(x, grad, rstd, weight, grad_x, grad_w, rows: slice) -> None:
+def _tile_backward(x: torch.Tensor, grad: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
+                   grad_x: torch.Tensor | None, grad_w: torch.Tensor | None, rows: slice) -> None:
     """One tile's share: writes ``grad_x[rows]`` and adds into ``grad_w`` (x, grad: [t, h]; rstd [t, 1])."""
     xhat = x.to(torch.float32) * rstd  # [t, h]
     if grad_w is not None:
@@ -79,9 +82,10 @@ def _tile_backward(x, grad, rstd, weight, grad_x, grad_w, rows: slice) -> None:
         grad_x[rows] = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
 
 
-def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int = DEFAULT_TILE_TOKENS):
+def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  tile_tokens: int = DEFAULT_TILE_TOKENS) -> torch.Tensor:
     """Llama's RMSNorm of ``x`` [..., h] with ``weight`` [h] (module docstring); [..., h]."""
-    return _LeanRMSNorm.apply(x, weight, eps, tile_tokens)
+    return cast(torch.Tensor, _LeanRMSNorm.apply(x, weight, eps, tile_tokens))
 
 
 LeanNormHandle = ForwardPatch  # what apply_lean_norms returns: ``undo()`` restores every norm
@@ -104,8 +108,9 @@ def apply_lean_norms(model: nn.Module, *, tile_tokens: int = DEFAULT_TILE_TOKENS
                           tile_tokens, model=model, what=f"Llama-style RMSNorm (one of {sorted(LLAMA_STYLE_NORMS)})")
 
 
-def _bound_forward(module: nn.Module, tile: int):
+def _bound_forward(module: nn.Module, tile: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        return lean_rms_norm(hidden_states, module.weight, module.variance_epsilon, tile)
+        # weight, variance_epsilon: dynamic attributes of the norm (find_llama_style_norms checked them)
+        return lean_rms_norm(hidden_states, module.weight, module.variance_epsilon, tile)  # type: ignore[arg-type]
 
     return forward

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 from torch import nn
@@ -80,14 +80,21 @@ class _Saved:
     everything with its saved tensors."""
 
     __slots__ = ("owner", "device_tensor", "host", "event", "prefetched", "previous", "__weakref__")
+    owner: ActivationOffload
+    device_tensor: torch.Tensor | None
+    host: torch.Tensor | None
+    event: torch.cuda.Event | None
+    prefetched: torch.Tensor | None
+    previous: _Saved | None
 
-    def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor, previous: "_Saved | None"):
+    def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor, previous: "_Saved | None") -> None:
         self.owner, self.device_tensor, self.previous = owner, tensor, previous
         self.host = self.event = self.prefetched = None
 
     def offload(self) -> None:
         """Copy to host (side stream on CUDA) and drop the device reference."""
         tensor, owner = self.device_tensor, self.owner
+        assert tensor is not None  # offloaded once, from the device
         self.host = owner.host_allocator(tensor.shape, tensor.dtype)
         if owner.stream is not None:
             owner.stream.wait_stream(torch.cuda.current_stream(tensor.device))
@@ -103,11 +110,13 @@ class _Saved:
 
     def _copy_back(self, device: torch.device) -> torch.Tensor:
         owner = self.owner
+        assert self.host is not None  # offloaded
         if owner.stream is None:
             restored = torch.empty_like(self.host, device=device)
             restored.copy_(self.host)
             return restored
         with torch.cuda.stream(owner.stream):
+            assert self.event is not None  # recorded by the offload
             owner.stream.wait_event(self.event)  # the offload copy has finished
             restored = torch.empty_like(self.host, device=device)
             restored.copy_(self.host, non_blocking=True)
@@ -127,6 +136,7 @@ class _Saved:
             restored = self._copy_back(self.owner.device)
         if self.owner.stream is not None:
             current = torch.cuda.current_stream(restored.device)
+            assert self.event is not None  # recorded by the copy back
             current.wait_event(self.event)
             restored.record_stream(current)
         self.owner.stats.restored_tensors += 1
@@ -177,7 +187,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._kept: list[_Saved] = []
         self._last_saved: _Saved | None = None
         self._active = False
-        self.stream = None
+        self.stream: torch.cuda.Stream | None = None
         self.device = torch.device("cpu")
 
     @staticmethod
@@ -201,20 +211,20 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
     # ------------------------------------------------------------------ marking the inputs
 
-    def _mark(self, module, args, kwargs):
+    def _mark(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._active and torch.is_grad_enabled() and module.training:
             first = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
             if isinstance(first, torch.Tensor) and first.is_floating_point() and _nbytes(first) >= self.min_bytes:
                 self._marked.append(first)
         return None
 
-    def _unmark(self, module, args, kwargs, output):
+    def _unmark(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         self._marked.clear()  # a mark the checkpoint did not save (checkpointing off for this call)
         return None
 
     # ------------------------------------------------------------------ the hooks
 
-    def _pack(self, tensor: torch.Tensor):
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         if not self._active or not any(tensor is marked for marked in self._marked):
             return tensor
         self._marked = [marked for marked in self._marked if marked is not tensor]
@@ -229,12 +239,13 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         return handle
 
     @staticmethod
-    def _unpack(saved):
+    def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
         return saved.restore() if isinstance(saved, _Saved) else saved
 
     # ------------------------------------------------------------------ context and undo
 
-    def __enter__(self):
+    # torch declares saved_tensors_hooks' __enter__/__exit__ as returning None; this one hands out itself
+    def __enter__(self) -> ActivationOffload:  # type: ignore[override]
         if not self.enabled:
             return self
         self.stats = OffloadStats()
@@ -243,7 +254,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:  # type: ignore[override]
         if not self.enabled:
             return False
         self._active = False
@@ -260,6 +271,6 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.layers = []
 
 
-def offload_activations(model: nn.Module, *, enabled: bool = True, **options) -> ActivationOffload:
+def offload_activations(model: nn.Module, *, enabled: bool = True, **options: Any) -> ActivationOffload:
     """:class:`ActivationOffload` for ``model``'s checkpointed layers; ``options`` as its keywords."""
     return ActivationOffload(model, enabled=enabled, **options)

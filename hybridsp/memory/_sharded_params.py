@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 from types import ModuleType
-from typing import ContextManager, Iterable
+from typing import ContextManager, Iterable, cast
 
 import torch
 
@@ -42,7 +42,7 @@ def gathered(params: Iterable[torch.Tensor]) -> ContextManager[object]:
     if len(adapters) > 1:
         raise ValueError(f"parameters of {len(adapters)} different engines in one block: shard a model with one engine")
     (adapter,) = adapters.values()
-    return adapter.gathered(params)
+    return cast("ContextManager[object]", adapter.gathered(params))  # the adapter module's (untyped) function
 
 
 def land_full_gradient(output: torch.Tensor, input_index: int, param: torch.Tensor) -> None:

@@ -34,6 +34,9 @@ intermediates), and its backward recomputes per tile as without checkpointing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Callable, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,12 +64,14 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, tile_tokens: int) -> torc
         if any(hasattr(p, "ds_id") for p in params):
             raise ValueError("the tiled MLP under torch.compile cannot gather ZeRO-3 partitioned weights: compile "
                              "with ZeRO stage 0-2, or leave the MLP untiled (handle.undo())")
-        return _checkpointed_tiles(x, mlp.act_fn, tile_tokens, biased, params)
+        # act_fn: a dynamic attribute of the MLP (a callable: find_gated_mlps checked it)
+        return _checkpointed_tiles(x, mlp.act_fn, tile_tokens, biased, params)  # type: ignore[arg-type]
     with gathered(params):
-        return _TiledMLP.apply(x, mlp.act_fn, tile_tokens, biased, *params)
+        return cast(torch.Tensor, _TiledMLP.apply(x, mlp.act_fn, tile_tokens, biased, *params))
 
 
-def _checkpointed_tiles(x, act, tile: int, biased, params) -> torch.Tensor:
+def _checkpointed_tiles(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], tile: int,
+                        biased: tuple[bool, ...], params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The tiled MLP as a graph can hold it (Note [compiled tiles]): each tile under non-reentrant
     activation checkpointing, so only x is kept and every tile is recomputed in backward."""
     flat = x.reshape(-1, x.shape[-1])  # [T, h]
@@ -76,7 +81,7 @@ def _checkpointed_tiles(x, act, tile: int, biased, params) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., h]
 
 
-def _params_of(mlp: nn.Module) -> tuple[list[torch.Tensor], tuple[bool, bool, bool]]:
+def _params_of(mlp: nn.Module) -> tuple[list[torch.Tensor], tuple[bool, ...]]:
     """([gate.w, up.w, down.w] + the biases that exist, in that order; which of the three have a bias).
 
     Any subset of the projections may carry a bias (e.g. only ``down_proj``); each is used."""
@@ -86,7 +91,8 @@ def _params_of(mlp: nn.Module) -> tuple[list[torch.Tensor], tuple[bool, bool, bo
     return [linear.weight for linear in linears] + biases, biased
 
 
-def _mlp_math(x, act, params, biased):
+def _mlp_math(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.Tensor],
+              biased: tuple[bool, ...]) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with explicit weights; x [t, h] -> [t, h]. ``biased``: which of
     gate/up/down have a bias (those follow the three weights in ``params``, in that order)."""
     extra = iter(params[3:])
@@ -97,7 +103,8 @@ def _mlp_math(x, act, params, biased):
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, act, tile, biased, *params):
+    def forward(ctx: Any, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], tile: int,
+                biased: tuple[bool, ...], *params: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [T, h]
         out = torch.empty(flat.shape[0], params[2].shape[0], dtype=x.dtype, device=x.device)  # [T, h]
         for start in range(0, flat.shape[0], tile):
@@ -107,7 +114,7 @@ class _TiledMLP(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., h]
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         flat, grad_flat = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # [T, h]
         wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[4 + i]]
@@ -155,11 +162,15 @@ def apply_tiled_mlp(model: nn.Module, *, tile_tokens: int | None = None) -> Tile
         ValueError when the model has no gated MLP, one is already tiled, or ``tile_tokens < 1``.
     """
     modules = find_gated_mlps(model)
-    tile = modules[0].down_proj.out_features if modules and tile_tokens is None else tile_tokens
-    return patch_forwards(modules, lambda module: _bound_forward(module, tile), tile, model=model, what="gated MLP (gate_proj/up_proj/down_proj + act_fn) to tile")
+    # down_proj.out_features: dynamic attributes of an nn.Linear (find_gated_mlps checked it)
+    tile = (modules[0].down_proj.out_features  # type: ignore[union-attr]
+            if modules and tile_tokens is None else tile_tokens)
+    # tile is None only without any MLP, which patch_forwards rejects before it makes a forward
+    return patch_forwards(modules, lambda module: _bound_forward(module, tile), tile,  # type: ignore[arg-type]
+                          model=model, what="gated MLP (gate_proj/up_proj/down_proj + act_fn) to tile")
 
 
-def _bound_forward(module: nn.Module, tile: int):
+def _bound_forward(module: nn.Module, tile: int) -> Callable[[torch.Tensor], torch.Tensor]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return tiled_mlp_forward(module, x, tile)
 

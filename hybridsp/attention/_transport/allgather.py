@@ -24,7 +24,7 @@ of ``R - 1`` step latencies, and few large kernel calls.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -34,8 +34,13 @@ from hybridsp.attention._transport.base import Block, Transport
 from hybridsp.attention._transport.exchange import ALLGATHER_TAG, PendingBlocks
 from hybridsp.layout._block_plan import BlockPlan, Piece, cut_keys, merge_pieces
 
+if TYPE_CHECKING:
+    from hybridsp.attention._resolve import RingCall
 
-def _direct_gather(output: torch.Tensor, part: torch.Tensor, group) -> PendingBlocks:
+_Reduction = tuple[dist.Work, torch.Tensor, slice | None]  # a posted reduce-scatter: (work, received, rows)
+
+
+def _direct_gather(output: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup) -> PendingBlocks:
     """The all-gather as one batch of point-to-point sends: ``part`` to every peer, every peer's
     part into its slot of ``output`` (the same bytes as a ring all-gather, one round)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -50,7 +55,8 @@ def _direct_gather(output: torch.Tensor, part: torch.Tensor, group) -> PendingBl
     return PendingBlocks(dist.batch_isend_irecv(ops), None)
 
 
-def gather_chunk(output: torch.Tensor, part: torch.Tensor, group, direct: bool | None = None):
+def gather_chunk(output: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup,
+                 direct: bool | None = None) -> PendingBlocks | dist.Work:
     """Start gathering every rank's ``part`` [B, m, Hkv, D] into ``output`` [R * B, m, Hkv, D]
     (rank-major); returns an object with ``wait()``.
 
@@ -63,7 +69,7 @@ def gather_chunk(output: torch.Tensor, part: torch.Tensor, group, direct: bool |
     if direct:
         return _direct_gather(output, part, group)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # per call: wrappers see it
-    return gather(output, part, group=group, async_op=True)
+    return cast(dist.Work, gather(output, part, group=group, async_op=True))
 
 
 def chunk_pieces(plan: BlockPlan, rank: int, chunks: int) -> tuple[tuple[Piece, ...], ...]:
@@ -72,7 +78,9 @@ def chunk_pieces(plan: BlockPlan, rank: int, chunks: int) -> tuple[tuple[Piece, 
     Source ``s``'s rows ``[j m, (j + 1) m)`` sit at ``[s m, (s + 1) m)`` of the gathered chunk.
     Memoised on the plan.
     """
-    return plan.memo(("chunk_pieces", rank, chunks), lambda: _chunk_pieces(plan, rank, chunks))
+    table: tuple[tuple[Piece, ...], ...] = plan.memo(("chunk_pieces", rank, chunks),
+                                                     lambda: _chunk_pieces(plan, rank, chunks))
+    return table
 
 
 def _chunk_pieces(plan: BlockPlan, rank: int, chunks: int) -> tuple[tuple[Piece, ...], ...]:
@@ -106,17 +114,19 @@ def _gathered_keys(buffer: torch.Tensor) -> torch.Tensor:
 class _ChunkGathers:
     """Asynchronous all-gathers of K/V chunks, one chunk ahead, two buffers alternating."""
 
-    def __init__(self, group, k, v, chunks: int, needed: tuple[bool, ...], counter: CommCounter | None):
+    def __init__(self, group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, chunks: int,
+                 needed: tuple[bool, ...], counter: CommCounter | None) -> None:
         self._group, self._k, self._v, self._counter = group, k, v, counter
         self._size = dist.get_world_size(group)
         self._rows, self._needed = k.shape[1] // chunks, needed
         self._pending = self._post(0)
 
-    def _post(self, j: int):
+    def _post(self, j: int) -> tuple[list[PendingBlocks | dist.Work], list[torch.Tensor]] | None:
         if j >= len(self._needed) or not self._needed[j]:
             return None
         rows = slice(j * self._rows, (j + 1) * self._rows)
-        works, gathered = [], []
+        works: list[PendingBlocks | dist.Work] = []
+        gathered: list[torch.Tensor] = []
         for x in (self._k, self._v):
             part = x[:, rows].contiguous()  # [B, m, Hkv, D]
             out = torch.empty((self._size * part.shape[0], *part.shape[1:]), dtype=part.dtype, device=part.device)
@@ -126,7 +136,7 @@ class _ChunkGathers:
                 self._counter.record("allgather", (self._size - 1) * part.numel() * part.element_size())
         return works, gathered
 
-    def take(self, j: int):
+    def take(self, j: int) -> list[torch.Tensor] | None:
         """Chunk ``j``'s gathered (k, v), each [B, R m, Hkv, D] (None if nobody reads it); posts ``j + 1``."""
         pending, self._pending = self._pending, None
         self._pending = self._post(j + 1)
@@ -138,7 +148,8 @@ class _ChunkGathers:
         return [_gathered_keys(g) for g in gathered]
 
 
-def _post_reduce(group, dk_all, dv_all, dtype, counter):
+def _post_reduce(group: dist.ProcessGroup, dk_all: torch.Tensor, dv_all: torch.Tensor, dtype: torch.dtype,
+                 counter: CommCounter | None) -> tuple[dist.Work, torch.Tensor]:
     """Start returning a chunk's partial dK [B, R m, Hkv, D] / dV [B, R m, Hkv, Dv] to their owners:
     all-to-all of ``[R, B, m, Hkv (D + Dv)]`` in ``dtype`` (each row's dK then its dV, so the head
     dims may differ); returns (work, received)."""
@@ -152,7 +163,7 @@ def _post_reduce(group, dk_all, dv_all, dtype, counter):
     return dist.all_to_all_single(received, send, group=group, async_op=True), received
 
 
-def _add_reduced(pending, dk_acc, dv_acc) -> None:
+def _add_reduced(pending: _Reduction | None, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
     """Wait for a chunk's reduce-scatter ``(work, received, rows)`` and add the summed partials
     (fp32) into those rows of dk_acc [B, S, Hkv, D] / dv_acc [B, S, Hkv, Dv]."""
     if pending is None:
@@ -168,11 +179,12 @@ def _add_reduced(pending, dk_acc, dv_acc) -> None:
 class AllGatherTransport(Transport):
     """K/V gathered in chunks; dK/dV returned by a reduce-scatter (Note [all-gather K/V])."""
 
-    def __init__(self, call, k, v):
+    def __init__(self, call: RingCall, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert call.plan is not None and call.group is not None and call.kv_chunks is not None  # all-gather mode
         self._group, self._plan, self._rank, self._counter = call.group, call.plan, call.rank, call.counter
         self._chunks, self._k, self._v = call.kv_chunks, k, v
         self._rows = k.shape[1] // call.kv_chunks
-        self._pending = None
+        self._pending: _Reduction | None = None
 
     def blocks(self) -> Iterator[Block]:
         """The own block (while chunk 0 travels), then one block per gathered chunk ``[B, R m, Hkv, D]``."""
@@ -185,14 +197,16 @@ class AllGatherTransport(Transport):
             if gathered is not None:
                 yield Block(pieces, gathered[0], gathered[1], chunk_rows=slice(j * self._rows, (j + 1) * self._rows))
 
-    def send_home(self, block: Block, grads, dk_acc, dv_acc) -> None:
+    def send_home(self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor,
+                  dv_acc: torch.Tensor) -> None:
         """Start the chunk's reduce-scatter (in the input dtype); add the previous chunk's sums."""
         self.finish(dk_acc, dv_acc)
         if grads is None:
+            assert block.k is not None and block.v is not None  # a gathered chunk
             grads = [g.new_zeros(g.shape, dtype=dk_acc.dtype) for g in (block.k, block.v)]
         self._pending = (*_post_reduce(self._group, grads[0], grads[1], self._k.dtype, self._counter), block.chunk_rows)
 
-    def finish(self, dk_acc, dv_acc) -> None:
+    def finish(self, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
         """Wait for the posted reduce-scatter and add its sums into the own-block accumulators."""
         pending, self._pending = self._pending, None
         _add_reduced(pending, dk_acc, dv_acc)

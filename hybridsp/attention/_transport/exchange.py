@@ -28,7 +28,7 @@ ALLGATHER_TAG = 13  # all-gather transport: a chunk gathered by direct sends
 class PendingBlocks:
     """Posted sends/receives; ``wait()`` returns the received tensors (or None if none were posted)."""
 
-    def __init__(self, requests: list, received: list[torch.Tensor] | None):
+    def __init__(self, requests: list[dist.Work], received: list[torch.Tensor] | None) -> None:
         self._requests, self._received = requests, received
 
     def wait(self) -> list[torch.Tensor] | None:

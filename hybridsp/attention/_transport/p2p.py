@@ -22,13 +22,19 @@ pieces is :mod:`hybridsp.attention._ring_function` (Note [one shell]).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Iterator
+
+import torch
 
 from hybridsp.attention._transport.base import Block, Transport
-from hybridsp.attention._transport.exchange import GRAD_TAG, KV_TAG, post
+from hybridsp.attention._transport.exchange import GRAD_TAG, KV_TAG, PendingBlocks, post
+
+if TYPE_CHECKING:
+    from hybridsp.attention._resolve import RingCall
 
 
-def _receive_like(tensors, rows: int) -> list:
+def _receive_like(tensors: Sequence[torch.Tensor], rows: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of ``rows`` rows of each of ``tensors`` [B, S, Hkv, D]."""
     return [((t.shape[0], rows, *t.shape[2:]), t.dtype) for t in tensors]
 
@@ -36,12 +42,13 @@ def _receive_like(tensors, rows: int) -> list:
 class P2PTransport(Transport):
     """K/V rows straight to the ranks that read them; dK/dV straight home (Note [p2p ring])."""
 
-    def __init__(self, call, k, v):
+    def __init__(self, call: RingCall, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert call.plan is not None and call.group is not None  # a ring of more than one
         self._group, self._plan, self._rank, self._counter = call.group, call.plan, call.rank, call.counter
         self._k, self._v = k, v
-        self._grads_pending = None
+        self._grads_pending: tuple[PendingBlocks, tuple[int, int] | None] | None = None
 
-    def _post_kv(self, step: int):
+    def _post_kv(self, step: int) -> PendingBlocks:
         """Post step ``step``'s K/V: own rows to ``rank + step``, rows of ``rank - step`` from it."""
         size, rank, plan = self._plan.ring, self._rank, self._plan
         dest, source = (rank + step) % size, (rank - step) % size
@@ -60,16 +67,19 @@ class P2PTransport(Transport):
         yield Block(plan.pieces[(rank, rank)], self._k, self._v, own=True)
         for step in range(1, size):
             source = (rank - step) % size
+            assert pending is not None  # posted for every step
             received = pending.wait()
             pending = self._post_kv(step + 1) if step + 1 < size else None
             hull = plan.hulls[(rank, source)]
             k_rows, v_rows = received if received is not None else (None, None)
             yield Block(plan.pieces[(rank, source)], k_rows, v_rows, 0 if hull is None else hull[0], step=step)
 
-    def send_home(self, block: Block, grads, dk_acc, dv_acc) -> None:
+    def send_home(self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor,
+                  dv_acc: torch.Tensor) -> None:
         """Send this step's partial (dk, dv) home to ``rank - step`` in the input dtype; receive the
         own-block partials of ``rank + step``; add the previous step's arrivals into the accumulators."""
         size, rank, step = self._plan.ring, self._rank, block.step
+        assert step is not None  # a visiting block of this transport
         home, visitor = (rank - step) % size, (rank + step) % size
         recv_hull = self._plan.hulls[(visitor, rank)]
         sends = [] if grads is None else [grads[0].to(self._k.dtype), grads[1].to(self._v.dtype)]
@@ -81,12 +91,13 @@ class P2PTransport(Transport):
         )
         self._grads_pending = (pending, recv_hull)
 
-    def finish(self, dk_acc, dv_acc) -> None:
+    def finish(self, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
         """Wait for the posted gradient exchange and add what came home into the own-block accumulators."""
         if self._grads_pending is None:
             return
         (pending, hull), self._grads_pending = self._grads_pending, None
         received = pending.wait()
         if received is not None:
+            assert hull is not None  # rows arrive only where the plan has a hull
             dk_acc[:, hull[0]:hull[1]] += received[0]
             dv_acc[:, hull[0]:hull[1]] += received[1]
