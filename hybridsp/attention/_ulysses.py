@@ -107,6 +107,8 @@ def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup,
     b, length, _, d = tensors[0].shape
     per_rank = [t.shape[2] // size for t in tensors]
     packed = sum(per_rank)
+    if b == 0:  # an empty batch on every rank (the agreement check compared B): nothing to exchange
+        return tensors[0].new_empty(0, packed, size * length, d)  # [0, sum H_i/U, U*L, D]
     # allocated once the first send buffer is freed: at most 2 of the 3 buffers live at once
     joined: torch.Tensor | None = None
     for row in range(b):  # one all-to-all per sequence
@@ -121,7 +123,8 @@ def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup,
             joined = received.new_empty(b, packed, size * length, d)  # [B, sum H_i/U, U*L, D]
         joined[row].unflatten(1, (size, length)).copy_(received.transpose(0, 1))  # [sum H_i/U, U, L, D]
         del received
-    return joined  # type: ignore[return-value]  # BUG?: None for an empty batch (B = 0), which nothing rejects
+    assert joined is not None  # b >= 1 rows were received
+    return joined
 
 
 def _heads_to_seq(tensors: list[torch.Tensor], group: dist.ProcessGroup,
