@@ -20,14 +20,13 @@ from __future__ import annotations
 import torch
 
 from hybridsp.kernels._base import (
+    Band,
     accumulation_dtype,
     apply_softcap,
     expand_kv_heads,
     lse_for_backward,
     reduce_kv_heads,
 )
-
-Band = tuple[int | None, int | None]
 
 
 def band_mask(sq: int, sk: int, band: Band, device: torch.device | str | None = None) -> torch.Tensor:

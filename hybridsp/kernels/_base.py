@@ -32,12 +32,11 @@ Conventions every backend honours:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from hybridsp.kernels._band import Band
+Band = tuple[int | None, int | None]  # (lo, hi): row i sees column j iff lo <= i - j <= hi, None unbounded (._band)
 
 
 class AttentionKernel(Protocol):

@@ -62,10 +62,11 @@ from typing import Any
 
 import torch
 
-from hybridsp.kernels._band import Band, flash_window
+from hybridsp.kernels._band import flash_window
 from hybridsp.kernels._base import (
     HALF_DTYPES,
     AttentionKernel,
+    Band,
     check_qkv,
     lse_for_backward,
     no_key_lse_to_neg_inf,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridsp.kernels._band import Band, math_backward_band, math_forward_band
-from hybridsp.kernels._base import AttentionKernel, check_qkv, expand_kv_heads
+from hybridsp.kernels._band import math_backward_band, math_forward_band
+from hybridsp.kernels._base import AttentionKernel, Band, check_qkv, expand_kv_heads
 
 
 def causal_band(causal: bool) -> Band:

@@ -26,8 +26,7 @@ from typing import Any, Callable
 import torch
 
 from hybridsp._types import BACKEND_NAMES
-from hybridsp.kernels._band import Band
-from hybridsp.kernels._base import HALF_DTYPES, AttentionKernel, padded_head_dim
+from hybridsp.kernels._base import HALF_DTYPES, AttentionKernel, Band, padded_head_dim
 from hybridsp.kernels._reference import ReferenceKernel
 from hybridsp.kernels._torch_fused import TorchFusedKernel
 

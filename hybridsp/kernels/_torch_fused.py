@@ -39,7 +39,6 @@ import torch
 import torch.nn.functional as F
 
 from hybridsp.kernels._band import (
-    Band,
     additive_mask,
     band_mask,
     band_mask_rows,
@@ -50,6 +49,7 @@ from hybridsp.kernels._band import (
 from hybridsp.kernels._base import (
     HALF_DTYPES,
     AttentionKernel,
+    Band,
     accumulation_dtype,
     as_dtype,
     check_qkv,

@@ -20,16 +20,16 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Callable, Hashable
-
-if TYPE_CHECKING:
-    from hybridsp.layout._layouts import Runs
+from typing import Callable, Hashable
 
 RUNS_CACHE_BYTES = 32 << 20  # the process-wide cache's budget (estimated bytes of keys and runs)
 _ENTRY_BYTES = 200  # an entry's fixed cost: the key tuple, the dict slot, the outer runs tuple
 _BOUND_BYTES = 40  # one document boundary in the key: an int and its tuple slot
 _SLOT_BYTES = 64  # one slot's tuple of runs
 _RUN_BYTES = 140  # one (start, length) run: the pair and its two ints
+
+# per slot, its (global start, length) runs: hybridsp.layout._layouts.Runs (not imported: that module imports this one)
+Runs = tuple[tuple[tuple[int, int], ...], ...]
 
 
 def entry_bytes(bounds: Sequence[int] | None, runs: Runs) -> int:

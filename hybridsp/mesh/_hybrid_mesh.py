@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import torch.distributed as dist
 
@@ -41,9 +41,6 @@ from hybridsp.launch._launcher import ranks_per_node
 from hybridsp.launch._timeouts import default_group_timeout
 from hybridsp.layout._layouts import TokenLayout, get_layout, required_multiple
 from hybridsp.mesh._auto_degrees import choose_degrees
-
-if TYPE_CHECKING:
-    from hybridsp._comm import CommCounter
 
 ORDERS = MESH_ORDERS
 
@@ -136,7 +133,8 @@ class HybridMesh:
 
     def __init__(self, shape: MeshShape, rank: int, groups: dict[str, dist.ProcessGroup]) -> None:
         self.shape = shape
-        self.comm_counter: CommCounter | None = None
+        # a hybridsp._comm.CommCounter or None; Any: the mesh sits below _comm in the layers (tests/test_layers.py)
+        self.comm_counter: Any = None
         self.opaque = OpaqueRef(self)  # what a compiled graph hands the attention operator
         self.rank = rank
         self.dp_rank, self.ring_rank, self.ulysses_rank = shape.coords_of(rank)

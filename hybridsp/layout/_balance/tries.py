@@ -71,7 +71,6 @@ balancers' placement (nested, and contiguous with its local search) and the spli
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridsp._formulas import zigzag_slot_runs
@@ -158,14 +157,12 @@ class HostedTry:
                       contiguous=True, budget=budgets.hosted, hosts=host_count(self.part, ring))
 
 
-Try = BalancerTry | GreedyTry | HostedTry  # one try of balanced_slot_runs
-
 # the tries of balanced_slot_runs, in order: the contiguous and the nested balancer for every
 # (split_share, reserve) of SPLITS, interleaved, fewest split documents first, the two
 # split-as-needed tries after the first two SPLITS; then the hosted tries (host count 1, R // 2
 # or R - 1: fractions 0, 0.5, 1 of the way from 1 to R - 1)
-TRIES: tuple[Try, ...] = tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[:2]
-                               for contiguous in (True, False))
+TRIES: tuple[BalancerTry | GreedyTry | HostedTry, ...] = tuple(
+    BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[:2] for contiguous in (True, False))
 TRIES += (GreedyTry(0.5), GreedyTry(1.0))
 TRIES += tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[2:]
                for contiguous in (True, False))
@@ -177,9 +174,7 @@ REPAIR_DOCUMENTS = 100_000  # ... and at most this / the number of documents
 TRY_DOCUMENTS = 4000  # tries stop once they have handled this many documents (at least 2 tries)
 
 
-def balanced_slot_runs(
-    bounds: tuple[int, ...], seq_len: int, ring: int, *, window: Window = None
-) -> tuple[Runs, ...]:
+def balanced_slot_runs(bounds: tuple[int, ...], seq_len: int, ring: int, *, window: Window = None) -> tuple[Runs, ...]:
     """Per ring slot, its tokens as runs ``(global_start, length)`` (whole documents, then shared).
 
     ``bounds``: the row's document boundaries ``0 = b0 < b1 < ... < bn = seq_len``; ``seq_len``
@@ -193,9 +188,8 @@ def balanced_slot_runs(
     if len(bounds) == 2 or ring == 1:
         return zigzag_slot_runs(seq_len, ring)
     docs = documents(bounds, window)
-    best_key: tuple[int, float, float] | None = None  # (0, rows, ratio) when balanced, else (1, ratio, 0)
-    best: tuple[Runs, ...] | None = None
-    tried: list[tuple[float, int, tuple[Runs, ...]]] = []
+    best_key, best = None, None
+    tried: list[tuple[float, int, tuple[Runs, ...]]] = []  # (ratio, index, runs)
     budget = min(REPAIR_EVALS, REPAIR_DOCUMENTS // len(docs[1]))
     budgets = SearchBudgets([budget], [budget])  # the hosted tries come last: a budget of their own
     seen: set[tuple[int, float]] = set()
@@ -221,13 +215,12 @@ def balanced_slot_runs(
     return best
 
 
-def _refined(starts: list[tuple[float, int, tuple[Runs, ...]]], bounds: Sequence[int], ring: int,
+def _refined(starts: list[tuple[float, int, tuple[Runs, ...]]], bounds: tuple[int, ...], ring: int,
              window: TiledWindow) -> tuple[Runs, ...]:
     """The best of :func:`~hybridsp.layout._balance.refine.refine` from each of ``starts``
     (``(ratio, index, runs)``, least busy first), stopping at the first within ``ACCEPT``
     (Note [tile refine] in balance.refine: a local search; later starts get a third of the budget)."""
-    best_ratio: float | None = None
-    best: tuple[Runs, ...] | None = None
+    best_ratio, best = None, None
     for i, (_, _, runs) in enumerate(starts):
         runs, work = refine(runs, bounds, window, REFINE_EVALS if i == 0 else REFINE_EVALS // 3)
         ratio = max(work) * ring / sum(work)
@@ -239,7 +232,7 @@ def _refined(starts: list[tuple[float, int, tuple[Runs, ...]]], bounds: Sequence
     return best
 
 
-def _final_work(slots: list[Slot], runs: tuple[Runs, ...], bounds: Sequence[int], window: Window) -> list[int]:
+def _final_work(slots: list[Slot], runs: tuple[Runs, ...], bounds: tuple[int, ...], window: Window) -> list[int]:
     """Each slot's work as placed: what the try summed, except under a cost model whose pieces'
     work is not additive (:class:`~hybridsp.layout._balance.work.TiledWindow`: merged runs tile
     as one), where the finished runs are measured as the plan computes them
@@ -254,13 +247,12 @@ def host_count(share: float, ring: int) -> int:
     return max(1, 1 + round(share * (ring - 2)))
 
 
-def design_slot_runs(
-    bounds: tuple[int, ...], seq_len: int, ring: int, *, window: Window = None,
-    split_share: float = DEFAULT_SPLIT_SHARE, split_length: float = DEFAULT_SPLIT_LENGTH,
-    unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
-    reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
-    contiguous: bool = False, greedy: float | None = None, host_share: float | None = None,
-) -> tuple[Runs, ...]:
+def design_slot_runs(bounds: tuple[int, ...], seq_len: int, ring: int, *, window: Window = None,
+                     split_share: float = DEFAULT_SPLIT_SHARE, split_length: float = DEFAULT_SPLIT_LENGTH,
+                     unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
+                     reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
+                     contiguous: bool = False, greedy: float | None = None,
+                     host_share: float | None = None) -> tuple[Runs, ...]:
     """One try with explicit knobs (Note [balanced layout]; for benchmarks of the choices).
 
     ``split_share`` / ``split_length``: documents with work >= split_share x W* or >=
@@ -336,7 +328,7 @@ def _pieces(work: int, n: int, min_work: float, max_length: float, ring: int) ->
     return max(2, min(ring, max(by_work, by_length)))
 
 
-def _split_document(slots: list[Slot], bounds: Sequence[int], d: int, k: int, rho: float, room: int, capacity: int,
+def _split_document(slots: list[Slot], bounds: tuple[int, ...], d: int, k: int, rho: float, room: int, capacity: int,
                     window: Window, contiguous: bool = False) -> None:
     """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the fewest
     tokens that stay within ``room`` (else ``capacity``), taken in order of projected work (work
@@ -396,12 +388,11 @@ def _consecutive(chosen: list[Slot], start: int, n: int, window: Window) -> None
         slot.take(start + lo, hi - lo, piece_work(lo, hi, window))
 
 
-def _place_unit(slots: list[Slot], bounds: Sequence[int], start: int, n: int, work: int, rho: float, rooms: list[int],
+def _place_unit(slots: list[Slot], bounds: tuple[int, ...], start: int, n: int, work: int, rho: float, rooms: list[int],
                 capacity: int, window: Window, short_heads: bool = False) -> None:
     """Give the unit whole to the slot that most lacks work (projected: its free tokens at ``rho``
     work each), among those with room (``rooms[i]`` tokens for slot i); else cut it (:func:`_cut_unit`)."""
-    best: Slot | None = None
-    best_key: float | None = None
+    best, best_key = None, None
     for slot, room in zip(slots, rooms):
         if slot.tokens + n <= room:
             # projection: the slot's work if its free tokens got ``rho`` work each; the unit
@@ -415,7 +406,7 @@ def _place_unit(slots: list[Slot], bounds: Sequence[int], start: int, n: int, wo
     _cut_unit(slots, bounds, start, n, rooms, capacity, window, short_heads)
 
 
-def _cut_unit(slots: list[Slot], bounds: Sequence[int], start: int, n: int, rooms: list[int], capacity: int,
+def _cut_unit(slots: list[Slot], bounds: tuple[int, ...], start: int, n: int, rooms: list[int], capacity: int,
               window: Window, short_heads: bool = False) -> None:
     """Cut [start, start + n) into consecutive pieces filling slots up to their room, then up to
     ``capacity``: the slots with the most free tokens first, or (``short_heads``) the fewest, so

@@ -30,7 +30,7 @@ DEFAULT_UNIT_WORK = 0.02
 MIN_TILE = 64  # fewest query rows of a window tile in the block plan (Note [tiled work])
 
 Runs = tuple[tuple[int, int], ...]
-Docs = tuple[Sequence[int], list[int], list[int]]  # (bounds, lengths, works) of a row's documents
+Docs = tuple[tuple[int, ...], list[int], list[int]]  # (bounds, lengths, works) of a row's documents
 
 
 def slot_work(runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequence[int],
@@ -43,7 +43,7 @@ def slot_work(runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequen
     return [sum(run_work(start, n, bounds, window) for start, n in runs) for runs in runs_per_slot]
 
 
-def documents(bounds: Sequence[int], window: Window) -> Docs:
+def documents(bounds: tuple[int, ...], window: Window) -> Docs:
     """(bounds, lengths, works) of the row's documents."""
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     if window is None:
