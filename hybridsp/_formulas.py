@@ -37,6 +37,7 @@ Token layout: the zigzag slots' runs (:func:`zigzag_slot_runs`), shared by the l
 from __future__ import annotations
 
 import math
+from typing import overload
 
 FP32 = 4  # bytes of one float32
 CHUNK_LOGITS_BYTES = 64 * 2**20  # default fused-loss chunk: its fp32 logits take at most 64 MiB
@@ -98,7 +99,15 @@ def ring_rows(ring: int, rank: int, local_len: int, layout: str, causal: bool) -
     return rank * local_len + (ring - 1 - rank) * half, rank * half + (ring - 1 - rank) * local_len
 
 
-def kv_transport(kv_comm: str, ring: int, block, sent, read) -> tuple:
+@overload
+def kv_transport(kv_comm: str, ring: int, block: int, sent: int, read: int) -> tuple[int, int, int]: ...
+
+
+@overload
+def kv_transport(kv_comm: str, ring: int, block: float, sent: float, read: float) -> tuple[float, float, float]: ...
+
+
+def kv_transport(kv_comm: str, ring: int, block: float, sent: float, read: float) -> tuple[float, float, float]:
     """(forward K/V, backward K/V, backward dK/dV) one rank sends per layer, in the unit of
     ``block`` (one whole K/V block): the all-gather ships ``R - 1`` whole blocks each way and
     reduce-scatters ``R - 1`` blocks of dK/dV; the ring sends what others read (``sent``)

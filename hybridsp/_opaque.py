@@ -9,6 +9,8 @@ defining a custom operator does); nothing else changes.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch._library.opaque_object import register_opaque_type
 from torch._opaque_base import OpaqueBaseMeta
 
@@ -18,7 +20,7 @@ class OpaqueRef(metaclass=OpaqueBaseMeta):
 
     __slots__ = ("value",)
 
-    def __init__(self, value):
+    def __init__(self, value: Any) -> None:  # any host object: the reader knows which it handed over
         self.value = value
 
     def __repr__(self) -> str:

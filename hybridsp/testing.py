@@ -64,7 +64,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 PRELOAD_ENV = "HYBRIDSP_TEST_PRELOAD"
 
 
-def _context() -> mp.context.BaseContext:
+def _context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
     """forkserver with torch preloaded starts workers in well under a second; spawn otherwise.
 
     The forkserver imports its preload list once, when the first launch starts it; more

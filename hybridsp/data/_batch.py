@@ -38,7 +38,7 @@ them on (``local["documents"]``) to the model and to layouts that place tokens b
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from hybridsp.losses._cross_entropy import IGNORE_INDEX
 from hybridsp.mesh._hybrid_mesh import HybridMesh, padded_length
 
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+_T = TypeVar("_T")
 
 
 def prepare_batch(
@@ -74,7 +75,7 @@ def prepare_batch(
 def shard_batch(
     batch: Mapping[str, Any], mesh: HybridMesh, *, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX,
     sliding_window: int | None = None,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, torch.Tensor | Documents]:
     """This rank's shard of a full causal-LM batch, in the mesh's token layout.
 
     Args:
@@ -110,7 +111,9 @@ def shard_batch(
     return {**local, "documents": documents}
 
 
-def _validated(batch: Mapping[str, Any]):
+def _validated(
+    batch: Mapping[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(input_ids, labels, attention_mask or None, position_ids or None), checked; ValueError otherwise."""
     unknown = sorted(k for k, v in batch.items() if torch.is_tensor(v) and k not in BATCH_KEYS)
     if unknown:
@@ -198,7 +201,9 @@ def _global_positions(
     return torch.where(real & (steps <= last), given, continued).to(torch.long)  # [B, S_pad]
 
 
-def replica_sampler(dataset, mesh: HybridMesh, **kwargs) -> torch.utils.data.DistributedSampler:
+def replica_sampler(
+    dataset: torch.utils.data.Dataset[_T], mesh: HybridMesh, **kwargs: Any
+) -> torch.utils.data.DistributedSampler[_T]:
     """A DistributedSampler over the data-parallel replicas only: every context rank of a
     replica draws the same samples (pass the same ``seed`` everywhere). No communication."""
     return torch.utils.data.DistributedSampler(dataset, num_replicas=mesh.dp, rank=mesh.dp_rank, **kwargs)
@@ -214,16 +219,16 @@ class ShardedDataLoader:
     """
 
     def __init__(
-        self, loader, mesh: HybridMesh, *, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX,
-        device: torch.device | str | None = None, check_same_batch: bool = False,
-    ):
+        self, loader: torch.utils.data.DataLoader[Any], mesh: HybridMesh, *, pad_token_id: int = 0,
+        ignore_index: int = IGNORE_INDEX, device: torch.device | str | None = None, check_same_batch: bool = False,
+    ) -> None:
         self.loader, self.mesh, self.device, self.check_same_batch = loader, mesh, device, check_same_batch
         self.pad_token_id, self.ignore_index = pad_token_id, ignore_index
 
     def __len__(self) -> int:
         return len(self.loader)
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor | Documents]]:
         for batch in self.loader:
             if self.device is not None:
                 batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -7,6 +7,7 @@ of one (:mod:`.select`: ``get_kernel``, ``choose_backend``, ``resolve_kernel``).
 
 from __future__ import annotations
 
+from hybridsp._types import BACKEND_NAMES
 from hybridsp.kernels._base import (
     AttentionKernel,
     accumulation_dtype,
@@ -17,7 +18,6 @@ from hybridsp.kernels._base import (
 )
 from hybridsp.kernels._reference import ReferenceKernel
 from hybridsp.kernels._select import (
-    BACKEND_NAMES,
     FLASH_ATTN_MAX_HEAD_DIM,
     choose_backend,
     complete_kernel,

@@ -36,6 +36,8 @@ from typing import Protocol
 
 import torch
 
+Band = tuple[int | None, int | None]  # (lo, hi): row i sees column j iff lo <= i - j <= hi, None unbounded (._band)
+
 
 class AttentionKernel(Protocol):
     """What ring and hybrid attention need from a local attention implementation.
@@ -79,28 +81,35 @@ class AttentionKernel(Protocol):
         ...
 
     def forward_band(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band, softmax_scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A band piece (:mod:`hybridsp.kernels._band`): shapes as :meth:`forward`."""
         ...
 
     def backward_band(
         self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, *, band, softmax_scale: float,
+        lse: torch.Tensor, *, band: Band, softmax_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This band piece's share of the gradients: shapes as :meth:`backward`."""
         ...
 
-    def forward_varlen(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+    def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                        window: tuple[int, int], softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed pieces in one call (only when ``supports_varlen``): q [Tq, H, D], k/v [Tk, Hkv, D]
         -> (out [Tq, H, D], lse [H, Tq] fp32); see :mod:`hybridsp.attention._varlen`."""
-        raise NotImplementedError(f"the {self.name!r} kernel has no varlen calls (supports_varlen is False)")
+        # the message in a variable: a body that only raises would make type checkers read this
+        # documented default as abstract (and refuse to instantiate the subclasses that keep it)
+        message = f"the {self.name!r} kernel has no varlen calls (supports_varlen is False)"
+        raise NotImplementedError(message)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
-                        max_seqlen_k: int, window: tuple[int, int], softmax_scale: float):
+    def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, window: tuple[int, int],
+                        softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of :meth:`forward_varlen`'s pieces (only when ``supports_varlen``)."""
-        raise NotImplementedError(f"the {self.name!r} kernel has no varlen calls (supports_varlen is False)")
+        message = f"the {self.name!r} kernel has no varlen calls (supports_varlen is False)"  # see forward_varlen
+        raise NotImplementedError(message)
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # every dtype attention accepts
@@ -149,7 +158,7 @@ def default_softmax_scale(head_dim: int, softmax_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def softcap_kwargs(softcap: float | None) -> dict:
+def softcap_kwargs(softcap: float | None) -> dict[str, float]:
     """``{"softcap": c}`` for a kernel call when soft-capping is on, else ``{}`` (plain signatures)."""
     return {} if softcap is None else {"softcap": softcap}
 
@@ -189,7 +198,7 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         )
 
 
-def _valid_qkv(q, k, v, causal: bool) -> bool:
+def _valid_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """Whether :func:`check_qkv` passes, in one expression (it runs on every kernel call)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return False
@@ -201,7 +210,7 @@ def _valid_qkv(q, k, v, causal: bool) -> bool:
             and (sq == sk or not causal))
 
 
-def _same_float_kind(tensors) -> bool:
+def _same_float_kind(tensors: tuple[torch.Tensor, ...]) -> bool:
     """Whether every one of ``tensors`` is a floating tensor of the first one's dtype and device."""
     first = tensors[0]
     if not isinstance(first, torch.Tensor) or first.dtype not in FLOAT_DTYPES:

@@ -109,7 +109,7 @@ def _read_signature(function: Callable[..., Any], fallback: tuple[str, ...], nee
 class FlashCalls:
     """The two low-level flash-attn calls, with every version difference resolved here."""
 
-    def __init__(self, interface: ModuleType | Any):
+    def __init__(self, interface: ModuleType | Any) -> None:
         self.interface = interface
         self.forward_signature = _read_signature(
             interface._flash_attn_forward, _FORWARD_ARGS_2_7, _FORWARD_NEEDS
@@ -128,7 +128,7 @@ class FlashCalls:
         """'2.7+' (window_size_left/right, 4-tuple forward) or '2.4-2.6' (window_size tuple)."""
         return "2.7+" if "window_size_left" in self.forward_signature.names else "2.4-2.6"
 
-    def forward(self, q, k, v, causal: bool, softmax_scale: float,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
                 window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded q [B, Sq, H, Dp], k/v [B, Sk, Hkv, Dp] -> (out [B, Sq, H, Dp], raw lse [B, H, Sq]).
 
@@ -147,8 +147,10 @@ class FlashCalls:
             f"this flash-attn version is not supported (2.4 to 2.8 are)"
         )
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, causal: bool, softmax_scale: float,
-                 deterministic: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> None:
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool,
+                 softmax_scale: float, deterministic: bool, window: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0) -> None:
         """Write this block's dq [B, Sq, H, Dp], dk/dv [B, Sk, Hkv, Dp] into the given buffers.
 
         Every supported version fills the dq/dk/dv buffers it is handed; 2.7+ returns only
@@ -202,19 +204,21 @@ def packed_lse(lse: torch.Tensor, cu_seqlens_q: torch.Tensor) -> torch.Tensor:
 class VarlenCalls:
     """flash-attn's low-level varlen pair, argument names read like :class:`FlashCalls`'."""
 
-    def __init__(self, forward, backward):
+    def __init__(self, forward: Callable[..., Any], backward: Callable[..., Any]) -> None:
         self.forward_signature = _read_signature(forward, _VARLEN_FORWARD_ARGS_2_7, _VARLEN_NEEDS)
         self.backward_signature = _read_signature(
             backward, _VARLEN_BACKWARD_ARGS_2_7, _VARLEN_NEEDS | {"dout", "out", "softmax_lse", "dq", "dk", "dv"}
         )
 
     @classmethod
-    def of(cls, interface) -> "VarlenCalls | None":
+    def of(cls, interface: ModuleType | Any) -> VarlenCalls | None:
         forward = getattr(interface, "_flash_attn_varlen_forward", None)
         backward = getattr(interface, "_flash_attn_varlen_backward", None)
         return None if forward is None or backward is None else cls(forward, backward)
 
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, window, softcap: float = 0.0):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                max_q: int, max_k: int, softmax_scale: float, window: tuple[int, int],
+                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
         values = dict(_FIXED_ARGS, **_VARLEN_FIXED, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                       max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=softmax_scale, causal=False,
                       **window_args(window), **_softcap_args(softcap))
@@ -225,8 +229,10 @@ class VarlenCalls:
             return result[0], result[5]
         raise RuntimeError(f"flash-attn's _flash_attn_varlen_forward returned {len(result)} values (expected 4 or 8)")
 
-    def backward(self, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, softmax_scale,
-                 deterministic, window, softcap: float = 0.0) -> None:
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_q: torch.Tensor,
+                 cu_k: torch.Tensor, max_q: int, max_k: int, softmax_scale: float, deterministic: bool,
+                 window: tuple[int, int], softcap: float = 0.0) -> None:
         values = dict(_FIXED_ARGS, **_VARLEN_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq,
                       dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                       softmax_scale=softmax_scale, causal=False, deterministic=deterministic, **window_args(window),

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from hybridsp.kernels._band import math_backward_band, math_forward_band
-from hybridsp.kernels._base import AttentionKernel, check_qkv, expand_kv_heads
+from hybridsp.kernels._base import AttentionKernel, Band, check_qkv, expand_kv_heads
 
 
-def causal_band(causal: bool):
+def causal_band(causal: bool) -> Band:
     """The band of a plain call: key j visible to query i iff ``j <= i`` (top-left causal), or all keys."""
     return (0, None) if causal else (None, None)
 
@@ -22,26 +22,34 @@ class ReferenceKernel(AttentionKernel):
     name = "reference"
     supports_softcap = True
 
-    def forward(self, q, k, v, *, causal: bool, softmax_scale: float, softcap: float | None = None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
+                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=causal)
         return math_forward_band(q, k, v, band=causal_band(causal), softmax_scale=softmax_scale, softcap=softcap)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float, softcap: float | None = None):
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, *, causal: bool, softmax_scale: float,
+                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=causal)
         return math_backward_band(dout, q, k, v, out, lse, band=causal_band(causal), softmax_scale=softmax_scale,
                                   softcap=softcap)
 
-    def forward_band(self, q, k, v, *, band, softmax_scale: float, softcap: float | None = None):
+    def forward_band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float,
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """A band piece (:mod:`hybridsp.kernels._band`): masks in fp32 math."""
         check_qkv(q, k, v, causal=False)
         return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale, softcap=softcap)
 
-    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float, softcap: float | None = None):
+    def backward_band(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, *, band: Band, softmax_scale: float,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=False)
         return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale, softcap=softcap)
 
 
-def attention_in_input_dtype(q, k, v, dout, *, causal: bool, softmax_scale: float):
+def attention_in_input_dtype(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Plain attention done entirely in the inputs' dtype, with autograd: (out, dq, dk, dv).
 
     This is flash-attn's yardstick for low precision: a kernel's error against the fp32

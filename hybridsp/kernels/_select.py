@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import Any, Callable
 
 import torch
 
 from hybridsp._types import BACKEND_NAMES
-from hybridsp.kernels._base import HALF_DTYPES, AttentionKernel, padded_head_dim
+from hybridsp.kernels._base import HALF_DTYPES, AttentionKernel, Band, padded_head_dim
 from hybridsp.kernels._reference import ReferenceKernel
 from hybridsp.kernels._torch_fused import TorchFusedKernel
 
@@ -105,7 +106,7 @@ class CompletedKernel(AttentionKernel):
     raises its own ValueError first.
     """
 
-    def __init__(self, inner):
+    def __init__(self, inner: AttentionKernel) -> None:
         self.inner = inner
         self.name = getattr(inner, "name", type(inner).__name__)
         self.supports_varlen = bool(getattr(inner, "supports_varlen", False))
@@ -113,32 +114,40 @@ class CompletedKernel(AttentionKernel):
         band_kernel = inner if _declares_band(inner) else _kernel_named("reference")
         self._band_kernel = band_kernel
 
-    def check_inputs(self, q):
-        check = getattr(self.inner, "check_inputs", None)
+    def check_inputs(self, q: torch.Tensor) -> None:
+        check: Callable[[torch.Tensor], None] | None = getattr(self.inner, "check_inputs", None)
         return None if check is None else check(q)
 
     # ``softcap=`` reaches these only when set, and only when the object declares supports_softcap
-    def forward(self, q, k, v, *, causal, softmax_scale, **softcap):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
+                **softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **softcap)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale, **softcap):
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, *, causal: bool, softmax_scale: float,
+                 **softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.inner.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, **softcap)
 
-    def forward_band(self, q, k, v, *, band, softmax_scale, **softcap):
+    def forward_band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float,
+                     **softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
         return self._band_kernel.forward_band(q, k, v, band=band, softmax_scale=softmax_scale, **softcap)
 
-    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale, **softcap):
+    def backward_band(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, *, band: Band, softmax_scale: float,
+                      **softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._band_kernel.backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale,
                                                **softcap)
 
-    def forward_varlen(self, q, k, v, **kwargs):
+    def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.forward_varlen(q, k, v, **kwargs)
 
-    def backward_varlen(self, dout, q, k, v, out, lse, **kwargs):
+    def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.inner.backward_varlen(dout, q, k, v, out, lse, **kwargs)
 
 
-def complete_kernel(kernel) -> AttentionKernel:
+def complete_kernel(kernel: AttentionKernel) -> AttentionKernel:
     """``kernel`` when it declares the whole protocol (subclasses :class:`AttentionKernel` and defines
     its band calls, as every backend does), else a :class:`CompletedKernel` around it (a subclass with
     only ``forward``/``backward`` gets the reference band math): the one place where a kernel's
@@ -147,7 +156,7 @@ def complete_kernel(kernel) -> AttentionKernel:
     return kernel if complete else CompletedKernel(kernel)
 
 
-def _declares_band(kernel) -> bool:
+def _declares_band(kernel: object) -> bool:
     """Whether ``kernel``'s class defines its own band calls (not the protocol's empty declarations)."""
     cls = type(kernel)
     forward_band, backward_band = getattr(cls, "forward_band", None), getattr(cls, "backward_band", None)

@@ -49,6 +49,7 @@ from hybridsp.kernels._band import (
 from hybridsp.kernels._base import (
     HALF_DTYPES,
     AttentionKernel,
+    Band,
     accumulation_dtype,
     as_dtype,
     check_qkv,
@@ -116,7 +117,8 @@ class TorchFusedKernel(AttentionKernel):
         if q.is_cuda:
             cuda_variant(q.dtype, q.shape[-1])
 
-    def forward(self, q, k, v, *, causal: bool, softmax_scale: float):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=causal)
         if k.shape[1] == 0 or q.shape[1] == 0:
             return no_key_result(q, v_head_dim=v.shape[-1])
@@ -130,7 +132,9 @@ class TorchFusedKernel(AttentionKernel):
         band = (0, None) if causal else (None, None)  # top-left causal, or every key
         return restore_nan_rows(q, k, _value_columns(out, v), as_dtype(lse, accumulation_dtype(q.dtype)), band)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal: bool, softmax_scale: float):
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, *, causal: bool,
+                 softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=causal)
         if k.shape[1] == 0 or q.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -140,7 +144,8 @@ class TorchFusedKernel(AttentionKernel):
             return cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
 
-    def forward_band(self, q, k, v, *, band, softmax_scale: float):
+    def forward_band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band,
+                     softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """A band piece (:mod:`hybridsp.kernels._band`): on CPU the fused kernel with an additive mask
         (rows without keys normalised to lse -inf); on CUDA plain fp32 math (the CUDA flash op
         takes no mask)."""
@@ -158,7 +163,9 @@ class TorchFusedKernel(AttentionKernel):
         lse = rows_without_keys_to_neg_inf(as_dtype(lse, accumulation_dtype(q.dtype)), visible)
         return restore_nan_rows(q, k, _value_columns(out, v), lse, band)
 
-    def backward_band(self, dout, q, k, v, out, lse, *, band, softmax_scale: float):
+    def backward_band(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, *, band: Band,
+                      softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=False)
         if q.is_cuda:
             return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
@@ -166,7 +173,8 @@ class TorchFusedKernel(AttentionKernel):
         return _cpu_band_backward(dout, q, k, v, out, lse, band, softmax_scale)
 
 
-def restore_nan_rows(q, k, out, lse, band):
+def restore_nan_rows(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     band: Band) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, H, D], lse [B, H, Sq]) of a CPU kernel call with NaN, in place, on the rows whose
     every score inside ``band`` (:mod:`hybridsp.kernels._band`) is NaN (Note [NaN rows])."""
     if bool(lse.all()):  # no lse is exactly 0 (the kernel's "no key" marker, and rarely a real lse): one op
@@ -194,7 +202,9 @@ def same_head_dims(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [_pad_head_dim(t, width) for t in tensors]  # each [B, S, H, W]
 
 
-def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
+def _cpu_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, scale: float,
+                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten CPU flash backward, v's head dim padded to q's (or q/k's to v's) where they differ
     (Note [value head dim]); dq/dk come back [B, S, H(kv), D], dv [B, S, Hkv, Dv]."""
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
@@ -205,7 +215,9 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, scale, mask=None):
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :v_head_dim]
 
 
-def _cpu_backward_same_dims(dout, q, k, v, out, lse, causal, scale, mask=None):
+def _cpu_backward_same_dims(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                            lse: torch.Tensor, causal: bool, scale: float,
+                            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten CPU flash backward. Note [GQA in low precision]: the CPU kernel sums the query
     group's dK/dV in the input dtype, which triples their bf16 error; for fp16/bf16 with GQA
     the K/V heads are expanded and the group sum is done in fp32 instead."""
@@ -236,7 +248,7 @@ def _pad_head_dim(x: torch.Tensor, padded: int) -> torch.Tensor:
     return x if x.shape[-1] == padded else F.pad(x, (0, padded - x.shape[-1]))  # [B, S, H, Dp]
 
 
-def _cuda_inputs(q, k, v, *extra):
+def _cuda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra: torch.Tensor) -> list[torch.Tensor]:
     """Expand K/V to the query heads and pad the head dims to one aligned width (Note [CUDA kernels],
     Note [value head dim]): each [B, H, S, Dp] heads-first."""
     h, padded = q.shape[2], padded_head_dim(max(q.shape[-1], v.shape[-1]))
@@ -244,7 +256,8 @@ def _cuda_inputs(q, k, v, *extra):
     return [_heads_first(_pad_head_dim(x, padded)) for x in (q, k, v, *extra)]  # each [B, H, S, Dp]
 
 
-def cuda_forward(q, k, v, causal, scale):
+def cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """aten CUDA flash or memory-efficient forward (Note [CUDA kernels])."""
     head_dim, sq = v.shape[-1], q.shape[1]
     qh, kh, vh = _cuda_inputs(q, k, v)
@@ -258,7 +271,8 @@ def cuda_forward(q, k, v, causal, scale):
     return _seq_first(out[..., :head_dim]), no_key_lse_to_neg_inf(lse.float())
 
 
-def cuda_backward(dout, q, k, v, out, lse, causal, scale):
+def cuda_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten CUDA backward of the kernel :func:`cuda_variant` picks; K/V gradients summed per query group."""
     head_dim, v_head_dim, hkv, (sq, sk) = q.shape[-1], v.shape[-1], k.shape[2], (q.shape[1], k.shape[1])
     qh, kh, vh, outh, douth = _cuda_inputs(q, k, v, out, dout)
@@ -281,7 +295,8 @@ def cuda_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 
-def _cpu_band_backward(dout, q, k, v, out, lse, band, scale):
+def _cpu_band_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, band: Band, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten CPU flash backward of a band piece through an additive mask (GQA as in :func:`_cpu_backward`)."""
     visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
     lse = lse.masked_fill(~visible.any(dim=-1), 0.0)  # rows without keys: the kernel's own 0, not +inf

@@ -21,7 +21,7 @@ import ipaddress
 import os
 import socket
 import struct
-from typing import MutableMapping
+from typing import MutableMapping, cast
 
 _SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
 
@@ -31,7 +31,7 @@ def route_source_address(target: str) -> str | None:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((target, 9))
-            return probe.getsockname()[0]
+            return cast(str, probe.getsockname()[0])  # an AF_INET socket's name is (host, port)
     except OSError:
         return None
 

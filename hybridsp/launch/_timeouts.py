@@ -24,7 +24,8 @@ def default_group_timeout() -> datetime.timedelta | None:
     group = dist.group.WORLD
     for device in ("cuda", "cpu"):
         try:
-            timeout = group._get_backend(torch.device(device)).options._timeout  # no public getter in torch 2.x
+            # no public getter in torch 2.x; a None group raises AttributeError, caught below
+            timeout = group._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
         except (AttributeError, RuntimeError, ValueError):
             continue
         if isinstance(timeout, datetime.timedelta):

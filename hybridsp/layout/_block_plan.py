@@ -38,17 +38,24 @@ from __future__ import annotations
 import bisect
 import functools
 import gc
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar, cast
 
 import torch
 
+from hybridsp._types import PieceKind
 from hybridsp.layout._balance.work import MIN_TILE  # fewest query rows per window tile (smaller cost more calls)
+from hybridsp.layout._documents import Rows
 from hybridsp.layout._layouts import TokenLayout, get_layout
 
 _ALL = slice(None)
 
 Band = tuple[int | None, int | None]
 SubRun = tuple[int, int, int]  # (global start, length, local offset) inside one document
+DocRuns = dict[int, list[SubRun]]  # one slot's sub-runs by document
+Corner = tuple[tuple[int, int], int, int]  # (batch key, first row, first key) of a piece
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,14 +69,15 @@ class Piece:
 
     rows: slice
     keys: slice
-    kind: str
+    kind: PieceKind
     band: Band = (None, None)
     batch: slice = field(default_factory=lambda: _ALL)
 
     @property
     def work(self) -> int:
         """Score cells the kernel computes (a causal square counts its lower triangle)."""
-        n, m = self.rows.stop - self.rows.start, self.keys.stop - self.keys.start
+        n: int = self.rows.stop - self.rows.start
+        m: int = self.keys.stop - self.keys.start
         return n * (n + 1) // 2 if self.kind == "causal" else n * m
 
     def shifted(self, offset: int) -> Piece:
@@ -93,13 +101,14 @@ class BlockPlan:
     batch_rows: int
     pieces: dict[tuple[int, int], tuple[Piece, ...]] = field(repr=False)
     hulls: dict[tuple[int, int], tuple[int, int] | None] = field(repr=False)
-    derived: dict = field(default_factory=dict, repr=False, compare=False)  # memo of what transports derive
+    # memo of what transports derive
+    derived: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def memo(self, key, compute):
+    def memo(self, key: Hashable, compute: Callable[[], _T]) -> _T:
         """``compute()`` once per plan and ``key`` (plans are immutable, so derived tables are too)."""
         if key not in self.derived:
             self.derived[key] = compute()
-        return self.derived[key]
+        return cast(_T, self.derived[key])  # the memo holds many kinds of value: the key determines which
 
     def work(self, rank: int) -> int:
         """Score cells ``rank`` computes in one forward, summed over batch rows."""
@@ -122,7 +131,7 @@ class BlockPlan:
         return 0 if hull is None else hull[1] - hull[0]
 
 
-def check_sliding_window(sliding_window) -> None:
+def check_sliding_window(sliding_window: object) -> None:
     """Raise ValueError unless the window is None or a positive int (tokens, query included)."""
     if sliding_window is None:
         return
@@ -136,7 +145,8 @@ def check_sliding_window(sliding_window) -> None:
 # --------------------------------------------------------------------------- runs
 
 
-def slot_runs(seq_len: int, ring: int, layout: str | TokenLayout, bounds=None) -> list[list[tuple[int, int, int]]]:
+def slot_runs(seq_len: int, ring: int, layout: str | TokenLayout,
+              bounds: tuple[int, ...] | None = None) -> list[list[tuple[int, int, int]]]:
     """Per ring slot, its local tokens as runs ``(global start, length, local offset)``."""
     out = []
     for slot in get_layout(layout).slot_runs(seq_len, ring, bounds):
@@ -148,7 +158,7 @@ def slot_runs(seq_len: int, ring: int, layout: str | TokenLayout, bounds=None) -
     return out
 
 
-def _runs_by_doc(runs, bounds: tuple[int, ...]) -> dict[int, list[SubRun]]:
+def _runs_by_doc(runs: Iterable[tuple[int, int, int]], bounds: tuple[int, ...]) -> DocRuns:
     """One slot's runs cut at document boundaries, indexed by document (linear in runs + documents)."""
     by_doc: dict[int, list[SubRun]] = {}
     for start, length, offset in runs:
@@ -169,7 +179,8 @@ def _diff_range(causal: bool, window: int | None) -> Band:
     return (None, None) if window is None else (-(window - 1), window - 1)
 
 
-def _trimmed(rows: tuple[int, int], keys: tuple[int, int], lo, hi, batch: slice) -> Piece | None:
+def _trimmed(rows: tuple[int, int], keys: tuple[int, int], lo: int | None, hi: int | None,
+             batch: slice) -> Piece | None:
     """The rectangle ``rows x keys`` (local, half-open) with band ``lo <= i - j <= hi`` measured in
     its own coordinates, trimmed to what is visible and classified; None if nothing is."""
     n, m = rows[1] - rows[0], keys[1] - keys[0]
@@ -190,7 +201,7 @@ def _trimmed(rows: tuple[int, int], keys: tuple[int, int], lo, hi, batch: slice)
     return Piece(row_slice, key_slice, "band", (None if lo <= -(m - 1) else lo, None if hi >= n - 1 else hi), batch)
 
 
-def _pair_pieces(q_docs: dict, k_docs: dict, causal: bool, window: int | None, batch: slice) -> list[Piece]:
+def _pair_pieces(q_docs: DocRuns, k_docs: DocRuns, causal: bool, window: int | None, batch: slice) -> list[Piece]:
     """Pieces of one (query slot, key slot) pair for one set of documents (Note [pieces]):
     only the documents both slots hold are looked at."""
     common = q_docs.keys() & k_docs.keys() if len(q_docs) > len(k_docs) else k_docs.keys() & q_docs.keys()
@@ -213,7 +224,8 @@ def _pair_pieces(q_docs: dict, k_docs: dict, causal: bool, window: int | None, b
     return merge_pieces(pieces)
 
 
-def _unwindowed_pieces(q_docs: dict, k_docs: dict, docs, causal: bool, batch: slice) -> list[Piece]:
+def _unwindowed_pieces(q_docs: DocRuns, k_docs: DocRuns, docs: Iterable[int], causal: bool,
+                       batch: slice) -> list[Piece]:
     """Without a window a (query sub-run, key sub-run) pair of one document is the causal square
     (the same run), full (keys before the queries, or not causal) or nothing (keys after)."""
     pieces = []
@@ -251,7 +263,7 @@ def _join_adjacent(pieces: list[Piece], along: str) -> list[Piece]:
     """Join full pieces of the same batch rows that agree on the other axis and touch along ``along``."""
     other = "keys" if along == "rows" else "rows"
 
-    def key(p: Piece):
+    def key(p: Piece) -> tuple[bool, tuple[int, int], int, int, int]:
         fixed, moving = getattr(p, other), getattr(p, along)
         return (p.kind != "full", _batch_key(p.batch), fixed.start, fixed.stop, moving.start)
 
@@ -273,11 +285,11 @@ def _batch_key(batch: slice) -> tuple[int, int]:
     return (-1, -1) if batch == _ALL else (batch.start, batch.stop)
 
 
-def _corner(p: Piece) -> tuple:
+def _corner(p: Piece) -> Corner:
     return (_batch_key(p.batch), p.rows.start, p.keys.start)
 
 
-def _box(p: Piece) -> tuple:
+def _box(p: Piece) -> tuple[tuple[int, int], int, int, int, int]:
     return (_batch_key(p.batch), p.rows.start, p.rows.stop, p.keys.start, p.keys.stop)
 
 
@@ -289,7 +301,8 @@ def _joined_causal(pieces: list[Piece]) -> list[Piece]:
     if len(squares) < 2:
         return pieces
     fulls = {_box(p) for p in pieces if p.kind == "full"}
-    absorbed, joined = set(), {}
+    absorbed: set[Corner] = set()
+    joined: dict[Corner, Piece] = {}
     for corner in sorted(squares):
         if corner in absorbed:
             continue
@@ -364,9 +377,10 @@ def build_plan(
 
 
 @functools.lru_cache(maxsize=16)
-def _build_plan(seq_len, ring, layout: TokenLayout, causal, docs, window, batch) -> BlockPlan:
+def _build_plan(seq_len: int, ring: int, layout: TokenLayout, causal: bool, docs: Rows | None, window: int | None,
+                batch: int) -> BlockPlan:
     layout.check_sequence_length(seq_len, ring)
-    pieces = {(rank, source): [] for rank in range(ring) for source in range(ring)}
+    pieces: dict[tuple[int, int], list[Piece]] = {(rank, source): [] for rank in range(ring) for source in range(ring)}
     for bounds, rows in _row_groups(docs, batch, seq_len):
         slots = [_runs_by_doc(runs, bounds) for runs in slot_runs(seq_len, ring, layout, bounds)]
         for rank in range(ring):
@@ -383,7 +397,7 @@ def _hull(found: list[Piece]) -> tuple[int, int] | None:
     return min(p.keys.start for p in found), max(p.keys.stop for p in found)
 
 
-def _row_groups(docs, batch: int, seq_len: int) -> list[tuple[tuple[int, ...], slice]]:
+def _row_groups(docs: Rows | None, batch: int, seq_len: int) -> list[tuple[tuple[int, ...], slice]]:
     """(boundaries, batch slice) groups: one for all rows when they agree, else one per row."""
     if docs is None:
         return [((0, seq_len), _ALL)]

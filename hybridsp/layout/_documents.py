@@ -13,13 +13,15 @@ agreement is still checked per call, Note [agreement] in :mod:`hybridsp.attentio
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, Callable, SupportsInt, TypeVar, Union, cast
 
 import torch
 
 from hybridsp._opaque import OpaqueRef
 
 Rows = tuple[tuple[int, ...], ...]
+_T = TypeVar("_T")
 
 
 class Documents:
@@ -40,7 +42,7 @@ class Documents:
         self.batch, self.seq_len, self.rows, self.window = batch, seq_len, rows, window
         self.memo: dict[Any, Any] = {}
         self.opaque = OpaqueRef(self)  # what a compiled graph hands the attention operator
-        self._digest: tuple[int, int] | None = None
+        self._digest: tuple[int, ...] | None = None  # two 62-bit halves
 
     @property
     def packed(self) -> bool:
@@ -51,31 +53,36 @@ class Documents:
         """Row ``b``'s boundaries ``(0, ..., S)``."""
         return (0, self.seq_len) if self.rows is None else self.rows[b]
 
-    def key(self) -> tuple:
+    def key(self) -> tuple[int, int, Rows | None, int | None]:
         """A hashable value that determines everything derived from these documents."""
         return (self.batch, self.seq_len, self.rows, self.window)
 
-    def digest(self) -> tuple[int, int]:
+    def digest(self) -> tuple[int, ...]:
         """Two 62-bit halves of a BLAKE2 digest of the boundaries (for cross-rank agreement checks)."""
         if self._digest is None:
             raw = hashlib.blake2b(repr(self.key()).encode(), digest_size=16).digest()
             self._digest = tuple(int.from_bytes(raw[i : i + 8], "little") & ((1 << 62) - 1) for i in (0, 8))
         return self._digest
 
-    def to(self, *args, **kwargs) -> Documents:
+    def to(self, *args: object, **kwargs: object) -> Documents:
         """Host data: unchanged (so ``{k: v.to(device) for k, v in shard_batch(...).items()}`` works)."""
         return self
 
-    def remember(self, key, compute):
+    def remember(self, key: Hashable, compute: Callable[[], _T]) -> _T:
         """``compute()`` once per object and ``key``."""
         if key not in self.memo:
             self.memo[key] = compute()
-        return self.memo[key]
+        return cast(_T, self.memo[key])  # the memo holds many kinds of value: the key determines which
 
     def __repr__(self) -> str:
         docs = 1 if self.rows is None else max(len(row) - 1 for row in self.rows)
         window = "" if self.window is None else f", window={self.window}"
         return f"Documents(batch={self.batch}, seq_len={self.seq_len}, max_docs_per_row={docs}{window})"
+
+
+CuSeqlensInput = Union[torch.Tensor, Sequence[Any], Documents, None]
+"""``cu_seqlens`` in any accepted form (the module docstring), checked at run time; array-likes (numpy)
+are accepted at run time as well and read like tensors."""
 
 
 def chunked_documents(documents: Documents, chunk: int) -> Documents:
@@ -96,7 +103,7 @@ def _cut_row(bounds: tuple[int, ...], chunk: int) -> tuple[int, ...]:
     return (*cuts, bounds[-1])
 
 
-def as_documents(cu_seqlens, batch: int, seq_len: int) -> Documents:
+def as_documents(cu_seqlens: CuSeqlensInput, batch: int, seq_len: int) -> Documents:
     """A :class:`Documents` for ``cu_seqlens`` in any accepted form (see the module docstring).
 
     A :class:`Documents` passes through after checking it describes ``batch`` rows of ``seq_len``
@@ -112,7 +119,7 @@ def as_documents(cu_seqlens, batch: int, seq_len: int) -> Documents:
     return Documents(batch, seq_len, normalize_cu_seqlens(cu_seqlens, batch, seq_len))
 
 
-def normalize_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> Rows | None:
+def normalize_cu_seqlens(cu_seqlens: CuSeqlensInput, batch: int, seq_len: int) -> Rows | None:
     """Document boundaries per batch row as tuples, or None when every row is one document.
 
     Accepts an int tensor/array/list ``[N + 1]`` (the same documents in every row), a
@@ -132,7 +139,7 @@ def normalize_cu_seqlens(cu_seqlens, batch: int, seq_len: int) -> Rows | None:
     return checked
 
 
-def _rows_of(cu_seqlens, batch: int) -> list[list]:
+def _rows_of(cu_seqlens: torch.Tensor | Sequence[Any], batch: int) -> list[list[Any]]:
     """cu_seqlens in any accepted form -> B lists of values (checked to be integers later)."""
     if not torch.is_tensor(cu_seqlens) and hasattr(cu_seqlens, "__array__"):  # numpy and friends
         cu_seqlens = torch.as_tensor(cu_seqlens)
@@ -159,7 +166,7 @@ def _rows_of(cu_seqlens, batch: int) -> list[list]:
     return rows
 
 
-def _as_int(value, index: int) -> int:
+def _as_int(value: SupportsInt, index: int) -> int:
     """One boundary as an int; ValueError for floats, booleans and other non-integers."""
     if isinstance(value, bool) or not isinstance(value, int):
         if hasattr(value, "dtype") and not getattr(value.dtype, "is_floating_point", True):
@@ -170,7 +177,7 @@ def _as_int(value, index: int) -> int:
     return value
 
 
-def _checked_row(row: list, index: int, seq_len: int) -> tuple[int, ...]:
+def _checked_row(row: list[Any], index: int, seq_len: int) -> tuple[int, ...]:
     """One row's boundaries, validated against the global sequence length; empty docs dropped."""
     row = [_as_int(x, index) for x in row]
     if len(row) < 2 or row[0] != 0 or row[-1] != seq_len:

@@ -45,13 +45,20 @@ Runs are cached per row in a byte-bounded LRU (Note [runs cache] in
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from hybridsp._formulas import zigzag_slot_runs
 from hybridsp.layout._runs_cache import RUNS_CACHE
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 Runs = tuple[tuple[tuple[int, int], ...], ...]  # per slot: (global start, length) runs in slot order
+# a batch's document boundaries: one row's shared by every row, one per row, or None
+BatchBounds = tuple[int, ...] | Sequence[tuple[int, ...]] | None
 
 
 class TokenLayout:
@@ -101,7 +108,7 @@ class TokenLayout:
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.window == other.window
 
     def __hash__(self) -> int:
@@ -113,7 +120,7 @@ class Zigzag(TokenLayout):
 
     name = "zigzag"
 
-    def _runs(self, seq_len, ring, bounds):
+    def _runs(self, seq_len: int, ring: int, bounds: tuple[int, ...] | None) -> Runs:
         return zigzag_slot_runs(seq_len, ring)
 
 
@@ -125,7 +132,7 @@ class Contiguous(TokenLayout):
     def chunks(self, ring: int) -> int:
         return ring
 
-    def _runs(self, seq_len, ring, bounds):
+    def _runs(self, seq_len: int, ring: int, bounds: tuple[int, ...] | None) -> Runs:
         local = seq_len // ring
         return tuple(((r * local, local),) for r in range(ring))
 
@@ -137,7 +144,7 @@ class Balanced(TokenLayout):
     name = "balanced"
     uses_documents = True
 
-    def __init__(self, window: int | None = None):
+    def __init__(self, window: int | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"the balanced layout's window must be a positive number of tokens or None; got {window!r}")
         self.window = window
@@ -145,7 +152,7 @@ class Balanced(TokenLayout):
     def placing(self, window: int | None) -> TokenLayout:
         return self if window == self.window else Balanced(window)
 
-    def _runs(self, seq_len, ring, bounds):
+    def _runs(self, seq_len: int, ring: int, bounds: tuple[int, ...] | None) -> Runs:
         if bounds is None or len(bounds) <= 2:
             return ZIGZAG._runs(seq_len, ring, None)
         from hybridsp.layout._balance.tries import balanced_slot_runs  # torch-free, below this module
@@ -189,7 +196,7 @@ def required_multiple(ring: int, ulysses: int = 1, layout: str | TokenLayout = "
     return get_layout(layout).required_multiple(ring, ulysses, kv_chunks)
 
 
-def runs_positions(runs, begin: int, end: int) -> torch.Tensor:
+def runs_positions(runs: Iterable[tuple[int, int]], begin: int, end: int) -> torch.Tensor:
     """Positions ``begin .. end-1`` of the concatenation of ``runs`` ((start, length) pairs), shape
     [end - begin], int64: a few vectorised ops whatever the number of runs (no per-token Python)."""
     starts, lengths, offset = [], [], 0
@@ -215,7 +222,7 @@ def layout_permutation(
     return runs_positions(_flat_runs(layout, seq_len, ring, bounds), 0, seq_len)
 
 
-def _flat_runs(layout: TokenLayout, seq_len: int, ring: int, bounds) -> list[tuple[int, int]]:
+def _flat_runs(layout: TokenLayout, seq_len: int, ring: int, bounds: tuple[int, ...] | None) -> list[tuple[int, int]]:
     """Every slot's runs in shard order (slot 0's first)."""
     return [run for slot in layout.slot_runs(seq_len, ring, bounds) for run in slot]
 
@@ -239,18 +246,23 @@ def shard_positions(
     return runs_positions(_flat_runs(layout, seq_len, ring, bounds), index * local, (index + 1) * local)
 
 
-def _row_bounds(rows, batch: int) -> list:
+def _row_bounds(rows: BatchBounds, batch: int) -> list[tuple[int, ...] | None]:
     """One ``bounds`` (or None) per batch row from None, one shared tuple, or per-row tuples."""
-    if rows is None or (rows and isinstance(rows[0], int)):
+    if _shared_bounds(rows):
         return [rows] * batch
     if len(rows) != batch:
         raise ValueError(f"documents are given for {len(rows)} rows but the tensor has {batch} rows")
     return list(rows)
 
 
+def _shared_bounds(rows: BatchBounds) -> TypeIs[tuple[int, ...] | None]:
+    """Whether ``rows`` is None or one boundary tuple shared by every row (its first entry an int)."""
+    return rows is None or bool(rows and isinstance(rows[0], int))
+
+
 def shard_index(
     seq_len: int, rows: int, ring_rank: int, ulysses_rank: int, ring: int, ulysses: int = 1,
-    layout: str | TokenLayout = "zigzag", bounds=None,
+    layout: str | TokenLayout = "zigzag", bounds: BatchBounds = None,
 ) -> torch.Tensor:
     """The positions :func:`take_shard` takes: [1, L] when every row is laid out alike, else [rows, L]
     (``L = S / (R*U)``; ``bounds`` as there). Each row's runs come from the cache once."""
@@ -271,7 +283,7 @@ def take_index(x: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch.Tens
 
 def take_shard(
     x: torch.Tensor, ring_rank: int, ulysses_rank: int, ring: int, ulysses: int = 1,
-    layout: str | TokenLayout = "zigzag", dim: int = 1, bounds=None,
+    layout: str | TokenLayout = "zigzag", dim: int = 1, bounds: BatchBounds = None,
 ) -> torch.Tensor:
     """This shard's tokens of a full tensor ``x`` along ``dim`` (no communication).
 
@@ -294,7 +306,7 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor
 
 def join_shards(
     shards: list[torch.Tensor], ring: int, ulysses: int = 1, layout: str | TokenLayout = "zigzag", dim: int = 1,
-    bounds=None,
+    bounds: BatchBounds = None,
 ) -> torch.Tensor:
     """Inverse of :func:`take_shard`: ``shards`` ordered by ``r * U + u`` -> the full tensor (the
     same ``layout`` object, window included, and ``bounds`` as the sharding)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Callable, Hashable
 
 RUNS_CACHE_BYTES = 32 << 20  # the process-wide cache's budget (estimated bytes of keys and runs)
@@ -27,8 +28,11 @@ _BOUND_BYTES = 40  # one document boundary in the key: an int and its tuple slot
 _SLOT_BYTES = 64  # one slot's tuple of runs
 _RUN_BYTES = 140  # one (start, length) run: the pair and its two ints
 
+# per slot, its (global start, length) runs: hybridsp.layout._layouts.Runs (not imported: that module imports this one)
+Runs = tuple[tuple[tuple[int, int], ...], ...]
 
-def entry_bytes(bounds, runs) -> int:
+
+def entry_bytes(bounds: Sequence[int] | None, runs: Runs) -> int:
     """Estimated host bytes of one entry: ``bounds`` (a row's boundaries or None) and its runs."""
     count = 0 if bounds is None else len(bounds)
     return _ENTRY_BYTES + _BOUND_BYTES * count + sum(_SLOT_BYTES + _RUN_BYTES * len(slot) for slot in runs)
@@ -37,19 +41,19 @@ def entry_bytes(bounds, runs) -> int:
 class RunsCache:
     """LRU of ``key -> runs`` holding at most ``max_bytes`` estimated bytes (Note [runs cache])."""
 
-    def __init__(self, max_bytes: int = RUNS_CACHE_BYTES):
+    def __init__(self, max_bytes: int = RUNS_CACHE_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"a runs cache needs a budget of >= 0 bytes; got {max_bytes}")
         self.max_bytes = max_bytes
         self.nbytes = 0  # estimated bytes held now (<= max_bytes)
         self.hits = self.misses = 0
-        self._entries: OrderedDict[Hashable, tuple[object, int]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[Runs, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: Hashable, bounds, compute: Callable[[], object]):
+    def get(self, key: Hashable, bounds: Sequence[int] | None, compute: Callable[[], Runs]) -> Runs:
         """The runs of ``key`` (``compute()`` on a miss); ``bounds`` sizes the key (None: none)."""
         with self._lock:
             found = self._entries.get(key)
@@ -62,7 +66,7 @@ class RunsCache:
         self._put(key, runs, entry_bytes(bounds, runs))
         return runs
 
-    def _put(self, key: Hashable, runs, size: int) -> None:
+    def _put(self, key: Hashable, runs: Runs, size: int) -> None:
         """Insert (unless larger than the whole budget), evicting least recently used entries."""
         if size > self.max_bytes:
             return

@@ -22,7 +22,7 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_positive_ints(**values) -> None:
+def check_positive_ints(**values: object) -> None:
     """Raise ValueError naming the first argument that is not a positive integer."""
     for name, value in values.items():
         check_positive(value, name, integer=True)

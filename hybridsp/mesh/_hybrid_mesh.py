@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from hybridsp._checks import check_positive
 from hybridsp._opaque import OpaqueRef
-from hybridsp._types import KV_COMMS, MESH_ORDERS
+from hybridsp._types import KV_COMMS, MESH_ORDERS, KVComm, LayoutName, MeshOrder
 from hybridsp.launch._launcher import ranks_per_node
 from hybridsp.launch._timeouts import default_group_timeout
 from hybridsp.layout._layouts import TokenLayout, get_layout, required_multiple
@@ -51,14 +52,14 @@ class MeshShape:
     world_size: int
     ulysses: int
     ring: int
-    order: str = "ulysses_inner"
-    layout: str = "zigzag"
-    kv_comm: str = "ring"
+    order: MeshOrder = "ulysses_inner"
+    layout: LayoutName = "zigzag"
+    kv_comm: KVComm = "ring"
     kv_chunks: int | None = None
     tensor: int = 1
     sliding_window: int | None = None  # the window layouts that place by document balance for
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("ulysses", "ring", "tensor"):
             check_positive(getattr(self, name), f"{name} degree", integer=True)
         if self.order not in ORDERS:
@@ -130,9 +131,10 @@ class HybridMesh:
     passes no counter of its own (the way to count bytes through a switched HF model).
     """
 
-    def __init__(self, shape: MeshShape, rank: int, groups: dict[str, dist.ProcessGroup]):
+    def __init__(self, shape: MeshShape, rank: int, groups: dict[str, dist.ProcessGroup]) -> None:
         self.shape = shape
-        self.comm_counter = None
+        # a hybridsp._comm.CommCounter or None; Any: the mesh sits below _comm in the layers (tests/test_layers.py)
+        self.comm_counter: Any = None
         self.opaque = OpaqueRef(self)  # what a compiled graph hands the attention operator
         self.rank = rank
         self.dp_rank, self.ring_rank, self.ulysses_rank = shape.coords_of(rank)
@@ -144,11 +146,26 @@ class HybridMesh:
         self.data_group = groups["data"]
         self.data_context_group = groups["data_context"]
 
-    ulysses = property(lambda self: self.shape.ulysses)
-    ring = property(lambda self: self.shape.ring)
-    dp = property(lambda self: self.shape.dp)
-    context = property(lambda self: self.shape.context)
-    layout = property(lambda self: self.shape.layout)  # the layout's name
+    @property
+    def ulysses(self) -> int:
+        return self.shape.ulysses
+
+    @property
+    def ring(self) -> int:
+        return self.shape.ring
+
+    @property
+    def dp(self) -> int:
+        return self.shape.dp
+
+    @property
+    def context(self) -> int:
+        return self.shape.context
+
+    @property
+    def layout(self) -> LayoutName:
+        """The layout's name."""
+        return self.shape.layout
 
     @property
     def token_layout(self) -> TokenLayout:
@@ -156,11 +173,26 @@ class HybridMesh:
         ``sliding_window`` (Note [placement window] in :mod:`hybridsp.layout._layouts`)."""
         return get_layout(self.shape.layout).placing(self.shape.sliding_window)
 
-    sliding_window = property(lambda self: self.shape.sliding_window)  # the layout's default window
-    kv_comm = property(lambda self: self.shape.kv_comm)
-    kv_chunks = property(lambda self: self.shape.kv_chunks)
-    tensor = property(lambda self: self.shape.tensor)
-    world_size = property(lambda self: self.shape.world_size)
+    @property
+    def sliding_window(self) -> int | None:
+        """The layout's default window."""
+        return self.shape.sliding_window
+
+    @property
+    def kv_comm(self) -> KVComm:
+        return self.shape.kv_comm
+
+    @property
+    def kv_chunks(self) -> int | None:
+        return self.shape.kv_chunks
+
+    @property
+    def tensor(self) -> int:
+        return self.shape.tensor
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
 
     @property
     def context_rank(self) -> int:
@@ -188,17 +220,18 @@ def _local_world_size(explicit: int | None, world_size: int) -> int:
 
 
 def _resolve_degrees(
-    ulysses: int | str, ring: int | str, world_size: int, local_world_size: int, attention: dict
+    ulysses: int | Literal["auto"], ring: int | Literal["auto"], world_size: int, local_world_size: int,
+    attention: dict[str, int | None],
 ) -> tuple[int, int]:
     """Explicit degrees as given; "auto" ones from :func:`hybridsp.mesh._auto_degrees.choose_degrees`."""
     if ulysses != "auto" and ring != "auto":
         return ulysses, ring
-    if attention.get("num_heads") is None:
+    heads = attention.get("num_heads")
+    if heads is None:
         raise ValueError(
             "ulysses='auto' or ring='auto' needs the attention shape: pass num_heads= (and num_kv_heads=, "
             "head_dim=, seq_len= when known) to init_mesh"
         )
-    heads = attention["num_heads"]
     return choose_degrees(
         world_size, local_world_size, heads, attention.get("num_kv_heads") or heads,
         attention.get("head_dim") or 128, attention.get("seq_len"),
@@ -236,13 +269,13 @@ def check_tensor_heads(num_heads: int, num_kv_heads: int | None, tensor: int, ul
 
 
 def init_mesh(
-    ulysses: int | str = "auto",
-    ring: int | str = "auto",
+    ulysses: int | Literal["auto"] = "auto",
+    ring: int | Literal["auto"] = "auto",
     *,
     tensor: int = 1,
-    order: str = "ulysses_inner",
-    layout: str = "zigzag",
-    kv_comm: str = "ring",
+    order: MeshOrder = "ulysses_inner",
+    layout: LayoutName = "zigzag",
+    kv_comm: KVComm = "ring",
     kv_chunks: int | None = None,
     sliding_window: int | None = None,
     num_heads: int | None = None,

@@ -77,7 +77,7 @@ class Placement:
         ring = f"ring groups span {'/'.join(map(str, ring_hosts))} host(s)"
         return f"placement: {len(self.ranks_by_host())} host(s): {hosts}; {ulysses}; {ring}"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, list[str] | list[list[int]]]:
         return {"hosts": self.hosts, "ulysses": self.ulysses, "ring": self.ring}
 
 

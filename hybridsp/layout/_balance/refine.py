@@ -30,17 +30,24 @@ balanced try, no refine).
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Iterable, Iterator, Sequence
 
-from hybridsp.layout._balance.work import Slot, finish_runs
+from hybridsp.layout._balance.work import Runs, Slot, TiledWindow, finish_runs
 
 REFINE_SIZES = (512, 256, 128, 64, 16)  # tokens one exchange moves each way (and whole sub-runs)
 REFINE_EVALS = 2500  # slot evaluations one refine may spend
 REFINE_PARTNERS = 3  # the lightest slots the busiest trades with
 
+Pieces = list[tuple[int, int]]  # one slot's (global start, length) pieces while exchanging
+SubRuns = list[tuple[int, int, int]]  # one slot's (document, global start, length) sub-runs
+Held = dict[int, list[tuple[int, int]]]  # per document, the (global start, length) sub-runs every slot holds
+# (evaluations spent, y, x's pieces, y's pieces), y and the pieces None when no exchange was found
+Exchange = tuple[int, None, None, None] | tuple[int, int, Pieces, Pieces]
 
-def _sub_runs(runs, bounds) -> list[tuple[int, int, int]]:
+
+def _sub_runs(runs: Iterable[tuple[int, int]], bounds: Sequence[int]) -> SubRuns:
     """``(doc, start, length)`` of a slot's runs cut at document boundaries, in run order."""
-    out = []
+    out: SubRuns = []
     for start, n in runs:
         d, pos, end = bisect_right(bounds, start) - 1, start, start + n
         while pos < end:
@@ -50,7 +57,7 @@ def _sub_runs(runs, bounds) -> list[tuple[int, int, int]]:
     return out
 
 
-def _slot_cells(subs, held: dict, window: int, tile: int) -> int:
+def _slot_cells(subs: SubRuns, held: Held, window: int, tile: int) -> int:
     """Cells of one slot's sub-runs against the sub-runs ``held`` (per document) by every slot."""
     total = 0
     for d, qs, ql in subs:
@@ -75,15 +82,16 @@ def _slot_cells(subs, held: dict, window: int, tile: int) -> int:
     return total
 
 
-def _held(per_slot) -> dict:
-    held: dict[int, list[tuple[int, int]]] = {}
+def _held(per_slot: Iterable[SubRuns]) -> Held:
+    held: Held = {}
     for subs in per_slot:
         for d, start, n in subs:
             held.setdefault(d, []).append((start, n))
     return held
 
 
-def plan_work(runs_per_slot, bounds, window) -> list[int]:
+def plan_work(runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequence[int],
+              window: TiledWindow) -> list[int]:
     """Per slot, the cells ``build_plan`` computes for causal sliding window ``window`` (a
     :class:`~hybridsp.layout._balance.work.TiledWindow`) on these runs (Note [tiled work])."""
     per_slot = [_sub_runs(runs, bounds) for runs in runs_per_slot]
@@ -91,7 +99,8 @@ def plan_work(runs_per_slot, bounds, window) -> list[int]:
     return [_slot_cells(subs, held, window.window, window.tile) for subs in per_slot]
 
 
-def refine(runs_per_slot, bounds, window, evals: int = REFINE_EVALS):
+def refine(runs_per_slot: tuple[Runs, ...], bounds: Sequence[int], window: TiledWindow,
+           evals: int = REFINE_EVALS) -> tuple[tuple[Runs, ...], list[int]]:
     """``(runs, work)``: the layout after token exchanges that lower its busiest slot's exact
     work (Note [tile refine]), and each slot's :func:`plan_work`."""
     w, tile = window.window, window.tile
@@ -121,7 +130,8 @@ def refine(runs_per_slot, bounds, window, evals: int = REFINE_EVALS):
     return runs, work
 
 
-def _exchange(pieces, work, x: int, bounds, w: int, tile: int, evals: int):
+def _exchange(pieces: list[Pieces], work: list[int], x: int, bounds: Sequence[int], w: int, tile: int,
+              evals: int) -> Exchange:
     """``(evaluations spent, y, x's pieces, y's pieces)``: the first exchange between the busiest
     slot ``x`` and one of the lightest that lowers the busiest slot's share (y None: none)."""
     spent = 0
@@ -150,13 +160,13 @@ def _exchange(pieces, work, x: int, bounds, w: int, tile: int, evals: int):
     return spent, None, None, None
 
 
-def _key(work) -> tuple:
+def _key(work: Sequence[int]) -> tuple[float, ...]:
     """The slots' shares of the work, largest first: lower is better (ties at the top move on)."""
     total = sum(work)
     return tuple(sorted((v / total for v in work), reverse=True))
 
 
-def _ends(pieces, size: int):
+def _ends(pieces: Pieces, size: int) -> Iterator[tuple[int, int, Pieces]]:
     """``(start, length, the other pieces)`` for the head and the tail ``size`` tokens (or the
     whole piece, when not longer) of every piece."""
     for i, (s, n) in enumerate(pieces):
@@ -168,7 +178,7 @@ def _ends(pieces, size: int):
         yield s + n - size, size, others + [(s, n - size)]
 
 
-def _merged(pieces) -> list[tuple[int, int]]:
+def _merged(pieces: Iterable[tuple[int, int]]) -> Pieces:
     """Pieces by start, touching ones joined."""
     out: list[list[int]] = []
     for s, n in sorted(pieces):

@@ -21,28 +21,34 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
+from collections.abc import Sequence
 
 from hybridsp.layout._balance.work import (
     DEFAULT_UNIT_SHARE,
     DEFAULT_UNIT_WORK,
+    Docs,
     Slot,
+    Window,
     group_units,
     piece_work,
     prefix_work,
     run_work,
 )
 
+Run = tuple[int, int, int]  # a slot's (global start, tokens, work)
+
 REPAIR_CANDIDATES = 6
 REPAIR_SLACK = 0.015
 ORDER_SLACK = 0.01
 
 
-def place_contiguous(slots, order, start: int, mean_work: float, capacity: int, window) -> None:
+def place_contiguous(slots: list[Slot], order: list[int], start: int, mean_work: float, capacity: int,
+                     window: Window) -> None:
     """The largest document fills the slots' free tokens in consecutive pieces, in ``order``
     improved by swapping neighbours while that lowers the busiest slot's work."""
     free = [capacity - slot.tokens for slot in slots]
 
-    def busiest(order) -> float:
+    def busiest(order: list[int]) -> float:
         a, most = 0, 0.0
         for i in order:
             most = max(most, slots[i].work + piece_work(a, a + free[i], window))
@@ -74,8 +80,8 @@ def place_contiguous(slots, order, start: int, mean_work: float, capacity: int, 
         a += free[i]
 
 
-def build_greedy(docs, seq_len: int, ring: int, window, *, slack: float = 0.0, split_min: float = 0.25,
-                  unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK):
+def build_greedy(docs: Docs, seq_len: int, ring: int, window: Window, *, slack: float = 0.0, split_min: float = 0.25,
+                 unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK) -> list[Slot]:
     """The slots of one split-as-needed try: units most work first, each whole to the slot whose
     projected work lacks the most (dense units) or has the most (sparse ones); a document that
     would push that slot over the mean gives it just a tail and goes on as its head."""
@@ -122,13 +128,13 @@ def build_greedy(docs, seq_len: int, ring: int, window, *, slack: float = 0.0, s
     return slots
 
 
-def _single(bounds, start: int, n: int) -> bool:
+def _single(bounds: Sequence[int], start: int, n: int) -> bool:
     """Whether [start, start + n) is (a prefix of) one document."""
     d = bisect_right(bounds, start) - 1
     return bounds[d] == start and start + n <= bounds[d + 1]
 
 
-def _tail_cut(n: int, free: int, budget: float, rho: float, window) -> int:
+def _tail_cut(n: int, free: int, budget: float, rho: float, window: Window) -> int:
     """Where the tail [x, n) of a document prefix of n tokens starts: the smallest x with n - x <=
     ``free`` and tail work - rho x tail tokens <= ``budget`` (0 < x < n), or 0 if none is smaller
     than n (cannot happen unless the budget is negative)."""
@@ -154,7 +160,8 @@ def _tail_cut(n: int, free: int, budget: float, rho: float, window) -> int:
     return left
 
 
-def repair(slots, start: int, n: int, mean_work: float, capacity: int, window, budget: list) -> list:
+def repair(slots: list[Slot], start: int, n: int, mean_work: float, capacity: int, window: Window,
+           budget: list[int]) -> list[int]:
     """Local search for a contiguous balancer: move or swap whole runs between one slot and the
     others; the balancer (the document at ``start`` of ``n`` tokens, not yet placed) fills the
     free tokens in consecutive pieces, the slot that needs the most work per free token last.
@@ -164,7 +171,7 @@ def repair(slots, start: int, n: int, mean_work: float, capacity: int, window, b
     ``REPAIR_CANDIDATES`` runs with the most work). Returns the balancer's slot order."""
     ring, allowed = len(slots), mean_work * (1 + REPAIR_SLACK)
 
-    def layout(work, tokens):
+    def layout(work: list[int], tokens: list[int]) -> tuple[tuple[float, int], list[int], list[int]]:
         order = [i for i in range(ring) if tokens[i] < capacity]
         order.sort(key=lambda i: (mean_work - work[i]) / (capacity - tokens[i]))
         out, a, shipped = list(work), 0, 0
@@ -175,7 +182,7 @@ def repair(slots, start: int, n: int, mean_work: float, capacity: int, window, b
             shipped += free * (len(order) - 1 - j)
         return (max(max(out), allowed), shipped), out, order
 
-    def candidates(i: int) -> list:
+    def candidates(i: int) -> list[Run | None]:
         return [None] + sorted(slots[i].runs, key=lambda run: -run[2])[:REPAIR_CANDIDATES]
 
     work = [s.work for s in slots]
@@ -186,7 +193,8 @@ def repair(slots, start: int, n: int, mean_work: float, capacity: int, window, b
             h = out.index(max(out))
         else:  # the holder whose piece is read the most
             h = max(order, key=lambda i: (capacity - tokens[i]) * (len(order) - 1 - order.index(i)))
-        found, mine = None, candidates(h)
+        found: tuple[tuple[float, int], int, Run | None, Run | None, list[int], list[int]] | None = None
+        mine = candidates(h)
         for t in range(ring):
             if t == h:
                 continue
@@ -219,7 +227,7 @@ def repair(slots, start: int, n: int, mean_work: float, capacity: int, window, b
     return order
 
 
-def place_nested(slots, start: int, n: int, mean_work: float, capacity: int, window) -> None:
+def place_nested(slots: list[Slot], start: int, n: int, mean_work: float, capacity: int, window: Window) -> None:
     """The largest document fills every slot's free tokens, head + tail pieces nested from the
     outside in, each slot's head size bisected so its work hits ``mean_work``."""
     rho = prefix_work(n, window) / n
@@ -235,7 +243,7 @@ def place_nested(slots, start: int, n: int, mean_work: float, capacity: int, win
         lo, hi = lo + head, hi - tail
 
 
-def _best_head(lo: int, hi: int, free: int, target: float, window) -> int:
+def _best_head(lo: int, hi: int, free: int, target: float, window: Window) -> int:
     """Head size h in [0, free] whose head [lo, lo+h) + tail [hi-free+h, hi) work is closest to
     ``target`` (that work does not increase with h: bisection)."""
 

@@ -79,9 +79,11 @@ from hybridsp.layout._balance.search import build_greedy, place_contiguous, plac
 from hybridsp.layout._balance.work import (
     DEFAULT_UNIT_SHARE,
     DEFAULT_UNIT_WORK,
+    Docs,
     Runs,
     Slot,
     TiledWindow,
+    Window,
     check_bounds,
     documents,
     finish_runs,
@@ -121,7 +123,7 @@ class BalancerTry:
     def duplicate_key(self, ring: int) -> None:
         return None  # no two balancer tries coincide
 
-    def slots(self, docs, seq_len: int, ring: int, window, budgets: SearchBudgets) -> list[Slot]:
+    def slots(self, docs: Docs, seq_len: int, ring: int, window: Window, budgets: SearchBudgets) -> list[Slot]:
         return _build(docs, seq_len, ring, window, split_share=self.split_share, reserve=self.reserve,
                       contiguous=self.contiguous, budget=budgets.shared)
 
@@ -135,7 +137,7 @@ class GreedyTry:
     def duplicate_key(self, ring: int) -> None:
         return None
 
-    def slots(self, docs, seq_len: int, ring: int, window, budgets: SearchBudgets) -> list[Slot]:
+    def slots(self, docs: Docs, seq_len: int, ring: int, window: Window, budgets: SearchBudgets) -> list[Slot]:
         return build_greedy(docs, seq_len, ring, window, split_min=self.split_min)
 
 
@@ -150,7 +152,7 @@ class HostedTry:
     def duplicate_key(self, ring: int) -> tuple[int, float]:
         return host_count(self.part, ring), self.reserve  # at small R the counts coincide
 
-    def slots(self, docs, seq_len: int, ring: int, window, budgets: SearchBudgets) -> list[Slot]:
+    def slots(self, docs: Docs, seq_len: int, ring: int, window: Window, budgets: SearchBudgets) -> list[Slot]:
         return _build(docs, seq_len, ring, window, split_share=math.inf, reserve=self.reserve,
                       contiguous=True, budget=budgets.hosted, hosts=host_count(self.part, ring))
 
@@ -159,8 +161,8 @@ class HostedTry:
 # (split_share, reserve) of SPLITS, interleaved, fewest split documents first, the two
 # split-as-needed tries after the first two SPLITS; then the hosted tries (host count 1, R // 2
 # or R - 1: fractions 0, 0.5, 1 of the way from 1 to R - 1)
-TRIES = tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[:2]
-              for contiguous in (True, False))
+TRIES: tuple[BalancerTry | GreedyTry | HostedTry, ...] = tuple(
+    BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[:2] for contiguous in (True, False))
 TRIES += (GreedyTry(0.5), GreedyTry(1.0))
 TRIES += tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[2:]
                for contiguous in (True, False))
@@ -172,9 +174,7 @@ REPAIR_DOCUMENTS = 100_000  # ... and at most this / the number of documents
 TRY_DOCUMENTS = 4000  # tries stop once they have handled this many documents (at least 2 tries)
 
 
-def balanced_slot_runs(
-    bounds: tuple[int, ...], seq_len: int, ring: int, *, window: int | None = None
-) -> tuple[Runs, ...]:
+def balanced_slot_runs(bounds: tuple[int, ...], seq_len: int, ring: int, *, window: Window = None) -> tuple[Runs, ...]:
     """Per ring slot, its tokens as runs ``(global_start, length)`` (whole documents, then shared).
 
     ``bounds``: the row's document boundaries ``0 = b0 < b1 < ... < bn = seq_len``; ``seq_len``
@@ -188,10 +188,11 @@ def balanced_slot_runs(
     if len(bounds) == 2 or ring == 1:
         return zigzag_slot_runs(seq_len, ring)
     docs = documents(bounds, window)
-    best_key, best, tried = None, None, []
+    best_key, best = None, None
+    tried: list[tuple[float, int, tuple[Runs, ...]]] = []  # (ratio, index, runs)
     budget = min(REPAIR_EVALS, REPAIR_DOCUMENTS // len(docs[1]))
     budgets = SearchBudgets([budget], [budget])  # the hosted tries come last: a budget of their own
-    seen = set()
+    seen: set[tuple[int, float]] = set()
     for strategy in TRIES[:max(2, TRY_DOCUMENTS // len(docs[1]))]:
         duplicate = strategy.duplicate_key(ring)
         if duplicate is not None:
@@ -202,18 +203,20 @@ def balanced_slot_runs(
         runs = finish_runs(slots, bounds)
         works = _final_work(slots, runs, bounds, window)
         ratio = max(works) * ring / sum(works)
-        key = (0, hull_rows(runs, bounds), ratio) if ratio <= ACCEPT else (1, ratio, 0)
+        key: tuple[int, float, float] = (0, hull_rows(runs, bounds), ratio) if ratio <= ACCEPT else (1, ratio, 0)
         tried.append((ratio, len(tried), runs))
         if best_key is None or key < best_key:
             best_key, best = key, runs
         if key[:2] == (0, 0):
             break
+    assert best_key is not None and best is not None  # set together by the first try (at least two tries run)
     if best_key[0] == 1 and isinstance(window, TiledWindow):  # no try balanced: trade tokens on the plan's cells
         best = _refined(sorted(tried)[:REFINE_STARTS], bounds, ring, window)
     return best
 
 
-def _refined(starts, bounds, ring: int, window) -> Runs:
+def _refined(starts: list[tuple[float, int, tuple[Runs, ...]]], bounds: tuple[int, ...], ring: int,
+             window: TiledWindow) -> tuple[Runs, ...]:
     """The best of :func:`~hybridsp.layout._balance.refine.refine` from each of ``starts``
     (``(ratio, index, runs)``, least busy first), stopping at the first within ``ACCEPT``
     (Note [tile refine] in balance.refine: a local search; later starts get a third of the budget)."""
@@ -221,14 +224,15 @@ def _refined(starts, bounds, ring: int, window) -> Runs:
     for i, (_, _, runs) in enumerate(starts):
         runs, work = refine(runs, bounds, window, REFINE_EVALS if i == 0 else REFINE_EVALS // 3)
         ratio = max(work) * ring / sum(work)
-        if best is None or ratio < best_ratio:
+        if best_ratio is None or ratio < best_ratio:  # (best_ratio and best are set together)
             best_ratio, best = ratio, runs
         if ratio <= ACCEPT:
             break
+    assert best is not None  # starts is never empty
     return best
 
 
-def _final_work(slots: list[Slot], runs, bounds, window) -> list[int]:
+def _final_work(slots: list[Slot], runs: tuple[Runs, ...], bounds: tuple[int, ...], window: Window) -> list[int]:
     """Each slot's work as placed: what the try summed, except under a cost model whose pieces'
     work is not additive (:class:`~hybridsp.layout._balance.work.TiledWindow`: merged runs tile
     as one), where the finished runs are measured as the plan computes them
@@ -243,13 +247,12 @@ def host_count(share: float, ring: int) -> int:
     return max(1, 1 + round(share * (ring - 2)))
 
 
-def design_slot_runs(
-    bounds: tuple[int, ...], seq_len: int, ring: int, *, window: int | None = None,
-    split_share: float = DEFAULT_SPLIT_SHARE, split_length: float = DEFAULT_SPLIT_LENGTH,
-    unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
-    reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
-    contiguous: bool = False, greedy: float | None = None, host_share: float | None = None,
-) -> tuple[Runs, ...]:
+def design_slot_runs(bounds: tuple[int, ...], seq_len: int, ring: int, *, window: Window = None,
+                     split_share: float = DEFAULT_SPLIT_SHARE, split_length: float = DEFAULT_SPLIT_LENGTH,
+                     unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
+                     reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
+                     contiguous: bool = False, greedy: float | None = None,
+                     host_share: float | None = None) -> tuple[Runs, ...]:
     """One try with explicit knobs (Note [balanced layout]; for benchmarks of the choices).
 
     ``split_share`` / ``split_length``: documents with work >= split_share x W* or >=
@@ -277,10 +280,10 @@ def design_slot_runs(
     return finish_runs(slots, bounds)
 
 
-def _build(docs, seq_len: int, ring: int, window, *, split_share: float, reserve: float,
+def _build(docs: Docs, seq_len: int, ring: int, window: Window, *, split_share: float, reserve: float,
            split_length: float = DEFAULT_SPLIT_LENGTH, unit_share: float = DEFAULT_UNIT_SHARE,
            unit_work: float = DEFAULT_UNIT_WORK, balancer: bool = True, spread_all: bool = False,
-           contiguous: bool = False, budget: list | None = None, hosts: int | None = None):
+           contiguous: bool = False, budget: list[int] | None = None, hosts: int | None = None) -> list[Slot]:
     """The slots (runs unsorted, exact tokens and work) of one design (Note [balanced layout]).
     ``hosts``: only the first ``hosts`` slots keep room for the (contiguous) balancer; the others
     are filled by units, a unit that fits nowhere cut head first into the fullest (Note [hosts])."""
@@ -325,8 +328,8 @@ def _pieces(work: int, n: int, min_work: float, max_length: float, ring: int) ->
     return max(2, min(ring, max(by_work, by_length)))
 
 
-def _split_document(slots, bounds, d: int, k: int, rho: float, room: int, capacity: int, window,
-                    contiguous: bool = False) -> None:
+def _split_document(slots: list[Slot], bounds: tuple[int, ...], d: int, k: int, rho: float, room: int, capacity: int,
+                    window: Window, contiguous: bool = False) -> None:
     """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the fewest
     tokens that stay within ``room`` (else ``capacity``), taken in order of projected work (work
     - ``rho`` x tokens, lowest first); cut like a unit if no k slots fit."""
@@ -346,7 +349,7 @@ def _split_document(slots, bounds, d: int, k: int, rho: float, room: int, capaci
     _cut_unit(slots, bounds, start, n, [room] * len(slots), capacity, window)
 
 
-def _head_tail(chosen: list[Slot], start: int, n: int, window) -> None:
+def _head_tail(chosen: list[Slot], start: int, n: int, window: Window) -> None:
     """Per-document zigzag over the k chosen slots: 2k chunks of n // 2k tokens, pair i = chunks i
     and 2k-1-i. Without a window every pair has the same work (+- one token's) and pair i goes to
     the i-th slot; with one, pairs go heaviest first (the head pair, holding the document's cheap
@@ -375,7 +378,7 @@ def _head_tail(chosen: list[Slot], start: int, n: int, window) -> None:
             slot.take(start + lo, hi - lo, piece_work(lo, hi, window))
 
 
-def _consecutive(chosen: list[Slot], start: int, n: int, window) -> None:
+def _consecutive(chosen: list[Slot], start: int, n: int, window: Window) -> None:
     """The document [start, start + n) in len(chosen) consecutive pieces of equal tokens (+-1),
     the last (most work) to the first chosen slot (the one that lacks work most)."""
     k = len(chosen)
@@ -385,8 +388,8 @@ def _consecutive(chosen: list[Slot], start: int, n: int, window) -> None:
         slot.take(start + lo, hi - lo, piece_work(lo, hi, window))
 
 
-def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, rooms: list, capacity: int,
-                window, short_heads: bool = False) -> None:
+def _place_unit(slots: list[Slot], bounds: tuple[int, ...], start: int, n: int, work: int, rho: float, rooms: list[int],
+                capacity: int, window: Window, short_heads: bool = False) -> None:
     """Give the unit whole to the slot that most lacks work (projected: its free tokens at ``rho``
     work each), among those with room (``rooms[i]`` tokens for slot i); else cut it (:func:`_cut_unit`)."""
     best, best_key = None, None
@@ -395,7 +398,7 @@ def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, rooms:
             # projection: the slot's work if its free tokens got ``rho`` work each; the unit
             # changes it by delta: to the lowest projection if delta > 0, else the highest
             key = (work - rho * n) * (slot.work + rho * (capacity - slot.tokens))
-            if best is None or key < best_key:
+            if best_key is None or key < best_key:  # (best and best_key are set together)
                 best, best_key = slot, key
     if best is not None:
         best.take(start, n, work)
@@ -403,8 +406,8 @@ def _place_unit(slots, bounds, start: int, n: int, work: int, rho: float, rooms:
     _cut_unit(slots, bounds, start, n, rooms, capacity, window, short_heads)
 
 
-def _cut_unit(slots, bounds, start: int, n: int, rooms: list, capacity: int, window,
-              short_heads: bool = False) -> None:
+def _cut_unit(slots: list[Slot], bounds: tuple[int, ...], start: int, n: int, rooms: list[int], capacity: int,
+              window: Window, short_heads: bool = False) -> None:
     """Cut [start, start + n) into consecutive pieces filling slots up to their room, then up to
     ``capacity``: the slots with the most free tokens first, or (``short_heads``) the fewest, so
     that the head cut off is short (a holder of a later piece reads it)."""

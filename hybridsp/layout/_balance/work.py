@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 DEFAULT_UNIT_SHARE = 0.125
@@ -29,9 +30,11 @@ DEFAULT_UNIT_WORK = 0.02
 MIN_TILE = 64  # fewest query rows of a window tile in the block plan (Note [tiled work])
 
 Runs = tuple[tuple[int, int], ...]
+Docs = tuple[tuple[int, ...], list[int], list[int]]  # (bounds, lengths, works) of a row's documents
 
 
-def slot_work(runs_per_slot, bounds: tuple[int, ...], window: int | None = None) -> list[int]:
+def slot_work(runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequence[int],
+              window: Window = None) -> list[int]:
     """Cells per slot under the work model (sum over its tokens of min(offset + 1, W)).
 
     O(m log n) for m runs and n documents (a bisection per run, then a walk over the documents
@@ -40,7 +43,7 @@ def slot_work(runs_per_slot, bounds: tuple[int, ...], window: int | None = None)
     return [sum(run_work(start, n, bounds, window) for start, n in runs) for runs in runs_per_slot]
 
 
-def documents(bounds, window) -> tuple:
+def documents(bounds: tuple[int, ...], window: Window) -> Docs:
     """(bounds, lengths, works) of the row's documents."""
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     if window is None:
@@ -55,8 +58,8 @@ class Slot:
 
     __slots__ = ("runs", "tokens", "work")
 
-    def __init__(self):
-        self.runs: list[tuple[int, int]] = []
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, int, int]] = []  # (global start, tokens, work)
         self.tokens = 0
         self.work = 0
 
@@ -67,7 +70,7 @@ class Slot:
             self.work += work
 
 
-def prefix_work(x: int, window) -> int:
+def prefix_work(x: int, window: Window) -> int:
     """Work of the first ``x`` tokens of a document: sum_{p < x} min(p + 1, W), or a cost model's
     (``window`` a :class:`TiledWindow`)."""
     if window is None:
@@ -121,7 +124,10 @@ class TiledWindow:
         return first + full * t * (t + w - 1) + rest * (rest + w - 1)
 
 
-def shortest_with_work(work: float, limit: int, window: int | None) -> int:
+Window = int | TiledWindow | None  # the work model's window: none, W tokens, or the plan's tiles for W
+
+
+def shortest_with_work(work: float, limit: int, window: Window) -> int:
     """The smallest document length (at most ``limit + 1``) whose work is >= ``work``."""
     lo, hi = 0, limit + 1
     while lo < hi:
@@ -133,7 +139,7 @@ def shortest_with_work(work: float, limit: int, window: int | None) -> int:
     return lo
 
 
-def run_work(start: int, n: int, bounds, window: int | None) -> int:
+def run_work(start: int, n: int, bounds: Sequence[int], window: Window) -> int:
     """Work of global tokens [start, start + n), which may cover several documents."""
     end = start + n
     d = bisect_right(bounds, start) - 1
@@ -145,23 +151,25 @@ def run_work(start: int, n: int, bounds, window: int | None) -> int:
     return total
 
 
-def piece_work(lo: int, hi: int, window) -> int:
+def piece_work(lo: int, hi: int, window: Window) -> int:
     """Work of document offsets [lo, hi) (a :class:`TiledWindow`: of that one run)."""
     if isinstance(window, TiledWindow):
         return window.piece_work(lo, hi)
     return prefix_work(hi, window) - prefix_work(lo, window)
 
 
-def group_units(whole: list[int], bounds, works: list[int], limit: float, work_limit: float) -> list:
+def group_units(whole: Iterable[int], bounds: Sequence[int], works: Sequence[int], limit: float,
+                work_limit: float) -> list[list[int]]:
     """Consecutive whole documents grouped into units ``[start, tokens, work]`` of at most ``limit``
     tokens and ``work_limit`` work (a document over either is a unit alone)."""
     units: list[list[int]] = []
     end = tokens = work = -1
-    unit = None
+    unit: list[int] | None = None
     for d in whole:
         start, n, w = bounds[d], bounds[d + 1] - bounds[d], works[d]
         if start == end and tokens + n <= limit and work + w <= work_limit:
             tokens, work = tokens + n, work + w
+            assert unit is not None  # start == end: a unit is open
             unit[1], unit[2] = tokens, work
         else:
             unit = [start, n, w]
@@ -171,7 +179,7 @@ def group_units(whole: list[int], bounds, works: list[int], limit: float, work_l
     return units
 
 
-def finish_runs(slots: list[Slot], bounds) -> tuple[Runs, ...]:
+def finish_runs(slots: list[Slot], bounds: Sequence[int]) -> tuple[Runs, ...]:
     """Each slot's runs: those of documents no other slot holds first, then those touching a
     document another slot holds too; each group by ascending start, touching runs merged. (Only
     the first and last document of a run can be shared: the ones between lie wholly inside it.)"""
@@ -200,7 +208,7 @@ def finish_runs(slots: list[Slot], bounds) -> tuple[Runs, ...]:
     return tuple(out)
 
 
-def hull_rows(runs_per_slot, bounds: tuple[int, ...]) -> int:
+def hull_rows(runs_per_slot: Sequence[Iterable[tuple[int, int]]], bounds: Sequence[int]) -> int:
     """Key rows the ring ships per forward without a window: per ordered slot pair (q, s) the span
     of s's local rows from the first to the last of its document sub-runs that start before a
     sub-run q holds of the same document (what ``build_plan``'s hulls cover)."""
@@ -216,19 +224,20 @@ def hull_rows(runs_per_slot, bounds: tuple[int, ...]) -> int:
                 pos, stop = max(start, bounds[d]), min(end, bounds[d + 1])
                 held.setdefault(d, []).append((r, pos, local + pos - start, local + stop - start))
             local += n
-    lo = [[math.inf] * ring for _ in range(ring)]
+    lo: list[list[float]] = [[math.inf] * ring for _ in range(ring)]
     hi = [[-1] * ring for _ in range(ring)]
     for pieces in held.values():
         if len({p[0] for p in pieces}) < 2:
             continue
-        last = {}
+        last_pos: dict[int, int] = {}
         for r, pos, _, _ in pieces:
-            last[r] = max(last.get(r, -1), pos)
-        for q, q_last in last.items():
+            last_pos[r] = max(last_pos.get(r, -1), pos)
+        for q, q_last in last_pos.items():
             for s, pos, first, stop in pieces:
                 if s != q and pos < q_last:
                     lo[q][s], hi[q][s] = min(lo[q][s], first), max(hi[q][s], stop)
-    return sum(hi[q][s] - lo[q][s] for q in range(ring) for s in range(ring) if hi[q][s] >= 0)
+    # lo[q][s] is set (an int) together with hi[q][s], so every term is an int; lo's float is only its inf marker
+    return sum(hi[q][s] - lo[q][s] for q in range(ring) for s in range(ring) if hi[q][s] >= 0)  # type: ignore[misc]
 
 
 def check_sizes(seq_len: int, ring: int) -> None:
@@ -240,7 +249,7 @@ def check_sizes(seq_len: int, ring: int) -> None:
         )
 
 
-def check_bounds(bounds, seq_len: int, ring: int, window) -> None:
+def check_bounds(bounds: Sequence[int], seq_len: int, ring: int, window: Window) -> None:
     check_sizes(seq_len, ring)
     if type(window) is int and window < 1:
         raise ValueError(f"window must be >= 1 or None; got {window}")
