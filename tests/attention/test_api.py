@@ -12,6 +12,8 @@ from hybridsp.testing import run_distributed
 from tests.helpers.mask_reference import masked_reference_with_grads
 from tests.helpers.reference import random_qkv, rel_err
 
+pytestmark = pytest.mark.distributed
+
 DOCS = (0, 10, 40, 64)
 
 

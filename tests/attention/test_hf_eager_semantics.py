@@ -68,6 +68,7 @@ def _errors(rank, world, kv_comm):
     return errors
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sinks_softcap_and_mla_dims_equal_the_models_eager_attention_at_u2_r2():
     for errors in run_distributed(_errors, 4, "ring"):  # each rank imports the three model modules: ~20 s

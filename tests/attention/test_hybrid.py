@@ -10,6 +10,8 @@ from hybridsp import gather_sequence, hybrid_attn_func, init_mesh, shard_sequenc
 from hybridsp.testing import run_distributed
 from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
 
+pytestmark = pytest.mark.distributed
+
 HEADS, HEAD_DIM, BATCH = 8, 16, 2
 TOLERANCE = 1e-5
 

@@ -11,6 +11,8 @@ from hybridsp.layout.layouts import join_shards, take_shard
 from hybridsp.testing import run_distributed
 from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
 
+pytestmark = pytest.mark.distributed
+
 # (batch, heads, kv_heads, head_dim): MHA and GQA, head dims 64, 128 and an odd 80.
 SHAPES = [(2, 4, 4, 64), (2, 4, 2, 128), (1, 4, 1, 80)]
 TOLERANCE = 1e-5

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from hybridsp.attention.stacked import MAX_ROWS, stacks_and_singles
@@ -56,10 +57,12 @@ def _check(rank, world, meshes):
     return failures
 
 
+@pytest.mark.distributed
 def test_tiny_documents_are_exact_on_a_ring_of_one():
     assert run_distributed(_check, 1, [(1, 1)]) == [[]]
 
 
+@pytest.mark.distributed
 def test_tiny_documents_are_exact_on_the_ring_and_under_ulysses():
     assert run_distributed(_check, 4, [(1, 4), (2, 2)]) == [[]] * 4
 

@@ -76,6 +76,7 @@ def _strided_hybrid_case(rank, world, ulysses, ring, dtype):
     return errors
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,ulysses,ring", [(2, 1, 2), (2, 2, 1), (4, 2, 2)])
 def test_hybrid_exact_on_strided_inputs(world, ulysses, ring):
     for errors in run_distributed(_strided_hybrid_case, world, ulysses, ring, torch.float32):
@@ -96,5 +97,6 @@ def _strided_bf16_ring(rank, world):
     return all(torch.equal(a, b) for a, b in zip(*outs)) and all(torch.isfinite(t).all() for t in outs[1])
 
 
+@pytest.mark.distributed
 def test_bf16_ring_on_strided_inputs_is_bitwise_the_contiguous_result():
     assert all(run_distributed(_strided_bf16_ring, 2))

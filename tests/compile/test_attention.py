@@ -16,6 +16,8 @@ import torch
 from hybridsp.testing import run_distributed
 from tests.helpers.reference import random_qkv, rel_err
 
+pytestmark = pytest.mark.distributed
+
 TOLERANCE = 1e-5
 SEQ, HEADS, HEAD_DIM = 48, 4, 8
 CASES = {  # name -> (init_mesh arguments, call settings)

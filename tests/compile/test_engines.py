@@ -19,6 +19,8 @@ from hybridsp.testing import run_distributed
 from tests.helpers.packs import packed_lm_batch
 from tests.helpers.preload import preload
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
 preload("transformers.trainer", "accelerate")
 TOLERANCE = 1e-5
 STEPS = 3

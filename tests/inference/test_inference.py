@@ -13,6 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hybridsp.testing import run_distributed
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.distributed
+
 
 class _Allocations(TorchDispatchMode):
     """Weak references to every tensor an op creates inside the block."""

@@ -13,6 +13,8 @@ import pytest
 from hybridsp.testing import run_distributed
 from tests.helpers.linear_workers import generation_errors
 
+pytestmark = pytest.mark.distributed
+
 TOLERANCE = 1e-5
 
 

@@ -10,6 +10,8 @@ import torch
 from hybridsp.testing import run_distributed
 from tests.helpers.linear_workers import cases_worker
 
+pytestmark = pytest.mark.distributed
+
 TOLERANCE = 1e-4
 PACKED = ((20, 1, 3, 14, 10), (30, 18))  # B = 2, a 1-token and a 3-token document, rows differ
 WHOLE = ((48,), (48,))
@@ -69,6 +71,7 @@ def plain_trainer():
     return run_distributed(train_hybrid_model, 1, "qwen3_5", None, timeout=400)[0]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_trainer_u2xr2_packed_trains_like_the_plain_trainer(plain_trainer, stage):

@@ -73,6 +73,7 @@ def _check(rank, world, meshes):
     return empty_shards
 
 
+@pytest.mark.distributed
 def test_sharded_loss_and_gradients_equal_the_unsharded_ones():
     # world 4: U2 x R2 and R4 (DP 1), U2 (DP 2, each replica its own batch)
     empty = run_distributed(_check, 4, [(2, 2), (1, 4), (2, 1)])

@@ -116,6 +116,7 @@ def _compare_bf16(mesh, p, tag):
     return [f"{tag} bf16: fused {fused_errors} vs logits path {logits_errors}"] if bad else []
 
 
+@pytest.mark.distributed
 def test_fused_loss_and_gradients_equal_the_logits_path():
     # world 4: U2 x R2 (DP 1) and U2 (DP 2, each replica its own batch)
     checked = run_distributed(_check, 4, [(2, 2), (2, 1)])

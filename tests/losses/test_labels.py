@@ -11,6 +11,8 @@ import hybridsp
 from hybridsp import init_mesh
 from hybridsp.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 # --------------------------------------------------------------------------- labels
 
 

@@ -96,10 +96,12 @@ def cases():
     return prepared
 
 
+@pytest.mark.distributed
 def test_whole_sequence_value_and_gradients_at_u2xr2(cases):
     assert all(run_distributed(_check, 4, [(2, 2)], cases, timeout=120))
 
 
+@pytest.mark.distributed
 def test_whole_sequence_value_and_gradients_at_an_odd_ring(cases):
     assert all(run_distributed(_check, 3, [(1, 3)], cases, timeout=120))
 

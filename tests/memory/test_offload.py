@@ -28,7 +28,7 @@ from hybridsp.testing import run_distributed
 from tests.helpers.deepspeed_engines import full_grads, full_params
 from tests.helpers.paths import ROOT
 
-pytestmark = [pytest.mark.integration]  # DeepSpeed ZeRO-3 engines and examples/train.py
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # DeepSpeed ZeRO-3 engines and examples/train.py
 
 WORLD, BATCH, SEQ, VOCAB, LAYERS, STEPS, LR = 4, 2, 64, 128, 3, 2, 1e-3
 TOLERANCE = 1e-5

@@ -24,7 +24,7 @@ from hybridsp.testing import run_distributed
 from tests.helpers.deepspeed_engines import forbid_jit_builds, full_grads, full_params
 from tests.helpers.paths import ROOT
 
-pytestmark = [pytest.mark.integration]  # DeepSpeed ZeRO-3 engines
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # DeepSpeed ZeRO-3 engines
 
 WORLD, SEQ, VOCAB, STEPS, LR = 2, 48, 96, 2, 0.5
 TOLERANCE = 1e-5

@@ -617,6 +617,7 @@ def _counted_bytes(rank, world):
     return sent
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_bytes_equal_what_the_comm_counter_records():
     from hybridsp.testing import run_distributed

@@ -130,6 +130,7 @@ def _router_check(rank, world, names):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 def test_router_loss_under_tensor_parallelism_equals_the_unmodified_model():
     """The router sits inside the tensor region (its gradient summed over the tensor group): the router loss's
     gradient must count once, not T times (Note [tensor parallelism] in hybridsp.losses.router)."""
@@ -139,16 +140,19 @@ def test_router_loss_under_tensor_parallelism_equals_the_unmodified_model():
 CASES = [(SWITCHED, (2, 2, 1), True), (RING_ONLY, (2, 1, 2), True), (TENSOR_ONLY, (2, 1, 1), False)]
 
 
+@pytest.mark.distributed
 def test_every_family_split_two_ways_with_sequence_parallelism_equals_the_unmodified_model():
     run_distributed(_check, 4, CASES, True, timeout=600)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_every_family_split_two_ways_without_sequence_parallelism_and_over_a_ring():
     cases = CASES + [(SWITCHED, (2, 1, 2), True)]
     run_distributed(_check, 4, cases, False, timeout=900)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_three_way_split_with_one_kv_head_per_rank():
     """T = 3 (without sequence parallelism: 64 tokens do not split 3 ways): 6 query heads, 3 K/V heads (one per
@@ -172,6 +176,7 @@ def _generate(rank, world, cases):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_generate_with_the_new_families_split_two_ways_equals_their_own_generate():
     cases = [("qwen3_moe", (2, 1)), ("mixtral", (2, 1)), ("olmo2", (2, 1)), ("glm4", (2, 1)), ("phi3", (1, 2))]

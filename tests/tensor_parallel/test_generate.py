@@ -16,7 +16,7 @@ from hybridsp.testing import run_distributed
 from tests.helpers.generation import COMMON, prompt, reference_generate
 from tests.helpers.reference import rel_err
 
-pytestmark = [pytest.mark.integration]  # transformers checkpoints loaded and generated from
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # transformers checkpoints loaded and generated from
 
 PROMPT, NEW, TOLERANCE = 64, 6, 1e-4
 FAMILIES = {

@@ -31,6 +31,8 @@ from hybridsp.testing import run_distributed
 from tests.helpers.deepspeed_engines import flat, forbid_jit_builds, full_grads, full_params
 from tests.helpers.paths import ROOT
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
 WORLD, SEQ, VOCAB, PAD, PADDED = 4, 64, 128, 0, 8  # every sequence ends in PADDED padding tokens
 STEPS, SAVE_AFTER, CLIP, LR, SEED = 5, 3, 0.5, 1e-3, 0
 TOLERANCE = 1e-4

@@ -13,6 +13,8 @@ from hybridsp.layout.documents import Documents
 from tests.helpers.mesh import mesh_at
 from tests.helpers.switched_models import build
 
+pytestmark = pytest.mark.integration
+
 CONFIGS = [  # (family, overrides, the layers' windows, the layout's window)
     ("llama", {}, [None, None], None),
     ("mistral", dict(sliding_window=6), [6, 6], 6),

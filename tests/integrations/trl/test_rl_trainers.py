@@ -25,6 +25,8 @@ from hybridsp.testing import run_distributed  # noqa: E402
 from tests.helpers.preload import preload  # noqa: E402
 from tests.helpers.rl_workers import LOGGED, several  # noqa: E402
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
 preload("transformers.trainer", "accelerate", "trl", "datasets", "peft")
 
 RTOL, ATOL = 1e-4, 1e-6

@@ -8,6 +8,8 @@ pytest.importorskip("trl", reason="TRL is optional: pip install -e '.[trl]' (the
 
 from hybridsp.testing import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 
 def _trl_rows(batch: int = 3, prompt: int = 7, completion: int = 6, seed: int = 0):
     """TRL's layout: prompts left-padded, completions right-padded; B x (P + C) ids and mask."""
@@ -95,6 +97,7 @@ def _construction_checks(rank, world_size):
     return {**found, "errors": errors}
 
 
+@pytest.mark.distributed
 def test_replica_view_and_refusals_before_any_collective():
     results = run_distributed(_construction_checks, 2, timeout=300)
     for result in results:

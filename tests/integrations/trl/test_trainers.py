@@ -25,6 +25,8 @@ from hybridsp.testing import run_distributed  # noqa: E402
 from tests.helpers.preload import preload  # noqa: E402
 from tests.helpers.trl_workers import several  # noqa: E402
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
 preload("transformers.trainer", "accelerate", "trl", "datasets", "peft")
 
 RTOL = 1e-3

@@ -1,12 +1,15 @@
 """Greedy generation of every family the table marks for it (tests/helpers/families.py), switched at U2xR2 over 4
 gloo ranks with its sharded K/V cache: the ids equal the unmodified model's own ``generate`` on every rank."""
 
+import pytest
 import torch
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from tests.helpers.families import REFUSED, SUPPORT, build_family, families_where
 from tests.helpers.generation import launch, portable
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 PROMPT, NEW = 64, 6
 

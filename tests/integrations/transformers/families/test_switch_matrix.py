@@ -2,6 +2,7 @@
 loss and every parameter gradient of the same unmodified model in one process: on the full sequence, and on packed
 documents against the model run per document; the families the table marks refused raise its reason."""
 
+import pytest
 import torch
 
 from hybridsp import init_mesh
@@ -11,6 +12,8 @@ from tests.helpers.families import REFUSED, SUPPORT, build_family, families_wher
 from tests.helpers.packed_models import packed_batch, per_document_reference
 from tests.helpers.reference import rel_err
 from tests.helpers.switched_models import expected_of, make_batch, sharded
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 TOLERANCE = 1e-4
 BATCHES = {"full": make_batch(64, (64, 64)), "padded": make_batch(61, (61, 40))}

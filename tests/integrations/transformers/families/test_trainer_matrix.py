@@ -9,6 +9,8 @@ from hybridsp.testing import run_distributed
 from tests.helpers.families import families_where
 from tests.helpers.moe_workers import several
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
 OWN_TESTS = ("llama", "qwen3_moe", "mixtral")
 DEFAULT = ("gpt_oss", "deepseek_v3")  # sinks + MoE router loss, MLA: the rest of the table runs in the slow set
 TOLERANCE = 1e-4
