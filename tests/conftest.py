@@ -1,7 +1,6 @@
 """Test-session settings: what the distributed test workers inherit from the forkserver, and the fast tier."""
 
 import os
-from pathlib import Path
 
 from hybridsp.testing import PRELOAD_ENV
 
@@ -27,16 +26,15 @@ SLOWER = ("slow", "distributed", "integration")
 
 # Stopgap: tests/benchmarks/test_alst_parity.py is edited with the benchmarks and does not declare its markers yet
 # (tests/test_markers.py::test_benchmark_parity_tests_are_marked_too is the strict xfail that says when it does).
-BENCHMARKS = ("benchmarks", ("distributed", "integration"))
+BENCHMARKS = ("tests.benchmarks.", ("distributed", "integration"))  # (module prefix, markers)
 
 
 def pytest_collection_modifyitems(config, items):
     import pytest
 
-    tests = Path(__file__).resolve().parent
-    folder, marks = BENCHMARKS
+    prefix, marks = BENCHMARKS
     for item in items:
-        if Path(item.fspath).resolve().relative_to(tests).parts[0] == folder:
+        if getattr(item, "module", None) is not None and item.module.__name__.startswith(prefix):
             for mark in marks:
                 item.add_marker(getattr(pytest.mark, mark))
         if not any(item.get_closest_marker(name) for name in SLOWER):
