@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hybridsp import hybrid_attn_func, init_mesh, ring_attention, shard_sequence
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
 
 HEADS, KV_HEADS, SEQ = 4, 2, 32
 

@@ -8,7 +8,7 @@ import torch
 import hybridsp
 from hybridsp import gather_sequence, hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
 
 pytestmark = pytest.mark.distributed
 

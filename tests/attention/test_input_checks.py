@@ -11,7 +11,7 @@ from hybridsp import HybridAttention, hybrid_attn_func, init_mesh, ring_attentio
 from hybridsp.layout.documents import normalize_cu_seqlens
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import random_qkv
+from tests.helpers.references.attention import random_qkv
 
 
 def _bad_inputs(mesh):

@@ -24,9 +24,9 @@ from hybridsp.layout.documents import normalize_cu_seqlens
 from hybridsp.layout.layouts import layout_permutation
 from hybridsp.testing import run_distributed
 from tests.helpers.flash_attn_standin import make_standin
-from tests.helpers.mask_cases import DOCS, ROW2, SEQ, check_meshes, piece_cells
-from tests.helpers.mask_reference import masked_reference_with_grads, visible_mask
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.mask_cases import DOCS, ROW2, SEQ, check_meshes, piece_cells
+from tests.helpers.references.masks import masked_reference_with_grads, visible_mask
 
 TOLERANCE = 1e-5
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from hybridsp import ring_attention
 from hybridsp.layout.layouts import join_shards, take_shard
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
 
 pytestmark = pytest.mark.distributed
 

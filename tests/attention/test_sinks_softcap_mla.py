@@ -1,6 +1,6 @@
 """Learned sinks, logit soft-capping and a value head dim apart from q/k's, through the whole hybrid
 attention (Ulysses x ring, both K/V transports, every layout, documents and windows), against float64
-attention written as the unmodified models write it (tests/helpers/reference.py): forward, the
+attention written as the unmodified models write it (tests/helpers/references/attention.py): forward, the
 gradients of q, k, v and of the sinks (each rank's sinks.grad summed over the context ranks), and
 the bytes the counter records against the analytic formula."""
 
@@ -18,7 +18,7 @@ from hybridsp.attention.ring import ring_attention
 from hybridsp.attention.volume import hybrid_bytes
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import random_qkv, rel_err, sinks_reference_with_grads
+from tests.helpers.references.attention import random_qkv, rel_err, sinks_reference_with_grads
 
 TOLERANCE = 1e-5
 SEQ = 48

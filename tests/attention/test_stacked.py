@@ -18,8 +18,8 @@ from hybridsp.attention.stacked import MAX_ROWS, stacks_and_singles
 from hybridsp.layout.block_plan import build_plan
 from hybridsp.layout.documents import normalize_cu_seqlens
 from hybridsp.testing import run_distributed
-from tests.helpers.mask_reference import masked_reference_with_grads
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.masks import masked_reference_with_grads
 
 TOLERANCE = 1e-5
 SEQ = 96

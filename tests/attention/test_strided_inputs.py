@@ -10,7 +10,7 @@ import hybridsp
 from hybridsp import hybrid_attn_func, init_mesh
 from hybridsp.kernels import get_kernel
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
 
 
 def _strided_views(q, k, v):

@@ -76,7 +76,7 @@ def test_deepspeed_compile_config_compiles_the_engine_and_trains_as_eager():
 
 def _trainer_run(compiled: bool) -> dict | None:
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
-    from tests.helpers import trainer_workers
+    from tests.helpers.workers import trainer as trainer_workers
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch._dynamo.reset()

@@ -21,8 +21,8 @@ from hybridsp.layout.block_plan import build_plan
 from hybridsp.layout.documents import Documents
 from hybridsp.layout.layouts import BALANCED, ZIGZAG, layout_permutation
 from hybridsp.testing import run_distributed
-from tests.helpers.mask_reference import masked_reference_with_grads, visible_mask
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.masks import masked_reference_with_grads, visible_mask
 
 TOLERANCE = 1e-5
 SEQ = 256

@@ -23,9 +23,9 @@ from hybridsp.layout.documents import Documents
 from hybridsp.layout.layouts import BALANCED, get_layout, layout_permutation
 from hybridsp.layout.runs_cache import RUNS_CACHE, RunsCache, entry_bytes
 from hybridsp.testing import run_distributed
-from tests.helpers.mask_reference import masked_reference_with_grads
 from tests.helpers.packs import lognormal_pack
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.masks import masked_reference_with_grads
 
 SEQ = 16384
 WINDOW = 512

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hybridsp import fused_cross_entropy, gather_sequence, init_mesh, shard_sequence, sharded_cross_entropy
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import rel_err
+from tests.helpers.references.attention import rel_err
 
 BATCH, SEQ, HIDDEN, VOCAB = 2, 32, 16, 40
 TOLERANCE = 1e-5

@@ -14,7 +14,7 @@ import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import rel_err
+from tests.helpers.references.attention import rel_err
 
 BATCH, SEQ, EXPERTS, TOP_K, LAYERS = 2, 29, 6, 2, 3  # 29: shard_batch pads every mesh here
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-3}

@@ -35,7 +35,7 @@ TOLERANCE = 1e-5
 
 
 def _model(checkpointing: bool):
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     model = tiny_causal_lm(
         "llama", seed=0, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,

@@ -31,7 +31,7 @@ TOLERANCE = 1e-5
 
 
 def _model(tied: bool):
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     return tiny_causal_lm(
         "llama", seed=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=2,

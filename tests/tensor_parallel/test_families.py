@@ -15,9 +15,9 @@ from hybridsp.integrations import transformers as hf
 from hybridsp.tensor_parallel.model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
 from tests.helpers.families import build_family, families_where
-from tests.helpers.generation import prompt, reference_generate
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import expected_of, make_batch, sharded
+from tests.helpers.models.generation import prompt, reference_generate
+from tests.helpers.models.switched import expected_of, make_batch, sharded
+from tests.helpers.references.attention import rel_err
 
 pytestmark = [pytest.mark.integration]
 

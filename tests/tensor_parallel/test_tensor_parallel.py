@@ -12,8 +12,8 @@ from hybridsp.integrations import transformers as hf
 from hybridsp.mesh.hybrid_mesh import MeshShape, check_tensor_heads
 from hybridsp.tensor_parallel.model_split import tensor_plan
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import PAD, build, expected_of, make_batch, shard_of
+from tests.helpers.models.switched import PAD, build, expected_of, make_batch, shard_of
+from tests.helpers.references.attention import rel_err
 
 pytestmark = [pytest.mark.integration]  # split transformers models, end to end
 

@@ -19,9 +19,9 @@ from hybridsp.layout.documents import normalize_cu_seqlens
 from hybridsp.layout.layouts import layout_permutation
 from hybridsp.mesh.hybrid_mesh import HybridMesh, MeshShape
 from hybridsp.testing import run_distributed
-from tests.helpers import mask_cases
-from tests.helpers.mask_reference import visible_mask
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references import mask_cases
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.masks import visible_mask
 
 HEADS, HEAD_DIM, BATCH, SEQ = 8, 16, 2, 64
 TOLERANCE = 1e-5

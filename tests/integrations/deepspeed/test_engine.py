@@ -44,7 +44,7 @@ MESHES = {  # name -> (config file, micro batch per rank, accumulation steps); g
 
 
 def _model(seed: int = SEED):
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     return tiny_causal_lm(
         "llama", seed=seed, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

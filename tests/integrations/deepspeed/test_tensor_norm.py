@@ -21,8 +21,8 @@ import torch
 
 from hybridsp import shard_batch, sharded_cross_entropy
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import PAD, build, make_batch, shard_of
+from tests.helpers.models.switched import PAD, build, make_batch, shard_of
+from tests.helpers.references.attention import rel_err
 
 pytestmark = pytest.mark.integration
 

@@ -13,8 +13,8 @@ from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import build, make_batch, sharded
+from tests.helpers.models.switched import build, make_batch, sharded
+from tests.helpers.references.attention import rel_err
 
 pytestmark = pytest.mark.integration
 

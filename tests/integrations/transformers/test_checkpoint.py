@@ -23,7 +23,7 @@ SEQ, VOCAB = 32, 96
 
 
 def _write_model(directory: Path) -> None:
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     tiny_causal_lm("llama", seed=3, dtype=None, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -11,8 +11,8 @@ from hybridsp import gather_sequence, init_mesh
 from hybridsp.inference import ShardedKVCache, assign_new_tokens, decode_attention
 from hybridsp.integrations import transformers as hf
 from hybridsp.integrations.transformers.generation import choose_next_tokens
-from tests.helpers.generation import build, launch, portable, prompt, reference_generate
 from tests.helpers.mesh import mesh_at
+from tests.helpers.models.generation import build, launch, portable, prompt, reference_generate
 
 pytestmark = pytest.mark.integration
 

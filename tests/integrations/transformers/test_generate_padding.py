@@ -10,7 +10,7 @@ import torch
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
-from tests.helpers.generation import build, launch, portable, reference_generate
+from tests.helpers.models.generation import build, launch, portable, reference_generate
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 

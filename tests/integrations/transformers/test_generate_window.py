@@ -6,8 +6,8 @@ import torch
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
-from tests.helpers.generation import COMMON, FAMILIES, launch, portable, prompt, reference_generate
-from tests.helpers.tiny_models import tiny_causal_lm
+from tests.helpers.models.generation import COMMON, FAMILIES, launch, portable, prompt, reference_generate
+from tests.helpers.models.tiny import tiny_causal_lm
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 

@@ -11,7 +11,7 @@ import torch
 from hybridsp.integrations import transformers as hf
 from hybridsp.layout.documents import Documents
 from tests.helpers.mesh import mesh_at
-from tests.helpers.switched_models import build
+from tests.helpers.models.switched import build
 
 pytestmark = pytest.mark.integration
 

@@ -10,9 +10,9 @@ import torch
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
-from tests.helpers.packed_models import packed_batch, per_document_reference
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import build, sharded
+from tests.helpers.models.packed import packed_batch, per_document_reference
+from tests.helpers.models.switched import build, sharded
+from tests.helpers.references.attention import rel_err
 
 pytestmark = pytest.mark.integration
 

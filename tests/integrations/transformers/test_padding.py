@@ -11,8 +11,8 @@ from hybridsp import gather_sequence, init_mesh, shard_sequence
 from hybridsp.integrations import transformers as hf
 from hybridsp.integrations.transformers.padding import flattened_boundaries, padded_documents
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import build
+from tests.helpers.models.switched import build
+from tests.helpers.references.attention import rel_err
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.moe_workers import ROUTER_COEF, moe_model, several
 from tests.helpers.preload import preload
+from tests.helpers.workers.moe import ROUTER_COEF, moe_model, several
 
 pytestmark = pytest.mark.integration
 

@@ -26,7 +26,7 @@ import torch
 from hybridsp.testing import run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.preload import preload
-from tests.helpers.trainer_workers import save_and_resume, several
+from tests.helpers.workers.trainer import save_and_resume, several
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +126,7 @@ def _single_process_checks(rank, world_size):
 def _refusals():
     """Each bad setup (no DeepSpeed: accelerate allows one DeepSpeed plugin per process)."""
     from hybridsp.integrations.transformers import HybridSPTrainer
-    from tests.helpers.trainer_workers import _arguments, tiny_llama
+    from tests.helpers.workers.trainer import _arguments, tiny_llama
 
     messages = {}
     with tempfile.TemporaryDirectory() as out:
@@ -197,7 +197,7 @@ def _tensor_refusals(rank, world_size):
     """HybridSPTrainer with a tensor degree in the DeepSpeed config: refused at construction on every rank."""
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
-    from tests.helpers.trainer_workers import _arguments, ds_config, tiny_llama
+    from tests.helpers.workers.trainer import _arguments, ds_config, tiny_llama
 
     messages = {}
     with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():

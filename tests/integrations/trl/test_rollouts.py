@@ -31,7 +31,7 @@ def test_right_aligned_rows_keep_trls_completion_log_probs():
     from trl.trainer.utils import add_fused_lm_head
 
     from hybridsp.integrations.trl.rollouts import right_aligned
-    from tests.helpers.trainer_workers import tiny_llama
+    from tests.helpers.workers.trainer import tiny_llama
 
     model = tiny_llama()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
@@ -70,7 +70,7 @@ def _construction_checks(rank, world_size):
     from hybridsp import init_mesh
     from hybridsp.integrations.trl import HybridGRPOTrainer
     from hybridsp.integrations.trl.rollouts import ReplicaAccelerator
-    from tests.helpers.trainer_workers import ds_config, tiny_llama
+    from tests.helpers.workers.trainer import ds_config, tiny_llama
 
     mesh = init_mesh(ulysses=2, ring=1)
 

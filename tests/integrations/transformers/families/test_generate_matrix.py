@@ -7,7 +7,7 @@ import torch
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from tests.helpers.families import REFUSED, SUPPORT, build_family, families_where
-from tests.helpers.generation import launch, portable
+from tests.helpers.models.generation import launch, portable
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 

@@ -9,9 +9,9 @@ from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
 from tests.helpers.families import REFUSED, SUPPORT, build_family, families_where
-from tests.helpers.packed_models import packed_batch, per_document_reference
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import expected_of, make_batch, sharded
+from tests.helpers.models.packed import packed_batch, per_document_reference
+from tests.helpers.models.switched import expected_of, make_batch, sharded
+from tests.helpers.references.attention import rel_err
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 

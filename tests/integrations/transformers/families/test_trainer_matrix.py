@@ -7,7 +7,7 @@ import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.families import families_where
-from tests.helpers.moe_workers import several
+from tests.helpers.workers.moe import several
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 

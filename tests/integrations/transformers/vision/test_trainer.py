@@ -13,8 +13,8 @@ import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.preload import preload
-from tests.helpers.vlm_trainer_workers import ACCUMULATION, MICRO_BATCH, STEPS, samples, train
-from tests.helpers.vlm_workers import collate
+from tests.helpers.workers.vlm import collate
+from tests.helpers.workers.vlm_trainer import ACCUMULATION, MICRO_BATCH, STEPS, samples, train
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,7 @@ def test_images_span_shards(ulysses, ring):
     from hybridsp import shard_sequence
     from hybridsp.batch import padded_length
     from tests.helpers.mesh import mesh_at
-    from tests.helpers.vlm_workers import IMAGE
+    from tests.helpers.workers.vlm import IMAGE
 
     rows = samples(STEPS * ACCUMULATION * MICRO_BATCH, seed=1)
     meshes = [mesh_at(ulysses, ring, r, u) for r in range(ring) for u in range(ulysses)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridsp.testing import run_distributed
-from tests.helpers.vlm_workers import generate_matches, mixed_batch, sharded_forward, tiny_vlm
+from tests.helpers.workers.vlm import generate_matches, mixed_batch, sharded_forward, tiny_vlm
 
 pytestmark = pytest.mark.integration
 
@@ -118,7 +118,7 @@ def test_auto_splits_clustered_images_and_keeps_a_spread_video_local():
     from hybridsp.batch import padded_length
     from hybridsp.integrations.transformers.vision.batch import plan_vision
     from tests.helpers.mesh import mesh_at
-    from tests.helpers.vlm_workers import collate, sample
+    from tests.helpers.workers.vlm import collate, sample
 
     model, generator = tiny_vlm(), torch.Generator().manual_seed(0)
     meshes = [mesh_at(2, 2, r, u) for r in range(2) for u in range(2)]
