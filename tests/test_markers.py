@@ -194,8 +194,9 @@ class Tree:
                     changed = True
         return marked
 
-    def tests(self):
-        """(module, test function, its markers: the function's own and the module's pytestmark)."""
+    def tests(self, cases: bool = False):
+        """(module, test function, its markers: the function's own and the module's pytestmark); with ``cases``, also
+        one row per ``pytest.param(..., marks=...)`` of its parametrize, with that case's markers added."""
         for module in self.modules.values():
             if not module.path.name.startswith("test_"):
                 continue
@@ -203,6 +204,10 @@ class Tree:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
                     marks = set().union(*(_marks(d) for d in node.decorator_list if not _is_parametrize(d)))
                     yield module, node.name, marks | module.marks
+                    params = [sub for d in node.decorator_list if _is_parametrize(d) for sub in ast.walk(d)
+                              if isinstance(sub, ast.Call) and ast.unparse(sub.func).endswith("param")]
+                    for param in params if cases else []:
+                        yield module, node.name, marks | module.marks | _marks(param)
 
 
 def _is_parametrize(decorator: ast.AST) -> bool:
@@ -262,7 +267,7 @@ def test_integration_folders_say_so_once_per_module():
 
 def test_no_fast_test_is_slow():
     """``fast`` chooses tests for ``pytest -m fast``, which replaces addopts' ``-m "not slow"``: never on a slow one."""
-    both = [_where(module, name) for module, name, marks in _tree().tests() if {"fast", "slow"} <= marks]
+    both = [_where(module, name) for module, name, marks in _tree().tests(cases=True) if {"fast", "slow"} <= marks]
     assert not both, "marked both fast and slow:\n  " + "\n  ".join(both)
 
 
@@ -374,5 +379,8 @@ def test_a(x):
 def test_b():
     pass
 """)
-    marks = {name: m for _, name, m in Tree(tmp_path / "tests").tests()}
-    assert marks == {"test_a": {"distributed", "integration"}, "test_b": {"integration"}}
+    tree = Tree(tmp_path / "tests")
+    assert {name: m for _, name, m in tree.tests()} == {"test_a": {"distributed", "integration"},
+                                                        "test_b": {"integration"}}
+    assert [m for name, m in ((n, m) for _, n, m in tree.tests(cases=True)) if name == "test_a"] == \
+        [{"distributed", "integration"}, {"distributed", "integration", "slow"}]

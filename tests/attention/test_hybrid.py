@@ -41,7 +41,7 @@ def _check_meshes(rank, world, meshes, order):
     "world,meshes",
     [
         (8, [(8, 1), (1, 8), (4, 2), (2, 4), (2, 2)]),
-        (4, [(4, 1), (1, 4), (2, 2), (2, 1)]),
+        pytest.param(4, [(4, 1), (1, 4), (2, 2), (2, 1)], marks=pytest.mark.fast),  # fast: tests/README.md
         (2, [(2, 1), (1, 2)]),
     ],
 )

@@ -43,7 +43,7 @@ def _check_all_cases(rank, world):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.fast), 8])  # fast: tests/README.md
 def test_ring_attention_equals_full_attention(world):
     run_distributed(_check_all_cases, world)
 

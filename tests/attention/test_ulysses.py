@@ -55,5 +55,6 @@ def _check(rank, world):
     return True
 
 
+@pytest.mark.fast  # tests/README.md
 def test_lean_all_to_all_is_exact_and_hands_out_views():
     assert all(run_distributed(_check, 4))
