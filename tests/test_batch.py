@@ -143,6 +143,7 @@ def _loader_ranks(rank, world):
         next(iter(differing))
 
 
+@pytest.mark.distributed
 def test_sharded_data_loader_shards_and_detects_differing_batches():
     run_distributed(_loader_ranks, 4, timeout=300)  # catches a hang
 
@@ -175,6 +176,7 @@ def _swapped_batches(rank, world):
     return None
 
 
+@pytest.mark.distributed
 def test_context_ranks_with_swapped_tokens_all_raise():
     messages = run_distributed(_swapped_batches, 2)
     assert all(m and "loaded different batches" in m for m in messages)

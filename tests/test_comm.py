@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 import hybridsp
 from hybridsp import CommCounter, hybrid_attn_func, init_mesh
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv
+from tests.helpers.references.attention import random_qkv
+
+pytestmark = pytest.mark.distributed
 
 
 def _counted(rank, world):

@@ -9,8 +9,10 @@ import torch
 
 from hybridsp import HybridAttention, gather_sequence, hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.testing import run_distributed
-from tests.helpers.mask_reference import masked_reference_with_grads
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.masks import masked_reference_with_grads
+
+pytestmark = pytest.mark.distributed
 
 DOCS = (0, 10, 40, 64)
 

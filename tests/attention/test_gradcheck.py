@@ -55,6 +55,7 @@ def _gradcheck_case(rank, world, ulysses, ring, layout, causal, kv_heads, masks=
     return torch.autograd.gradcheck(full_attention, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,ulysses,ring,layout,causal,kv_heads", [
     (2, 1, 2, "zigzag", True, 1),
     (2, 1, 2, "contiguous", False, 2),
@@ -64,6 +65,7 @@ def test_gradcheck_float64_through_ring_and_hybrid(world, ulysses, ring, layout,
     assert all(run_distributed(_gradcheck_case, world, ulysses, ring, layout, causal, kv_heads, timeout=240))
 
 
+@pytest.mark.distributed
 def test_gradcheck_float64_with_packed_documents_and_a_window():
     masks = {"cu_seqlens": torch.tensor([0, 3, 4, 16]), "sliding_window": 5}
     assert all(run_distributed(_gradcheck_case, 4, 2, 2, "zigzag", True, 1, masks, timeout=240))

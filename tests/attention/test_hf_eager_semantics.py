@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hybridsp import hybrid_attn_func, init_mesh, ring_attention, shard_sequence
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
 
 HEADS, KV_HEADS, SEQ = 4, 2, 32
 
@@ -68,6 +68,7 @@ def _errors(rank, world, kv_comm):
     return errors
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sinks_softcap_and_mla_dims_equal_the_models_eager_attention_at_u2_r2():
     for errors in run_distributed(_errors, 4, "ring"):  # each rank imports the three model modules: ~20 s

@@ -8,7 +8,9 @@ import torch
 import hybridsp
 from hybridsp import gather_sequence, hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
+
+pytestmark = pytest.mark.distributed
 
 HEADS, HEAD_DIM, BATCH = 8, 16, 2
 TOLERANCE = 1e-5
@@ -39,7 +41,7 @@ def _check_meshes(rank, world, meshes, order):
     "world,meshes",
     [
         (8, [(8, 1), (1, 8), (4, 2), (2, 4), (2, 2)]),
-        (4, [(4, 1), (1, 4), (2, 2), (2, 1)]),
+        pytest.param(4, [(4, 1), (1, 4), (2, 2), (2, 1)], marks=pytest.mark.fast),  # fast: tests/README.md
         (2, [(2, 1), (1, 2)]),
     ],
 )

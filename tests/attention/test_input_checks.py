@@ -11,7 +11,7 @@ from hybridsp import HybridAttention, hybrid_attn_func, init_mesh, ring_attentio
 from hybridsp.layout._documents import normalize_cu_seqlens
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import random_qkv
+from tests.helpers.references.attention import random_qkv
 
 
 def _bad_inputs(mesh):
@@ -69,6 +69,7 @@ def _refusals(rank, world, ulysses, ring):
     return messages
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("ulysses,ring", [(2, 1), (1, 2)])
 def test_bad_inputs_are_value_errors_before_any_collective(ulysses, ring):
     results = run_distributed(_refusals, 2, ulysses, ring)
@@ -110,6 +111,7 @@ def _disagree(rank, world, what):
     return None
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("what", ["window", "documents", "length"])
 def test_ranks_that_disagree_raise_on_every_rank(what):
     messages = run_distributed(_disagree, 4, what, timeout=300)  # catches a hang
@@ -130,6 +132,7 @@ def _placement_window_disagrees(rank, world):
     return None
 
 
+@pytest.mark.distributed
 def test_meshes_placing_for_different_windows_raise_on_every_rank():
     messages = run_distributed(_placement_window_disagrees, 4, timeout=120)  # catches a hang
     assert all(m is not None and "disagree on placement window" in m for m in messages), messages
@@ -155,6 +158,7 @@ def _later_call_disagrees(rank, world, scenario):
     return None
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("scenario", ["first call agreed", "both settings agreed before"])
 def test_a_later_call_that_disagrees_on_the_same_documents_raises_on_every_rank(scenario):
     messages = run_distributed(_later_call_disagrees, 4, scenario, timeout=60)  # a hang fails within a minute

@@ -24,9 +24,9 @@ from hybridsp.layout._documents import normalize_cu_seqlens
 from hybridsp.layout._layouts import layout_permutation
 from hybridsp.testing import run_distributed
 from tests.helpers.flash_attn_standin import make_standin
-from tests.helpers.mask_cases import DOCS, ROW2, SEQ, check_meshes, piece_cells
-from tests.helpers.mask_reference import masked_reference_with_grads, visible_mask
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.mask_cases import DOCS, ROW2, SEQ, check_meshes, piece_cells
+from tests.helpers.references.masks import masked_reference_with_grads, visible_mask
 
 TOLERANCE = 1e-5
 
@@ -161,24 +161,29 @@ WORLD4 = [((2, 2), "zigzag"), ((1, 4), "contiguous"), ((4, 1), "zigzag"), ((1, 4
 WORLD8 = [((2, 4), "zigzag"), ((1, 8), "zigzag"), ((1, 8), "contiguous")]
 
 
+@pytest.mark.distributed
 def test_world4_documents_and_windows_equal_float64_masked_attention():
     run_distributed(check_meshes, 4, WORLD4[:3], (5, 100, 300), False)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_world4_full_matrix():
     run_distributed(check_meshes, 4, WORLD4, (5, 100, 300), True)
 
 
+@pytest.mark.distributed
 def test_world8_documents_and_windows_equal_float64_masked_attention():
     run_distributed(check_meshes, 8, WORLD8[:2], (5, 40, 300), False)
 
 
+@pytest.mark.distributed
 def test_odd_ring_with_data_parallel_replicas():
     # R = 3 (two exchanges between the same pair in one step: K/V and dK/dV need their own tags), DP = 2
     run_distributed(check_meshes, 6, [((1, 3), "zigzag")], (5, 100, 300), False, 264, (2,))
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_world8_full_matrix():
     run_distributed(check_meshes, 8, WORLD8, (5, 40, 300), True)
@@ -213,6 +218,7 @@ def _varlen_vs_per_piece(rank, world):
     return worst
 
 
+@pytest.mark.distributed
 def test_flash_varlen_path_matches_the_per_piece_path():
     run_distributed(_varlen_vs_per_piece, 4)
 
@@ -253,6 +259,7 @@ def _bf16_single_process(full16, rows, window):
     return [x.transpose(1, 2) for x in (out, dq, dk, dv)]
 
 
+@pytest.mark.distributed
 def test_bf16_within_twice_the_single_process_bf16_error():
     run_distributed(_bf16_rule, 4)
 
@@ -281,6 +288,7 @@ def _bad_inputs(rank, world):
     assert layer(q, k, v, cu_seqlens=torch.tensor([0, 30, 64])).shape == q.shape
 
 
+@pytest.mark.distributed
 def test_bad_documents_or_window_raise_on_every_rank_before_any_collective():
     run_distributed(_bad_inputs, 4, timeout=300)  # catches a hang; start-up alone can take a minute when busy
 
@@ -300,6 +308,7 @@ def _window_bytes(rank, world, windows):
     return sent
 
 
+@pytest.mark.distributed
 def test_window_bytes_scale_with_the_window_not_the_sequence():
     # zigzag, R = 4, chunks of 64 tokens: each rank receives the W - 1 keys before each of its two chunks
     # (rank 0's first chunk has none), so each rank sends W - 1 rows to each of two neighbours at most

@@ -3,7 +3,7 @@ import math
 import torch
 
 from hybridsp.attention._merge import merge_blocks
-from tests.helpers.reference import rel_err
+from tests.helpers.references.attention import rel_err
 
 INF = math.inf
 

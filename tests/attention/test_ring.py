@@ -9,7 +9,9 @@ import torch.distributed as dist
 from hybridsp import ring_attention
 from hybridsp.layout._layouts import join_shards, take_shard
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
+
+pytestmark = pytest.mark.distributed
 
 # (batch, heads, kv_heads, head_dim): MHA and GQA, head dims 64, 128 and an odd 80.
 SHAPES = [(2, 4, 4, 64), (2, 4, 2, 128), (1, 4, 1, 80)]
@@ -41,7 +43,7 @@ def _check_all_cases(rank, world):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.fast), 8])  # fast: tests/README.md
 def test_ring_attention_equals_full_attention(world):
     run_distributed(_check_all_cases, world)
 

@@ -1,6 +1,6 @@
 """Learned sinks, logit soft-capping and a value head dim apart from q/k's, through the whole hybrid
 attention (Ulysses x ring, both K/V transports, every layout, documents and windows), against float64
-attention written as the unmodified models write it (tests/helpers/reference.py): forward, the
+attention written as the unmodified models write it (tests/helpers/references/attention.py): forward, the
 gradients of q, k, v and of the sinks (each rank's sinks.grad summed over the context ranks), and
 the bytes the counter records against the analytic formula."""
 
@@ -18,7 +18,7 @@ from hybridsp.attention._ring import ring_attention
 from hybridsp.attention._volume import hybrid_bytes
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import random_qkv, rel_err, sinks_reference_with_grads
+from tests.helpers.references.attention import random_qkv, rel_err, sinks_reference_with_grads
 
 TOLERANCE = 1e-5
 SEQ = 48
@@ -123,15 +123,18 @@ WORLD4 = [
 ]
 
 
+@pytest.mark.distributed
 def test_world4_sinks_softcap_and_value_head_dims_equal_the_unmodified_math():
     run_distributed(check_cases, 4, WORLD4)
 
 
+@pytest.mark.distributed
 def test_ring_of_three_with_sinks_and_value_head_dim():
     run_distributed(check_cases, 3, [Case(1, 3, softcap=2.0, kv_heads=1, dims=(24, 13)),
                                      Case(1, 3, kv_comm="allgather", docs=DOCS, window=9)])
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_world6_ulysses_three_and_more_cases():
     cases = [Case(3, 2, kv_heads=1, dims=(24, 13), heads=6), Case(3, 2, kv_comm="allgather", softcap=2.0, docs=DOCS,
@@ -141,6 +144,7 @@ def test_world6_ulysses_three_and_more_cases():
     run_distributed(check_cases, 6, cases, timeout=600)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_world4_full_matrix():
     cases = [Case(u, r, layout, kv_comm, kv, dims, True, cap, docs, window)
@@ -171,6 +175,7 @@ def _disagreements(rank, world):
     return messages
 
 
+@pytest.mark.distributed
 def test_ranks_that_disagree_on_sinks_softcap_or_value_head_dim_raise_on_every_rank():
     for messages in run_distributed(_disagreements, 4, timeout=300):  # catches a hang
         assert "disagree on sinks" in messages["sinks"] and "disagree on sinks" in messages["sinks dtype"]
@@ -191,6 +196,7 @@ def _bytes_sent(rank, world, kv_comm):
     return mesh.ring_rank, dict(counter.bytes_sent)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("kv_comm", ["ring", "allgather"])
 def test_bytes_with_a_narrower_value_head_dim_equal_the_formula(kv_comm):
     for ring_rank, sent in run_distributed(_bytes_sent, 4, kv_comm):

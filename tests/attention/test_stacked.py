@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from hybridsp.attention._stacked import MAX_ROWS, stacks_and_singles
 from hybridsp.layout._block_plan import build_plan
 from hybridsp.layout._documents import normalize_cu_seqlens
 from hybridsp.testing import run_distributed
-from tests.helpers.mask_reference import masked_reference_with_grads
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.masks import masked_reference_with_grads
 
 TOLERANCE = 1e-5
 SEQ = 96
@@ -56,10 +57,12 @@ def _check(rank, world, meshes):
     return failures
 
 
+@pytest.mark.distributed
 def test_tiny_documents_are_exact_on_a_ring_of_one():
     assert run_distributed(_check, 1, [(1, 1)]) == [[]]
 
 
+@pytest.mark.distributed
 def test_tiny_documents_are_exact_on_the_ring_and_under_ulysses():
     assert run_distributed(_check, 4, [(1, 4), (2, 2)]) == [[]] * 4
 

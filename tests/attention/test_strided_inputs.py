@@ -10,7 +10,7 @@ import hybridsp
 from hybridsp import hybrid_attn_func, init_mesh
 from hybridsp.kernels import get_kernel
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
 
 
 def _strided_views(q, k, v):
@@ -76,6 +76,7 @@ def _strided_hybrid_case(rank, world, ulysses, ring, dtype):
     return errors
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world,ulysses,ring", [(2, 1, 2), (2, 2, 1), (4, 2, 2)])
 def test_hybrid_exact_on_strided_inputs(world, ulysses, ring):
     for errors in run_distributed(_strided_hybrid_case, world, ulysses, ring, torch.float32):
@@ -96,5 +97,6 @@ def _strided_bf16_ring(rank, world):
     return all(torch.equal(a, b) for a, b in zip(*outs)) and all(torch.isfinite(t).all() for t in outs[1])
 
 
+@pytest.mark.distributed
 def test_bf16_ring_on_strided_inputs_is_bitwise_the_contiguous_result():
     assert all(run_distributed(_strided_bf16_ring, 2))

@@ -1,10 +1,13 @@
 """The lean Ulysses all-to-all: exact resharding for B = 1 and B > 1, packed tensors of different
 head counts, its adjoint, and the buffer property (outputs to heads are views of one buffer)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from hybridsp.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 LENGTH, HEAD_DIM = 6, 4
 
@@ -52,5 +55,6 @@ def _check(rank, world):
     return True
 
 
+@pytest.mark.fast  # tests/README.md
 def test_lean_all_to_all_is_exact_and_hands_out_views():
     assert all(run_distributed(_check, 4))

@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.common.alst_stacks import Run, train_rank
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 TOLERANCE = 1e-4
 TINY = {"hidden": 64, "heads": 4, "kv_heads": 2, "layers": 2, "seq_len": 128, "steps": 2, "head_norm": True}
 RUNS = {  # name -> Run fields

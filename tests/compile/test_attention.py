@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+
+pytestmark = pytest.mark.distributed
 
 TOLERANCE = 1e-5
 SEQ, HEADS, HEAD_DIM = 48, 4, 8

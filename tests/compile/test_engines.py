@@ -19,6 +19,8 @@ from hybridsp.testing import run_distributed
 from tests.helpers.packs import packed_lm_batch
 from tests.helpers.preload import preload
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
 preload("transformers.trainer", "accelerate")
 TOLERANCE = 1e-5
 STEPS = 3
@@ -74,7 +76,7 @@ def test_deepspeed_compile_config_compiles_the_engine_and_trains_as_eager():
 
 def _trainer_run(compiled: bool) -> dict | None:
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
-    from tests.helpers import trainer_workers
+    from tests.helpers.workers import trainer as trainer_workers
 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch._dynamo.reset()

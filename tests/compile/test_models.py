@@ -20,6 +20,8 @@ import torch
 from hybridsp.testing import run_distributed
 from tests.helpers.packs import packed_lm_batch
 
+pytestmark = pytest.mark.distributed
+
 TOLERANCE = 1e-5
 SEQ, STEPS = 64, 3
 RUNS = {  # name -> (family, init_mesh arguments, tiled MLP, fused loss, torch.compile backend)

@@ -19,6 +19,8 @@ import pytest
 
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.integration
+
 TRAIN = ROOT / "examples" / "train.py"
 SMALL_MODEL = ["--seq-len", "128", "--layers", "2", "--hidden-size", "64", "--heads", "4", "--kv-heads", "2",
                "--no-plot"]

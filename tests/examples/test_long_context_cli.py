@@ -12,6 +12,8 @@ import pytest
 
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.integration
+
 sys.path.insert(0, str(ROOT / "examples"))
 
 

@@ -9,6 +9,8 @@ import torch
 from hybridsp.testing import run_distributed
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.integration
+
 SCRIPT = ROOT / "examples" / "long_video.py"
 
 
@@ -44,6 +46,7 @@ def run_example(rank: int, world_size: int, argv: list) -> dict:
     return result
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_sharded_score_and_first_step_equal_the_unsharded_loss():
     result = run_distributed(run_example, 2, ["--frames", "8", "--size", "56", "--steps", "2"], timeout=300)[0]

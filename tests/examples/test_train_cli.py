@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import preflight  # noqa: E402
 import train  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 
 def test_each_config_and_mesh_gets_its_own_run_directory():
     main_job = preflight.default_save_dir("ds_configs/cp8.json", 4, 2)

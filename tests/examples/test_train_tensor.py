@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 import preflight  # noqa: E402
 import train  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 
 def _plan(monkeypatch, world, *argv):
     monkeypatch.setenv("WORLD_SIZE", str(world))

@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers.paths import ROOT
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
 CP2 = str(ROOT / "ds_configs" / "trainer" / "cp2.json")
 TINY = ["--max-steps", "2", "--seq-len", "64", "--hidden-size", "64", "--layers", "2", "--heads", "4",
         "--kv-heads", "2", "--vocab-size", "512"]
@@ -73,8 +75,6 @@ def _same_losses(sharded: list[float], alone: list[float]) -> None:
     assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(sharded, alone)), (sharded, alone)
 
 
-@pytest.mark.integration
-@pytest.mark.distributed
 def test_sft_example_trains_packed_rows_on_2_ranks_and_refuses_a_rerun(tmp_path):
     out = tmp_path / "sft"
     result = _run(tmp_path, "trl_sft.py", "deepspeed", out)
@@ -93,8 +93,6 @@ def test_sft_example_trains_packed_rows_on_2_ranks_and_refuses_a_rerun(tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.integration
-@pytest.mark.distributed
 def test_sft_example_first_step_equals_one_process(tmp_path):
     sharded = _losses(_run(tmp_path, "trl_sft.py", "deepspeed", tmp_path / "u2"), tmp_path / "u2")
     alone = _losses(_run(tmp_path, "trl_sft.py", None, tmp_path / "u1"), tmp_path / "u1")
@@ -102,8 +100,6 @@ def test_sft_example_first_step_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.integration
-@pytest.mark.distributed
 def test_dpo_example_under_torchrun_equals_one_process(tmp_path):
     result = _run(tmp_path, "trl_dpo.py", "torchrun", tmp_path / "u2")
     sharded = _losses(result, tmp_path / "u2")
@@ -115,8 +111,6 @@ def test_dpo_example_under_torchrun_equals_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.integration
-@pytest.mark.distributed
 def test_lora_example_saves_the_adapter_and_equals_one_process(tmp_path):
     result = _run(tmp_path, "peft_lora.py", "deepspeed", tmp_path / "u2", "--lora-r", "4", "--lora-alpha", "8")
     sharded = _losses(result, tmp_path / "u2")
@@ -133,8 +127,6 @@ def _grpo_rows(out: Path) -> list[dict]:
     return [row for row in rows if "loss" in row and "train_loss" not in row]
 
 
-@pytest.mark.integration
-@pytest.mark.distributed
 def test_grpo_example_trains_on_2_ranks(tmp_path):
     """GRPO under torchrun at U2 x R1, ZeRO-3: finite loss, grad_norm, reward and kl per step; the initial
     policy (TRL's reference is built from its path) and the final model written."""
@@ -149,8 +141,6 @@ def test_grpo_example_trains_on_2_ranks(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.integration
-@pytest.mark.distributed
 def test_grpo_example_equals_one_process(tmp_path):
     """Both steps' grad_norm, reward and kl on 2 ranks (deepspeed launcher; also with ``--generation sharded``)
     equal the one-process run's (1e-4; the loss to 1e-6 absolute: dapo's first loss is ~0)."""

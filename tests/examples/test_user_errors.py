@@ -18,6 +18,8 @@ import preflight  # noqa: E402
 import train  # noqa: E402
 import train_hf_trainer  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 CP4 = str(ROOT / "ds_configs" / "cp4.json")
 
 

@@ -9,7 +9,7 @@ multipliers. ``build_family(name)`` builds it with the reference implementation 
 
 from __future__ import annotations
 
-from tests.helpers.tiny_models import tiny_causal_lm
+from tests.helpers.models.tiny import tiny_causal_lm
 
 PAD = 0
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
@@ -105,7 +105,7 @@ SUPPORT = {
 
 LINEAR_TESTS = "tests/linear/test_hf_models.py"
 LINEAR_GENERATE = "tests/linear/test_generate.py"
-LINEAR_SUPPORT = {  # hybrid linear-attention families: tiny configs in tests/helpers/linear_models.py, tested there
+LINEAR_SUPPORT = {  # hybrid linear-attention families: tiny configs in tests/helpers/models/linear.py, tested there
     name: dict(zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, sft, UNTESTED,
                             generate)))
     for name, trainer, sft, generate in (

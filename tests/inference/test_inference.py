@@ -13,6 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hybridsp.testing import run_distributed
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.distributed
+
 
 class _Allocations(TorchDispatchMode):
     """Weak references to every tensor an op creates inside the block."""
@@ -41,7 +43,7 @@ class _Allocations(TorchDispatchMode):
 def _attention_state(rank, world):
     """Per mode: how many tensors autograd saved, and the bytes of tensors made by the call that outlive it."""
     from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
-    from tests.helpers.reference import random_qkv
+    from tests.helpers.references.attention import random_qkv
 
     mesh = init_mesh(ulysses=2, ring=2)
     q, k, v, _ = (shard_sequence(t, mesh).contiguous() for t in random_qkv(2, 64, 4, 1, 16, seed=3))
@@ -69,7 +71,7 @@ def test_no_grad_and_inference_mode_keep_nothing_for_backward():
 
 
 def _tiny_model_dir(directory: Path):
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     model = tiny_causal_lm("llama", seed=1, dtype=None, vocab_size=256, hidden_size=32, intermediate_size=64,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -5,7 +5,7 @@ import torch
 
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels._reference import attention_in_input_dtype
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
 
 CASES = [  # (heads, kv_heads, head_dim, causal)
     (4, 4, 64, False), (4, 4, 64, True), (4, 2, 128, True), (4, 1, 80, False), (6, 2, 80, True),

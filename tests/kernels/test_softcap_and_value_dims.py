@@ -1,5 +1,5 @@
 """Kernels with a value head dim apart from q/k's (MLA) and with logit soft-capping (Gemma 2),
-against float64 autograd math (tests/helpers/reference.py), and the choice of a kernel that can
+against float64 autograd math (tests/helpers/references/attention.py), and the choice of a kernel that can
 soft-cap (auto picks one, a named kernel that cannot is refused)."""
 
 import pytest
@@ -10,7 +10,7 @@ from hybridsp.kernels._band import band_mask
 from hybridsp.kernels._flash import FlashAttnKernel
 from tests.helpers import flash_attn_standin as standin
 from tests.helpers.flash_attn_standin import make_standin, with_varlen
-from tests.helpers.reference import random_qkv, rel_err, sinks_reference_with_grads
+from tests.helpers.references.attention import random_qkv, rel_err, sinks_reference_with_grads
 
 TOLERANCE = 1e-5
 DIMS = [(24, 16), (16, 24), (24, 13)]  # (q/k head dim, v head dim): narrower, wider, odd

@@ -21,8 +21,8 @@ from hybridsp.layout._block_plan import build_plan
 from hybridsp.layout._documents import Documents
 from hybridsp.layout._layouts import BALANCED, ZIGZAG, layout_permutation
 from hybridsp.testing import run_distributed
-from tests.helpers.mask_reference import masked_reference_with_grads, visible_mask
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.masks import masked_reference_with_grads, visible_mask
 
 TOLERANCE = 1e-5
 SEQ = 256
@@ -89,6 +89,7 @@ def _roundtrip(rank, world):
     assert torch.equal(gather_sequence(shared, mesh, cu_seqlens=torch.tensor(ROW_LONG)), x)
 
 
+@pytest.mark.distributed
 def test_shard_and_gather_sequence_with_documents_round_trip():
     run_distributed(_roundtrip, 4)
 
@@ -127,14 +128,17 @@ def _check(rank, world, meshes, kv_comms, kv_heads_list, cases):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 def test_world4_balanced_equals_float64_per_document_attention():
     run_distributed(_check, 4, [(2, 2), (1, 4)], ("ring", "allgather"), (8, 1), CASES[:3])
 
 
+@pytest.mark.distributed
 def test_world8_balanced_equals_float64_per_document_attention():
     run_distributed(_check, 8, [(1, 8)], ("ring",), (2,), CASES[:1])
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_balanced_full_matrix():
     run_distributed(_check, 4, [(2, 2), (1, 4), (4, 1)], ("ring", "allgather"), (8, 2, 1), CASES)
@@ -163,6 +167,7 @@ def _bytes(rank, world):
     return out
 
 
+@pytest.mark.distributed
 def test_bytes_sent_equal_the_plan_formula_for_both_layouts():
     for per_layout in run_distributed(_bytes, 4):
         for sent, want in per_layout:

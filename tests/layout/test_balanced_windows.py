@@ -23,9 +23,9 @@ from hybridsp.layout._documents import Documents
 from hybridsp.layout._layouts import BALANCED, get_layout, layout_permutation
 from hybridsp.layout._runs_cache import RUNS_CACHE, RunsCache, entry_bytes
 from hybridsp.testing import run_distributed
-from tests.helpers.mask_reference import masked_reference_with_grads
 from tests.helpers.packs import lognormal_pack
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.masks import masked_reference_with_grads
 
 SEQ = 16384
 WINDOW = 512
@@ -106,6 +106,7 @@ def _roundtrip(rank, world):
     assert torch.equal(shard_sequence(x, windowed, cu_seqlens=list(ROWS)), local)  # the mesh's default
 
 
+@pytest.mark.distributed
 def test_shard_and_gather_with_a_window_round_trip():
     run_distributed(_roundtrip, 4)
 
@@ -128,6 +129,7 @@ def _attention(rank, world, ulysses, window):
     return errors
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("ulysses", [1, 2])
 def test_windowed_balanced_attention_equals_float64_reference(ulysses):
     for errors in run_distributed(_attention, 4, ulysses, 32):

@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 
 from hybridsp.testing import run_distributed
-from tests.helpers.linear_workers import generation_errors
+from tests.helpers.workers.linear import generation_errors
+
+pytestmark = pytest.mark.distributed
 
 TOLERANCE = 1e-5
 

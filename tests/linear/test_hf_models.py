@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from hybridsp.testing import run_distributed
-from tests.helpers.linear_workers import cases_worker
+from tests.helpers.workers.linear import cases_worker
+
+pytestmark = pytest.mark.distributed
 
 TOLERANCE = 1e-4
 PACKED = ((20, 1, 3, 14, 10), (30, 18))  # B = 2, a 1-token and a 3-token document, rows differ
@@ -64,17 +66,18 @@ def test_gradient_checkpointing_recomputes_exactly():
 
 @pytest.fixture(scope="module")
 def plain_trainer():
-    from tests.helpers.linear_workers import train_hybrid_model
+    from tests.helpers.workers.linear import train_hybrid_model
 
     return run_distributed(train_hybrid_model, 1, "qwen3_5", None, timeout=400)[0]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_trainer_u2xr2_packed_trains_like_the_plain_trainer(plain_trainer, stage):
     """HybridSPTrainer at U2xR2 (ZeRO-1, 2, 3), rows of two packed documents, against the plain Trainer on one
     process with one document per row: per-step loss and grad_norm (4 steps, accumulation 2) within 1e-3."""
-    from tests.helpers.linear_workers import train_hybrid_model
+    from tests.helpers.workers.linear import train_hybrid_model
 
     ours = run_distributed(train_hybrid_model, 4, "qwen3_5", {"ulysses": 2, "ring": 2, "stage": stage}, timeout=600)[0]
     assert ours["step"] == plain_trainer["step"] == [1, 2, 3, 4]
@@ -88,7 +91,7 @@ def test_trainer_u2xr2_packed_trains_like_the_plain_trainer(plain_trainer, stage
 def test_bf16_within_twice_the_single_process_error(family):
     """bf16 at U2xR2, packed rows: the logits' error against the fp32 model is at most about twice the error of
     the bf16 model on one process (both run per document)."""
-    from tests.helpers.linear_workers import bf16_errors
+    from tests.helpers.workers.linear import bf16_errors
 
     found = run_distributed(bf16_errors, 4, family, 2, 2, PACKED, timeout=400)[0]
     assert found["sharded"] <= 2 * found["single"] + 1e-3, found

@@ -11,9 +11,9 @@ from torch import nn
 
 from hybridsp.integrations.transformers._linear_layers import MARK, linear_mixers, switch_linear_layers
 from hybridsp.layout._documents import Documents
-from tests.helpers.linear_models import packed_batch, per_document_reference, tiny_hybrid
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import rel_err
+from tests.helpers.models.linear import packed_batch, per_document_reference, tiny_hybrid
+from tests.helpers.references.attention import rel_err
 
 ROWS = ((9, 1, 3, 11), (16, 8))  # B = 2, different documents per row
 LINEAR_ONLY = {

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hybridsp import gather_sequence, init_mesh, shard_sequence, sharded_cross_entropy
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import rel_err
+from tests.helpers.references.attention import rel_err
 
 BATCH, SEQ, HIDDEN, VOCAB = 2, 32, 16, 24
 TOLERANCE = 1e-5
@@ -73,6 +73,7 @@ def _check(rank, world, meshes):
     return empty_shards
 
 
+@pytest.mark.distributed
 def test_sharded_loss_and_gradients_equal_the_unsharded_ones():
     # world 4: U2 x R2 and R4 (DP 1), U2 (DP 2, each replica its own batch)
     empty = run_distributed(_check, 4, [(2, 2), (1, 4), (2, 1)])

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hybridsp import fused_cross_entropy, gather_sequence, init_mesh, shard_sequence, sharded_cross_entropy
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import rel_err
+from tests.helpers.references.attention import rel_err
 
 BATCH, SEQ, HIDDEN, VOCAB = 2, 32, 16, 40
 TOLERANCE = 1e-5
@@ -116,6 +116,7 @@ def _compare_bf16(mesh, p, tag):
     return [f"{tag} bf16: fused {fused_errors} vs logits path {logits_errors}"] if bad else []
 
 
+@pytest.mark.distributed
 def test_fused_loss_and_gradients_equal_the_logits_path():
     # world 4: U2 x R2 (DP 1) and U2 (DP 2, each replica its own batch)
     checked = run_distributed(_check, 4, [(2, 2), (2, 1)])

@@ -11,6 +11,8 @@ import hybridsp
 from hybridsp import init_mesh
 from hybridsp.testing import run_distributed
 
+pytestmark = pytest.mark.distributed
+
 # --------------------------------------------------------------------------- labels
 
 
@@ -48,7 +50,7 @@ def _trainer_with_a_bad_label(rank, world):
     import tempfile
 
     from hybridsp.integrations.transformers import HybridSPTrainer
-    from tests.helpers.trainer_workers import VOCAB, _arguments, tiny_llama
+    from tests.helpers.workers.trainer import VOCAB, _arguments, tiny_llama
 
     ids = torch.randint(1, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
     labels = ids.clone()
@@ -101,7 +103,7 @@ def _replica_with_a_bad_label(rank, world):
     import tempfile
 
     from hybridsp.integrations.transformers import HybridSPTrainer
-    from tests.helpers.trainer_workers import VOCAB, _arguments, tiny_llama
+    from tests.helpers.workers.trainer import VOCAB, _arguments, tiny_llama
 
     with tempfile.TemporaryDirectory() as out:
         trainer = HybridSPTrainer(model=tiny_llama(), args=_arguments(out, None), hybridsp={"ulysses": 2})

@@ -64,6 +64,7 @@ def _sharded(rank, world_size, ulysses, ring):
     return dpo.item(), grpo.item(), grad
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("ulysses,ring,world", [(2, 1, 2), (2, 2, 4)])
 def test_sharded_logprob_losses_and_gradients_equal_unsharded(ulysses, ring, world):
     dpo, grpo, grad = _reference()
@@ -92,6 +93,7 @@ def _bad_target_on_one_rank(rank, world, which):
     return None
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("which", ["sequence", "token"])
 def test_a_target_outside_the_vocabulary_on_one_rank_raises_on_every_rank(which):
     messages = run_distributed(_bad_target_on_one_rank, 2, which, timeout=60)  # a hang fails within a minute

@@ -14,7 +14,7 @@ import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import rel_err
+from tests.helpers.references.attention import rel_err
 
 BATCH, SEQ, EXPERTS, TOP_K, LAYERS = 2, 29, 6, 2, 3  # 29: shard_batch pads every mesh here
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-3}
@@ -96,10 +96,12 @@ def cases():
     return prepared
 
 
+@pytest.mark.distributed
 def test_whole_sequence_value_and_gradients_at_u2xr2(cases):
     assert all(run_distributed(_check, 4, [(2, 2)], cases, timeout=120))
 
 
+@pytest.mark.distributed
 def test_whole_sequence_value_and_gradients_at_an_odd_ring(cases):
     assert all(run_distributed(_check, 3, [(1, 3)], cases, timeout=120))
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hybridsp.memory._lean_norm import LLAMA_STYLE_NORMS, apply_lean_norms, lean_rms_norm
-from tests.helpers.reference import rel_err
-from tests.helpers.tiny_models import tiny_causal_lm
+from tests.helpers.models.tiny import tiny_causal_lm
+from tests.helpers.references.attention import rel_err
 
 MODULES = {  # class -> transformers module holding it
     "LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral", "MixtralRMSNorm": "mixtral", "Qwen2RMSNorm": "qwen2",

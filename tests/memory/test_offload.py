@@ -28,14 +28,14 @@ from hybridsp.testing import run_distributed
 from tests.helpers.deepspeed_engines import full_grads, full_params
 from tests.helpers.paths import ROOT
 
-pytestmark = [pytest.mark.integration]  # DeepSpeed ZeRO-3 engines and examples/train.py
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # DeepSpeed ZeRO-3 engines and examples/train.py
 
 WORLD, BATCH, SEQ, VOCAB, LAYERS, STEPS, LR = 4, 2, 64, 128, 3, 2, 1e-3
 TOLERANCE = 1e-5
 
 
 def _model(checkpointing: bool):
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     model = tiny_causal_lm(
         "llama", seed=0, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,

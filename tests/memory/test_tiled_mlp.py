@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from hybridsp.memory._tiled_mlp import apply_tiled_mlp, tiled_mlp_forward
-from tests.helpers.reference import rel_err
-from tests.helpers.tiny_models import tiny_causal_lm
+from tests.helpers.models.tiny import tiny_causal_lm
+from tests.helpers.references.attention import rel_err
 
 VOCAB, SEQ = 64, 50
 

@@ -24,14 +24,14 @@ from hybridsp.testing import run_distributed
 from tests.helpers.deepspeed_engines import forbid_jit_builds, full_grads, full_params
 from tests.helpers.paths import ROOT
 
-pytestmark = [pytest.mark.integration]  # DeepSpeed ZeRO-3 engines
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # DeepSpeed ZeRO-3 engines
 
 WORLD, SEQ, VOCAB, STEPS, LR = 2, 48, 96, 2, 0.5
 TOLERANCE = 1e-5
 
 
 def _model(tied: bool):
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     return tiny_causal_lm(
         "llama", seed=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=2,

@@ -85,6 +85,7 @@ def _meshes_under(rank, world, environments):
     return found
 
 
+@pytest.mark.distributed
 def test_mesh_under_the_deepspeed_launcher_with_accelerate():
     # 2 ranks per node as DeepSpeed says (LOCAL_SIZE) and LOCAL_WORLD_SIZE=1 as accelerate writes:
     # the planner keeps Ulysses inside the node (U=2, R=2), and U=2 raises no crosses-nodes warning;

@@ -143,6 +143,7 @@ def _planner_workspace(ulysses, ring):
     return attention_workspace_bytes(model, workload, MeshConfig(1, ulysses, ring, 3, False))
 
 
+@pytest.mark.distributed
 def test_ring_attention_workspace_against_a_measured_backward():
     """The planner's attention workspace (accumulators + the ring's K/V and dK/dV blocks) against
     torch's measured peak of one backward on a ring of 2 gloo ranks (2026-12-01, three runs:
@@ -155,6 +156,7 @@ def test_ring_attention_workspace_against_a_measured_backward():
     assert 0.9 * planned <= measured <= 1.05 * planned, (measured / _T, planned / _T)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_attention_workspace_is_the_larger_of_all_to_all_and_ring():
     """U2 x R2 on 4 ranks: measured 8,224 B per local token, between the planner's

@@ -603,7 +603,7 @@ def _counted_bytes(rank, world):
     import torch
 
     from hybridsp import CommCounter, hybrid_attn_func, init_mesh, shard_sequence
-    from tests.helpers.reference import random_qkv
+    from tests.helpers.references.attention import random_qkv
 
     sent = []
     for ulysses, ring in _COUNTED_MESHES:
@@ -617,6 +617,7 @@ def _counted_bytes(rank, world):
     return sent
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_bytes_equal_what_the_comm_counter_records():
     from hybridsp.testing import run_distributed

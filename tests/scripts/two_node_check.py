@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.launch._gloo_interface import choose_gloo_interface
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
 
 HEADS, KV_HEADS = 8, 2
 

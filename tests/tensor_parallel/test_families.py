@@ -15,9 +15,9 @@ from hybridsp.integrations import transformers as hf
 from hybridsp.tensor_parallel._model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
 from tests.helpers.families import build_family, families_where
-from tests.helpers.generation import prompt, reference_generate
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import expected_of, make_batch, sharded
+from tests.helpers.models.generation import prompt, reference_generate
+from tests.helpers.models.switched import expected_of, make_batch, sharded
+from tests.helpers.references.attention import rel_err
 
 pytestmark = [pytest.mark.integration]
 
@@ -25,8 +25,6 @@ TOLERANCE = 1e-4
 BATCH = make_batch(64, (64, 50))  # B = 2, the second row padded
 # Tensor-parallel and switched at T2 x U2 (Ulysses splits the H/T heads again).
 SWITCHED = tuple(families_where("tensor parallel"))  # the support table's "exact" cells (docs/model-support.md)
-RING_ONLY = ()  # families switched at T2 x R2 only (none since the switch counts heads from the model's config)
-TENSOR_ONLY = ()  # families under tensor parallelism alone (none: the switch takes every family here)
 
 
 def varied(model):
@@ -83,7 +81,8 @@ def family_errors(name: str, mesh, sequence_parallel: bool, switch: bool, overri
 
 
 def _check(rank, world, cases, sequence_parallel):
-    failures = []
+    """Every family of every case against its unmodified self; the (family, mesh) pairs compared."""
+    failures, compared = [], []
     for names, (tensor, ulysses, ring), switch, *overrides in cases:
         mesh = init_mesh(ulysses=ulysses, ring=ring, tensor=tensor)
         for name in names:
@@ -92,7 +91,19 @@ def _check(rank, world, cases, sequence_parallel):
             if not errors[worst] <= TOLERANCE:
                 failures.append(f"T={tensor} U={ulysses} R={ring} {name} sp={sequence_parallel}: {worst} "
                                 f"{errors[worst]:.2e}")
+            compared.append((name, (tensor, ulysses, ring)))
     assert not failures, "\n".join(failures)
+    return compared
+
+
+def _check_cases(world, cases, sequence_parallel, timeout):
+    """:func:`_check` on ``world`` ranks, which must compare every family of every case on every rank: a case
+    without families (or a table without "exact" cells) would otherwise pass having compared nothing."""
+    empty = [shape for names, shape, *_ in cases if not names]
+    assert not empty, f"cases with no family to compare: {empty}"
+    expected = [(name, shape) for names, shape, *_ in cases for name in names]
+    for rank, compared in enumerate(run_distributed(_check, world, cases, sequence_parallel, timeout=timeout)):
+        assert compared == expected, f"rank {rank} compared {compared}, not {expected}"
 
 
 def router_loss_errors(name: str, mesh) -> dict[str, float]:
@@ -130,31 +141,38 @@ def _router_check(rank, world, names):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 def test_router_loss_under_tensor_parallelism_equals_the_unmodified_model():
     """The router sits inside the tensor region (its gradient summed over the tensor group): the router loss's
     gradient must count once, not T times (Note [tensor parallelism] in hybridsp.losses._router)."""
     run_distributed(_router_check, 4, ["qwen3_moe"], timeout=600)
 
 
-CASES = [(SWITCHED, (2, 2, 1), True), (RING_ONLY, (2, 1, 2), True), (TENSOR_ONLY, (2, 1, 1), False)]
+# (families, (T, U, R), switched): every family tensor-parallel and switched at T2 x U2. The table has no family
+# left for tensor parallelism alone or for a ring only (the switch takes them all since it counts heads from the
+# model's config), so neither is a case: a case must compare something (_check_cases).
+CASES = [(SWITCHED, (2, 2, 1), True)]
 
 
+@pytest.mark.distributed
 def test_every_family_split_two_ways_with_sequence_parallelism_equals_the_unmodified_model():
-    run_distributed(_check, 4, CASES, True, timeout=600)
+    _check_cases(4, CASES, True, timeout=600)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_every_family_split_two_ways_without_sequence_parallelism_and_over_a_ring():
     cases = CASES + [(SWITCHED, (2, 1, 2), True)]
-    run_distributed(_check, 4, cases, False, timeout=900)
+    _check_cases(4, cases, False, timeout=900)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_three_way_split_with_one_kv_head_per_rank():
     """T = 3 (without sequence parallelism: 64 tokens do not split 3 ways): 6 query heads, 3 K/V heads (one per
     rank), expert widths 3 x 32."""
     shape = dict(num_attention_heads=6, num_key_value_heads=3, moe_intermediate_size=96)
-    run_distributed(_check, 3, [(("mixtral", "qwen3_moe"), (3, 1, 1), True, shape)], False, timeout=600)
+    _check_cases(3, [(("mixtral", "qwen3_moe"), (3, 1, 1), True, shape)], False, timeout=600)
 
 
 def _generate(rank, world, cases):
@@ -172,6 +190,7 @@ def _generate(rank, world, cases):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_generate_with_the_new_families_split_two_ways_equals_their_own_generate():
     cases = [("qwen3_moe", (2, 1)), ("mixtral", (2, 1)), ("olmo2", (2, 1)), ("glm4", (2, 1)), ("phi3", (1, 2))]

@@ -13,10 +13,10 @@ from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.tensor_parallel._model_split import load_sharded_safetensors, tensor_plan
 from hybridsp.testing import run_distributed
-from tests.helpers.generation import COMMON, prompt, reference_generate
-from tests.helpers.reference import rel_err
+from tests.helpers.models.generation import COMMON, prompt, reference_generate
+from tests.helpers.references.attention import rel_err
 
-pytestmark = [pytest.mark.integration]  # transformers checkpoints loaded and generated from
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # transformers checkpoints loaded and generated from
 
 PROMPT, NEW, TOLERANCE = 64, 6, 1e-4
 FAMILIES = {

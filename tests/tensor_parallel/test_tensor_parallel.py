@@ -12,8 +12,8 @@ from hybridsp.integrations import transformers as hf
 from hybridsp.mesh._hybrid_mesh import MeshShape, check_tensor_heads
 from hybridsp.tensor_parallel._model_split import tensor_plan
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import PAD, build, expected_of, make_batch, shard_of
+from tests.helpers.models.switched import PAD, build, expected_of, make_batch, shard_of
+from tests.helpers.references.attention import rel_err
 
 pytestmark = [pytest.mark.integration]  # split transformers models, end to end
 
@@ -83,12 +83,14 @@ def _check(rank, world, meshes, families, modes):
     return sizes
 
 
+@pytest.mark.distributed
 def test_world_4_t2u2r1_and_t2u1r2_llama_qwen2_equal_the_single_process_model():
     sizes = run_distributed(_check, 4, [(2, 2, 1), (2, 1, 2)], ["llama", "qwen2"], [False, True], timeout=300)
     for family, local, full in sizes[0]:  # embeddings, LM head and norms stay whole; the layers are halved
         assert local < 0.75 * full, (family, local, full)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_world_8_t2u2r2_llama_qwen2_equal_the_single_process_model():
     run_distributed(_check, 8, [(2, 2, 2)], ["llama", "qwen2"], [False, True], timeout=600)
@@ -138,6 +140,7 @@ def test_models_that_cannot_be_split_are_refused_before_any_change():
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+@pytest.mark.distributed
 def test_replicated_parameters_inside_the_tensor_region_get_whole_gradients():
     """Qwen3's q_norm / k_norm (T = 2 and T = 3) and Llama's o_proj / down_proj biases under sequence
     parallelism: every parameter's gradient on every tensor rank equals the single-process model's."""

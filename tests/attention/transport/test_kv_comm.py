@@ -18,9 +18,9 @@ from hybridsp.layout._documents import normalize_cu_seqlens
 from hybridsp.layout._layouts import layout_permutation
 from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape, padded_length
 from hybridsp.testing import run_distributed
-from tests.helpers import mask_cases
-from tests.helpers.mask_reference import visible_mask
-from tests.helpers.reference import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references import mask_cases
+from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
+from tests.helpers.references.masks import visible_mask
 
 HEADS, HEAD_DIM, BATCH, SEQ = 8, 16, 2, 64
 TOLERANCE = 1e-5
@@ -111,20 +111,24 @@ def _allgather_exact(rank, world, meshes, kv_list, chunk_list):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 def test_allgather_equals_float64_at_world4():
     # chunks None (default), 1 (one gather) and 8 (two rows per rank per chunk at R=2, one at R=4)
     run_distributed(_allgather_exact, 4, [(1, 4), (2, 2), (4, 1)], [HEADS, 1], [None, 1, 8])
 
 
+@pytest.mark.distributed
 def test_allgather_equals_float64_at_world8():
     run_distributed(_allgather_exact, 8, [(1, 8), (2, 4)], [2], [None])
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_allgather_full_matrix_at_world8():
     run_distributed(_allgather_exact, 8, [(1, 8), (2, 4), (4, 2), (8, 1)], [HEADS, 2, 1], [None, 2], timeout=1200)
 
 
+@pytest.mark.distributed
 def test_allgather_serves_documents_and_windows():
     meshes = [((2, 2), "zigzag"), ((1, 4), "contiguous")]
     run_distributed(mask_cases.check_meshes, 4, meshes, (5, 100, 300), False, mask_cases.SEQ, (8, 1), "allgather")
@@ -147,6 +151,7 @@ def _bytes_match_formula(rank, world, cases):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 def test_bytes_sent_equal_the_formula_for_every_mesh_at_world8():
     meshes = [(1, 8), (2, 4), (4, 2), (8, 1)]
     run_distributed(_bytes_match_formula, 8, list(itertools.product(meshes, ["ring", "allgather"])))
@@ -167,6 +172,7 @@ def _both_gathers(rank, world):
     assert torch.equal(outputs[0], expected) and torch.equal(outputs[1], expected)
 
 
+@pytest.mark.distributed
 def test_direct_and_collective_gathers_place_every_rank_alike():
     run_distributed(_both_gathers, 3)
 
@@ -190,5 +196,6 @@ def _kv_chunks_batch(rank, world):
     return hybrid_attn_func(q, q, q, mesh=mesh, backend="torch").shape
 
 
+@pytest.mark.distributed
 def test_allgather_chunks_never_meet_a_batch_they_cannot_split():
     assert all(shape[1] == 28 for shape in run_distributed(_kv_chunks_batch, 2))  # 50 -> 56 tokens, 4 chunks of 7

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from hybridsp.testing import run_distributed
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 
 def _payload(rank: int, kind: str) -> bytes:

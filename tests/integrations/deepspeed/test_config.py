@@ -19,6 +19,8 @@ from hybridsp.integrations.deepspeed import (
 from hybridsp.mesh._hybrid_mesh import HybridMesh, MeshShape
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.integration
+
 SHIPPED = sorted((ROOT / "ds_configs").glob("*.json")) + sorted((ROOT / "ds_configs" / "trainer").glob("*.json"))
 AUTO = {"bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto", "loss_scale": 0}}
 

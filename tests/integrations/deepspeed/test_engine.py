@@ -31,6 +31,8 @@ from hybridsp.testing import run_distributed
 from tests.helpers.deepspeed_engines import flat, forbid_jit_builds, full_grads, full_params
 from tests.helpers.paths import ROOT
 
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
 WORLD, SEQ, VOCAB, PAD, PADDED = 4, 64, 128, 0, 8  # every sequence ends in PADDED padding tokens
 STEPS, SAVE_AFTER, CLIP, LR, SEED = 5, 3, 0.5, 1e-3, 0
 TOLERANCE = 1e-4
@@ -42,7 +44,7 @@ MESHES = {  # name -> (config file, micro batch per rank, accumulation steps); g
 
 
 def _model(seed: int = SEED):
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     return tiny_causal_lm(
         "llama", seed=seed, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

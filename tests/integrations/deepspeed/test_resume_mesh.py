@@ -18,6 +18,8 @@ from hybridsp.mesh._hybrid_mesh import MeshShape
 from hybridsp.testing import run_distributed
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.integration
+
 SMALL_MODEL = ["--seq-len", "128", "--layers", "2", "--hidden-size", "64", "--heads", "4", "--kv-heads", "2",
                "--no-plot", "--lr", "1e-3"]
 
@@ -53,6 +55,7 @@ def _resume_on_fewer_ranks(tmp_path: Path, stage: int) -> tuple[dict, dict]:
     return _losses(full), _losses(resumed)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [3, pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_resume_cp4_checkpoint_on_two_ranks_as_u2r1(tmp_path, stage):
     uninterrupted, resumed = _resume_on_fewer_ranks(tmp_path, stage)

@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 from hybridsp import shard_batch, sharded_cross_entropy
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import PAD, build, expected_of, make_batch, shard_of
+from tests.helpers.models.switched import PAD, build, expected_of, make_batch, shard_of
+from tests.helpers.references.attention import rel_err
+
+pytestmark = pytest.mark.integration
 
 STEPS, LR, TOLERANCE = 3, 0.5, 1e-4
 BATCHES = [make_batch(64, (64, 56), seed=step) for step in range(STEPS)]
@@ -101,10 +103,12 @@ def _check(rank, world, tmp, stages, meshes):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 def test_zero_1_2_3_with_tensor_and_sequence_parallelism_equal_single_process_training(tmp_path):
     run_distributed(_check, 4, str(tmp_path), (1, 2, 3), ["T2xU2xR1+SP"], timeout=600)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_zero_1_2_3_with_autotp_size_key_on_t2u1r2_equal_single_process_training(tmp_path):
     run_distributed(_check, 4, str(tmp_path), (1, 2, 3), ["T2xU1xR2"], timeout=600)

@@ -21,8 +21,10 @@ import torch
 
 from hybridsp import shard_batch, sharded_cross_entropy
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import PAD, build, make_batch, shard_of
+from tests.helpers.models.switched import PAD, build, make_batch, shard_of
+from tests.helpers.references.attention import rel_err
+
+pytestmark = pytest.mark.integration
 
 STEPS, LR, CLIP = 3, 5.0, 0.05
 TOLERANCE = {"grad": 1e-4, "param": 1e-4, "change": 1e-3}  # by the first word of an error key; see the docstring
@@ -114,15 +116,18 @@ def _check(rank, world, tmp, stages, meshes):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.distributed
 def test_grad_norm_and_clipping_with_tensor_2_equal_single_process_training_zero_0_to_3(tmp_path):
     run_distributed(_check, 2, str(tmp_path), (0, 1, 2, 3), ["T2+SP"], timeout=600)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_grad_norm_and_clipping_with_tensor_2_and_context_2_equal_single_process_training(tmp_path):
     run_distributed(_check, 4, str(tmp_path), (1, 2, 3), ["T2xU2+SP", "T2xR2"], timeout=900)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_grad_norm_and_clipping_with_tensor_2_and_two_replicas_equal_single_process_training(tmp_path):
     run_distributed(_check, 4, str(tmp_path), (0, 1, 2, 3), ["T2xDP2"], timeout=600)

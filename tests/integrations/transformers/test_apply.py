@@ -13,8 +13,10 @@ from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import build, make_batch, sharded
+from tests.helpers.models.switched import build, make_batch, sharded
+from tests.helpers.references.attention import rel_err
+
+pytestmark = pytest.mark.integration
 
 TOLERANCE = 1e-4
 SEQ = 64
@@ -73,15 +75,18 @@ def _check_families(rank, world, meshes, families, kv_comm="ring"):
     return empty_shards
 
 
+@pytest.mark.distributed
 def test_world_4_llama_qwen2_mistral_qwen3_equal_the_single_process_model():
     empty = run_distributed(_check_families, 4, [(2, 2)], ["llama", "qwen2", "mistral", "qwen3"], timeout=300)
     assert sum(empty) > 0, "no rank had a shard without valid tokens"
 
 
+@pytest.mark.distributed
 def test_kv_allgather_mesh_through_a_switched_model_equals_the_single_process_model():
     run_distributed(_check_families, 4, [(1, 4)], ["llama", "mistral"], "allgather", timeout=300)
 
 
+@pytest.mark.distributed
 def test_world_8_llama_and_qwen2_equal_the_single_process_model():
     empty = run_distributed(_check_families, 8, [(4, 2), (2, 4)], ["llama", "qwen2"], timeout=300)
     assert sum(empty) > 0, "no rank had a shard without valid tokens"

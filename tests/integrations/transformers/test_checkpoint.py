@@ -17,11 +17,13 @@ from hybridsp.testing import run_distributed
 from tests.helpers.deepspeed_engines import forbid_jit_builds
 from tests.helpers.paths import ROOT
 
+pytestmark = pytest.mark.integration
+
 SEQ, VOCAB = 32, 96
 
 
 def _write_model(directory: Path) -> None:
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     tiny_causal_lm("llama", seed=3, dtype=None, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -91,6 +93,7 @@ def _round_trip(rank, world, directory):
             "exported_dtype": str(exported.dtype)}
 
 
+@pytest.mark.distributed
 @pytest.mark.slow  # ~60 s on the busy 2-core machine: engine build, training, export, reload
 def test_load_partitioned_train_export_round_trip(tmp_path):
     _write_model(tmp_path / "model")
@@ -120,6 +123,7 @@ def _load_with_trainer_config(rank, world, directory):
     return _shards_equal_the_directory(model, Path(directory) / "model")
 
 
+@pytest.mark.distributed
 def test_a_trainer_config_with_auto_batch_sizes_loads_partitioned(tmp_path):
     """``ds_configs/trainer/cp2.json`` leaves batch sizes and clipping ``"auto"`` for the Trainer to
     fill; loading under ZeRO-3 before the Trainer exists (``examples/train_hf_trainer.py --model-path``)

@@ -11,8 +11,10 @@ from hybridsp import gather_sequence, init_mesh
 from hybridsp.inference import ShardedKVCache, assign_new_tokens, decode_attention
 from hybridsp.integrations import transformers as hf
 from hybridsp.integrations.transformers._generation import choose_next_tokens
-from tests.helpers.generation import build, launch, portable, prompt, reference_generate
 from tests.helpers.mesh import mesh_at
+from tests.helpers.models.generation import build, launch, portable, prompt, reference_generate
+
+pytestmark = pytest.mark.integration
 
 TOLERANCE = 1e-4
 PROMPT, NEW = 128, 8
@@ -63,6 +65,7 @@ def _three_meshes_rank(rank, world):
     return portable(results)
 
 
+@pytest.mark.distributed
 def test_greedy_ids_and_logits_equal_the_unmodified_model_on_three_meshes():
     """W=4 as U2xR2, U1xR4, U4xR1; tiny Llama (MQA) and Qwen2 (GQA 8/2, K/V heads < U=4); B=1, 2;
     prompt 128, 8 new tokens: ids equal model.generate's exactly, the prompt's and every decode step's
@@ -110,6 +113,7 @@ def _balanced_rank(rank, world):
     return portable(results)
 
 
+@pytest.mark.distributed
 def test_generate_on_a_balanced_mesh_equals_the_unmodified_model():
     """Before: ValueError asking for hybridsp_documents, which generate cannot pass. Now the prefill hands
     the model one document per row (balanced places it as zigzag): ids equal model.generate's."""
@@ -207,6 +211,7 @@ def _eos_id() -> int:
     return next(t for i, t in enumerate(new) if i >= 2 and t not in new[:i] and t not in ids[1, 64:].tolist())
 
 
+@pytest.mark.distributed
 def test_padding_eos_sampling_families_bf16_and_replicas():
     eos_id = _eos_id()
     results = launch(_features_rank, 4, eos_id)
@@ -299,6 +304,7 @@ def _decode_rank(rank, world):
     return portable((outs, ids))
 
 
+@pytest.mark.distributed
 def test_decode_attention_matches_float64_on_an_odd_ring():
     """W=3 (ring 3, one empty shard): GQA down to 1 K/V head, T=1 and T=3 causal, sliding windows, fp32 and
     bf16 against float64 math; identical bits on every rank; and generate on the odd ring equals model.generate."""

@@ -10,7 +10,9 @@ import torch
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
-from tests.helpers.generation import build, launch, portable, reference_generate
+from tests.helpers.models.generation import build, launch, portable, reference_generate
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 TOLERANCE = 1e-4
 PROMPT, NEW = 19, 6  # 19: the layout pads the prompt on the right too

@@ -1,12 +1,15 @@
 """generate() on sliding-window models: the window holds at prefill (hybrid attention) and at every
 decode step (the sharded cache), against the unmodified model's own generate."""
 
+import pytest
 import torch
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
-from tests.helpers.generation import COMMON, FAMILIES, launch, portable, prompt, reference_generate
-from tests.helpers.tiny_models import tiny_causal_lm
+from tests.helpers.models.generation import COMMON, FAMILIES, launch, portable, prompt, reference_generate
+from tests.helpers.models.tiny import tiny_causal_lm
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 WINDOW, PROMPT, NEW = 12, 64, 8
 

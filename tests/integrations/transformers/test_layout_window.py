@@ -11,7 +11,9 @@ import torch
 from hybridsp.integrations import transformers as hf
 from hybridsp.layout._documents import Documents
 from tests.helpers.mesh import mesh_at
-from tests.helpers.switched_models import build
+from tests.helpers.models.switched import build
+
+pytestmark = pytest.mark.integration
 
 CONFIGS = [  # (family, overrides, the layers' windows, the layout's window)
     ("llama", {}, [None, None], None),

@@ -10,9 +10,11 @@ import torch
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
-from tests.helpers.packed_models import packed_batch, per_document_reference
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import build, sharded
+from tests.helpers.models.packed import packed_batch, per_document_reference
+from tests.helpers.models.switched import build, sharded
+from tests.helpers.references.attention import rel_err
+
+pytestmark = pytest.mark.integration
 
 TOLERANCE = 1e-4
 SEQ = 64
@@ -76,15 +78,18 @@ def _check(rank, world, meshes, names, layout="zigzag"):
 ALL = [case[0] for case in _cases()]
 
 
+@pytest.mark.distributed
 def test_world4_packed_and_windowed_models_equal_the_unmodified_model():
     run_distributed(_check, 4, [(2, 2)], ALL, timeout=400)
 
 
+@pytest.mark.distributed
 def test_world4_balanced_layout_packed_models_equal_the_unmodified_model():
     packed = [name for name in ALL if "packed" in name]
     run_distributed(_check, 4, [(1, 4)], packed, "balanced", timeout=400)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_world4_ring_only_and_world8():
     run_distributed(_check, 4, [(1, 4), (4, 1)], ALL, timeout=600)

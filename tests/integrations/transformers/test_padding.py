@@ -11,8 +11,10 @@ from hybridsp import gather_sequence, init_mesh, shard_sequence
 from hybridsp.integrations import transformers as hf
 from hybridsp.integrations.transformers._padding import flattened_boundaries, padded_documents
 from hybridsp.testing import run_distributed
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import build
+from tests.helpers.models.switched import build
+from tests.helpers.references.attention import rel_err
+
+pytestmark = pytest.mark.integration
 
 TOLERANCE = 1e-4
 SEQ = 16
@@ -110,6 +112,7 @@ def _two_meshes(rank, world):
     return {"1x2": _padding_worker(rank, world, 1, 2), "1x1": _padding_worker(rank, world, 1, 1)}
 
 
+@pytest.mark.distributed
 def test_padding_masks_match_the_unmodified_model_on_real_tokens():
     for per_mesh in run_distributed(_two_meshes, 2):
         for mesh, errors in per_mesh.items():
@@ -118,6 +121,7 @@ def test_padding_masks_match_the_unmodified_model_on_real_tokens():
             assert max(errors.values()) < TOLERANCE, (mesh, errors)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_padding_masks_on_a_hybrid_mesh():
     for errors in run_distributed(_padding_worker, 4, 2, 2):

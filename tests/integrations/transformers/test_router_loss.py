@@ -21,8 +21,10 @@ import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.mesh import mesh_at
-from tests.helpers.moe_workers import ROUTER_COEF, moe_model, several
 from tests.helpers.preload import preload
+from tests.helpers.workers.moe import ROUTER_COEF, moe_model, several
+
+pytestmark = pytest.mark.integration
 
 preload("transformers.trainer", "accelerate")
 
@@ -69,11 +71,13 @@ def _compare_training(plain, ours, family):
     assert max(errors.values()) < UPDATE_RTOL, f"{family} updates: {errors}"
 
 
+@pytest.mark.distributed
 def test_hybrid_trainer_matches_the_plain_trainer_qwen3_moe(qwen3_moe):
     plain, ours = qwen3_moe[0]
     _compare_training(plain, ours, "qwen3_moe")
 
 
+@pytest.mark.distributed
 def test_causal_lm_loss_matches_the_model_loss_qwen3_moe(qwen3_moe):
     result = qwen3_moe[1][1]
     _close([result["loss"]], [result["expected"]], "causal_lm_loss")
@@ -86,12 +90,14 @@ def slow_runs():
     return _launch([_trained("mixtral"), _trained("qwen3_moe", item="sft"), check])
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_hybrid_trainer_matches_the_plain_trainer_mixtral(slow_runs):
     plain, ours = slow_runs[0]
     _compare_training(plain, ours, "mixtral")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_hybrid_sft_trainer_adds_the_router_loss_as_trl(slow_runs):
     plain, ours = slow_runs[1]
@@ -100,6 +106,7 @@ def test_hybrid_sft_trainer_adds_the_router_loss_as_trl(slow_runs):
     _close(ours["aux_loss"], plain["aux_loss"], "sft aux_loss")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_causal_lm_loss_matches_the_model_loss_mixtral(slow_runs):
     result = slow_runs[2][1]
@@ -107,6 +114,7 @@ def test_causal_lm_loss_matches_the_model_loss_mixtral(slow_runs):
     assert max(result["errors"].values()) < 1e-4, result["errors"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_replicas_add_it_as_the_plain_ddp_trainer():
     """DP2 x U2 (ZeRO-2) against the plain Trainer on 2 DDP processes: the Trainer multiplies the model's

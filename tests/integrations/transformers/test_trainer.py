@@ -26,7 +26,9 @@ import torch
 from hybridsp.testing import run_distributed
 from tests.helpers.paths import ROOT
 from tests.helpers.preload import preload
-from tests.helpers.trainer_workers import save_and_resume, several
+from tests.helpers.workers.trainer import save_and_resume, several
+
+pytestmark = pytest.mark.integration
 
 # The workers import the Trainer and accelerate; the forkserver imports them once (if it starts here).
 preload("transformers.trainer", "accelerate")
@@ -58,6 +60,7 @@ def _assert_close(ours, reference, what):
         f"{reference.tolist()} (ratio {ratio.tolist()})"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(HYBRID_RUNS))
 def test_steps_match_the_plain_trainer(hybrid, plain, name):
     ours, reference = hybrid[name], plain[REFERENCE_WORLD[name]]
@@ -66,10 +69,12 @@ def test_steps_match_the_plain_trainer(hybrid, plain, name):
     _assert_close(ours["grad_norm"], reference["grad_norm"], f"{name} grad_norm")
 
 
+@pytest.mark.distributed
 def test_clipping_is_exercised(plain):
     assert max(plain[1]["grad_norm"]) > 1.0, "the reference never clips; the test would not see a wrong clip"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", list(HYBRID_RUNS))
 def test_sharded_evaluation_equals_unsharded(hybrid, plain, name):
     ours, reference = hybrid[name], plain[REFERENCE_WORLD[name]]
@@ -82,6 +87,7 @@ def test_sharded_evaluation_equals_unsharded(hybrid, plain, name):
     torch.testing.assert_close(logits[real], reference_logits[real], rtol=RTOL, atol=1e-4)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_ddp_without_deepspeed_matches_plain_trainer(plain):
     ours = run_distributed(several, 4, [dict(ulysses=2, ring=1, stage=None)], timeout=300)[0][0]
@@ -90,6 +96,7 @@ def test_ddp_without_deepspeed_matches_plain_trainer(plain):
     _assert_close([ours["eval_loss"]], [plain[2]["eval_loss"]], "DDP eval_loss")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_odd_ring_of_three_matches_plain_trainer(plain):
     ours = run_distributed(several, 3, [dict(ulysses=1, ring=3, stage=2)], timeout=300)[0][0]
@@ -98,6 +105,7 @@ def test_odd_ring_of_three_matches_plain_trainer(plain):
     _assert_close([ours["eval_loss"]], [plain[1]["eval_loss"]], "R3 eval_loss")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_save_and_resume_repeat_the_run():
     with tempfile.TemporaryDirectory() as out:
@@ -118,7 +126,7 @@ def _single_process_checks(rank, world_size):
 def _refusals():
     """Each bad setup (no DeepSpeed: accelerate allows one DeepSpeed plugin per process)."""
     from hybridsp.integrations.transformers import HybridSPTrainer
-    from tests.helpers.trainer_workers import _arguments, tiny_llama
+    from tests.helpers.workers.trainer import _arguments, tiny_llama
 
     messages = {}
     with tempfile.TemporaryDirectory() as out:
@@ -176,6 +184,7 @@ def checks():
     return run_distributed(_single_process_checks, 1, timeout=300)[0]
 
 
+@pytest.mark.distributed
 def test_bad_setups_raise_clear_errors(checks):
     messages = checks["refusals"]
     assert "3 context ranks do not divide the world size 1" in messages["degrees"]
@@ -188,7 +197,7 @@ def _tensor_refusals(rank, world_size):
     """HybridSPTrainer with a tensor degree in the DeepSpeed config: refused at construction on every rank."""
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
-    from tests.helpers.trainer_workers import _arguments, ds_config, tiny_llama
+    from tests.helpers.workers.trainer import _arguments, ds_config, tiny_llama
 
     messages = {}
     with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
@@ -204,6 +213,7 @@ def _tensor_refusals(rank, world_size):
     return messages
 
 
+@pytest.mark.distributed
 def test_tensor_parallel_config_is_refused():
     """Before: trained the unsplit weights with both tensor ranks doing the same work, no error."""
     for messages in run_distributed(_tensor_refusals, 2, timeout=300):
@@ -213,6 +223,7 @@ def test_tensor_parallel_config_is_refused():
             assert "docs/tensor-parallel.md" in message and "\n" not in message
 
 
+@pytest.mark.distributed
 def test_engine_config_strips_our_keys_and_counts_replicas(checks):
     cleaned, raw = checks["engine_config"]["cleaned"], checks["engine_config"]["raw_after"]
     assert not {"hybridsp", "sequence_parallel_size", "data_parallel_size"} & set(cleaned)
@@ -222,6 +233,7 @@ def test_engine_config_strips_our_keys_and_counts_replicas(checks):
     assert raw["train_batch_size"] == 120 and "hybridsp" in raw  # the caller's dict is not changed
 
 
+@pytest.mark.distributed
 def test_loaders_are_sharded_over_replicas(checks):
     seen = checks["loaders"]
     assert seen[0] == seen[1] and seen[2] == seen[3]  # the context ranks of a replica: the same batches

@@ -11,6 +11,8 @@ import pytest
 from tests.helpers.paths import ROOT
 from tests.helpers.trainer_configs import ARGUMENTS, filled_by_trainer, processed
 
+pytestmark = pytest.mark.integration
+
 TRAINER_CONFIGS = sorted((ROOT / "ds_configs" / "trainer").glob("*.json"))
 def _autos(node, prefix="") -> list[str]:
     if isinstance(node, dict):

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from hybridsp.testing import run_distributed
-from tests.helpers.trainer_workers import _arguments, collate, ds_config, samples, step_logs, tiny_llama
+from tests.helpers.workers.trainer import _arguments, collate, ds_config, samples, step_logs, tiny_llama
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 RTOL = 1e-3
 DOCS_PER_ROW = 2

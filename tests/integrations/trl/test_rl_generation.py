@@ -13,6 +13,8 @@ pytest.importorskip("trl", reason="TRL is optional: pip install -e '.[trl]' (the
 from hybridsp.integrations.deepspeed._config import HybridConfig  # noqa: E402
 from hybridsp.integrations.trl._generation import config_settings, generate_options  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 
 def test_the_section_takes_plain_or_sharded_generation():
     assert HybridConfig.from_ds_config({"hybridsp": {"ulysses": 2}}).generation == "plain"

@@ -23,7 +23,9 @@ pytest.importorskip("peft", reason="PEFT is optional: pip install -e '.[trl]' (t
 
 from hybridsp.testing import run_distributed  # noqa: E402
 from tests.helpers.preload import preload  # noqa: E402
-from tests.helpers.rl_workers import LOGGED, several  # noqa: E402
+from tests.helpers.workers.trl_rl import LOGGED, several  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 preload("transformers.trainer", "accelerate", "trl", "datasets", "peft")
 

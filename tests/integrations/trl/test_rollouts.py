@@ -8,6 +8,8 @@ pytest.importorskip("trl", reason="TRL is optional: pip install -e '.[trl]' (the
 
 from hybridsp.testing import run_distributed  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 
 def _trl_rows(batch: int = 3, prompt: int = 7, completion: int = 6, seed: int = 0):
     """TRL's layout: prompts left-padded, completions right-padded; B x (P + C) ids and mask."""
@@ -29,7 +31,7 @@ def test_right_aligned_rows_keep_trls_completion_log_probs():
     from trl.trainer.utils import add_fused_lm_head
 
     from hybridsp.integrations.trl._rollouts import right_aligned
-    from tests.helpers.trainer_workers import tiny_llama
+    from tests.helpers.workers.trainer import tiny_llama
 
     model = tiny_llama()
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
@@ -68,7 +70,7 @@ def _construction_checks(rank, world_size):
     from hybridsp import init_mesh
     from hybridsp.integrations.trl import HybridGRPOTrainer
     from hybridsp.integrations.trl._rollouts import ReplicaAccelerator
-    from tests.helpers.trainer_workers import ds_config, tiny_llama
+    from tests.helpers.workers.trainer import ds_config, tiny_llama
 
     mesh = init_mesh(ulysses=2, ring=1)
 
@@ -95,6 +97,7 @@ def _construction_checks(rank, world_size):
     return {**found, "errors": errors}
 
 
+@pytest.mark.distributed
 def test_replica_view_and_refusals_before_any_collective():
     results = run_distributed(_construction_checks, 2, timeout=300)
     for result in results:

@@ -23,7 +23,9 @@ pytest.importorskip("peft", reason="PEFT is optional: pip install -e '.[trl]' (t
 
 from hybridsp.testing import run_distributed  # noqa: E402
 from tests.helpers.preload import preload  # noqa: E402
-from tests.helpers.trl_workers import several  # noqa: E402
+from tests.helpers.workers.trl_sft import several  # noqa: E402
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 preload("transformers.trainer", "accelerate", "trl", "datasets", "peft")
 
@@ -135,7 +137,7 @@ def _fused_call_checks(rank, world_size):
     from hybridsp import init_mesh
     from hybridsp.integrations.transformers import apply
     from hybridsp.integrations.trl._logprobs import shard_fused_calls
-    from tests.helpers.trainer_workers import tiny_llama
+    from tests.helpers.workers.trainer import tiny_llama
 
     model = tiny_llama()
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))

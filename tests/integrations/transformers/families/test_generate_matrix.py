@@ -1,12 +1,15 @@
 """Greedy generation of every family the table marks for it (tests/helpers/families.py), switched at U2xR2 over 4
 gloo ranks with its sharded K/V cache: the ids equal the unmodified model's own ``generate`` on every rank."""
 
+import pytest
 import torch
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from tests.helpers.families import REFUSED, SUPPORT, build_family, families_where
-from tests.helpers.generation import launch, portable
+from tests.helpers.models.generation import launch, portable
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 PROMPT, NEW = 64, 6
 
@@ -30,7 +33,9 @@ def _rank(rank, world, names, refused):
 
 def test_greedy_ids_equal_model_generate_for_every_family():
     names, refused = families_where("generate"), families_where("generate", REFUSED)
+    assert names, "the table marks no family for generate: nothing to compare"
     results = launch(_rank, 4, names, refused)
+    assert all(sorted(result) == sorted(names + refused) for result in results), [sorted(r) for r in results]
     for name in refused:
         reason = SUPPORT[name]["generate"][len(REFUSED):]
         assert all(reason in str(result[name]) for result in results), (name, results[0][name])

@@ -1,5 +1,7 @@
 """docs/model-support.md is the table the family tests run (tests/helpers/families.py), and names real tests."""
 
+import pytest
+
 from tests.helpers.families import (
     CHECKS,
     COLUMNS,
@@ -10,6 +12,8 @@ from tests.helpers.families import (
     render_support_matrix,
 )
 from tests.helpers.paths import ROOT
+
+pytestmark = pytest.mark.integration
 
 
 def test_the_support_page_is_generated_from_the_tests_table():

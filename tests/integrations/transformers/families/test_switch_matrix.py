@@ -2,15 +2,18 @@
 loss and every parameter gradient of the same unmodified model in one process: on the full sequence, and on packed
 documents against the model run per document; the families the table marks refused raise its reason."""
 
+import pytest
 import torch
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
 from tests.helpers.families import REFUSED, SUPPORT, build_family, families_where
-from tests.helpers.packed_models import packed_batch, per_document_reference
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import expected_of, make_batch, sharded
+from tests.helpers.models.packed import packed_batch, per_document_reference
+from tests.helpers.models.switched import expected_of, make_batch, sharded
+from tests.helpers.references.attention import rel_err
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 TOLERANCE = 1e-4
 BATCHES = {"full": make_batch(64, (64, 64)), "padded": make_batch(61, (61, 40))}
@@ -55,16 +58,27 @@ def _refusal(name: str, mesh) -> str | None:
 
 
 def _check(rank, world, ulysses, ring):
+    """The families compared (and their packed batches) and the refusals checked."""
     mesh = init_mesh(ulysses=ulysses, ring=ring)
-    failures = []
+    failures, compared = [], []
     for name in families_where("switch"):
         errors = family_errors(name, mesh, packed=name in families_where("packed"))
         worst = max(errors, key=errors.get)
         if not errors[worst] <= TOLERANCE:
             failures.append(f"{name}: {worst} {errors[worst]:.2e}")
-    failures += [f for f in (_refusal(name, mesh) for name in families_where("switch", REFUSED)) if f]
+        compared += [name] + [f"{name} packed"] * any(key.startswith("packed") for key in errors)
+    for name in families_where("switch", REFUSED):
+        failure = _refusal(name, mesh)
+        failures += [failure] if failure else []
+        compared.append(f"{name} refused")
     assert not failures, "\n".join(failures)
+    return compared
 
 
 def test_every_family_at_u2r2_equals_the_unmodified_model():
-    run_distributed(_check, 4, 2, 2, timeout=600)
+    switched, packed = families_where("switch"), families_where("packed")
+    expected = [case for name in switched for case in [name] + [f"{name} packed"] * (name in packed)]
+    expected += [f"{name} refused" for name in families_where("switch", REFUSED)]
+    assert switched and packed, "the table marks no family for the switch or for packed documents: nothing to compare"
+    for rank, compared in enumerate(run_distributed(_check, 4, 2, 2, timeout=600)):
+        assert compared == expected, f"rank {rank} compared {compared}, not {expected}"

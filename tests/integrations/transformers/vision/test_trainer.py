@@ -13,8 +13,10 @@ import torch
 
 from hybridsp.testing import run_distributed
 from tests.helpers.preload import preload
-from tests.helpers.vlm_trainer_workers import ACCUMULATION, MICRO_BATCH, STEPS, samples, train
-from tests.helpers.vlm_workers import collate
+from tests.helpers.workers.vlm import collate
+from tests.helpers.workers.vlm_trainer import ACCUMULATION, MICRO_BATCH, STEPS, samples, train
+
+pytestmark = pytest.mark.integration
 
 preload("transformers.trainer", "accelerate")
 RTOL = 1e-5
@@ -31,12 +33,14 @@ def _assert_close(ours: dict, reference: dict, name: str) -> None:
         assert len(a) == STEPS and torch.allclose(a, b, rtol=RTOL, atol=0), f"{name} {key}: {a.tolist()} vs {b.tolist()}"
 
 
+@pytest.mark.distributed
 def test_u2_zero2_and_zero3_match_the_plain_trainer(plain):
     runs = [dict(ulysses=2, ring=1, stage=2), dict(ulysses=2, ring=1, stage=3)]
     for run, result in zip(runs, run_distributed(train, 2, runs, timeout=600)[0]):
         _assert_close(result, plain, f"U2xR1 ZeRO-{run['stage']}")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_u2xr2_zero2_and_zero3_match_the_plain_trainer(plain):
     runs = [dict(ulysses=2, ring=2, stage=2), dict(ulysses=2, ring=2, stage=3)]
@@ -50,6 +54,7 @@ def plain_mixed():
     return run_distributed(train, 1, [dict(micro=2 * MICRO_BATCH)], "text_only_mix", timeout=300)[0][0]
 
 
+@pytest.mark.distributed
 def test_text_only_replica_under_zero3_dp2_matches_the_plain_trainer(plain_mixed):
     """DP=2 under ZeRO-3, one replica's micro-batch text only (with mm_token_type_ids) in every micro-step.
     Before: shard_batch refused mm_token_type_ids; with that accepted, DeepSpeed's parameter gather failed
@@ -59,6 +64,7 @@ def test_text_only_replica_under_zero3_dp2_matches_the_plain_trainer(plain_mixed
     _assert_close(result, plain_mixed, "DP2 ZeRO-3, text-only replica")
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_text_only_replica_with_context_ranks_matches_the_plain_trainer(plain_mixed):
     """DP=2 x U=2 (4 ranks) under ZeRO-2 and ZeRO-3 (in this order: after a ZeRO-3 TrainingArguments,
@@ -74,7 +80,7 @@ def test_images_span_shards(ulysses, ring):
     from hybridsp import shard_sequence
     from hybridsp.mesh._hybrid_mesh import padded_length
     from tests.helpers.mesh import mesh_at
-    from tests.helpers.vlm_workers import IMAGE
+    from tests.helpers.workers.vlm import IMAGE
 
     rows = samples(STEPS * ACCUMULATION * MICRO_BATCH, seed=1)
     meshes = [mesh_at(ulysses, ring, r, u) for r in range(ring) for u in range(ulysses)]

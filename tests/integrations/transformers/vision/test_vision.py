@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from hybridsp.testing import run_distributed
-from tests.helpers.vlm_workers import generate_matches, mixed_batch, sharded_forward, tiny_vlm
+from tests.helpers.workers.vlm import generate_matches, mixed_batch, sharded_forward, tiny_vlm
+
+pytestmark = pytest.mark.integration
 
 LOGITS_TOLERANCE, LOSS_TOLERANCE, GRAD_TOLERANCE = 1e-9, 1e-5, 1e-7
 # fp64 models; the sharded loss is reduced in fp32. Measured: logits <= 2e-16, loss <= 5e-7, gradients <= 2e-9 relative.
@@ -28,11 +30,13 @@ def _check(results: list[list[dict]], modes: list[str]) -> None:
             assert result["vision_grads"] > 0
 
 
+@pytest.mark.distributed
 def test_qwen2_vl_two_ranks_equals_unsharded():
     modes = ["local", "split"]
     _check(run_distributed(sharded_forward, 2, "qwen2_vl", 2, 1, modes, timeout=300), modes)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,ulysses,ring", [("qwen2_5_vl", 2, 2), ("qwen2_5_vl", 1, 4), ("qwen2_vl", 2, 2)])
 def test_four_ranks_equal_unsharded(kind, ulysses, ring):
@@ -57,11 +61,13 @@ def test_split_mode_balances_and_local_mode_repeats_only_boundary_units():
             assert total <= sum(patches) < total + 7 * 48, patches  # at most one unit per shard boundary
 
 
+@pytest.mark.distributed
 def test_generate_equals_model_generate():
     result = run_distributed(generate_matches, 2, "qwen2_vl", 2, 1, 6, timeout=300)[0]
     assert result["ours"] == result["expected"]
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_generate_qwen2_5_vl_on_four_ranks_equals_model_generate():
     result = run_distributed(generate_matches, 4, "qwen2_5_vl", 2, 2, 8, timeout=600)[0]
@@ -112,7 +118,7 @@ def test_auto_splits_clustered_images_and_keeps_a_spread_video_local():
     from hybridsp.integrations.transformers._vision.batch import plan_vision
     from hybridsp.mesh._hybrid_mesh import padded_length
     from tests.helpers.mesh import mesh_at
-    from tests.helpers.vlm_workers import collate, sample
+    from tests.helpers.workers.vlm import collate, sample
 
     model, generator = tiny_vlm(), torch.Generator().manual_seed(0)
     meshes = [mesh_at(2, 2, r, u) for r in range(2) for u in range(2)]

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from hybridsp import gather_sequence, shard_batch, sharded_cross_entropy
 from hybridsp.integrations import transformers as hf
-from tests.helpers.tiny_models import tiny_causal_lm
+from tests.helpers.models.tiny import tiny_causal_lm
 
 PAD = 0
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

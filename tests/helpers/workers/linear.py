@@ -7,9 +7,9 @@ import torch
 
 from hybridsp import init_mesh
 from hybridsp.integrations import transformers as hf
-from tests.helpers.linear_models import packed_batch, per_document_reference, tiny_hybrid
-from tests.helpers.reference import rel_err
-from tests.helpers.switched_models import sharded
+from tests.helpers.models.linear import packed_batch, per_document_reference, tiny_hybrid
+from tests.helpers.models.switched import sharded
+from tests.helpers.references.attention import rel_err
 
 
 def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigzag", linear: bool = True,
@@ -55,8 +55,8 @@ def train_hybrid_model(rank: int, world: int, family: str, hybrid: dict | None) 
 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
-    from tests.helpers.trainer_workers import VOCAB as TRAINER_VOCAB
-    from tests.helpers.trainer_workers import _arguments, collate, ds_config, samples, step_logs
+    from tests.helpers.workers.trainer import VOCAB as TRAINER_VOCAB
+    from tests.helpers.workers.trainer import _arguments, collate, ds_config, samples, step_logs
 
     docs = samples(16, seed=1)
     model = tiny_hybrid(family, vocab_size=TRAINER_VOCAB, dtype=torch.float32)
@@ -82,7 +82,7 @@ def packed_pairs(docs: list[dict]) -> list[dict]:
 
 def packed_collate(rows: list[dict]) -> dict:
     """Right padding (ids 0, labels -100, mask 0), positions continuing after the last document."""
-    from tests.helpers.trainer_workers import collate
+    from tests.helpers.workers.trainer import collate
 
     batch = collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     longest = batch["input_ids"].shape[1]
@@ -109,7 +109,7 @@ def generation_errors(rank: int, world: int, cases) -> dict:
     """Each case ``(name, family, ulysses, ring, prompt_length, new_tokens[, layout])``: hybridsp's greedy ``generate`` of
     ``family``'s tiny model (B = 2 different rows) against the unmodified model's own ``model.generate`` ->
     (ids equal, worst relative error of the logits that chose each token)."""
-    from tests.helpers.generation import reference_generate
+    from tests.helpers.models.generation import reference_generate
 
     found = {}
     for name, family, ulysses, ring, length, new, *layout in cases:

@@ -6,8 +6,8 @@ import torch
 
 from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 from hybridsp.kernels._band import band_mask
-from tests.helpers.mask_reference import masked_reference_with_grads
-from tests.helpers.reference import random_qkv, rel_err
+from tests.helpers.references.attention import random_qkv, rel_err
+from tests.helpers.references.masks import masked_reference_with_grads
 
 TOLERANCE = 1e-5
 SEQ = 256

@@ -11,8 +11,8 @@ import tempfile
 
 import torch
 
-from tests.helpers.trainer_workers import ds_config
-from tests.helpers.vlm_workers import collate, sample, tiny_vlm
+from tests.helpers.workers.trainer import ds_config
+from tests.helpers.workers.vlm import collate, sample, tiny_vlm
 
 STEPS, ACCUMULATION, MICRO_BATCH = 3, 2, 2
 

@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-from tests.helpers.trainer_workers import collate, ds_config, samples
+from tests.helpers.workers.trainer import collate, ds_config, samples
 
 ROUTER_COEF = 0.05  # Mixtral's default is 0.02, Qwen3-MoE's 0.001: larger, so that a wrong loss shows
 STEPS, ACCUMULATION, MICRO_BATCH = 3, 2, 2
@@ -49,7 +49,7 @@ def _trainer(case: dict, output_dir: str):
         from trl import SFTConfig, SFTTrainer
 
         from hybridsp.integrations.trl import HybridSFTTrainer
-        from tests.helpers.trl_workers import sft_rows, tokenizer
+        from tests.helpers.workers.trl_sft import sft_rows, tokenizer
 
         args = SFTConfig(**_settings(output_dir, hybrid), bf16=False, max_length=48, dataset_num_proc=None)
         cls = SFTTrainer if hybrid is None else HybridSFTTrainer

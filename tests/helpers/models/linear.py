@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from tests.helpers import packed_models
+from tests.helpers.models import packed
 
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=256, attn_implementation="sdpa",
@@ -49,10 +49,10 @@ def tiny_hybrid(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, 
 
 def packed_batch(rows: tuple[tuple[int, ...], ...], seed: int = 0) -> dict:
     """input_ids/labels [B, S] and position_ids restarting at 0 at every document (S: the first row's total)."""
-    return packed_models.packed_batch(rows, sum(rows[0]), seed, VOCAB)
+    return packed.packed_batch(rows, sum(rows[0]), seed, VOCAB)
 
 
-per_document_reference = packed_models.per_document_reference  # the unmodified model on every document by itself
+per_document_reference = packed.per_document_reference  # the unmodified model on every document by itself
 
 
 def per_document_mixers(model) -> None:

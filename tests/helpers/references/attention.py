@@ -53,7 +53,7 @@ def sinks_reference_with_grads(q, k, v, dout, *, causal: bool, sinks=None, softc
     ``rows_bounds`` per batch row, window), a sink logit per head appended as one more column
     (GPT-OSS's eager attention), softmax, the sink column dropped. q [B, S, H, D], k [B, S, Hkv, D],
     v [B, S, Hkv, Dv], sinks [H] or None (dsinks None then)."""
-    from tests.helpers.mask_reference import visible_mask
+    from tests.helpers.references.masks import visible_mask
 
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     logits = None if sinks is None else sinks.detach().double().requires_grad_()

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from tests.helpers.trainer_workers import collate, ds_config, samples, tiny_llama
+from tests.helpers.workers.trainer import collate, ds_config, samples, tiny_llama
 
 STEPS, ACCUMULATION, MICRO_BATCH = 2, 2, 2
 WORDS = 62  # tokens "t2".."t63"; ids 0 and 1 are <pad> and <eos>
@@ -72,7 +72,7 @@ def _lora(model):
 
 def _model(case: dict):
     if case.get("model") == "qwen3_5":  # a hybrid linear-attention model (Gated DeltaNet layers)
-        from tests.helpers.linear_models import per_document_mixers, tiny_hybrid
+        from tests.helpers.models.linear import per_document_mixers, tiny_hybrid
 
         model = tiny_hybrid("qwen3_5")
         if case["hybrid"] is None:

@@ -16,8 +16,8 @@ import tempfile
 
 import torch
 
-from tests.helpers.trainer_workers import ds_config, tiny_llama
-from tests.helpers.trl_workers import WORDS, tokenizer
+from tests.helpers.workers.trainer import ds_config, tiny_llama
+from tests.helpers.workers.trl_sft import WORDS, tokenizer
 
 STEPS, MICRO_BATCH, GENERATIONS, COMPLETION = 3, 4, 2, 10
 LOGGED = ("loss", "grad_norm", "kl", "reward", "reward_std", "entropy", "clip_ratio/region_mean",

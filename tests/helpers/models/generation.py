@@ -6,7 +6,7 @@ import io
 import torch
 
 from hybridsp.testing import run_distributed
-from tests.helpers.tiny_models import tiny_causal_lm
+from tests.helpers.models.tiny import tiny_causal_lm
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               max_position_embeddings=256, pad_token_id=0, attn_implementation="sdpa")

@@ -17,7 +17,7 @@ STEPS, ACCUMULATION, MICRO_BATCH = 4, 2, 2
 
 def tiny_llama(seed: int = 0):
     """The same tiny Llama (hidden 64, 2 layers, 4 query / 2 K/V heads) on every call."""
-    from tests.helpers.tiny_models import tiny_causal_lm
+    from tests.helpers.models.tiny import tiny_causal_lm
 
     return tiny_causal_lm(
         "llama", seed=seed, dtype=None, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
