@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, TypedDict
 
 from hybridsp._formulas import heads_divisible
+from hybridsp._types import MeshOrder
 from hybridsp.layout._layouts import check_sequence_length
 from hybridsp.planner._costs import CommVolume, Flops, comm_volume, expanded_kv_heads, flops_per_rank
 from hybridsp.planner._kv_modes import best_of
@@ -220,7 +221,7 @@ def _notes(model: ModelSpec, config: MeshConfig, topology: Topology, timing: Tim
 
 def evaluate(
     model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig,
-    topology: Topology | None = None, order: str = "ulysses_inner",
+    topology: Topology | None = None, order: MeshOrder = "ulysses_inner",
 ) -> CandidatePlan:
     """Validate ``config`` and, when valid, compute its FLOPs, bytes, memory, timing and notes.
 

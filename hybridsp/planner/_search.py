@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from hybridsp._checks import check_positive
 from hybridsp._formulas import heads_divisible
+from hybridsp._types import MeshOrder
 from hybridsp.mesh._auto_degrees import check_launch, divisors, largest_inside_node, ulysses_candidates
 from hybridsp.planner._candidates import LAYOUT, CandidatePlan, evaluate, memory_of, mesh_problems
 from hybridsp.planner._memory import memory_use
@@ -29,7 +30,7 @@ class SearchSpace:
     dp: int | None = None
     ulysses: int | None = None
     ring: int | None = None
-    order: str = "ulysses_inner"
+    order: MeshOrder = "ulysses_inner"
     tie_tolerance: float = 0.02
     headroom: float = 0.10
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridsp._types import MeshOrder
 from hybridsp.mesh._hybrid_mesh import MeshShape
 from hybridsp.planner._costs import (
     CommVolume,
@@ -45,7 +46,7 @@ class Topology:
         return "inter" in self.ring_hops
 
 
-def mesh_topology(config: MeshConfig, gpus_per_node: int, order: str = "ulysses_inner") -> Topology:
+def mesh_topology(config: MeshConfig, gpus_per_node: int, order: MeshOrder = "ulysses_inner") -> Topology:
     """Place the mesh's Ulysses and ring groups on nodes of ``gpus_per_node`` ranks."""
     groups = MeshShape(config.world_size, config.ulysses, config.ring, order).group_members()
     peers = set()

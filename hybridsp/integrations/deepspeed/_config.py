@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hybridsp._types import GENERATION_MODES, BackendName
+from hybridsp._types import GENERATION_MODES, BackendName, KVComm, LayoutName, MeshOrder
 from hybridsp.integrations.deepspeed._compiling import without_compile_keys
 from hybridsp.integrations.deepspeed._tensor import autotp_size
 from hybridsp.kernels import BACKEND_NAMES
@@ -62,10 +62,10 @@ class HybridConfig:
 
     ulysses: int = 1
     ring: int = 1
-    order: str = "ulysses_inner"
-    layout: str = "zigzag"
+    order: MeshOrder = "ulysses_inner"
+    layout: LayoutName = "zigzag"
     backend: BackendName = "auto"
-    kv_comm: str = "ring"
+    kv_comm: KVComm = "ring"
     kv_chunks: int | None = None
     tensor: int = 1
     tensor_sequence_parallel: bool = False

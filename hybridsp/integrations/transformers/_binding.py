@@ -7,6 +7,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+from hybridsp._types import BackendName
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
@@ -20,7 +21,7 @@ class Binding:
     """What one attention module needs at call time (set by ``apply``)."""
 
     mesh: HybridMesh
-    backend: str | AttentionKernel
+    backend: BackendName | AttentionKernel
 DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)
 
 

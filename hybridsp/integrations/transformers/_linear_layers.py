@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -137,7 +137,9 @@ def _check_mixer(module: nn.Module, kind: str, mesh: HybridMesh):
         )
     if hasattr(module, MARK):
         raise ValueError(f"{name} is already switched to hybridsp: undo the first switch before switching again")
-    units, what = (module.num_k_heads, "key heads") if kind == "delta_rule" else (module.n_groups, "B/C groups")
+    # plain ints of the mixer's config; nn.Module's stubs type unknown attributes as Tensor | Module
+    units = cast(int, module.num_k_heads if kind == "delta_rule" else module.n_groups)
+    what = "key heads" if kind == "delta_rule" else "B/C groups"
     if units % mesh.ulysses:
         raise ValueError(
             f"{name} has {units} {what}, not divisible by the Ulysses degree {mesh.ulysses} (each rank must hold whole "
