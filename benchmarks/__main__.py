@@ -55,8 +55,11 @@ def run(name: str, args: list[str]) -> int:
     started = time.perf_counter()
     status = importlib.import_module(benchmark.module).main(args)
     status = status if isinstance(status, int) else 0
-    print(f"{benchmark.name}: exit status {status} after {time.perf_counter() - started:.0f} s"
-          + (f"; results in {tmp}" if quick else ""), flush=True)
+    print(
+        f"{benchmark.name}: exit status {status} after {time.perf_counter() - started:.0f} s"
+        + (f"; results in {tmp}" if quick else ""),
+        flush=True,
+    )
     return status
 
 

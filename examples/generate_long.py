@@ -40,8 +40,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ulysses", type=int, default=None, help="Ulysses degree (default: 1)")
     parser.add_argument("--ring", type=int, default=None, help="ring degree (default: world / (ulysses x tensor))")
-    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree T: 1/T of the layer weights and "
-                        "H/T heads of the K/V cache per rank (default 1; docs/tensor-parallel.md)")
+    parser.add_argument(
+        "--tensor",
+        type=int,
+        default=1,
+        help="tensor-parallel degree T: 1/T of the layer weights and "
+        "H/T heads of the K/V cache per rank (default 1; docs/tensor-parallel.md)",
+    )
     parser.add_argument("--prompt-len", type=int, default=8192, help="prompt tokens (default 8192)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     parser.add_argument("--batch", type=int, default=1, help="prompts continued at once (default 1)")
@@ -52,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="auto", help="attention kernel: auto, torch, flash, reference")
     parser.add_argument("--seed", type=int, default=0, help="model init, prompt window and sampling seed")
     parser.add_argument("--checkpoint", help="a DeepSpeed checkpoint folder saved by train.py (--save-dir)")
-    parser.add_argument("--collective-timeout", type=float, default=1800.0,
-                        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)",
+    )
     add_model_arguments(parser)
     args = parser.parse_args(argv)
     args.seq_len, args.activation_checkpointing = args.prompt_len + args.new_tokens, False  # for build_model
@@ -126,9 +135,13 @@ def run(args: argparse.Namespace) -> None:
     world = dist.get_world_size()
     ulysses = args.ulysses or 1
     try:  # degrees that do not divide the world: a ValueError on every rank, before any collective
-        mesh = hybridsp.init_mesh(ulysses=ulysses, ring=args.ring or world // (ulysses * args.tensor), tensor=args.tensor)
+        mesh = hybridsp.init_mesh(
+            ulysses=ulysses, ring=args.ring or world // (ulysses * args.tensor), tensor=args.tensor
+        )
     except ValueError as error:
-        raise RunConfigError(f"--ulysses {args.ulysses} --ring {args.ring} --tensor {args.tensor} on {world} ranks: {error}") from None
+        raise RunConfigError(
+            f"--ulysses {args.ulysses} --ring {args.ring} --tensor {args.tensor} on {world} ranks: {error}"
+        ) from None
     _, vocab_size, windows = load_windows(args, args.prompt_len)
     prompt = windows.batch(mesh.dp_rank * args.batch, args.batch).to(device)  # [B, S], one per replica
     model = load_model(args, vocab_size, device)
@@ -140,9 +153,17 @@ def run(args: argparse.Namespace) -> None:
     dist.barrier()
     with layer_progress(model, f"prefill {args.batch} x {args.prompt_len:,} tokens", enabled=mesh.rank == 0):
         clock = Clock()  # the layer lines stop after the prefill's last layer
-        ids = generate(model, prompt, mesh=mesh, max_new_tokens=args.new_tokens, do_sample=args.sample,
-                       temperature=args.temperature, top_p=args.top_p, streamer=clock,
-                       generator=torch.Generator(device=device).manual_seed(args.seed))
+        ids = generate(
+            model,
+            prompt,
+            mesh=mesh,
+            max_new_tokens=args.new_tokens,
+            do_sample=args.sample,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            streamer=clock,
+            generator=torch.Generator(device=device).manual_seed(args.seed),
+        )
     report(args, mesh, model, prompt, ids, clock, device)
     dist.destroy_process_group()
 
@@ -152,9 +173,11 @@ def report(args, mesh, model, prompt, ids, clock: Clock, device) -> None:
     prefill_s = clock.arrivals[0] - clock.start
     decode_s = clock.arrivals[-1] - clock.arrivals[0]
     local_tokens = -(-args.prompt_len // mesh.context) + -(-args.new_tokens // mesh.context)
-    mine = dict(peak=peak_memory_bytes(device), cache=kv_cache_bytes(model, args.batch, local_tokens,
-                                                                     getattr(torch, args.dtype)) // mesh.tensor,
-                params=sum(p.numel() * p.element_size() for p in model.parameters()))  # K/V heads: 1/T per rank
+    mine = dict(
+        peak=peak_memory_bytes(device),
+        cache=kv_cache_bytes(model, args.batch, local_tokens, getattr(torch, args.dtype)) // mesh.tensor,
+        params=sum(p.numel() * p.element_size() for p in model.parameters()),
+    )  # K/V heads: 1/T per rank
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
@@ -165,12 +188,16 @@ def report(args, mesh, model, prompt, ids, clock: Clock, device) -> None:
     print(f"prompt: {prompt.shape[1]} tokens x {batch}; new: {new} tokens; {args.dtype}; device {device}")
     print(f"prefill: {prefill_s:.2f} s = {batch * prompt.shape[1] / prefill_s:,.0f} tokens/s (incl. first token)")
     if new > 1:
-        print(f"decode: {decode_s:.2f} s for {new - 1} steps = {batch * (new - 1) / decode_s:,.1f} tokens/s "
-              f"({1000 * decode_s / (new - 1):.1f} ms/step)")
+        print(
+            f"decode: {decode_s:.2f} s for {new - 1} steps = {batch * (new - 1) / decode_s:,.1f} tokens/s "
+            f"({1000 * decode_s / (new - 1):.1f} ms/step)"
+        )
     for rank, row in enumerate(everyone):
-        print(f"rank {rank}: peak memory {row['peak'] / 2**20:,.0f} MiB, parameters {row['params'] / 2**20:,.1f} MiB, "
-              f"K/V cache <= {row['cache'] / 2**20:,.1f} MiB "
-              f"(one process holding it all: {whole / 2**20:,.1f} MiB)")
+        print(
+            f"rank {rank}: peak memory {row['peak'] / 2**20:,.0f} MiB, parameters {row['params'] / 2**20:,.1f} MiB, "
+            f"K/V cache <= {row['cache'] / 2**20:,.1f} MiB "
+            f"(one process holding it all: {whole / 2**20:,.1f} MiB)"
+        )
     if args.tokenizer is None:
         text = lambda row: bytes(row.tolist()).decode("utf-8", errors="replace")  # noqa: E731
     else:
@@ -181,7 +208,7 @@ def report(args, mesh, model, prompt, ids, clock: Clock, device) -> None:
     print("----- end of the prompt -----")
     print(text(prompt[0, -300:].cpu()))
     print("----- continuation -----")
-    print(text(ids[0, prompt.shape[1]:].cpu()))
+    print(text(ids[0, prompt.shape[1] :].cpu()))
 
 
 if __name__ == "__main__":

@@ -48,8 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vision", choices=("local", "split"), default="local", help="who encodes which frames")
     parser.add_argument("--steps", type=int, default=3, help="training steps after scoring (default 3)")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--collective-timeout", type=float, default=1800.0,
-                        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)",
+    )
     args = parser.parse_args(argv)
     if not args.collective_timeout > 0:
         parser.error(f"--collective-timeout must be a positive number of seconds; got {args.collective_timeout}")
@@ -92,13 +96,33 @@ def build_model():
 
     torch.manual_seed(0)
     config = Qwen2VLConfig(
-        text_config=dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=65536,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        vision_config=dict(depth=2, embed_dim=64, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=PATCH,
-                           temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+        text_config=dict(
+            vocab_size=VOCAB,
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=65536,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=64,
+            hidden_size=128,
+            num_heads=2,
+            mlp_ratio=2,
+            patch_size=PATCH,
+            temporal_patch_size=TEMPORAL,
+            spatial_merge_size=MERGE,
+        ),
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
         attn_implementation="sdpa",
     )
     return Qwen2VLForConditionalGeneration(config)
@@ -113,8 +137,13 @@ def make_batch(frames: int, size: int) -> dict:
     ids = torch.cat([question, torch.tensor([START] + [VIDEO] * tokens + [END]), answer])[None]  # [1, S]
     labels = ids.masked_fill(ids >= IMAGE, -100)
     types = 2 * (ids == VIDEO).int()  # [1, S] what the processor returns: 0 text, 1 image, 2 video
-    return {"input_ids": ids, "labels": labels, "pixel_values_videos": pixels, "video_grid_thw": grid,
-            "mm_token_type_ids": types}
+    return {
+        "input_ids": ids,
+        "labels": labels,
+        "pixel_values_videos": pixels,
+        "video_grid_thw": grid,
+        "mm_token_type_ids": types,
+    }
 
 
 def peak_rss_bytes() -> int:
@@ -138,16 +167,18 @@ def run(args: argparse.Namespace) -> dict:
     local = shard_vlm_batch(batch, mesh, model, vision=args.vision)
     labels, documents = local.pop("shift_labels"), local.pop("documents")
     started = time.perf_counter()
-    with torch.inference_mode(), layer_progress(model, f"score {batch['input_ids'].shape[1]:,} tokens",
-                                                enabled=mesh.rank == 0):
-        score = float(sharded_cross_entropy(model(**local, hybridsp_documents=documents, use_cache=False).logits,
-                                            labels, mesh))
+    with (
+        torch.inference_mode(),
+        layer_progress(model, f"score {batch['input_ids'].shape[1]:,} tokens", enabled=mesh.rank == 0),
+    ):
+        score = float(
+            sharded_cross_entropy(model(**local, hybridsp_documents=documents, use_cache=False).logits, labels, mesh)
+        )
     scored = time.perf_counter() - started
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for _ in range(args.steps):
-        loss = sharded_cross_entropy(model(**local, hybridsp_documents=documents, use_cache=False).logits, labels,
-                                     mesh)
+        loss = sharded_cross_entropy(model(**local, hybridsp_documents=documents, use_cache=False).logits, labels, mesh)
         loss.backward()
         for parameter in model.parameters():  # sum of the ranks' shares = the unsharded gradient
             if parameter.grad is not None:
@@ -157,16 +188,25 @@ def run(args: argparse.Namespace) -> dict:
         losses.append(float(loss.detach()))
     peaks = [None] * world
     dist.all_gather_object(peaks, peak_rss_bytes())
-    return {"tokens": int(batch["input_ids"].shape[1]), "video_tokens": int((batch["input_ids"] == VIDEO).sum()),
-            "patches": int(batch["pixel_values_videos"].shape[0]), "mesh": repr(mesh), "score": score,
-            "score_seconds": scored, "losses": losses, "peak_rss_bytes_per_rank": peaks}
+    return {
+        "tokens": int(batch["input_ids"].shape[1]),
+        "video_tokens": int((batch["input_ids"] == VIDEO).sum()),
+        "patches": int(batch["pixel_values_videos"].shape[0]),
+        "mesh": repr(mesh),
+        "score": score,
+        "score_seconds": scored,
+        "losses": losses,
+        "peak_rss_bytes_per_rank": peaks,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     from hybridsp.launch import init_process_group
 
-    init_process_group(args.collective_timeout, backend="gloo")  # CPU only; a world of one without a launcher; adopts an existing group
+    init_process_group(
+        args.collective_timeout, backend="gloo"
+    )  # CPU only; a world of one without a launcher; adopts an existing group
     try:
         result = run(args)
     except ValueError as error:
@@ -174,11 +214,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"error: {error}", file=sys.stderr)
         raise SystemExit(2) from error
     if dist.get_rank() == 0:
-        print(f"{args.frames} frames -> {result['video_tokens']:,} video "
-              f"tokens in a {result['tokens']:,}-token sequence over {result['mesh']}: score {result['score']:.4f} "
-              f"nats/token ({result['score_seconds']:.1f} s); training losses "
-              f"{', '.join(f'{x:.4f}' for x in result['losses'])}; peak RSS per rank "
-              f"{', '.join(f'{b / 2**20:,.0f}' for b in result['peak_rss_bytes_per_rank'])} MiB", flush=True)
+        print(
+            f"{args.frames} frames -> {result['video_tokens']:,} video "
+            f"tokens in a {result['tokens']:,}-token sequence over {result['mesh']}: score {result['score']:.4f} "
+            f"nats/token ({result['score_seconds']:.1f} s); training losses "
+            f"{', '.join(f'{x:.4f}' for x in result['losses'])}; peak RSS per rank "
+            f"{', '.join(f'{b / 2**20:,.0f}' for b in result['peak_rss_bytes_per_rank'])} MiB",
+            flush=True,
+        )
     return result
 
 

@@ -62,8 +62,9 @@ def model_heads(args) -> int:
     try:
         fields = json.loads(config.read_text())
     except json.JSONDecodeError as error:
-        raise RunConfigError(f"--model-path {args.model_path}: config.json is not valid JSON ({error.msg} at line "
-                             f"{error.lineno})") from None
+        raise RunConfigError(
+            f"--model-path {args.model_path}: config.json is not valid JSON ({error.msg} at line {error.lineno})"
+        ) from None
     check_model_type(args.model_path, fields.get("model_type"))
     heads = fields.get("num_attention_heads", fields.get("text_config", {}).get("num_attention_heads"))
     if not isinstance(heads, int):
@@ -87,8 +88,10 @@ def check_model_type(path: str, model_type) -> None:
         check_switchable(model)
     except ValueError as error:
         reason = str(error).splitlines()[0]  # transformers lists every causal LM class on the next line
-        raise RunConfigError(f"--model-path {path} is a {model_type!r} model hybridsp's attention switch cannot "
-                             f"take: {reason} (docs/model-support.md)") from None
+        raise RunConfigError(
+            f"--model-path {path} is a {model_type!r} model hybridsp's attention switch cannot "
+            f"take: {reason} (docs/model-support.md)"
+        ) from None
 
 
 def default_save_dir(config_path: str, ulysses: int, ring: int, tensor: int = 1) -> Path:
@@ -120,8 +123,11 @@ def preflight(args) -> RunPlan:
     save_dir = _save_dir(args, hybrid)
     problems += _resume_problems(args, save_dir) + _overwrite_problems(args, save_dir) + _engine_problems(args, config)
     if problems:
-        raise RunConfigError(problems[0] if len(problems) == 1 else
-                             f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+        raise RunConfigError(
+            problems[0]
+            if len(problems) == 1
+            else f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        )
     return RunPlan(config, hybrid, world, rank, save_dir)
 
 
@@ -149,8 +155,10 @@ def argument_problems(args) -> list[str]:
     heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
     if not getattr(args, "model_path", None) and heads and kv_heads and heads >= 1 and kv_heads >= 1:
         if heads % kv_heads or getattr(args, "hidden_size", heads) % heads:
-            problems.append(f"--heads {heads} must be a multiple of --kv-heads {kv_heads} and divide --hidden-size "
-                            f"{getattr(args, 'hidden_size', None)}")
+            problems.append(
+                f"--heads {heads} must be a multiple of --kv-heads {kv_heads} and divide --hidden-size "
+                f"{getattr(args, 'hidden_size', None)}"
+            )
     for option in ("data", "checkpoint", "model_path", "tokenizer"):
         path = getattr(args, option, None)
         if path is not None and not Path(path).exists():
@@ -164,9 +172,15 @@ def _hybrid_section(args, config: dict, world: int, problems: list[str]):
     from hybridsp.layout import get_layout
 
     try:
-        hybrid = HybridConfig.from_ds_config(config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
-                                             kv_comm=getattr(args, "kv_comm", None), layout=getattr(args, "layout", None),
-                                             tensor=getattr(args, "tensor", None))
+        hybrid = HybridConfig.from_ds_config(
+            config,
+            ulysses=args.ulysses,
+            ring=args.ring,
+            backend=args.backend,
+            kv_comm=getattr(args, "kv_comm", None),
+            layout=getattr(args, "layout", None),
+            tensor=getattr(args, "tensor", None),
+        )
     except (ValueError, TypeError) as error:
         problems.append(f"{args.ds_config}: {error}")
         return None
@@ -209,8 +223,10 @@ def _engine_problems(args, config: dict) -> list[str]:
         if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 1)
     ]
     if not isinstance(config.get("optimizer"), dict):
-        problems.append(f"{args.ds_config} has no 'optimizer' section; train.py trains with the config's optimizer "
-                        f"(e.g. {{\"type\": \"AdamW\", \"params\": {{\"lr\": 0.0002}}}}, as ds_configs/cp8.json)")
+        problems.append(
+            f"{args.ds_config} has no 'optimizer' section; train.py trains with the config's optimizer "
+            f'(e.g. {{"type": "AdamW", "params": {{"lr": 0.0002}}}}, as ds_configs/cp8.json)'
+        )
     return problems
 
 
@@ -221,8 +237,9 @@ def _resume_problems(args, save_dir: Path) -> list[str]:
     if args.resume and not resume_from and not (save_dir / "latest").is_file():
         return [f"--resume: no checkpoint in {save_dir} (give --save-dir or --resume-from DIR)"]
     if resume_from and not _is_checkpoint(Path(resume_from)):
-        return [f"--resume-from {resume_from}: neither a run directory with a 'latest' file nor a checkpoint tag "
-                f"folder"]
+        return [
+            f"--resume-from {resume_from}: neither a run directory with a 'latest' file nor a checkpoint tag folder"
+        ]
     return []
 
 
@@ -233,7 +250,9 @@ def previous_run(directory: Path) -> list[str]:
     if not directory.is_dir():
         return []
     found = [name for name in ("metrics.jsonl", "latest", "trainer_state.json") if (directory / name).is_file()]
-    tags = sorted(p.name for p in directory.iterdir() if p.is_dir() and (_is_checkpoint(p) or p.name.startswith("checkpoint-")))
+    tags = sorted(
+        p.name for p in directory.iterdir() if p.is_dir() and (_is_checkpoint(p) or p.name.startswith("checkpoint-"))
+    )
     return found + tags
 
 
@@ -249,8 +268,10 @@ def _overwrite_problems(args, save_dir: Path) -> list[str]:
         return []
     option = "--save-dir" if hasattr(args, "save_dir") else "--output-dir"
     shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
-    return [f"{save_dir} already holds a run ({shown}); pass --resume to continue it, --overwrite to write over it, "
-            f"or {option} DIR for a new one"]
+    return [
+        f"{save_dir} already holds a run ({shown}); pass --resume to continue it, --overwrite to write over it, "
+        f"or {option} DIR for a new one"
+    ]
 
 
 def _is_checkpoint(path: Path) -> bool:

@@ -32,10 +32,14 @@ def layer_progress(model: nn.Module, label: str, enabled: bool = True, stream=No
 
     def report(index: int):
         def hook(module, inputs, output) -> None:
-            print(f"{label}: layer {index + 1}/{len(layers)}, {time.perf_counter() - started:.1f} s", file=stream,
-                  flush=True)
+            print(
+                f"{label}: layer {index + 1}/{len(layers)}, {time.perf_counter() - started:.1f} s",
+                file=stream,
+                flush=True,
+            )
             if index + 1 == len(layers):
                 stop()  # one forward reported; later ones (decode steps, training steps) stay quiet
+
         return hook
 
     if layers is not None:

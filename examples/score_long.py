@@ -48,14 +48,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help="score only the first N tokens (default: the whole text)")
     parser.add_argument("--ulysses", type=int, help="Ulysses degree (default: all ranks, or ranks / --ring)")
     parser.add_argument("--ring", type=int, default=1, help="ring degree (default 1)")
-    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel degree T: each rank holds 1/T of the "
-                        "layer weights and H/T heads (default 1; docs/tensor-parallel.md)")
+    parser.add_argument(
+        "--tensor",
+        type=int,
+        default=1,
+        help="tensor-parallel degree T: each rank holds 1/T of the "
+        "layer weights and H/T heads (default 1; docs/tensor-parallel.md)",
+    )
     parser.add_argument("--backend", default="auto", help="attention kernel: auto, torch, flash, reference")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="weights' dtype (default: bf16 on CUDA, else fp32)")
     parser.add_argument("--chunk-size", type=int, help="loss chunk in tokens (default: 64 MiB of fp32 logits)")
     parser.add_argument("--json-out", help="write the result as JSON here (rank 0)")
-    parser.add_argument("--collective-timeout", type=float, default=1800.0,
-                        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)")
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a collective may wait before the rank fails (default 1800: one ring step of a long CPU prefill can take minutes)",
+    )
     parser.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -74,9 +83,16 @@ def build_model(args: argparse.Namespace, vocab_size: int, dtype: torch.dtype, s
     if args.model_path:
         return AutoModelForCausalLM.from_pretrained(args.model_path, local_files_only=True, dtype=dtype)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=max(seq_len, 2048),
-                         tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=max(seq_len, 2048),
+        tie_word_embeddings=True,
+    )
     model = LlamaForCausalLM(config).to(dtype)
     return model if mesh is None else tensor_parallel(model, mesh)
 
@@ -124,11 +140,13 @@ def run(args: argparse.Namespace) -> dict:
     try:
         mesh = init_mesh(ulysses, args.ring, tensor=args.tensor)
     except ValueError as error:
-        raise RunConfigError(f"--ulysses {ulysses} --ring {args.ring} --tensor {args.tensor} on {world} ranks: "
-                             f"{error}") from None
+        raise RunConfigError(
+            f"--ulysses {ulysses} --ring {args.ring} --tensor {args.tensor} on {world} ranks: {error}"
+        ) from None
     if mesh.dp != 1:
-        raise RunConfigError(f"score_long.py scores one sequence over all {world} ranks: set --ulysses x --ring x "
-                             f"--tensor = {world}")
+        raise RunConfigError(
+            f"score_long.py scores one sequence over all {world} ranks: set --ulysses x --ring x --tensor = {world}"
+        )
     tokens, vocab = tokenize(load_corpus(args.data), args.tokenizer)
     tokens = tokens[: args.max_tokens] if args.max_tokens else tokens
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -141,14 +159,24 @@ def run(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - started
     peaks = [None] * world
     dist.all_gather_object(peaks, peak_memory_bytes(device))
-    result = {"tokens": int(tokens.numel()), "nll_per_token": nll, "perplexity": float(torch.tensor(nll).exp()),
-              "seconds": seconds, "tokens_per_s": tokens.numel() / seconds, "mesh": repr(mesh),
-              "dtype": str(dtype).split(".")[-1], "peak_memory_bytes_per_rank": peaks,
-              "peak_memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS"}
+    result = {
+        "tokens": int(tokens.numel()),
+        "nll_per_token": nll,
+        "perplexity": float(torch.tensor(nll).exp()),
+        "seconds": seconds,
+        "tokens_per_s": tokens.numel() / seconds,
+        "mesh": repr(mesh),
+        "dtype": str(dtype).split(".")[-1],
+        "peak_memory_bytes_per_rank": peaks,
+        "peak_memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS",
+    }
     if dist.get_rank() == 0:
-        print(f"scored {result['tokens']:,} tokens in one forward over {mesh!r}: {nll:.4f} nats/token, "
-              f"perplexity {result['perplexity']:.2f}, {seconds:.1f} s; peak memory per rank "
-              f"{max(peaks) / 2**20:,.0f} MiB ({result['peak_memory_kind']})", flush=True)
+        print(
+            f"scored {result['tokens']:,} tokens in one forward over {mesh!r}: {nll:.4f} nats/token, "
+            f"perplexity {result['perplexity']:.2f}, {seconds:.1f} s; peak memory per rank "
+            f"{max(peaks) / 2**20:,.0f} MiB ({result['peak_memory_kind']})",
+            flush=True,
+        )
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(result, indent=1))
     return result

@@ -68,8 +68,10 @@ class TokenWindows:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int):
         if tokens.numel() <= seq_len:
-            raise ValueError(f"the corpus has {tokens.numel()} tokens, but a window needs more than --seq-len "
-                             f"{seq_len}: give a longer --data file or a smaller --seq-len")
+            raise ValueError(
+                f"the corpus has {tokens.numel()} tokens, but a window needs more than --seq-len "
+                f"{seq_len}: give a longer --data file or a smaller --seq-len"
+            )
         self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
 
     def sample(self, index: int) -> torch.Tensor:

@@ -45,22 +45,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-dir", help="run directory (default: runs/<config name>-u<U>r<R>)")
     parser.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
-    parser.add_argument("--resume-from", help="continue from another run directory's latest checkpoint (or one tag "
-                        "folder, e.g. runs/cp4-u2r2/step2), also one written on another world size or U x R "
-                        "(converted to DeepSpeed's universal format once)")
-    parser.add_argument("--collective-timeout", type=float, default=300.0,
-                        help="seconds a collective may wait before the rank fails (default 300)")
+    parser.add_argument(
+        "--resume-from",
+        help="continue from another run directory's latest checkpoint (or one tag "
+        "folder, e.g. runs/cp4-u2r2/step2), also one written on another world size or U x R "
+        "(converted to DeepSpeed's universal format once)",
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a collective may wait before the rank fails (default 300)",
+    )
     parser.add_argument("--metrics-out", help="JSON-lines metrics file (default: <save-dir>/metrics.jsonl)")
-    parser.add_argument("--export-hf", metavar="DIR", help="after training, write a save_pretrained-loadable model here")
+    parser.add_argument(
+        "--export-hf", metavar="DIR", help="after training, write a save_pretrained-loadable model here"
+    )
     add_overwrite_argument(parser)
     add_model_arguments(parser)
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--offload-activations", action="store_true",
-                        help="keep the checkpointed layers' inputs in host memory (needs --activation-checkpointing)")
+    parser.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="keep the checkpointed layers' inputs in host memory (needs --activation-checkpointing)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
-    parser.add_argument("--pack", action="store_true",
-                        help="packed documents: every blank-line-separated block of a window is its own document "
-                             "(position ids restart at 0, no attention and no loss across documents)")
+    parser.add_argument(
+        "--pack",
+        action="store_true",
+        help="packed documents: every blank-line-separated block of a window is its own document "
+        "(position ids restart at 0, no attention and no loss across documents)",
+    )
     return parser.parse_args(argv)
 
 
@@ -74,9 +89,15 @@ def build_model(args: argparse.Namespace, vocab_size: int) -> torch.nn.Module:
     if args.model_path:
         return load_model(args)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=args.hidden_size, intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=max(args.seq_len, 2048), rope_theta=500000.0, tie_word_embeddings=True,
+        vocab_size=vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=int(args.hidden_size * 8 / 3) // 64 * 64,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(args.seq_len, 2048),
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
     )
     model = LlamaForCausalLM(config)
     if args.activation_checkpointing:
@@ -136,8 +157,9 @@ class Metrics:
         try:
             import matplotlib
         except ImportError:
-            warnings.warn("matplotlib is not installed, so no loss curve was drawn (pip install matplotlib)",
-                          stacklevel=2)
+            warnings.warn(
+                "matplotlib is not installed, so no loss curve was drawn (pip install matplotlib)", stacklevel=2
+            )
             return None
 
         matplotlib.use("Agg")
@@ -164,7 +186,8 @@ class Metrics:
             f"done: steps {first['step']}..{last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}, "
             f"{steady[len(steady) // 2]:.0f} tokens/s (median; the first step took {first['step_seconds']:.1f} s of "
             f"warm-up and is left out), max RSS per rank {rss:.0f} MiB; metrics: {self.path}"
-            + (f", loss curve: {plot}" if plot else "") + f", checkpoint: {save_dir}"
+            + (f", loss curve: {plot}" if plot else "")
+            + f", checkpoint: {save_dir}"
         )
 
 
@@ -176,7 +199,7 @@ def packed_position_ids(tokens: torch.Tensor, separator: torch.Tensor) -> torch.
     ends = torch.zeros(b, seq, dtype=torch.bool)  # [b, S]: the token closes a separator
     if seq >= n:
         windows = tokens.unfold(1, n, 1)  # [b, S - n + 1, n]
-        ends[:, n - 1:] = (windows == separator).all(-1)
+        ends[:, n - 1 :] = (windows == separator).all(-1)
     starts = torch.cat([torch.ones(b, 1, dtype=torch.bool), ends[:, :-1]], dim=1)  # [b, S]
     index = torch.arange(seq).expand(b, seq)  # [b, S]
     last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # [b, S]
@@ -189,13 +212,23 @@ def activation_offload(args: argparse.Namespace, model: torch.nn.Module):
     from hybridsp import offload_activations
 
     if args.offload_activations and not args.activation_checkpointing:
-        raise RunConfigError("--offload-activations needs --activation-checkpointing (it offloads the checkpointed "
-                         "layers' inputs)")
+        raise RunConfigError(
+            "--offload-activations needs --activation-checkpointing (it offloads the checkpointed layers' inputs)"
+        )
     return offload_activations(model, enabled=args.offload_activations)
 
 
-def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int, accumulation: int,
-               separator: torch.Tensor | None = None, *, offload=None) -> float:
+def train_step(
+    engine,
+    mesh,
+    windows: TokenWindows,
+    step: int,
+    micro_batch: int,
+    accumulation: int,
+    separator: torch.Tensor | None = None,
+    *,
+    offload=None,
+) -> float:
     """One optimizer step over ``accumulation`` micro-batches; returns the mean loss.
     ``separator``: pack documents split at these token ids (``--pack``); ``offload``: a context
     around each forward (:func:`activation_offload`)."""
@@ -213,8 +246,12 @@ def train_step(engine, mesh, windows: TokenWindows, step: int, micro_batch: int,
             batch["position_ids"] = packed_position_ids(tokens, separator)  # [b, S]
         local = {k: v.to(engine.device) for k, v in shard_batch(batch, mesh).items()}
         with offload if offload is not None else contextlib.nullcontext():
-            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                            hybridsp_documents=local["documents"], use_cache=False).logits
+            logits = engine(
+                input_ids=local["input_ids"],
+                position_ids=local["position_ids"],
+                hybridsp_documents=local["documents"],
+                use_cache=False,
+            ).logits
             loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
         engine.backward(loss)
         engine.step()
@@ -284,8 +321,16 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     if resume is not None and resume.universal:
         ckpt.convert_to_universal(resume)
         config.setdefault("checkpoint", {})["load_universal"] = True
-    engine, _, mesh, _ = initialize(model, config, ulysses=args.ulysses, ring=args.ring, backend=args.backend,
-                                    kv_comm=args.kv_comm, layout=args.layout, tensor=args.tensor)
+    engine, _, mesh, _ = initialize(
+        model,
+        config,
+        ulysses=args.ulysses,
+        ring=args.ring,
+        backend=args.backend,
+        kv_comm=args.kv_comm,
+        layout=args.layout,
+        tensor=args.tensor,
+    )
     offload = activation_offload(args, engine.module)
     report_placement(mesh, plan.save_dir)  # host, ranks, groups: before the first step
     start_step = _load(engine, resume)
@@ -297,21 +342,32 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     if rank0:
         origin = f", resumed from {resume.tag_dir} ({'universal' if resume.universal else 'direct'})" if resume else ""
         lr = config.get("optimizer", {}).get("params", {}).get("lr")
-        print(f"hybridsp example: {mesh!r}, seq_len={args.seq_len}, micro_batch={micro_batch}, lr={lr}, "
-              f"accumulation={accumulation}, steps {start_step}..{args.max_steps}, run dir {save_dir}{origin}", flush=True)
+        print(
+            f"hybridsp example: {mesh!r}, seq_len={args.seq_len}, micro_batch={micro_batch}, lr={lr}, "
+            f"accumulation={accumulation}, steps {start_step}..{args.max_steps}, run dir {save_dir}{origin}",
+            flush=True,
+        )
     bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
         started = time.perf_counter()
         loss = _mean_over_replicas(
-            train_step(engine, mesh, windows, step, micro_batch, accumulation, separator, offload=offload), mesh)
+            train_step(engine, mesh, windows, step, micro_batch, accumulation, separator, offload=offload), mesh
+        )
         seconds = time.perf_counter() - started
         _check_finite(loss, step)
         tokens_per_s = args.seq_len * micro_batch * accumulation * mesh.dp / seconds
         rss = resident_bytes_per_rank()
-        row = {"step": step + 1, "loss": loss, "tokens_per_s": tokens_per_s,
-               "peak_mem_bytes": peak_memory_bytes(engine.device), "grad_norm": _grad_norm(engine),
-               "step_seconds": seconds, "warmup": step == start_step, "rss_bytes_max": max(rss),
-               "rss_bytes_per_rank": rss}
+        row = {
+            "step": step + 1,
+            "loss": loss,
+            "tokens_per_s": tokens_per_s,
+            "peak_mem_bytes": peak_memory_bytes(engine.device),
+            "grad_norm": _grad_norm(engine),
+            "step_seconds": seconds,
+            "warmup": step == start_step,
+            "rss_bytes_max": max(rss),
+            "rss_bytes_per_rank": rss,
+        }
         metrics.log(row)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
         if args.save_every and (step + 1) % args.save_every == 0:
@@ -356,8 +412,9 @@ def _single_process_environment() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
 
 
 def _check_vocabulary(tokens: torch.Tensor, model) -> None:

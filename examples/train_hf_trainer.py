@@ -84,14 +84,24 @@ def config_settings(args: argparse.Namespace, config: dict, micro_batch: int = 1
     betas = _fixed(optimizer.get("betas"), [0.9, 0.999])
     precision = auto_precision()
     return dict(
-        output_dir=args.output_dir, deepspeed=config, max_steps=args.max_steps, seed=args.seed,
+        output_dir=args.output_dir,
+        deepspeed=config,
+        max_steps=args.max_steps,
+        seed=args.seed,
         per_device_train_batch_size=_fixed(config.get("train_micro_batch_size_per_gpu"), micro_batch),
         gradient_accumulation_steps=_fixed(config.get("gradient_accumulation_steps"), 1),
-        max_grad_norm=_fixed(config.get("gradient_clipping"), 1.0), learning_rate=learning_rate(args, config),
-        adam_beta1=betas[0], adam_beta2=betas[1], adam_epsilon=_fixed(optimizer.get("eps"), 1e-8),
+        max_grad_norm=_fixed(config.get("gradient_clipping"), 1.0),
+        learning_rate=learning_rate(args, config),
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_epsilon=_fixed(optimizer.get("eps"), 1e-8),
         weight_decay=_fixed(optimizer.get("weight_decay"), 0.0),
-        bf16=_enabled(config, "bf16", precision), fp16=_enabled(config, "fp16", precision),
-        use_cpu=not torch.cuda.is_available(), logging_steps=1, report_to=[], lr_scheduler_type="constant",
+        bf16=_enabled(config, "bf16", precision),
+        fp16=_enabled(config, "fp16", precision),
+        use_cpu=not torch.cuda.is_available(),
+        logging_steps=1,
+        report_to=[],
+        lr_scheduler_type="constant",
     )
 
 
@@ -99,8 +109,12 @@ def training_arguments(args: argparse.Namespace, config: dict):
     """TrainingArguments that agree with the config's fixed values (the Trainer checks it)."""
     from transformers import TrainingArguments
 
-    return TrainingArguments(**config_settings(args, config), remove_unused_columns=False, save_strategy="steps",
-                             save_steps=args.save_steps or args.max_steps)
+    return TrainingArguments(
+        **config_settings(args, config),
+        remove_unused_columns=False,
+        save_strategy="steps",
+        save_steps=args.save_steps or args.max_steps,
+    )
 
 
 def learning_rate(args: argparse.Namespace, config: dict) -> float:
@@ -161,22 +175,39 @@ def run(args: argparse.Namespace, plan) -> None:
     _, vocab_size, windows = load_windows(args, args.seq_len)
     model = build_model(args, vocab_size)
     config = load_ds_config(args, plan.ds_config)
-    chosen = (("ulysses", args.ulysses), ("ring", args.ring), ("backend", args.backend), ("kv_comm", args.kv_comm),
-              ("layout", args.layout))
+    chosen = (
+        ("ulysses", args.ulysses),
+        ("ring", args.ring),
+        ("backend", args.backend),
+        ("kv_comm", args.kv_comm),
+        ("layout", args.layout),
+    )
     overrides = {k: v for k, v in chosen if v}
     with without_cpu_shm_comm_build():  # on CPU, skip DeepSpeed's shm all-reduce build (gloo never uses it)
         training = training_arguments(args, config)
-        dataset = WindowDataset(windows, training.per_device_train_batch_size * training.gradient_accumulation_steps
-                                * training.world_size * args.max_steps)
-        trainer = HybridSPTrainer(model=model, args=training, train_dataset=dataset,
-                                  data_collator=default_data_collator, hybridsp=overrides)
+        dataset = WindowDataset(
+            windows,
+            training.per_device_train_batch_size
+            * training.gradient_accumulation_steps
+            * training.world_size
+            * args.max_steps,
+        )
+        trainer = HybridSPTrainer(
+            model=model, args=training, train_dataset=dataset, data_collator=default_data_collator, hybridsp=overrides
+        )
         if trainer.is_world_process_zero():
-            print(f"hybridsp HF Trainer example: {trainer.hybrid_mesh!r}, seq_len={args.seq_len}, "
-                  f"lr={training.learning_rate}", flush=True)
+            print(
+                f"hybridsp HF Trainer example: {trainer.hybrid_mesh!r}, seq_len={args.seq_len}, "
+                f"lr={training.learning_rate}",
+                flush=True,
+            )
         result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     if trainer.is_world_process_zero():
-        print(f"done: {result.global_step} steps, train_loss={result.training_loss:.4f}, "
-              f"checkpoints and trainer_state.json in {args.output_dir}", flush=True)
+        print(
+            f"done: {result.global_step} steps, train_loss={result.training_loss:.4f}, "
+            f"checkpoints and trainer_state.json in {args.output_dir}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

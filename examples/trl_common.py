@@ -38,24 +38,37 @@ DEFAULT_CONFIG = str(ROOT / "ds_configs" / "trainer" / "cp2.json")
 
 def parser_for(script: str, description: str) -> argparse.ArgumentParser:
     """The flags every TRL example takes (``--deepspeed`` defaults to ds_configs/trainer/cp2.json)."""
-    parser = argparse.ArgumentParser(prog=script, description=description,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=script, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_mesh_arguments(parser)
     parser.set_defaults(ds_config=DEFAULT_CONFIG)
     add_step_arguments(parser)
     parser.set_defaults(max_steps=20, seq_len=512)
-    parser.add_argument("--output-dir", default=f"runs/{Path(script).stem}",
-                        help="where metrics.jsonl, checkpoints and the final model go (default: runs/<script>)")
-    parser.add_argument("--micro-batch", type=int, help="rows per rank and micro-step (default: the config's "
-                        "train_micro_batch_size_per_gpu, or 1 where it is 'auto')")
-    parser.add_argument("--save-steps", type=int, default=0, help="also checkpoint every N steps (0: only the final "
-                        "model is saved)")
+    parser.add_argument(
+        "--output-dir",
+        default=f"runs/{Path(script).stem}",
+        help="where metrics.jsonl, checkpoints and the final model go (default: runs/<script>)",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        help="rows per rank and micro-step (default: the config's "
+        "train_micro_batch_size_per_gpu, or 1 where it is 'auto')",
+    )
+    parser.add_argument(
+        "--save-steps", type=int, default=0, help="also checkpoint every N steps (0: only the final model is saved)"
+    )
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output-dir")
     add_overwrite_argument(parser)
     add_model_arguments(parser)
     parser.set_defaults(hidden_size=128, layers=2, heads=4, kv_heads=2)
-    parser.add_argument("--vocab-size", type=int, default=2048,
-                        help="words in the built-in word-level tokenizer (ignored with --tokenizer)")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=2048,
+        help="words in the built-in word-level tokenizer (ignored with --tokenizer)",
+    )
     parser.add_argument("--activation-checkpointing", action="store_true")
     return parser
 
@@ -72,8 +85,11 @@ def check_args(args: argparse.Namespace) -> None:
     if args.resume and not any(Path(args.output_dir).glob("checkpoint-*")):
         problems.append(f"--resume: no checkpoint-N folder in {args.output_dir} (save some with --save-steps)")
     if problems:
-        raise RunConfigError(problems[0] if len(problems) == 1 else
-                             f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+        raise RunConfigError(
+            problems[0]
+            if len(problems) == 1
+            else f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        )
 
 
 # ---- data ------------------------------------------------------------------------------------------------------
@@ -139,12 +155,18 @@ def trainer_settings(args: argparse.Namespace, config: dict) -> dict:
     settings = config_settings(args, config, micro_batch=args.micro_batch or 1)
     micro = settings["per_device_train_batch_size"]
     if args.micro_batch is not None and micro != args.micro_batch:
-        raise RunConfigError(f"--micro-batch {args.micro_batch}: {args.ds_config} fixes train_micro_batch_size_per_gpu "
-                             f"to {micro} (use an 'auto' config from ds_configs/trainer/)")
+        raise RunConfigError(
+            f"--micro-batch {args.micro_batch}: {args.ds_config} fixes train_micro_batch_size_per_gpu "
+            f"to {micro} (use an 'auto' config from ds_configs/trainer/)"
+        )
     return dict(
-        settings, disable_tqdm=True, save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or args.max_steps, activation_checkpointing=args.activation_checkpointing,
-        dataloader_num_workers=0, dataset_num_proc=None,
+        settings,
+        disable_tqdm=True,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or args.max_steps,
+        activation_checkpointing=args.activation_checkpointing,
+        dataloader_num_workers=0,
+        dataset_num_proc=None,
     )
 
 
@@ -221,9 +243,11 @@ def run(args: argparse.Namespace, plan, build_trainer) -> None:
             metrics = output / "metrics.jsonl"
             if not args.resume:
                 metrics.write_text("")
-            print(f"hybridsp {label}: {trainer.hybrid_mesh!r}, seq_len={args.seq_len}, "
-                  f"lr={trainer.args.learning_rate}, micro batch {trainer.args.per_device_train_batch_size}",
-                  flush=True)
+            print(
+                f"hybridsp {label}: {trainer.hybrid_mesh!r}, seq_len={args.seq_len}, "
+                f"lr={trainer.args.learning_rate}, micro batch {trainer.args.per_device_train_batch_size}",
+                flush=True,
+            )
         from transformers.trainer_callback import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # its dict per step; the metrics callback prints one line instead
@@ -233,8 +257,10 @@ def run(args: argparse.Namespace, plan, build_trainer) -> None:
     if trainer.is_world_process_zero():
         losses = finite_losses(output / "metrics.jsonl")
         trained = f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else f"train_loss={result.training_loss:.4f}"
-        print(f"done: {result.global_step} steps, {trained}; metrics.jsonl and the final model in {args.output_dir}",
-              flush=True)
+        print(
+            f"done: {result.global_step} steps, {trained}; metrics.jsonl and the final model in {args.output_dir}",
+            flush=True,
+        )
 
 
 def build_model_for(args: argparse.Namespace, tokenizer, training):
@@ -266,6 +292,11 @@ def build_model_for(args: argparse.Namespace, tokenizer, training):
 
 def mesh_overrides(args: argparse.Namespace) -> dict:
     """``--ulysses``, ``--ring``, ``--backend``, ``--kv-comm``, ``--layout`` where given (the trainer's ``hybridsp=``)."""
-    chosen = (("ulysses", args.ulysses), ("ring", args.ring), ("backend", args.backend), ("kv_comm", args.kv_comm),
-              ("layout", args.layout))
+    chosen = (
+        ("ulysses", args.ulysses),
+        ("ring", args.ring),
+        ("backend", args.backend),
+        ("kv_comm", args.kv_comm),
+        ("layout", args.layout),
+    )
     return {k: v for k, v in chosen if v}

@@ -25,8 +25,12 @@ import trl_common  # noqa: E402
 
 def parse_args(argv: list[str] | None = None):
     parser = trl_common.parser_for("trl_dpo.py", __doc__)
-    parser.add_argument("--beta", type=float, default=0.1, help="DPO's beta: how far the policy may move from the "
-                        "reference (default 0.1)")
+    parser.add_argument(
+        "--beta",
+        type=float,
+        default=0.1,
+        help="DPO's beta: how far the policy may move from the reference (default 0.1)",
+    )
     return parser.parse_args(argv)
 
 
@@ -40,12 +44,17 @@ def preference_pairs(texts: list[str], seq_len: int) -> list[dict]:
         prompt = min(len(words) // 2, seq_len // 2)
         completion = min(len(words) - prompt, len(other), (seq_len - prompt) // 2)
         if prompt >= 2 and completion >= 2:
-            pairs.append({"prompt": " ".join(words[:prompt]),
-                          "chosen": " " + " ".join(words[prompt:prompt + completion]),
-                          "rejected": " " + " ".join(other[:completion])})
+            pairs.append(
+                {
+                    "prompt": " ".join(words[:prompt]),
+                    "chosen": " " + " ".join(words[prompt : prompt + completion]),
+                    "rejected": " " + " ".join(other[:completion]),
+                }
+            )
     if not pairs:
-        raise trl_common.RunConfigError("the text gives no preference pair of at least 2 + 2 words: give a longer "
-                                        "--data file")
+        raise trl_common.RunConfigError(
+            "the text gives no preference pair of at least 2 + 2 words: give a longer --data file"
+        )
     return pairs
 
 
@@ -62,8 +71,14 @@ def build_trainer(args, plan, config):
     dpo = DPOConfig(**settings, beta=args.beta, max_length=args.seq_len)
     model = trl_common.build_model_for(args, tokenizer, dpo)
     reference = trl_common.build_model_for(args, tokenizer, dpo)  # the same seed: the initial policy
-    trainer = HybridDPOTrainer(model=model, ref_model=reference, args=dpo, train_dataset=Dataset.from_list(pairs),
-                               processing_class=tokenizer, hybridsp=trl_common.mesh_overrides(args))
+    trainer = HybridDPOTrainer(
+        model=model,
+        ref_model=reference,
+        args=dpo,
+        train_dataset=Dataset.from_list(pairs),
+        processing_class=tokenizer,
+        hybridsp=trl_common.mesh_overrides(args),
+    )
     return trainer, f"TRL DPO example (beta={args.beta})"
 
 

@@ -32,20 +32,29 @@ LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
 def parse_args(argv: list[str] | None = None):
     parser = trl_common.parser_for("trl_grpo.py", __doc__)
     parser.set_defaults(seq_len=256)
-    parser.add_argument("--algorithm", choices=("grpo", "rloo"), default="grpo", help="TRL's GRPOTrainer or "
-                        "RLOOTrainer (default grpo)")
+    parser.add_argument(
+        "--algorithm", choices=("grpo", "rloo"), default="grpo", help="TRL's GRPOTrainer or RLOOTrainer (default grpo)"
+    )
     parser.add_argument("--loss-type", choices=LOSS_TYPES, default="dapo", help="GRPO's loss (default dapo)")
     parser.add_argument("--num-generations", type=int, default=4, help="completions per prompt (default 4)")
-    parser.add_argument("--completion-len", type=int, default=32, help="new tokens per completion at most "
-                        "(default 32)")
-    parser.add_argument("--num-iterations", type=int, default=1, help="optimisation passes per generation batch "
-                        "(default 1; more reuse the old policy's log-probs)")
+    parser.add_argument("--completion-len", type=int, default=32, help="new tokens per completion at most (default 32)")
+    parser.add_argument(
+        "--num-iterations",
+        type=int,
+        default=1,
+        help="optimisation passes per generation batch (default 1; more reuse the old policy's log-probs)",
+    )
     parser.add_argument("--beta", type=float, default=0.04, help="weight of the KL to the reference (default 0.04)")
     parser.add_argument("--target-words", type=int, default=12, help="the length the second reward prefers")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    parser.add_argument("--generation", choices=("plain", "sharded"), default=None, help="how completions are made "
-                        "(default: the config's \"generation\", else plain): the plain model on every context rank, "
-                        "or hybridsp's sharded generation (prompt and K/V cache sharded; docs/trl-peft.md)")
+    parser.add_argument(
+        "--generation",
+        choices=("plain", "sharded"),
+        default=None,
+        help="how completions are made "
+        '(default: the config\'s "generation", else plain): the plain model on every context rank, '
+        "or hybridsp's sharded generation (prompt and K/V cache sharded; docs/trl-peft.md)",
+    )
     return parser.parse_args(argv)
 
 
@@ -104,8 +113,13 @@ def build_trainer(args, plan, config):
     tokenizer = trl_common.load_tokenizer(args, texts)
     args.model_path = initial_policy(args, tokenizer)  # before the config: a whole model, not a ZeRO-3 partition
     settings = {k: v for k, v in trl_common.trainer_settings(args, config).items() if k != "dataset_num_proc"}
-    settings.update(num_generations=args.num_generations, max_completion_length=args.completion_len,
-                    beta=args.beta, num_iterations=args.num_iterations, temperature=args.temperature)
+    settings.update(
+        num_generations=args.num_generations,
+        max_completion_length=args.completion_len,
+        beta=args.beta,
+        num_iterations=args.num_iterations,
+        temperature=args.temperature,
+    )
     if args.algorithm == "grpo":
         from trl import GRPOConfig
 
@@ -116,11 +130,19 @@ def build_trainer(args, plan, config):
         rl, cls = RLOOConfig(**settings), HybridRLOOTrainer
     model = trl_common.build_model_for(args, tokenizer, rl)
     rows = prompt_rows(texts, max(args.seq_len - args.completion_len, 2) // 2)
-    trainer = cls(model=model, reward_funcs=rewards(args.target_words), args=rl, train_dataset=Dataset.from_list(rows),
-                  processing_class=tokenizer, hybridsp={**trl_common.mesh_overrides(args), "generation": args.generation})
+    trainer = cls(
+        model=model,
+        reward_funcs=rewards(args.target_words),
+        args=rl,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        hybridsp={**trl_common.mesh_overrides(args), "generation": args.generation},
+    )
     loss = f", loss_type={args.loss_type}" if args.algorithm == "grpo" else ""
-    return trainer, (f"TRL {args.algorithm.upper()} example ({args.num_generations} completions of <= "
-                     f"{args.completion_len} tokens per prompt, beta={args.beta}{loss})")
+    return trainer, (
+        f"TRL {args.algorithm.upper()} example ({args.num_generations} completions of <= "
+        f"{args.completion_len} tokens per prompt, beta={args.beta}{loss})"
+    )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,13 @@ import trl_common  # noqa: E402
 
 def parse_args(argv: list[str] | None = None):
     parser = trl_common.parser_for("trl_sft.py", __doc__)
-    parser.add_argument("--packing-strategy", choices=("bfd", "wrapped"), default="bfd",
-                        help="TRL's packing: 'bfd' fits whole documents into rows (best-fit decreasing), "
-                             "'wrapped' cuts the stream at row ends (default: bfd)")
+    parser.add_argument(
+        "--packing-strategy",
+        choices=("bfd", "wrapped"),
+        default="bfd",
+        help="TRL's packing: 'bfd' fits whole documents into rows (best-fit decreasing), "
+        "'wrapped' cuts the stream at row ends (default: bfd)",
+    )
     return parser.parse_args(argv)
 
 
@@ -41,8 +45,13 @@ def build_trainer(args, plan, config):
     settings = trl_common.trainer_settings(args, config)
     sft = SFTConfig(**settings, packing=True, packing_strategy=args.packing_strategy, max_length=args.seq_len)
     model = trl_common.build_model_for(args, tokenizer, sft)
-    trainer = HybridSFTTrainer(model=model, args=sft, train_dataset=Dataset.from_list([{"text": t} for t in texts]),
-                               processing_class=tokenizer, hybridsp=trl_common.mesh_overrides(args))
+    trainer = HybridSFTTrainer(
+        model=model,
+        args=sft,
+        train_dataset=Dataset.from_list([{"text": t} for t in texts]),
+        processing_class=tokenizer,
+        hybridsp=trl_common.mesh_overrides(args),
+    )
     return trainer, f"TRL SFT example (packing={args.packing_strategy})"
 
 

@@ -26,12 +26,7 @@ from hybridsp.attention import (
 )
 from hybridsp.data import ShardedDataLoader, replica_sampler, shard_batch
 from hybridsp.layout import Documents
-from hybridsp.losses import (
-    fused_cross_entropy,
-    real_token_mask,
-    sharded_cross_entropy,
-    sharded_load_balancing_loss,
-)
+from hybridsp.losses import fused_cross_entropy, real_token_mask, sharded_cross_entropy, sharded_load_balancing_loss
 from hybridsp.memory import ActivationOffload, apply_lean_norms, apply_tiled_mlp, offload_activations
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 

@@ -29,8 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(module_name)
-        sub = commands.add_parser(name, help=module.HELP, description=plain_text(module.__doc__),
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub = commands.add_parser(
+            name,
+            help=module.HELP,
+            description=plain_text(module.__doc__),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     return parser

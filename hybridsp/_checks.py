@@ -5,8 +5,15 @@ from __future__ import annotations
 import math
 
 
-def check_positive(value: object, name: str, *, integer: bool = False, unit: str = "", or_none: str | None = None,
-                   zero_ok: bool = False) -> None:
+def check_positive(
+    value: object,
+    name: str,
+    *,
+    integer: bool = False,
+    unit: str = "",
+    or_none: str | None = None,
+    zero_ok: bool = False,
+) -> None:
     """Raise ValueError unless ``value`` is a positive integer (``integer``) or a finite positive number.
 
     ``unit`` names what it counts ("tokens": "... a positive number of tokens"); ``or_none`` allows

@@ -23,8 +23,9 @@ def moved_module(old: str, new: str, face: str | None) -> Callable[[str], object
         value = getattr(importlib.import_module(new), name)
         public = face is not None and name in getattr(importlib.import_module(face), "__all__", ())
         advice = f"import {name} from {face}" if public else f"{name} is private now ({new}) and may change"
-        warnings.warn(f"{old} is deprecated and will be removed in hybridsp 0.3: {advice}", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(
+            f"{old} is deprecated and will be removed in hybridsp 0.3: {advice}", DeprecationWarning, stacklevel=2
+        )
         return value
 
     return __getattr__

@@ -76,8 +76,9 @@ def all_to_all_sent(nbytes: int, ulysses: int) -> int:
     return nbytes * (ulysses - 1) // ulysses
 
 
-def kv_row_bytes(batch: int, kv_heads_expanded: int, ulysses: int, head_dim: int, element_size: int,
-                 v_head_dim: int | None = None) -> int:
+def kv_row_bytes(
+    batch: int, kv_heads_expanded: int, ulysses: int, head_dim: int, element_size: int, v_head_dim: int | None = None
+) -> int:
     """Bytes of one token's K and V for one rank's heads after the all-to-all: B (Hkv'/U) (D + Dv) e
     (``v_head_dim`` Dv defaults to D: 2 B (Hkv'/U) D e)."""
     dims = head_dim + (head_dim if v_head_dim is None else v_head_dim)
@@ -119,9 +120,21 @@ def kv_transport(kv_comm: str, ring: int, block: float, sent: float, read: float
 
 
 def hybrid_bytes(
-    *, batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, ulysses: int, ring: int,
-    ring_rank: int, element_size: int, layout: str = "zigzag", causal: bool = True, kv_comm: str = "ring",
-    rows: tuple[int, int] | None = None, v_head_dim: int | None = None,
+    *,
+    batch: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ulysses: int,
+    ring: int,
+    ring_rank: int,
+    element_size: int,
+    layout: str = "zigzag",
+    causal: bool = True,
+    kv_comm: str = "ring",
+    rows: tuple[int, int] | None = None,
+    v_head_dim: int | None = None,
 ) -> dict[str, int]:
     """Bytes one rank sends per forward + backward, by collective kind (only kinds that send).
 

@@ -47,11 +47,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300))
         value = fn(rank, world_size, *args)
         results.put((rank, True, pickle.dumps(value)))  # by value: Note [results by value]
     except BaseException:  # report everything to the parent
@@ -79,9 +84,7 @@ def _context() -> mp.context.SpawnContext | mp.context.ForkServerContext:
     return context
 
 
-def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, threads: int = 1
-) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0, threads: int = 1) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; see the module docstring."""
     for attempt in range(_PORT_ATTEMPTS):
         try:

@@ -8,13 +8,15 @@ from hybridsp.testing import PRELOAD_ENV
 # the forkserver imports them once and every gloo worker of every test inherits them.
 os.environ.setdefault(
     PRELOAD_ENV,
-    ",".join([
-        "transformers.models.llama.modeling_llama",
-        "transformers.models.qwen2.modeling_qwen2",
-        "transformers.models.qwen3.modeling_qwen3",
-        "transformers.models.mistral.modeling_mistral",
-        "deepspeed",
-    ]),
+    ",".join(
+        [
+            "transformers.models.llama.modeling_llama",
+            "transformers.models.qwen2.modeling_qwen2",
+            "transformers.models.qwen3.modeling_qwen3",
+            "transformers.models.mistral.modeling_mistral",
+            "deepspeed",
+        ]
+    ),
 )
 
 

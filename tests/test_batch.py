@@ -27,16 +27,24 @@ def padded_batch(seq=61, lengths=LENGTHS, seed=0):
     return {"input_ids": ids, "labels": ids.clone(), "attention_mask": mask}
 
 
-MESHES = [(2, 2, "zigzag"), (4, 2, "zigzag"), (2, 4, "zigzag"), (1, 1, "zigzag"),
-          (2, 2, "contiguous"), (3, 1, "contiguous")]
+MESHES = [
+    (2, 2, "zigzag"),
+    (4, 2, "zigzag"),
+    (2, 4, "zigzag"),
+    (1, 1, "zigzag"),
+    (2, 2, "contiguous"),
+    (3, 1, "contiguous"),
+]
 
 
 @pytest.mark.parametrize("ulysses,ring,layout", MESHES)
 def test_shards_join_back_to_the_shifted_padded_batch(ulysses, ring, layout):
     batch = padded_batch()
     full = prepare_batch(batch, mesh_at(ulysses, ring, layout=layout), pad_token_id=PAD)
-    shards = [shard_batch(batch, mesh_at(ulysses, ring, r, u, layout), pad_token_id=PAD)
-              for r, u in itertools.product(range(ring), range(ulysses))]  # shard order r * U + u
+    shards = [
+        shard_batch(batch, mesh_at(ulysses, ring, r, u, layout), pad_token_id=PAD)
+        for r, u in itertools.product(range(ring), range(ulysses))
+    ]  # shard order r * U + u
     for key, value in full.items():
         assert torch.equal(join_shards([s[key] for s in shards], ring, ulysses, layout), value), key
     length = full["input_ids"].shape[1]
@@ -137,7 +145,8 @@ def _loader_ranks(rank, world):
     assert len(shards) == 2 and shards[0]["input_ids"].shape == (2, 8)  # 30 tokens padded to 32
     for got, want in zip(shards, expected):
         assert got.keys() == want.keys() and all(
-            torch.equal(got[k], want[k]) if torch.is_tensor(got[k]) else got[k].key() == want[k].key() for k in got)
+            torch.equal(got[k], want[k]) if torch.is_tensor(got[k]) else got[k].key() == want[k].key() for k in got
+        )
     differing = ShardedDataLoader(_loader(seed=5 + (rank == 3)), mesh, check_same_batch=True)
     with pytest.raises(ValueError, match="loaded different batches"):
         next(iter(differing))

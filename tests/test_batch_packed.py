@@ -17,8 +17,7 @@ def test_packed_rows_keep_positions_and_ignore_targets_across_documents():
     batch = _packed([(5, 1, 4), (3, 7)], 10)
     full = prepare_batch(batch, mesh_at(2, 2))  # pads 10 -> 12 tokens
     assert full["input_ids"].shape == (2, 12)
-    expected_positions = torch.tensor([[0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5],
-                                       [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
+    expected_positions = torch.tensor([[0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
     assert torch.equal(full["position_ids"], expected_positions)
     ids, labels = batch["input_ids"], full["shift_labels"]
     for b, ends in enumerate([(4, 5, 9), (2, 9)]):  # last token of each document (and of the row)

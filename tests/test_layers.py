@@ -13,12 +13,30 @@ MAX_LINES = 420  # "about 400"
 SHIM_MARK = "keep-old-paths"
 
 _BASE = {"_types", "_checks", "_formulas"}  # torch-free leaves every package may use
-_CORE = _BASE | {"_comm", "_opaque", "kernels", "layout", "launch", "mesh", "attention", "memory", "losses", "data",
-                 "inference", "linear_attention", "tensor_parallel"}
+_CORE = _BASE | {
+    "_comm",
+    "_opaque",
+    "kernels",
+    "layout",
+    "launch",
+    "mesh",
+    "attention",
+    "memory",
+    "losses",
+    "data",
+    "inference",
+    "linear_attention",
+    "tensor_parallel",
+}
 ALLOWED: dict[str, set[str]] = {
     # the leaves: torch-free names and checks, the byte counter, the opaque reference, the version
-    "_types": set(), "_checks": set(), "_formulas": set(), "_version": set(), "_deprecated": set(),
-    "_comm": set(), "_opaque": set(),
+    "_types": set(),
+    "_checks": set(),
+    "_formulas": set(),
+    "_version": set(),
+    "_deprecated": set(),
+    "_comm": set(),
+    "_opaque": set(),
     # the core, bottom up: each may import only what is below it
     "kernels": set(_BASE),
     "layout": _BASE | {"_opaque"},
@@ -160,7 +178,7 @@ def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
                 path.pop()
                 state[node] = 2
             elif state.get(child) == 1:
-                return path[path.index(child):] + [child]
+                return path[path.index(child) :] + [child]
             elif not state.get(child):
                 state[child] = 1
                 path.append(child)
@@ -180,13 +198,27 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
         "    import hybridsp.layout as layout\n"
         "    from hybridsp.kernels._reference import _private\n"
     )
-    known = {"hybridsp", "hybridsp.mesh", "hybridsp._formulas", "hybridsp.planner", "hybridsp.planner._specs",
-             "hybridsp.planner._costs", "hybridsp.degrees", "hybridsp.layout", "hybridsp.kernels",
-             "hybridsp.kernels._reference"}
+    known = {
+        "hybridsp",
+        "hybridsp.mesh",
+        "hybridsp._formulas",
+        "hybridsp.planner",
+        "hybridsp.planner._specs",
+        "hybridsp.planner._costs",
+        "hybridsp.degrees",
+        "hybridsp.layout",
+        "hybridsp.kernels",
+        "hybridsp.kernels._reference",
+    }
     assert sorted((target, name) for target, name, _ in _imports("hybridsp.planner._cli", source, known)) == [
-        ("hybridsp", "init_mesh"), ("hybridsp._formulas", ""), ("hybridsp.degrees", ""),
-        ("hybridsp.kernels._reference", "_private"), ("hybridsp.layout", ""), ("hybridsp.mesh", ""),
-        ("hybridsp.planner._costs", "comm_volume"), ("hybridsp.planner._specs", ""),
+        ("hybridsp", "init_mesh"),
+        ("hybridsp._formulas", ""),
+        ("hybridsp.degrees", ""),
+        ("hybridsp.kernels._reference", "_private"),
+        ("hybridsp.layout", ""),
+        ("hybridsp.mesh", ""),
+        ("hybridsp.planner._costs", "comm_volume"),
+        ("hybridsp.planner._specs", ""),
     ]
     graph = _graph()
     assert "hybridsp.kernels._flash" in graph["hybridsp.kernels._select"]  # inside a function
@@ -218,8 +250,11 @@ def test_every_import_follows_the_declared_layers():
 
 
 def test_the_layer_map_has_no_cycle_inside_the_core():
-    core = {layer: {t for t in targets if t in ALLOWED} for layer, targets in ALLOWED.items()
-            if not layer.startswith("integrations")}
+    core = {
+        layer: {t for t in targets if t in ALLOWED}
+        for layer, targets in ALLOWED.items()
+        if not layer.startswith("integrations")
+    }
     assert _find_cycle({k: dict.fromkeys(v, 0) for k, v in core.items()}) is None
 
 
@@ -248,8 +283,10 @@ def test_no_module_imports_a_private_name_of_another():
 
 def _too_long() -> dict[str, int]:
     """Package files over MAX_LINES lines, by path relative to the repository."""
-    lengths = {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
-               for path in sorted(PACKAGE.rglob("*.py"))}
+    lengths = {
+        str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines())
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
     return {path: count for path, count in lengths.items() if count > MAX_LINES}
 
 
@@ -267,10 +304,18 @@ def test_tests_use_nothing_from_benchmarks():
         if path.resolve() == Path(__file__).resolve():
             continue  # this test names what it looks for
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in scripts]
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
-                    node.value == "benchmarks" or node.value.startswith("results_")):
+            if (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and (node.value == "benchmarks" or node.value.startswith("results_"))
+            ):
                 offenders.append(f"{path.name}:{node.lineno} names {node.value!r}")
     assert not offenders, "tests reach into benchmarks/:\n  " + "\n  ".join(offenders)

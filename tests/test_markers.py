@@ -43,8 +43,9 @@ def _is_launch(node: ast.AST) -> bool:
     if not isinstance(node, ast.List):
         return False
     words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
-    return (len(words) > 1 and words[0] in LAUNCHERS) or \
-        any(a == "-m" and b in LAUNCHER_MODULES for a, b in zip(words, words[1:]))
+    return (len(words) > 1 and words[0] in LAUNCHERS) or any(
+        a == "-m" and b in LAUNCHER_MODULES for a, b in zip(words, words[1:])
+    )
 
 
 def _is_deepspeed(dotted: str) -> bool:
@@ -113,8 +114,10 @@ def _module(path: Path, base: Path) -> Module:
                 module.imported[alias.asname or alias.name] = (node.module, alias.name)
         elif isinstance(node, ast.Import):
             for alias in node.names:
-                module.imported[alias.asname or alias.name.split(".")[0]] = (alias.name if alias.asname else
-                                                                             alias.name.split(".")[0], None)
+                module.imported[alias.asname or alias.name.split(".")[0]] = (
+                    alias.name if alias.asname else alias.name.split(".")[0],
+                    None,
+                )
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             module.units[node.name] = _unit(module.name, node.name, node)
@@ -137,8 +140,10 @@ class Tree:
         self.modules = {m.name: m for m in (_module(path, root.parent) for path in paths)}
         for module in self.modules.values():
             for unit in module.units.values():
-                unit.engine |= any(self._builds_engine(module, name, attribute) for name, attribute in
-                                   [*((n, None) for n in unit.names), *unit.attributes])
+                unit.engine |= any(
+                    self._builds_engine(module, name, attribute)
+                    for name, attribute in [*((n, None) for n in unit.names), *unit.attributes]
+                )
         self.spawning = self._closure(lambda unit: unit.spawns)
         self.end_to_end = self._closure(lambda unit: unit.engine or unit.launches)
 
@@ -187,7 +192,9 @@ class Tree:
         while changed:
             changed = False
             for unit in units:
-                if (unit.module, unit.name) not in marked and any((u.module, u.name) in marked for u in self.uses(unit)):
+                if (unit.module, unit.name) not in marked and any(
+                    (u.module, u.name) in marked for u in self.uses(unit)
+                ):
                     marked.add((unit.module, unit.name))
                     changed = True
         return marked
@@ -202,16 +209,24 @@ class Tree:
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"):
                     marks = set().union(*(_marks(d) for d in node.decorator_list if not _is_parametrize(d)))
                     yield module, node.name, marks | module.marks
-                    params = [sub for d in node.decorator_list if _is_parametrize(d) for sub in ast.walk(d)
-                              if isinstance(sub, ast.Call) and ast.unparse(sub.func).endswith("param")]
+                    params = [
+                        sub
+                        for d in node.decorator_list
+                        if _is_parametrize(d)
+                        for sub in ast.walk(d)
+                        if isinstance(sub, ast.Call) and ast.unparse(sub.func).endswith("param")
+                    ]
                     for param in params if cases else []:
                         yield module, node.name, marks | module.marks | _marks(param)
 
 
 def _is_parametrize(decorator: ast.AST) -> bool:
     """``pytest.mark.parametrize(...)``: its pytest.param(marks=...) mark single cases, not the test."""
-    return isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute) and \
-        decorator.func.attr == "parametrize"
+    return (
+        isinstance(decorator, ast.Call)
+        and isinstance(decorator.func, ast.Attribute)
+        and decorator.func.attr == "parametrize"
+    )
 
 
 # --------------------------------------------------------------------------- the guards
@@ -243,23 +258,32 @@ def _unmarked(owned_elsewhere: bool = False) -> dict[str, list]:
 
 def test_every_test_that_starts_processes_is_marked_distributed():
     missing = _unmarked()["distributed"]
-    assert not missing, ("these tests reach run_distributed or a launcher (directly, through a fixture or a helper): "
-                         "add @pytest.mark.distributed, or pytestmark = pytest.mark.distributed when the whole module "
-                         "does:\n  " + "\n  ".join(missing))
+    assert not missing, (
+        "these tests reach run_distributed or a launcher (directly, through a fixture or a helper): "
+        "add @pytest.mark.distributed, or pytestmark = pytest.mark.distributed when the whole module "
+        "does:\n  " + "\n  ".join(missing)
+    )
 
 
 def test_every_end_to_end_test_is_marked_integration():
     missing = _unmarked()["integration"]
-    assert not missing, ("these tests build a DeepSpeed engine or a Trainer, start a launcher, or live in tests/"
-                         f"{{{','.join(INTEGRATION_FOLDERS)}}}/: add @pytest.mark.integration (pytestmark for a module)"
-                         ":\n  " + "\n  ".join(missing))
+    assert not missing, (
+        "these tests build a DeepSpeed engine or a Trainer, start a launcher, or live in tests/"
+        f"{{{','.join(INTEGRATION_FOLDERS)}}}/: add @pytest.mark.integration (pytestmark for a module)"
+        ":\n  " + "\n  ".join(missing)
+    )
 
 
 def test_integration_folders_say_so_once_per_module():
     """tests/integrations/ and tests/examples/ modules declare ``pytestmark`` with integration (not test by test)."""
     tree = _tree()
-    lacking = [str(m.path.relative_to(ROOT)) for m in tree.modules.values() if m.path.name.startswith("test_")
-               and m.path.relative_to(tree.root).parts[0] in INTEGRATION_FOLDERS and "integration" not in m.marks]
+    lacking = [
+        str(m.path.relative_to(ROOT))
+        for m in tree.modules.values()
+        if m.path.name.startswith("test_")
+        and m.path.relative_to(tree.root).parts[0] in INTEGRATION_FOLDERS
+        and "integration" not in m.marks
+    ]
     assert not lacking, "add pytestmark = pytest.mark.integration to:\n  " + "\n  ".join(lacking)
 
 
@@ -354,8 +378,13 @@ def test_the_scan_follows_helpers_fixtures_and_tables(tmp_path):
     tree = Tree(root)
     spawning = {name for module, name, _ in tree.tests() if (module.name, name) in tree.spawning}
     end_to_end = {name for module, name, _ in tree.tests() if (module.name, name) in tree.end_to_end}
-    assert spawning == {"test_direct", "test_through_a_module_attribute", "test_through_a_fixture",
-                        "test_through_a_table", "test_a_launcher"}
+    assert spawning == {
+        "test_direct",
+        "test_through_a_module_attribute",
+        "test_through_a_fixture",
+        "test_through_a_table",
+        "test_a_launcher",
+    }
     assert end_to_end == {"test_a_launcher", "test_trainer", "test_engine", "test_hybridsp_engine"}
 
 
@@ -374,7 +403,11 @@ def test_b():
     pass
 """)
     tree = Tree(tmp_path / "tests")
-    assert {name: m for _, name, m in tree.tests()} == {"test_a": {"distributed", "integration"},
-                                                        "test_b": {"integration"}}
-    assert [m for name, m in ((n, m) for _, n, m in tree.tests(cases=True)) if name == "test_a"] == \
-        [{"distributed", "integration"}, {"distributed", "integration", "slow"}]
+    assert {name: m for _, name, m in tree.tests()} == {
+        "test_a": {"distributed", "integration"},
+        "test_b": {"integration"},
+    }
+    assert [m for name, m in ((n, m) for _, n, m in tree.tests(cases=True)) if name == "test_a"] == [
+        {"distributed", "integration"},
+        {"distributed", "integration", "slow"},
+    ]

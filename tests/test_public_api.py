@@ -63,29 +63,44 @@ def test_only_the_faces_are_public_modules():
 
 def test_every_face_declares_all_as_a_literal_list():
     for package in _documented_surface():
-        path = PACKAGE.parent / (package.replace(".", "/") + ("/__init__.py" if package != "hybridsp.testing" else ".py"))
+        path = PACKAGE.parent / (
+            package.replace(".", "/") + ("/__init__.py" if package != "hybridsp.testing" else ".py")
+        )
         tree = ast.parse(path.read_text())
-        assigned = [n for n in tree.body if isinstance(n, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)]
+        assigned = [
+            n
+            for n in tree.body
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets)
+        ]
         assert assigned and isinstance(assigned[0].value, ast.List), package
 
 
 def test_lazy_faces_name_their_types_for_checkers():
     """The integration faces import on first use, and import the same names under TYPE_CHECKING."""
-    for package in ("hybridsp.integrations.deepspeed", "hybridsp.integrations.transformers",
-                    "hybridsp.integrations.trl"):
+    for package in (
+        "hybridsp.integrations.deepspeed",
+        "hybridsp.integrations.transformers",
+        "hybridsp.integrations.trl",
+    ):
         module = importlib.import_module(package)
         tree = ast.parse((PACKAGE.parent / package.replace(".", "/") / "__init__.py").read_text())
         guarded = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING"]
-        typed = {alias.asname or alias.name for block in guarded for node in ast.walk(block)
-                 if isinstance(node, ast.ImportFrom) for alias in node.names}
+        typed = {
+            alias.asname or alias.name
+            for block in guarded
+            for node in ast.walk(block)
+            if isinstance(node, ast.ImportFrom)
+            for alias in node.names
+        }
         assert typed == set(module.__all__), package
 
 
 def test_import_hybridsp_loads_no_training_framework():
-    code = ("import sys, hybridsp, hybridsp.integrations.transformers, hybridsp.integrations.deepspeed, "
-            "hybridsp.integrations.trl; print(sorted(m for m in ('deepspeed', 'transformers', 'trl', 'peft') "
-            "if m in sys.modules))")
+    code = (
+        "import sys, hybridsp, hybridsp.integrations.transformers, hybridsp.integrations.deepspeed, "
+        "hybridsp.integrations.trl; print(sorted(m for m in ('deepspeed', 'transformers', 'trl', 'peft') "
+        "if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
@@ -96,13 +111,16 @@ def test_version_is_a_release_string():
     assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+|rc\d+)?", hybridsp.__version__)
 
 
-@pytest.mark.parametrize("old, name, face", [
-    ("hybridsp.layout.documents", "Documents", "hybridsp.layout"),
-    ("hybridsp.batch", "replica_sampler", "hybridsp.data"),
-    ("hybridsp.mesh.process_group", "init_process_group", "hybridsp.launch"),
-    ("hybridsp.attention.volume", "hybrid_bytes", "hybridsp.attention"),
-    ("hybridsp.integrations.transformers.vision.batch", "shard_vlm_batch", "hybridsp.integrations.transformers"),
-])
+@pytest.mark.parametrize(
+    "old, name, face",
+    [
+        ("hybridsp.layout.documents", "Documents", "hybridsp.layout"),
+        ("hybridsp.batch", "replica_sampler", "hybridsp.data"),
+        ("hybridsp.mesh.process_group", "init_process_group", "hybridsp.launch"),
+        ("hybridsp.attention.volume", "hybrid_bytes", "hybridsp.attention"),
+        ("hybridsp.integrations.transformers.vision.batch", "shard_vlm_batch", "hybridsp.integrations.transformers"),
+    ],
+)
 def test_old_documented_paths_warn_and_give_the_same_object(old, name, face):
     module = importlib.import_module(old)
     with warnings.catch_warnings(record=True) as caught:

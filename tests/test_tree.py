@@ -28,8 +28,11 @@ def _prefix_families(folder: Path) -> dict[str, list[str]]:
     stems = [path.stem.lstrip("_") for path in _modules(folder) if not path.stem.startswith("__")]  # _x.py: private x
     stems = [stem for stem in stems if "_" in stem]
     counts = Counter(stem.split("_")[0] for stem in stems)
-    return {prefix: sorted(s for s in stems if s.split("_")[0] == prefix)
-            for prefix, count in counts.items() if count > MAX_SHARED_PREFIX}
+    return {
+        prefix: sorted(s for s in stems if s.split("_")[0] == prefix)
+        for prefix, count in counts.items()
+        if count > MAX_SHARED_PREFIX
+    }
 
 
 def test_no_three_sibling_modules_share_a_name_prefix():
@@ -96,7 +99,11 @@ def test_few_files_directly_under_tests():
 
 def test_every_test_folder_is_a_package():
     """tests.<folder>.<module> must import (run_distributed's workers are pickled by module path)."""
-    folders = {folder for path in [*TESTS.rglob("test_*.py"), TESTS / "helpers" / "paths.py"]
-               for folder in path.parents if folder == TESTS or TESTS in folder.parents}
+    folders = {
+        folder
+        for path in [*TESTS.rglob("test_*.py"), TESTS / "helpers" / "paths.py"]
+        for folder in path.parents
+        if folder == TESTS or TESTS in folder.parents
+    }
     missing = sorted(str(folder.relative_to(ROOT)) for folder in folders if not (folder / "__init__.py").is_file())
     assert not missing, f"folders without an __init__.py: {missing}"

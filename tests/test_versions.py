@@ -77,7 +77,8 @@ def test_the_documented_floors_and_bounds_are_the_declared_ones():
 def test_the_installed_version_is_inside_the_declared_range(package):
     installed = version(package)
     assert declared()[package].contains(installed, prereleases=True), (
-        f"{package} {installed} is outside pyproject.toml's {package}{declared()[package]}")
+        f"{package} {installed} is outside pyproject.toml's {package}{declared()[package]}"
+    )
 
 
 def test_every_other_installed_package_is_inside_its_range():

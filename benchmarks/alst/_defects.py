@@ -55,30 +55,42 @@ def _ratios(runs: dict[str, alst_stacks.Run], reference: alst_stacks.Run) -> dic
 def zero2_gradient_scale(base: alst_stacks.Run, sp: int, stage: int = 2) -> dict:
     """Defect 1: ALST's recipe at ZeRO-``stage`` against one process at the same stage (hybridsp: control)."""
     base = replace(base, steps=1, head_norm=True, stage=stage, features="plain", budget=None)
-    runs = {f"alst SP{sp}": replace(base, stack="alst", ulysses=sp, ring=1),
-            f"hybridsp U{sp}xR1": replace(base, stack="hybridsp", ulysses=sp, ring=1)}
-    return {"what": f"ZeRO-{stage}, S={base.seq_len}, SP={sp}: first-step gradient norms / one process's",
-            "expected": {f"alst SP{sp}": float(sp), f"hybridsp U{sp}xR1": 1.0},
-            "rows": _ratios(runs, alst_stacks.reference_of(base))}
+    runs = {
+        f"alst SP{sp}": replace(base, stack="alst", ulysses=sp, ring=1),
+        f"hybridsp U{sp}xR1": replace(base, stack="hybridsp", ulysses=sp, ring=1),
+    }
+    return {
+        "what": f"ZeRO-{stage}, S={base.seq_len}, SP={sp}: first-step gradient norms / one process's",
+        "expected": {f"alst SP{sp}": float(sp), f"hybridsp U{sp}xR1": 1.0},
+        "rows": _ratios(runs, alst_stacks.reference_of(base)),
+    }
 
 
 def fused_logits_head_gradient(base: alst_stacks.Run, sp: int) -> dict:
     """Defect 2: ALST with TiledFusedLogitsLoss (and with sequence_tiled_compute, the control) at ZeRO-3."""
     base = replace(base, steps=1, head_norm=True, stage=3, features="tiled", budget=None)
-    runs = {"alst TiledFusedLogitsLoss": replace(base, stack="alst", ulysses=sp, alst_loss="fused_logits"),
-            "alst sequence_tiled_compute": replace(base, stack="alst", ulysses=sp, alst_loss="sequence_tiled")}
-    return {"what": f"ZeRO-3, S={base.seq_len}, SP={sp}, TiledMLP on: first-step gradient norms / one process's",
-            "expected": {"alst TiledFusedLogitsLoss": f"lm_head: (S - 1) / SP = {(base.seq_len - 1) / sp:g}",
-                         "alst sequence_tiled_compute": 1.0},
-            "rows": _ratios(runs, alst_stacks.reference_of(base))}
+    runs = {
+        "alst TiledFusedLogitsLoss": replace(base, stack="alst", ulysses=sp, alst_loss="fused_logits"),
+        "alst sequence_tiled_compute": replace(base, stack="alst", ulysses=sp, alst_loss="sequence_tiled"),
+    }
+    return {
+        "what": f"ZeRO-3, S={base.seq_len}, SP={sp}, TiledMLP on: first-step gradient norms / one process's",
+        "expected": {
+            "alst TiledFusedLogitsLoss": f"lm_head: (S - 1) / SP = {(base.seq_len - 1) / sp:g}",
+            "alst sequence_tiled_compute": 1.0,
+        },
+        "rows": _ratios(runs, alst_stacks.reference_of(base)),
+    }
 
 
 def tied_tiled_loss(base: alst_stacks.Run, sp: int) -> dict:
     """Defect 3: ALST's tiled loss on a tied lm_head under ZeRO-3 (hybridsp's fused loss: the control)."""
     base = replace(base, steps=1, head_norm=True, stage=3, features="tiled", budget=None, tied=True)
-    runs = {"alst sequence_tiled_compute, tied": replace(base, stack="alst", ulysses=sp),
-            "alst TiledFusedLogitsLoss, tied": replace(base, stack="alst", ulysses=sp, alst_loss="fused_logits"),
-            f"hybridsp U{sp}xR1 fused loss, tied": replace(base, stack="hybridsp", ulysses=sp)}
+    runs = {
+        "alst sequence_tiled_compute, tied": replace(base, stack="alst", ulysses=sp),
+        "alst TiledFusedLogitsLoss, tied": replace(base, stack="alst", ulysses=sp, alst_loss="fused_logits"),
+        f"hybridsp U{sp}xR1 fused loss, tied": replace(base, stack="hybridsp", ulysses=sp),
+    }
     want = _first_step(alst_stacks.reference_of(base))
     rows = {"reference": want}
     for name, run in runs.items():
@@ -88,20 +100,28 @@ def tied_tiled_loss(base: alst_stacks.Run, sp: int) -> dict:
         except AssertionError as error:
             got = {"failed": str(error).strip().splitlines()[-1][:160]}
         rows[name] = got
-    return {"what": f"ZeRO-3, S={base.seq_len}, SP={sp}, tied lm_head, tiling on: does the first step run",
-            "expected": {name: "runs, 1.0" for name in runs}, "rows": rows}
+    return {
+        "what": f"ZeRO-3, S={base.seq_len}, SP={sp}, tied lm_head, tiling on: does the first step run",
+        "expected": {name: "runs, 1.0" for name in runs},
+        "rows": rows,
+    }
 
 
 def markdown(name: str, result: dict) -> str:
-    lines = [f"**{name}**: {result['what']}", "",
-             "| run | loss | grad norm | / one process | lm_head grad norm | / one process | expected |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"**{name}**: {result['what']}",
+        "",
+        "| run | loss | grad norm | / one process | lm_head grad norm | / one process | expected |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for run, row in result["rows"].items():
         expected = result["expected"].get(run, "")
         if "failed" in row:
             lines.append(f"| {run} | fails: `{row['failed']}` | | | | | {expected} |")
             continue
         ratios = (f"{row['norm_ratio']:.4f}", f"{row['head_ratio']:.4f}") if "norm_ratio" in row else ("1", "1")
-        lines.append(f"| {run} | {row['loss']:.6f} | {row['norm']:.6g} | {ratios[0]} | {row['head_norm']:.6g} | "
-                     f"{ratios[1]} | {expected} |")
+        lines.append(
+            f"| {run} | {row['loss']:.6f} | {row['norm']:.6g} | {ratios[0]} | {row['head_norm']:.6g} | "
+            f"{ratios[1]} | {expected} |"
+        )
     return "\n".join(lines) + "\n"

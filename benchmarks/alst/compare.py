@@ -74,8 +74,7 @@ def meshes(world: int, heads: int, kv_heads: int) -> list[tuple[int, int]]:
     """Every U x R = world the planner considers: U divides the query heads (K/V heads repeat as needed;
     ``kv_heads`` is not a constraint)."""
     del kv_heads
-    return [(u, world // u) for u in range(world, 0, -1)
-            if world % u == 0 and heads_divisible(heads, u)]
+    return [(u, world // u) for u in range(world, 0, -1) if world % u == 0 and heads_divisible(heads, u)]
 
 
 def stack_runs(base: alst_stacks.Run, world: int, features: str, only=()) -> dict[str, alst_stacks.Run]:
@@ -96,12 +95,15 @@ def relative(got: list[float], want: list[float]) -> float:
 
 
 def parity_row(trace: dict, reference: dict) -> dict:
-    errors = {key: relative(trace[key], reference[key]) for key in ("losses", "norms")
-              if trace[key] and reference[key]}
+    errors = {key: relative(trace[key], reference[key]) for key in ("losses", "norms") if trace[key] and reference[key]}
     if trace["head_norms"] and reference["head_norms"]:
         errors["head_norms"] = relative(trace["head_norms"], reference["head_norms"])
-    return {"errors": errors, "ok": all(e <= TOLERANCE for e in errors.values()),
-            "losses": trace["losses"], "norms": trace["norms"]}
+    return {
+        "errors": errors,
+        "ok": all(e <= TOLERANCE for e in errors.values()),
+        "losses": trace["losses"],
+        "norms": trace["norms"],
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,23 +124,28 @@ def part_parity(base: alst_stacks.Run, world: int, only=()) -> dict:
 def _measure(traces: list[dict], warmup: int = 1) -> dict:
     """Per step after the warm-up: CPU summed over ranks, wall max over ranks; peak RSS max over ranks."""
     steps = range(warmup, len(traces[0]["cpu"]))
-    return {"cpu": [sum(t["cpu"][k] for t in traces) for k in steps],
-            "wall": [max(t["wall"][k] for t in traces) for k in steps],
-            "peak_rss": max(t["peak_rss"] for t in traces),
-            "peak_above_base": max(t["peak_rss"] - t["base_rss"] for t in traces)}
+    return {
+        "cpu": [sum(t["cpu"][k] for t in traces) for k in steps],
+        "wall": [max(t["wall"][k] for t in traces) for k in steps],
+        "peak_rss": max(t["peak_rss"] for t in traces),
+        "peak_above_base": max(t["peak_rss"] - t["base_rss"] for t in traces),
+    }
 
 
 def part_timing(base: alst_stacks.Run, world: int, rounds: int, only=()) -> dict:
     timed = replace(base, steps=base.steps + 1)  # one warm-up step
     reference = launch(alst_stacks.reference_of(timed))[0]
-    runs = {f"{name} {features}": run for features in ("plain", "tiled")
-            for name, run in stack_runs(timed, world, features, only).items()}
+    runs = {
+        f"{name} {features}": run
+        for features in ("plain", "tiled")
+        for name, run in stack_runs(timed, world, features, only).items()
+    }
     names = list(runs)
     samples = {name: {"cpu": [], "wall": [], "peak_rss": [], "peak_above_base": []} for name in names}
     parity = {}
     for i in range(rounds):
         print(f"  round {i + 1}/{rounds}, load {harness.load()}", flush=True)
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             traces = launch(runs[name])
             measured = _measure(traces)
             for key in ("cpu", "wall"):
@@ -146,15 +153,18 @@ def part_timing(base: alst_stacks.Run, world: int, rounds: int, only=()) -> dict
             for key in ("peak_rss", "peak_above_base"):
                 samples[name][key].append(measured[key])
             parity.setdefault(name, parity_row(traces[0], reference))
-            print(f"    {name}: CPU {statistics.median(measured['cpu']):.3f} s, wall "
-                  f"{statistics.median(measured['wall']):.3f} s, peak RSS {measured['peak_rss'] / MIB:.0f} MiB", flush=True)
-    return {"rows": {name: _medians(samples[name]) | {"parity": parity[name]} for name in names},
-            "samples": samples}
+            print(
+                f"    {name}: CPU {statistics.median(measured['cpu']):.3f} s, wall "
+                f"{statistics.median(measured['wall']):.3f} s, peak RSS {measured['peak_rss'] / MIB:.0f} MiB",
+                flush=True,
+            )
+    return {"rows": {name: _medians(samples[name]) | {"parity": parity[name]} for name in names}, "samples": samples}
 
 
 def _medians(sample: dict) -> dict:
     return {f"median_{key}": statistics.median(values) for key, values in sample.items()} | {
-        "steps_timed": len(sample["cpu"])}
+        "steps_timed": len(sample["cpu"])
+    }
 
 
 MEMORY_WORDS = ("allocate memory", "MemoryError", "Cannot allocate", "out of memory", "Connection", "closed")
@@ -197,13 +207,21 @@ def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log
     return {"longest": good, "first_failure": bad, "attempts": attempts}
 
 
-def part_longest(base: alst_stacks.Run, world: int, budget_mib: int, start: int, granularity: int,
-                 only=(), ceiling: int | None = None) -> dict:
+def part_longest(
+    base: alst_stacks.Run,
+    world: int,
+    budget_mib: int,
+    start: int,
+    granularity: int,
+    only=(),
+    ceiling: int | None = None,
+) -> dict:
     rows = {}
     for features in ("plain", "best"):
         for name, run in stack_runs(base, world, features, only).items():
-            rows[f"{name} {features}"] = longest(run, budget_mib * MIB, start, granularity,
-                                                 lambda line: print(line, flush=True), ceiling)
+            rows[f"{name} {features}"] = longest(
+                run, budget_mib * MIB, start, granularity, lambda line: print(line, flush=True), ceiling
+            )
     return {"budget_mib": budget_mib, "granularity": granularity, "limit_from": base.limit_from, "rows": rows}
 
 
@@ -211,18 +229,25 @@ def part_memory(base: alst_stacks.Run, world: int, only=()) -> dict:
     rows = {}
     for name, run in stack_runs(replace(base, steps=2, budget=UNCAPPED), world, "best", only).items():
         traces = launch(run)
-        row = rows[f"{name} best"] = {"peak_rss": max(t["peak_rss"] for t in traces),
-                                      "peak_above_build": max(t["peak_rss"] - t["built_rss"] for t in traces),
-                                      "parity_losses": traces[0]["losses"]}
-        print(f"    {name} best: peak RSS {row['peak_rss'] / MIB:.0f} MiB, above the build "
-              f"{row['peak_above_build'] / MIB:.0f} MiB", flush=True)
+        row = rows[f"{name} best"] = {
+            "peak_rss": max(t["peak_rss"] for t in traces),
+            "peak_above_build": max(t["peak_rss"] - t["built_rss"] for t in traces),
+            "parity_losses": traces[0]["losses"],
+        }
+        print(
+            f"    {name} best: peak RSS {row['peak_rss'] / MIB:.0f} MiB, above the build "
+            f"{row['peak_above_build'] / MIB:.0f} MiB",
+            flush=True,
+        )
     return {"seq_len": base.seq_len, "rows": rows}
 
 
 def part_defects(base: alst_stacks.Run, world: int) -> dict:
-    return {"zero2": alst_defects.zero2_gradient_scale(base, world),
-            "fused_logits": alst_defects.fused_logits_head_gradient(base, world),
-            "tied": alst_defects.tied_tiled_loss(base, world)}
+    return {
+        "zero2": alst_defects.zero2_gradient_scale(base, world),
+        "fused_logits": alst_defects.fused_logits_head_gradient(base, world),
+        "tied": alst_defects.tied_tiled_loss(base, world),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -237,34 +262,47 @@ def _ratio_to_alst(rows: dict, name: str, key: str) -> str:
 
 def markdown_timing(result: dict) -> str:
     rows = result["rows"]
-    lines = ["| stack | features | CPU s/step (sum over ranks) | / ALST | wall s/step | / ALST | peak RSS MiB/rank "
-             "| / ALST | above the imports, MiB | / ALST | parity vs one process |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| stack | features | CPU s/step (sum over ranks) | / ALST | wall s/step | / ALST | peak RSS MiB/rank "
+        "| / ALST | above the imports, MiB | / ALST | parity vs one process |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, row in rows.items():
         stack, features = name.rsplit(" ", 1)
-        lines.append(f"| {stack} | {features} | {row['median_cpu']:.3f} | {_ratio_to_alst(rows, name, 'median_cpu')} | "
-                     f"{row['median_wall']:.3f} | {_ratio_to_alst(rows, name, 'median_wall')} | "
-                     f"{row['median_peak_rss'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'median_peak_rss')} | "
-                     f"{row['median_peak_above_base'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'median_peak_above_base')} | "
-                     f"{'equal' if row['parity']['ok'] else 'DIFFERS'} ({max(row['parity']['errors'].values()):.1e}) |")
+        lines.append(
+            f"| {stack} | {features} | {row['median_cpu']:.3f} | {_ratio_to_alst(rows, name, 'median_cpu')} | "
+            f"{row['median_wall']:.3f} | {_ratio_to_alst(rows, name, 'median_wall')} | "
+            f"{row['median_peak_rss'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'median_peak_rss')} | "
+            f"{row['median_peak_above_base'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'median_peak_above_base')} | "
+            f"{'equal' if row['parity']['ok'] else 'DIFFERS'} ({max(row['parity']['errors'].values()):.1e}) |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def markdown_parity(result: dict) -> str:
-    lines = ["| stack | features | max rel. error: loss | grad norm | lm_head grad norm | equal |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| stack | features | max rel. error: loss | grad norm | lm_head grad norm | equal |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, row in result["rows"].items():
         stack, features = name.rsplit(" ", 1)
         errors = row["errors"]
-        lines.append(f"| {stack} | {features} | {errors['losses']:.1e} | {errors['norms']:.1e} | "
-                     f"{errors.get('head_norms', float('nan')):.1e} | {row['ok']} |")
+        lines.append(
+            f"| {stack} | {features} | {errors['losses']:.1e} | {errors['norms']:.1e} | "
+            f"{errors.get('head_norms', float('nan')):.1e} | {row['ok']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def markdown_longest(result: dict) -> str:
     rows = result["rows"]
-    lines = [f"Per-rank cap {result['budget_mib']} MiB (RLIMIT_DATA from after the {result.get('limit_from', 'build')}), S in steps of "
-             f"{result['granularity']}.", "", "| stack | features | longest S | first failing S | / ALST |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"Per-rank cap {result['budget_mib']} MiB (RLIMIT_DATA from after the {result.get('limit_from', 'build')}), S in steps of "
+        f"{result['granularity']}.",
+        "",
+        "| stack | features | longest S | first failing S | / ALST |",
+        "|---|---|---|---|---|",
+    ]
     for name, row in rows.items():
         stack, features = name.rsplit(" ", 1)
         failure = "none tried (search capped)" if row["first_failure"] is None else f"{row['first_failure']:,}"
@@ -275,13 +313,18 @@ def markdown_longest(result: dict) -> str:
 
 def markdown_memory(result: dict) -> str:
     rows = result["rows"]
-    lines = [f"S = {result['seq_len']:,}, best features, one warm-up step then one step.", "",
-             "| stack | features | peak RSS MiB/rank | / ALST | step peak above the build, MiB | / ALST |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"S = {result['seq_len']:,}, best features, one warm-up step then one step.",
+        "",
+        "| stack | features | peak RSS MiB/rank | / ALST | step peak above the build, MiB | / ALST |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, row in rows.items():
         stack, features = name.rsplit(" ", 1)
-        lines.append(f"| {stack} | {features} | {row['peak_rss'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'peak_rss')} | "
-                     f"{row['peak_above_build'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'peak_above_build')} |")
+        lines.append(
+            f"| {stack} | {features} | {row['peak_rss'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'peak_rss')} | "
+            f"{row['peak_above_build'] / MIB:.0f} | {_ratio_to_alst(rows, name, 'peak_above_build')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -296,15 +339,22 @@ def render(path: str) -> None:
     write(part, stored["result"], stored["meta"], str(Path(path).parent))
 
 
-RENDER = {"parity": markdown_parity, "timing": markdown_timing, "memory": markdown_memory,
-          "longest": markdown_longest, "defects": markdown_defects}
+RENDER = {
+    "parity": markdown_parity,
+    "timing": markdown_timing,
+    "memory": markdown_memory,
+    "longest": markdown_longest,
+    "defects": markdown_defects,
+}
 
 
 def write(part: str, result: dict, meta: dict, out: str | None) -> None:
     prefix = os.path.join(out, part) if out else harness.results_path("alst", part)
-    header = (f"# End to end against DeepSpeed's ALST: {part}\n\n`{meta['command']}`; {meta['job']}\n\n"
-              f"Machine: {meta['machine']}; {meta['software']}; hybridsp {meta['revision']}; load (1/5/15 min) "
-              f"before {meta['load_before']}, after {meta['load_after']}; {meta['seconds']:.0f} s.\n\n")
+    header = (
+        f"# End to end against DeepSpeed's ALST: {part}\n\n`{meta['command']}`; {meta['job']}\n\n"
+        f"Machine: {meta['machine']}; {meta['software']}; hybridsp {meta['revision']}; load (1/5/15 min) "
+        f"before {meta['load_before']}, after {meta['load_after']}; {meta['seconds']:.0f} s.\n\n"
+    )
     harness.write_results(prefix, header + RENDER[part](result), {"meta": meta, "result": result})
 
 
@@ -326,14 +376,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--budget-mib", type=int, default=1500, help="longest: per-rank cap (MiB)")
-    parser.add_argument("--limit-from", choices=("build", "imports"), default="build",
-                        help="longest: the cap counts from after the engine build (default) or after the imports")
+    parser.add_argument(
+        "--limit-from",
+        choices=("build", "imports"),
+        default="build",
+        help="longest: the cap counts from after the engine build (default) or after the imports",
+    )
     parser.add_argument("--start", type=int, default=8192, help="longest: first S tried")
     parser.add_argument("--granularity", type=int, default=1024, help="longest: S step of the bisection")
-    parser.add_argument("--max-seq-len", type=int, help="longest: no attempt beyond this S (the row then reads "
-                        "'or more'; an attempt near the limit costs minutes of attention on a CPU)")
-    parser.add_argument("--only", nargs="+", default=[], help="stacks whose name contains one of these "
-                        "(e.g. ALST U4xR1); ALST is always kept as the ratios' denominator")
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        help="longest: no attempt beyond this S (the row then reads "
+        "'or more'; an attempt near the limit costs minutes of attention on a CPU)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        help="stacks whose name contains one of these "
+        "(e.g. ALST U4xR1); ALST is always kept as the ratios' denominator",
+    )
     parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown of a stored <part>.json")
     parser.add_argument("--out", help="write <part>.{md,json} here instead of benchmarks/results/alst/")
     return parser.parse_args(argv)
@@ -345,32 +408,50 @@ def main(argv=None) -> int:
         render(args.render)
         return 0
     only = [*args.only, "ALST"] if args.only else []
-    base = alst_stacks.Run(seq_len=args.seq_len, steps=args.steps, stage=args.stage, hidden=args.hidden,
-                           heads=args.heads, kv_heads=args.kv_heads, layers=args.layers, vocab=args.vocab,
-                           limit_from=args.limit_from)
+    base = alst_stacks.Run(
+        seq_len=args.seq_len,
+        steps=args.steps,
+        stage=args.stage,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        layers=args.layers,
+        vocab=args.vocab,
+        limit_from=args.limit_from,
+    )
     if args.granularity % (2 * args.world):
         raise SystemExit(f"--granularity {args.granularity} must be a multiple of 2 x world = {2 * args.world}")
     os.environ.setdefault("HYBRIDSP_TEST_PRELOAD", ",".join(PRELOAD[3:]))
     harness.warm_forkserver(PRELOAD)
     parts = list(RENDER) if args.part == "all" else [args.part]
-    jobs = {"parity": lambda: part_parity(base, args.world, only),
-            "timing": lambda: part_timing(base, args.world, args.rounds, only),
-            "memory": lambda: part_memory(base, args.world, only),
-            "longest": lambda: part_longest(base, args.world, args.budget_mib, args.start, args.granularity, only,
-                                            args.max_seq_len),
-            "defects": lambda: part_defects(base, args.world)}
+    jobs = {
+        "parity": lambda: part_parity(base, args.world, only),
+        "timing": lambda: part_timing(base, args.world, args.rounds, only),
+        "memory": lambda: part_memory(base, args.world, only),
+        "longest": lambda: part_longest(
+            base, args.world, args.budget_mib, args.start, args.granularity, only, args.max_seq_len
+        ),
+        "defects": lambda: part_defects(base, args.world),
+    }
     failed = False
     for part in parts:
         print(f"{part} (load {harness.load()})", flush=True)
-        meta = {"command": harness.command(MODULE, argv),
-                "job": json.dumps(asdict(base)), "world": args.world, "machine": harness.machine_info(),
-                "software": harness.software_info(), "revision": harness.revision(), "load_before": harness.load()}
+        meta = {
+            "command": harness.command(MODULE, argv),
+            "job": json.dumps(asdict(base)),
+            "world": args.world,
+            "machine": harness.machine_info(),
+            "software": harness.software_info(),
+            "revision": harness.revision(),
+            "load_before": harness.load(),
+        }
         started = time.perf_counter()
         result = jobs[part]()
         meta.update(load_after=harness.load(), seconds=time.perf_counter() - started)
         write(part, result, meta, args.out)
         failed |= part in ("parity", "timing") and not all(
-            (row.get("parity") or row)["ok"] for row in result["rows"].values())
+            (row.get("parity") or row)["ok"] for row in result["rows"].values()
+        )
     return 1 if failed else 0
 
 

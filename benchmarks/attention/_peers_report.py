@@ -1,6 +1,6 @@
 """The markdown report of attention.peers (tables and a reading, computed from its rows).
 
-    python -m benchmarks run attention.peers --render benchmarks/results/peers/peers.json   # rewrite the .md
+python -m benchmarks run attention.peers --render benchmarks/results/peers/peers.json   # rewrite the .md
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def table(row: dict) -> list[str]:
         lines.append(
             f"| {method} | {e['median_wall']:.3f} | {e['median_cpu']:.3f} | {ratio('ratio_wall')} | "
             f"{ratio('ratio_wall_paired')} | {ratio('ratio_cpu')} | {_mb(sent)} | {per_min} | "
-            f"{e['peak_mem_mb']:.1f} | {_errors_cell(e, row['ref_max'], row['kernel_errors'], b['dtype'])} |")
+            f"{e['peak_mem_mb']:.1f} | {_errors_cell(e, row['ref_max'], row['kernel_errors'], b['dtype'])} |"
+        )
     return lines + [""]
 
 
@@ -84,9 +85,11 @@ def reading(rows: list[dict]) -> list[str]:
     for row in rows:
         b, methods = row["block"], row["methods"]
         peer = "deepspeed" if b["ulysses"] == b["world"] else "yunchang"
-        parts = [f"{m} {e['ratio_wall']:.3f}x wall / {e['ratio_cpu']:.3f}x CPU" for m, e in methods.items()
-                 if "ratio_wall" in e]
+        parts = [
+            f"{m} {e['ratio_wall']:.3f}x wall / {e['ratio_cpu']:.3f}x CPU"
+            for m, e in methods.items()
+            if "ratio_wall" in e
+        ]
         where = f"- W{b['world']} {b['dtype']} Hkv={b['kv_heads']} U{b['ulysses']}xR{b['ring']} vs {peer}: "
         out.append(where + ("; ".join(parts) if parts else "no ratio (a method did not pass)") + ".")
     return out + [""]
-

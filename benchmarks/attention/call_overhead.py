@@ -35,8 +35,12 @@ def worker(shapes: list) -> dict:
     import hybridsp
 
     times = harness.launch(overhead_rank, 1, shapes)[0]
-    return {"hybridsp": hybridsp.__file__,
-            "overhead": {shape: {name: harness.combine([t]) for name, t in calls.items()} for shape, calls in times.items()}}
+    return {
+        "hybridsp": hybridsp.__file__,
+        "overhead": {
+            shape: {name: harness.combine([t]) for name, t in calls.items()} for shape, calls in times.items()
+        },
+    }
 
 
 def one_round(tree: str) -> dict:
@@ -44,8 +48,9 @@ def one_round(tree: str) -> dict:
     started = time.perf_counter()
     result = run_in_tree(MODULE, tree, "--worker", json.dumps(SHAPES), what="the overhead worker", timeout=900)
     print(f"  {tree}: {time.perf_counter() - started:.0f} s (load {harness.load()})", flush=True)
-    return {shape: {call: 1e6 * times[call]["median_cpu"] for call in CALLS}
-            for shape, times in result["overhead"].items()}
+    return {
+        shape: {call: 1e6 * times[call]["median_cpu"] for call in CALLS} for shape, times in result["overhead"].items()
+    }
 
 
 def summary(rounds: list[dict]) -> dict:
@@ -55,23 +60,32 @@ def summary(rounds: list[dict]) -> dict:
         rows = [r[shape] for r in rounds]
         out[shape] = {call: statistics.median(r[call] for r in rows) for call in CALLS} | {
             "overhead": statistics.median(r["hybrid_attn_func"] - r["raw aten"] for r in rows),
-            "wrapper": statistics.median(r["bare kernel"] - r["raw aten"] for r in rows)}
+            "wrapper": statistics.median(r["bare kernel"] - r["raw aten"] for r in rows),
+        }
     return out
 
 
 def markdown(result: dict, meta: dict) -> str:
-    lines = [f"# Per-call overhead on a 1 x 1 mesh: {meta['revisions']['before']} -> {meta['revisions']['after']}", "",
-             f"`{meta['command']}`; {meta['rounds']} rounds alternating; {meta['machine']}; {meta['software']}; "
-             f"load before {meta['load_before']}, after {meta['load_after']}.", "",
-             "CPU us per forward + backward call (medians over rounds; overheads per round, then the median).", "",
-             "| shape B x S x H x D | tree | hybrid_attn_func | kernel wrapper | torch SDPA | raw aten | "
-             "overhead (hybrid - raw) | wrapper (kernel - raw) | hybrid / SDPA |", "|---|" + "---|" * 8]
+    lines = [
+        f"# Per-call overhead on a 1 x 1 mesh: {meta['revisions']['before']} -> {meta['revisions']['after']}",
+        "",
+        f"`{meta['command']}`; {meta['rounds']} rounds alternating; {meta['machine']}; {meta['software']}; "
+        f"load before {meta['load_before']}, after {meta['load_after']}.",
+        "",
+        "CPU us per forward + backward call (medians over rounds; overheads per round, then the median).",
+        "",
+        "| shape B x S x H x D | tree | hybrid_attn_func | kernel wrapper | torch SDPA | raw aten | "
+        "overhead (hybrid - raw) | wrapper (kernel - raw) | hybrid / SDPA |",
+        "|---|" + "---|" * 8,
+    ]
     for shape in result["after"]:
         for tree in ("before", "after"):
             row = result[tree][shape]
-            lines.append(f"| {shape} | {tree} | {row['hybrid_attn_func']:.0f} | {row['bare kernel']:.0f} | "
-                         f"{row['torch SDPA']:.0f} | {row['raw aten']:.0f} | {row['overhead']:.0f} | "
-                         f"{row['wrapper']:.0f} | {row['hybrid_attn_func'] / row['torch SDPA']:.2f} |")
+            lines.append(
+                f"| {shape} | {tree} | {row['hybrid_attn_func']:.0f} | {row['bare kernel']:.0f} | "
+                f"{row['torch SDPA']:.0f} | {row['raw aten']:.0f} | {row['overhead']:.0f} | "
+                f"{row['wrapper']:.0f} | {row['hybrid_attn_func'] / row['torch SDPA']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -89,13 +103,17 @@ def main(argv=None) -> int:
     if not args.before:
         parser.error("--before TREE is required")
     trees = {"before": args.before, "after": args.after}
-    meta = {"command": harness.command(MODULE, argv),
-            "rounds": args.rounds, "machine": harness.machine_info(), "software": harness.software_info(),
-            "revisions": {name: tree_head(tree) for name, tree in trees.items()},
-            "load_before": harness.load()}
+    meta = {
+        "command": harness.command(MODULE, argv),
+        "rounds": args.rounds,
+        "machine": harness.machine_info(),
+        "software": harness.software_info(),
+        "revisions": {name: tree_head(tree) for name, tree in trees.items()},
+        "load_before": harness.load(),
+    }
     raw = {"before": [], "after": []}
     for i in range(args.rounds):
-        for name in (("before", "after") if i % 2 == 0 else ("after", "before")):
+        for name in ("before", "after") if i % 2 == 0 else ("after", "before"):
             raw[name].append(one_round(trees[name]))
     meta["load_after"] = harness.load()
     result = {name: summary(rounds) for name, rounds in raw.items()}

@@ -57,12 +57,33 @@ MODULE = "benchmarks.attention.core_shape"
 SEQ_PLAN, RING_PLAN = 65_536, 4
 DOC_COUNTS = (1_000, 8_000, 32_000)
 MODEL_SEQ, MODEL_DOCS = 1024, 16
-MODEL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=2048, attn_implementation="sdpa")
+MODEL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    attn_implementation="sdpa",
+)
 OVERHEAD_SMALL, OVERHEAD_LARGE = (1, 64, 2, 16), (1, 512, 4, 32)  # [B, S, H, D]; the larger for context
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-               "all_to_all", "all_to_all_single", "batch_isend_irecv", "send", "recv", "reduce_scatter",
-               "reduce_scatter_tensor", "broadcast", "barrier")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "batch_isend_irecv",
+    "send",
+    "recv",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "barrier",
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,6 +93,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 def _plan_cache():
     """The lru-cached function that builds plans: build_plan before, masks._build_plan after."""
     import hybridsp.layout._block_plan as masks
+
     return getattr(masks, "_build_plan", masks.build_plan)
 
 
@@ -172,8 +194,9 @@ def _model_rank(rank: int, world: int, variants: list[str], iters: int) -> dict:
         model.zero_grad(set_to_none=True)
         local = hybridsp.shard_batch(batch, mesh)
         extra = {"hybridsp_documents": local["documents"]} if variant == "documents" else {}
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False,
-                       **extra).logits
+        logits = model(
+            input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False, **extra
+        ).logits
         loss = hybridsp.sharded_cross_entropy(logits, local["shift_labels"], mesh)
         loss.backward()
         return loss.detach().item()
@@ -202,8 +225,14 @@ def worker(part: str, args: dict) -> dict:
         out["plan"] = {str(n): plan_times(int(n), r) for n, r in args["repeats"].items() if r > 0}
     elif part == "model":
         ranks = launch(_model_rank, 4, args["variants"], args["iters"])
-        out["model"] = {v: {"calls": [r[v]["calls"] for r in ranks], "loss": ranks[0][v]["loss"],
-                            "time": combine([r[v]["times"] for r in ranks])} for v in args["variants"]}
+        out["model"] = {
+            v: {
+                "calls": [r[v]["calls"] for r in ranks],
+                "loss": ranks[0][v]["loss"],
+                "time": combine([r[v]["times"] for r in ranks]),
+            }
+            for v in args["variants"]
+        }
     elif part == "overhead":
         shapes = launch(overhead_rank, 1, args["shapes"])[0]
         out["overhead"] = {shape: {name: combine([t]) for name, t in times.items()} for shape, times in shapes.items()}
@@ -231,8 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--before", default="/work/wt-before")
     parser.add_argument("--after", default=str(ROOT))
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--slow-timeout", type=float, default=1800,
-                        help="wall seconds for the old builder's one 32,000-document build (runs alongside)")
+    parser.add_argument(
+        "--slow-timeout",
+        type=float,
+        default=1800,
+        help="wall seconds for the old builder's one 32,000-document build (runs alongside)",
+    )
     parser.add_argument("--prefix", default=results_path("core_shape", "core_shape"))
     parser.add_argument("--worker")
     parser.add_argument("--args")
@@ -243,8 +276,12 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"before": opts.before, "after": opts.after}
     raw = {"before": [], "after": []}
     start_load, started = load(), time.perf_counter()
-    slow = subprocess.Popen(**_process(opts.before, "plan", {"repeats": {str(DOC_COUNTS[-1]): 1}}),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    slow = subprocess.Popen(
+        **_process(opts.before, "plan", {"repeats": {str(DOC_COUNTS[-1]): 1}}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for i in range(opts.rounds):
         order = ["before", "after"] if i % 2 == 0 else ["after", "before"]
         print(f"round {i + 1}/{opts.rounds}", flush=True)
@@ -260,10 +297,19 @@ def main(argv: list[str] | None = None) -> int:
     except subprocess.TimeoutExpired:
         slow.kill()
         slow_note = f"not finished within {opts.slow_timeout:.0f} s wall"
-    data = {"command": command(MODULE, argv), "machine": machine_info(), "software": software_info(),
-            "load_start": start_load, "load_end": load(),
-            "uptime": _uptime(), "rounds": opts.rounds, "trees": trees,
-            "revisions": {name: tree_head(tree) for name, tree in trees.items()}, "slow_note": slow_note, "raw": raw}
+    data = {
+        "command": command(MODULE, argv),
+        "machine": machine_info(),
+        "software": software_info(),
+        "load_start": start_load,
+        "load_end": load(),
+        "uptime": _uptime(),
+        "rounds": opts.rounds,
+        "trees": trees,
+        "revisions": {name: tree_head(tree) for name, tree in trees.items()},
+        "slow_note": slow_note,
+        "raw": raw,
+    }
     os.makedirs(os.path.dirname(os.path.abspath(opts.prefix)), exist_ok=True)
     with open(opts.prefix + ".json", "w") as handle:  # the raw data first, in case the report fails
         json.dump(data, handle, indent=1)
@@ -311,41 +357,66 @@ def summarise(raw: dict) -> dict:
                     entry["wall"] += times["wall"]
             model.update(result.get("model", {}))
         out[tree] = {
-            "plan": {n: {"repeats": len(t["cpu"]), "cpu_s": _med(t["cpu"]), "wall_s": _med(t["wall"]),
-                         "pieces": t["pieces"]} for n, t in plan.items()},
-            "overhead": {shape: {name: {"iters": len(t["cpu"]), "cpu_us": 1e6 * _med(t["cpu"]),
-                                        "wall_us": 1e6 * _med(t["wall"])} for name, t in calls.items()}
-                         for shape, calls in overhead.items()},
-            "model": {v: {"calls_rank0": m["calls"][0], "ranks_agree": all(c == m["calls"][0] for c in m["calls"]),
-                          "loss": m["loss"], "step_wall_s": m["time"]["median_wall"],
-                          "step_cpu_s_all_ranks": m["time"]["median_cpu"]} for v, m in model.items()},
+            "plan": {
+                n: {"repeats": len(t["cpu"]), "cpu_s": _med(t["cpu"]), "wall_s": _med(t["wall"]), "pieces": t["pieces"]}
+                for n, t in plan.items()
+            },
+            "overhead": {
+                shape: {
+                    name: {"iters": len(t["cpu"]), "cpu_us": 1e6 * _med(t["cpu"]), "wall_us": 1e6 * _med(t["wall"])}
+                    for name, t in calls.items()
+                }
+                for shape, calls in overhead.items()
+            },
+            "model": {
+                v: {
+                    "calls_rank0": m["calls"][0],
+                    "ranks_agree": all(c == m["calls"][0] for c in m["calls"]),
+                    "loss": m["loss"],
+                    "step_wall_s": m["time"]["median_wall"],
+                    "step_cpu_s_all_ranks": m["time"]["median_cpu"],
+                }
+                for v, m in model.items()
+            },
         }
     return out
 
 
 def _plan_table(summary: dict, slow_note) -> list[str]:
-    lines = ["| documents | before CPU s | after CPU s | CPU ratio | before wall s | after wall s | wall ratio | "
-             "repeats b/a | pieces b/a |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| documents | before CPU s | after CPU s | CPU ratio | before wall s | after wall s | wall ratio | "
+        "repeats b/a | pieces b/a |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for n in map(str, DOC_COUNTS):
         b, a = summary["before"]["plan"].get(n), summary["after"]["plan"].get(n)
         if a is None:
             continue
         if b is None:
-            lines.append(f"| {int(n):,} | ({slow_note}) | {a['cpu_s'] * 1e3:.1f} ms | | | {a['wall_s'] * 1e3:.1f} ms "
-                         f"| | 0/{a['repeats']} | -/{a['pieces']} |")
+            lines.append(
+                f"| {int(n):,} | ({slow_note}) | {a['cpu_s'] * 1e3:.1f} ms | | | {a['wall_s'] * 1e3:.1f} ms "
+                f"| | 0/{a['repeats']} | -/{a['pieces']} |"
+            )
             continue
-        lines.append(f"| {int(n):,} | {b['cpu_s']:.3f} | {a['cpu_s']:.4f} | {b['cpu_s'] / a['cpu_s']:.0f}x | "
-                     f"{b['wall_s']:.3f} | {a['wall_s']:.4f} | {b['wall_s'] / a['wall_s']:.0f}x | "
-                     f"{b['repeats']}/{a['repeats']} | {b['pieces']}/{a['pieces']} |")
+        lines.append(
+            f"| {int(n):,} | {b['cpu_s']:.3f} | {a['cpu_s']:.4f} | {b['cpu_s'] / a['cpu_s']:.0f}x | "
+            f"{b['wall_s']:.3f} | {a['wall_s']:.4f} | {b['wall_s'] / a['wall_s']:.0f}x | "
+            f"{b['repeats']}/{a['repeats']} | {b['pieces']}/{a['pieces']} |"
+        )
     return lines
 
 
 def _model_table(summary: dict) -> list[str]:
-    rows = {"before": summary["before"]["model"].get("plain"), "after": summary["after"]["model"].get("plain"),
-            "after + hybridsp_documents": summary["after"]["model"].get("documents")}
+    rows = {
+        "before": summary["before"]["model"].get("plain"),
+        "after": summary["after"]["model"].get("plain"),
+        "after + hybridsp_documents": summary["after"]["model"].get("documents"),
+    }
     names = sorted({k for r in rows.values() if r for k in r["calls_rank0"]})
-    lines = ["| variant | " + " | ".join(n for n in names) + " | ranks agree | step wall s (median) | loss |",
-             "|---|" + "---|" * (len(names) + 3)]
+    lines = [
+        "| variant | " + " | ".join(n for n in names) + " | ranks agree | step wall s (median) | loss |",
+        "|---|" + "---|" * (len(names) + 3),
+    ]
     for label, r in rows.items():
         if r:
             counts = " | ".join(str(r["calls_rank0"].get(n, 0)) for n in names)
@@ -354,17 +425,22 @@ def _model_table(summary: dict) -> list[str]:
 
 
 def _overhead_table(summary: dict) -> list[str]:
-    lines = ["| shape B x S x H x D | tree | hybrid_attn_func us | bare kernel us | torch SDPA us | "
-             "hybrid / kernel (CPU) | hybrid / kernel (wall) | hybrid / SDPA (CPU) | iters |", "|---|" + "---|" * 8]
+    lines = [
+        "| shape B x S x H x D | tree | hybrid_attn_func us | bare kernel us | torch SDPA us | "
+        "hybrid / kernel (CPU) | hybrid / kernel (wall) | hybrid / SDPA (CPU) | iters |",
+        "|---|" + "---|" * 8,
+    ]
     for shape in summary["after"]["overhead"]:
         for tree in ("before", "after"):
             t = summary[tree]["overhead"].get(shape)
             if not t:
                 continue
             h, k, s = t["hybrid_attn_func"], t["bare kernel"], t["torch SDPA"]
-            lines.append(f"| {shape} | {tree} | {h['cpu_us']:.0f} | {k['cpu_us']:.0f} | {s['cpu_us']:.0f} | "
-                         f"{h['cpu_us'] / k['cpu_us']:.2f} | {h['wall_us'] / k['wall_us']:.2f} | "
-                         f"{h['cpu_us'] / s['cpu_us']:.2f} | {h['iters']} |")
+            lines.append(
+                f"| {shape} | {tree} | {h['cpu_us']:.0f} | {k['cpu_us']:.0f} | {s['cpu_us']:.0f} | "
+                f"{h['cpu_us'] / k['cpu_us']:.2f} | {h['wall_us'] / k['wall_us']:.2f} | "
+                f"{h['cpu_us'] / s['cpu_us']:.2f} | {h['iters']} |"
+            )
     return lines
 
 
@@ -372,25 +448,38 @@ def report(data: dict) -> tuple[str, dict]:
     """(markdown, summary) of a run."""
     summary = summarise(data["raw"])
     lines = [
-        "# The core reshaping, before (4a51805) vs after", "",
+        "# The core reshaping, before (4a51805) vs after",
+        "",
         f"`{data.get('command', 'python benchmarks/bench_core_shape.py')}` ({data['rounds']} rounds, before/after alternating; "
         f"revisions {data.get('revisions', 'not recorded')}). {data['machine']}; {data['software']}.",
         f"Load average (1/5/15 min) at start {data['load_start']}, at end {data['load_end']}; `{data['uptime']}`. "
         "The machine was shared with other jobs: CPU times (process_time) are the steadier measure, "
-        "wall times include waiting for a core.", "",
-        f"## 1. Plan building: S = {SEQ_PLAN:,}, R = {RING_PLAN}, zigzag, causal, random documents (seed 0)", "",
+        "wall times include waiting for a core.",
+        "",
+        f"## 1. Plan building: S = {SEQ_PLAN:,}, R = {RING_PLAN}, zigzag, causal, random documents (seed 0)",
+        "",
         "Medians over cold builds (plan cache cleared before each). The old builder's 32,000-document build ran once, "
-        "alongside the rest.", "", *_plan_table(summary, data.get("slow_note")), "",
+        "alongside the rest.",
+        "",
+        *_plan_table(summary, data.get("slow_note")),
+        "",
         f"## 2. One step of a switched 4-layer Llama, packed batch (S = {MODEL_SEQ}, {MODEL_DOCS} documents), "
-        "U2 x R2, 4 gloo ranks", "",
+        "U2 x R2, 4 gloo ranks",
+        "",
         "Calls per rank (rank 0; `ranks agree`: all 4 ranks counted the same) during one step: shard_batch, forward, "
         "sharded_cross_entropy, backward, plan cache cleared first. `p2p ops`: isend/irecv ops inside "
         "batch_isend_irecv; `build_plan calls`: calls of masks.build_plan; `plans built`: plan cache misses. "
-        "Step wall: median of 4 interleaved steps (max over ranks).", "", *_model_table(summary), "",
-        "## 3. Per-call overhead of hybrid_attn_func on a 1 x 1 mesh (world-1 gloo group), fp32 causal fwd+bwd", "",
+        "Step wall: median of 4 interleaved steps (max over ranks).",
+        "",
+        *_model_table(summary),
+        "",
+        "## 3. Per-call overhead of hybrid_attn_func on a 1 x 1 mesh (world-1 gloo group), fp32 causal fwd+bwd",
+        "",
         "Medians per call (us, process CPU time) over interleaved repeats (harness.interleave); bare kernel = "
-        "`get_kernel(\"torch\").forward` + `.backward`; torch SDPA = F.scaled_dot_product_attention with autograd.",
-        "", *_overhead_table(summary), "",
+        '`get_kernel("torch").forward` + `.backward`; torch SDPA = F.scaled_dot_product_attention with autograd.',
+        "",
+        *_overhead_table(summary),
+        "",
     ]
     return "\n".join(lines), summary
 

@@ -62,13 +62,16 @@ def measure(rank: int, world: int, seq: int, lengths: list[int], iters: int) -> 
             outputs[(path, length)] = [out.detach(), *(t.grad for t in leaves)]
 
         for path in ("stacked", "per-piece"):
-            calls[f"{path} L={length}"] = (lambda path=path, run=run: run(path))
+            calls[f"{path} L={length}"] = lambda path=path, run=run: run(path)
     default_rows = stacked.MAX_ROWS
     times = interleave(calls, iters + 1)
     stacked.MAX_ROWS = default_rows
-    errors = {length: max(float((a - b).abs().max()) for a, b in zip(outputs[("stacked", length)],
-                                                                      outputs[("per-piece", length)]))
-              for length in lengths}
+    errors = {
+        length: max(
+            float((a - b).abs().max()) for a, b in zip(outputs[("stacked", length)], outputs[("per-piece", length)])
+        )
+        for length in lengths
+    }
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, times)
     if rank != 0:
@@ -83,19 +86,28 @@ def cells(seq: int, length: int) -> int:
 
 
 def report(results: dict, args) -> str:
-    lines = [f"# Many tiny documents: stacked pieces against one call per piece (S={args.seq}, fp32, torch backend)",
-             "", f"{machine_info()}; load {results['load_before']} before, {load()} after; revision {revision()}", "",
-             "| ranks | documents x length | stacked CPU | per-piece CPU | per-piece / stacked | "
-             "stacked per cell (longest = 1) | per-piece per cell | max abs diff |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Many tiny documents: stacked pieces against one call per piece (S={args.seq}, fp32, torch backend)",
+        "",
+        f"{machine_info()}; load {results['load_before']} before, {load()} after; revision {revision()}",
+        "",
+        "| ranks | documents x length | stacked CPU | per-piece CPU | per-piece / stacked | "
+        "stacked per cell (longest = 1) | per-piece per cell | max abs diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for world, result in results["worlds"].items():
         longest = max(args.lengths)
-        base = {p: result["paths"][f"{p} L={longest}"]["median_cpu"] / cells(args.seq, longest)
-                for p in ("stacked", "per-piece")}
+        base = {
+            p: result["paths"][f"{p} L={longest}"]["median_cpu"] / cells(args.seq, longest)
+            for p in ("stacked", "per-piece")
+        }
         for length in args.lengths:
             s, p = (result["paths"][f"{name} L={length}"]["median_cpu"] for name in ("stacked", "per-piece"))
             per_cell = [t / cells(args.seq, length) / base[name] for t, name in ((s, "stacked"), (p, "per-piece"))]
-            lines.append(f"| {world} | {args.seq // length} x {length} | {s:.3f} s | {p:.3f} s | {p / s:.2f} | "
-                         f"{per_cell[0]:.2f} | {per_cell[1]:.2f} | {result['errors'][length]:.1e} |")
+            lines.append(
+                f"| {world} | {args.seq // length} x {length} | {s:.3f} s | {p:.3f} s | {p / s:.2f} | "
+                f"{per_cell[0]:.2f} | {per_cell[1]:.2f} | {result['errors'][length]:.1e} |"
+            )
     lines += ["", f"Medians of {args.iters} interleaved rounds (after one warm-up), CPU seconds summed over ranks."]
     return "\n".join(lines) + "\n"
 
@@ -107,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2, 8, 64, 1024])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--iters", type=int, default=7)
-    parser.add_argument("--out", help="folder for documents_s<S>.{md,json} (default benchmarks/results/packed; "
-                        "quick: the temp dir)")
+    parser.add_argument(
+        "--out", help="folder for documents_s<S>.{md,json} (default benchmarks/results/packed; quick: the temp dir)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.seq, args.iters, args.lengths = 2048, 3, [2, 16, 256]
@@ -118,8 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     markdown = report(results, args)
     print(markdown)
     name = f"documents_s{args.seq}"
-    prefix = str(Path(args.out) / name) if args.out else \
-        results_path("packed", name) if not args.quick else str(Path(tempfile.gettempdir()) / name)
+    prefix = (
+        str(Path(args.out) / name)
+        if args.out
+        else results_path("packed", name)
+        if not args.quick
+        else str(Path(tempfile.gettempdir()) / name)
+    )
     write_results(prefix, markdown, {**results, "args": vars(args)})
     return 0
 

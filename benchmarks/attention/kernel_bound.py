@@ -111,8 +111,7 @@ def worker(args: dict) -> dict:
 
     shape, repeats = args["shape"], args["repeats"]
     single = harness.launch(_single, 1, shape, repeats, timeout=1800)[0]
-    out = {"hybridsp": hybridsp.__file__,
-           "single": statistics.median(c[0] for c in single)}
+    out = {"hybridsp": hybridsp.__file__, "single": statistics.median(c[0] for c in single)}
     for name in args["meshes"]:
         u, r = (int(x) for x in name.split("x"))
         per_rank = harness.launch(_mesh_rank, u * r, shape, repeats, u, r, timeout=1800)
@@ -136,8 +135,13 @@ def _collective_rank(rank, world, mbytes, calls, repeats):
             dist.all_to_all_single(out, send)
 
     def point_to_point():
-        ops = [dist.P2POp(op, buffer[peer], peer) for send, out in zip(sends, outs) for peer in range(world)
-               if peer != rank for op, buffer in ((dist.isend, send), (dist.irecv, out))]
+        ops = [
+            dist.P2POp(op, buffer[peer], peer)
+            for send, out in zip(sends, outs)
+            for peer in range(world)
+            if peer != rank
+            for op, buffer in ((dist.isend, send), (dist.irecv, out))
+        ]
         for request in dist.batch_isend_irecv(ops):
             request.wait()
 
@@ -154,9 +158,12 @@ def _collective_rank(rank, world, mbytes, calls, repeats):
 
 def collectives(world: int) -> tuple[str, list]:
     """A markdown table of gloo's CPU per round (medians over the ranks), and its rows with every rank's ms."""
-    lines = [f"gloo, {world} ranks, process CPU ms per rank and round (median over ranks); load {harness.load()}", "",
-             "| MB per rank | all-to-all calls | all_to_all_single | the same bytes as one batch of p2p ops |",
-             "|---|---|---|---|"]
+    lines = [
+        f"gloo, {world} ranks, process CPU ms per rank and round (median over ranks); load {harness.load()}",
+        "",
+        "| MB per rank | all-to-all calls | all_to_all_single | the same bytes as one batch of p2p ops |",
+        "|---|---|---|---|",
+    ]
     rows = []
     for mbytes, calls in ((0.5, 1), (2, 1), (6, 1), (6, 6)):
         per_rank = harness.launch(_collective_rank, world, mbytes, calls, 40, timeout=900)
@@ -187,20 +194,28 @@ def summary(rounds: list[dict], meshes: list[str]) -> dict:
 
 def markdown(result: dict, meta: dict) -> str:
     shape = meta["shape"]
-    lines = [f"# Distance from the kernel-bound limit ({meta['revisions']})", "",
-             f"`{meta['command']}`; causal fp32 B=1 S={shape['seq_len']} H={shape['heads']} Hkv={shape['kv_heads']} "
-             f"D={shape['head_dim']}, fwd+bwd, one thread per rank; {meta['rounds']} rounds; {meta['machine']}; "
-             f"load before {meta['load_before']}, after {meta['load_after']}.", "",
-             "Each share is seconds summed over the ranks / the single call's (medians over rounds).", "",
-             "| tree | mesh | single call CPU s | summed CPU s | / single (the ratio) | kernel | hybridsp's thread "
-             "| gloo's threads | ratio per round |", "|---|" + "---|" * 8]
+    lines = [
+        f"# Distance from the kernel-bound limit ({meta['revisions']})",
+        "",
+        f"`{meta['command']}`; causal fp32 B=1 S={shape['seq_len']} H={shape['heads']} Hkv={shape['kv_heads']} "
+        f"D={shape['head_dim']}, fwd+bwd, one thread per rank; {meta['rounds']} rounds; {meta['machine']}; "
+        f"load before {meta['load_before']}, after {meta['load_after']}.",
+        "",
+        "Each share is seconds summed over the ranks / the single call's (medians over rounds).",
+        "",
+        "| tree | mesh | single call CPU s | summed CPU s | / single (the ratio) | kernel | hybridsp's thread "
+        "| gloo's threads | ratio per round |",
+        "|---|" + "---|" * 8,
+    ]
     for tree, res in result.items():
         for name in meta["meshes"]:
             row = res[name]
             rounds = ", ".join(f"{x:.3f}" for x in row["ratios"])
-            lines.append(f"| {tree} | U{name.replace('x', 'xR')} | {res['single']:.3f} | {row['total']:.3f} | "
-                         f"**{row['ratio']:.3f}** | {row['kernel']:.3f} | {row['hybridsp']:.3f} | {row['gloo']:.3f} | "
-                         f"{rounds} |")
+            lines.append(
+                f"| {tree} | U{name.replace('x', 'xR')} | {res['single']:.3f} | {row['total']:.3f} | "
+                f"**{row['ratio']:.3f}** | {row['kernel']:.3f} | {row['hybridsp']:.3f} | {row['gloo']:.3f} | "
+                f"{rounds} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -214,8 +229,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="even: each tree goes first equally often")
     parser.add_argument("--before", help="another tree (a worktree of an earlier revision), alternated with this one")
-    parser.add_argument("--out", help="write kernel_bound_s<S>.{md,json} (gloo_collectives.{md,json}) here instead "
-                        "of results/ring_cost/")
+    parser.add_argument(
+        "--out",
+        help="write kernel_bound_s<S>.{md,json} (gloo_collectives.{md,json}) here instead of results/ring_cost/",
+    )
     parser.add_argument("--collectives", action="store_true", help="gloo's own cost per collective, no attention")
     parser.add_argument("--world", type=int, default=4, help="ranks for --collectives")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -226,26 +243,39 @@ def main(argv=None) -> int:
     if args.collectives:
         text, rows = collectives(args.world)
         print(text)
-        meta = {"command": harness.command(MODULE, argv), "machine": harness.machine_info(),
-                "software": harness.software_info()}
-        prefix = str(Path(args.out) / "gloo_collectives") if args.out else harness.results_path("ring_cost",
-                                                                                                "gloo_collectives")
-        harness.write_results(prefix, text + "\n",
-                              {"meta": meta, "rows": rows})
+        meta = {
+            "command": harness.command(MODULE, argv),
+            "machine": harness.machine_info(),
+            "software": harness.software_info(),
+        }
+        prefix = (
+            str(Path(args.out) / "gloo_collectives")
+            if args.out
+            else harness.results_path("ring_cost", "gloo_collectives")
+        )
+        harness.write_results(prefix, text + "\n", {"meta": meta, "rows": rows})
         return 0
     shape = {"seq_len": args.seq_len, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim}
     trees = {"after": str(ROOT)} | ({"before": args.before} if args.before else {})
     job = {"shape": shape, "repeats": args.repeats, "meshes": args.meshes}
-    meta = {"command": harness.command(MODULE, argv),
-            "shape": shape, "meshes": args.meshes, "rounds": args.rounds, "machine": harness.machine_info(),
-            "revisions": " -> ".join(f"{name} {tree_head(trees[name])}" for name in ("before", "after") if name in trees),
-            "load_before": harness.load()}
+    meta = {
+        "command": harness.command(MODULE, argv),
+        "shape": shape,
+        "meshes": args.meshes,
+        "rounds": args.rounds,
+        "machine": harness.machine_info(),
+        "revisions": " -> ".join(f"{name} {tree_head(trees[name])}" for name in ("before", "after") if name in trees),
+        "load_before": harness.load(),
+    }
     raw = {name: [] for name in trees}
     for i in range(args.rounds):
-        for name in (sorted(trees) if i % 2 == 0 else sorted(trees, reverse=True)):
+        for name in sorted(trees) if i % 2 == 0 else sorted(trees, reverse=True):
             raw[name].append(run_tree(trees[name], job))
-            print(f"round {i + 1} {name}: " + ", ".join(
-                f"{m} {raw[name][-1][m]['total'] / raw[name][-1]['single']:.3f}" for m in args.meshes), flush=True)
+            print(
+                f"round {i + 1} {name}: "
+                + ", ".join(f"{m} {raw[name][-1][m]['total'] / raw[name][-1]['single']:.3f}" for m in args.meshes),
+                flush=True,
+            )
     meta["load_after"] = harness.load()
     result = {name: summary(raw[name], args.meshes) for name in sorted(trees)}
     text = markdown(result, meta)

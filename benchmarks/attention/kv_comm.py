@@ -39,8 +39,12 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def _inputs(seq, kv_heads, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(1, seq, HEADS, HEAD_DIM), (1, seq, kv_heads, HEAD_DIM), (1, seq, kv_heads, HEAD_DIM),
-              (1, seq, HEADS, HEAD_DIM)]
+    shapes = [
+        (1, seq, HEADS, HEAD_DIM),
+        (1, seq, kv_heads, HEAD_DIM),
+        (1, seq, kv_heads, HEAD_DIM),
+        (1, seq, HEADS, HEAD_DIM),
+    ]
     return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
 
 
@@ -54,16 +58,38 @@ def _bytes_rows(rank, world, seq):
         q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in _inputs(seq, kv_heads, _DTYPES[dtype_name]))
         with ByteCounter() as sent:
             hybrid_attn_func(q, k, v, mesh=mesh, backend="torch").backward(dout)
-        want = sum(hybrid_bytes(batch=1, seq_len=seq, heads=HEADS, kv_heads=kv_heads, head_dim=HEAD_DIM,
-                                ulysses=ulysses, ring=ring, ring_rank=mesh.ring_rank, element_size=q.element_size(),
-                                kv_comm=mode).values())
-        rows.append(dict(ulysses=ulysses, ring=ring, kv_comm=mode, dtype=dtype_name, kv_heads=kv_heads,
-                         rank=rank, sent=sum(sent.bytes.values()), minimum=want))
+        want = sum(
+            hybrid_bytes(
+                batch=1,
+                seq_len=seq,
+                heads=HEADS,
+                kv_heads=kv_heads,
+                head_dim=HEAD_DIM,
+                ulysses=ulysses,
+                ring=ring,
+                ring_rank=mesh.ring_rank,
+                element_size=q.element_size(),
+                kv_comm=mode,
+            ).values()
+        )
+        rows.append(
+            dict(
+                ulysses=ulysses,
+                ring=ring,
+                kv_comm=mode,
+                dtype=dtype_name,
+                kv_heads=kv_heads,
+                rank=rank,
+                sent=sum(sent.bytes.values()),
+                minimum=want,
+            )
+        )
     return rows
 
 
 def _gather_full(local, mesh):
     from hybridsp import gather_sequence
+
     return gather_sequence(local.detach().float(), mesh)
 
 
@@ -71,9 +97,11 @@ def _bf16_errors(rank, world, seq):
     full16 = _inputs(seq, 2, torch.bfloat16, seed=3)
     ref_inputs = [t.float().requires_grad_() for t in full16[:3]]
     from hybridsp.kernels import get_kernel
+
     kernel = get_kernel("torch")
     ref = torch.nn.functional.scaled_dot_product_attention(
-        *[t.transpose(1, 2) for t in ref_inputs], is_causal=True, enable_gqa=True).transpose(1, 2)
+        *[t.transpose(1, 2) for t in ref_inputs], is_causal=True, enable_gqa=True
+    ).transpose(1, 2)
     ref.backward(full16[3].float())
     reference = [ref.detach(), *(t.grad for t in ref_inputs)]
     single_in = [t.clone().requires_grad_() for t in full16[:3]]
@@ -107,15 +135,29 @@ def _timing_rows(rank, world, seq, iters, meshes):
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, times)
         ring_s, gather_s = (combine([r[mode] for r in per_rank])["median_wall"] for mode in ("ring", "allgather"))
-        rows.append(dict(ulysses=ulysses, ring=ring, kv_heads=kv_heads, ring_s=ring_s, allgather_s=gather_s,
-                         allgather_over_ring=gather_s / ring_s, iters=iters))
+        rows.append(
+            dict(
+                ulysses=ulysses,
+                ring=ring,
+                kv_heads=kv_heads,
+                ring_s=ring_s,
+                allgather_s=gather_s,
+                allgather_over_ring=gather_s / ring_s,
+                iters=iters,
+            )
+        )
     return rows if rank == 0 else None
 
 
 def _markdown(result) -> str:
-    lines = [f"# K/V transports (`attention.kv_comm`), {result['date']}, load {result['load']}", "",
-             "## Bytes per rank / analytic minimum (max over ranks, W = 8)", "",
-             "| U x R | mode | dtype | K/V heads | max sent/minimum | min sent/minimum |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# K/V transports (`attention.kv_comm`), {result['date']}, load {result['load']}",
+        "",
+        "## Bytes per rank / analytic minimum (max over ranks, W = 8)",
+        "",
+        "| U x R | mode | dtype | K/V heads | max sent/minimum | min sent/minimum |",
+        "|---|---|---|---|---|---|",
+    ]
     groups = {}
     for row in result["bytes"]:
         key = (row["ulysses"], row["ring"], row["kv_comm"], row["dtype"], row["kv_heads"])
@@ -125,12 +167,18 @@ def _markdown(result) -> str:
     lines += ["", "## bf16 error / single-kernel bf16 error at R = 8 (out, dq, dk, dv)", ""]
     for row in result["errors"]:
         lines.append(f"- {row['kv_comm']}: " + ", ".join(f"{x:.2f}" for x in row["ratios_out_dq_dk_dv"]))
-    lines += ["", f"## Time, bf16 causal fwd+bwd, W = {result['timing_world']}, S = {result['timing_seq']}, "
-              "interleaved medians", "", "| U x R | K/V heads | ring s | allgather s | allgather / ring |",
-              "|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"## Time, bf16 causal fwd+bwd, W = {result['timing_world']}, S = {result['timing_seq']}, interleaved medians",
+        "",
+        "| U x R | K/V heads | ring s | allgather s | allgather / ring |",
+        "|---|---|---|---|---|",
+    ]
     for row in result["timing"]:
-        lines.append(f"| {row['ulysses']}x{row['ring']} | {row['kv_heads']} | {row['ring_s']:.3f} | "
-                     f"{row['allgather_s']:.3f} | {row['allgather_over_ring']:.3f} |")
+        lines.append(
+            f"| {row['ulysses']}x{row['ring']} | {row['kv_heads']} | {row['ring_s']:.3f} | "
+            f"{row['allgather_s']:.3f} | {row['allgather_over_ring']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -146,11 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     result["errors"] = launch(_bf16_errors, 8, err_seq, timeout=1800)[0]
     meshes = [(1, 4), (2, 2)]
     result.update(timing_world=4, timing_seq=time_seq)
-    result["timing"] = launch(_timing_rows, 4, time_seq, 3 if args.quick else args.iters, meshes,
-                                       timeout=3600)[0]
+    result["timing"] = launch(_timing_rows, 4, time_seq, 3 if args.quick else args.iters, meshes, timeout=3600)[0]
     result["load_after"] = os.getloadavg()[0]
-    out = Path(args.out) if args.out else Path(tempfile.gettempdir()) / "results_kv_comm_quick" if args.quick else \
-        Path(results_path("kv_comm", "kv_comm"))
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(tempfile.gettempdir()) / "results_kv_comm_quick"
+        if args.quick
+        else Path(results_path("kv_comm", "kv_comm"))
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     out.with_suffix(".md").write_text(_markdown(result))

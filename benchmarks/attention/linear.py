@@ -35,16 +35,30 @@ from benchmarks.common.harness import (
     write_results,
 )
 
-SHAPE = dict(hidden_size=256, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
-             linear_value_head_dim=32, linear_conv_kernel_dim=4)
+SHAPE = dict(
+    hidden_size=256,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+)
 MESHES = [(4, 1), (2, 2), (1, 4)]
 
 
 def _layer():
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(vocab_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                               num_key_value_heads=4, head_dim=64, layer_types=["linear_attention"], **SHAPE)
+    config = Qwen3_5TextConfig(
+        vocab_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=64,
+        layer_types=["linear_attention"],
+        **SHAPE,
+    )
     torch.manual_seed(0)
     return Qwen3_5ForCausalLM(config).float().model.layers[0].linear_attn
 
@@ -106,22 +120,31 @@ def main(argv: list[str] | None = None) -> int:
         peak = max(r["peak"] for r in ranks)
         name = f"U{ulysses}xR{ring}"
         data["meshes"][name] = {"ranks": ranks, "formula": formula}
-        rows.append(f"| {name} | {forward / 2**10:.1f} | {formula['total'] / 2**10:.1f} | {sent / 2**10:.1f} | "
-                    f"{formula['gather_sequence'] / max(formula['total'], 1):.2f} | "
-                    f"{formula['ulysses_only'] / max(formula['total'], 1):.2f} | {peak / one['peak']:.3f} | "
-                    f"{cpu / statistics.median(one['cpu']):.2f} | {max(r['error'] for r in ranks):.1e} |")
+        rows.append(
+            f"| {name} | {forward / 2**10:.1f} | {formula['total'] / 2**10:.1f} | {sent / 2**10:.1f} | "
+            f"{formula['gather_sequence'] / max(formula['total'], 1):.2f} | "
+            f"{formula['ulysses_only'] / max(formula['total'], 1):.2f} | {peak / one['peak']:.3f} | "
+            f"{cpu / statistics.median(one['cpu']):.2f} | {max(r['error'] for r in ranks):.1e} |"
+        )
     data["loads"] = loads
-    markdown = "\n".join([
-        f"# One Gated DeltaNet layer under U x R (B=1, S={args.seq_len}, hidden 256, Hk 4, Hv 8, dk = dv = 32, fp32)",
-        "", f"{machine_info()}; revision {revision()}; load before/after each launch: {', '.join(loads)}", "",
-        "| mesh | fwd KiB sent/rank (measured) | fwd KiB (formula) | fwd+bwd KiB sent/rank | gather-seq / ours "
-        "| Ulysses-only / ours | peak alloc / one process | CPU (sum of ranks) / one process | max rel err |",
-        "|---|---|---|---|---|---|---|---|---|", *rows, "",
-        f"One process: peak {one['peak'] / 2**20:.1f} MiB, CPU median {statistics.median(one['cpu']):.3f} s.", "",
-        "fwd measured = the all-gathers plus half the all-to-all bytes (forward and backward move the same all-to-all "
-        "bytes); gather-seq / ours and Ulysses-only / ours are forward-byte ratios from hybridsp.linear_attention._volume "
-        "(Ulysses-only needs C to divide the 4 key heads: only U4xR1 can run it).",
-    ])
+    markdown = "\n".join(
+        [
+            f"# One Gated DeltaNet layer under U x R (B=1, S={args.seq_len}, hidden 256, Hk 4, Hv 8, dk = dv = 32, fp32)",
+            "",
+            f"{machine_info()}; revision {revision()}; load before/after each launch: {', '.join(loads)}",
+            "",
+            "| mesh | fwd KiB sent/rank (measured) | fwd KiB (formula) | fwd+bwd KiB sent/rank | gather-seq / ours "
+            "| Ulysses-only / ours | peak alloc / one process | CPU (sum of ranks) / one process | max rel err |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            f"One process: peak {one['peak'] / 2**20:.1f} MiB, CPU median {statistics.median(one['cpu']):.3f} s.",
+            "",
+            "fwd measured = the all-gathers plus half the all-to-all bytes (forward and backward move the same all-to-all "
+            "bytes); gather-seq / ours and Ulysses-only / ours are forward-byte ratios from hybridsp.linear_attention._volume "
+            "(Ulysses-only needs C to divide the 4 key heads: only U4xR1 can run it).",
+        ]
+    )
     write_results(args.out, markdown + "\n", data)
     print(markdown)
     return 0

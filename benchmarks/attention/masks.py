@@ -81,9 +81,18 @@ def _rank_run(rank, world, seq_len, specs, repeats):
             counter = CommCounter()
             dist.barrier()
             start = time.perf_counter()
-            out = ring_attention(q, k, v, dist.group.WORLD, causal=True, backend="torch", layout=spec["layout"],
-                                 cu_seqlens=None if spec["cu"] is None else torch.tensor(spec["cu"]),
-                                 sliding_window=spec["window"], counter=counter)
+            out = ring_attention(
+                q,
+                k,
+                v,
+                dist.group.WORLD,
+                causal=True,
+                backend="torch",
+                layout=spec["layout"],
+                cu_seqlens=None if spec["cu"] is None else torch.tensor(spec["cu"]),
+                sliding_window=spec["window"],
+                counter=counter,
+            )
             out.backward(dout)
             elapsed = time.perf_counter() - start
             if repeat:
@@ -105,8 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ring", type=int, default=4)
     parser.add_argument("--window", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=harness.results_dir("masks"), help="folder for masks.{md,json} "
-                        "(default benchmarks/results/masks)")
+    parser.add_argument(
+        "--out",
+        default=harness.results_dir("masks"),
+        help="folder for masks.{md,json} (default benchmarks/results/masks)",
+    )
     args = parser.parse_args(argv)
     specs = workloads(args.seq_len, args.window)
     load_before = os.getloadavg()
@@ -116,19 +128,33 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, spec in specs.items():
         work = plan_work(args.seq_len, args.ring, spec)
-        rows.append({
-            "workload": name, "layout": spec["layout"], "window": spec["window"],
-            "documents": None if spec["cu"] is None else len(spec["cu"]) - 1,
-            "work_max_over_mean": max(work) / statistics.mean(work),
-            "work_total_vs_full": sum(work) / dense_total,
-            "bytes_sent_max": max(r[name][1] for r in per_rank),
-            "seconds_fwd_bwd_max_rank_median": max(r[name][0] for r in per_rank),
-        })
+        rows.append(
+            {
+                "workload": name,
+                "layout": spec["layout"],
+                "window": spec["window"],
+                "documents": None if spec["cu"] is None else len(spec["cu"]) - 1,
+                "work_max_over_mean": max(work) / statistics.mean(work),
+                "work_total_vs_full": sum(work) / dense_total,
+                "bytes_sent_max": max(r[name][1] for r in per_rank),
+                "seconds_fwd_bwd_max_rank_median": max(r[name][0] for r in per_rank),
+            }
+        )
     bound = window_bound_bytes(args.window)
-    result = {"seq_len": args.seq_len, "ring": args.ring, "heads": HEADS, "head_dim": HEAD_DIM,
-              "window": args.window, "window_bound_bytes": bound, "documents": specs["packed (zigzag)"]["cu"],
-              "repeats": args.repeats, "load_before": load_before, "load_after": load_after, "rows": rows,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    result = {
+        "seq_len": args.seq_len,
+        "ring": args.ring,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "window": args.window,
+        "window_bound_bytes": bound,
+        "documents": specs["packed (zigzag)"]["cu"],
+        "repeats": args.repeats,
+        "load_before": load_before,
+        "load_after": load_after,
+        "rows": rows,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "masks.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -66,8 +66,9 @@ def kernel_fwd_bwd(q, k, v, dout):
     """Single-process fused CPU kernel, causal, [B, S, H, D] in and out: {out, dq, dk, dv}."""
     t = lambda x: x.transpose(1, 2)  # noqa: E731 - [B, S, H, D] <-> [B, H, S, D]
     out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(t(q), t(k), t(v), 0.0, True)
-    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(t(dout), t(q), t(k), t(v), out, lse,
-                                                                            0.0, True)
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        t(dout), t(q), t(k), t(v), out, lse, 0.0, True
+    )
     return {n: t(x).contiguous() for n, x in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv))}
 
 
@@ -91,10 +92,22 @@ def analytic_bytes(case: Case) -> int:
     (:func:`hybridsp.attention._volume.hybrid_bytes` with ``kv_comm="ring"``)."""
     from hybridsp._formulas import hybrid_bytes
 
-    return max(sum(hybrid_bytes(batch=case.batch, seq_len=case.seq, heads=case.heads, kv_heads=case.kv_heads,
-                                head_dim=case.head_dim, ulysses=case.ulysses, ring=case.ring, ring_rank=r,
-                                element_size=DTYPES[case.dtype].itemsize).values())
-               for r in range(case.ring))
+    return max(
+        sum(
+            hybrid_bytes(
+                batch=case.batch,
+                seq_len=case.seq,
+                heads=case.heads,
+                kv_heads=case.kv_heads,
+                head_dim=case.head_dim,
+                ulysses=case.ulysses,
+                ring=case.ring,
+                ring_rank=r,
+                element_size=DTYPES[case.dtype].itemsize,
+            ).values()
+        )
+        for r in range(case.ring)
+    )
 
 
 def _prepare(case: Case, rank: int, inputs: dict, ref: dict, ref_max: dict, kernel_errors: dict):
@@ -113,8 +126,13 @@ def _prepare(case: Case, rank: int, inputs: dict, ref: dict, ref_max: dict, kern
         out.backward(dout)
     got = {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     errors = harness.max_errors(got, {n: shard(ref[n]) for n in _TENSORS})
-    report = {"errors": errors, "ok": harness.passes(errors, ref_max, case.dtype, kernel_errors),
-              "bytes": dict(sent.bytes), "first_call_mem_mb": first.peak_mb, "peak_mem_mb": None}
+    report = {
+        "errors": errors,
+        "ok": harness.passes(errors, ref_max, case.dtype, kernel_errors),
+        "bytes": dict(sent.bytes),
+        "first_call_mem_mb": first.peak_mb,
+        "peak_mem_mb": None,
+    }
     del out, got
     if not report["ok"]:
         return None, report
@@ -131,8 +149,9 @@ def bench_rank(rank: int, world: int, block: dict, ref_path: str, ref_max: dict,
     calls, reports = {}, {}
     for method in methods_of(Case(**block)):
         try:
-            call, reports[method] = _prepare(Case(**{**block, "method": method}), rank, inputs, ref, ref_max,
-                                             kernel_errors)
+            call, reports[method] = _prepare(
+                Case(**{**block, "method": method}), rank, inputs, ref, ref_max, kernel_errors
+            )
         except Exception as error:  # noqa: BLE001 - a peer that cannot run this case is reported, not timed
             call, reports[method] = None, {"ok": False, "error": f"{type(error).__name__}: {str(error)[:200]}"}
         if call is not None:
@@ -146,8 +165,15 @@ def run_block(block: Case, ref: tuple) -> dict:
     per_iter = {"fp32": 0.5, "bf16": 1.0}[block.dtype] * (block.seq / 4096) ** 2 * block.heads / 8 * block.world / 4
     start, before = time.monotonic(), harness.load()
     ranks = harness.launch(bench_rank, block.world, asdict(block), *ref, timeout=300 + 6 * per_iter * block.iters)
-    row = {"block": asdict(block), "load": [before, harness.load()], "launch_s": time.monotonic() - start,
-           "analytic_min_bytes": analytic_bytes(block), "ref_max": ref[1], "kernel_errors": ref[2], "methods": {}}
+    row = {
+        "block": asdict(block),
+        "load": [before, harness.load()],
+        "launch_s": time.monotonic() - start,
+        "analytic_min_bytes": analytic_bytes(block),
+        "ref_max": ref[1],
+        "kernel_errors": ref[2],
+        "methods": {},
+    }
     for method, first in ranks[0].items():
         entry = {k: first.get(k) for k in ("ok", "error", "errors", "bytes")}
         if first.get("ok"):
@@ -175,8 +201,11 @@ def blocks(worlds, dtypes, seq, heads, kv_heads, iters, extras) -> list[Case]:
     out = []
     for world in worlds:
         for dtype in dtypes:
-            out += [Case("hybridsp", world, u, world // u, dtype, seq, heads, kv_heads, iters=iters)
-                    for u in range(world, 0, -1) if world % u == 0 and heads_divisible(heads, u)]
+            out += [
+                Case("hybridsp", world, u, world // u, dtype, seq, heads, kv_heads, iters=iters)
+                for u in range(world, 0, -1)
+                if world % u == 0 and heads_divisible(heads, u)
+            ]
     if extras:  # GQA (2 K/V heads) at world 4, bf16
         out += [Case("hybridsp", 4, u, 4 // u, "bf16", seq, heads, 2, iters=iters) for u in (4, 2)]
     return out
@@ -193,8 +222,12 @@ def main(argv=None) -> int:
     parser.add_argument("--degrees", nargs="+", help="only these U x R, e.g. 4x1 2x2")
     parser.add_argument("--iters", type=int, help="interleaved rounds (default 15; quick: 5)")
     parser.add_argument("--no-extras", action="store_true", help="skip the GQA block")
-    parser.add_argument("--before", default="", help="git revision: also time hybridsp's ulysses.py and CPU kernel "
-                        "of that revision, interleaved (before/after)")
+    parser.add_argument(
+        "--before",
+        default="",
+        help="git revision: also time hybridsp's ulysses.py and CPU kernel "
+        "of that revision, interleaved (before/after)",
+    )
     parser.add_argument("--out", help="output prefix (default benchmarks/results/peers/peers; quick: the temp dir)")
     parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown beside a results JSON")
     args = parser.parse_args(argv)
@@ -202,19 +235,33 @@ def main(argv=None) -> int:
         data = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(markdown(data["rows"], data["meta"]))
         return 0
-    prefix = args.out or (os.path.join(tempfile.gettempdir(), "results_peers_quick") if args.quick
-                          else harness.results_path("peers", "peers"))
-    todo = blocks(args.worlds or ([4] if args.quick else [4, 8]), args.dtypes or ["bf16", "fp32"],
-                  args.seq or (2048 if args.quick else 4096), args.heads, args.kv_heads or args.heads,
-                  args.iters or (5 if args.quick else 15), not (args.quick or args.no_extras))
+    prefix = args.out or (
+        os.path.join(tempfile.gettempdir(), "results_peers_quick")
+        if args.quick
+        else harness.results_path("peers", "peers")
+    )
+    todo = blocks(
+        args.worlds or ([4] if args.quick else [4, 8]),
+        args.dtypes or ["bf16", "fp32"],
+        args.seq or (2048 if args.quick else 4096),
+        args.heads,
+        args.kv_heads or args.heads,
+        args.iters or (5 if args.quick else 15),
+        not (args.quick or args.no_extras),
+    )
     if args.degrees:
         todo = [b for b in todo if f"{b.ulysses}x{b.ring}" in args.degrees]
     for block in todo:
         block.before = args.before
-    meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": harness.command(MODULE, argv),
-            "machine": harness.machine_info(), "software": harness.software_info("deepspeed", "yunchang"),
-            "hybridsp": harness.revision(), "kv_modes": kv_modes(), "load_start": harness.load()}
+    meta = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": harness.command(MODULE, argv),
+        "machine": harness.machine_info(),
+        "software": harness.software_info("deepspeed", "yunchang"),
+        "hybridsp": harness.revision(),
+        "kv_modes": kv_modes(),
+        "load_start": harness.load(),
+    }
     if any(b.peer == "deepspeed" for b in todo):
         print(f"DeepSpeed shm comm op ready ({prebuild_deepspeed_ops():.0f} s)", flush=True)
     rows, start = [], time.monotonic()
@@ -234,8 +281,11 @@ def summary(row: dict) -> str:
     b = row["block"]
     parts = [f"W{b['world']} {b['dtype']} S={b['seq']} Hkv={b['kv_heads']} U{b['ulysses']}xR{b['ring']}"]
     for method, e in row["methods"].items():
-        parts.append(f"{method} {e['median_wall']:.3f} s" + (f" ({e['ratio_wall']:.3f}x)" if "ratio_wall" in e else "")
-                     if e.get("ok") else f"{method} n/a ({e.get('error') or 'wrong'})")
+        parts.append(
+            f"{method} {e['median_wall']:.3f} s" + (f" ({e['ratio_wall']:.3f}x)" if "ratio_wall" in e else "")
+            if e.get("ok")
+            else f"{method} n/a ({e.get('error') or 'wrong'})"
+        )
     return "; ".join(parts) + f"; load {row['load'][0]} -> {row['load'][1]}"
 
 

@@ -70,8 +70,14 @@ def _single_cost(rank, world, seq_len, repeats):
 
 def measure(seq_len: int, ring: int, repeats: int) -> dict:
     single = harness.launch(_single_cost, 1, seq_len, repeats, timeout=1800)[0]
-    result = {"seq_len": seq_len, "ring": ring, "heads": HEADS, "head_dim": HEAD_DIM, "repeats": repeats,
-              "single_cpu_s": statistics.median(c for c, _ in single)}
+    result = {
+        "seq_len": seq_len,
+        "ring": ring,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "repeats": repeats,
+        "single_cpu_s": statistics.median(c for c, _ in single),
+    }
     for layout in ("zigzag", "contiguous"):
         per_rank = harness.launch(_rank_costs, ring, seq_len, repeats, layout, timeout=1800)
         totals = [sum(per_rank[r][i][0] for r in range(ring)) for i in range(repeats)]

@@ -85,8 +85,19 @@ def _bytes(rank, world, seq):
         for name, (d, dv, _, _) in PATHS.items():
             counter = hybridsp.CommCounter()
             _path_call(mesh, seq, name, kv_comm, counter)()
-            want = hybrid_bytes(batch=1, seq_len=seq, heads=HEADS, kv_heads=HEADS, head_dim=d, v_head_dim=dv,
-                                ulysses=2, ring=2, ring_rank=mesh.ring_rank, element_size=2, kv_comm=kv_comm)
+            want = hybrid_bytes(
+                batch=1,
+                seq_len=seq,
+                heads=HEADS,
+                kv_heads=HEADS,
+                head_dim=d,
+                v_head_dim=dv,
+                ulysses=2,
+                ring=2,
+                ring_rank=mesh.ring_rank,
+                element_size=2,
+                kv_comm=kv_comm,
+            )
             rows[(kv_comm, name)] = (sum(counter.bytes_sent.values()), sum(want.values()))
     return rows
 
@@ -103,26 +114,40 @@ def _timing(rank, world, seq, iters):
 
 
 def _markdown(result) -> str:
-    lines = [f"# Sinks, MLA head dims, soft-capping vs plain (`attention.sinks_mla`), {result['date']}", "",
-             f"U2 x R2 on gloo (4 ranks, one thread each), B = 1, S = {result['seq']}, H = Hkv = {HEADS}, bf16, "
-             f"causal zigzag; Dqk = {DQK}, Dv = {DV} (DeepSeek-V3's 192/128 scaled by 1/4); load before "
-             f"{result['load']}, after {result['load_after']}; {result['machine']}; hybridsp {result['revision']}.",
-             "", "## Bytes per call (fwd + bwd), summed over the 4 ranks", "",
-             "| mode | path | bytes | analytic | counted / analytic | / plain-Dqk | / plain-Dv |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Sinks, MLA head dims, soft-capping vs plain (`attention.sinks_mla`), {result['date']}",
+        "",
+        f"U2 x R2 on gloo (4 ranks, one thread each), B = 1, S = {result['seq']}, H = Hkv = {HEADS}, bf16, "
+        f"causal zigzag; Dqk = {DQK}, Dv = {DV} (DeepSeek-V3's 192/128 scaled by 1/4); load before "
+        f"{result['load']}, after {result['load_after']}; {result['machine']}; hybridsp {result['revision']}.",
+        "",
+        "## Bytes per call (fwd + bwd), summed over the 4 ranks",
+        "",
+        "| mode | path | bytes | analytic | counted / analytic | / plain-Dqk | / plain-Dv |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for mode in ("ring", "allgather"):
         base, narrow = result["bytes"][mode]["plain-Dqk"][0], result["bytes"][mode]["plain-Dv"][0]
         for name, (sent, want) in result["bytes"][mode].items():
-            lines.append(f"| {mode} | {name} | {sent:,} | {want:,} | {sent / want:.4f} | {sent / base:.4f} | "
-                         f"{sent / narrow:.4f} |")
-    lines += ["", f"## Time, kv_comm=ring, {result['iters']} interleaved rounds, medians", "",
-              "| path | wall s | CPU s | wall / plain-Dqk | CPU / plain-Dqk | CPU / plain-Dv |", "|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {mode} | {name} | {sent:,} | {want:,} | {sent / want:.4f} | {sent / base:.4f} | "
+                f"{sent / narrow:.4f} |"
+            )
+    lines += [
+        "",
+        f"## Time, kv_comm=ring, {result['iters']} interleaved rounds, medians",
+        "",
+        "| path | wall s | CPU s | wall / plain-Dqk | CPU / plain-Dqk | CPU / plain-Dv |",
+        "|---|---|---|---|---|---|",
+    ]
     timing = result["timing"]
     for name, row in timing.items():
-        lines.append(f"| {name} | {row['median_wall']:.4f} | {row['median_cpu']:.4f} | "
-                     f"{row['median_wall'] / timing['plain-Dqk']['median_wall']:.3f} | "
-                     f"{row['median_cpu'] / timing['plain-Dqk']['median_cpu']:.3f} | "
-                     f"{row['median_cpu'] / timing['plain-Dv']['median_cpu']:.3f} |")
+        lines.append(
+            f"| {name} | {row['median_wall']:.4f} | {row['median_cpu']:.4f} | "
+            f"{row['median_wall'] / timing['plain-Dqk']['median_wall']:.3f} | "
+            f"{row['median_cpu'] / timing['plain-Dqk']['median_cpu']:.3f} | "
+            f"{row['median_cpu'] / timing['plain-Dv']['median_cpu']:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -131,19 +156,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--iters", type=int, default=9)
-    parser.add_argument("--out", help="output prefix (default benchmarks/results/sinks_mla/sinks_mla; quick: the temp "
-                        "dir)")
+    parser.add_argument(
+        "--out", help="output prefix (default benchmarks/results/sinks_mla/sinks_mla; quick: the temp dir)"
+    )
     args = parser.parse_args(argv)
     seq, iters = (512, 3) if args.quick else (args.seq, args.iters)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load": load(), "seq": seq,
-              "iters": iters, "machine": machine_info(), "revision": revision()}
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load": load(),
+        "seq": seq,
+        "iters": iters,
+        "machine": machine_info(),
+        "revision": revision(),
+    }
     per_rank = launch(_bytes, 4, seq, timeout=1800)
-    result["bytes"] = {mode: {name: [sum(r[(mode, name)][i] for r in per_rank) for i in (0, 1)] for name in PATHS}
-                       for mode in ("ring", "allgather")}
+    result["bytes"] = {
+        mode: {name: [sum(r[(mode, name)][i] for r in per_rank) for i in (0, 1)] for name in PATHS}
+        for mode in ("ring", "allgather")
+    }
     result["timing"] = launch(_timing, 4, seq, iters, timeout=3600)[0]
     result["load_after"] = load()
-    prefix = args.out or (str(Path(tempfile.gettempdir()) / "sinks_mla_quick") if args.quick else
-                          results_path("sinks_mla", "sinks_mla"))
+    prefix = args.out or (
+        str(Path(tempfile.gettempdir()) / "sinks_mla_quick") if args.quick else results_path("sinks_mla", "sinks_mla")
+    )
     markdown = _markdown(result)
     write_results(prefix, markdown, result)
     print(markdown)

@@ -95,8 +95,10 @@ class Run:
     def check(self, world: int) -> None:
         """ValueError before any collective for a run these ranks cannot train."""
         if self.stack not in STACKS or self.features not in FEATURES or self.alst_loss not in ALST_LOSSES:
-            raise ValueError(f"unknown stack {self.stack!r}, features {self.features!r} or alst_loss "
-                             f"{self.alst_loss!r}: choose from {STACKS}, {FEATURES}, {ALST_LOSSES}")
+            raise ValueError(
+                f"unknown stack {self.stack!r}, features {self.features!r} or alst_loss "
+                f"{self.alst_loss!r}: choose from {STACKS}, {FEATURES}, {ALST_LOSSES}"
+            )
         want = 1 if self.stack == "reference" else self.context
         if world != want:
             raise ValueError(f"{self.name} needs {want} ranks (DP = 1), got {world}")
@@ -120,9 +122,15 @@ def build_model(run: Run):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=run.vocab, hidden_size=run.hidden, intermediate_size=int(run.hidden * 8 / 3) // 64 * 64,
-        num_hidden_layers=run.layers, num_attention_heads=run.heads, num_key_value_heads=run.kv_heads,
-        max_position_embeddings=max(run.seq_len, 2048), rope_theta=500000.0, tie_word_embeddings=run.tied,
+        vocab_size=run.vocab,
+        hidden_size=run.hidden,
+        intermediate_size=int(run.hidden * 8 / 3) // 64 * 64,
+        num_hidden_layers=run.layers,
+        num_attention_heads=run.heads,
+        num_key_value_heads=run.kv_heads,
+        max_position_embeddings=max(run.seq_len, 2048),
+        rope_theta=500000.0,
+        tie_word_embeddings=run.tied,
         attn_implementation="sdpa",
     )
     torch.manual_seed(run.seed)
@@ -139,9 +147,15 @@ def ds_config(run: Run) -> dict:
     import json
 
     zero = json.loads((ROOT / "ds_configs" / "cp4.json").read_text())["zero_optimization"]
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "gradient_clipping": run.clip, "zero_optimization": {**zero, "stage": run.stage},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": run.clip,
+        "zero_optimization": {**zero, "stage": run.stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
 
 
 def windows(run: Run):
@@ -176,8 +190,9 @@ def reference_stack(run: Run, host_allocator=None):
     model = build_model(run)
     with without_cpu_shm_comm_build():
         deepspeed.init_distributed()
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer_for(model, run), config=ds_config(run),
-                                          model_parameters=model.parameters())
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer_for(model, run), config=ds_config(run), model_parameters=model.parameters()
+        )
     data = windows(run)
 
     def step(k: int) -> torch.Tensor:
@@ -213,8 +228,12 @@ def hybridsp_stack(run: Run, host_allocator=None):
         local = {key: value.to(engine.device) for key, value in local.items()}
         with offload:
             if run.features == "plain":
-                logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                                hybridsp_documents=local["documents"], use_cache=False).logits
+                logits = engine(
+                    input_ids=local["input_ids"],
+                    position_ids=local["position_ids"],
+                    hybridsp_documents=local["documents"],
+                    use_cache=False,
+                ).logits
                 loss = hybridsp.sharded_cross_entropy(logits, local["shift_labels"], mesh)
             else:
                 loss = causal_lm_loss(engine, local, mesh)
@@ -234,16 +253,25 @@ def alst_stack(run: Run, host_allocator=None):
     with without_cpu_shm_comm_build():
         deepspeed.init_distributed()
         mpu = UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=run.ulysses,
-            micro_batch_size=1, seq_length_is_variable=True)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer_for(model, run), mpu=mpu,
-                                          config={**ds_config(run), "sequence_parallel_size": run.ulysses},
-                                          model_parameters=model.parameters())
+            model_name_or_path=model,
+            core_attn_implementation="sdpa",
+            sequence_parallel_size=run.ulysses,
+            micro_batch_size=1,
+            seq_length_is_variable=True,
+        )
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer_for(model, run),
+            mpu=mpu,
+            config={**ds_config(run), "sequence_parallel_size": run.ulysses},
+            model_parameters=model.parameters(),
+        )
     if run.features != "plain":
         tile_mlps_alst(engine.module)
     group, sp, sp_rank = mpu.get_sequence_parallel_group(), run.ulysses, mpu.get_sequence_parallel_rank()
-    loader = UlyssesSPDataLoaderAdapter(_rank_loader(run, sp_rank, sp), sp_rank=sp_rank, sp_group=group,
-                                        sp_world_size=sp, device=engine.device)
+    loader = UlyssesSPDataLoaderAdapter(
+        _rank_loader(run, sp_rank, sp), sp_rank=sp_rank, sp_group=group, sp_world_size=sp, device=engine.device
+    )
     batches = iter(loader)
 
     def step(k: int) -> torch.Tensor:
@@ -251,8 +279,12 @@ def alst_stack(run: Run, host_allocator=None):
         batch = {key: value.to(engine.device) for key, value in batch.items()}
         if run.features == "plain":
             logits = engine(**batch, use_cache=False).logits
-            local = engine.module.loss_function(logits=logits, labels=None, shift_labels=batch["shift_labels"],
-                                                vocab_size=engine.module.config.vocab_size)
+            local = engine.module.loss_function(
+                logits=logits,
+                labels=None,
+                shift_labels=batch["shift_labels"],
+                vocab_size=engine.module.config.vocab_size,
+            )
         else:
             local = alst_tiled_loss(engine.module, batch, run.alst_loss)
         loss = weighted_over_ranks(local, batch["shift_labels"], group, sp)
@@ -313,8 +345,9 @@ def _loss_sum(model, hidden_states, shift_labels):
     counted = (shift_labels != IGNORE).sum()
     if counted == 0:
         return (logits.sum() * 0.0).float()
-    mean = model.loss_function(logits=logits, labels=None, shift_labels=shift_labels,
-                               vocab_size=model.config.vocab_size)
+    mean = model.loss_function(
+        logits=logits, labels=None, shift_labels=shift_labels, vocab_size=model.config.vocab_size
+    )
     return mean * counted
 
 
@@ -328,13 +361,22 @@ def alst_tiled_loss(model, batch: dict, kind: str) -> torch.Tensor:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss, sequence_tiled_compute
 
     labels = batch["shift_labels"]  # [1, S / SP]
-    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                         use_cache=False).last_hidden_state  # [1, S / SP, h]
+    hidden = model.model(
+        input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+    ).last_hidden_state  # [1, S / SP, h]
     shards, weights = loss_shards(model, labels), [model.lm_head.weight]
     if kind == "sequence_tiled":
         total = sequence_tiled_compute(
-            _loss_sum, labels.shape[1], shards, {"hidden_states": hidden, "shift_labels": labels}, {"model": model},
-            "hidden_states", weights, output_unshard_dimension=0, output_reduction="sum")
+            _loss_sum,
+            labels.shape[1],
+            shards,
+            {"hidden_states": hidden, "shift_labels": labels},
+            {"model": model},
+            "hidden_states",
+            weights,
+            output_unshard_dimension=0,
+            output_reduction="sum",
+        )
     else:
         total = TiledFusedLogitsLoss.apply(_loss_sum, model, hidden, labels, None, shards, weights, "sum")
     return total / max(int((labels != IGNORE).sum()), 1)
@@ -384,6 +426,11 @@ def train(run: Run, after_build=None, host_allocator=None) -> dict:
         trace["losses"].append(float(loss.detach()))
         trace["norms"].append(float(engine.get_global_grad_norm()))
     end = memory_status()
-    trace.update(peak_rss=end["VmHWM"], base_rss=base["VmRSS"], built_rss=built["VmRSS"],
-                 build_data=built["VmData"] - base["VmData"], data_growth=end["VmData"] - base["VmData"])
+    trace.update(
+        peak_rss=end["VmHWM"],
+        base_rss=base["VmRSS"],
+        built_rss=built["VmRSS"],
+        build_data=built["VmData"] - base["VmData"],
+        data_growth=end["VmData"] - base["VmData"],
+    )
     return trace

@@ -50,17 +50,28 @@ def example_model_spec():
     train = example("train")
     args = train.parse_args([])
     intermediate = int(args.hidden_size * 8 / 3) // 64 * 64  # as train.build_model computes it
-    return ModelSpec(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.hidden_size // args.heads,
-                     hidden_size=args.hidden_size, intermediate_size=intermediate, num_layers=args.layers,
-                     vocab_size=VOCAB, tied_embeddings=True, name="examples/train.py default")
+    return ModelSpec(
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.hidden_size // args.heads,
+        hidden_size=args.hidden_size,
+        intermediate_size=intermediate,
+        num_layers=args.layers,
+        vocab_size=VOCAB,
+        tied_embeddings=True,
+        name="examples/train.py default",
+    )
 
 
 def planner_memory(ulysses: int, ring: int, world: int, seq_len: int) -> dict:
     """The planner's per-rank memory for one fp32 (dtype_bytes=4) ZeRO-3 step, no checkpointing."""
     from hybridsp.planner import MeshConfig, Workload, memory_use
 
-    use = memory_use(example_model_spec(), Workload(seq_len, dtype_bytes=4),
-                     MeshConfig(world // (ulysses * ring), ulysses, ring, zero_stage=3, checkpointing=False))
+    use = memory_use(
+        example_model_spec(),
+        Workload(seq_len, dtype_bytes=4),
+        MeshConfig(world // (ulysses * ring), ulysses, ring, zero_stage=3, checkpointing=False),
+    )
     row = asdict(use)
     row.update(model_states=use.model_states, step=use.step, total=use.total)
     return row

@@ -80,7 +80,7 @@ def interleave(calls: dict[str, Callable[[], None]], iters: int, group=None) -> 
     names = list(calls)
     times = {name: {"wall": [], "cpu": []} for name in names}
     for i in range(iters):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             dist.barrier(group=group)
             start, cpu_start = time.perf_counter(), time.process_time()
             calls[name]()
@@ -110,11 +110,15 @@ def timed_kernel():
             result = method(self, *args, **kwargs)
             self.seconds += time.thread_time() - start
             return result
+
         return call
 
     calls = ("forward", "backward", "forward_band", "backward_band")
-    kernel = type("TimedKernel", (TorchFusedKernel,),
-                  {"seconds": 0.0} | {name: timed(getattr(TorchFusedKernel, name)) for name in calls})
+    kernel = type(
+        "TimedKernel",
+        (TorchFusedKernel,),
+        {"seconds": 0.0} | {name: timed(getattr(TorchFusedKernel, name)) for name in calls},
+    )
     return kernel()
 
 
@@ -182,8 +186,11 @@ class PeakMemory:
         malloc_trim()
         self.before = memory_status()["VmRSS"]
         reset = reset_peak()
-        self.measure = ("VmHWM (reset via /proc/self/clear_refs) - VmRSS before" if reset
-                        else "ru_maxrss - VmRSS before (lower bound)")
+        self.measure = (
+            "VmHWM (reset via /proc/self/clear_refs) - VmRSS before"
+            if reset
+            else "ru_maxrss - VmRSS before (lower bound)"
+        )
         return self
 
     def __exit__(self, *exc):
@@ -242,9 +249,24 @@ def live_tensor_bytes() -> int:
 
 def heap_free() -> int:
     """Free bytes inside glibc's arenas (mallinfo2().fordblks): VmData that allocations can reuse."""
+
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
+
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = MallInfo2
@@ -319,8 +341,16 @@ class ByteCounter:
     their bytes are counted in batch_isend_irecv.
     """
 
-    _NAMES = ("all_to_all_single", "batch_isend_irecv", "send", "all_gather_into_tensor", "all_gather_single",
-              "reduce_scatter_tensor", "all_to_all", "all_gather")
+    _NAMES = (
+        "all_to_all_single",
+        "batch_isend_irecv",
+        "send",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "reduce_scatter_tensor",
+        "all_to_all",
+        "all_gather",
+    )
 
     def __init__(self):
         self.bytes: dict[str, int] = {}
@@ -333,8 +363,9 @@ class ByteCounter:
         self._saved = {n: getattr(dist, n) for n in self._NAMES if hasattr(dist, n)}
         saved, add = self._saved, self._add
 
-        def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                              async_op=False):
+        def all_to_all_single(
+            output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False
+        ):
             size, me = dist.get_world_size(group), dist.get_rank(group)
             if input_split_sizes:
                 row = input.numel() // max(input.shape[0], 1) * input.element_size()
@@ -354,6 +385,7 @@ class ByteCounter:
                 group = kwargs.get("group", args[2] if len(args) > 2 else None)
                 add(kind, sent(args, dist.get_world_size(group)))
                 return saved[name](*args, **kwargs)
+
             return wrapped
 
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
@@ -364,7 +396,8 @@ class ByteCounter:
             if name in saved:  # ring all-gather: each rank sends its shard W-1 times
                 setattr(dist, name, collective(name, "all_gather", lambda a, w: nbytes(a[1]) * (w - 1)))
         dist.reduce_scatter_tensor = collective(  # ring reduce-scatter: (W-1)/W of the input
-            "reduce_scatter_tensor", "reduce_scatter", lambda a, w: nbytes(a[1]) * (w - 1) // w)
+            "reduce_scatter_tensor", "reduce_scatter", lambda a, w: nbytes(a[1]) * (w - 1) // w
+        )
         for name in ("all_to_all", "all_gather"):
             setattr(dist, name, collective(name, f"other:{name}", lambda a, w: 0))
         return self
@@ -420,8 +453,9 @@ def revision() -> str:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(hybridsp.__file__)))
     try:
-        git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True,  # noqa: E731
-                                        check=True).stdout.strip()
+        git = lambda *a: subprocess.run(  # noqa: E731
+            ["git", "-C", root, *a], capture_output=True, text=True, check=True
+        ).stdout.strip()
         head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--", "hybridsp")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"

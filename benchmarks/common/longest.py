@@ -33,10 +33,24 @@ from benchmarks.common.harness import (
 )
 
 MIB, GIB = 2**20, 2**30
-OOM_MARKERS = ("can't allocate memory", "MemoryError", "std::bad_alloc", "Cannot allocate memory",
-               "out of memory", "ENOMEM")
-PRELOAD = ["torch", "torch.distributed", "hybridsp", "hybridsp.integrations.deepspeed", "deepspeed",
-           "transformers", "transformers.models.llama.modeling_llama", "benchmarks.common._example_preload"]
+OOM_MARKERS = (
+    "can't allocate memory",
+    "MemoryError",
+    "std::bad_alloc",
+    "Cannot allocate memory",
+    "out of memory",
+    "ENOMEM",
+)
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "hybridsp",
+    "hybridsp.integrations.deepspeed",
+    "deepspeed",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "benchmarks.common._example_preload",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,9 +92,20 @@ def example_imports():
     return example("train"), example("text_data"), initialize
 
 
-def attempt_rank(rank: int, world: int, ulysses: int, ring: int, config: str, seq_len: int,
-                 budget: int, limit: str, limit_from: str, mmap_threshold: int, report_dir: str,
-                 variant=None) -> dict:
+def attempt_rank(
+    rank: int,
+    world: int,
+    ulysses: int,
+    ring: int,
+    config: str,
+    seq_len: int,
+    budget: int,
+    limit: str,
+    limit_from: str,
+    mmap_threshold: int,
+    report_dir: str,
+    variant=None,
+) -> dict:
     """One training step at ``seq_len`` with the soft ``limit`` rlimit set to ``budget`` bytes above
     the footprint after the imports (``limit_from="imports"``) or after the engine is built ("init").
 
@@ -88,16 +113,26 @@ def attempt_rank(rank: int, world: int, ulysses: int, ring: int, config: str, se
     only the lowest failed rank, often a peer's "Connection closed by peer" rather than the rank
     that ran out of memory."""
     try:
-        return _attempt(rank, world, ulysses, ring, config, seq_len, budget, limit, limit_from, mmap_threshold,
-                        variant)
+        return _attempt(rank, world, ulysses, ring, config, seq_len, budget, limit, limit_from, mmap_threshold, variant)
     except BaseException as error:
         lift_limit(limit)
         Path(report_dir, f"rank{rank}.txt").write_text(f"{time.time():.6f}\n{type(error).__name__}: {error}")
         raise
 
 
-def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_len: int,
-             budget: int, limit: str, limit_from: str, mmap_threshold: int, variant=None) -> dict:
+def _attempt(
+    rank: int,
+    world: int,
+    ulysses: int,
+    ring: int,
+    config: str,
+    seq_len: int,
+    budget: int,
+    limit: str,
+    limit_from: str,
+    mmap_threshold: int,
+    variant=None,
+) -> dict:
     """``variant`` (memory.loss): an object with ``vocab``, ``prepare(model)`` and
     ``train_step`` (train.train_step's signature) that changes the model and the step; None: the example."""
     tensors_via_mmap(mmap_threshold)
@@ -133,8 +168,14 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
         try:
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 step_fn = train.train_step if variant is None else variant.train_step
-                loss = step_fn(engine, mesh, windows, 0, engine.train_micro_batch_size_per_gpu(),
-                               engine.gradient_accumulation_steps())
+                loss = step_fn(
+                    engine,
+                    mesh,
+                    windows,
+                    0,
+                    engine.train_micro_batch_size_per_gpu(),
+                    engine.gradient_accumulation_steps(),
+                )
             step_s = time.perf_counter() - step_start
         finally:
             lift_limit(limit)  # reporting (an error, or the profile) needs memory
@@ -145,26 +186,39 @@ def _attempt(rank: int, world: int, ulysses: int, ring: int, config: str, seq_le
     step_file = end["RssFile"] - init["RssFile"]
     peak_rss = max(init["VmHWM"] - base["VmRSS"], init_rss + step_peak)
     return {
-        "rank": rank, "loss": loss, "init_s": init_s, "step_s": step_s,
+        "rank": rank,
+        "loss": loss,
+        "init_s": init_s,
+        "step_s": step_s,
         "forward_s": (saved.first_unpack - step_start) if saved.first_unpack else None,
-        "hwm_reset": reset, "threads_end": len(os.listdir("/proc/self/task")),
-        "base_rss": base["VmRSS"], "base_data": base["VmData"], "base_size": base["VmSize"],
+        "hwm_reset": reset,
+        "threads_end": len(os.listdir("/proc/self/task")),
+        "base_rss": base["VmRSS"],
+        "base_data": base["VmData"],
+        "base_size": base["VmSize"],
         # torch's view: live tensors after the engine build; the step's allocations (peak, still live at its end)
-        "heap_free_at_limit": free_at_limit, "init_alloc_end": init_tensors, "step_alloc_peak": step_alloc.peak, "step_alloc_end": step_alloc.end,
+        "heap_free_at_limit": free_at_limit,
+        "init_alloc_end": init_tensors,
+        "step_alloc_peak": step_alloc.peak,
+        "step_alloc_end": step_alloc.end,
         "alloc_peak": init_tensors + step_alloc.peak,
         # the OS's view: the engine build (model states, DeepSpeed buffers, process groups)
-        "init_rss_delta": init_rss, "init_anon_delta": init_rss - init_file,
+        "init_rss_delta": init_rss,
+        "init_anon_delta": init_rss - init_file,
         "init_data_delta": init["VmData"] - base["VmData"],
         "init_peak_rss_delta": init["VmHWM"] - base["VmRSS"],
         # the step alone, over the footprint after the engine build
-        "step_peak_rss_delta": step_peak, "step_peak_anon_delta": step_peak - step_file,
+        "step_peak_rss_delta": step_peak,
+        "step_peak_anon_delta": step_peak - step_file,
         "step_data_delta_end": end["VmData"] - init["VmData"],
         # everything over the post-import baseline
-        "peak_rss_delta": peak_rss, "file_delta": end["RssFile"] - base["RssFile"],
+        "peak_rss_delta": peak_rss,
+        "file_delta": end["RssFile"] - base["RssFile"],
         "peak_anon_delta": peak_rss - (end["RssFile"] - base["RssFile"]),
         "data_delta_end": end["VmData"] - base["VmData"],
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "saved_bytes": saved.bytes, "saved_count": len(saved.storages),
+        "saved_bytes": saved.bytes,
+        "saved_count": len(saved.storages),
     }
 
 
@@ -194,8 +248,9 @@ class Attempt:
 
 def worst_rank(ranks: list[dict]) -> dict:
     keys = [k for k, v in ranks[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "rank"]
-    return {k: max(r[k] for r in ranks if r[k] is not None) if any(r[k] is not None for r in ranks) else None
-            for k in keys}
+    return {
+        k: max(r[k] for r in ranks if r[k] is not None) if any(r[k] is not None for r in ranks) else None for k in keys
+    }
 
 
 def rank_reports(directory: str) -> list[tuple[float, int, str]]:
@@ -243,15 +298,33 @@ class Settings:
 
 def run_attempt(name: str, seq_len: int, settings: Settings, timeout: float, log, variant=None) -> Attempt:
     world, ulysses, ring, config = CONFIGS[name]
-    attempt = Attempt(name, seq_len, False, timeout_s=timeout, load=[os.getloadavg()[0]],
-                      planner=planner_memory(ulysses, ring, world, seq_len) if variant is None else {})
+    attempt = Attempt(
+        name,
+        seq_len,
+        False,
+        timeout_s=timeout,
+        load=[os.getloadavg()[0]],
+        planner=planner_memory(ulysses, ring, world, seq_len) if variant is None else {},
+    )
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_longest_") as reports:
         try:
             attempt.ranks = harness.launch(
-                attempt_rank, world, ulysses, ring, config, seq_len, settings.budget_total // world, settings.limit,
-                settings.limit_from, settings.mmap_threshold, reports, variant, timeout=timeout,
-                threads=settings.threads(world))
+                attempt_rank,
+                world,
+                ulysses,
+                ring,
+                config,
+                seq_len,
+                settings.budget_total // world,
+                settings.limit,
+                settings.limit_from,
+                settings.mmap_threshold,
+                reports,
+                variant,
+                timeout=timeout,
+                threads=settings.threads(world),
+            )
             attempt.ok, attempt.worst = True, worst_rank(attempt.ranks)
         except (AssertionError, TimeoutError) as error:
             attempt.reason, attempt.detail = classify_failure(error, rank_reports(reports))
@@ -259,14 +332,18 @@ def run_attempt(name: str, seq_len: int, settings: Settings, timeout: float, log
     attempt.load.append(os.getloadavg()[0])
     if attempt.ok and not attempt.planner:
         w = attempt.worst
-        log(f"  {name} S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s (step {w['step_s']:.0f} s); MiB per rank: "
-            f"allocated {w['alloc_peak'] / MIB:.0f} (step {w['step_alloc_peak'] / MIB:.0f}); load {attempt.load[0]:.0f}")
+        log(
+            f"  {name} S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s (step {w['step_s']:.0f} s); MiB per rank: "
+            f"allocated {w['alloc_peak'] / MIB:.0f} (step {w['step_alloc_peak'] / MIB:.0f}); load {attempt.load[0]:.0f}"
+        )
     elif attempt.ok:
         w, p = attempt.worst, attempt.planner
-        log(f"  {name} S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s (step {w['step_s']:.0f} s); MiB per rank: "
+        log(
+            f"  {name} S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s (step {w['step_s']:.0f} s); MiB per rank: "
             f"allocated {w['alloc_peak'] / MIB:.0f} (step {w['step_alloc_peak'] / MIB:.0f}), RSS "
             f"{w['peak_anon_delta'] / MIB:.0f} (step {w['step_peak_anon_delta'] / MIB:.0f}), planner "
-            f"{p['total'] / MIB:.0f} (step {p['step'] / MIB:.0f}); load {attempt.load[0]:.0f}/{attempt.load[1]:.0f}")
+            f"{p['total'] / MIB:.0f} (step {p['step'] / MIB:.0f}); load {attempt.load[0]:.0f}/{attempt.load[1]:.0f}"
+        )
     else:
         log(f"  {name} S={seq_len:>6}: FAIL {attempt.wall_s:4.0f} s {attempt.reason}: {attempt.detail[:150]}")
     return attempt
@@ -321,5 +398,3 @@ def search(name: str, start: int, settings: Settings, log, variant=None) -> tupl
         else:
             high = middle
     return low, attempts
-
-

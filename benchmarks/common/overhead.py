@@ -39,14 +39,16 @@ def overhead_times(mesh, shape: tuple, iters: int) -> dict:
 
     def sdpa():
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)  # [B, H, S, D]
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )  # [B, H, S, D]
         out.transpose(1, 2).backward(dout)
 
     def raw_aten():  # the aten CPU kernels alone, no wrapper (the floor)
         heads_first = [t.detach().transpose(1, 2) for t in (q, k, v, dout)]  # each [B, H, S, D]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*heads_first[:3], 0.0, True, scale=scale)
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            heads_first[3], *heads_first[:3], out, lse, 0.0, True, scale=scale)
+            heads_first[3], *heads_first[:3], out, lse, 0.0, True, scale=scale
+        )
 
     calls = {"hybrid_attn_func": hybrid, "bare kernel": bare, "torch SDPA": sdpa, "raw aten": raw_aten}
     for call in calls.values():

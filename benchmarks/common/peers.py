@@ -60,8 +60,12 @@ def _revision_modules(revision: str):
 
     modules = []
     for name in ("ulysses", "kernels/torch_fused"):
-        source = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "show",
-                                 f"{revision}:hybridsp/{name}.py"], check=True, capture_output=True, text=True).stdout
+        source = subprocess.run(
+            ["git", "-C", os.path.dirname(os.path.abspath(__file__)), "show", f"{revision}:hybridsp/{name}.py"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         module = types.ModuleType(f"hybridsp_{name.replace('/', '_')}_at_{revision}")
         exec(compile(source, f"{revision}:{name}.py", "exec"), module.__dict__)  # noqa: S102 - our own file
         modules.append(module)
@@ -108,8 +112,10 @@ def make_inputs(case: Case, seed: int = 1234) -> dict[str, torch.Tensor]:
     """Full q, k, v, dout [B, S, H(kv), D] in the case's dtype, identical in every process."""
     gen = torch.Generator().manual_seed(seed)
     heads = {"q": case.heads, "k": case.kv_heads, "v": case.kv_heads, "dout": case.heads}
-    return {n: torch.randn(case.batch, case.seq, h, case.head_dim, generator=gen).to(DTYPES[case.dtype])
-            for n, h in heads.items()}
+    return {
+        n: torch.randn(case.batch, case.seq, h, case.head_dim, generator=gen).to(DTYPES[case.dtype])
+        for n, h in heads.items()
+    }
 
 
 def setup_method(case: Case, rank: int):
@@ -137,8 +143,9 @@ def setup_method(case: Case, rank: int):
         from deepspeed.sequence.layer import DistributedAttention
 
         deepspeed.init_distributed(dist_backend="gloo")  # adopts the initialised torch.distributed
-        layer = DistributedAttention(LocalCpuAttention(True, scale), dist.new_group(list(range(case.world))),
-                                     scatter_idx=2, gather_idx=1)
+        layer = DistributedAttention(
+            LocalCpuAttention(True, scale), dist.new_group(list(range(case.world))), scatter_idx=2, gather_idx=1
+        )
         repeats = -(-case.world // case.kv_heads)
 
         def attention(q, k, v, counter=None):
@@ -158,8 +165,10 @@ def setup_method(case: Case, rank: int):
         set_seq_parallel_pg(case.ulysses, case.ring, rank, case.world, use_ulysses_low=True)
         layer = LongContextAttention(ring_impl_type="zigzag", attn_type=AttnType.TORCH_FLASH)
         extract = yunchang.EXTRACT_FUNC_DICT["zigzag"]
-        return (lambda q, k, v, counter=None: layer(q, k, v, softmax_scale=scale, causal=True),
-                lambda x: extract(x, rank, case.world, case.ring, case.ulysses))
+        return (
+            lambda q, k, v, counter=None: layer(q, k, v, softmax_scale=scale, causal=True),
+            lambda x: extract(x, rank, case.world, case.ring, case.ulysses),
+        )
     raise ValueError(case.method)
 
 
@@ -202,19 +211,55 @@ def patch_yunchang_cpu_kernel() -> None:
     import yunchang.kernels as yk
     import yunchang.kernels.attention as ya
 
-    def forward(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=None,
-                alibi_slopes=None, return_softmax=False, op_type="flash"):
+    def forward(
+        q,
+        k,
+        v,
+        dropout_p=0.0,
+        softmax_scale=None,
+        causal=True,
+        window_size=(-1, -1),
+        softcap=None,
+        alibi_slopes=None,
+        return_softmax=False,
+        op_type="flash",
+    ):
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p, causal, scale=softmax_scale
         )
         return out.transpose(1, 2), lse  # out [B, S, H, D] in q's dtype, lse [B, H, S] fp32 (as flash-attn)
 
-    def backward(dout, q, k, v, out, softmax_lse, block_dq_buffer=None, block_dk_buffer=None,
-                 block_dv_buffer=None, dropout_p=0.0, softmax_scale=None, bwd_causal=None, window_size=None,
-                 softcap=None, alibi_slopes=None, deterministic=True, rng_state=None, *args, **kwargs):
+    def backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        block_dq_buffer=None,
+        block_dk_buffer=None,
+        block_dv_buffer=None,
+        dropout_p=0.0,
+        softmax_scale=None,
+        bwd_causal=None,
+        window_size=None,
+        softcap=None,
+        alibi_slopes=None,
+        deterministic=True,
+        rng_state=None,
+        *args,
+        **kwargs,
+    ):
         t = lambda x: x.transpose(1, 2)  # noqa: E731
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            t(dout), t(q), t(k), t(v), t(out), softmax_lse.float().contiguous(), dropout_p, bool(bwd_causal),
+            t(dout),
+            t(q),
+            t(k),
+            t(v),
+            t(out),
+            softmax_lse.float().contiguous(),
+            dropout_p,
+            bool(bwd_causal),
             scale=softmax_scale,
         )
         block_dq_buffer.copy_(t(dq))

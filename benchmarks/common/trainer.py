@@ -24,8 +24,14 @@ def tiny_llama(seed: int = 0):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        pad_token_id=0,
         attn_implementation="sdpa",
     )
     torch.manual_seed(seed)
@@ -61,10 +67,12 @@ def ds_config(ulysses: int, ring: int, stage: int) -> dict:
     """fp32 DeepSpeed config with a hybridsp section; "auto" values come from TrainingArguments."""
     return {
         "hybridsp": {"ulysses": ulysses, "ring": ring},
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3},
-        "zero_allow_untested_optimizer": True, "steps_per_print": 1000,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000,
     }
 
 
@@ -72,19 +80,35 @@ def arguments(output_dir: str, deepspeed: dict | None, **overrides):
     from transformers import TrainingArguments
 
     settings = dict(
-        output_dir=output_dir, per_device_train_batch_size=MICRO_BATCH, per_device_eval_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, max_grad_norm=1.0, learning_rate=3e-3,
-        weight_decay=0.01, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-        disable_tqdm=True, seed=0, deepspeed=deepspeed, use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0, remove_unused_columns=False,
+        output_dir=output_dir,
+        per_device_train_batch_size=MICRO_BATCH,
+        per_device_eval_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        max_grad_norm=1.0,
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        deepspeed=deepspeed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
     )
     return TrainingArguments(**{**settings, **overrides})
 
 
 def step_logs(trainer) -> dict:
     steps = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
-    return {"step": [row["step"] for row in steps], "loss": [row["loss"] for row in steps],
-            "grad_norm": [row["grad_norm"] for row in steps]}
+    return {
+        "step": [row["step"] for row in steps],
+        "loss": [row["loss"] for row in steps],
+        "grad_norm": [row["grad_norm"] for row in steps],
+    }
 
 
 def train_logs(rank: int, world_size: int, hybrid: dict | None) -> dict | None:
@@ -97,13 +121,18 @@ def train_logs(rank: int, world_size: int, hybrid: dict | None) -> dict | None:
     os.environ["OMP_NUM_THREADS"] = "1"  # accelerate would raise the thread count on CPU
     with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         if hybrid is None:
-            trainer = Trainer(model=tiny_llama(), args=arguments(out, None), train_dataset=samples(40, seed=1),
-                              data_collator=collate)
+            trainer = Trainer(
+                model=tiny_llama(), args=arguments(out, None), train_dataset=samples(40, seed=1), data_collator=collate
+            )
         else:
             from hybridsp.integrations.transformers import HybridSPTrainer
 
             config = ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"])
-            trainer = HybridSPTrainer(model=tiny_llama(), args=arguments(out, config),
-                                      train_dataset=samples(40, seed=1), data_collator=collate)
+            trainer = HybridSPTrainer(
+                model=tiny_llama(),
+                args=arguments(out, config),
+                train_dataset=samples(40, seed=1),
+                data_collator=collate,
+            )
         trainer.train()
     return step_logs(trainer) if rank == 0 else None

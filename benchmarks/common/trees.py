@@ -35,8 +35,11 @@ def _launch_folder() -> str:
 
 def tree_process(module: str, tree: str, *argv: str) -> dict:
     """``subprocess`` keywords (args, env, cwd) that run ``python -m module argv`` under ``tree``'s hybridsp."""
-    return {"args": [sys.executable, "-m", module, *argv], "env": {**os.environ, "PYTHONPATH": tree},
-            "cwd": _launch_folder()}
+    return {
+        "args": [sys.executable, "-m", module, *argv],
+        "env": {**os.environ, "PYTHONPATH": tree},
+        "cwd": _launch_folder(),
+    }
 
 
 def tree_result(tree: str, what: str, returncode: int, stdout: str, stderr: str) -> dict:
@@ -53,8 +56,13 @@ def tree_result(tree: str, what: str, returncode: int, stdout: str, stderr: str)
 def run_in_tree(module: str, tree: str, *argv: str, what: str, timeout: float) -> dict:
     """Run a worker to its end (:func:`tree_process`) and return its checked answer (:func:`tree_result`).
     On a timeout the worker's whole process group (its gloo ranks too) is killed."""
-    process = subprocess.Popen(**tree_process(module, tree, *argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+    process = subprocess.Popen(
+        **tree_process(module, tree, *argv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

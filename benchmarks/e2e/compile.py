@@ -45,8 +45,16 @@ from benchmarks.common.harness import (
 )
 from benchmarks.common.packs import packed_lm_batch
 
-MODEL = dict(vocab_size=256, hidden_size=256, intermediate_size=640, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, rope_theta=500000.0, tie_word_embeddings=True)
+MODEL = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=640,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    rope_theta=500000.0,
+    tie_word_embeddings=True,
+)
 
 
 def build(seq: int):
@@ -65,8 +73,12 @@ def step_of(model, mesh, local: dict) -> float:
     """One forward + loss + backward; the loss value."""
     from hybridsp import sharded_cross_entropy
 
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                hybridsp_documents=local["documents"], use_cache=False)
+    out = model(
+        input_ids=local["input_ids"],
+        position_ids=local["position_ids"],
+        hybridsp_documents=local["documents"],
+        use_cache=False,
+    )
     loss = sharded_cross_entropy(out.logits, local["shift_labels"], mesh)
     loss.backward()
     model.zero_grad(set_to_none=True)
@@ -84,17 +96,25 @@ def explained_breaks(mesh, seq: int) -> dict:
     local = shard_batch(full, mesh)
 
     def step(local):
-        out = switched(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                       hybridsp_documents=local["documents"], use_cache=False)
+        out = switched(
+            input_ids=local["input_ids"],
+            position_ids=local["position_ids"],
+            hybridsp_documents=local["documents"],
+            use_cache=False,
+        )
         return sharded_cross_entropy(out.logits, local["shift_labels"], mesh)
 
     torch._dynamo.reset()
     ours = torch._dynamo.explain(step)(local)
     torch._dynamo.reset()
     theirs = torch._dynamo.explain(lambda batch: plain(**batch, use_cache=False).loss)(full)
-    return {"switched_breaks": ours.graph_break_count, "switched_graphs": ours.graph_count,
-            "unswitched_breaks": theirs.graph_break_count, "unswitched_graphs": theirs.graph_count,
-            "reasons": sorted({str(reason.reason).split("\n")[0][:120] for reason in ours.break_reasons})}
+    return {
+        "switched_breaks": ours.graph_break_count,
+        "switched_graphs": ours.graph_count,
+        "unswitched_breaks": theirs.graph_break_count,
+        "unswitched_graphs": theirs.graph_count,
+        "reasons": sorted({str(reason.reason).split("\n")[0][:120] for reason in ours.break_reasons}),
+    }
 
 
 def measure(rank: int, world: int, ulysses: int, ring: int, seq: int, iters: int, explain_only: bool):
@@ -131,8 +151,10 @@ def measure(rank: int, world: int, ulysses: int, ring: int, seq: int, iters: int
         return None
     stats = {"graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values())}
     first_step = combine([r["first"] for r in per_rank])
-    paths = {name: combine([{k: v[1:] for k, v in r["times"][name].items()} for r in per_rank])
-             for name in ("eager", "compiled")}  # the first interleaved round is the warm-up
+    paths = {
+        name: combine([{k: v[1:] for k, v in r["times"][name].items()} for r in per_rank])
+        for name in ("eager", "compiled")
+    }  # the first interleaved round is the warm-up
     return {"first": first_step, "paths": paths, "losses": {"first": [first_loss, eager_loss]}, **stats, **breaks}
 
 
@@ -141,21 +163,28 @@ def report(result: dict, args) -> str:
     compile_wall = result["first"]["median_wall"] - compiled["median_wall"]
     compile_cpu = result["first"]["median_cpu"] - compiled["median_cpu"]
     lines = [
-        f"# torch.compile of the main job's model (U{args.ulysses}xR{args.ring}, S={args.seq}, fp32, inductor)", "",
-        f"{machine_info()}; load {result['load_before']} before, {load()} after; revision {revision()}", "",
-        "| | eager | compiled | compiled / eager |", "|---|---|---|---|",
+        f"# torch.compile of the main job's model (U{args.ulysses}xR{args.ring}, S={args.seq}, fp32, inductor)",
+        "",
+        f"{machine_info()}; load {result['load_before']} before, {load()} after; revision {revision()}",
+        "",
+        "| | eager | compiled | compiled / eager |",
+        "|---|---|---|---|",
         f"| step wall (median, max over ranks) | {eager['median_wall']:.3f} s | {compiled['median_wall']:.3f} s | "
         f"{compiled['median_wall'] / eager['median_wall']:.3f} |",
         f"| step CPU (median, sum over ranks) | {eager['median_cpu']:.3f} s | {compiled['median_cpu']:.3f} s | "
-        f"{compiled['median_cpu'] / eager['median_cpu']:.3f} |", "",
+        f"{compiled['median_cpu'] / eager['median_cpu']:.3f} |",
+        "",
         f"Compile time (first compiled step minus a compiled step): {compile_wall:.1f} s wall, {compile_cpu:.1f} s "
-        f"CPU summed over {args.ulysses * args.ring} ranks.", "",
+        f"CPU summed over {args.ulysses * args.ring} ranks.",
+        "",
         f"Graphs over {2 * args.iters + 3} compiled steps on batches with new documents: {result['graphs']} unique, "
         f"{result['recompiles']} recompilations. `torch._dynamo.explain` of one step: switched "
         f"{result['switched_breaks']} breaks / {result['switched_graphs']} graphs, unswitched "
-        f"{result['unswitched_breaks']} / {result['unswitched_graphs']}.", "",
+        f"{result['unswitched_breaks']} / {result['unswitched_graphs']}.",
+        "",
         f"First-step losses compiled / eager: {result['losses']['first'][0]:.6f} / {result['losses']['first'][1]:.6f}.",
-        "", f"{args.iters} interleaved rounds after one warm-up; per-round CPU seconds: eager "
+        "",
+        f"{args.iters} interleaved rounds after one warm-up; per-round CPU seconds: eager "
         f"{[round(x, 3) for x in eager['cpu']]}, compiled {[round(x, 3) for x in compiled['cpu']]}.",
     ]
     return "\n".join(lines) + "\n"
@@ -169,14 +198,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=7)
     parser.add_argument("--ulysses", type=int, default=2)
     parser.add_argument("--ring", type=int, default=2)
-    parser.add_argument("--out", help="folder for compile_s<S>.{md,json} (default benchmarks/results/compile; "
-                        "quick: the temp dir)")
+    parser.add_argument(
+        "--out", help="folder for compile_s<S>.{md,json} (default benchmarks/results/compile; quick: the temp dir)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.seq, args.iters = 1024, 3
     before = load()
-    result = launch(measure, args.ulysses * args.ring, args.ulysses, args.ring, args.seq, args.iters,
-                    args.explain_only, timeout=3600)[0]
+    result = launch(
+        measure,
+        args.ulysses * args.ring,
+        args.ulysses,
+        args.ring,
+        args.seq,
+        args.iters,
+        args.explain_only,
+        timeout=3600,
+    )[0]
     if args.explain_only:
         print(result)
         return 0
@@ -184,8 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     markdown = report(result, args)
     print(markdown)
     name = f"compile_s{args.seq}"
-    prefix = str(Path(args.out) / name) if args.out else \
-        results_path("compile", name) if not args.quick else str(Path(tempfile.gettempdir()) / name)
+    prefix = (
+        str(Path(args.out) / name)
+        if args.out
+        else results_path("compile", name)
+        if not args.quick
+        else str(Path(tempfile.gettempdir()) / name)
+    )
     write_results(prefix, markdown, {**result, "args": vars(args)})
     return 0
 

@@ -94,15 +94,22 @@ def run_rank(rank: int, world: int, ulysses: int, ring: int, context: int, steps
             times.append(time.perf_counter() - start)
             tokens = logits.argmax(-1)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dict(cache=state.cache.store.nbytes(), step_peak=peak.peak, params=params, prefill_s=prefill_s,
-                decode_ms=1000 * statistics.median(times[1:] if len(times) > 1 else times))
+    return dict(
+        cache=state.cache.store.nbytes(),
+        step_peak=peak.peak,
+        params=params,
+        prefill_s=prefill_s,
+        decode_ms=1000 * statistics.median(times[1:] if len(times) > 1 else times),
+    )
 
 
 def measure(name: str, context: int, steps: int) -> dict:
     ulysses, ring = MESHES[name]
     ranks = harness.launch(run_rank, ulysses * ring, ulysses, ring, context, steps, timeout=1800)
     return dict(
-        mesh=name, context=context, world=ulysses * ring,
+        mesh=name,
+        context=context,
+        world=ulysses * ring,
         cache_mib=max(r["cache"] for r in ranks) / 2**20,
         step_peak_mib=max(r["step_peak"] for r in ranks) / 2**20,
         params_mib=ranks[0]["params"] / 2**20,
@@ -114,18 +121,24 @@ def measure(name: str, context: int, steps: int) -> dict:
 def summarize(rows: list[dict], budget_mib: float) -> str:
     """Median over rounds per (mesh, context), as a markdown table."""
     keys = sorted({(r["context"], r["mesh"]) for r in rows}, key=lambda k: (k[0], list(MESHES).index(k[1])))
-    header = ("| context | mesh (world) | K/V cache per rank | decode-step peak (transient) | resident (params + "
-              f"cache + peak) | fits a budget of {budget_mib:g} MiB K/V per rank | decode ms/token | prefill s |")
+    header = (
+        "| context | mesh (world) | K/V cache per rank | decode-step peak (transient) | resident (params + "
+        f"cache + peak) | fits a budget of {budget_mib:g} MiB K/V per rank | decode ms/token | prefill s |"
+    )
     lines = [header, "|---|---|---|---|---|---|---|---|"]
     for context, name in keys:
         same = [r for r in rows if r["context"] == context and r["mesh"] == name]
-        med = {k: statistics.median(r[k] for r in same) for k in ("cache_mib", "step_peak_mib", "params_mib",
-                                                                   "decode_ms", "prefill_s")}
+        med = {
+            k: statistics.median(r[k] for r in same)
+            for k in ("cache_mib", "step_peak_mib", "params_mib", "decode_ms", "prefill_s")
+        }
         resident = med["params_mib"] + med["cache_mib"] + med["step_peak_mib"]
         fits = "yes" if med["cache_mib"] <= budget_mib else "**no**"
-        lines.append(f"| {context:,} | {name} ({same[0]['world']}) | {med['cache_mib']:.2f} MiB | "
-                     f"{med['step_peak_mib']:.2f} MiB | {resident:.1f} MiB | {fits} | {med['decode_ms']:.1f} | "
-                     f"{med['prefill_s']:.1f} |")
+        lines.append(
+            f"| {context:,} | {name} ({same[0]['world']}) | {med['cache_mib']:.2f} MiB | "
+            f"{med['step_peak_mib']:.2f} MiB | {resident:.1f} MiB | {fits} | {med['decode_ms']:.1f} | "
+            f"{med['prefill_s']:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -149,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(rows=rows, steps=args.steps, budget_mib=args.budget_mib), indent=1))
     print(summarize(rows, args.budget_mib))
-    print("load average (1 min) during the runs: %.1f-%.1f" % (min(r["load"] for r in rows),
-                                                              max(r["load"] for r in rows)))
+    print(
+        "load average (1 min) during the runs: %.1f-%.1f" % (min(r["load"] for r in rows), max(r["load"] for r in rows))
+    )
     return 0
 
 

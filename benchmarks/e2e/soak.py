@@ -27,9 +27,21 @@ from benchmarks.common import ROOT, harness
 
 
 def run_job(run_dir: Path, steps: int, seq_len: int, world: int) -> Path:
-    command = ["deepspeed", "--num_gpus", str(world), str(ROOT / "examples" / "train.py"), "--deepspeed",
-               str(ROOT / "ds_configs" / "cp8.json"), "--seq-len", str(seq_len), "--max-steps", str(steps),
-               "--save-dir", str(run_dir), "--no-plot"]
+    command = [
+        "deepspeed",
+        "--num_gpus",
+        str(world),
+        str(ROOT / "examples" / "train.py"),
+        "--deepspeed",
+        str(ROOT / "ds_configs" / "cp8.json"),
+        "--seq-len",
+        str(seq_len),
+        "--max-steps",
+        str(steps),
+        "--save-dir",
+        str(run_dir),
+        "--no-plot",
+    ]
     subprocess.run(command, check=True)
     return run_dir / "metrics.jsonl"
 
@@ -41,11 +53,16 @@ def report(metrics: Path, after: int) -> dict:
     growth = [(end - start) / start for start, end in zip(base["rss_bytes_per_rank"], last["rss_bytes_per_rank"])]
     finite = all(math.isfinite(r["loss"]) and (r["grad_norm"] is None or math.isfinite(r["grad_norm"])) for r in rows)
     return {
-        "steps": len(rows), "after_step": after, "last_step": last["step"],
+        "steps": len(rows),
+        "after_step": after,
+        "last_step": last["step"],
         "rss_mib_at_after": [round(b / 2**20, 1) for b in base["rss_bytes_per_rank"]],
         "rss_mib_at_end": [round(b / 2**20, 1) for b in last["rss_bytes_per_rank"]],
-        "rss_growth_per_rank": [round(g, 5) for g in growth], "max_rss_growth": max(growth),
-        "all_finite": finite, "loss_first": rows[0]["loss"], "loss_last": last["loss"],
+        "rss_growth_per_rank": [round(g, 5) for g in growth],
+        "max_rss_growth": max(growth),
+        "all_finite": finite,
+        "loss_first": rows[0]["loss"],
+        "loss_last": last["loss"],
         "median_step_s": statistics.median(r["step_seconds"] for r in rows[1:]),
         "first_step_s": rows[0]["step_seconds"],
     }
@@ -71,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--world", type=int, default=8)
     parser.add_argument("--after", type=int, default=50, help="growth is measured from this step on")
-    parser.add_argument("--out", type=Path, default=Path(harness.results_path("soak", "soak.md")),
-                        help="the markdown file to append to")
+    parser.add_argument(
+        "--out", type=Path, default=Path(harness.results_path("soak", "soak.md")), help="the markdown file to append to"
+    )
     args = parser.parse_args(argv)
-    command = (f"deepspeed --num_gpus {args.world} examples/train.py --deepspeed ds_configs/cp8.json "
-               f"--seq-len {args.seq_len} --max-steps {args.steps}")
+    command = (
+        f"deepspeed --num_gpus {args.world} examples/train.py --deepspeed ds_configs/cp8.json "
+        f"--seq-len {args.seq_len} --max-steps {args.steps}"
+    )
     metrics = args.metrics or run_job(Path(tempfile.mkdtemp(prefix="soak-")), args.steps, args.seq_len, args.world)
     result = report(metrics, args.after)
     print(json.dumps(result, indent=1))

@@ -50,15 +50,20 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
     config = ds_config(1, 1, stage)
     config.pop("hybridsp")
     parallelism = ParallelismConfig(
-        sp_backend="deepspeed", sp_size=world_size,
+        sp_backend="deepspeed",
+        sp_size=world_size,
         sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"),
     )
     with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         import deepspeed
 
         deepspeed.init_distributed()  # with use_cpu accelerate leaves deepspeed.comm uninitialised; ALST needs it
-        trainer = Trainer(model=tiny_llama(), args=arguments(out, config, parallelism_config=parallelism),
-                          train_dataset=samples(40, seed=1), data_collator=_fixed_collate)
+        trainer = Trainer(
+            model=tiny_llama(),
+            args=arguments(out, config, parallelism_config=parallelism),
+            train_dataset=samples(40, seed=1),
+            data_collator=_fixed_collate,
+        )
         trainer.train()
     return step_logs(trainer) if rank == 0 else None
 
@@ -66,8 +71,11 @@ def deepspeed_sp(rank: int, world_size: int, stage: int) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--out", default=harness.results_path("trainer", "trainer_grad_scale.json"),
-                        help="the JSON file (default benchmarks/results/trainer/trainer_grad_scale.json)")
+    parser.add_argument(
+        "--out",
+        default=harness.results_path("trainer", "trainer_grad_scale.json"),
+        help="the JSON file (default benchmarks/results/trainer/trainer_grad_scale.json)",
+    )
     args = parser.parse_args(argv)
     reference = harness.launch(train_logs, 1, None, timeout=600)[0]["grad_norm"]
     results = {"reference_grad_norm": reference, "hybridsp": {}, "deepspeed_sp": {}}
@@ -79,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             results["deepspeed_sp"][stage] = [round(a / b, 4) for a, b in zip(theirs, reference)]
         except AssertionError as error:  # report a failing peer instead of hiding it
             results["deepspeed_sp"][stage] = f"failed: {str(error).strip().splitlines()[-1]}"
-        print(f"ZeRO-{stage}: hybridsp {results['hybridsp'][stage]}  deepspeed SP {results['deepspeed_sp'][stage]}",
-              flush=True)
+        print(
+            f"ZeRO-{stage}: hybridsp {results['hybridsp'][stage]}  deepspeed SP {results['deepspeed_sp'][stage]}",
+            flush=True,
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -66,7 +66,12 @@ def _rel(actual, expected) -> float:
 
 def _inputs(batch, seq, heads, kv_heads, dim, dtype, device, seed=0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    shapes = [(batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim), (batch, seq, heads, dim)]
+    shapes = [
+        (batch, seq, heads, dim),
+        (batch, seq, kv_heads, dim),
+        (batch, seq, kv_heads, dim),
+        (batch, seq, heads, dim),
+    ]
     return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
 
 
@@ -85,35 +90,64 @@ def correctness(device, backends, quick: bool) -> list[dict]:
             q, k, v, dout = _inputs(2, seq, 8, kv_heads, 128, dtype, device)
             scale = 1 / math.sqrt(128)
             truth = _fwd_bwd(reference, *(t.float() for t in (q, k, v, dout)), causal, scale)
-            floor = [_rel(a, b) for a, b in zip(attention_in_input_dtype(q, k, v, dout, causal=causal, softmax_scale=scale), truth)]
+            floor = [
+                _rel(a, b)
+                for a, b in zip(attention_in_input_dtype(q, k, v, dout, causal=causal, softmax_scale=scale), truth)
+            ]
             for name in backends:
                 errors = [_rel(a, b) for a, b in zip(_fwd_bwd(get_kernel(name), q, k, v, dout, causal, scale), truth)]
-                rows.append({"backend": name, "dtype": str(dtype), "causal": causal, "kv_heads": kv_heads,
-                             "errors_out_dq_dk_dv": errors, "same_dtype_math": floor,
-                             "ok": all(e <= 2 * f for e, f in zip(errors, floor))})
+                rows.append(
+                    {
+                        "backend": name,
+                        "dtype": str(dtype),
+                        "causal": causal,
+                        "kv_heads": kv_heads,
+                        "errors_out_dq_dk_dv": errors,
+                        "same_dtype_math": floor,
+                        "ok": all(e <= 2 * f for e, f in zip(errors, floor)),
+                    }
+                )
     return rows
 
 
 def _blocked_fwd_bwd(kernel, q, k, v, dout, ring: int, scale: float):
     """Causal attention as every ring rank's zigzag blocks in one process, merged by LSE."""
     local = q.shape[1] // ring
-    chunks = [torch.cat([t.narrow(1, r * local // 2, local // 2), t.narrow(1, (2 * ring - 1 - r) * local // 2, local // 2)], 1)
-              for t in (q, k, v, dout) for r in range(ring)]
+    chunks = [
+        torch.cat(
+            [t.narrow(1, r * local // 2, local // 2), t.narrow(1, (2 * ring - 1 - r) * local // 2, local // 2)], 1
+        )
+        for t in (q, k, v, dout)
+        for r in range(ring)
+    ]
     qs, ks, vs, douts = (chunks[i * ring : (i + 1) * ring] for i in range(4))
     for rank in range(ring):
         out = torch.zeros(qs[rank].shape, dtype=torch.float32, device=q.device)
         lse = torch.full((q.shape[0], q.shape[2], local), -math.inf, device=q.device)
         plan = build_plan(q.shape[1], ring, "zigzag", causal=True, docs=None, window=None, batch=q.shape[0])
-        pieces = [(src, (p.rows, p.keys, p.kind == "causal")) for step in range(ring) for src in [(rank - step) % ring]
-                  for p in plan.pieces[(rank, src)]]
+        pieces = [
+            (src, (p.rows, p.keys, p.kind == "causal"))
+            for step in range(ring)
+            for src in [(rank - step) % ring]
+            for p in plan.pieces[(rank, src)]
+        ]
         for src, (rows, keys, causal) in pieces:
-            block_out, block_lse = kernel.forward(qs[rank][:, rows], ks[src][:, keys], vs[src][:, keys],
-                                                  causal=causal, softmax_scale=scale)
+            block_out, block_lse = kernel.forward(
+                qs[rank][:, rows], ks[src][:, keys], vs[src][:, keys], causal=causal, softmax_scale=scale
+            )
             merge_into(out[:, rows], lse[:, :, rows], block_out, block_lse)
         final = out.to(q.dtype)
         for src, (rows, keys, causal) in pieces:
-            kernel.backward(douts[rank][:, rows], qs[rank][:, rows], ks[src][:, keys], vs[src][:, keys],
-                            final[:, rows], lse[:, :, rows], causal=causal, softmax_scale=scale)
+            kernel.backward(
+                douts[rank][:, rows],
+                qs[rank][:, rows],
+                ks[src][:, keys],
+                vs[src][:, keys],
+                final[:, rows],
+                lse[:, :, rows],
+                causal=causal,
+                softmax_scale=scale,
+            )
 
 
 def ring_blocking_cost(device, backend: str, quick: bool) -> list[dict]:
@@ -123,15 +157,24 @@ def ring_blocking_cost(device, backend: str, quick: bool) -> list[dict]:
     rows = []
     lengths = (1024,) if quick else (8192, 32768, 131072)
     for seq in lengths:
-        q, k, v, dout = _inputs(1, seq, 32 if device.type == "cuda" else 4, 8 if device.type == "cuda" else 2,
-                                128, dtype, device)
+        q, k, v, dout = _inputs(
+            1, seq, 32 if device.type == "cuda" else 4, 8 if device.type == "cuda" else 2, 128, dtype, device
+        )
         scale = 1 / math.sqrt(128)
         repeats = 3 if quick else 5
         single = _timed(lambda: _fwd_bwd(kernel, q, k, v, dout, True, scale), device, repeats)
         for ring in (2, 4, 8):
             blocked = _timed(lambda: _blocked_fwd_bwd(kernel, q, k, v, dout, ring, scale), device, repeats)
-            rows.append({"backend": backend, "seq_len": seq, "ring": ring, "single_s": single,
-                         "blocked_s": blocked, "ratio": blocked / single})
+            rows.append(
+                {
+                    "backend": backend,
+                    "seq_len": seq,
+                    "ring": ring,
+                    "single_s": single,
+                    "blocked_s": blocked,
+                    "ratio": blocked / single,
+                }
+            )
     return rows
 
 
@@ -141,10 +184,15 @@ def _offload_model(device, quick: bool):
 
     small = quick or device.type == "cpu"
     config = transformers.LlamaConfig(
-        vocab_size=512 if small else 32000, hidden_size=64 if small else 2048,
-        intermediate_size=128 if small else 5632, num_hidden_layers=4 if small else 16,
-        num_attention_heads=4 if small else 16, num_key_value_heads=2 if small else 4,
-        max_position_embeddings=16384, attn_implementation="sdpa")
+        vocab_size=512 if small else 32000,
+        hidden_size=64 if small else 2048,
+        intermediate_size=128 if small else 5632,
+        num_hidden_layers=4 if small else 16,
+        num_attention_heads=4 if small else 16,
+        num_key_value_heads=2 if small else 4,
+        max_position_embeddings=16384,
+        attn_implementation="sdpa",
+    )
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).train()
@@ -192,11 +240,19 @@ def activation_offload_check(device, quick: bool) -> dict:
     offload.remove()
     # On CUDA the peak should drop by about what went to host, less the copies in flight (2 layer inputs)
     expected = stats["offloaded_bytes"] * (stats["offloaded_tensors"] - 2) / max(1, stats["offloaded_tensors"])
-    return {"device": str(device), "dtype": str(dtype), "seq_len": ids.shape[1], "layers": layers,
-            "loss": [plain[0], offloaded[0]], "max_grad_diff": grad_diff, "stats": stats,
-            "peak_bytes": [plain[2], offloaded[2]], "peak_saved_bytes": saved,
-            "seconds": [plain[3], offloaded[3]],
-            "ok": plain[0] == offloaded[0] and grad_diff == 0.0 and (saved is None or saved >= 0.8 * expected)}
+    return {
+        "device": str(device),
+        "dtype": str(dtype),
+        "seq_len": ids.shape[1],
+        "layers": layers,
+        "loss": [plain[0], offloaded[0]],
+        "max_grad_diff": grad_diff,
+        "stats": stats,
+        "peak_bytes": [plain[2], offloaded[2]],
+        "peak_saved_bytes": saved,
+        "seconds": [plain[3], offloaded[3]],
+        "ok": plain[0] == offloaded[0] and grad_diff == 0.0 and (saved is None or saved >= 0.8 * expected),
+    }
 
 
 def lean_norms_check(device, quick: bool) -> dict:
@@ -209,43 +265,75 @@ def lean_norms_check(device, quick: bool) -> dict:
         with apply_lean_norms(model) if name == "lean" else contextlib.nullcontext():
             rows[name].append(_step_with_peak(model, ids, device))
     hf, lean = rows["hf"][-1], rows["lean"][-1]
-    grad_rel = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-                   for a, b in zip(lean[1], hf[1]))
+    grad_rel = max(
+        ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+        for a, b in zip(lean[1], hf[1])
+    )
     tolerance = 2e-6 if dtype == torch.float32 else 2e-2
-    return {"device": str(device), "dtype": str(dtype), "seq_len": ids.shape[1], "loss": [hf[0], lean[0]],
-            "max_grad_rel": grad_rel, "peak_bytes": [hf[2], lean[2]], "seconds": [hf[3], lean[3]],
-            "ok": hf[0] == lean[0] and grad_rel <= tolerance and (hf[2] is None or lean[2] <= hf[2])}
+    return {
+        "device": str(device),
+        "dtype": str(dtype),
+        "seq_len": ids.shape[1],
+        "loss": [hf[0], lean[0]],
+        "max_grad_rel": grad_rel,
+        "peak_bytes": [hf[2], lean[2]],
+        "seconds": [hf[3], lean[3]],
+        "ok": hf[0] == lean[0] and grad_rel <= tolerance and (hf[2] is None or lean[2] <= hf[2]),
+    }
 
 
 def _markdown(report: dict) -> str:
-    lines = [f"# GPU check ({report['device']}, {report['date']})", "", "## Correctness (rel. error vs fp32 reference)", "",
-             "| backend | dtype | causal | kv heads | out, dq, dk, dv | same-dtype math | ok |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# GPU check ({report['device']}, {report['date']})",
+        "",
+        "## Correctness (rel. error vs fp32 reference)",
+        "",
+        "| backend | dtype | causal | kv heads | out, dq, dk, dv | same-dtype math | ok |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in report["correctness"]:
         errors = ", ".join(f"{e:.1e}" for e in r["errors_out_dq_dk_dv"])
         floor = ", ".join(f"{e:.1e}" for e in r["same_dtype_math"])
-        lines.append(f"| {r['backend']} | {r['dtype']} | {r['causal']} | {r['kv_heads']} | {errors} | {floor} | {r['ok']} |")
-    lines += ["", "## Ring blocking cost (causal, bf16, fwd+bwd, one process)", "",
-              "| backend | S | R | one call s | R-way blocks s | ratio |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['backend']} | {r['dtype']} | {r['causal']} | {r['kv_heads']} | {errors} | {floor} | {r['ok']} |"
+        )
+    lines += [
+        "",
+        "## Ring blocking cost (causal, bf16, fwd+bwd, one process)",
+        "",
+        "| backend | S | R | one call s | R-way blocks s | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in report["blocking"]:
-        lines.append(f"| {r['backend']} | {r['seq_len']} | {r['ring']} | {r['single_s']:.4f} | {r['blocked_s']:.4f} | {r['ratio']:.3f} |")
+        lines.append(
+            f"| {r['backend']} | {r['seq_len']} | {r['ring']} | {r['single_s']:.4f} | {r['blocked_s']:.4f} | {r['ratio']:.3f} |"
+        )
     if "offload" in report:
         o, mib = report["offload"], lambda v: "-" if v is None else f"{v / 2**20:,.0f}"
-        lines += ["", "## Activation-checkpoint offload (one fwd+bwd, HF Llama, checkpointing on)", "",
-                  "| device | dtype | S | loss (ckpt / offload) | max grad diff | offloaded tensors / MiB | "
-                  "peak MiB (ckpt / offload) | peak saved MiB | seconds (ckpt / offload) | ok |",
-                  "|---|---|---|---|---|---|---|---|---|---|",
-                  f"| {o['device']} | {o['dtype']} | {o['seq_len']} | {o['loss'][0]:.6f} / {o['loss'][1]:.6f} | "
-                  f"{o['max_grad_diff']:.1e} | {o['stats']['offloaded_tensors']} / {mib(o['stats']['offloaded_bytes'])} | "
-                  f"{mib(o['peak_bytes'][0])} / {mib(o['peak_bytes'][1])} | {mib(o['peak_saved_bytes'])} | "
-                  f"{o['seconds'][0]:.3f} / {o['seconds'][1]:.3f} | {o['ok']} |"]
+        lines += [
+            "",
+            "## Activation-checkpoint offload (one fwd+bwd, HF Llama, checkpointing on)",
+            "",
+            "| device | dtype | S | loss (ckpt / offload) | max grad diff | offloaded tensors / MiB | "
+            "peak MiB (ckpt / offload) | peak saved MiB | seconds (ckpt / offload) | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {o['device']} | {o['dtype']} | {o['seq_len']} | {o['loss'][0]:.6f} / {o['loss'][1]:.6f} | "
+            f"{o['max_grad_diff']:.1e} | {o['stats']['offloaded_tensors']} / {mib(o['stats']['offloaded_bytes'])} | "
+            f"{mib(o['peak_bytes'][0])} / {mib(o['peak_bytes'][1])} | {mib(o['peak_saved_bytes'])} | "
+            f"{o['seconds'][0]:.3f} / {o['seconds'][1]:.3f} | {o['ok']} |",
+        ]
     if "lean_norms" in report:
         n, mib = report["lean_norms"], lambda v: "-" if v is None else f"{v / 2**20:,.0f}"
-        lines += ["", "## Lean norms (one fwd+bwd, HF Llama, checkpointing on)", "",
-                  "| device | dtype | S | loss (HF / lean) | max grad rel. diff | peak MiB (HF / lean) | seconds (HF / lean) | ok |",
-                  "|---|---|---|---|---|---|---|---|",
-                  f"| {n['device']} | {n['dtype']} | {n['seq_len']} | {n['loss'][0]:.6f} / {n['loss'][1]:.6f} | "
-                  f"{n['max_grad_rel']:.1e} | {mib(n['peak_bytes'][0])} / {mib(n['peak_bytes'][1])} | "
-                  f"{n['seconds'][0]:.3f} / {n['seconds'][1]:.3f} | {n['ok']} |"]
+        lines += [
+            "",
+            "## Lean norms (one fwd+bwd, HF Llama, checkpointing on)",
+            "",
+            "| device | dtype | S | loss (HF / lean) | max grad rel. diff | peak MiB (HF / lean) | seconds (HF / lean) | ok |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {n['device']} | {n['dtype']} | {n['seq_len']} | {n['loss'][0]:.6f} / {n['loss'][1]:.6f} | "
+            f"{n['max_grad_rel']:.1e} | {mib(n['peak_bytes'][0])} / {mib(n['peak_bytes'][1])} | "
+            f"{n['seconds'][0]:.3f} / {n['seconds'][1]:.3f} | {n['ok']} |",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -260,15 +348,20 @@ def main(argv: list[str] | None = None) -> int:
         import importlib.util
 
         backends = (["flash"] if importlib.util.find_spec("flash_attn") else []) + ["torch"]
-    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
-              "correctness": correctness(device, backends, args.quick or device.type == "cpu"),
-              "blocking": ring_blocking_cost(device, backends[0], args.quick or device.type == "cpu"),
-              "offload": activation_offload_check(device, args.quick),
-              "lean_norms": lean_norms_check(device, args.quick)}
+    report = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "correctness": correctness(device, backends, args.quick or device.type == "cpu"),
+        "blocking": ring_blocking_cost(device, backends[0], args.quick or device.type == "cpu"),
+        "offload": activation_offload_check(device, args.quick),
+        "lean_norms": lean_norms_check(device, args.quick),
+    }
     if "flash" in backends:
         try:
-            get_kernel("flash").forward(*_inputs(1, 16, 2, 2, 64, torch.float32, device)[:3], causal=False, softmax_scale=0.1)
+            get_kernel("flash").forward(
+                *_inputs(1, 16, 2, 2, 64, torch.float32, device)[:3], causal=False, softmax_scale=0.1
+            )
             report["flash_fp32"] = "accepted (unexpected)"
         except ValueError as error:
             report["flash_fp32"] = f"refused: {error}"

@@ -61,7 +61,9 @@ TECHNIQUES = ("fused_loss", "tiled_mlp", "checkpointing", "activation_offload")
 DEFAULT_ROWS = (  # (vocab, layers, total budget MiB, techniques): the ablation's rows at V=32000, 1.5 GiB (192 MiB
     # per rank: at longest.context's 1 GiB / 8 = 128 MiB nothing trains at V=32000, measured: the step's fixed
     # ZeRO-3 part (the tied 31 MiB embedding re-gathered, the gradient bucket's reduce-scatter copies) is ~146 MiB)
-    (32000, 4, 1536, ()), (32000, 4, 1536, ("fused_loss",)), (32000, 4, 1536, ("fused_loss", "tiled_mlp")),
+    (32000, 4, 1536, ()),
+    (32000, 4, 1536, ("fused_loss",)),
+    (32000, 4, 1536, ("fused_loss", "tiled_mlp")),
     (32000, 4, 1536, ("checkpointing", "fused_loss", "tiled_mlp")),
     (32000, 4, 1536, ("checkpointing", "fused_loss", "tiled_mlp", "activation_offload")),
 )
@@ -103,8 +105,9 @@ def unavailable(techniques) -> list[str]:
 # inside a rank
 
 
-def attempt_rank(rank: int, world: int, seq_len: int, vocab: int, layers: int, techniques: tuple,
-                 budget: int, report_dir: str) -> dict:
+def attempt_rank(
+    rank: int, world: int, seq_len: int, vocab: int, layers: int, techniques: tuple, budget: int, report_dir: str
+) -> dict:
     """One training step at ``seq_len`` under the budget (see the module docstring)."""
     try:
         return _attempt(seq_len, vocab, layers, techniques, budget)
@@ -140,15 +143,17 @@ def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: i
     windows = text_data.TokenWindows(tokens, seq_len, 0)
     argv = ["--deepspeed", str(ROOT / "ds_configs" / CONFIG), "--seq-len", str(seq_len), "--layers", str(layers)]
     args = train.parse_args(argv + (["--activation-checkpointing"] if "checkpointing" in techniques else []))
-    engine, _, mesh, _ = initialize(train.build_model(args, vocab), train._config_with_lr(args),
-                                    ulysses=ULYSSES, ring=RING)
+    engine, _, mesh, _ = initialize(
+        train.build_model(args, vocab), train._config_with_lr(args), ulysses=ULYSSES, ring=RING
+    )
     if "tiled_mlp" in techniques:
         function = _tiled_mlp_function()
         if function is None:
             raise NotAvailable("tiled_mlp")
         function(engine.module)
-    offload = offload_activations(engine.module, enabled="activation_offload" in techniques,
-                                  host_allocator=shared_host_tensor)
+    offload = offload_activations(
+        engine.module, enabled="activation_offload" in techniques, host_allocator=shared_host_tensor
+    )
     gc.collect()
     harness.malloc_trim()
     init, init_tensors = harness.memory_status(), harness.live_tensor_bytes()
@@ -162,12 +167,17 @@ def _attempt(seq_len: int, vocab: int, layers: int, techniques: tuple, budget: i
             harness.lift_limit("data")
     end = harness.memory_status()
     host = offload.stats.offloaded_bytes
-    return {"loss": loss, "step_s": step_s, "init_alloc_end": init_tensors,
-            # the profiler also records the /dev/shm host copies: subtract them (they are alive at the peak)
-            "step_alloc_peak": step_alloc.peak - host, "host_bytes": host,
-            "alloc_peak": init_tensors + step_alloc.peak - host,
-            "offloaded_tensors": offload.stats.offloaded_tensors,
-            "step_data_delta_end": end["VmData"] - init["VmData"]}
+    return {
+        "loss": loss,
+        "step_s": step_s,
+        "init_alloc_end": init_tensors,
+        # the profiler also records the /dev/shm host copies: subtract them (they are alive at the peak)
+        "step_alloc_peak": step_alloc.peak - host,
+        "host_bytes": host,
+        "alloc_peak": init_tensors + step_alloc.peak - host,
+        "offloaded_tensors": offload.stats.offloaded_tensors,
+        "step_data_delta_end": end["VmData"] - init["VmData"],
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,19 +235,33 @@ def calibration_fixture(rows: list[dict]) -> dict:
     return {
         "source": "benchmarks/longest/ablation.py (results/longest_context/ablation_cpu.json), written by its save step",
         "model": asdict(example_model_spec()),
-        "rows": [{**{key: row[key] for key in keep if key in row},
-                  "attempt_list": [{"seq_len": a["seq_len"], "ok": a["ok"],
-                                    "step_alloc_peak": (a.get("worst") or {}).get("step_alloc_peak")}
-                                   for a in row.get("attempt_list", [])]}
-                 for row in rows if not row.get("not_available")],
+        "rows": [
+            {
+                **{key: row[key] for key in keep if key in row},
+                "attempt_list": [
+                    {
+                        "seq_len": a["seq_len"],
+                        "ok": a["ok"],
+                        "step_alloc_peak": (a.get("worst") or {}).get("step_alloc_peak"),
+                    }
+                    for a in row.get("attempt_list", [])
+                ],
+            }
+            for row in rows
+            if not row.get("not_available")
+        ],
     }
 
 
 def replan(row: dict, granularity: int) -> dict:
     """A stored row with the current planner's numbers (the planner is deterministic)."""
     techniques = tuple(row["techniques"])
-    row = {**row, "planner_longest": planner_longest(row["vocab"], row["layers"], techniques,
-                                                     row["budget_total"] // WORLD, granularity)}
+    row = {
+        **row,
+        "planner_longest": planner_longest(
+            row["vocab"], row["layers"], techniques, row["budget_total"] // WORLD, granularity
+        ),
+    }
     for attempt in row.get("attempt_list", []):
         attempt["planner"] = planner_row(row["vocab"], row["layers"], techniques, attempt["seq_len"])
     return row
@@ -250,8 +274,18 @@ def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Att
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_ablation_") as reports:
         try:
-            ranks = harness.launch(attempt_rank, WORLD, seq_len, vocab, layers, tuple(techniques), budget, reports,
-                                    timeout=timeout, threads=1)
+            ranks = harness.launch(
+                attempt_rank,
+                WORLD,
+                seq_len,
+                vocab,
+                layers,
+                tuple(techniques),
+                budget,
+                reports,
+                timeout=timeout,
+                threads=1,
+            )
             attempt.ok, attempt.worst = True, blc.worst_rank([{**r, "rank": i} for i, r in enumerate(ranks)])
         except (AssertionError, TimeoutError) as error:
             attempt.reason, attempt.detail = blc.classify_failure(error, _rank_reports(reports))
@@ -259,10 +293,12 @@ def run_attempt(vocab, layers, techniques, seq_len, budget, timeout, log) -> Att
     attempt.load.append(os.getloadavg()[0])
     if attempt.ok:
         w = attempt.worst
-        log(f"    S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s; MiB per rank: allocated {w['alloc_peak'] / MIB:.0f} "
+        log(
+            f"    S={seq_len:>6}: ok   {attempt.wall_s:4.0f} s; MiB per rank: allocated {w['alloc_peak'] / MIB:.0f} "
             f"(step {w['step_alloc_peak'] / MIB:.0f}, host {w['host_bytes'] / MIB:.0f}); planner "
             f"{m.total / MIB:.0f} (step {attempt.planner['step'] / MIB:.0f}, host {m.host / MIB:.0f}); load "
-            f"{attempt.load[0]:.0f}")
+            f"{attempt.load[0]:.0f}"
+        )
     else:
         log(f"    S={seq_len:>6}: FAIL {attempt.wall_s:4.0f} s {attempt.reason}: {attempt.detail[:140]}")
     return attempt
@@ -272,8 +308,9 @@ class _Enough(Exception):
     """The search reached its attempt limit."""
 
 
-def search(vocab, layers, techniques, budget, granularity, start, log, timeout,
-           max_attempts: int = 8) -> tuple[int, list[Attempt], bool]:
+def search(
+    vocab, layers, techniques, budget, granularity, start, log, timeout, max_attempts: int = 8
+) -> tuple[int, list[Attempt], bool]:
     """From ``start`` (the planner's prediction) by 15% steps until the outcome flips, then bisect.
     Returns (longest that fit, attempts, whether the bisection finished within ``max_attempts``)."""
     from hybridsp.layout._layouts import check_sequence_length
@@ -331,8 +368,11 @@ def _mib(value) -> str:
 def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> str:
     runs = runs or [meta]
     lines = ["# Measured CPU analog of the ablation (cp8) with the planner beside it", ""]
-    lines += [f"- Run {run['date']}: `{run['command']}` ({run.get('total_s', 0) / 60:.1f} min); load (1-min average) "
-              f"{run['load_before']:.1f} before, {run.get('load_after', float('nan')):.1f} after" for run in runs]
+    lines += [
+        f"- Run {run['date']}: `{run['command']}` ({run.get('total_s', 0) / 60:.1f} min); load (1-min average) "
+        f"{run['load_before']:.1f} before, {run.get('load_after', float('nan')):.1f} after"
+        for run in runs
+    ]
     lines += [
         f"- Machine: {meta['machine']}; {meta['software']}",
         f"- Rules: `examples/train.py`'s model (h=256, 8/4 heads of 32, I=640, tied embeddings, fp32), ZeRO-3 "
@@ -342,7 +382,8 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
         "memory). Planner: `longest_context` with the budget + its own after-build states, same mesh/ZeRO-3/"
         "checkpointing, `offload_in_flight=0` (CPU copies are synchronous). allocated = live tensors after the "
         "build + the step's profiler peak, host copies excluded; the planner's step includes the gathered ZeRO-3 "
-        "parameters (allocated during the step). Planner numbers are recomputed with the current planner.", "",
+        "parameters (allocated during the step). Planner numbers are recomputed with the current planner.",
+        "",
         "| V | L | budget MiB | techniques | measured longest S | planner longest S | planner error | attempts | allocated MiB at "
         "the longest (init + step) | planner MiB (total / step, peak phase) | host MiB (measured / planner) | "
         "step s |",
@@ -350,24 +391,30 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
     ]
     logs = sorted({r["from_log"] for r in rows if r.get("from_log")})
     if logs:
-        lines[-3] += (f" Rows marked (log) were rebuilt from the log of the first run, 07:39-07:58 UTC "
-                      f"({', '.join(logs)}; it stopped later on a half-written rank report, now skipped): "
-                      "MiB rounded, no step times.")
+        lines[-3] += (
+            f" Rows marked (log) were rebuilt from the log of the first run, 07:39-07:58 UTC "
+            f"({', '.join(logs)}; it stopped later on a half-written rank report, now skipped): "
+            "MiB rounded, no step times."
+        )
     fixed = [r for r in rows if r.get("at")]
     rows = [r for r in rows if not r.get("at")]
     for r in rows:
         head = f"| {r['vocab']:,} | {r['layers']} | {r['budget_total'] / MIB:,.0f} |"
         if r.get("not_available"):
-            lines.append(f"{head} {_name(r['techniques'], r)} | not available on this "
-                         f"branch ({', '.join(r['not_available'])}) | {r['planner_longest']:,} | | | | | | |")
+            lines.append(
+                f"{head} {_name(r['techniques'], r)} | not available on this "
+                f"branch ({', '.join(r['not_available'])}) | {r['planner_longest']:,} | | | | | | |"
+            )
             continue
         best = next((a for a in r["attempt_list"] if a["ok"] and a["seq_len"] == r["longest"]), None)
         error = f"{r['planner_longest'] / r['longest'] - 1:+.0%}" if r["longest"] else "-"
         if not r.get("complete", True):
             error += " (measured: a lower bound, search cut)"
         if best is None:
-            lines.append(f"{head} {_name(r['techniques'])} | 0 | {r['planner_longest']:,} "
-                         f"| - | {len(r['attempt_list'])} | | | | |")
+            lines.append(
+                f"{head} {_name(r['techniques'])} | 0 | {r['planner_longest']:,} "
+                f"| - | {len(r['attempt_list'])} | | | | |"
+            )
             continue
         w, p = best["worst"], best["planner"]
         lines.append(
@@ -375,12 +422,17 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
             f"{r['planner_longest']:,} | {error} | {len(r['attempt_list'])} | {_mib(w['alloc_peak'])} "
             f"({_mib(w['init_alloc_end'])} + {_mib(w['step_alloc_peak'])}) | {_mib(p['total'])} / {_mib(p['step'])}, "
             f"{p['peak_phase']} | {_mib(w['host_bytes'])} / {_mib(p['host'])} | "
-            f"{'-' if w.get('step_s') is None else format(w['step_s'], '.1f')} |")
+            f"{'-' if w.get('step_s') is None else format(w['step_s'], '.1f')} |"
+        )
     if fixed:
-        lines += ["", "### At a fixed length (one attempt each, no search): what the step allocates", "",
-                  "| V | L | budget MiB | S | techniques | result | step allocated MiB (measured / planner, error) | "
-                  "whole rank MiB (measured / planner) | host MiB (measured / planner) | step s |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "### At a fixed length (one attempt each, no search): what the step allocates",
+            "",
+            "| V | L | budget MiB | S | techniques | result | step allocated MiB (measured / planner, error) | "
+            "whole rank MiB (measured / planner) | host MiB (measured / planner) | step s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in fixed:
             head = f"| {r['vocab']:,} | {r['layers']} | {r['budget_total'] / MIB:,.0f} | {r['at']:,} | {_name(r['techniques'])} |"
             if r.get("not_available"):
@@ -391,19 +443,29 @@ def markdown(rows: list[dict], meta: dict, runs: list[dict] | None = None) -> st
             if not a["ok"]:
                 lines.append(f"{head} **{a['reason']}** | - / {_mib(p['step'])} | - / {_mib(p['total'])} | | |")
                 continue
-            lines.append(f"{head} ok | {_mib(w['step_alloc_peak'])} / {_mib(p['step'])} "
-                         f"({p['step'] / w['step_alloc_peak'] - 1:+.0%}) | {_mib(w['alloc_peak'])} / {_mib(p['total'])} | "
-                         f"{_mib(w['host_bytes'])} / {_mib(p['host'])} | {w['step_s']:.0f} |")
-    lines += ["", "### Every attempt", "", "| V | L | techniques | S | result | wall s | allocated MiB (step) | "
-              "planner MiB (step) | host MiB | load before/after |", "|---|---|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"{head} ok | {_mib(w['step_alloc_peak'])} / {_mib(p['step'])} "
+                f"({p['step'] / w['step_alloc_peak'] - 1:+.0%}) | {_mib(w['alloc_peak'])} / {_mib(p['total'])} | "
+                f"{_mib(w['host_bytes'])} / {_mib(p['host'])} | {w['step_s']:.0f} |"
+            )
+    lines += [
+        "",
+        "### Every attempt",
+        "",
+        "| V | L | techniques | S | result | wall s | allocated MiB (step) | "
+        "planner MiB (step) | host MiB | load before/after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         for a in r.get("attempt_list", []):
             w, p = a["worst"], a["planner"]
             result = "ok" if a["ok"] else f"**{a['reason']}**: {a['detail'][:90]}"
             allocated = f"{_mib(w['alloc_peak'])} ({_mib(w['step_alloc_peak'])})" if a["ok"] else ""
-            lines.append(f"| {r['vocab']:,} | {r['layers']} | {_name(r['techniques'])} | {a['seq_len']:,} | {result} | "
-                         f"{a['wall_s']:.0f} | {allocated} | {_mib(p['total'])} ({_mib(p['step'])}) | "
-                         f"{_mib(w.get('host_bytes')) if a['ok'] else ''} | {a['load'][0]:.0f}/{a['load'][1]:.0f} |")
+            lines.append(
+                f"| {r['vocab']:,} | {r['layers']} | {_name(r['techniques'])} | {a['seq_len']:,} | {result} | "
+                f"{a['wall_s']:.0f} | {allocated} | {_mib(p['total'])} ({_mib(p['step'])}) | "
+                f"{_mib(w.get('host_bytes')) if a['ok'] else ''} | {a['load'][0]:.0f}/{a['load'][1]:.0f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -421,8 +483,14 @@ def rows_from_log(path: Path) -> list[dict]:
         if match := head.search(line):
             vocab, layers, budget, name, planned, _, missing = match.groups()
             techniques = [] if name == "none" else name.split(" + ")
-            row = {"vocab": int(vocab), "layers": int(layers), "budget_total": int(budget) * MIB,
-                   "techniques": techniques, "planner_longest": int(planned.replace(",", "")), "from_log": str(path.name)}
+            row = {
+                "vocab": int(vocab),
+                "layers": int(layers),
+                "budget_total": int(budget) * MIB,
+                "techniques": techniques,
+                "planner_longest": int(planned.replace(",", "")),
+                "from_log": str(path.name),
+            }
             if missing:
                 row["not_available"] = missing.split(", ")
             else:
@@ -431,8 +499,12 @@ def rows_from_log(path: Path) -> list[dict]:
         elif (match := ok.search(line)) or (match_fail := fail.search(line)):
             if match:
                 seq_len, wall, allocated, step, host, load = (int(v) for v in match.groups())
-                worst = {"alloc_peak": allocated * MIB, "step_alloc_peak": step * MIB, "host_bytes": host * MIB,
-                         "init_alloc_end": (allocated - step) * MIB}
+                worst = {
+                    "alloc_peak": allocated * MIB,
+                    "step_alloc_peak": step * MIB,
+                    "host_bytes": host * MIB,
+                    "init_alloc_end": (allocated - step) * MIB,
+                }
                 attempt = Attempt(seq_len, True, wall_s=wall, load=[load, load], worst=worst)
             else:
                 seq_len, wall, reason, detail = match_fail.groups()
@@ -456,48 +528,79 @@ def _parse_row(text: str, vocab: int, layers: int, budget_mib: int) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", help="rows, e.g. none checkpointing+activation_offload (default: "
-                                                  "DEFAULT_ROWS, today's path to every technique at V=32000)")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        help="rows, e.g. none checkpointing+activation_offload (default: "
+        "DEFAULT_ROWS, today's path to every technique at V=32000)",
+    )
     parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of --rows")
     parser.add_argument("--layers", type=int, default=4, help="layers of --rows")
     parser.add_argument("--budget-mib", type=int, default=1536, help="total budget of --rows, split over the 8 ranks")
     parser.add_argument("--granularity", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per attempt")
-    parser.add_argument("--out", default=harness.results_dir("longest_context"),
-                        help="folder for ablation_cpu.{json,md} (default benchmarks/results/longest_context)")
-    parser.add_argument("--fixture", default=str(FIXTURE), help="where to write the rows the planner's calibration "
-                                                                "test reads ('' for nowhere)")
-    parser.add_argument("--append", action="store_true",
-                        help="keep the rows already in the results file (a row measured again replaces its old one)")
+    parser.add_argument(
+        "--out",
+        default=harness.results_dir("longest_context"),
+        help="folder for ablation_cpu.{json,md} (default benchmarks/results/longest_context)",
+    )
+    parser.add_argument(
+        "--fixture",
+        default=str(FIXTURE),
+        help="where to write the rows the planner's calibration test reads ('' for nowhere)",
+    )
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the rows already in the results file (a row measured again replaces its old one)",
+    )
     parser.add_argument("--max-attempts", type=int, default=8, help="attempts per row (the search stops there)")
     parser.add_argument("--at", type=int, help="no search: one attempt per row at this length (memory side by side)")
     parser.add_argument("--start", type=int, help="the search's first length (default: the planner's prediction)")
-    parser.add_argument("--replan", action="store_true", help="measure nothing: recompute the planner's numbers of "
-                                                              "the stored rows (with --append) and rewrite the results")
-    parser.add_argument("--from-log", type=Path, help="add the rows of a run's log (see rows_from_log); with no "
-                                                      "--rows nothing is measured")
+    parser.add_argument(
+        "--replan",
+        action="store_true",
+        help="measure nothing: recompute the planner's numbers of "
+        "the stored rows (with --append) and rewrite the results",
+    )
+    parser.add_argument(
+        "--from-log",
+        type=Path,
+        help="add the rows of a run's log (see rows_from_log); with no --rows nothing is measured",
+    )
     args = parser.parse_args(argv)
-    rows = [_parse_row(text, args.vocab, args.layers, args.budget_mib) for text in args.rows] if args.rows \
-        else [] if (args.from_log or args.replan) else list(DEFAULT_ROWS)
+    rows = (
+        [_parse_row(text, args.vocab, args.layers, args.budget_mib) for text in args.rows]
+        if args.rows
+        else []
+        if (args.from_log or args.replan)
+        else list(DEFAULT_ROWS)
+    )
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     log = lambda text: print(text, flush=True)  # noqa: E731
     blc.warm_forkserver()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    previous = json.loads((out / "ablation_cpu.json").read_text()) if args.append and (
-        out / "ablation_cpu.json").exists() else {"rows": [], "runs": []}
+    previous = (
+        json.loads((out / "ablation_cpu.json").read_text())
+        if args.append and (out / "ablation_cpu.json").exists()
+        else {"rows": [], "runs": []}
+    )
     results = [replan(row, row.get("granularity", args.granularity)) for row in previous["rows"]]
     runs = previous.get("runs", [])
-    run_meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": harness.command(MODULE, argv),
-                "load_before": load_before, "machine": harness.machine_info(), "software": harness.software_info(),
-                "step": math.lcm(args.granularity, 2 * RING * ULYSSES)}
+    run_meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": harness.command(MODULE, argv),
+        "load_before": load_before,
+        "machine": harness.machine_info(),
+        "software": harness.software_info(),
+        "step": math.lcm(args.granularity, 2 * RING * ULYSSES),
+    }
     runs.append(run_meta)
 
     def save():
         run_meta.update(total_s=time.perf_counter() - started, load_after=os.getloadavg()[0])
-        (out / "ablation_cpu.json").write_text(json.dumps({"meta": run_meta, "runs": runs, "rows": results},
-                                                          indent=1))
+        (out / "ablation_cpu.json").write_text(json.dumps({"meta": run_meta, "runs": runs, "rows": results}, indent=1))
         (out / "ablation_cpu.md").write_text(markdown(results, run_meta, runs))
         if args.fixture:
             Path(args.fixture).write_text(json.dumps(calibration_fixture(results), indent=1) + "\n")
@@ -513,11 +616,18 @@ def main(argv: list[str] | None = None) -> int:
     for vocab, layers, budget_mib, techniques in rows:
         budget = budget_mib * MIB // WORLD
         predicted = planner_longest(vocab, layers, techniques, budget, args.granularity)
-        row = {"vocab": vocab, "layers": layers, "budget_total": budget_mib * MIB, "techniques": list(techniques),
-               "planner_longest": predicted}
+        row = {
+            "vocab": vocab,
+            "layers": layers,
+            "budget_total": budget_mib * MIB,
+            "techniques": list(techniques),
+            "planner_longest": predicted,
+        }
         missing = unavailable(techniques)
-        log(f"V={vocab} L={layers} budget {budget_mib} MiB {_name(techniques)}: planner {predicted:,}"
-            + (f"; not available ({', '.join(missing)})" if missing else ""))
+        log(
+            f"V={vocab} L={layers} budget {budget_mib} MiB {_name(techniques)}: planner {predicted:,}"
+            + (f"; not available ({', '.join(missing)})" if missing else "")
+        )
         if missing:
             keep({**row, "not_available": missing, **({"at": args.at} if args.at else {})})
             continue
@@ -525,10 +635,26 @@ def main(argv: list[str] | None = None) -> int:
             attempt = run_attempt(vocab, layers, techniques, args.at, budget, args.timeout, log)
             keep({**row, "at": args.at, "attempt_list": [attempt.__dict__]})
             continue
-        longest, attempts, complete = search(vocab, layers, techniques, budget, args.granularity,
-                                             args.start or predicted, log, args.timeout, args.max_attempts)
-        keep({**row, "longest": longest, "complete": complete, "granularity": args.granularity,
-              "attempt_list": [a.__dict__ for a in attempts]})
+        longest, attempts, complete = search(
+            vocab,
+            layers,
+            techniques,
+            budget,
+            args.granularity,
+            args.start or predicted,
+            log,
+            args.timeout,
+            args.max_attempts,
+        )
+        keep(
+            {
+                **row,
+                "longest": longest,
+                "complete": complete,
+                "granularity": args.granularity,
+                "attempt_list": [a.__dict__ for a in attempts],
+            }
+        )
         log(f"  measured {longest:,}" + ("" if complete else " (search cut at --max-attempts: a lower bound)"))
     save()
     print(markdown(results, run_meta, runs))

@@ -86,15 +86,7 @@ import torch
 from benchmarks.common import ROOT, harness
 from benchmarks.common.example import CONFIGS, VOCAB, example_model_spec, planner_memory
 from benchmarks.common.harness import machine_info, malloc_trim, memory_status, software_info
-from benchmarks.common.longest import (
-    GIB,
-    MIB,
-    Attempt,
-    Settings,
-    example_imports,
-    search,
-    warm_forkserver,
-)
+from benchmarks.common.longest import GIB, MIB, Attempt, Settings, example_imports, search, warm_forkserver
 from benchmarks.longest._report import clusters_section, markdown, relative_error
 
 MODULE = "benchmarks.longest.context"
@@ -116,8 +108,9 @@ def breakdown_rank(rank: int, world: int, ulysses: int, ring: int, config: str, 
     tokens, vocab = text_data.tokenize(text_data.load_corpus(None), None)
     windows = text_data.TokenWindows(tokens, seq_len, 0)
     args = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / config), "--seq-len", str(seq_len)])
-    engine, _, mesh, _ = initialize(train.build_model(args, vocab), train._config_with_lr(args),
-                                    ulysses=ulysses, ring=ring)
+    engine, _, mesh, _ = initialize(
+        train.build_model(args, vocab), train._config_with_lr(args), ulysses=ulysses, ring=ring
+    )
     full = windows.batch(0, 1)
     local = shard_batch({"input_ids": full, "labels": full}, mesh)
     logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
@@ -173,8 +166,9 @@ def bf16_checks() -> dict:
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), labels, reduction="sum")
         loss.backward()
         del logits, loss
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     live = peak = 0
     for event in events:
         live += event.nbytes()
@@ -193,8 +187,11 @@ def bf16_checks() -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         linear(norm(inputs))
     torch.set_num_threads(threads)
-    return {"loss_peak_bytes_per_entry": loss_peak, "rmsnorm_saved_bytes_per_hidden": sum(storages.values()) / (tokens * hidden),
-            "shapes": {"tokens": tokens, "hidden": hidden, "vocab": vocab}}
+    return {
+        "loss_peak_bytes_per_entry": loss_peak,
+        "rmsnorm_saved_bytes_per_hidden": sum(storages.values()) / (tokens * hidden),
+        "shapes": {"tokens": tokens, "hidden": hidden, "vocab": vocab},
+    }
 
 
 def limit_check_rank(rank: int, world: int, limit: str) -> dict:
@@ -223,8 +220,9 @@ def limit_check_rank(rank: int, world: int, limit: str) -> dict:
 # the planner's view
 
 
-def planner_longest(ulysses: int, ring: int, world: int, budget_per_rank: int, granularity: int,
-                    limit_from: str, free: bool = False) -> dict:
+def planner_longest(
+    ulysses: int, ring: int, world: int, budget_per_rank: int, granularity: int, limit_from: str, free: bool = False
+) -> dict:
     """The planner's longest context on a "cluster" of 1 node x ``world`` ranks whose memory is
     what the measured ranks had: ``budget_per_rank`` plus, when the limit starts after the engine
     build, the planner's own model states (they do not depend on S), nothing reserved.
@@ -232,17 +230,32 @@ def planner_longest(ulysses: int, ring: int, world: int, budget_per_rank: int, g
     from hybridsp.planner import SearchSpace, longest_context, preset_cluster
 
     states = planner_memory(ulysses, ring, world, 2 * ulysses * ring)["model_states"] if limit_from == "init" else 0
-    cluster = preset_cluster("h100", 1, world, memory_bytes=float(budget_per_rank + states), reserved_bytes=0.0,
-                             name=f"this machine: 1 x {world} ranks")
-    space = SearchSpace() if free else SearchSpace(zero_stages=(3,), checkpointing=(False,), dp=1,
-                                                   ulysses=ulysses, ring=ring)
+    cluster = preset_cluster(
+        "h100",
+        1,
+        world,
+        memory_bytes=float(budget_per_rank + states),
+        reserved_bytes=0.0,
+        name=f"this machine: 1 x {world} ranks",
+    )
+    space = (
+        SearchSpace()
+        if free
+        else SearchSpace(zero_stages=(3,), checkpointing=(False,), dp=1, ulysses=ulysses, ring=ring)
+    )
     found = longest_context(example_model_spec(), cluster, granularity=granularity, dtype_bytes=4, space=space)
     best = found.result.recommended if found.result else None
     row = {"seq_len": found.seq_len, "memory_bytes": cluster.memory_bytes}
     if best is not None:
         c = best.config
-        row.update(dp=c.dp, ulysses=c.ulysses, ring=c.ring, zero_stage=c.zero_stage, checkpointing=c.checkpointing,
-                   predicted_bytes=best.memory.total)
+        row.update(
+            dp=c.dp,
+            ulysses=c.ulysses,
+            ring=c.ring,
+            zero_stage=c.zero_stage,
+            checkpointing=c.checkpointing,
+            predicted_bytes=best.memory.total,
+        )
     return row
 
 
@@ -263,31 +276,52 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float] | None:
 def summarize(name: str, longest: int, attempts: list[Attempt], settings: Settings) -> dict:
     world, ulysses, ring, config = CONFIGS[name]
     budget = settings.budget_total // world
-    row = {"config": name, "world": world, "ulysses": ulysses, "ring": ring, "ds_config": config,
-           "budget_per_rank": budget, "longest": longest, "threads": settings.threads(world),
-           "attempts": len(attempts), "search_s": sum(a.wall_s for a in attempts),
-           "failures": {str(a.seq_len): a.reason for a in attempts if not a.ok}}
+    row = {
+        "config": name,
+        "world": world,
+        "ulysses": ulysses,
+        "ring": ring,
+        "ds_config": config,
+        "budget_per_rank": budget,
+        "longest": longest,
+        "threads": settings.threads(world),
+        "attempts": len(attempts),
+        "search_s": sum(a.wall_s for a in attempts),
+        "failures": {str(a.seq_len): a.reason for a in attempts if not a.ok},
+    }
     best = next((a for a in attempts if a.ok and a.seq_len == longest), None)
     if best is not None:
         w, p = best.worst, best.planner
-        row.update(measured=w, planner=p, step_s=w["step_s"], errors={
-            "total_vs_allocated": relative_error(p["total"], w["alloc_peak"]),
-            "step_vs_allocated": relative_error(p["step"], w["step_alloc_peak"]),
-            "activations_vs_saved": relative_error(p["activations"], w["saved_bytes"]),
-            "total_vs_rss": relative_error(p["total"], w["peak_anon_delta"]),
-            "step_vs_rss": relative_error(p["step"], w["step_peak_anon_delta"]),
-            "model_states_vs_init_allocated": relative_error(p["model_states"], w["init_alloc_end"] + w["step_alloc_end"]),
-        })
+        row.update(
+            measured=w,
+            planner=p,
+            step_s=w["step_s"],
+            errors={
+                "total_vs_allocated": relative_error(p["total"], w["alloc_peak"]),
+                "step_vs_allocated": relative_error(p["step"], w["step_alloc_peak"]),
+                "activations_vs_saved": relative_error(p["activations"], w["saved_bytes"]),
+                "total_vs_rss": relative_error(p["total"], w["peak_anon_delta"]),
+                "step_vs_rss": relative_error(p["step"], w["step_peak_anon_delta"]),
+                "model_states_vs_init_allocated": relative_error(
+                    p["model_states"], w["init_alloc_end"] + w["step_alloc_end"]
+                ),
+            },
+        )
     ok = [a for a in attempts if a.ok]
-    for key, source in (("step_alloc", "step_alloc_peak"), ("step_rss", "step_peak_anon_delta"), ("saved", "saved_bytes")):
+    for key, source in (
+        ("step_alloc", "step_alloc_peak"),
+        ("step_rss", "step_peak_anon_delta"),
+        ("saved", "saved_bytes"),
+    ):
         fit = _fit([(a.seq_len // world, a.worst[source]) for a in ok])
         row[f"{key}_per_token"] = None if fit is None else {"slope": fit[0], "intercept": fit[1]}
     for key, part in (("planner_step", "step"), ("planner_activations", "activations")):
         fit = _fit([(a.seq_len // world, a.planner[part]) for a in ok])
         row[f"{key}_per_token"] = None if fit is None else {"slope": fit[0], "intercept": fit[1]}
     row["planner_longest"] = planner_longest(ulysses, ring, world, budget, settings.granularity, settings.limit_from)
-    row["planner_longest_free"] = planner_longest(ulysses, ring, world, budget, settings.granularity,
-                                                  settings.limit_from, free=True)
+    row["planner_longest_free"] = planner_longest(
+        ulysses, ring, world, budget, settings.granularity, settings.limit_from, free=True
+    )
     return row
 
 
@@ -299,8 +333,10 @@ def check_limits(log) -> list[dict]:
         except (AssertionError, TimeoutError) as error:
             checks.append({"limit": limit, "raised": False, "error": f"rank failed: {str(error).splitlines()[-1]}"})
         c = checks[-1]
-        log(f"limit check RLIMIT_{limit.upper()}: {'raised ' + c.get('error_type', '') if c.get('raised') else 'no error'}"
-            f" {c.get('error', '')[:100]}")
+        log(
+            f"limit check RLIMIT_{limit.upper()}: {'raised ' + c.get('error_type', '') if c.get('raised') else 'no error'}"
+            f" {c.get('error', '')[:100]}"
+        )
     return checks
 
 
@@ -308,22 +344,43 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="world 1 and cp2, 0.5 GiB, granularity 2048 (~5 min)")
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), help="default: w1 cp2 cp4 cp8")
-    parser.add_argument("--budget-gib", type=float, help="total memory budget, split evenly over the ranks "
-                        "(default 1; quick 0.5): sized so one step at the longest length takes about a minute")
+    parser.add_argument(
+        "--budget-gib",
+        type=float,
+        help="total memory budget, split evenly over the ranks "
+        "(default 1; quick 0.5): sized so one step at the longest length takes about a minute",
+    )
     parser.add_argument("--granularity", type=int, help="search step in tokens (default 1024; quick 2048)")
-    parser.add_argument("--start", type=int, default=4096, help="first length of the first config (default 4096); "
-                        "later configs start at 0.6 x the previous longest")
+    parser.add_argument(
+        "--start",
+        type=int,
+        default=4096,
+        help="first length of the first config (default 4096); later configs start at 0.6 x the previous longest",
+    )
     parser.add_argument("--limit", choices=("data", "as", "none"), default="data", help="rlimit kind (default data)")
-    parser.add_argument("--limit-from", choices=("imports", "init"), default="init",
-                        help="the budget starts after the imports or after the engine build (default init)")
-    parser.add_argument("--mmap-threshold-kib", type=int, default=256,
-                        help="glibc M_MMAP_THRESHOLD in each rank (0: glibc's dynamic default); Note [malloc]")
+    parser.add_argument(
+        "--limit-from",
+        choices=("imports", "init"),
+        default="init",
+        help="the budget starts after the imports or after the engine build (default init)",
+    )
+    parser.add_argument(
+        "--mmap-threshold-kib",
+        type=int,
+        default=256,
+        help="glibc M_MMAP_THRESHOLD in each rank (0: glibc's dynamic default); Note [malloc]",
+    )
     parser.add_argument("--first-timeout", type=float, default=600.0, help="timeout of a config's first attempt, s")
     parser.add_argument("--no-clusters", action="store_true", help="skip the cluster prediction table")
-    parser.add_argument("--out", help="output prefix (default benchmarks/results/longest_context/longest_context; "
-                        "quick: temp dir)")
-    parser.add_argument("--fixture", default=str(FIXTURE), help="where to write the successful attempts the "
-                        "planner's memory test reads ('' for nowhere; never with --quick)")
+    parser.add_argument(
+        "--out", help="output prefix (default benchmarks/results/longest_context/longest_context; quick: temp dir)"
+    )
+    parser.add_argument(
+        "--fixture",
+        default=str(FIXTURE),
+        help="where to write the successful attempts the "
+        "planner's memory test reads ('' for nowhere; never with --quick)",
+    )
     parser.add_argument("--render", metavar="JSON", help="only rewrite the markdown beside a results JSON")
     args = parser.parse_args(argv)
     if args.render:
@@ -333,18 +390,27 @@ def main(argv: list[str] | None = None) -> int:
             from hybridsp.planner import _clusters as predict_clusters
 
             clusters = clusters_section(predict_clusters, data["clusters"])
-        Path(args.render).with_suffix(".md").write_text(markdown(data["configs"], data["meta"], data["limit_checks"],
-                                                                 clusters))
+        Path(args.render).with_suffix(".md").write_text(
+            markdown(data["configs"], data["meta"], data["limit_checks"], clusters)
+        )
         return 0
 
     quick = args.quick
     names = args.configs or (["w1", "cp2"] if quick else ["w1", "cp2", "cp4", "cp8"])
     settings = Settings(
         budget_total=int((args.budget_gib or (0.5 if quick else 1.0)) * GIB),
-        granularity=args.granularity or (2048 if quick else 1024), limit=args.limit, limit_from=args.limit_from,
-        mmap_threshold=args.mmap_threshold_kib * 1024, first_timeout=args.first_timeout, cores=os.cpu_count() or 1)
-    prefix = args.out or (os.path.join(tempfile.gettempdir(), "results_longest_context_quick") if quick
-                          else harness.results_path("longest_context", "longest_context"))
+        granularity=args.granularity or (2048 if quick else 1024),
+        limit=args.limit,
+        limit_from=args.limit_from,
+        mmap_threshold=args.mmap_threshold_kib * 1024,
+        first_timeout=args.first_timeout,
+        cores=os.cpu_count() or 1,
+    )
+    prefix = args.out or (
+        os.path.join(tempfile.gettempdir(), "results_longest_context_quick")
+        if quick
+        else harness.results_path("longest_context", "longest_context")
+    )
     started = time.perf_counter()
 
     def log(message: str) -> None:
@@ -356,24 +422,29 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         world = CONFIGS[name][0]
         start = args.start if previous is None else int(0.6 * previous)
-        log(f"{name}: world {world}, budget {settings.budget_total / world / MIB:.0f} MiB per rank, "
-            f"{settings.threads(world)} thread(s) per rank, start {start}")
+        log(
+            f"{name}: world {world}, budget {settings.budget_total / world / MIB:.0f} MiB per rank, "
+            f"{settings.threads(world)} thread(s) per rank, start {start}"
+        )
         longest, attempts = search(name, start, settings, log)
         row = summarize(name, longest, attempts, settings)
         row["attempt_list"] = [asdict(a) for a in attempts]
         rows.append(row)
         previous = longest or previous
-        log(f"{name}: longest {longest:,} tokens ({len(attempts)} attempts, {row['search_s']:.0f} s); planner "
-            f"{row['planner_longest']['seq_len']:,}")
+        log(
+            f"{name}: longest {longest:,} tokens ({len(attempts)} attempts, {row['search_s']:.0f} s); planner "
+            f"{row['planner_longest']['seq_len']:,}"
+        )
     breakdowns = {}
     for name in ("w1", "cp4"):
         world, ulysses, ring, config = CONFIGS[name]
-        breakdowns[name] = harness.launch(breakdown_rank, world, ulysses, ring, config, BREAKDOWN_LEN,
-                                           timeout=600)[0]
+        breakdowns[name] = harness.launch(breakdown_rank, world, ulysses, ring, config, BREAKDOWN_LEN, timeout=600)[0]
     checks_bf16 = bf16_checks()
-    log(f"saved-tensor breakdowns (w1, cp4 at S={BREAKDOWN_LEN}) and bf16 checks: loss peak "
+    log(
+        f"saved-tensor breakdowns (w1, cp4 at S={BREAKDOWN_LEN}) and bf16 checks: loss peak "
         f"{checks_bf16['loss_peak_bytes_per_entry']:.1f} B/entry, RMSNorm {checks_bf16['rmsnorm_saved_bytes_per_hidden']:.1f} "
-        f"B/(token x h)")
+        f"B/(token x h)"
+    )
     clusters = cluster_rows = None
     if not args.no_clusters:
         from hybridsp.planner import _clusters as predict_clusters
@@ -384,11 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     meta = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": harness.command(MODULE, argv),
-        "machine": machine_info(), "software": software_info(), "total_s": time.perf_counter() - started,
+        "machine": machine_info(),
+        "software": software_info(),
+        "total_s": time.perf_counter() - started,
         **asdict(settings),
         "model": f"{model.total_params / 1e6:.2f}M params, h={model.hidden_size}, L={model.num_layers}, "
-                 f"H={model.num_heads}, Hkv={model.num_kv_heads}, D={model.head_dim}, I={model.intermediate_size}, "
-                 f"V={VOCAB}",
+        f"H={model.num_heads}, Hkv={model.num_kv_heads}, D={model.head_dim}, I={model.intermediate_size}, "
+        f"V={VOCAB}",
         "threads_note": f"torch threads per rank = max(1, {settings.cores} cores // world)",
         "start_note": f"{args.start} tokens (later configs: 0.6 x the previous config's longest)",
     }
@@ -396,8 +469,12 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(rows, meta, checks, clusters)
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     Path(prefix + ".md").write_text(text)
-    Path(prefix + ".json").write_text(json.dumps({"meta": meta, "limit_checks": checks, "configs": rows,
-                                                  "clusters": cluster_rows}, indent=1, default=str) + "\n")
+    Path(prefix + ".json").write_text(
+        json.dumps(
+            {"meta": meta, "limit_checks": checks, "configs": rows, "clusters": cluster_rows}, indent=1, default=str
+        )
+        + "\n"
+    )
     if args.fixture and not quick:
         Path(args.fixture).write_text(json.dumps(memory_fixture(rows), indent=1) + "\n")
     print(text)
@@ -409,11 +486,20 @@ def memory_fixture(rows: list[dict]) -> dict:
     """Every successful attempt's measured peaks: what tests/planner/test_planner.py checks the planner against."""
     return {
         "source": "benchmarks/longest/context.py (results/longest_context/longest_context.json), "
-                  "written with its results",
-        "attempts": [{"config": row["config"], "ulysses": row["ulysses"], "ring": row["ring"],
-                      "seq_len": attempt["seq_len"], "step_alloc_peak": attempt["worst"]["step_alloc_peak"],
-                      "alloc_peak": attempt["worst"]["alloc_peak"]}
-                     for row in rows for attempt in row["attempt_list"] if attempt["ok"]],
+        "written with its results",
+        "attempts": [
+            {
+                "config": row["config"],
+                "ulysses": row["ulysses"],
+                "ring": row["ring"],
+                "seq_len": attempt["seq_len"],
+                "step_alloc_peak": attempt["worst"]["step_alloc_peak"],
+                "alloc_peak": attempt["worst"]["alloc_peak"],
+            }
+            for row in rows
+            for attempt in row["attempt_list"]
+            if attempt["ok"]
+        ],
     }
 
 

@@ -51,8 +51,9 @@ def rank_main(rank, world, method, seq, heads, kv_heads, batch, before_source):
 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
 
-    case = Case("deepspeed" if method == "deepspeed" else "hybridsp", world, world, 1, "fp32", seq, heads,
-                kv_heads, batch=batch)
+    case = Case(
+        "deepspeed" if method == "deepspeed" else "hybridsp", world, world, 1, "fp32", seq, heads, kv_heads, batch=batch
+    )
     if method == "hybridsp-before":
         _patch_before(before_source)
     with without_cpu_shm_comm_build():
@@ -70,8 +71,12 @@ def rank_main(rank, world, method, seq, heads, kv_heads, batch, before_source):
         out = attention(q, k, v)
         out.backward(dout)
     error = float((out.detach() - expected).abs().max() / expected.abs().max())
-    return {"peak": allocations.peak, "end": allocations.end, "error": error,
-            "qkv_bytes": sum(t.numel() * t.element_size() for t in (q, k, v))}
+    return {
+        "peak": allocations.peak,
+        "end": allocations.end,
+        "error": error,
+        "qkv_bytes": sum(t.numel() * t.element_size() for t in (q, k, v)),
+    }
 
 
 def _reference(inputs):
@@ -91,44 +96,73 @@ def main(argv=None) -> int:
     parser.add_argument("--before", default="352cdf7")
     parser.add_argument("--out", default=harness.results_path("memory", "a2a_memory.json"))
     args = parser.parse_args(argv)
-    before = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:hybridsp/attention/_ulysses.py"],
-                            check=True, capture_output=True, text=True).stdout
+    before = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{args.before}:hybridsp/attention/_ulysses.py"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     shapes = [(world, 8, kv, batch) for world in map(int, args.worlds.split(",")) for kv, batch in ((8, 1), (8, 2))]
     rows, started = [], time.perf_counter()
     for world, heads, kv, batch in shapes:
         runs = {m: [] for m in METHODS}
         for _ in range(args.repeats):
             for method in METHODS:  # interleaved
-                ranks = harness.launch(rank_main, world, method, args.seq, heads, kv, batch, before, timeout=600,
-                                        threads=max(1, 2 // world))
+                ranks = harness.launch(
+                    rank_main,
+                    world,
+                    method,
+                    args.seq,
+                    heads,
+                    kv,
+                    batch,
+                    before,
+                    timeout=600,
+                    threads=max(1, 2 // world),
+                )
                 runs[method].append(ranks)
-        row = {"world": world, "seq": args.seq, "heads": heads, "kv_heads": kv, "batch": batch, "head_dim": 64,
-               "qkv_mib_per_rank": runs["hybridsp"][0][0]["qkv_bytes"] / MIB, "load": os.getloadavg()[0]}
+        row = {
+            "world": world,
+            "seq": args.seq,
+            "heads": heads,
+            "kv_heads": kv,
+            "batch": batch,
+            "head_dim": 64,
+            "qkv_mib_per_rank": runs["hybridsp"][0][0]["qkv_bytes"] / MIB,
+            "load": os.getloadavg()[0],
+        }
         for method, launches in runs.items():
             peaks = [max(r["peak"] for r in ranks) for ranks in launches]
-            row[method] = {"peak_mib": statistics.median(peaks) / MIB, "peaks_mib": [p / MIB for p in peaks],
-                           "max_error": max(r["error"] for ranks in launches for r in ranks)}
+            row[method] = {
+                "peak_mib": statistics.median(peaks) / MIB,
+                "peaks_mib": [p / MIB for p in peaks],
+                "max_error": max(r["error"] for ranks in launches for r in ranks),
+            }
         row["ratio_vs_deepspeed"] = row["hybridsp"]["peak_mib"] / row["deepspeed"]["peak_mib"]
         row["before_vs_deepspeed"] = row["hybridsp-before"]["peak_mib"] / row["deepspeed"]["peak_mib"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"rows": rows, "seconds": time.perf_counter() - started,
-                                          "torch": torch.__version__}, indent=1))
+    Path(args.out).write_text(
+        json.dumps({"rows": rows, "seconds": time.perf_counter() - started, "torch": torch.__version__}, indent=1)
+    )
     print(markdown(rows))
     return 0
 
 
 def markdown(rows) -> str:
-    lines = ["| world (U) | B x S, H/Hkv, D | q+k+v MiB/rank | hybridsp before MiB | hybridsp lean MiB | "
-             "DeepSpeed-Ulysses MiB | lean / DeepSpeed | before / DeepSpeed | max rel. error (lean, DS) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| world (U) | B x S, H/Hkv, D | q+k+v MiB/rank | hybridsp before MiB | hybridsp lean MiB | "
+        "DeepSpeed-Ulysses MiB | lean / DeepSpeed | before / DeepSpeed | max rel. error (lean, DS) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['world']} | {r['batch']} x {r['seq']}, {r['heads']}/{r['kv_heads']}, {r['head_dim']} | "
             f"{r['qkv_mib_per_rank']:.1f} | {r['hybridsp-before']['peak_mib']:.1f} | {r['hybridsp']['peak_mib']:.1f} | "
             f"{r['deepspeed']['peak_mib']:.1f} | {r['ratio_vs_deepspeed']:.2f} | {r['before_vs_deepspeed']:.2f} | "
-            f"{r['hybridsp']['max_error']:.1e}, {r['deepspeed']['max_error']:.1e} |")
+            f"{r['hybridsp']['max_error']:.1e}, {r['deepspeed']['max_error']:.1e} |"
+        )
     return "\n".join(lines)
 
 

@@ -84,8 +84,13 @@ def loss_rank(rank, world, mode, dtype_name, tokens, vocab, hidden_size, chunk):
             loss.backward()
     seconds = time.perf_counter() - started
     end = harness.memory_status()
-    return {"alloc_peak": allocations.peak, "rss_peak": end["VmHWM"] - before["VmRSS"], "loss": loss.item(),
-            "seconds": seconds, "grad_norm": float(weight.grad.float().norm())}
+    return {
+        "alloc_peak": allocations.peak,
+        "rss_peak": end["VmHWM"] - before["VmRSS"],
+        "loss": loss.item(),
+        "seconds": seconds,
+        "grad_norm": float(weight.grad.float().norm()),
+    }
 
 
 def part_loss(repeats: int, log, tokens: int = 8192) -> list[dict]:
@@ -98,20 +103,33 @@ def part_loss(repeats: int, log, tokens: int = 8192) -> list[dict]:
         runs = {m: [] for m in modes}
         for _ in range(repeats):
             for mode, chunk in modes:  # interleaved, a fresh process each
-                runs[(mode, chunk)].append(harness.launch(this.loss_rank, 1, mode, dtype, tokens, VOCAB, hidden_size,
-                                                           chunk, timeout=600)[0])
+                runs[(mode, chunk)].append(
+                    harness.launch(this.loss_rank, 1, mode, dtype, tokens, VOCAB, hidden_size, chunk, timeout=600)[0]
+                )
         from hybridsp._formulas import default_chunk_size
 
         for (mode, chunk), results in runs.items():
             c = default_chunk_size(VOCAB, tokens, hidden_size) if (mode == "fused" and chunk is None) else chunk
-            row = {"dtype": dtype, "mode": mode, "chunk": c, "tokens": tokens, "vocab": VOCAB, "hidden": hidden_size,
-                   "alloc_peak_mib": statistics.median(r["alloc_peak"] for r in results) / MIB,
-                   "rss_peak_mib": statistics.median(r["rss_peak"] for r in results) / MIB,
-                   "seconds": statistics.median(r["seconds"] for r in results), "loss": results[0]["loss"],
-                   "grad_norm": results[0]["grad_norm"], "repeats": len(results), "load": os.getloadavg()[0]}
+            row = {
+                "dtype": dtype,
+                "mode": mode,
+                "chunk": c,
+                "tokens": tokens,
+                "vocab": VOCAB,
+                "hidden": hidden_size,
+                "alloc_peak_mib": statistics.median(r["alloc_peak"] for r in results) / MIB,
+                "rss_peak_mib": statistics.median(r["rss_peak"] for r in results) / MIB,
+                "seconds": statistics.median(r["seconds"] for r in results),
+                "loss": results[0]["loss"],
+                "grad_norm": results[0]["grad_norm"],
+                "repeats": len(results),
+                "load": os.getloadavg()[0],
+            }
             rows.append(row)
-            log(f"  loss {dtype} {mode:6s} chunk={c}: allocated {row['alloc_peak_mib']:,.0f} MiB, RSS "
-                f"{row['rss_peak_mib']:,.0f} MiB, {row['seconds']:.1f} s, loss {row['loss']:.6f}")
+            log(
+                f"  loss {dtype} {mode:6s} chunk={c}: allocated {row['alloc_peak_mib']:,.0f} MiB, RSS "
+                f"{row['rss_peak_mib']:,.0f} MiB, {row['seconds']:.1f} s, loss {row['loss']:.6f}"
+            )
     return rows
 
 
@@ -147,8 +165,9 @@ class Variant:
         for micro in range(accumulation):
             first = ((step * accumulation + micro) * mesh.dp + mesh.dp_rank) * micro_batch
             tokens = windows.batch(first, micro_batch)
-            local = {k: v.to(engine.device) for k, v in shard_batch({"input_ids": tokens, "labels": tokens},
-                                                                     mesh).items()}
+            local = {
+                k: v.to(engine.device) for k, v in shard_batch({"input_ids": tokens, "labels": tokens}, mesh).items()
+            }
             loss = causal_lm_loss(engine, local, mesh, chunk_size=self.chunk_size)
             engine.backward(loss)
             engine.step()
@@ -162,39 +181,60 @@ def part_longest(budget_gib: float, granularity: int, starts: dict, log) -> list
     settings = longest.Settings(budget_total=int(budget_gib * GIB), granularity=granularity, first_timeout=900.0)
     longest.warm_forkserver()
     rows = []
-    for variant in (this.Variant("today (logits)"), this.Variant("fused loss", fused=True),
-                    this.Variant("fused loss + tiled MLP", fused=True, tiled=True)):
+    for variant in (
+        this.Variant("today (logits)"),
+        this.Variant("fused loss", fused=True),
+        this.Variant("fused loss + tiled MLP", fused=True, tiled=True),
+    ):
         log(f"cp8, {variant.name}:")
         started = time.perf_counter()
         best, attempts = longest.search("cp8", starts[variant.name], settings, log, variant)
         ok = [a for a in attempts if a.ok and a.seq_len == best]
         worst = ok[0].worst if ok else {}
-        rows.append({"variant": asdict(variant), "longest": best, "attempts": len(attempts),
-                     "search_s": time.perf_counter() - started,
-                     "step_alloc_peak_mib": worst.get("step_alloc_peak", 0) / MIB, "step_s": worst.get("step_s"),
-                     "failures": {str(a.seq_len): a.reason for a in attempts if not a.ok},
-                     "tried": [[a.seq_len, a.ok, round(a.wall_s)] for a in attempts]})
+        rows.append(
+            {
+                "variant": asdict(variant),
+                "longest": best,
+                "attempts": len(attempts),
+                "search_s": time.perf_counter() - started,
+                "step_alloc_peak_mib": worst.get("step_alloc_peak", 0) / MIB,
+                "step_s": worst.get("step_s"),
+                "failures": {str(a.seq_len): a.reason for a in attempts if not a.ok},
+                "tried": [[a.seq_len, a.ok, round(a.wall_s)] for a in attempts],
+            }
+        )
         log(f"  -> longest {best:,} tokens ({len(attempts)} attempts, {rows[-1]['search_s'] / 60:.1f} min)")
     return rows
 
 
 def markdown(result: dict) -> str:
     tokens = result["loss"][0]["tokens"] if result.get("loss") else 8192
-    lines = [f"## Loss memory per rank at S_local = {tokens}, V = 32000, h = 512 (one rank, fresh processes)", "",
-             "| dtype | loss | chunk (tokens) | torch allocated peak MiB | RSS peak MiB | s | loss value |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## Loss memory per rank at S_local = {tokens}, V = 32000, h = 512 (one rank, fresh processes)",
+        "",
+        "| dtype | loss | chunk (tokens) | torch allocated peak MiB | RSS peak MiB | s | loss value |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result.get("loss", []):
-        lines.append(f"| {r['dtype']} | {r['mode']} | {r['chunk'] or '-'} | {r['alloc_peak_mib']:,.0f} | "
-                     f"{r['rss_peak_mib']:,.0f} | {r['seconds']:.1f} | {r['loss']:.6f} |")
+        lines.append(
+            f"| {r['dtype']} | {r['mode']} | {r['chunk'] or '-'} | {r['alloc_peak_mib']:,.0f} | "
+            f"{r['rss_peak_mib']:,.0f} | {r['seconds']:.1f} | {r['loss']:.6f} |"
+        )
     if result.get("longest"):
-        lines += ["", f"## Longest trainable context at cp8 (U4 x R2, ZeRO-3, fp32), example model with V = {VOCAB}, "
-                  f"budget {result['budget_gib']:g} GiB / 8 ranks", "",
-                  "| step | longest S | x today | step allocated MiB/rank | step s | attempts (S, ok, s) |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Longest trainable context at cp8 (U4 x R2, ZeRO-3, fp32), example model with V = {VOCAB}, "
+            f"budget {result['budget_gib']:g} GiB / 8 ranks",
+            "",
+            "| step | longest S | x today | step allocated MiB/rank | step s | attempts (S, ok, s) |",
+            "|---|---|---|---|---|---|",
+        ]
         today = result["longest"][0]["longest"] or 1
         for r in result["longest"]:
-            lines.append(f"| {r['variant']['name']} | {r['longest']:,} | {r['longest'] / today:.1f} | "
-                         f"{r['step_alloc_peak_mib']:,.0f} | {r['step_s'] or 0:.0f} | {r['tried']} |")
+            lines.append(
+                f"| {r['variant']['name']} | {r['longest']:,} | {r['longest'] / today:.1f} | "
+                f"{r['step_alloc_peak_mib']:,.0f} | {r['step_s'] or 0:.0f} | {r['tried']} |"
+            )
     return "\n".join(lines)
 
 
@@ -214,9 +254,12 @@ def main(argv=None) -> int:
 
     names = ("today (logits)", "fused loss", "fused loss + tiled MLP")
     starts = dict(zip(names, map(int, args.starts.split(","))))
-    result = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "budget_gib": args.budget_gib,
-              "machine": harness.machine_info(),
-              "load_start": os.getloadavg()[0]}
+    result = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "budget_gib": args.budget_gib,
+        "machine": harness.machine_info(),
+        "load_start": os.getloadavg()[0],
+    }
     started = time.perf_counter()
     if args.part in ("loss", "both"):
         result["loss"] = part_loss(args.repeats, log, args.tokens)

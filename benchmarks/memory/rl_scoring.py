@@ -45,9 +45,17 @@ def _model(seed: int):
     from trl.trainer.utils import add_fused_lm_head
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=640, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=65536,
-                         attn_implementation="sdpa", pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=65536,
+        attn_implementation="sdpa",
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     return model
@@ -59,7 +67,7 @@ def _rows(prompt: int, completion: int):
     ids = torch.randint(3, 32000, (2, prompt + completion), generator=generator)
     mask = torch.ones_like(ids)
     mask[1, :64] = 0  # the shorter prompt
-    mask[1, prompt + completion - 128:] = 0  # the shorter completion
+    mask[1, prompt + completion - 128 :] = 0  # the shorter completion
     return ids.masked_fill(mask == 0, 0), mask
 
 
@@ -108,19 +116,25 @@ def run(args) -> dict:
     reference = {}
     for repeat in range(args.repeats):
         names = list(CONFIGS)
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             world, degrees = CONFIGS[name]
             results = harness.launch(_measure, world, degrees, args.prompt, args.completion, timeout=3000)
             rows[name].append(max(r["peak_mib"] for r in results))
             reference.setdefault(name, results[0])
-            print(f"  repeat {repeat + 1} {name}: {rows[name][-1]:.1f} MiB per rank (load {harness.load()})",
-                  flush=True)
+            print(
+                f"  repeat {repeat + 1} {name}: {rows[name][-1]:.1f} MiB per rank (load {harness.load()})", flush=True
+            )
     plain = reference["plain"]["logps"]
     table = {}
     for name, peaks in rows.items():
         diff = max(abs(a - b) for a, b in zip(reference[name]["logps"], plain))
-        table[name] = {"world": CONFIGS[name][0], "peaks_mib": peaks, "median_mib": statistics.median(peaks),
-                       "logp_max_abs_diff": diff, "loss": reference[name]["loss"]}
+        table[name] = {
+            "world": CONFIGS[name][0],
+            "peaks_mib": peaks,
+            "median_mib": statistics.median(peaks),
+            "logp_max_abs_diff": diff,
+            "loss": reference[name]["loss"],
+        }
     for row in table.values():
         row["vs_plain"] = row["median_mib"] / table["plain"]["median_mib"]
         row["vs_hybridsp_c1"] = row["median_mib"] / table["hybridsp C=1"]["median_mib"]
@@ -130,15 +144,19 @@ def run(args) -> dict:
 def markdown(table: dict, args, load_before: str, load_after: str) -> str:
     lines = [
         f"# GRPO/RLOO scoring pass: memory per rank (prompt {args.prompt} + completion {args.completion} tokens, "
-        f"B = 2, V = 32000, fp32)", "",
+        f"B = 2, V = 32000, fp32)",
+        "",
         f"{harness.machine_info()}; {harness.software_info('transformers', 'trl')}; hybridsp {harness.revision()}; "
-        f"load before {load_before}, after {load_after}; median of {args.repeats} run(s).", "",
+        f"load before {load_before}, after {load_after}; median of {args.repeats} run(s).",
+        "",
         "| configuration | ranks | peak MiB per rank (median) | / plain | / hybridsp C=1 | max abs logp diff vs plain |",
         "|---|---|---|---|---|---|",
     ]
     for name, row in table.items():
-        lines.append(f"| {name} | {row['world']} | {row['median_mib']:.1f} | {row['vs_plain']:.3f} | "
-                     f"{row['vs_hybridsp_c1']:.3f} | {row['logp_max_abs_diff']:.1e} |")
+        lines.append(
+            f"| {name} | {row['world']} | {row['median_mib']:.1f} | {row['vs_plain']:.3f} | "
+            f"{row['vs_hybridsp_c1']:.3f} | {row['logp_max_abs_diff']:.1e} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -24,8 +24,16 @@ import torch
 
 from benchmarks.common.harness import launch, machine_info, results_path, revision, write_results
 
-SHAPE = dict(vocab_size=256, hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=8192, attn_implementation="sdpa")
+SHAPE = dict(
+    vocab_size=256,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=8192,
+    attn_implementation="sdpa",
+)
 
 
 class SavedBytes:
@@ -70,35 +78,53 @@ def _measure(rank, world, seq, context, sequence_parallel):
         hidden = model.model(input_ids=local["input_ids"], position_ids=local["position_ids"]).last_hidden_state
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     layer_params = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".layers." in n)
-    return dict(T=tensor, C=context, sp=sequence_parallel and tensor > 1, params=params, layer_params=layer_params,
-                activations=counter.total, norm_activations=counter.norm, hidden_shape=list(hidden.shape))
+    return dict(
+        T=tensor,
+        C=context,
+        sp=sequence_parallel and tensor > 1,
+        params=params,
+        layer_params=layer_params,
+        activations=counter.total,
+        norm_activations=counter.norm,
+        hidden_shape=list(hidden.shape),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--context", type=int, default=2)
-    parser.add_argument("--out", default=results_path("tensor_parallel", "tensor_memory"),
-                        help="output prefix (default benchmarks/results/tensor_parallel/tensor_memory)")
+    parser.add_argument(
+        "--out",
+        default=results_path("tensor_parallel", "tensor_memory"),
+        help="output prefix (default benchmarks/results/tensor_parallel/tensor_memory)",
+    )
     args = parser.parse_args(argv)
     rows = []
     for tensor in (1, 2, 4):
-        for sp in ((False,) if tensor == 1 else (False, True)):
+        for sp in (False,) if tensor == 1 else (False, True):
             rows.append(launch(_measure, tensor * args.context, args.seq, args.context, sp, timeout=900)[0])
             print(rows[-1], flush=True)
     base = rows[0]
-    lines = [f"Per-rank memory, Llama {SHAPE['hidden_size']}h x {SHAPE['num_hidden_layers']} layers fp32, one "
-             f"sequence of {args.seq} tokens, C = U = {args.context}, rank 0 (`memory.tensor_parallel`).", "",
-             "| T | SP in tensor group | parameters MiB | layer params MiB | activations saved MiB | of which norms MiB"
-             " | activations vs T=1 |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Per-rank memory, Llama {SHAPE['hidden_size']}h x {SHAPE['num_hidden_layers']} layers fp32, one "
+        f"sequence of {args.seq} tokens, C = U = {args.context}, rank 0 (`memory.tensor_parallel`).",
+        "",
+        "| T | SP in tensor group | parameters MiB | layer params MiB | activations saved MiB | of which norms MiB"
+        " | activations vs T=1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     mib = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
     for row in rows:
-        lines.append(f"| {row['T']} | {'yes' if row['sp'] else 'no'} | {mib(row['params'])} | {mib(row['layer_params'])}"
-                     f" | {mib(row['activations'])} | {mib(row['norm_activations'])} | "
-                     f"{row['activations'] / base['activations']:.2f} |")
+        lines.append(
+            f"| {row['T']} | {'yes' if row['sp'] else 'no'} | {mib(row['params'])} | {mib(row['layer_params'])}"
+            f" | {mib(row['activations'])} | {mib(row['norm_activations'])} | "
+            f"{row['activations'] / base['activations']:.2f} |"
+        )
     lines += ["", machine_info(), f"revision {revision()}"]
-    write_results(args.out, "\n".join(lines) + "\n",
-                  {"rows": rows, "seq": args.seq, "context": args.context, "shape": SHAPE})
+    write_results(
+        args.out, "\n".join(lines) + "\n", {"rows": rows, "seq": args.seq, "context": args.context, "shape": SHAPE}
+    )
     print("\n".join(lines))
     return 0
 

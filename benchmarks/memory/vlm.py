@@ -42,11 +42,16 @@ def _images_first(example, count: int = 16, size: int = 224, text: int = 3000) -
     frame = example.draw_frames(1, size)[0]
     pixels, grid = example.frames_to_patches(torch.stack([frame, frame]))
     tokens = int(grid.prod()) // example.MERGE**2
-    ids = torch.tensor(([example.START] + [example.IMAGE] * tokens + [example.END]) * count
-                       + list(range(3, 200)) * (text // 197 + 1))[None, : (tokens + 2) * count + text]  # [1, S]
-    return {"input_ids": ids, "labels": ids.masked_fill(ids >= example.IMAGE, -100),
-            "pixel_values": pixels.repeat(count, 1), "image_grid_thw": grid.repeat(count, 1),
-            "mm_token_type_ids": (ids == example.IMAGE).int()}
+    ids = torch.tensor(
+        ([example.START] + [example.IMAGE] * tokens + [example.END]) * count + list(range(3, 200)) * (text // 197 + 1)
+    )[None, : (tokens + 2) * count + text]  # [1, S]
+    return {
+        "input_ids": ids,
+        "labels": ids.masked_fill(ids >= example.IMAGE, -100),
+        "pixel_values": pixels.repeat(count, 1),
+        "image_grid_thw": grid.repeat(count, 1),
+        "mm_token_type_ids": (ids == example.IMAGE).int(),
+    }
 
 
 def measure(rank: int, world: int, frames: int, size: int, iters: int) -> dict:
@@ -89,8 +94,9 @@ def measure(rank: int, world: int, frames: int, size: int, iters: int) -> dict:
         model.zero_grad(set_to_none=True)
         result[name] = allocations.peak
     if world == 4:
-        result["timing"] = _vision_modes(model, mesh, {"long video": batch, "images first": _images_first(example)},
-                                         iters)
+        result["timing"] = _vision_modes(
+            model, mesh, {"long video": batch, "images first": _images_first(example)}, iters
+        )
     return result
 
 
@@ -119,34 +125,50 @@ def _vision_modes(model, mesh, batches: dict, iters: int) -> dict:
 def report(results: dict[int, list[dict]], frames: int, size: int) -> tuple[str, dict]:
     mib = lambda b: f"{b / 2**20:,.1f}"  # noqa: E731
     one = results[1][0]
-    lines = [f"Long video: {frames} frames of {size} x {size} -> {one['tokens']:,} tokens "
-             f"(examples/long_video.py's model, fp32). Peak torch allocations per rank (max over ranks), MiB:", "",
-             "| ranks | mesh | vision encoder | language model | whole step | pixels held |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Long video: {frames} frames of {size} x {size} -> {one['tokens']:,} tokens "
+        f"(examples/long_video.py's model, fp32). Peak torch allocations per rank (max over ranks), MiB:",
+        "",
+        "| ranks | mesh | vision encoder | language model | whole step | pixels held |",
+        "|---|---|---|---|---|---|",
+    ]
     data = {"frames": frames, "size": size, "rows": []}
     for world, ranks in results.items():
         row = {key: max(r[key] for r in ranks) for key in ("vision", "language", "step", "pixels")}
         mesh = "one process (C = 1)" if world == 1 else "U%d x R%d" % WORLDS[world]
-        lines.append(f"| {world} | {mesh} | {mib(row['vision'])} | {mib(row['language'])} | {mib(row['step'])} | "
-                     f"{mib(row['pixels'])} |")
+        lines.append(
+            f"| {world} | {mesh} | {mib(row['vision'])} | {mib(row['language'])} | {mib(row['step'])} | "
+            f"{mib(row['pixels'])} |"
+        )
         data["rows"].append({"world": world, "mesh": mesh, **row})
     timing = results[4][0].get("timing", {})
-    lines += ["", "Vision encoder forward + backward at U2 x R2: median over iterations of the busiest rank's CPU "
-              "seconds (what bounds a step when every rank has its own device) and of the wall time (max over "
-              "ranks; 4 ranks share the cores here), and the patches each rank encodes:", "",
-              "| batch | busiest rank CPU s, local | split | wall s, local | split | patches local | patches split |",
-              "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Vision encoder forward + backward at U2 x R2: median over iterations of the busiest rank's CPU "
+        "seconds (what bounds a step when every rank has its own device) and of the wall time (max over "
+        "ranks; 4 ranks share the cores here), and the patches each rank encodes:",
+        "",
+        "| batch | busiest rank CPU s, local | split | wall s, local | split | patches local | patches split |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label in timing:
         times = {mode: [r["timing"][label]["times"][mode] for r in results[4]] for mode in ("local", "split")}
-        busiest = {mode: statistics.median(max(r["cpu"][i] for r in ranks) for i in range(len(ranks[0]["cpu"])))
-                   for mode, ranks in times.items()}
+        busiest = {
+            mode: statistics.median(max(r["cpu"][i] for r in ranks) for i in range(len(ranks[0]["cpu"])))
+            for mode, ranks in times.items()
+        }
         wall = {mode: harness.combine(ranks)["median_wall"] for mode, ranks in times.items()}
         patches = {mode: [r["timing"][label]["patches"][mode] for r in results[4]] for mode in ("local", "split")}
-        lines.append(f"| {label} | {busiest['local']:.3f} | {busiest['split']:.3f} | {wall['local']:.3f} | "
-                     f"{wall['split']:.3f} | {patches['local']} | {patches['split']} |")
+        lines.append(
+            f"| {label} | {busiest['local']:.3f} | {busiest['split']:.3f} | {wall['local']:.3f} | "
+            f"{wall['split']:.3f} | {patches['local']} | {patches['split']} |"
+        )
         data.setdefault("timing", {})[label] = {"busiest_rank_cpu": busiest, "median_wall": wall, "patches": patches}
-    lines += ["", f"Machine: {harness.machine_info()}; load {harness.load()}; {harness.software_info()}; "
-              f"hybridsp {harness.revision()}."]
+    lines += [
+        "",
+        f"Machine: {harness.machine_info()}; load {harness.load()}; {harness.software_info()}; "
+        f"hybridsp {harness.revision()}.",
+    ]
     return "\n".join(lines) + "\n", data
 
 
@@ -157,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--out", default=harness.results_path("vlm", "vlm_memory"), help="output prefix")
     args = parser.parse_args(argv)
-    results = {world: harness.launch(measure, world, args.frames, args.size, args.iters, timeout=1800)
-               for world in WORLDS}
+    results = {
+        world: harness.launch(measure, world, args.frames, args.size, args.iters, timeout=1800) for world in WORLDS
+    }
     markdown, data = report(results, args.frames, args.size)
     print(markdown)
     harness.write_results(args.out, markdown, data)

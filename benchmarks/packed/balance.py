@@ -83,18 +83,46 @@ ISSUE_PACK = (2396, 840, 420, 1731, 708, 1070, 135, 296, 595, 1)  # attention.ma
 def pack_sets(seeds: int) -> list[dict]:
     """(name, S, R, window, list of bounds) of every pack set."""
     issue = tuple(sum(ISSUE_PACK[:i]) for i in range(len(ISSUE_PACK) + 1))
-    sets = [dict(name=f"lognormal S=16384 R={r}", seq_len=16384, ring=r, window=None,
-                 packs=[lognormal_pack(16384, s) for s in range(seeds)]) for r in (2, 4, 8)]
+    sets = [
+        dict(
+            name=f"lognormal S=16384 R={r}",
+            seq_len=16384,
+            ring=r,
+            window=None,
+            packs=[lognormal_pack(16384, s) for s in range(seeds)],
+        )
+        for r in (2, 4, 8)
+    ]
     sets += [
-        dict(name="lognormal S=16384 R=4 W=512", seq_len=16384, ring=4, window=512,
-             packs=[lognormal_pack(16384, s) for s in range(seeds)]),
+        dict(
+            name="lognormal S=16384 R=4 W=512",
+            seq_len=16384,
+            ring=4,
+            window=512,
+            packs=[lognormal_pack(16384, s) for s in range(seeds)],
+        ),
         dict(name="attention.masks' 10 documents S=8192 R=4", seq_len=8192, ring=4, window=None, packs=[issue]),
-        dict(name="4 documents S=8192 R=4", seq_len=8192, ring=4, window=None,
-             packs=[uniform_cuts(8192, 4, s) for s in range(seeds)]),
-        dict(name="100 documents S=65536 R=8", seq_len=65536, ring=8, window=None,
-             packs=[uniform_cuts(65536, 100, s) for s in range(min(seeds, 20))]),
-        dict(name="8000 documents S=65536 R=4", seq_len=65536, ring=4, window=None,
-             packs=[uniform_cuts(65536, 8000, s) for s in range(min(seeds, 5))]),
+        dict(
+            name="4 documents S=8192 R=4",
+            seq_len=8192,
+            ring=4,
+            window=None,
+            packs=[uniform_cuts(8192, 4, s) for s in range(seeds)],
+        ),
+        dict(
+            name="100 documents S=65536 R=8",
+            seq_len=65536,
+            ring=8,
+            window=None,
+            packs=[uniform_cuts(65536, 100, s) for s in range(min(seeds, 20))],
+        ),
+        dict(
+            name="8000 documents S=65536 R=4",
+            seq_len=65536,
+            ring=4,
+            window=None,
+            packs=[uniform_cuts(65536, 8000, s) for s in range(min(seeds, 5))],
+        ),
     ]
     return sets
 
@@ -114,8 +142,7 @@ def nested_tries(bounds, seq_len: int, ring: int, window):
     tries of ``SPLITS`` in order, the first within 1% of the mean work, else the best."""
     best = None
     for split_share, reserve in SPLITS:
-        slots = design_slot_runs(bounds, seq_len, ring, window=window, split_share=split_share,
-                                 reserve=reserve)
+        slots = design_slot_runs(bounds, seq_len, ring, window=window, split_share=split_share, reserve=reserve)
         work = slot_work(slots, bounds, window)
         ratio = max(work) * ring / sum(work)
         if best is None or ratio < best[0]:
@@ -197,10 +224,17 @@ def measure(pack_set: dict) -> dict:
             runs.append(sum(len(r) for r in slots))
             traffic.append(kv_rows(slots, bounds))
         total = {key: sum(t[key] for t in traffic) for key in traffic[0]}
-        out[design] = dict(work_max=max(ratios), work_mean=statistics.fmean(ratios),
-                           over_105=sum(x > 1.05 for x in ratios), runs=statistics.fmean(runs),
-                           pieces=total["pieces"] / len(traffic), pairs=total["pairs"] / len(traffic),
-                           kv_rows=total["rows"], kv_causal=total["causal"], kv_hull=total["hull"])
+        out[design] = dict(
+            work_max=max(ratios),
+            work_mean=statistics.fmean(ratios),
+            over_105=sum(x > 1.05 for x in ratios),
+            runs=statistics.fmean(runs),
+            pieces=total["pieces"] / len(traffic),
+            pairs=total["pairs"] / len(traffic),
+            kv_rows=total["rows"],
+            kv_causal=total["causal"],
+            kv_hull=total["hull"],
+        )
     for design in DESIGNS:
         for key in ("kv_rows", "kv_causal", "kv_hull"):
             out[design][key + "_vs_zigzag"] = out[design][key] / max(1, out["zigzag"][key])
@@ -242,51 +276,81 @@ def build_times(repeats: int) -> list[dict]:
                 balanced_slot_runs(bounds, seq_len, ring)
                 wall.append(time.perf_counter() - start)
                 cpu.append(time.process_time() - cpu_start)
-            rows.append(dict(documents=documents, seq_len=seq_len, ring=ring, min_ms=min(wall) * 1e3,
-                             median_ms=statistics.median(wall) * 1e3, cpu_min_ms=min(cpu) * 1e3,
-                             cpu_median_ms=statistics.median(cpu) * 1e3))
+            rows.append(
+                dict(
+                    documents=documents,
+                    seq_len=seq_len,
+                    ring=ring,
+                    min_ms=min(wall) * 1e3,
+                    median_ms=statistics.median(wall) * 1e3,
+                    cpu_min_ms=min(cpu) * 1e3,
+                    cpu_median_ms=statistics.median(cpu) * 1e3,
+                )
+            )
     return rows
 
 
 def markdown(results: list[dict], timing: list[dict], info: dict) -> str:
-    lines = [f"# Document-balanced layouts at the plan level ({info['date']})", "",
-             f"{info['machine']}; load {info['load']}; hybridsp {info['revision']}.", "",
-             "work = busiest slot / mean (worst pack, mean over packs, packs over 1.05); runs and doc",
-             "pieces summed over slots (mean over packs); K/V rows = rows of other slots in shared",
-             "documents (all, and the causal subset), summed over packs, / zigzag's; hull rows = per ordered",
-             "slot pair the span of the sender's local rows from the first to the last row the receiver",
-             "sees (what hybridsp's plan ships per pass; window ignored), / zigzag's and per pack; visible",
-             "slot pairs = ordered pairs with any visible key (R (R - 1) at most), mean over packs.", ""]
+    lines = [
+        f"# Document-balanced layouts at the plan level ({info['date']})",
+        "",
+        f"{info['machine']}; load {info['load']}; hybridsp {info['revision']}.",
+        "",
+        "work = busiest slot / mean (worst pack, mean over packs, packs over 1.05); runs and doc",
+        "pieces summed over slots (mean over packs); K/V rows = rows of other slots in shared",
+        "documents (all, and the causal subset), summed over packs, / zigzag's; hull rows = per ordered",
+        "slot pair the span of the sender's local rows from the first to the last row the receiver",
+        "sees (what hybridsp's plan ships per pass; window ignored), / zigzag's and per pack; visible",
+        "slot pairs = ordered pairs with any visible key (R (R - 1) at most), mean over packs.",
+        "",
+    ]
     for pack_set in results:
-        lines += [f"## {pack_set['name']} ({pack_set['packs']} packs)", "",
-                  "| design | work max | work mean | >1.05 | runs | doc pieces | K/V rows vs zigzag | causal rows vs zigzag "
-                  "| hull rows vs zigzag | hull rows / pack | visible slot pairs |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {pack_set['name']} ({pack_set['packs']} packs)",
+            "",
+            "| design | work max | work mean | >1.05 | runs | doc pieces | K/V rows vs zigzag | causal rows vs zigzag "
+            "| hull rows vs zigzag | hull rows / pack | visible slot pairs |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for design, m in pack_set["designs"].items():
-            lines.append(f"| {design} | {m['work_max']:.3f} | {m['work_mean']:.3f} | {m['over_105']} | {m['runs']:.1f} | "
-                         f"{m['pieces']:.1f} | {m['kv_rows_vs_zigzag']:.2f} | {m['kv_causal_vs_zigzag']:.2f} | "
-                         f"{m['kv_hull_vs_zigzag']:.2f} | {m['kv_hull'] / pack_set['packs']:,.0f} | {m['pairs']:.1f} |")
+            lines.append(
+                f"| {design} | {m['work_max']:.3f} | {m['work_mean']:.3f} | {m['over_105']} | {m['runs']:.1f} | "
+                f"{m['pieces']:.1f} | {m['kv_rows_vs_zigzag']:.2f} | {m['kv_causal_vs_zigzag']:.2f} | "
+                f"{m['kv_hull_vs_zigzag']:.2f} | {m['kv_hull'] / pack_set['packs']:,.0f} | {m['pairs']:.1f} |"
+            )
         lines.append("")
-    lines += ["## K/V rows against a lower bound (`hybridsp.layout._balance.bound.kv_rows_lower_bound`)", "",
-              "Hull rows summed over the packs; the bound holds for *any* layout whose busiest slot has at most",
-              "that balance (Note [rows bound]); *infeasible* = packs on which no layout within 1.05 balance",
-              "can ship within 5% of zigzag's rows.", "",
-              "| packs | zigzag | balanced | balanced / zigzag | bound at 1.05 / zigzag | bound at balanced's "
-              "balance / zigzag | balanced / that bound | infeasible packs |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## K/V rows against a lower bound (`hybridsp.layout._balance.bound.kv_rows_lower_bound`)",
+        "",
+        "Hull rows summed over the packs; the bound holds for *any* layout whose busiest slot has at most",
+        "that balance (Note [rows bound]); *infeasible* = packs on which no layout within 1.05 balance",
+        "can ship within 5% of zigzag's rows.",
+        "",
+        "| packs | zigzag | balanced | balanced / zigzag | bound at 1.05 / zigzag | bound at balanced's "
+        "balance / zigzag | balanced / that bound | infeasible packs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for pack_set in results:
         b = pack_set["bound"]
         if b:
             z = max(1, b["zigzag"])
-            lines.append(f"| {pack_set['name']} | {b['zigzag']:,} | {b['balanced']:,} | {b['balanced'] / z:.2f} | "
-                         f"{b['bound_105'] / z:.2f} | {b['bound_reached'] / z:.2f} | "
-                         f"{b['balanced'] / max(1, b['bound_reached']):.2f} | {b['infeasible']} / {pack_set['packs']} |")
+            lines.append(
+                f"| {pack_set['name']} | {b['zigzag']:,} | {b['balanced']:,} | {b['balanced'] / z:.2f} | "
+                f"{b['bound_105'] / z:.2f} | {b['bound_reached'] / z:.2f} | "
+                f"{b['balanced'] / max(1, b['bound_reached']):.2f} | {b['infeasible']} / {pack_set['packs']} |"
+            )
     lines.append("")
-    lines += ["## Build time of `balanced_slot_runs` (uniform random cut points)", "",
-              "| documents | S | R | wall min ms | wall median ms | CPU min ms | CPU median ms |",
-              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {t['documents']:,} | {t['seq_len']:,} | {t['ring']} | {t['min_ms']:.1f} | {t['median_ms']:.1f} | "
-              f"{t['cpu_min_ms']:.1f} | {t['cpu_median_ms']:.1f} |" for t in timing]
+    lines += [
+        "## Build time of `balanced_slot_runs` (uniform random cut points)",
+        "",
+        "| documents | S | R | wall min ms | wall median ms | CPU min ms | CPU median ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {t['documents']:,} | {t['seq_len']:,} | {t['ring']} | {t['min_ms']:.1f} | {t['median_ms']:.1f} | "
+        f"{t['cpu_min_ms']:.1f} | {t['cpu_median_ms']:.1f} |"
+        for t in timing
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -294,22 +358,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=100, help="packs per random pack set")
     parser.add_argument("--repeats", type=int, default=15, help="build-time repeats (min reported)")
-    parser.add_argument("--out", default=results_path("packed", "balance"), help="output prefix (default "
-                        "benchmarks/results/packed/balance)")
+    parser.add_argument(
+        "--out",
+        default=results_path("packed", "balance"),
+        help="output prefix (default benchmarks/results/packed/balance)",
+    )
     args = parser.parse_args(argv)
     info = dict(date=time.strftime("%Y-%m-%d"), machine=machine_info(), load=load(), revision=revision())
     results = []
     for pack_set in pack_sets(args.seeds):
         print(f"{pack_set['name']} ...", flush=True)
-        results.append(dict(name=pack_set["name"], seq_len=pack_set["seq_len"], ring=pack_set["ring"],
-                            window=pack_set["window"], packs=len(pack_set["packs"]), designs=measure(pack_set),
-                            bound=bound_rows(pack_set)))
+        results.append(
+            dict(
+                name=pack_set["name"],
+                seq_len=pack_set["seq_len"],
+                ring=pack_set["ring"],
+                window=pack_set["window"],
+                packs=len(pack_set["packs"]),
+                designs=measure(pack_set),
+                bound=bound_rows(pack_set),
+            )
+        )
     timing = build_times(args.repeats)
     info["load_after"] = load()
     text = markdown(results, timing, info)
     print(text)
-    write_results(args.out, text,
-                  dict(info=info, designs={k: v for k, v in DESIGNS.items()}, pack_sets=results, build_times=timing))
+    write_results(
+        args.out,
+        text,
+        dict(info=info, designs={k: v for k, v in DESIGNS.items()}, pack_sets=results, build_times=timing),
+    )
     return 0
 
 

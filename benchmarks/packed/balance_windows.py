@@ -63,16 +63,22 @@ def measure(packs, ring: int, window) -> dict:
 
 
 def markdown(rows: list[dict], info: dict) -> str:
-    lines = ["# The balanced layout and sliding windows (plan level)", "",
-             f"{info['machine']}; load {info['load']} -> {info['load_after']}; revision {info['revision']}; "
-             f"{info['seeds']} lognormal packs (packed.balance's), S = {SEQ:,}.", "",
-             "| W | R | layout | plan max/mean worst | plan mean | visible max/mean worst | visible mean | build ms |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# The balanced layout and sliding windows (plan level)",
+        "",
+        f"{info['machine']}; load {info['load']} -> {info['load_after']}; revision {info['revision']}; "
+        f"{info['seeds']} lognormal packs (packed.balance's), S = {SEQ:,}.",
+        "",
+        "| W | R | layout | plan max/mean worst | plan mean | visible max/mean worst | visible mean | build ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         for name, m in row["layouts"].items():
-            lines.append(f"| {row['window'] or 'none'} | {row['ring']} | {name} | {max(m['plan']):.3f} | "
-                         f"{statistics.mean(m['plan']):.3f} | {max(m['visible']):.3f} | "
-                         f"{statistics.mean(m['visible']):.3f} | {m['build_ms']:.1f} |")
+            lines.append(
+                f"| {row['window'] or 'none'} | {row['ring']} | {name} | {max(m['plan']):.3f} | "
+                f"{statistics.mean(m['plan']):.3f} | {max(m['visible']):.3f} | "
+                f"{statistics.mean(m['visible']):.3f} | {m['build_ms']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -80,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=30, help="packs")
     parser.add_argument("--windows", default="512,2048", help="comma-separated windows (none is always run)")
-    parser.add_argument("--out", default=results_path("packed", "balance_windows"),
-                        help="output prefix (default benchmarks/results/packed/balance_windows)")
+    parser.add_argument(
+        "--out",
+        default=results_path("packed", "balance_windows"),
+        help="output prefix (default benchmarks/results/packed/balance_windows)",
+    )
     args = parser.parse_args(argv)
     info = dict(machine=machine_info(), load=load(), revision=revision(), seeds=args.seeds)
     packs = [lognormal_pack(SEQ, seed) for seed in range(args.seeds)]

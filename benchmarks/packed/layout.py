@@ -86,11 +86,28 @@ def plan_metrics(bounds, ulysses: int, ring: int, shape=(HEADS, KV_HEADS, HEAD_D
     for layout, (name, placed) in variants(window).items():
         plan = build_plan(SEQ, ring, get_layout(name, placed), causal=True, docs=(bounds,), window=window, batch=1)
         work = [plan.work(r) for r in range(ring)]
-        sent = [sum(hybrid_bytes(batch=1, seq_len=SEQ, heads=shape[0], kv_heads=shape[1], head_dim=shape[2],
-                                 ulysses=ulysses, ring=ring, ring_rank=r, element_size=4, plan=plan).values())
-                for r in range(ring)]
-        out[layout] = {"work_max_over_mean": max(work) * ring / sum(work), "total_work": sum(work),
-                       "max_bytes": max(sent)}
+        sent = [
+            sum(
+                hybrid_bytes(
+                    batch=1,
+                    seq_len=SEQ,
+                    heads=shape[0],
+                    kv_heads=shape[1],
+                    head_dim=shape[2],
+                    ulysses=ulysses,
+                    ring=ring,
+                    ring_rank=r,
+                    element_size=4,
+                    plan=plan,
+                ).values()
+            )
+            for r in range(ring)
+        ]
+        out[layout] = {
+            "work_max_over_mean": max(work) * ring / sum(work),
+            "total_work": sum(work),
+            "max_bytes": max(sent),
+        }
     return out
 
 
@@ -100,8 +117,10 @@ def _measure(rank, world, ulysses, ring, packs, repeats, shape=(HEADS, KV_HEADS,
     from hybridsp import hybrid_attn_func, init_mesh, shard_sequence
 
     heads, kv_heads, head_dim = shape
-    meshes = {layout: init_mesh(ulysses=ulysses, ring=ring, layout=name, sliding_window=placed)
-              for layout, (name, placed) in variants(window).items()}
+    meshes = {
+        layout: init_mesh(ulysses=ulysses, ring=ring, layout=name, sliding_window=placed)
+        for layout, (name, placed) in variants(window).items()
+    }
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(1, SEQ, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads, heads)]
     names = tuple(meshes)
@@ -115,8 +134,9 @@ def _measure(rank, world, ulysses, ring, packs, repeats, shape=(HEADS, KV_HEADS,
                 dout = shard_sequence(full[3], mesh, cu_seqlens=cu)
                 torch.distributed.barrier()
                 start = time.process_time()
-                hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu, sliding_window=window,
-                                 backend="torch").backward(dout)
+                hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu, sliding_window=window, backend="torch").backward(
+                    dout
+                )
                 times[layout][index].append(time.process_time() - start)
     return times
 
@@ -128,8 +148,13 @@ def summarise(per_rank: list[dict], packs) -> dict:
         rows = []
         for index in range(len(packs)):
             medians = [statistics.median(times[layout][index]) for times in per_rank]
-            rows.append({"busiest_s": max(medians), "max_over_mean": max(medians) * len(medians) / sum(medians),
-                         "total_s": sum(medians)})
+            rows.append(
+                {
+                    "busiest_s": max(medians),
+                    "max_over_mean": max(medians) * len(medians) / sum(medians),
+                    "total_s": sum(medians),
+                }
+            )
         out[layout] = rows
     return out
 
@@ -141,8 +166,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--heads", type=int, default=HEADS)
     parser.add_argument("--kv-heads", type=int, default=KV_HEADS)
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
-    parser.add_argument("--out", default=results_path("packed", "packed_layout"),
-                        help="output prefix (default benchmarks/results/packed/packed_layout)")
+    parser.add_argument(
+        "--out",
+        default=results_path("packed", "packed_layout"),
+        help="output prefix (default benchmarks/results/packed/packed_layout)",
+    )
     parser.add_argument("--window", type=int, default=None, help="sliding window of every call (see the docstring)")
     args = parser.parse_args(argv)
     shape = (args.heads, args.kv_heads, args.head_dim)
@@ -156,22 +184,29 @@ def main(argv=None) -> dict:
         for index, bounds in enumerate(packs):
             zig, bal = plans[index]["zigzag"], plans[index]["balanced"]
             mz, mb = measured["zigzag"][index], measured["balanced"][index]
-            rows.append({
-                "mesh": f"U{ulysses}xR{ring}", "pack": index, "documents": len(bounds) - 1,
-                "work_max_over_mean": {"zigzag": zig["work_max_over_mean"], "balanced": bal["work_max_over_mean"]},
-                "total_work_ratio": bal["total_work"] / zig["total_work"],
-                "bytes_ratio": bal["max_bytes"] / zig["max_bytes"],
-                "measured_max_over_mean": {"zigzag": mz["max_over_mean"], "balanced": mb["max_over_mean"]},
-                "busiest_speedup": mz["busiest_s"] / mb["busiest_s"],
-                "total_time_ratio": mb["total_s"] / mz["total_s"],
-                "busiest_s": {"zigzag": mz["busiest_s"], "balanced": mb["busiest_s"]},
-            })
+            rows.append(
+                {
+                    "mesh": f"U{ulysses}xR{ring}",
+                    "pack": index,
+                    "documents": len(bounds) - 1,
+                    "work_max_over_mean": {"zigzag": zig["work_max_over_mean"], "balanced": bal["work_max_over_mean"]},
+                    "total_work_ratio": bal["total_work"] / zig["total_work"],
+                    "bytes_ratio": bal["max_bytes"] / zig["max_bytes"],
+                    "measured_max_over_mean": {"zigzag": mz["max_over_mean"], "balanced": mb["max_over_mean"]},
+                    "busiest_speedup": mz["busiest_s"] / mb["busiest_s"],
+                    "total_time_ratio": mb["total_s"] / mz["total_s"],
+                    "busiest_s": {"zigzag": mz["busiest_s"], "balanced": mb["busiest_s"]},
+                }
+            )
     lines = [
-        "# Packed batches: zigzag vs balanced layout", "",
-        f"{machine_info()}; load {before} -> {load()}; revision {revision()}", "",
+        "# Packed batches: zigzag vs balanced layout",
+        "",
+        f"{machine_info()}; load {before} -> {load()}; revision {revision()}",
+        "",
         f"S = {SEQ}, H = {args.heads}, Hkv = {args.kv_heads}, D = {args.head_dim}, fp32, 4 gloo ranks, lognormal packs "
         f"(16..8,000 tokens), medians of {args.repeats} interleaved repeats of one forward + backward "
-        "(each rank's CPU time).", "",
+        "(each rank's CPU time).",
+        "",
         "| mesh | pack | docs | plan work max/mean zigzag -> balanced | total work bal/zig | bytes (busiest) bal/zig "
         "| measured max/mean zigzag -> balanced | busiest rank zigzag/balanced | total CPU bal/zig |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -181,9 +216,9 @@ def main(argv=None) -> dict:
             f"| {r['mesh']} | {r['pack']} | {r['documents']} | {r['work_max_over_mean']['zigzag']:.3f} -> "
             f"{r['work_max_over_mean']['balanced']:.3f} | {r['total_work_ratio']:.3f} | {r['bytes_ratio']:.3f} | "
             f"{r['measured_max_over_mean']['zigzag']:.3f} -> {r['measured_max_over_mean']['balanced']:.3f} | "
-            f"{r['busiest_speedup']:.2f}x | {r['total_time_ratio']:.3f} |")
-    write_results(args.out, "\n".join(lines) + "\n",
-                  {"rows": rows, "args": vars(args)})
+            f"{r['busiest_speedup']:.2f}x | {r['total_time_ratio']:.3f} |"
+        )
+    write_results(args.out, "\n".join(lines) + "\n", {"rows": rows, "args": vars(args)})
     print("\n".join(lines))
     return {"rows": rows}
 
@@ -194,28 +229,54 @@ def windowed(args, shape) -> dict:
     for ulysses, ring in MESHES:
         packs = skewed_packs(ring, args.packs, window=window)
         plans = [plan_metrics(bounds, ulysses, ring, shape, window) for bounds in packs]
-        measured = summarise(launch(_measure, 4, ulysses, ring, packs, args.repeats, shape, window, timeout=3600),
-                             packs)
+        measured = summarise(
+            launch(_measure, 4, ulysses, ring, packs, args.repeats, shape, window, timeout=3600), packs
+        )
         for index, bounds in enumerate(packs):
-            rows.append({"mesh": f"U{ulysses}xR{ring}", "pack": index, "documents": len(bounds) - 1,
-                         "plan": {v: plans[index][v]["work_max_over_mean"] for v in measured},
-                         "measured": {v: measured[v][index]["max_over_mean"] for v in measured},
-                         "busiest_s": {v: measured[v][index]["busiest_s"] for v in measured}})
+            rows.append(
+                {
+                    "mesh": f"U{ulysses}xR{ring}",
+                    "pack": index,
+                    "documents": len(bounds) - 1,
+                    "plan": {v: plans[index][v]["work_max_over_mean"] for v in measured},
+                    "measured": {v: measured[v][index]["max_over_mean"] for v in measured},
+                    "busiest_s": {v: measured[v][index]["busiest_s"] for v in measured},
+                }
+            )
     names = list(variants(window))
-    lines = [f"# Packed batches with sliding_window={window}: zigzag, window-blind balanced, balanced for the window",
-             "", f"{machine_info()}; load {before} -> {load()}; revision {revision()}", "",
-             f"S = {SEQ}, W = {window}, H = {args.heads}, Hkv = {args.kv_heads}, D = {args.head_dim}, fp32, 4 gloo "
-             f"ranks, the first lognormal packs on which the window-blind balanced plan is >= 1.1x the mean, medians "
-             f"of {args.repeats} interleaved repeats of one forward + backward (each rank's CPU time).", "",
-             "| mesh | pack | docs | " + " | ".join(f"plan max/mean {n}" for n in names) + " | "
-             + " | ".join(f"measured max/mean {n}" for n in names) + " | busiest s " + " / ".join(names) + " |",
-             "|---|---|---|" + "---|" * (2 * len(names) + 1)]
+    lines = [
+        f"# Packed batches with sliding_window={window}: zigzag, window-blind balanced, balanced for the window",
+        "",
+        f"{machine_info()}; load {before} -> {load()}; revision {revision()}",
+        "",
+        f"S = {SEQ}, W = {window}, H = {args.heads}, Hkv = {args.kv_heads}, D = {args.head_dim}, fp32, 4 gloo "
+        f"ranks, the first lognormal packs on which the window-blind balanced plan is >= 1.1x the mean, medians "
+        f"of {args.repeats} interleaved repeats of one forward + backward (each rank's CPU time).",
+        "",
+        "| mesh | pack | docs | "
+        + " | ".join(f"plan max/mean {n}" for n in names)
+        + " | "
+        + " | ".join(f"measured max/mean {n}" for n in names)
+        + " | busiest s "
+        + " / ".join(names)
+        + " |",
+        "|---|---|---|" + "---|" * (2 * len(names) + 1),
+    ]
     for r in rows:
-        lines.append(f"| {r['mesh']} | {r['pack']} | {r['documents']} | "
-                     + " | ".join(f"{r['plan'][n]:.3f}" for n in names) + " | "
-                     + " | ".join(f"{r['measured'][n]:.3f}" for n in names) + " | "
-                     + " / ".join(f"{r['busiest_s'][n]:.2f}" for n in names) + " |")
-    out = args.out if args.out != results_path("packed", "packed_layout") else results_path("packed", f"packed_layout_w{window}")
+        lines.append(
+            f"| {r['mesh']} | {r['pack']} | {r['documents']} | "
+            + " | ".join(f"{r['plan'][n]:.3f}" for n in names)
+            + " | "
+            + " | ".join(f"{r['measured'][n]:.3f}" for n in names)
+            + " | "
+            + " / ".join(f"{r['busiest_s'][n]:.2f}" for n in names)
+            + " |"
+        )
+    out = (
+        args.out
+        if args.out != results_path("packed", "packed_layout")
+        else results_path("packed", f"packed_layout_w{window}")
+    )
     write_results(out, "\n".join(lines) + "\n", {"rows": rows, "args": vars(args)})
     print("\n".join(lines))
     return {"rows": rows}

@@ -60,14 +60,16 @@ def run(args: argparse.Namespace) -> int:
     from hybridsp.mesh._placement import gather_placement
 
     if "WORLD_SIZE" not in os.environ:
-        print("check-mesh: error: run it under the job's launcher (torchrun, deepspeed, srun), not alone",
-              file=sys.stderr)
+        print(
+            "check-mesh: error: run it under the job's launcher (torchrun, deepspeed, srun), not alone", file=sys.stderr
+        )
         return 2
     interface = choose_gloo_interface()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    dist.init_process_group(
+        "nccl" if torch.cuda.is_available() else "gloo", timeout=datetime.timedelta(seconds=args.timeout)
+    )
     try:
         try:
             mesh = init_mesh(args.ulysses, args.ring, num_heads=args.heads)
@@ -79,9 +81,11 @@ def run(args: argparse.Namespace) -> int:
         ulysses_ms, ring_ms = _all_reduce_ms(mesh.ulysses_group), _all_reduce_ms(mesh.ring_group)
         if mesh.rank == 0:
             env = read_launch_env()
-            print(f"launcher: {env.launcher}, {env.world_size} ranks, {env.local_world_size} per node, "
-                  f"gloo interface {interface or 'gloo default'}; mesh DP {mesh.dp} x ring {mesh.ring} x "
-                  f"Ulysses {mesh.ulysses}")
+            print(
+                f"launcher: {env.launcher}, {env.world_size} ranks, {env.local_world_size} per node, "
+                f"gloo interface {interface or 'gloo default'}; mesh DP {mesh.dp} x ring {mesh.ring} x "
+                f"Ulysses {mesh.ulysses}"
+            )
             print(placement.describe())
             print(f"all-reduce of 1 MiB: {ulysses_ms:.1f} ms over a Ulysses group, {ring_ms:.1f} ms over a ring group")
         return 1 if placement.ulysses_crossing_hosts() else 0

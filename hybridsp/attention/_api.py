@@ -109,14 +109,43 @@ def hybrid_attn_func(
     """
     check_mesh(mesh)
     if torch.compiler.is_compiling():  # one custom operator in the graph (Note [compiled call])
-        return compiled_attention(q, k, v, mesh=mesh, causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window,
-                                  softmax_scale=softmax_scale, backend=backend, counter=counter, kv_comm=kv_comm,
-                                  sinks=sinks, softcap=softcap)
-    spec = CallSpec.on_mesh(mesh, kv_comm=kv_comm, counter=counter, causal=causal, cu_seqlens=cu_seqlens,
-                            sliding_window=sliding_window, softmax_scale=softmax_scale, backend=backend, softcap=softcap)
-    call = resolve_ring_call(q, k, v, spec, group=mesh.ring_group if mesh.ring > 1 else None, ring=mesh.ring,
-                             ulysses=mesh.ulysses, agreement_group=mesh.context_group if mesh.context > 1 else None,
-                             sinks=sinks)
+        return compiled_attention(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            causal=causal,
+            cu_seqlens=cu_seqlens,
+            sliding_window=sliding_window,
+            softmax_scale=softmax_scale,
+            backend=backend,
+            counter=counter,
+            kv_comm=kv_comm,
+            sinks=sinks,
+            softcap=softcap,
+        )
+    spec = CallSpec.on_mesh(
+        mesh,
+        kv_comm=kv_comm,
+        counter=counter,
+        causal=causal,
+        cu_seqlens=cu_seqlens,
+        sliding_window=sliding_window,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        softcap=softcap,
+    )
+    call = resolve_ring_call(
+        q,
+        k,
+        v,
+        spec,
+        group=mesh.ring_group if mesh.ring > 1 else None,
+        ring=mesh.ring,
+        ulysses=mesh.ulysses,
+        agreement_group=mesh.context_group if mesh.context > 1 else None,
+        sinks=sinks,
+    )
     if mesh.ulysses == 1:
         return run_ring(q, k, v, call, sinks)  # [B, S/C, H, Dv]
     heads = q.shape[2]
@@ -166,25 +195,43 @@ class HybridAttention(nn.Module):
         else:
             self.sinks = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: CuSeqlens = None, *,
-                sinks: torch.Tensor | None = None, counter: CommCounter | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: CuSeqlens = None,
+        *,
+        sinks: torch.Tensor | None = None,
+        counter: CommCounter | None = None,
+    ) -> torch.Tensor:
         """q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv] -> out [B, S_local, H, Dv];
         ``cu_seqlens`` and ``sinks`` [H] as in :func:`hybrid_attn_func` (default: the module's own)."""
         return hybrid_attn_func(
-            q, k, v, mesh=self.mesh, causal=self.causal, softmax_scale=self.softmax_scale,
-            backend=self.backend, counter=counter, kv_comm=self.kv_comm,
-            cu_seqlens=self.cu_seqlens if cu_seqlens is None else cu_seqlens, sliding_window=self.sliding_window,
-            sinks=self.sinks if sinks is None else sinks, softcap=self.softcap,
+            q,
+            k,
+            v,
+            mesh=self.mesh,
+            causal=self.causal,
+            softmax_scale=self.softmax_scale,
+            backend=self.backend,
+            counter=counter,
+            kv_comm=self.kv_comm,
+            cu_seqlens=self.cu_seqlens if cu_seqlens is None else cu_seqlens,
+            sliding_window=self.sliding_window,
+            sinks=self.sinks if sinks is None else sinks,
+            softcap=self.softcap,
         )
 
     def extra_repr(self) -> str:
-        return (f"{self.mesh!r}, causal={self.causal}, sliding_window={self.sliding_window}, "
-                f"softcap={self.softcap}, sinks={self.sinks is not None}, backend={self.backend!r}")
+        return (
+            f"{self.mesh!r}, causal={self.causal}, sliding_window={self.sliding_window}, "
+            f"softcap={self.softcap}, sinks={self.sinks is not None}, backend={self.backend!r}"
+        )
 
 
 def shard_sequence(
-    x: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens: CuSeqlens = None, *,
-    sliding_window: int | None = None,
+    x: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens: CuSeqlens = None, *, sliding_window: int | None = None
 ) -> torch.Tensor:
     """This rank's tokens of the full tensor ``x`` along ``dim``, in the mesh's token layout.
 
@@ -200,7 +247,11 @@ def shard_sequence(
 
 
 def shard_tensors(
-    tensors: list[torch.Tensor], mesh: HybridMesh, dim: int = 1, cu_seqlens: CuSeqlens = None, *,
+    tensors: list[torch.Tensor],
+    mesh: HybridMesh,
+    dim: int = 1,
+    cu_seqlens: CuSeqlens = None,
+    *,
     sliding_window: int | None = None,
 ) -> list[torch.Tensor]:
     """:func:`shard_sequence` of tensors of one shape along ``dim`` ([B, S, ...]), the layout's
@@ -209,13 +260,18 @@ def shard_tensors(
     layout = placement_layout(mesh, cu_seqlens, sliding_window)
     bounds = _layout_bounds(x, mesh, dim, cu_seqlens)
     rows = x.shape[0] if dim != 0 else 1
-    index = shard_index(x.shape[dim], rows, mesh.ring_rank, mesh.ulysses_rank, mesh.ring, mesh.ulysses, layout,
-                        bounds)  # [1 or B, S / C]
+    index = shard_index(
+        x.shape[dim], rows, mesh.ring_rank, mesh.ulysses_rank, mesh.ring, mesh.ulysses, layout, bounds
+    )  # [1 or B, S / C]
     return [take_index(t, index, dim) for t in tensors]
 
 
 def gather_sequence(
-    x_local: torch.Tensor, mesh: HybridMesh, dim: int = 1, cu_seqlens: CuSeqlens = None, *,
+    x_local: torch.Tensor,
+    mesh: HybridMesh,
+    dim: int = 1,
+    cu_seqlens: CuSeqlens = None,
+    *,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`shard_sequence`: the full tensor in original order, on every rank of the context group.
@@ -235,8 +291,9 @@ def gather_sequence(
     return join_shards(shards, mesh.ring, mesh.ulysses, layout, dim, bounds)
 
 
-def _layout_bounds(x: torch.Tensor, mesh: HybridMesh, dim: int, cu_seqlens: CuSeqlens,
-                   local: bool = False) -> Rows | None:
+def _layout_bounds(
+    x: torch.Tensor, mesh: HybridMesh, dim: int, cu_seqlens: CuSeqlens, local: bool = False
+) -> Rows | None:
     """Per-row document boundaries for a layout that places tokens by document, else None."""
     if not mesh.token_layout.uses_documents or cu_seqlens is None:
         return None

@@ -64,11 +64,22 @@ Bounds = Union[OpaqueRef, list[torch.Tensor]]
 """What an operator gets for the documents: a Documents' reference, or :func:`boundary_tensors`."""
 
 
-def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: HybridMesh, causal: bool,
-                       cu_seqlens: CuSeqlens, sliding_window: Optional[int], softmax_scale: Optional[float],
-                       backend: Union[BackendName, AttentionKernel], counter: Optional[CommCounter],
-                       kv_comm: Optional[KVComm], sinks: Optional[torch.Tensor],
-                       softcap: Optional[float]) -> torch.Tensor:
+def compiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mesh: HybridMesh,
+    causal: bool,
+    cu_seqlens: CuSeqlens,
+    sliding_window: Optional[int],
+    softmax_scale: Optional[float],
+    backend: Union[BackendName, AttentionKernel],
+    counter: Optional[CommCounter],
+    kv_comm: Optional[KVComm],
+    sinks: Optional[torch.Tensor],
+    softcap: Optional[float],
+) -> torch.Tensor:
     """:func:`~hybridsp.attention._api.hybrid_attn_func` while dynamo traces (Note [compiled call]);
     the same arguments, out [B, L, H, Dv].
 
@@ -76,20 +87,36 @@ def compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mes
     (set ``mesh.comm_counter``): neither can enter a graph.
     """
     if not isinstance(backend, str):
-        raise ValueError(f"under torch.compile, backend must be a kernel name ('auto', 'torch', 'flash', "
-                         f"'reference'); got a {type(backend).__name__} object")
+        raise ValueError(
+            f"under torch.compile, backend must be a kernel name ('auto', 'torch', 'flash', "
+            f"'reference'); got a {type(backend).__name__} object"
+        )
     if counter is not None:
         raise ValueError("under torch.compile, pass no counter: set mesh.comm_counter, which every call records into")
     check_causal(causal)
     check_softmax_scale(softmax_scale)
     check_softcap(softcap)
-    settings = (causal, sliding_window, None if softmax_scale is None else float(softmax_scale), backend,
-                mesh.kv_comm if kv_comm is None else kv_comm, None if softcap is None else float(softcap))
+    settings = (
+        causal,
+        sliding_window,
+        None if softmax_scale is None else float(softmax_scale),
+        backend,
+        mesh.kv_comm if kv_comm is None else kv_comm,
+        None if softcap is None else float(softcap),
+    )
     if isinstance(cu_seqlens, Documents):
-        return cast(torch.Tensor, torch.ops.hybridsp.attention_documents(q, k, v, sinks, mesh.opaque, mesh.ulysses,
-                                                                         cu_seqlens.opaque, *settings)[0])
-    return cast(torch.Tensor, torch.ops.hybridsp.attention(q, k, v, sinks, mesh.opaque, mesh.ulysses,
-                                                           boundary_tensors(cu_seqlens), *settings)[0])
+        return cast(
+            torch.Tensor,
+            torch.ops.hybridsp.attention_documents(
+                q, k, v, sinks, mesh.opaque, mesh.ulysses, cu_seqlens.opaque, *settings
+            )[0],
+        )
+    return cast(
+        torch.Tensor,
+        torch.ops.hybridsp.attention(
+            q, k, v, sinks, mesh.opaque, mesh.ulysses, boundary_tensors(cu_seqlens), *settings
+        )[0],
+    )
 
 
 def boundary_tensors(cu_seqlens: Boundaries) -> list[torch.Tensor]:
@@ -112,24 +139,56 @@ def _as_cu_seqlens(bounds: Bounds) -> CuSeqlens:
     return None if not bounds else bounds[0] if len(bounds) == 1 else list(bounds)
 
 
-def _spec(mesh: HybridMesh, bounds: Bounds, causal: bool, window: Optional[int], scale: Optional[float],
-          backend: BackendName, kv_comm: KVComm, softcap: Optional[float]) -> CallSpec:
+def _spec(
+    mesh: HybridMesh,
+    bounds: Bounds,
+    causal: bool,
+    window: Optional[int],
+    scale: Optional[float],
+    backend: BackendName,
+    kv_comm: KVComm,
+    softcap: Optional[float],
+) -> CallSpec:
     """The :class:`CallSpec` :func:`resolve_ring_call` and :func:`replay_ring_call` share."""
-    return CallSpec.on_mesh(mesh, kv_comm=kv_comm, causal=causal, cu_seqlens=_as_cu_seqlens(bounds), sliding_window=window,
-                            softmax_scale=scale, backend=backend, softcap=softcap)
+    return CallSpec.on_mesh(
+        mesh,
+        kv_comm=kv_comm,
+        causal=causal,
+        cu_seqlens=_as_cu_seqlens(bounds),
+        sliding_window=window,
+        softmax_scale=scale,
+        backend=backend,
+        softcap=softcap,
+    )
 
 
 def _ring_group(mesh: HybridMesh) -> Optional[dist.ProcessGroup]:
     return mesh.ring_group if mesh.ring > 1 else None
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mesh_ref: OpaqueRef,
-             ulysses: int, bounds: Bounds, *settings: Any) -> list[torch.Tensor]:
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: Optional[torch.Tensor],
+    mesh_ref: OpaqueRef,
+    ulysses: int,
+    bounds: Bounds,
+    *settings: Any,
+) -> list[torch.Tensor]:
     """[out, lse] without Ulysses, [out, lse, out_slot, *q/k/v buffers] with (Note [compiled call])."""
     mesh: HybridMesh = mesh_ref.value
-    call = resolve_ring_call(q, k, v, _spec(mesh, bounds, *settings), group=_ring_group(mesh), ring=mesh.ring,
-                             ulysses=mesh.ulysses, sinks=sinks,
-                             agreement_group=mesh.context_group if mesh.context > 1 else None)
+    call = resolve_ring_call(
+        q,
+        k,
+        v,
+        _spec(mesh, bounds, *settings),
+        group=_ring_group(mesh),
+        ring=mesh.ring,
+        ulysses=mesh.ulysses,
+        sinks=sinks,
+        agreement_group=mesh.context_group if mesh.context > 1 else None,
+    )
     acc = accumulation_dtype(q.dtype)
     if mesh.ulysses == 1:
         out, lse = ring_forward(q, k, v, sinks, call)
@@ -144,8 +203,16 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[
     return [out.contiguous(), lse.to(acc).contiguous(), out_slot, *buffers]
 
 
-def _forward_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-                  mesh_ref: OpaqueRef, ulysses: int, bounds: Bounds, *settings: Any) -> list[torch.Tensor]:
+def _forward_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: Optional[torch.Tensor],
+    mesh_ref: OpaqueRef,
+    ulysses: int,
+    bounds: Bounds,
+    *settings: Any,
+) -> list[torch.Tensor]:
     """The shapes and dtypes of :func:`_forward`."""
     b, length, heads, d = q.shape
     dv, u, acc = v.shape[-1], ulysses, accumulation_dtype(q.dtype)
@@ -158,7 +225,10 @@ def _forward_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Opti
     if d == dv:
         buffers = [q.new_empty(b, (heads + 2 * kv_heads) // u, u * length, d)]
     else:
-        buffers = [q.new_empty(b, (heads + kv_heads) // u, u * length, d), q.new_empty(b, kv_heads // u, u * length, dv)]
+        buffers = [
+            q.new_empty(b, (heads + kv_heads) // u, u * length, d),
+            q.new_empty(b, kv_heads // u, u * length, dv),
+        ]
     return [out, lse, out_slot, *buffers]
 
 
@@ -170,8 +240,16 @@ def _slot_views(buffers: list[torch.Tensor], heads: int, kv_heads: int, ulysses:
     return [*split_heads(buffers[0], [h, hkv]), *split_heads(buffers[1], [hkv])]
 
 
-def _backward(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh_ref: OpaqueRef,
-              ulysses: int, bounds: Bounds, kv_heads: int, *settings: Any) -> list[torch.Tensor]:
+def _backward(
+    dout: torch.Tensor,
+    saved: list[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+    mesh_ref: OpaqueRef,
+    ulysses: int,
+    bounds: Bounds,
+    kv_heads: int,
+    *settings: Any,
+) -> list[torch.Tensor]:
     """[dq, dk, dv] (+ [dsinks [H]]) from the forward's saved tensors (Note [compiled call])."""
     mesh: HybridMesh = mesh_ref.value
     spec = _spec(mesh, bounds, *settings)
@@ -197,8 +275,16 @@ def _backward(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[tor
     return grads + [full]
 
 
-def _backward_fake(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh_ref: OpaqueRef,
-                   ulysses: int, bounds: Bounds, kv_heads: int, *settings: Any) -> list[torch.Tensor]:
+def _backward_fake(
+    dout: torch.Tensor,
+    saved: list[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+    mesh_ref: OpaqueRef,
+    ulysses: int,
+    bounds: Bounds,
+    kv_heads: int,
+    *settings: Any,
+) -> list[torch.Tensor]:
     """The shapes of :func:`_backward`: q's, k's, v's (and the sinks')."""
     shapes: list[tuple[torch.Tensor, tuple[int, ...]]]
     if ulysses == 1:
@@ -226,14 +312,16 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: list[torch.Tensor]
 def _autograd_backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Union[torch.Tensor, list[None], None], ...]:
     """grads: one per output of the forward (a list output's gradients arrive as one list)."""
     tensors = list(ctx.saved_tensors)
-    saved, rest = tensors[: ctx.saved_count], tensors[ctx.saved_count:]
+    saved, rest = tensors[: ctx.saved_count], tensors[ctx.saved_count :]
     sinks = rest.pop(0) if ctx.has_sinks else None
     if ctx.documents is not None:
-        result = torch.ops.hybridsp.attention_documents_backward(grads[0], saved, sinks, ctx.mesh, ctx.ulysses,
-                                                                 ctx.documents, ctx.kv_heads, *ctx.settings)
+        result = torch.ops.hybridsp.attention_documents_backward(
+            grads[0], saved, sinks, ctx.mesh, ctx.ulysses, ctx.documents, ctx.kv_heads, *ctx.settings
+        )
     else:
-        result = torch.ops.hybridsp.attention_backward(grads[0], saved, sinks, ctx.mesh, ctx.ulysses, rest,
-                                                       ctx.kv_heads, *ctx.settings)
+        result = torch.ops.hybridsp.attention_backward(
+            grads[0], saved, sinks, ctx.mesh, ctx.ulysses, rest, ctx.kv_heads, *ctx.settings
+        )
     dsinks = result[3] if ctx.has_sinks else None
     no_bounds = None if ctx.documents is not None else [None] * len(rest)  # the structure of the input
     return (result[0], result[1], result[2], dsinks, None, None, no_bounds, *([None] * len(ctx.settings)))
@@ -241,32 +329,83 @@ def _autograd_backward(ctx: Any, grads: list[torch.Tensor]) -> tuple[Union[torch
 
 # The four operators: the call with boundaries as tensors (or none), and with the batch's Documents.
 @torch.library.custom_op("hybridsp::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], mesh: OpaqueRef,
-               ulysses: int, bounds: list[torch.Tensor], causal: bool, window: Optional[int], scale: Optional[float], backend: str,
-               kv_comm: str, softcap: Optional[float]) -> list[torch.Tensor]:
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: Optional[torch.Tensor],
+    mesh: OpaqueRef,
+    ulysses: int,
+    bounds: list[torch.Tensor],
+    causal: bool,
+    window: Optional[int],
+    scale: Optional[float],
+    backend: str,
+    kv_comm: str,
+    softcap: Optional[float],
+) -> list[torch.Tensor]:
     return _forward(q, k, v, sinks, mesh, ulysses, bounds, causal, window, scale, backend, kv_comm, softcap)
 
 
 @torch.library.custom_op("hybridsp::attention_documents", mutates_args=())
-def _attention_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
-                         mesh: OpaqueRef, ulysses: int, documents: OpaqueRef, causal: bool, window: Optional[int],
-                         scale: Optional[float], backend: str, kv_comm: str, softcap: Optional[float]) -> list[torch.Tensor]:
+def _attention_documents(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: Optional[torch.Tensor],
+    mesh: OpaqueRef,
+    ulysses: int,
+    documents: OpaqueRef,
+    causal: bool,
+    window: Optional[int],
+    scale: Optional[float],
+    backend: str,
+    kv_comm: str,
+    softcap: Optional[float],
+) -> list[torch.Tensor]:
     return _forward(q, k, v, sinks, mesh, ulysses, documents, causal, window, scale, backend, kv_comm, softcap)
 
 
 @torch.library.custom_op("hybridsp::attention_backward", mutates_args=())
-def _attention_backward(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor], mesh: OpaqueRef,
-                        ulysses: int, bounds: list[torch.Tensor], kv_heads: int, causal: bool, window: Optional[int],
-                        scale: Optional[float], backend: str, kv_comm: str, softcap: Optional[float]) -> list[torch.Tensor]:
-    return _backward(dout, saved, sinks, mesh, ulysses, bounds, kv_heads, causal, window, scale, backend, kv_comm, softcap)
+def _attention_backward(
+    dout: torch.Tensor,
+    saved: list[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+    mesh: OpaqueRef,
+    ulysses: int,
+    bounds: list[torch.Tensor],
+    kv_heads: int,
+    causal: bool,
+    window: Optional[int],
+    scale: Optional[float],
+    backend: str,
+    kv_comm: str,
+    softcap: Optional[float],
+) -> list[torch.Tensor]:
+    return _backward(
+        dout, saved, sinks, mesh, ulysses, bounds, kv_heads, causal, window, scale, backend, kv_comm, softcap
+    )
 
 
 @torch.library.custom_op("hybridsp::attention_documents_backward", mutates_args=())
-def _attention_documents_backward(dout: torch.Tensor, saved: list[torch.Tensor], sinks: Optional[torch.Tensor],
-                                  mesh: OpaqueRef, ulysses: int, documents: OpaqueRef, kv_heads: int, causal: bool,
-                                  window: Optional[int], scale: Optional[float], backend: str, kv_comm: str,
-                                  softcap: Optional[float]) -> list[torch.Tensor]:
-    return _backward(dout, saved, sinks, mesh, ulysses, documents, kv_heads, causal, window, scale, backend, kv_comm, softcap)
+def _attention_documents_backward(
+    dout: torch.Tensor,
+    saved: list[torch.Tensor],
+    sinks: Optional[torch.Tensor],
+    mesh: OpaqueRef,
+    ulysses: int,
+    documents: OpaqueRef,
+    kv_heads: int,
+    causal: bool,
+    window: Optional[int],
+    scale: Optional[float],
+    backend: str,
+    kv_comm: str,
+    softcap: Optional[float],
+) -> list[torch.Tensor]:
+    return _backward(
+        dout, saved, sinks, mesh, ulysses, documents, kv_heads, causal, window, scale, backend, kv_comm, softcap
+    )
 
 
 for _op in (_attention, _attention_documents):

@@ -32,9 +32,7 @@ def _block_weight(lse_acc: torch.Tensor, block_lse: torch.Tensor) -> torch.Tenso
     return weight.transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]     a nan lse (nan input) stays nan
 
 
-def merge_into(
-    out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
-) -> None:
+def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's result into the running accumulators (fp32, or fp64), in place.
 
     Args:
@@ -48,9 +46,7 @@ def merge_into(
     lse_acc.copy_(torch.logaddexp(lse_acc, block_lse))
 
 
-def merge_blocks(
-    outs: list[torch.Tensor], lses: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_blocks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge several blocks' (out [B, S, H, D], lse [B, H, S]) for the same query rows.
 
     Returns (out [B, S, H, D], lse [B, H, S]) in fp32 (fp64 for fp64 inputs).

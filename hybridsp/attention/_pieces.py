@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from hybridsp.layout._block_plan import Piece
 
 
-def _piece_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+def _piece_forward(
+    call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of one plan piece; q/k/v already cut to the piece."""
     kernel, capped = call.kernel, softcap_kwargs(call.softcap)
     if piece.kind == "band":
@@ -40,9 +41,16 @@ def _piece_forward(call: RingCall, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     return kernel.forward(q, k, v, causal=piece.kind == "causal", softmax_scale=call.scale, **capped)
 
 
-def _piece_backward(call: RingCall, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, piece: Piece
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _piece_backward(
+    call: RingCall,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    piece: Piece,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one plan piece given the final out/lse cut to its rows."""
     kernel, capped = call.kernel, softcap_kwargs(call.softcap)
     if piece.kind == "band":
@@ -50,8 +58,7 @@ def _piece_backward(call: RingCall, dout: torch.Tensor, q: torch.Tensor, k: torc
     return kernel.backward(dout, q, k, v, out, lse, causal=piece.kind == "causal", softmax_scale=call.scale, **capped)
 
 
-def forward_pieces(call: RingCall, q: torch.Tensor, block: Block, out_acc: torch.Tensor,
-                   lse_acc: torch.Tensor) -> None:
+def forward_pieces(call: RingCall, q: torch.Tensor, block: Block, out_acc: torch.Tensor, lse_acc: torch.Tensor) -> None:
     """Attend q's piece rows to the block's piece keys; merge into out_acc [B, S, H, Dv] / lse_acc [B, H, S].
     The call gives the kernel, the scale, the soft-capping and the plan that owns the block's pieces
     (varlen index tables are kept on it)."""
@@ -65,9 +72,11 @@ def forward_pieces(call: RingCall, q: torch.Tensor, block: Block, out_acc: torch
     stacks, singles = stacks_and_singles(pieces, offset, q.shape[0], q.device, plan)
     for stack in stacks:  # many small pieces of one shape: one call (hybridsp.attention._stacked)
         block_out, block_lse = _piece_forward(
-            call, gather_rows(q, stack.q_batch, stack.q_seq, stack.size),
+            call,
+            gather_rows(q, stack.q_batch, stack.q_seq, stack.size),
             gather_rows(k_rows, stack.k_batch, stack.k_seq, stack.size),
-            gather_rows(v_rows, stack.k_batch, stack.k_seq, stack.size), stack.like,
+            gather_rows(v_rows, stack.k_batch, stack.k_seq, stack.size),
+            stack.like,
         )  # [G, n, H, Dv], [G, H, n]
         out_rows, lse_rows = gather_rows(out_acc, stack.q_batch, stack.q_seq, stack.size), gather_lse(lse_acc, stack)
         merge_into(out_rows, lse_rows, block_out, block_lse)
@@ -79,8 +88,17 @@ def forward_pieces(call: RingCall, q: torch.Tensor, block: Block, out_acc: torch
         merge_into(out_acc[b, rows], lse_acc[b, :, rows], block_out, block_lse)
 
 
-def backward_pieces(call: RingCall, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                    block: Block, dq_acc: torch.Tensor, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:
+def backward_pieces(
+    call: RingCall,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block: Block,
+    dq_acc: torch.Tensor,
+    dk_acc: torch.Tensor,
+    dv_acc: torch.Tensor,
+) -> None:
     """Add the block's pieces' gradients: dq into dq_acc [B, S, H, D], dk/dv into dk_acc [B, rows, Hkv, D] /
     dv_acc [B, rows, Hkv, Dv] (accumulators in the accumulation dtype; the block's keys counted from its offset)."""
     pieces, offset, k_rows, v_rows, plan = block.pieces, block.offset, block.k, block.v, call.plan
@@ -95,9 +113,14 @@ def backward_pieces(call: RingCall, dout: torch.Tensor, q: torch.Tensor, out: to
         q_rows = (stack.q_batch, stack.q_seq)
         k_keys = (stack.k_batch, stack.k_seq)
         dq, dk, dv = _piece_backward(
-            call, gather_rows(dout, *q_rows, stack.size), gather_rows(q, *q_rows, stack.size),
-            gather_rows(k_rows, *k_keys, stack.size), gather_rows(v_rows, *k_keys, stack.size),
-            gather_rows(out, *q_rows, stack.size), gather_lse(lse, stack), stack.like,
+            call,
+            gather_rows(dout, *q_rows, stack.size),
+            gather_rows(q, *q_rows, stack.size),
+            gather_rows(k_rows, *k_keys, stack.size),
+            gather_rows(v_rows, *k_keys, stack.size),
+            gather_rows(out, *q_rows, stack.size),
+            gather_lse(lse, stack),
+            stack.like,
         )  # [G, n, H, D], [G, m, Hkv, D], [G, m, Hkv, Dv]
         dq_acc.index_put_(q_rows, dq.flatten(0, 1).to(dq_acc.dtype), accumulate=True)
         dk_acc.index_put_(k_keys, dk.flatten(0, 1).to(dk_acc.dtype), accumulate=True)
@@ -105,7 +128,7 @@ def backward_pieces(call: RingCall, dout: torch.Tensor, q: torch.Tensor, out: to
     for piece in singles:
         b, rows, keys = piece.batch, piece.rows, piece.shifted(offset).keys
         dq, dk, dv = _piece_backward(
-            call, dout[b, rows], q[b, rows], k_rows[b, keys], v_rows[b, keys], out[b, rows], lse[b, :, rows], piece,
+            call, dout[b, rows], q[b, rows], k_rows[b, keys], v_rows[b, keys], out[b, rows], lse[b, :, rows], piece
         )
         dq_acc[b, rows] += dq
         dk_acc[b, keys] += dk

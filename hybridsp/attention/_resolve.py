@@ -139,8 +139,17 @@ def resolve_kv_chunks(kv_chunks: int | None, ring: int, local_len: int) -> int:
     return default_kv_chunks(ring, local_len) if kv_chunks is None else kv_chunks
 
 
-def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec, layout: TokenLayout, *,
-                      ring: int, ulysses: int, sinks: torch.Tensor | None = None) -> None:
+def check_ring_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: CallSpec,
+    layout: TokenLayout,
+    *,
+    ring: int,
+    ulysses: int,
+    sinks: torch.Tensor | None = None,
+) -> None:
     """Raise ValueError for inputs the ring cannot run (before any communication).
 
     ``q`` [B, S_local, H, D], ``k`` [B, S_local, Hkv, D], ``v`` [B, S_local, Hkv, Dv] are this rank's
@@ -151,9 +160,7 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: C
     check_sinks(sinks, q)
     check_softcap(spec.softcap)
     if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}"
-        )
+        raise ValueError(f"q and k/v must hold the same local tokens; got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if not heads_divisible(q.shape[2], ulysses):
         raise ValueError(
             f"query heads ({q.shape[2]}) must be divisible by the Ulysses degree ({ulysses}); choose a "
@@ -170,23 +177,34 @@ def check_ring_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: C
     layout.check_sequence_length(slot * ring, ring, ulysses, chunks)
 
 
-def plan_for(documents: Documents, layout: TokenLayout, ring: int, causal: bool, window: int | None) -> BlockPlan | None:
+def plan_for(
+    documents: Documents, layout: TokenLayout, ring: int, causal: bool, window: int | None
+) -> BlockPlan | None:
     """The block plan of a call, kept on the batch's documents; None for a ring of one that nothing masks."""
     window = None if window is None or window >= documents.seq_len else window
     if ring == 1 and not documents.packed and window is None:
         return None
     plan: BlockPlan = documents.remember(
         ("plan", layout, ring, causal, window),
-        lambda: build_plan(documents.seq_len, ring, layout, causal=causal, docs=documents.rows, window=window,
-                           batch=documents.batch),
+        lambda: build_plan(
+            documents.seq_len, ring, layout, causal=causal, docs=documents.rows, window=window, batch=documents.batch
+        ),
     )
     return plan
 
 
-def resolve_ring_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec, *,
-                      group: dist.ProcessGroup | None, ring: int, ulysses: int = 1,
-                      agreement_group: dist.ProcessGroup | None = None,
-                      sinks: torch.Tensor | None = None) -> RingCall:
+def resolve_ring_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    spec: CallSpec,
+    *,
+    group: dist.ProcessGroup | None,
+    ring: int,
+    ulysses: int = 1,
+    agreement_group: dist.ProcessGroup | None = None,
+    sinks: torch.Tensor | None = None,
+) -> RingCall:
     """Check ``spec`` with this call's tensors and resolve it (see the module docstring).
 
     ``q``/``k``/``v`` are this rank's tokens ``[B, S_local, H(kv), D(v)]`` before any all-to-all;
@@ -205,8 +223,9 @@ def resolve_ring_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: C
     return _ring_call(q, spec, kernel, group, ring, layout, documents, chunks)
 
 
-def replay_ring_call(q: torch.Tensor, v: torch.Tensor, spec: CallSpec, *, group: dist.ProcessGroup | None,
-                     ring: int) -> RingCall:
+def replay_ring_call(
+    q: torch.Tensor, v: torch.Tensor, spec: CallSpec, *, group: dist.ProcessGroup | None, ring: int
+) -> RingCall:
     """The :class:`RingCall` of a call :func:`resolve_ring_call` already checked and agreed on, rebuilt
     from one ring slot's ``q`` [B, S_slot, H/U, D] and ``v`` [B, S_slot, Hkv/U, Dv] and the same spec:
     for a backward that could not keep the call (:mod:`hybridsp.attention._compiled`). No checks, no
@@ -218,8 +237,16 @@ def replay_ring_call(q: torch.Tensor, v: torch.Tensor, spec: CallSpec, *, group:
     return _ring_call(q, spec, kernel, group, ring, get_layout(spec.layout), documents, chunks)
 
 
-def _ring_call(q: torch.Tensor, spec: CallSpec, kernel: AttentionKernel, group: dist.ProcessGroup | None,
-               ring: int, layout: TokenLayout, documents: Documents, chunks: int | None) -> RingCall:
+def _ring_call(
+    q: torch.Tensor,
+    spec: CallSpec,
+    kernel: AttentionKernel,
+    group: dist.ProcessGroup | None,
+    ring: int,
+    layout: TokenLayout,
+    documents: Documents,
+    chunks: int | None,
+) -> RingCall:
     """The :class:`RingCall` of a checked spec and its kernel: this rank's place, the plan, the scale."""
     rank = 0 if group is None else dist.get_rank(group)
     plan = plan_for(documents, layout, ring, spec.causal, spec.sliding_window)
@@ -248,17 +275,38 @@ class CallFingerprint(NamedTuple):
     softcap: int  # the float64 bits >> 2 (0: none)
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: CallSpec, layout: TokenLayout,
-           chunks: int | None, sinks: torch.Tensor | None = None) -> CallFingerprint:
+    def of(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        spec: CallSpec,
+        layout: TokenLayout,
+        chunks: int | None,
+        sinks: torch.Tensor | None = None,
+    ) -> CallFingerprint:
         """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv]
         (``layout``: the spec's layout object; ``chunks``: the resolved all-gather chunks)."""
         window = spec.sliding_window
         batch, local_tokens, query_heads, head_dim = q.shape  # 4-D (checked): the first four fields
-        return cls(batch, local_tokens, query_heads, head_dim, k.shape[2], v.shape[-1], FLOAT_DTYPES.index(q.dtype),
-                   int(spec.causal),
-                   -1 if window is None else window, _float_bits(spec.softmax_scale), LAYOUTS.index(layout.name),
-                   -1 if layout.window is None else layout.window, KV_COMMS.index(spec.kv_comm), chunks or 0,
-                   0 if sinks is None else 1 + FLOAT_DTYPES.index(sinks.dtype), _float_bits(spec.softcap))
+        return cls(
+            batch,
+            local_tokens,
+            query_heads,
+            head_dim,
+            k.shape[2],
+            v.shape[-1],
+            FLOAT_DTYPES.index(q.dtype),
+            int(spec.causal),
+            -1 if window is None else window,
+            _float_bits(spec.softmax_scale),
+            LAYOUTS.index(layout.name),
+            -1 if layout.window is None else layout.window,
+            KV_COMMS.index(spec.kv_comm),
+            chunks or 0,
+            0 if sinks is None else 1 + FLOAT_DTYPES.index(sinks.dtype),
+            _float_bits(spec.softcap),
+        )
 
 
 def _float_bits(value: float | None) -> int:
@@ -267,13 +315,20 @@ def _float_bits(value: float | None) -> int:
 
 
 # what an error calls each field; the two halves of the documents' digest follow the fingerprint
-_LABELS = {"local_tokens": "local tokens", "query_heads": "query heads", "head_dim": "head dim",
-           "kv_heads": "K/V heads", "v_head_dim": "value head dim", "placement_window": "placement window"}
+_LABELS = {
+    "local_tokens": "local tokens",
+    "query_heads": "query heads",
+    "head_dim": "head dim",
+    "kv_heads": "K/V heads",
+    "v_head_dim": "value head dim",
+    "placement_window": "placement window",
+}
 _NAMES = tuple(_LABELS.get(field, field) for field in CallFingerprint._fields) + ("documents", "documents")
 
 
-def check_agreement(group: dist.ProcessGroup | None, documents: Documents, fields: CallFingerprint,
-                    device: torch.device) -> None:
+def check_agreement(
+    group: dist.ProcessGroup | None, documents: Documents, fields: CallFingerprint, device: torch.device
+) -> None:
     """Raise ValueError on every rank of ``group`` unless all ranks call with the same settings and
     documents (Note [agreement]); one small all_reduce on every call, whatever was agreed before."""
     if group is None or dist.get_world_size(group) == 1:
@@ -284,7 +339,7 @@ def check_agreement(group: dist.ProcessGroup | None, documents: Documents, field
     )
     extremes = torch.cat([mine, -mine])  # [36]: max of x and of -x give the max and the min
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    high, low = extremes[: mine.numel()], -extremes[mine.numel():]
+    high, low = extremes[: mine.numel()], -extremes[mine.numel() :]
     differ = (high != low).nonzero().flatten().tolist()
     if differ:
         names = sorted({_NAMES[i] for i in differ})

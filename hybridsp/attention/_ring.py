@@ -33,8 +33,9 @@ from hybridsp.kernels import AttentionKernel
 from hybridsp.layout._layouts import TokenLayout
 
 
-def run_ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall,
-             sinks: torch.Tensor | None = None) -> torch.Tensor:
+def run_ring(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """A resolved call on one ring slot's q [B, S, H, D], k [B, S, Hkv, D], v [B, S, Hkv, Dv] -> out
     [B, S, H, Dv]; ``sinks`` [H]: the sink logits of these H heads (:mod:`hybridsp.attention._sinks`)."""
     return cast(torch.Tensor, RingAttentionFunction.apply(q, k, v, sinks, call))
@@ -93,8 +94,17 @@ def ring_attention(
         ranks that disagree (one small agreement check per call; see :mod:`hybridsp.attention._resolve`).
     """
     ring = 1 if group is None else dist.get_world_size(group)
-    spec = CallSpec(causal=causal, cu_seqlens=cu_seqlens, sliding_window=sliding_window, softmax_scale=softmax_scale,
-                    backend=backend, layout=layout, kv_comm=kv_comm, kv_chunks=kv_chunks, softcap=softcap,
-                    counter=counter)
+    spec = CallSpec(
+        causal=causal,
+        cu_seqlens=cu_seqlens,
+        sliding_window=sliding_window,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        layout=layout,
+        kv_comm=kv_comm,
+        kv_chunks=kv_chunks,
+        softcap=softcap,
+        counter=counter,
+    )
     call = resolve_ring_call(q, k, v, spec, group=group, ring=ring, agreement_group=group, sinks=sinks)
     return run_ring(q, k, v, call, sinks)

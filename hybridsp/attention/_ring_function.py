@@ -37,12 +37,14 @@ if TYPE_CHECKING:
     from hybridsp.attention._resolve import RingCall
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                 call: RingCall) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, call: RingCall
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, S, H, Dv] in q's dtype, lse [B, H, S] in the accumulation dtype), sinks merged."""
     if call.plan is None:
-        out, lse = call.kernel.forward(q, k, v, causal=call.causal, softmax_scale=call.scale,
-                                       **softcap_kwargs(call.softcap))
+        out, lse = call.kernel.forward(
+            q, k, v, causal=call.causal, softmax_scale=call.scale, **softcap_kwargs(call.softcap)
+        )
         if sinks is None:
             return out, lse
         out, lse = merge_sinks(out, lse.to(accumulation_dtype(q.dtype)), sinks)
@@ -57,12 +59,20 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch
     return out_acc.to(q.dtype), lse_acc
 
 
-def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, call: RingCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    call: RingCall,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq [B, S, H, D], dk [B, S, Hkv, D], dv [B, S, Hkv, Dv]) in the input dtype, from the final out/lse."""
     if call.plan is None:
-        return call.kernel.backward(dout, q, k, v, out, lse, causal=call.causal, softmax_scale=call.scale,
-                                    **softcap_kwargs(call.softcap))
+        return call.kernel.backward(
+            dout, q, k, v, out, lse, causal=call.causal, softmax_scale=call.scale, **softcap_kwargs(call.softcap)
+        )
     acc = accumulation_dtype(q.dtype)
     dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
@@ -76,8 +86,10 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         grads: list[torch.Tensor] | None = None
         if block.pieces:
             assert block.k is not None and block.v is not None  # a block with pieces has arrived
-            grads = [torch.zeros(block.k.shape, dtype=acc, device=k.device),
-                     torch.zeros(block.v.shape, dtype=acc, device=v.device)]
+            grads = [
+                torch.zeros(block.k.shape, dtype=acc, device=k.device),
+                torch.zeros(block.v.shape, dtype=acc, device=v.device),
+            ]
             backward_pieces(call, dout, q, out, lse, block, dq_acc, *grads)
         transport.send_home(block, grads, dk_acc, dv_acc)
     transport.finish(dk_acc, dv_acc)
@@ -88,8 +100,9 @@ class RingAttentionFunction(torch.autograd.Function):
     """Ring attention of one resolved call (:class:`hybridsp.attention._resolve.RingCall`; Note [one shell])."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                call: RingCall) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, call: RingCall
+    ) -> torch.Tensor:
         out, lse = ring_forward(q, k, v, sinks, call)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.call = call

@@ -49,13 +49,17 @@ class CallSpec:
     counter: CommCounter | None = None
 
     @classmethod
-    def on_mesh(cls, mesh: HybridMesh, *, kv_comm: KVComm | None = None, counter: CommCounter | None = None,
-                **settings: Any) -> CallSpec:
+    def on_mesh(
+        cls, mesh: HybridMesh, *, kv_comm: KVComm | None = None, counter: CommCounter | None = None, **settings: Any
+    ) -> CallSpec:
         """The spec of a call on ``mesh``: its K/V transport, chunking and byte counter unless given,
         and its token layout placed for the window the documents carry (``settings``: the other fields)."""
         return cls(
-            layout=placement_layout(mesh, settings.get("cu_seqlens")), kv_comm=mesh.kv_comm if kv_comm is None else kv_comm,
-            kv_chunks=mesh.kv_chunks, counter=mesh.comm_counter if counter is None else counter, **settings,
+            layout=placement_layout(mesh, settings.get("cu_seqlens")),
+            kv_comm=mesh.kv_comm if kv_comm is None else kv_comm,
+            kv_chunks=mesh.kv_chunks,
+            counter=mesh.comm_counter if counter is None else counter,
+            **settings,
         )
 
     def with_(self, **changes: Any) -> CallSpec:
@@ -63,9 +67,7 @@ class CallSpec:
         return replace(self, **changes)
 
 
-def placement_layout(
-    mesh: HybridMesh, cu_seqlens: CuSeqlens = None, sliding_window: int | None = None
-) -> TokenLayout:
+def placement_layout(mesh: HybridMesh, cu_seqlens: CuSeqlens = None, sliding_window: int | None = None) -> TokenLayout:
     """The mesh's token layout placing for the window that applies (Note [placement window] in
     :mod:`hybridsp.layout._layouts`): ``sliding_window`` if given, else the one ``cu_seqlens``
     carries (a :class:`~hybridsp.layout._documents.Documents`' ``window``), else the mesh's.

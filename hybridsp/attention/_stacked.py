@@ -44,8 +44,9 @@ class Stack:
     k_seq: torch.Tensor  # [G * m] its row in the block
 
 
-def stacks_and_singles(pieces: Sequence[Piece], offset: int, batch: int, device: torch.device,
-                       plan: BlockPlan | None = None) -> tuple[list[Stack], list[Piece]]:
+def stacks_and_singles(
+    pieces: Sequence[Piece], offset: int, batch: int, device: torch.device, plan: BlockPlan | None = None
+) -> tuple[list[Stack], list[Piece]]:
     """One block's pieces split into stacks (Note [stacks]) and the pieces that run alone (original keys).
 
     With ``plan`` (the :class:`~hybridsp.layout._block_plan.BlockPlan` that owns ``pieces``) the split is
@@ -53,7 +54,8 @@ def stacks_and_singles(pieces: Sequence[Piece], offset: int, batch: int, device:
     if plan is not None:
         key = ("stacks", id(pieces), offset, batch, str(device), MAX_ROWS)
         split: tuple[list[Stack], list[Piece]] = plan.memo(
-            key, lambda: stacks_and_singles(pieces, offset, batch, device))
+            key, lambda: stacks_and_singles(pieces, offset, batch, device)
+        )
         return split
     by_shape: dict[tuple[int, int, str, Band], list[Piece]] = {}
     singles = []
@@ -62,7 +64,9 @@ def stacks_and_singles(pieces: Sequence[Piece], offset: int, batch: int, device:
         if max(_length(shifted.rows), _length(shifted.keys)) > MAX_ROWS:
             singles.append(piece)
         else:
-            by_shape.setdefault((_length(shifted.rows), _length(shifted.keys), shifted.kind, shifted.band), []).append(piece)
+            by_shape.setdefault((_length(shifted.rows), _length(shifted.keys), shifted.kind, shifted.band), []).append(
+                piece
+            )
     stacks = []
     for same_shape in by_shape.values():
         for layer in _disjoint_layers(same_shape, batch):

@@ -75,8 +75,9 @@ def heads_of_rank(per_head: torch.Tensor | None, mesh: HybridMesh) -> torch.Tens
     return per_head.narrow(0, dist.get_rank(mesh.ulysses_group) * local, local)  # [H/U]
 
 
-def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter | None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def _all_to_all(
+    send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """all_to_all_single along dim 0 (one slice per rank), into ``out`` (default a new tensor like
     ``send``); counts the bytes that leave this rank."""
     received = torch.empty_like(send) if out is None else out
@@ -87,8 +88,9 @@ def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCount
     return received
 
 
-def _seq_to_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup,
-                  counter: CommCounter | None) -> list[torch.Tensor]:
+def _seq_to_heads(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None
+) -> list[torch.Tensor]:
     """Each [B, L, H_i, D] (any strides) -> [B, U*L, H_i/U, D], views of one heads-first buffer
     [B, sum H_i/U, U*L, D] (Note [lean buffers], Note [heads-first])."""
     size = dist.get_world_size(group)
@@ -100,8 +102,7 @@ def split_heads(joined: torch.Tensor, per_rank: list[int]) -> list[torch.Tensor]
     return [part.transpose(1, 2) for part in joined.split(per_rank, dim=1)]  # views, each [B, U*L, h_i, D]
 
 
-def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup,
-                  counter: CommCounter | None) -> torch.Tensor:
+def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None) -> torch.Tensor:
     """The heads-first buffer [B, sum H_i/U, U*L, D] that :func:`_seq_to_heads` splits."""
     size = dist.get_world_size(group)
     b, length, _, d = tensors[0].shape
@@ -115,7 +116,7 @@ def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup,
         send = tensors[0].new_empty(size, packed, length, d)  # [U (dest), sum H_i/U, L, D]
         offset = 0
         for t, h in zip(tensors, per_rank):
-            send[:, offset:offset + h].copy_(t[row].unflatten(1, (size, h)).permute(1, 2, 0, 3))  # [U, h, L, D]
+            send[:, offset : offset + h].copy_(t[row].unflatten(1, (size, h)).permute(1, 2, 0, 3))  # [U, h, L, D]
             offset += h
         received = _all_to_all(send, group, counter)  # [U (source = sequence piece), sum H_i/U, L, D]
         del send
@@ -127,8 +128,9 @@ def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup,
     return joined
 
 
-def _heads_to_seq(tensors: list[torch.Tensor], group: dist.ProcessGroup,
-                  counter: CommCounter | None) -> list[torch.Tensor]:
+def _heads_to_seq(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None
+) -> list[torch.Tensor]:
     """Each [B, U*L, h_i, D] (any strides) -> [B, L, U*h_i, D], a view of a heads-first [B, U*h_i, L, D]
     buffer that the all-to-all receives into (Note [lean buffers], Note [heads-first])."""
     size = dist.get_world_size(group)
@@ -153,8 +155,9 @@ class _Reshard(torch.autograd.Function):
     """One all-to-all in either direction; its backward is the other direction (its adjoint)."""
 
     @staticmethod
-    def forward(ctx: Any, to_heads: bool, group: dist.ProcessGroup, counter: CommCounter | None,
-                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, to_heads: bool, group: dist.ProcessGroup, counter: CommCounter | None, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.to_heads, ctx.group, ctx.counter = to_heads, group, counter
         return tuple(_RESHARD[to_heads](list(tensors), group, counter))
 

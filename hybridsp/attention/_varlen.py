@@ -49,8 +49,15 @@ def _window_of(piece: Piece) -> tuple[int, int]:
     return flash_window(n, m, band)
 
 
-def varlen_groups(pieces: Sequence[Piece], offset: int, batch: int, seq_q: int, seq_k: int, device: torch.device,
-                  plan: BlockPlan | None = None) -> list[_Group]:
+def varlen_groups(
+    pieces: Sequence[Piece],
+    offset: int,
+    batch: int,
+    seq_q: int,
+    seq_k: int,
+    device: torch.device,
+    plan: BlockPlan | None = None,
+) -> list[_Group]:
     """Group one block's pieces by flash window; ``offset``: first key row of the block held.
 
     With ``plan`` (the :class:`~hybridsp.layout._block_plan.BlockPlan` that owns ``pieces``) the groups and their
@@ -71,12 +78,19 @@ def varlen_groups(pieces: Sequence[Piece], offset: int, batch: int, seq_q: int, 
         k_parts = [torch.arange(p.keys.start, p.keys.stop) + b * seq_k for p, b in members]
         q_lens = torch.tensor([len(x) for x in q_parts])
         k_lens = torch.tensor([len(x) for x in k_parts])
-        groups.append(_Group(
-            window, members, torch.cat(q_parts).to(device), torch.cat(k_parts).to(device),
-            torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(device),
-            torch.cat([k_lens.new_zeros(1), k_lens.cumsum(0)]).to(torch.int32).to(device),
-            int(q_lens.max()), int(k_lens.max()), [0, *q_lens.cumsum(0).tolist()],
-        ))
+        groups.append(
+            _Group(
+                window,
+                members,
+                torch.cat(q_parts).to(device),
+                torch.cat(k_parts).to(device),
+                torch.cat([q_lens.new_zeros(1), q_lens.cumsum(0)]).to(torch.int32).to(device),
+                torch.cat([k_lens.new_zeros(1), k_lens.cumsum(0)]).to(torch.int32).to(device),
+                int(q_lens.max()),
+                int(k_lens.max()),
+                [0, *q_lens.cumsum(0).tolist()],
+            )
+        )
     return groups
 
 
@@ -90,27 +104,45 @@ def _flat_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.transpose(1, 2).reshape(lse.shape[0] * lse.shape[2], lse.shape[1])  # [B*S, H]
 
 
-def forward_block(call: RingCall, q: torch.Tensor, block: Block, out_acc: torch.Tensor,
-                  lse_acc: torch.Tensor) -> None:
+def forward_block(call: RingCall, q: torch.Tensor, block: Block, out_acc: torch.Tensor, lse_acc: torch.Tensor) -> None:
     """Merge one visiting block's pieces into ``out_acc`` [B, S, H, Dv] / ``lse_acc`` [B, H, S] (fp32)."""
     k_rows, v_rows = block.k, block.v
     assert k_rows is not None and v_rows is not None  # a block with pieces has arrived
     batch, seq_q, seq_k = q.shape[0], q.shape[1], k_rows.shape[1]
     for group in varlen_groups(block.pieces, block.offset, batch, seq_q, seq_k, q.device, call.plan):
         out, lse = call.kernel.forward_varlen(
-            _flat(q).index_select(0, group.q_index), _flat(k_rows).index_select(0, group.k_index),
-            _flat(v_rows).index_select(0, group.k_index), cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k,
-            max_seqlen_q=group.max_q, max_seqlen_k=group.max_k, window=group.window, softmax_scale=call.scale,
+            _flat(q).index_select(0, group.q_index),
+            _flat(k_rows).index_select(0, group.k_index),
+            _flat(v_rows).index_select(0, group.k_index),
+            cu_seqlens_q=group.cu_q,
+            cu_seqlens_k=group.cu_k,
+            max_seqlen_q=group.max_q,
+            max_seqlen_k=group.max_k,
+            window=group.window,
+            softmax_scale=call.scale,
             **softcap_kwargs(call.softcap),
         )  # out [Tq, H, Dv], lse [H, Tq]
         bounds = group.q_bounds
         for (piece, b), start, stop in zip(group.members, bounds, bounds[1:]):
-            merge_into(out_acc[b : b + 1, piece.rows], lse_acc[b : b + 1, :, piece.rows],
-                       out[start:stop].unsqueeze(0), lse[:, start:stop].unsqueeze(0))
+            merge_into(
+                out_acc[b : b + 1, piece.rows],
+                lse_acc[b : b + 1, :, piece.rows],
+                out[start:stop].unsqueeze(0),
+                lse[:, start:stop].unsqueeze(0),
+            )
 
 
-def backward_block(call: RingCall, dout: torch.Tensor, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   block: Block, dq_acc: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+def backward_block(
+    call: RingCall,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    block: Block,
+    dq_acc: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> None:
     """Add one visiting block's gradients into ``dq_acc`` [B, S, H, D] and ``dk`` [B, S_block, Hkv, D] /
     ``dv`` [B, S_block, Hkv, Dv] (fp32)."""
     k_rows, v_rows = block.k, block.v
@@ -120,11 +152,19 @@ def backward_block(call: RingCall, dout: torch.Tensor, q: torch.Tensor, out: tor
     for group in varlen_groups(block.pieces, block.offset, batch, seq_q, seq_k, q.device, call.plan):
         rows, keys = group.q_index, group.k_index
         dq, dk_packed, dv_packed = call.kernel.backward_varlen(
-            _flat(dout).index_select(0, rows), _flat(q).index_select(0, rows),
-            _flat(k_rows).index_select(0, keys), _flat(v_rows).index_select(0, keys),
-            _flat(out).index_select(0, rows), flat_lse.index_select(0, rows).t().contiguous(),
-            cu_seqlens_q=group.cu_q, cu_seqlens_k=group.cu_k, max_seqlen_q=group.max_q, max_seqlen_k=group.max_k,
-            window=group.window, softmax_scale=call.scale, **softcap_kwargs(call.softcap),
+            _flat(dout).index_select(0, rows),
+            _flat(q).index_select(0, rows),
+            _flat(k_rows).index_select(0, keys),
+            _flat(v_rows).index_select(0, keys),
+            _flat(out).index_select(0, rows),
+            flat_lse.index_select(0, rows).t().contiguous(),
+            cu_seqlens_q=group.cu_q,
+            cu_seqlens_k=group.cu_k,
+            max_seqlen_q=group.max_q,
+            max_seqlen_k=group.max_k,
+            window=group.window,
+            softmax_scale=call.scale,
+            **softcap_kwargs(call.softcap),
         )
         _flat(dq_acc).index_add_(0, rows, dq.float())
         _flat(dk).index_add_(0, keys, dk_packed.float())

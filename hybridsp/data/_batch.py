@@ -73,7 +73,11 @@ def prepare_batch(
 
 
 def shard_batch(
-    batch: Mapping[str, Any], mesh: HybridMesh, *, pad_token_id: int = 0, ignore_index: int = IGNORE_INDEX,
+    batch: Mapping[str, Any],
+    mesh: HybridMesh,
+    *,
+    pad_token_id: int = 0,
+    ignore_index: int = IGNORE_INDEX,
     sliding_window: int | None = None,
 ) -> dict[str, torch.Tensor | Documents]:
     """This rank's shard of a full causal-LM batch, in the mesh's token layout.
@@ -111,9 +115,7 @@ def shard_batch(
     return {**local, "documents": documents}
 
 
-def _validated(
-    batch: Mapping[str, Any],
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _validated(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(input_ids, labels, attention_mask or None, position_ids or None), checked; ValueError otherwise."""
     unknown = sorted(k for k, v in batch.items() if torch.is_tensor(v) and k not in BATCH_KEYS)
     if unknown:
@@ -219,8 +221,14 @@ class ShardedDataLoader:
     """
 
     def __init__(
-        self, loader: torch.utils.data.DataLoader[Any], mesh: HybridMesh, *, pad_token_id: int = 0,
-        ignore_index: int = IGNORE_INDEX, device: torch.device | str | None = None, check_same_batch: bool = False,
+        self,
+        loader: torch.utils.data.DataLoader[Any],
+        mesh: HybridMesh,
+        *,
+        pad_token_id: int = 0,
+        ignore_index: int = IGNORE_INDEX,
+        device: torch.device | str | None = None,
+        check_same_batch: bool = False,
     ) -> None:
         self.loader, self.mesh, self.device, self.check_same_batch = loader, mesh, device, check_same_batch
         self.pad_token_id, self.ignore_index = pad_token_id, ignore_index
@@ -246,8 +254,7 @@ def batch_fingerprint(input_ids: torch.Tensor) -> torch.Tensor:
     ids = input_ids.detach().to("cpu", torch.int64).contiguous()
     digest = hashlib.blake2b(ids.numpy().tobytes(), digest_size=16).digest()
     halves = [int.from_bytes(digest[i : i + 8], "little") & ((1 << 62) - 1) for i in (0, 8)]
-    return torch.tensor([*ids.shape[-2:], *halves] if ids.dim() >= 2 else [1, ids.numel(), *halves],
-                        dtype=torch.int64)
+    return torch.tensor([*ids.shape[-2:], *halves] if ids.dim() >= 2 else [1, ids.numel(), *halves], dtype=torch.int64)
 
 
 def check_same_across_context(input_ids: torch.Tensor, mesh: HybridMesh) -> None:

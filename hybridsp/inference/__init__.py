@@ -9,10 +9,4 @@
 from hybridsp.inference._decode_attention import decode_attention, local_decode_attention, merge_over_context
 from hybridsp.inference._kv_cache import ShardedKVCache, assign_new_tokens
 
-__all__ = [
-    "ShardedKVCache",
-    "assign_new_tokens",
-    "decode_attention",
-    "local_decode_attention",
-    "merge_over_context",
-]
+__all__ = ["ShardedKVCache", "assign_new_tokens", "decode_attention", "local_decode_attention", "merge_over_context"]

@@ -72,8 +72,16 @@ def decode_attention(
         out [B, T, H, Dv] in q's dtype (Dv: v's head dim), identical on every context rank.
     """
     out, lse = local_decode_attention(
-        q, k, v, softmax_scale=softmax_scale, backend=backend, query_positions=query_positions,
-        key_positions=key_positions, window=window, key_mask=key_mask, softcap=softcap,
+        q,
+        k,
+        v,
+        softmax_scale=softmax_scale,
+        backend=backend,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        window=window,
+        key_mask=key_mask,
+        softcap=softcap,
     )
     out, lse = _merged_with_lse(out, lse, mesh)
     if sinks is not None:
@@ -98,8 +106,13 @@ def local_decode_attention(
     ``softcap`` (Gemma 2) sends every call to the fp32 masked path, which caps the scores."""
     check_qkv(q, k, v, causal=False)
     scale = default_softmax_scale(q.shape[-1], softmax_scale)
-    visible = _with_key_mask(_visibility(q.shape[1], k.shape[1], query_positions, key_positions, window),
-                             key_mask, q.shape[0], q.shape[1], k.shape[1])  # None, [T, L] or [B, T, L]
+    visible = _with_key_mask(
+        _visibility(q.shape[1], k.shape[1], query_positions, key_positions, window),
+        key_mask,
+        q.shape[0],
+        q.shape[1],
+        k.shape[1],
+    )  # None, [T, L] or [B, T, L]
     if k.shape[1] == 0 or (visible is not None and not bool(visible.any())):
         return no_key_result(q, torch.float32, v.shape[-1])
     if softcap is None and (visible is None or bool(visible.all())):
@@ -110,8 +123,9 @@ def local_decode_attention(
     return _masked_attention(q, k, v, visible, scale, softcap)
 
 
-def _visibility(t: int, length: int, query_positions: torch.Tensor | None, key_positions: torch.Tensor | None,
-                window: int | None) -> torch.Tensor | None:
+def _visibility(
+    t: int, length: int, query_positions: torch.Tensor | None, key_positions: torch.Tensor | None, window: int | None
+) -> torch.Tensor | None:
     """[T, L] bool: which cached key each new query sees; None when all are visible."""
     if window is None and t == 1:
         return None
@@ -132,22 +146,26 @@ def _visibility(t: int, length: int, query_positions: torch.Tensor | None, key_p
     return visible
 
 
-def _with_key_mask(visible: torch.Tensor | None, key_mask: torch.Tensor | None, batch: int, t: int,
-                   length: int) -> torch.Tensor | None:
+def _with_key_mask(
+    visible: torch.Tensor | None, key_mask: torch.Tensor | None, batch: int, t: int, length: int
+) -> torch.Tensor | None:
     """``visible`` ([T, L] or None) restricted per row by ``key_mask`` [B, L]: [B, T, L], or unchanged."""
     if key_mask is None:
         return visible
     if tuple(key_mask.shape) != (batch, length) or key_mask.dtype != torch.bool:
-        raise ValueError(f"key_mask must be a bool tensor [B, L] = [{batch}, {length}]; got {key_mask.dtype} "
-                         f"of shape {tuple(key_mask.shape)}")
+        raise ValueError(
+            f"key_mask must be a bool tensor [B, L] = [{batch}, {length}]; got {key_mask.dtype} "
+            f"of shape {tuple(key_mask.shape)}"
+        )
     if bool(key_mask.all()):
         return visible
     base = torch.ones(t, length, dtype=torch.bool, device=key_mask.device) if visible is None else visible  # [T, L]
     return base[None] & key_mask[:, None, :]  # [B, T, L]
 
 
-def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float,
-                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 attention over the keys some query sees (``visible`` [T, L] or per row [B, T, L]):
     (out [B, T, H, D] in q's dtype, lse [B, H, T])."""
     per_row = visible if visible.dim() == 3 else visible[None]  # [B or 1, T, L]

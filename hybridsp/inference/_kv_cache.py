@@ -64,8 +64,9 @@ class ShardedKVCache:
     write of each layer, with that write's batch, heads, dtype and device.
     """
 
-    def __init__(self, mesh: HybridMesh, num_layers: int, *, positions: torch.Tensor,
-                 shard_lengths: list[int], new_tokens: int):
+    def __init__(
+        self, mesh: HybridMesh, num_layers: int, *, positions: torch.Tensor, shard_lengths: list[int], new_tokens: int
+    ):
         if len(shard_lengths) != mesh.context:
             raise ValueError(f"shard_lengths has {len(shard_lengths)} entries for {mesh.context} context ranks")
         if positions.numel() != shard_lengths[mesh.context_rank]:
@@ -151,5 +152,7 @@ class ShardedKVCache:
         return sum(t.numel() * t.element_size() for t in self._keys + self._values if t is not None)
 
     def __repr__(self) -> str:
-        return (f"ShardedKVCache(shard {self.mesh.context_rank} of {self.mesh.context}, {self._tokens} tokens, "
-                f"capacity {self.capacity}, layers {self.num_layers}, group total {self.total_tokens})")
+        return (
+            f"ShardedKVCache(shard {self.mesh.context_rank} of {self.mesh.context}, {self._tokens} tokens, "
+            f"capacity {self.capacity}, layers {self.num_layers}, group total {self.total_tokens})"
+        )

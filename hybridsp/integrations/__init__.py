@@ -18,8 +18,9 @@ import warnings
 from typing import Callable
 
 
-def lazy_exports(package: str, table: dict[str, str],
-                 deprecated: dict[str, tuple[str, str]] | None = None) -> Callable[[str], object]:
+def lazy_exports(
+    package: str, table: dict[str, str], deprecated: dict[str, tuple[str, str]] | None = None
+) -> Callable[[str], object]:
     """A module ``__getattr__`` for ``package``: ``name`` is imported from ``table[name]`` on first use.
 
     ``deprecated`` maps names that left the face to ``(module, advice)``: they still resolve, with a
@@ -32,8 +33,11 @@ def lazy_exports(package: str, table: dict[str, str],
             return getattr(importlib.import_module(table[name]), name)
         if name in deprecated:
             module, advice = deprecated[name]
-            warnings.warn(f"{package}.{name} is deprecated and will be removed in hybridsp 0.3: {advice}",
-                          DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{package}.{name} is deprecated and will be removed in hybridsp 0.3: {advice}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             return getattr(importlib.import_module(module), name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 

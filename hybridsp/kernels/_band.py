@@ -71,8 +71,9 @@ def row_chunks(batch: int, heads: int, sq: int, sk: int) -> list[slice]:
     return [slice(start, min(start + rows, sq)) for start in range(0, sq, rows)]
 
 
-def _masked_scores(q: torch.Tensor, k_full: torch.Tensor, band: Band, scale: float, softcap: float | None = None,
-                   first_row: int = 0) -> torch.Tensor:
+def _masked_scores(
+    q: torch.Tensor, k_full: torch.Tensor, band: Band, scale: float, softcap: float | None = None, first_row: int = 0
+) -> torch.Tensor:
     """fp32 scores [B, H, n, Sk] of the n query rows ``q`` [B, n, H, D] that start at row ``first_row``
     of the piece, soft-capped when ``softcap`` is set, with the band applied (-inf outside)."""
     scores = apply_softcap(torch.einsum("bqhd,bkhd->bhqk", q.to(k_full.dtype), k_full) * scale, softcap)
@@ -80,8 +81,9 @@ def _masked_scores(q: torch.Tensor, k_full: torch.Tensor, band: Band, scale: flo
     return scores.masked_fill(~band_mask_rows(rows, k_full.shape[1], band), -torch.inf)  # [B, H, n, Sk]
 
 
-def math_forward_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float,
-                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def math_forward_band(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float, softcap: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Sq, H, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> (out [B, Sq, H, Dv] in q's dtype,
     lse [B, H, Sq] fp32); scores soft-capped by ``softcap`` (:mod:`hybridsp.kernels._base`) when set.
     Query rows in chunks (:func:`row_chunks`), so memory stays one score block whatever Sq."""
@@ -97,9 +99,18 @@ def math_forward_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band
     return out, lse
 
 
-def math_backward_band(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, *, band: Band, softmax_scale: float,
-                       softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def math_backward_band(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    band: Band,
+    softmax_scale: float,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This band piece's share of (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]) given the
     final out [B, Sq, H, Dv] / lse [B, H, Sq]. With ``softcap`` c the capped score ``t = c tanh(s / c)``
     of the scaled score s passes ``dt/ds = 1 - (t / c)^2`` on to q and k. Query rows in chunks."""

@@ -87,15 +87,33 @@ class AttentionKernel(Protocol):
         ...
 
     def backward_band(
-        self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, *, band: Band, softmax_scale: float,
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        band: Band,
+        softmax_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This band piece's share of the gradients: shapes as :meth:`backward`."""
         ...
 
-    def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
-                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-                       window: tuple[int, int], softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        window: tuple[int, int],
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed pieces in one call (only when ``supports_varlen``): q [Tq, H, D], k/v [Tk, Hkv, D]
         -> (out [Tq, H, D], lse [H, Tq] fp32); see :mod:`hybridsp.attention._varlen`."""
         # the message in a variable: a body that only raises would make type checkers read this
@@ -103,10 +121,22 @@ class AttentionKernel(Protocol):
         message = f"the {self.name!r} kernel has no varlen calls (supports_varlen is False)"
         raise NotImplementedError(message)
 
-    def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        out: torch.Tensor, lse: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
-                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, window: tuple[int, int],
-                        softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward_varlen(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        window: tuple[int, int],
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of :meth:`forward_varlen`'s pieces (only when ``supports_varlen``)."""
         message = f"the {self.name!r} kernel has no varlen calls (supports_varlen is False)"  # see forward_varlen
         raise NotImplementedError(message)
@@ -185,17 +215,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         )
     (bq, sq, hq, dq), (bk, sk, hk, dk) = q.shape, k.shape
     if bq != bk or dq != dk:
-        raise ValueError(
-            f"q and k/v must share batch and head dim; got q {tuple(q.shape)} and k/v {tuple(k.shape)}"
-        )
+        raise ValueError(f"q and k/v must share batch and head dim; got q {tuple(q.shape)} and k/v {tuple(k.shape)}")
     if hk == 0 or hq % hk != 0:
-        raise ValueError(
-            f"query heads ({hq}) must be a multiple of key/value heads ({hk}); change num_key_value_heads"
-        )
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}); change num_key_value_heads")
     if causal and sq != sk:
-        raise ValueError(
-            f"causal attention is only defined here for square blocks; got {sq} queries and {sk} keys"
-        )
+        raise ValueError(f"causal attention is only defined here for square blocks; got {sq} queries and {sk} keys")
 
 
 def _valid_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
@@ -205,9 +229,19 @@ def _valid_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) 
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
     (bq, sq, hq, dq), (bk, sk, hk, dk), (bv, sv, hv, dv) = q.shape, k.shape, v.shape
-    return (q.dtype in FLOAT_DTYPES and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
-            and bq == bk == bv and sk == sv and hk == hv and dq == dk and dv >= 1 and hk > 0 and hq % hk == 0
-            and (sq == sk or not causal))
+    return (
+        q.dtype in FLOAT_DTYPES
+        and q.dtype == k.dtype == v.dtype
+        and q.device == k.device == v.device
+        and bq == bk == bv
+        and sk == sv
+        and hk == hv
+        and dq == dk
+        and dv >= 1
+        and hk > 0
+        and hq % hk == 0
+        and (sq == sk or not causal)
+    )
 
 
 def _same_float_kind(tensors: tuple[torch.Tensor, ...]) -> bool:
@@ -215,8 +249,7 @@ def _same_float_kind(tensors: tuple[torch.Tensor, ...]) -> bool:
     first = tensors[0]
     if not isinstance(first, torch.Tensor) or first.dtype not in FLOAT_DTYPES:
         return False
-    return all(isinstance(t, torch.Tensor) and t.dtype == first.dtype and t.device == first.device
-               for t in tensors[1:])
+    return all(isinstance(t, torch.Tensor) and t.dtype == first.dtype and t.device == first.device for t in tensors[1:])
 
 
 def check_tensor_kinds(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k", "v")) -> None:
@@ -248,8 +281,9 @@ def check_tensor_kinds(*tensors: torch.Tensor, names: tuple[str, ...] = ("q", "k
 # probabilities are 0, not inf or nan.
 
 
-def no_key_result(q: torch.Tensor, lse_dtype: torch.dtype | None = None,
-                  v_head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def no_key_result(
+    q: torch.Tensor, lse_dtype: torch.dtype | None = None, v_head_dim: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """out = 0 [B, Sq, H, Dv] (Dv: ``v_head_dim``, default q's) and lse = -inf [B, H, Sq] (``lse_dtype``,
     default the accumulation dtype) for a call in which no query row sees a key (Note [no key])."""
     b, s, h, d = q.shape

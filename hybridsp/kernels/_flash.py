@@ -130,9 +130,7 @@ def _check_flash_inputs(q: torch.Tensor, require_cuda: bool, v: torch.Tensor | N
         )
     widest = q.shape[-1] if v is None else max(q.shape[-1], v.shape[-1])
     if padded_head_dim(widest) > MAX_HEAD_DIM:
-        raise ValueError(
-            f"flash-attn 2 supports head dims up to {MAX_HEAD_DIM}, got {widest}; use backend='torch'"
-        )
+        raise ValueError(f"flash-attn 2 supports head dims up to {MAX_HEAD_DIM}, got {widest}; use backend='torch'")
 
 
 def _check_lse(lse: torch.Tensor, q: torch.Tensor) -> None:
@@ -188,16 +186,34 @@ class FlashAttnKernel(AttentionKernel):
         """Raise ValueError for what flash-attn cannot run (CPU tensors, fp32/fp64, head dim > 256)."""
         _check_flash_inputs(q, self._require_cuda)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
-                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Sq, H, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> (out [B, Sq, H, Dv] in q's dtype,
         lse [B, H, Sq] fp32)."""
         check_qkv(q, k, v, causal=causal)
         return self._forward(q, k, v, causal, softmax_scale, (-1, -1), softcap)
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, *, causal: bool, softmax_scale: float,
-                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dout/out [B, Sq, H, Dv], final lse [B, H, Sq] -> (dq [B, Sq, H, D], dk [B, Sk, Hkv, D], dv [B, Sk, Hkv, Dv]).
 
         ``dout`` and ``out`` are cast to q's dtype if they differ (flash-attn requires it).
@@ -207,22 +223,48 @@ class FlashAttnKernel(AttentionKernel):
 
     # ----------------------------------------------------------------- band pieces (hybridsp.layout._block_plan)
 
-    def forward_band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float,
-                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_band(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        band: Band,
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A band piece (see :mod:`hybridsp.kernels._band`) as one flash-attn call with ``window_size``;
         shapes as :meth:`forward`."""
         check_qkv(q, k, v, causal=False)
         return self._forward(q, k, v, False, softmax_scale, _band_window(q, k, band), softcap)
 
-    def backward_band(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, *, band: Band, softmax_scale: float,
-                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward_band(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        band: Band,
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This band piece's gradients given the final out/lse; shapes as :meth:`backward`."""
         check_qkv(q, k, v, causal=False)
         return self._backward(dout, q, k, v, out, lse, False, softmax_scale, _band_window(q, k, band), softcap)
 
-    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                 window: tuple[int, int], softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        scale: float,
+        window: tuple[int, int],
+        softcap: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         _check_flash_inputs(q, self._require_cuda, v)
         if _has_no_work(q, k):
             return no_key_result(q, v_head_dim=v.shape[-1])
@@ -232,9 +274,19 @@ class FlashAttnKernel(AttentionKernel):
         lse = no_key_lse_to_neg_inf(lse[..., : q.shape[1]].float())  # [B, H, Sq]
         return _from_flash(out, v.shape[-1]), lse
 
-    def _backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, scale: float, window: tuple[int, int],
-                  softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float,
+        window: tuple[int, int],
+        softcap: float | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         _check_flash_inputs(q, self._require_cuda, v)
         _check_lse(lse, q)
         if _has_no_work(q, k):
@@ -243,8 +295,22 @@ class FlashAttnKernel(AttentionKernel):
         q_f, k_f, v_f, out_f, dout_f = (_to_flash(x, width, q.dtype) for x in (q, k, v, out, dout))  # [B, S, H(kv), W]
         dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [B, S, H(kv), W]
         lse_f = lse_for_backward(lse.float()).contiguous()  # [B, H, Sq], no-key rows +inf
-        self._calls.backward(dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, causal, scale, self.deterministic,
-                             window, _flash_softcap(softcap))
+        self._calls.backward(
+            dout_f,
+            q_f,
+            k_f,
+            v_f,
+            out_f,
+            lse_f,
+            dq,
+            dk,
+            dv,
+            causal,
+            scale,
+            self.deterministic,
+            window,
+            _flash_softcap(softcap),
+        )
         return _from_flash(dq, q.shape[-1]), _from_flash(dk, q.shape[-1]), _from_flash(dv, v.shape[-1])
 
     # ----------------------------------------------------------------- varlen (many pieces, one call)
@@ -259,9 +325,20 @@ class FlashAttnKernel(AttentionKernel):
         """The varlen calls, read from the interface on first use (None when it has none)."""
         return VarlenCalls.of(self._calls.interface)
 
-    def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens_q: torch.Tensor,
-                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, window: tuple[int, int],
-                       softmax_scale: float, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_varlen(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        window: tuple[int, int],
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed sequences in one call (``flash_attn_varlen_func``'s kernel).
 
         q [Tq, H, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv], ``cu_seqlens_q/k`` int32 [N + 1] (sequence i is
@@ -273,14 +350,36 @@ class FlashAttnKernel(AttentionKernel):
         width = _flash_width(q, v)
         q_f, k_f, v_f = (_to_flash(x, width, q.dtype) for x in (q, k, v))  # [T, H(kv), W]
         out, lse = self._varlen.forward(  # type: ignore[union-attr]  # called only when supports_varlen
-            q_f, k_f, v_f, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, window,
-            _flash_softcap(softcap))
+            q_f,
+            k_f,
+            v_f,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            window,
+            _flash_softcap(softcap),
+        )
         return _from_flash(out, v.shape[-1]), no_key_lse_to_neg_inf(packed_lse(lse, cu_seqlens_q).float())
 
-    def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, *, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                        max_seqlen_k: int, window: tuple[int, int], softmax_scale: float,
-                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward_varlen(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        window: tuple[int, int],
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients of :meth:`forward_varlen`'s pieces given the final out [Tq, H, Dv] and lse [H, Tq]."""
         _check_flash_inputs(q, self._require_cuda, v)
         width = _flash_width(q, v)
@@ -288,6 +387,22 @@ class FlashAttnKernel(AttentionKernel):
         dq, dk, dv = _grad_buffer(q_f), _grad_buffer(k_f), _grad_buffer(v_f)  # [T, H(kv), W]
         lse_f = lse_for_backward(lse.float()).contiguous()  # [H, Tq]
         self._varlen.backward(  # type: ignore[union-attr]  # called only when supports_varlen
-            dout_f, q_f, k_f, v_f, out_f, lse_f, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-            softmax_scale, self.deterministic, window, _flash_softcap(softcap))
+            dout_f,
+            q_f,
+            k_f,
+            v_f,
+            out_f,
+            lse_f,
+            dq,
+            dk,
+            dv,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            softmax_scale,
+            self.deterministic,
+            window,
+            _flash_softcap(softcap),
+        )
         return _from_flash(dq, q.shape[-1]), _from_flash(dk, q.shape[-1]), _from_flash(dv, v.shape[-1])

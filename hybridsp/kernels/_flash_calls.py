@@ -18,13 +18,37 @@ import torch
 # Argument order of flash-attn 2.7/2.8, used when the functions are torch custom ops whose
 # Python signature is hidden behind (*args, **kwargs).
 _FORWARD_ARGS_2_7 = (
-    "q", "k", "v", "dropout_p", "softmax_scale", "causal",
-    "window_size_left", "window_size_right", "softcap", "alibi_slopes", "return_softmax",
+    "q",
+    "k",
+    "v",
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "softcap",
+    "alibi_slopes",
+    "return_softmax",
 )
 _BACKWARD_ARGS_2_7 = (
-    "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p", "softmax_scale",
-    "causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes",
-    "deterministic", "rng_state",
+    "dout",
+    "q",
+    "k",
+    "v",
+    "out",
+    "softmax_lse",
+    "dq",
+    "dk",
+    "dv",
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "softcap",
+    "alibi_slopes",
+    "deterministic",
+    "rng_state",
 )
 # Arguments without which a version cannot be driven by this module.
 _FORWARD_NEEDS = frozenset({"q", "k", "v", "softmax_scale", "causal"})
@@ -111,12 +135,8 @@ class FlashCalls:
 
     def __init__(self, interface: ModuleType | Any) -> None:
         self.interface = interface
-        self.forward_signature = _read_signature(
-            interface._flash_attn_forward, _FORWARD_ARGS_2_7, _FORWARD_NEEDS
-        )
-        self.backward_signature = _read_signature(
-            interface._flash_attn_backward, _BACKWARD_ARGS_2_7, _BACKWARD_NEEDS
-        )
+        self.forward_signature = _read_signature(interface._flash_attn_forward, _FORWARD_ARGS_2_7, _FORWARD_NEEDS)
+        self.backward_signature = _read_signature(interface._flash_attn_backward, _BACKWARD_ARGS_2_7, _BACKWARD_NEEDS)
 
     @property
     def has_softcap(self) -> bool:
@@ -128,15 +148,31 @@ class FlashCalls:
         """'2.7+' (window_size_left/right, 4-tuple forward) or '2.4-2.6' (window_size tuple)."""
         return "2.7+" if "window_size_left" in self.forward_signature.names else "2.4-2.6"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-                window: tuple[int, int] = (-1, -1), softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool,
+        softmax_scale: float,
+        window: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded q [B, Sq, H, Dp], k/v [B, Sk, Hkv, Dp] -> (out [B, Sq, H, Dp], raw lse [B, H, Sq]).
 
         ``window`` is flash-attn's (left, right), -1 = unbounded (see :func:`window_args`);
         ``softcap`` > 0 caps the scores (only versions with :attr:`has_softcap`).
         """
-        values = dict(_FIXED_ARGS, q=q, k=k, v=v, softmax_scale=softmax_scale, causal=causal, **window_args(window),
-                      **_softcap_args(softcap))
+        values = dict(
+            _FIXED_ARGS,
+            q=q,
+            k=k,
+            v=v,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            **window_args(window),
+            **_softcap_args(softcap),
+        )
         result = self.forward_signature.function(*self.forward_signature.arguments(values))
         if len(result) == 4:  # 2.7+: out, softmax_lse, S_dmask, rng_state
             return result[0], result[1]
@@ -147,18 +183,43 @@ class FlashCalls:
             f"this flash-attn version is not supported (2.4 to 2.8 are)"
         )
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool,
-                 softmax_scale: float, deterministic: bool, window: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0) -> None:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        causal: bool,
+        softmax_scale: float,
+        deterministic: bool,
+        window: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+    ) -> None:
         """Write this block's dq [B, Sq, H, Dp], dk/dv [B, Sk, Hkv, Dp] into the given buffers.
 
         Every supported version fills the dq/dk/dv buffers it is handed; 2.7+ returns only
         softmax_d and <= 2.6 returns (dq, dk, dv, softmax_d), so the result is ignored.
         """
         values = dict(
-            _FIXED_ARGS, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-            softmax_scale=softmax_scale, causal=causal, deterministic=deterministic, **window_args(window),
+            _FIXED_ARGS,
+            dout=dout,
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            softmax_lse=lse,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            deterministic=deterministic,
+            **window_args(window),
             **_softcap_args(softcap),
         )
         self.backward_signature.function(*self.backward_signature.arguments(values))
@@ -179,17 +240,52 @@ def window_args(window: tuple[int, int]) -> dict[str, Any]:
 
 
 _VARLEN_FORWARD_ARGS_2_7 = (
-    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale",
-    "causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes", "return_softmax",
-    "block_table", "leftpad_k", "seqused_k",
+    "q",
+    "k",
+    "v",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "softcap",
+    "alibi_slopes",
+    "return_softmax",
+    "block_table",
+    "leftpad_k",
+    "seqused_k",
 )
 _VARLEN_BACKWARD_ARGS_2_7 = (
-    "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
-    "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left",
-    "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state",
+    "dout",
+    "q",
+    "k",
+    "v",
+    "out",
+    "softmax_lse",
+    "dq",
+    "dk",
+    "dv",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "dropout_p",
+    "softmax_scale",
+    "causal",
+    "window_size_left",
+    "window_size_right",
+    "softcap",
+    "alibi_slopes",
+    "deterministic",
+    "rng_state",
 )
-_VARLEN_NEEDS = frozenset({"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                           "softmax_scale", "causal"})
+_VARLEN_NEEDS = frozenset(
+    {"q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal"}
+)
 _VARLEN_FIXED = {"block_table": None, "leftpad_k": None, "seqused_k": None, "zero_tensors": False}
 
 
@@ -216,12 +312,34 @@ class VarlenCalls:
         backward = getattr(interface, "_flash_attn_varlen_backward", None)
         return None if forward is None or backward is None else cls(forward, backward)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                max_q: int, max_k: int, softmax_scale: float, window: tuple[int, int],
-                softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-        values = dict(_FIXED_ARGS, **_VARLEN_FIXED, q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-                      max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=softmax_scale, causal=False,
-                      **window_args(window), **_softcap_args(softcap))
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        softmax_scale: float,
+        window: tuple[int, int],
+        softcap: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        values = dict(
+            _FIXED_ARGS,
+            **_VARLEN_FIXED,
+            q=q,
+            k=k,
+            v=v,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            softmax_scale=softmax_scale,
+            causal=False,
+            **window_args(window),
+            **_softcap_args(softcap),
+        )
         result = self.forward_signature.function(*self.forward_signature.arguments(values))
         if len(result) == 4:  # 2.7+: out, softmax_lse, S_dmask, rng_state
             return result[0], result[1]
@@ -229,12 +347,46 @@ class VarlenCalls:
             return result[0], result[5]
         raise RuntimeError(f"flash-attn's _flash_attn_varlen_forward returned {len(result)} values (expected 4 or 8)")
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor, max_q: int, max_k: int, softmax_scale: float, deterministic: bool,
-                 window: tuple[int, int], softcap: float = 0.0) -> None:
-        values = dict(_FIXED_ARGS, **_VARLEN_FIXED, dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse, dq=dq,
-                      dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                      softmax_scale=softmax_scale, causal=False, deterministic=deterministic, **window_args(window),
-                      **_softcap_args(softcap))
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        softmax_scale: float,
+        deterministic: bool,
+        window: tuple[int, int],
+        softcap: float = 0.0,
+    ) -> None:
+        values = dict(
+            _FIXED_ARGS,
+            **_VARLEN_FIXED,
+            dout=dout,
+            q=q,
+            k=k,
+            v=v,
+            out=out,
+            softmax_lse=lse,
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            softmax_scale=softmax_scale,
+            causal=False,
+            deterministic=deterministic,
+            **window_args(window),
+            **_softcap_args(softcap),
+        )
         self.backward_signature.function(*self.backward_signature.arguments(values))

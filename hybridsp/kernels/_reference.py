@@ -22,27 +22,64 @@ class ReferenceKernel(AttentionKernel):
     name = "reference"
     supports_softcap = True
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
-                softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=causal)
         return math_forward_band(q, k, v, band=causal_band(causal), softmax_scale=softmax_scale, softcap=softcap)
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, *, causal: bool, softmax_scale: float,
-                 softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=causal)
-        return math_backward_band(dout, q, k, v, out, lse, band=causal_band(causal), softmax_scale=softmax_scale,
-                                  softcap=softcap)
+        return math_backward_band(
+            dout, q, k, v, out, lse, band=causal_band(causal), softmax_scale=softmax_scale, softcap=softcap
+        )
 
-    def forward_band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float,
-                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_band(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        band: Band,
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A band piece (:mod:`hybridsp.kernels._band`): masks in fp32 math."""
         check_qkv(q, k, v, causal=False)
         return math_forward_band(q, k, v, band=band, softmax_scale=softmax_scale, softcap=softcap)
 
-    def backward_band(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, *, band: Band, softmax_scale: float,
-                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward_band(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        band: Band,
+        softmax_scale: float,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=False)
         return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale, softcap=softcap)
 

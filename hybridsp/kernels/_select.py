@@ -33,7 +33,6 @@ from hybridsp.kernels._torch_fused import TorchFusedKernel
 FLASH_ATTN_MAX_HEAD_DIM = 256  # flash-attn 2's limit (hybridsp.kernels._flash.MAX_HEAD_DIM), without importing it
 
 
-
 @functools.lru_cache(maxsize=None)
 def _flash_attn_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
@@ -56,8 +55,9 @@ def get_kernel(
     if backend != "auto":
         return _kernel_named(backend)
     device_type = torch.device(device).type if device is not None else "cpu"
-    kernel = _kernel_named(choose_backend(device_type, dtype, head_dim, flash_installed=_flash_attn_installed(),
-                                          softcap=softcap))
+    kernel = _kernel_named(
+        choose_backend(device_type, dtype, head_dim, flash_installed=_flash_attn_installed(), softcap=softcap)
+    )
     if softcap and not kernel.supports_softcap:  # flash-attn older than 2.6
         return _kernel_named("reference")
     return kernel
@@ -75,8 +75,9 @@ def _kernel_named(backend: str) -> AttentionKernel:
     return FlashAttnKernel()
 
 
-def choose_backend(device_type: str, dtype: torch.dtype | None, head_dim: int | None, *, flash_installed: bool,
-                   softcap: bool = False) -> str:
+def choose_backend(
+    device_type: str, dtype: torch.dtype | None, head_dim: int | None, *, flash_installed: bool, softcap: bool = False
+) -> str:
     """What ``backend="auto"`` runs for inputs of ``dtype`` and ``head_dim`` (the wider of q's and
     v's) on ``device_type``.
 
@@ -119,31 +120,63 @@ class CompletedKernel(AttentionKernel):
         return None if check is None else check(q)
 
     # ``softcap=`` reaches these only when set, and only when the object declares supports_softcap
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float,
-                **softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float, **softcap: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **softcap)
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, *, causal: bool, softmax_scale: float,
-                 **softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+        **softcap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.inner.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, **softcap)
 
-    def forward_band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float,
-                     **softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_band(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float, **softcap: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._band_kernel.forward_band(q, k, v, band=band, softmax_scale=softmax_scale, **softcap)
 
-    def backward_band(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, *, band: Band, softmax_scale: float,
-                      **softcap: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._band_kernel.backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale,
-                                               **softcap)
+    def backward_band(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        band: Band,
+        softmax_scale: float,
+        **softcap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._band_kernel.backward_band(
+            dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale, **softcap
+        )
 
-    def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_varlen(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.forward_varlen(q, k, v, **kwargs)
 
-    def backward_varlen(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward_varlen(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.inner.backward_varlen(dout, q, k, v, out, lse, **kwargs)
 
 
@@ -160,18 +193,24 @@ def _declares_band(kernel: object) -> bool:
     """Whether ``kernel``'s class defines its own band calls (not the protocol's empty declarations)."""
     cls = type(kernel)
     forward_band, backward_band = getattr(cls, "forward_band", None), getattr(cls, "backward_band", None)
-    return (forward_band is not None and forward_band is not AttentionKernel.forward_band
-            and backward_band is not None and backward_band is not AttentionKernel.backward_band)
+    return (
+        forward_band is not None
+        and forward_band is not AttentionKernel.forward_band
+        and backward_band is not None
+        and backward_band is not AttentionKernel.backward_band
+    )
 
 
-def resolve_kernel(backend: str | AttentionKernel, q: torch.Tensor, v: torch.Tensor | None = None,
-                   softcap: float | None = None) -> AttentionKernel:
+def resolve_kernel(
+    backend: str | AttentionKernel, q: torch.Tensor, v: torch.Tensor | None = None, softcap: float | None = None
+) -> AttentionKernel:
     """The kernel for ``q`` [B, S, H, D]'s device/dtype and the wider of its and ``v`` [B, S, Hkv, Dv]'s
     head dims, able to soft-cap when ``softcap`` is set, complete (:func:`complete_kernel`) and
     checked to support them (ValueError, no communication)."""
     widest = q if v is None or v.shape[-1] <= q.shape[-1] else v
-    kernel = complete_kernel(get_kernel(backend, device=q.device, dtype=q.dtype, head_dim=widest.shape[-1],
-                                        softcap=softcap is not None))
+    kernel = complete_kernel(
+        get_kernel(backend, device=q.device, dtype=q.dtype, head_dim=widest.shape[-1], softcap=softcap is not None)
+    )
     kernel.check_inputs(q)
     if widest is not q:
         kernel.check_inputs(widest)  # the checks are of dtype, device and head dim: the widest must pass

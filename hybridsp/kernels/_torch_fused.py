@@ -117,8 +117,9 @@ class TorchFusedKernel(AttentionKernel):
         if q.is_cuda:
             cuda_variant(q.dtype, q.shape[-1])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, softmax_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=causal)
         if k.shape[1] == 0 or q.shape[1] == 0:
             return no_key_result(q, v_head_dim=v.shape[-1])
@@ -132,9 +133,18 @@ class TorchFusedKernel(AttentionKernel):
         band = (0, None) if causal else (None, None)  # top-left causal, or every key
         return restore_nan_rows(q, k, _value_columns(out, v), as_dtype(lse, accumulation_dtype(q.dtype)), band)
 
-    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, *, causal: bool,
-                 softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=causal)
         if k.shape[1] == 0 or q.shape[1] == 0:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -144,8 +154,9 @@ class TorchFusedKernel(AttentionKernel):
             return cuda_backward(dout, q, k, v, out, lse, causal, softmax_scale)
         return _cpu_backward(dout, q, k, v, out, lse, causal, softmax_scale)
 
-    def forward_band(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band,
-                     softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_band(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, band: Band, softmax_scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A band piece (:mod:`hybridsp.kernels._band`): on CPU the fused kernel with an additive mask
         (rows without keys normalised to lse -inf); on CUDA plain fp32 math (the CUDA flash op
         takes no mask)."""
@@ -157,15 +168,29 @@ class TorchFusedKernel(AttentionKernel):
         visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
         qw, kw, vw = same_head_dims(q, k, v)  # Note [value head dim]
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            _heads_first(qw), _heads_first(kw), _heads_first(vw), 0.0, False,
-            attn_mask=additive_mask(visible, q.dtype), scale=softmax_scale,
+            _heads_first(qw),
+            _heads_first(kw),
+            _heads_first(vw),
+            0.0,
+            False,
+            attn_mask=additive_mask(visible, q.dtype),
+            scale=softmax_scale,
         )
         lse = rows_without_keys_to_neg_inf(as_dtype(lse, accumulation_dtype(q.dtype)), visible)
         return restore_nan_rows(q, k, _value_columns(out, v), lse, band)
 
-    def backward_band(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                      lse: torch.Tensor, *, band: Band,
-                      softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward_band(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        band: Band,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         check_qkv(q, k, v, causal=False)
         if q.is_cuda:
             return math_backward_band(dout, q, k, v, out, lse, band=band, softmax_scale=softmax_scale)
@@ -173,8 +198,9 @@ class TorchFusedKernel(AttentionKernel):
         return _cpu_band_backward(dout, q, k, v, out, lse, band, softmax_scale)
 
 
-def restore_nan_rows(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                     band: Band) -> tuple[torch.Tensor, torch.Tensor]:
+def restore_nan_rows(
+    q: torch.Tensor, k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, band: Band
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, Sq, H, D], lse [B, H, Sq]) of a CPU kernel call with NaN, in place, on the rows whose
     every score inside ``band`` (:mod:`hybridsp.kernels._band`) is NaN (Note [NaN rows])."""
     if bool(lse.all()):  # no lse is exactly 0 (the kernel's "no key" marker, and rarely a real lse): one op
@@ -202,9 +228,17 @@ def same_head_dims(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [_pad_head_dim(t, width) for t in tensors]  # each [B, S, H, W]
 
 
-def _cpu_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, scale: float,
-                  mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cpu_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten CPU flash backward, v's head dim padded to q's (or q/k's to v's) where they differ
     (Note [value head dim]); dq/dk come back [B, S, H(kv), D], dv [B, S, Hkv, Dv]."""
     head_dim, v_head_dim = q.shape[-1], v.shape[-1]
@@ -215,9 +249,17 @@ def _cpu_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :v_head_dim]
 
 
-def _cpu_backward_same_dims(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                            lse: torch.Tensor, causal: bool, scale: float,
-                            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cpu_backward_same_dims(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten CPU flash backward. Note [GQA in low precision]: the CPU kernel sums the query
     group's dK/dV in the input dtype, which triples their bf16 error; for fp16/bf16 with GQA
     the K/V heads are expanded and the group sum is done in fp32 instead."""
@@ -230,7 +272,7 @@ def _cpu_backward_same_dims(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     # hybridsp.attention._ulysses, whose outputs already are); fp32 does not care, so it skips the copies.
     layout = heads_first_dense if low_precision else _heads_first
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, causal, attn_mask=mask, scale=scale,
+        layout(dout), layout(q), layout(k), layout(v), layout(out), lse, 0.0, causal, attn_mask=mask, scale=scale
     )
     dk, dv = _seq_first(dk), _seq_first(dv)
     if low_precision_gqa:
@@ -256,8 +298,9 @@ def _cuda_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *extra: torc
     return [_heads_first(_pad_head_dim(x, padded)) for x in (q, k, v, *extra)]  # each [B, H, S, Dp]
 
 
-def cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def cuda_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """aten CUDA flash or memory-efficient forward (Note [CUDA kernels])."""
     head_dim, sq = v.shape[-1], q.shape[1]
     qh, kh, vh = _cuda_inputs(q, k, v)
@@ -271,8 +314,16 @@ def cuda_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     return _seq_first(out[..., :head_dim]), no_key_lse_to_neg_inf(lse.float())
 
 
-def cuda_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def cuda_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten CUDA backward of the kernel :func:`cuda_variant` picks; K/V gradients summed per query group."""
     head_dim, v_head_dim, hkv, (sq, sk) = q.shape[-1], v.shape[-1], k.shape[2], (q.shape[1], k.shape[1])
     qh, kh, vh, outh, douth = _cuda_inputs(q, k, v, out, dout)
@@ -280,23 +331,31 @@ def cuda_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     if cuda_variant(q.dtype, max(head_dim, v_head_dim)) == "flash":
         unused = torch.empty(0, dtype=torch.int64, device=q.device)
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-            douth, qh, kh, vh, outh, lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale,
+            douth, qh, kh, vh, outh, lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale
         )
     else:
         padded_rows = -(-sq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN
         lse_padded = F.pad(lse.float(), (0, padded_rows - sq)).contiguous()  # [B, H, Sq padded to 32]
         seed = torch.empty((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
-            douth, qh, kh, vh, None, outh, lse_padded, seed, seed, 0.0, [True, True, True, False], causal,
-            scale=scale,
+            douth, qh, kh, vh, None, outh, lse_padded, seed, seed, 0.0, [True, True, True, False], causal, scale=scale
         )
-    dq, dk, dv = (_seq_first(g[..., :d]) for g, d in ((dq, head_dim), (dk, head_dim), (dv, v_head_dim)))  # [B, S, H, D(v)]
+    dq, dk, dv = (
+        _seq_first(g[..., :d]) for g, d in ((dq, head_dim), (dk, head_dim), (dv, v_head_dim))
+    )  # [B, S, H, D(v)]
     return dq, _sum_query_groups(dk, hkv), _sum_query_groups(dv, hkv)
 
 
-
-def _cpu_band_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                       lse: torch.Tensor, band: Band, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _cpu_band_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    band: Band,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """aten CPU flash backward of a band piece through an additive mask (GQA as in :func:`_cpu_backward`)."""
     visible = band_mask(q.shape[1], k.shape[1], band, q.device)  # [Sq, Sk]
     lse = lse.masked_fill(~visible.any(dim=-1), 0.0)  # rows without keys: the kernel's own 0, not +inf

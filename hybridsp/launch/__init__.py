@@ -11,10 +11,4 @@ from hybridsp.launch._gloo_interface import choose_gloo_interface
 from hybridsp.launch._launcher import LaunchEnv, ranks_per_node, read_launch_env
 from hybridsp.launch._process_group import init_process_group
 
-__all__ = [
-    "LaunchEnv",
-    "choose_gloo_interface",
-    "init_process_group",
-    "ranks_per_node",
-    "read_launch_env",
-]
+__all__ = ["LaunchEnv", "choose_gloo_interface", "init_process_group", "ranks_per_node", "read_launch_env"]

@@ -63,31 +63,66 @@ def slurm_tasks_on_node(spec: str, node: int) -> int | None:
 
 
 def _deepspeed(env: Mapping[str, str]) -> LaunchEnv:
-    return LaunchEnv("deepspeed", _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK"),
-                     _int(env, "LOCAL_SIZE"), _int(env, "CROSS_RANK"), _int(env, "CROSS_SIZE"))
+    return LaunchEnv(
+        "deepspeed",
+        _int(env, "RANK"),
+        _int(env, "WORLD_SIZE"),
+        _int(env, "LOCAL_RANK"),
+        _int(env, "LOCAL_SIZE"),
+        _int(env, "CROSS_RANK"),
+        _int(env, "CROSS_SIZE"),
+    )
 
 
 def _torchrun(env: Mapping[str, str]) -> LaunchEnv:
-    return LaunchEnv("torchrun", _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK"),
-                     _int(env, "LOCAL_WORLD_SIZE"), _int(env, "GROUP_RANK"), _int(env, "GROUP_WORLD_SIZE"))
+    return LaunchEnv(
+        "torchrun",
+        _int(env, "RANK"),
+        _int(env, "WORLD_SIZE"),
+        _int(env, "LOCAL_RANK"),
+        _int(env, "LOCAL_WORLD_SIZE"),
+        _int(env, "GROUP_RANK"),
+        _int(env, "GROUP_WORLD_SIZE"),
+    )
 
 
 def _plain(env: Mapping[str, str]) -> LaunchEnv:
-    return LaunchEnv("env", _int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK"),
-                     _int(env, "LOCAL_WORLD_SIZE"), None, None)
+    return LaunchEnv(
+        "env",
+        _int(env, "RANK"),
+        _int(env, "WORLD_SIZE"),
+        _int(env, "LOCAL_RANK"),
+        _int(env, "LOCAL_WORLD_SIZE"),
+        None,
+        None,
+    )
 
 
 def _mpi(env: Mapping[str, str]) -> LaunchEnv:
-    return LaunchEnv("mpi", _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
-                     _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"), None, None)
+    return LaunchEnv(
+        "mpi",
+        _int(env, "OMPI_COMM_WORLD_RANK"),
+        _int(env, "OMPI_COMM_WORLD_SIZE"),
+        _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+        _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        None,
+        None,
+    )
 
 
 def _slurm(env: Mapping[str, str]) -> LaunchEnv:
     node = _int(env, "SLURM_NODEID")
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
     local = slurm_tasks_on_node(spec, node) if node is not None and spec else None
-    return LaunchEnv("slurm", _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"), _int(env, "SLURM_LOCALID"),
-                     local, node, _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES"))
+    return LaunchEnv(
+        "slurm",
+        _int(env, "SLURM_PROCID"),
+        _int(env, "SLURM_NTASKS"),
+        _int(env, "SLURM_LOCALID"),
+        local,
+        node,
+        _int(env, "SLURM_NNODES") or _int(env, "SLURM_JOB_NUM_NODES"),
+    )
 
 
 _READERS = (  # (marker variables that must all be set, reader), first match wins

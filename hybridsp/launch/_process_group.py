@@ -36,8 +36,14 @@ def single_process_environment(environ: MutableMapping[str, str] | None = None) 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=env.get("MASTER_PORT", str(port)))
+    env.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=env.get("MASTER_PORT", str(port)),
+    )
     return True
 
 
@@ -61,6 +67,7 @@ def init_process_group(timeout: float = DEFAULT_TIMEOUT_S, backend: str | None =
         return device
     single_process_environment()
     choose_gloo_interface()
-    dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"),
-                            timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(
+        backend or ("nccl" if device.type == "cuda" else "gloo"), timeout=datetime.timedelta(seconds=timeout)
+    )
     return device

@@ -145,8 +145,9 @@ def check_sliding_window(sliding_window: object) -> None:
 # --------------------------------------------------------------------------- runs
 
 
-def slot_runs(seq_len: int, ring: int, layout: str | TokenLayout,
-              bounds: tuple[int, ...] | None = None) -> list[list[tuple[int, int, int]]]:
+def slot_runs(
+    seq_len: int, ring: int, layout: str | TokenLayout, bounds: tuple[int, ...] | None = None
+) -> list[list[tuple[int, int, int]]]:
     """Per ring slot, its local tokens as runs ``(global start, length, local offset)``."""
     out = []
     for slot in get_layout(layout).slot_runs(seq_len, ring, bounds):
@@ -172,6 +173,7 @@ def _runs_by_doc(runs: Iterable[tuple[int, int, int]], bounds: tuple[int, ...]) 
 
 # --------------------------------------------------------------------------- pieces
 
+
 def _diff_range(causal: bool, window: int | None) -> Band:
     """Visible values of ``i - j`` (global query minus key position) inside one document."""
     if causal:
@@ -179,8 +181,9 @@ def _diff_range(causal: bool, window: int | None) -> Band:
     return (None, None) if window is None else (-(window - 1), window - 1)
 
 
-def _trimmed(rows: tuple[int, int], keys: tuple[int, int], lo: int | None, hi: int | None,
-             batch: slice) -> Piece | None:
+def _trimmed(
+    rows: tuple[int, int], keys: tuple[int, int], lo: int | None, hi: int | None, batch: slice
+) -> Piece | None:
     """The rectangle ``rows x keys`` (local, half-open) with band ``lo <= i - j <= hi`` measured in
     its own coordinates, trimmed to what is visible and classified; None if nothing is."""
     n, m = rows[1] - rows[0], keys[1] - keys[0]
@@ -224,8 +227,9 @@ def _pair_pieces(q_docs: DocRuns, k_docs: DocRuns, causal: bool, window: int | N
     return merge_pieces(pieces)
 
 
-def _unwindowed_pieces(q_docs: DocRuns, k_docs: DocRuns, docs: Iterable[int], causal: bool,
-                       batch: slice) -> list[Piece]:
+def _unwindowed_pieces(
+    q_docs: DocRuns, k_docs: DocRuns, docs: Iterable[int], causal: bool, batch: slice
+) -> list[Piece]:
     """Without a window a (query sub-run, key sub-run) pair of one document is the causal square
     (the same run), full (keys before the queries, or not causal) or nothing (keys after)."""
     pieces = []
@@ -270,9 +274,13 @@ def _join_adjacent(pieces: list[Piece], along: str) -> list[Piece]:
     out: list[Piece] = []
     for piece in sorted(pieces, key=key):
         last = out[-1] if out else None
-        if (last is not None and piece.kind == last.kind == "full" and piece.batch == last.batch
-                and getattr(piece, other) == getattr(last, other)
-                and getattr(piece, along).start == getattr(last, along).stop):
+        if (
+            last is not None
+            and piece.kind == last.kind == "full"
+            and piece.batch == last.batch
+            and getattr(piece, other) == getattr(last, other)
+            and getattr(piece, along).start == getattr(last, along).stop
+        ):
             span = slice(getattr(last, along).start, getattr(piece, along).stop)
             rows, keys = (span, piece.keys) if along == "rows" else (piece.rows, span)
             out[-1] = Piece(rows, keys, "full", batch=piece.batch)
@@ -377,8 +385,9 @@ def build_plan(
 
 
 @functools.lru_cache(maxsize=16)
-def _build_plan(seq_len: int, ring: int, layout: TokenLayout, causal: bool, docs: Rows | None, window: int | None,
-                batch: int) -> BlockPlan:
+def _build_plan(
+    seq_len: int, ring: int, layout: TokenLayout, causal: bool, docs: Rows | None, window: int | None, batch: int
+) -> BlockPlan:
     layout.check_sequence_length(seq_len, ring)
     pieces: dict[tuple[int, int], list[Piece]] = {(rank, source): [] for rank in range(ring) for source in range(ring)}
     for bounds, rows in _row_groups(docs, batch, seq_len):

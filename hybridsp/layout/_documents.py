@@ -92,9 +92,15 @@ def chunked_documents(documents: Documents, chunk: int) -> Documents:
     window is kept (the tokens stay where the batch's documents put them)."""
     if chunk < 1:
         raise ValueError(f"attention_chunk_size must be a positive number of tokens; got {chunk}")
-    return documents.remember(("chunked", chunk), lambda: Documents(
-        documents.batch, documents.seq_len, tuple(_cut_row(documents.row(b), chunk) for b in range(documents.batch)),
-        documents.window))
+    return documents.remember(
+        ("chunked", chunk),
+        lambda: Documents(
+            documents.batch,
+            documents.seq_len,
+            tuple(_cut_row(documents.row(b), chunk) for b in range(documents.batch)),
+            documents.window,
+        ),
+    )
 
 
 def _cut_row(bounds: tuple[int, ...], chunk: int) -> tuple[int, ...]:
@@ -144,8 +150,12 @@ def _rows_of(cu_seqlens: torch.Tensor | Sequence[Any], batch: int) -> list[list[
     if not torch.is_tensor(cu_seqlens) and hasattr(cu_seqlens, "__array__"):  # numpy and friends
         cu_seqlens = torch.as_tensor(cu_seqlens)
     if torch.is_tensor(cu_seqlens):
-        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool or \
-                cu_seqlens.dim() not in (1, 2):
+        if (
+            cu_seqlens.is_floating_point()
+            or cu_seqlens.is_complex()
+            or cu_seqlens.dtype == torch.bool
+            or cu_seqlens.dim() not in (1, 2)
+        ):
             raise ValueError(
                 f"cu_seqlens must be an integer tensor [num_docs + 1] or [B, num_docs + 1]; got "
                 f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
@@ -153,11 +163,14 @@ def _rows_of(cu_seqlens: torch.Tensor | Sequence[Any], batch: int) -> list[list[
         rows = [cu_seqlens.tolist()] * batch if cu_seqlens.dim() == 1 else cu_seqlens.tolist()
     else:
         rows = list(cu_seqlens)
-        if rows and not isinstance(rows[0], (list, tuple)) and not torch.is_tensor(rows[0]) \
-                and not hasattr(rows[0], "__array__"):
+        if (
+            rows
+            and not isinstance(rows[0], (list, tuple))
+            and not torch.is_tensor(rows[0])
+            and not hasattr(rows[0], "__array__")
+        ):
             return [rows] * batch
-        rows = [torch.as_tensor(r).tolist() if torch.is_tensor(r) or hasattr(r, "__array__") else list(r)
-                for r in rows]
+        rows = [torch.as_tensor(r).tolist() if torch.is_tensor(r) or hasattr(r, "__array__") else list(r) for r in rows]
     if len(rows) != batch:
         raise ValueError(
             f"cu_seqlens gives documents for {len(rows)} batch rows but the batch has {batch}; give one "

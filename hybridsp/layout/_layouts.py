@@ -146,7 +146,9 @@ class Balanced(TokenLayout):
 
     def __init__(self, window: int | None = None) -> None:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"the balanced layout's window must be a positive number of tokens or None; got {window!r}")
+            raise ValueError(
+                f"the balanced layout's window must be a positive number of tokens or None; got {window!r}"
+            )
         self.window = window
 
     def placing(self, window: int | None) -> TokenLayout:
@@ -190,8 +192,9 @@ def check_sequence_length(
     get_layout(layout).check_sequence_length(seq_len, ring, ulysses, kv_chunks)
 
 
-def required_multiple(ring: int, ulysses: int = 1, layout: str | TokenLayout = "zigzag",
-                      kv_chunks: int | None = None) -> int:
+def required_multiple(
+    ring: int, ulysses: int = 1, layout: str | TokenLayout = "zigzag", kv_chunks: int | None = None
+) -> int:
     """The smallest step of sequence lengths the layout splits evenly."""
     return get_layout(layout).required_multiple(ring, ulysses, kv_chunks)
 
@@ -212,7 +215,10 @@ def runs_positions(runs: Iterable[tuple[int, int]], begin: int, end: int) -> tor
 
 
 def layout_permutation(
-    seq_len: int, ring: int, ulysses: int = 1, layout: str | TokenLayout = "zigzag",
+    seq_len: int,
+    ring: int,
+    ulysses: int = 1,
+    layout: str | TokenLayout = "zigzag",
     bounds: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Global token index of every position of the concatenated shards, shape [S], int64 (a new
@@ -235,8 +241,13 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 
 
 def shard_positions(
-    seq_len: int, ring_rank: int, ulysses_rank: int, ring: int, ulysses: int = 1,
-    layout: str | TokenLayout = "zigzag", bounds: tuple[int, ...] | None = None,
+    seq_len: int,
+    ring_rank: int,
+    ulysses_rank: int,
+    ring: int,
+    ulysses: int = 1,
+    layout: str | TokenLayout = "zigzag",
+    bounds: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Global token positions held by shard ``(ring_rank, ulysses_rank)``, shape [S / (R*U)]."""
     layout = get_layout(layout)
@@ -261,8 +272,14 @@ def _shared_bounds(rows: BatchBounds) -> TypeIs[tuple[int, ...] | None]:
 
 
 def shard_index(
-    seq_len: int, rows: int, ring_rank: int, ulysses_rank: int, ring: int, ulysses: int = 1,
-    layout: str | TokenLayout = "zigzag", bounds: BatchBounds = None,
+    seq_len: int,
+    rows: int,
+    ring_rank: int,
+    ulysses_rank: int,
+    ring: int,
+    ulysses: int = 1,
+    layout: str | TokenLayout = "zigzag",
+    bounds: BatchBounds = None,
 ) -> torch.Tensor:
     """The positions :func:`take_shard` takes: [1, L] when every row is laid out alike, else [rows, L]
     (``L = S / (R*U)``; ``bounds`` as there). Each row's runs come from the cache once."""
@@ -282,8 +299,14 @@ def take_index(x: torch.Tensor, index: torch.Tensor, dim: int = 1) -> torch.Tens
 
 
 def take_shard(
-    x: torch.Tensor, ring_rank: int, ulysses_rank: int, ring: int, ulysses: int = 1,
-    layout: str | TokenLayout = "zigzag", dim: int = 1, bounds: BatchBounds = None,
+    x: torch.Tensor,
+    ring_rank: int,
+    ulysses_rank: int,
+    ring: int,
+    ulysses: int = 1,
+    layout: str | TokenLayout = "zigzag",
+    dim: int = 1,
+    bounds: BatchBounds = None,
 ) -> torch.Tensor:
     """This shard's tokens of a full tensor ``x`` along ``dim`` (no communication).
 
@@ -299,13 +322,20 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor
     """``x[b]`` indexed along ``dim`` by ``index[b]`` ([B, L]) for every row b of dim 0."""
     shape = [1] * x.dim()
     shape[0], shape[dim] = index.shape
-    expanded = index.to(x.device).view(shape).expand(*[index.shape[0] if d == 0 else index.shape[1] if d == dim
-                                                       else x.shape[d] for d in range(x.dim())])
+    expanded = (
+        index.to(x.device)
+        .view(shape)
+        .expand(*[index.shape[0] if d == 0 else index.shape[1] if d == dim else x.shape[d] for d in range(x.dim())])
+    )
     return x.gather(dim, expanded)
 
 
 def join_shards(
-    shards: list[torch.Tensor], ring: int, ulysses: int = 1, layout: str | TokenLayout = "zigzag", dim: int = 1,
+    shards: list[torch.Tensor],
+    ring: int,
+    ulysses: int = 1,
+    layout: str | TokenLayout = "zigzag",
+    dim: int = 1,
     bounds: BatchBounds = None,
 ) -> torch.Tensor:
     """Inverse of :func:`take_shard`: ``shards`` ordered by ``r * U + u`` -> the full tensor (the

@@ -18,8 +18,7 @@ from hybridsp.linear_attention._slots import SlotCall
 
 
 def halo_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: SlotCall,
-    counter: CommCounter | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, call: SlotCall, counter: CommCounter | None = None
 ) -> torch.Tensor:
     """Causal depthwise convolution of a slot's tokens with the halos of the runs before them.
 

@@ -72,8 +72,16 @@ def prompt_conv_tail(pre: torch.Tensor, store: LinearStates, kernel: int, mesh: 
     return _context_sum(tail.contiguous(), mesh)
 
 
-def prompt_final_state(recurrence: Recurrence, inputs: dict[str, torch.Tensor], call: SlotCall, chained: ChainedStates,
-                       store: LinearStates, heads: slice, total_heads: int, mesh: HybridMesh) -> torch.Tensor:
+def prompt_final_state(
+    recurrence: Recurrence,
+    inputs: dict[str, torch.Tensor],
+    call: SlotCall,
+    chained: ChainedStates,
+    store: LinearStates,
+    heads: slice,
+    total_heads: int,
+    mesh: HybridMesh,
+) -> torch.Tensor:
     """The state after the last prompt token, every head, on every rank (a collective).
 
     Args:
@@ -93,18 +101,22 @@ def prompt_final_state(recurrence: Recurrence, inputs: dict[str, torch.Tensor], 
     if slot == call.slot:
         [seg] = [s for s in group.plan.segments[slot] if s.run == run and s.start <= last < s.start + s.length]
         end = seg.offset + last - seg.start + 1
-        pieces = {name: x[:, seg.offset:end] for name, x in inputs.items()}
+        pieces = {name: x[:, seg.offset : end] for name, x in inputs.items()}
         state = recurrence.final_state(pieces, chained[(slot, run)] if seg.chained else None).float()  # [B, h, ...]
-    like = state if state is not None else recurrence.final_state(
-        {name: x[:, :1] for name, x in inputs.items()}, None).float()  # the shape (this rank holds no part)
+    like = (
+        state
+        if state is not None
+        else recurrence.final_state({name: x[:, :1] for name, x in inputs.items()}, None).float()
+    )  # the shape (this rank holds no part)
     full = like.new_zeros(like.shape[0], total_heads, *like.shape[2:])  # [B, H, ...]
     if state is not None:
         full[:, heads] = state
     return _context_sum(full, mesh)
 
 
-def conv_step(tail: torch.Tensor, new: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def conv_step(
+    tail: torch.Tensor, new: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One causal depthwise conv step: tail [B, K - 1, C] and new [B, 1, C] -> (out [B, 1, C] in weight's
     dtype, before the activation; the next tail [B, K - 1, C])."""
     window = torch.cat([tail, new.to(tail.dtype)], dim=1)  # [B, K, C]

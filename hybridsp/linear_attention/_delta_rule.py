@@ -32,17 +32,28 @@ class GatedDeltaRule:
         self.chunk_fn, self.value_dim = chunk_fn, value_dim
 
     @overload
-    def _call(self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None,
-              final: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def _call(
+        self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None, final: Literal[True]
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @overload
-    def _call(self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None,
-              final: Literal[False]) -> tuple[torch.Tensor, None]: ...
+    def _call(
+        self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None, final: Literal[False]
+    ) -> tuple[torch.Tensor, None]: ...
 
-    def _call(self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None,
-              final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.chunk_fn(pieces["q"], pieces["k"], value, g=pieces["g"], beta=pieces["beta"],
-                             initial_state=initial, output_final_state=final, use_qk_l2norm_in_kernel=True)
+    def _call(
+        self, pieces: dict[str, torch.Tensor], value: torch.Tensor, initial: torch.Tensor | None, final: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.chunk_fn(
+            pieces["q"],
+            pieces["k"],
+            value,
+            g=pieces["g"],
+            beta=pieces["beta"],
+            initial_state=initial,
+            output_final_state=final,
+            use_qk_l2norm_in_kernel=True,
+        )
 
     def transitions(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
         v = pieces["v"]
@@ -55,10 +66,10 @@ class GatedDeltaRule:
         return final.float()  # [m, Hv, dk, dv + dk] = [E | M]
 
     def apply(self, pair: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        return pair[..., self.value_dim:] @ state + pair[..., :self.value_dim]  # [b, Hv, dk, dv]
+        return pair[..., self.value_dim :] @ state + pair[..., : self.value_dim]  # [b, Hv, dk, dv]
 
     def external(self, pair: torch.Tensor) -> torch.Tensor:
-        return pair[..., :self.value_dim]  # [b, Hv, dk, dv]
+        return pair[..., : self.value_dim]  # [b, Hv, dk, dv]
 
     def outputs(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor | None) -> torch.Tensor:
         out, _ = self._call(pieces, pieces["v"], initial, False)

@@ -45,8 +45,9 @@ class _GatherRing(torch.autograd.Function):
         return grad[dist.get_rank(ctx.group)], None, None
 
 
-def gather_ring(tensors: list[torch.Tensor], group: dist.ProcessGroup | None,
-                counter: CommCounter | None = None) -> list[torch.Tensor]:
+def gather_ring(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, counter: CommCounter | None = None
+) -> list[torch.Tensor]:
     """Differentiable: each tensor ``x_i`` (one dtype) -> ``[R, *x_i.shape]``, every ring rank's
     ``x_i`` in ring-rank order, in one all-gather (a group of one: ``x_i[None]``)."""
     if group is None or dist.get_world_size(group) == 1:

@@ -25,24 +25,54 @@ class Mamba2Scan:
     Pairs are fp32 ``[b, H, P, N + 1]`` = ``[E | a]`` (the decay repeated over P); states ``[b, H, P, N]``.
     """
 
-    def __init__(self, scan_fn: ScanFn, A: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor,
-                 dt_limit: tuple[float, float], chunk_size: int, state_size: int) -> None:
+    def __init__(
+        self,
+        scan_fn: ScanFn,
+        A: torch.Tensor,
+        D: torch.Tensor,
+        dt_bias: torch.Tensor,
+        dt_limit: tuple[float, float],
+        chunk_size: int,
+        state_size: int,
+    ) -> None:
         self.scan_fn, self.A, self.D, self.dt_bias = scan_fn, A, D, dt_bias
         self.dt_limit, self.chunk_size, self.state_size = dt_limit, chunk_size, state_size
 
     @overload
-    def _call(self, pieces: dict[str, torch.Tensor], D: torch.Tensor | None, initial: torch.Tensor | None,
-              final: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def _call(
+        self,
+        pieces: dict[str, torch.Tensor],
+        D: torch.Tensor | None,
+        initial: torch.Tensor | None,
+        final: Literal[True],
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     @overload
-    def _call(self, pieces: dict[str, torch.Tensor], D: torch.Tensor | None, initial: torch.Tensor | None,
-              final: Literal[False]) -> torch.Tensor: ...
+    def _call(
+        self,
+        pieces: dict[str, torch.Tensor],
+        D: torch.Tensor | None,
+        initial: torch.Tensor | None,
+        final: Literal[False],
+    ) -> torch.Tensor: ...
 
-    def _call(self, pieces: dict[str, torch.Tensor], D: torch.Tensor | None, initial: torch.Tensor | None,
-              final: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.scan_fn(pieces["x"], pieces["dt"], self.A, pieces["B"], pieces["C"], chunk_size=self.chunk_size,
-                            D=D, dt_bias=self.dt_bias, initial_states=initial, dt_softplus=True,
-                            dt_limit=self.dt_limit, return_final_states=final)
+    def _call(
+        self, pieces: dict[str, torch.Tensor], D: torch.Tensor | None, initial: torch.Tensor | None, final: bool
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.scan_fn(
+            pieces["x"],
+            pieces["dt"],
+            self.A,
+            pieces["B"],
+            pieces["C"],
+            chunk_size=self.chunk_size,
+            D=D,
+            dt_bias=self.dt_bias,
+            initial_states=initial,
+            dt_softplus=True,
+            dt_limit=self.dt_limit,
+            return_final_states=final,
+        )
 
     def transitions(self, pieces: dict[str, torch.Tensor]) -> torch.Tensor:
         _, final = self._call(pieces, None, None, True)  # [m, H, P, N]
@@ -52,10 +82,10 @@ class Mamba2Scan:
         return torch.cat([final.float(), decay], dim=-1)  # [m, H, P, N + 1]
 
     def apply(self, pair: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        return pair[..., self.state_size:] * state + pair[..., :self.state_size]  # [b, H, P, N]
+        return pair[..., self.state_size :] * state + pair[..., : self.state_size]  # [b, H, P, N]
 
     def external(self, pair: torch.Tensor) -> torch.Tensor:
-        return pair[..., :self.state_size]  # [b, H, P, N]
+        return pair[..., : self.state_size]  # [b, H, P, N]
 
     def outputs(self, pieces: dict[str, torch.Tensor], initial: torch.Tensor | None) -> torch.Tensor:
         return self._call(pieces, self.D, initial, False)  # [m, n, H, P]

@@ -52,7 +52,10 @@ class Recurrence(Protocol):
 
 
 def pass_states(
-    recurrence: Recurrence, inputs: dict[str, torch.Tensor], call: SlotCall, counter: CommCounter | None = None,
+    recurrence: Recurrence,
+    inputs: dict[str, torch.Tensor],
+    call: SlotCall,
+    counter: CommCounter | None = None,
     chained: list[ChainedStates] | None = None,
 ) -> torch.Tensor:
     """The recurrence's output over the slot's tokens, exact over the ring and packed documents.
@@ -82,7 +85,7 @@ def pass_states(
 
 def _pieces(inputs: dict[str, torch.Tensor], rows: list[int], segments: Sequence[Segment]) -> dict[str, torch.Tensor]:
     """Each input's tokens of ``segments`` (equal lengths) stacked: name -> [m * b, n, ...]."""
-    return {name: torch.cat([x[rows, s.offset:s.offset + s.length] for s in segments]) for name, x in inputs.items()}
+    return {name: torch.cat([x[rows, s.offset : s.offset + s.length] for s in segments]) for name, x in inputs.items()}
 
 
 def _by_length(segments: Iterable[Segment]) -> dict[int, list[Segment]]:
@@ -106,14 +109,16 @@ def _tail_pairs(recurrence: Recurrence, inputs: dict[str, torch.Tensor], group: 
     return torch.stack([by_run[j] for j in range(len(tails))] + padding, dim=1)  # [b, max_runs, *pair]
 
 
-def _segment_outputs(recurrence: Recurrence, inputs: dict[str, torch.Tensor], group: RowGroup, slot: int,
-                     states: ChainedStates) -> torch.Tensor:
+def _segment_outputs(
+    recurrence: Recurrence, inputs: dict[str, torch.Tensor], group: RowGroup, slot: int, states: ChainedStates
+) -> torch.Tensor:
     """The slot's outputs, every segment from its true initial state: [b, L, ...]."""
     plan, rows = group.plan, list(group.rows)
     done: dict[int, torch.Tensor] = {}
     for segments in _by_length(plan.segments[slot]).values():
-        initial = torch.cat([_initial(states, slot, seg) for seg in segments]) if any(
-            s.chained for s in segments) else None
+        initial = (
+            torch.cat([_initial(states, slot, seg) for seg in segments]) if any(s.chained for s in segments) else None
+        )
         out = recurrence.outputs(_pieces(inputs, rows, segments), initial)  # [m * b, n, ...]
         for seg, part in zip(segments, out.split(len(rows))):
             done[seg.offset] = part

@@ -94,10 +94,20 @@ def row_plan(layout: TokenLayout, seq_len: int, ring: int, bounds: tuple[int, ..
         tails.append(tuple(slot_tails))
         restarts.append(tuple(slot_restarts))
         starts.append(tuple(slot_starts))
-    order = tuple(sorted(((s, j) for s, runs in enumerate(slots) for j in range(len(runs))),
-                         key=lambda sj: slots[sj[0]][sj[1]][0]))
-    return SegmentChain(tuple(slots), tuple(segments), tuple(tails), tuple(restarts), tuple(starts), order,
-                   max(len(runs) for runs in slots))
+    order = tuple(
+        sorted(
+            ((s, j) for s, runs in enumerate(slots) for j in range(len(runs))), key=lambda sj: slots[sj[0]][sj[1]][0]
+        )
+    )
+    return SegmentChain(
+        tuple(slots),
+        tuple(segments),
+        tuple(tails),
+        tuple(restarts),
+        tuple(starts),
+        order,
+        max(len(runs) for runs in slots),
+    )
 
 
 def _cuts(doc_starts: list[int], lo: int, hi: int) -> list[int]:
@@ -113,9 +123,12 @@ def _is_doc_start(doc_starts: list[int], position: int) -> bool:
     return index < len(doc_starts) and doc_starts[index] == position
 
 
-def chain_initial_states(plan: SegmentChain, pairs: Sequence[Sequence[torch.Tensor]],
-                         apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                         external: Callable[[torch.Tensor], torch.Tensor]) -> ChainedStates:
+def chain_initial_states(
+    plan: SegmentChain,
+    pairs: Sequence[Sequence[torch.Tensor]],
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    external: Callable[[torch.Tensor], torch.Tensor],
+) -> ChainedStates:
     """Every run's true initial state, combined in natural order (Note [natural order]).
 
     ``pairs[slot][run]`` is the run tail's transition pair: the state after the run is
@@ -154,7 +167,7 @@ def tail_index(plan: SegmentChain, slot: int, halo: int) -> torch.Tensor:
     offset = 0
     for j, (_, length) in enumerate(runs):
         take = min(halo, length)
-        index[j, halo - take:] = torch.arange(offset + length - take, offset + length)
+        index[j, halo - take :] = torch.arange(offset + length - take, offset + length)
         offset += length
     return index.reshape(-1)  # [max_runs * (K-1)]
 
@@ -172,7 +185,7 @@ def conv_taps(plan: SegmentChain, slot: int, kernel: int, doc_bounds: tuple[int,
     for seg in plan.segments[slot]:
         local = torch.arange(seg.length)[:, None] + shift  # [n, K] offsets from the segment start
         inside = local >= 0
-        taps[seg.offset:seg.offset + seg.length][inside] = (seg.offset + local)[inside]
+        taps[seg.offset : seg.offset + seg.length][inside] = (seg.offset + local)[inside]
         if seg.chained:
             doc_start = doc_bounds[bisect.bisect_right(doc_bounds, seg.start) - 1]
             for back in range(1, halo + 1):
@@ -181,5 +194,5 @@ def conv_taps(plan: SegmentChain, slot: int, kernel: int, doc_bounds: tuple[int,
                     break
                 source, run, end = run_of(plan, position)
                 flat = total + (source * plan.max_runs + run) * halo + halo - (end - position)
-                taps[seg.offset:seg.offset + seg.length][local == -back] = flat
+                taps[seg.offset : seg.offset + seg.length][local == -back] = flat
     return taps

@@ -74,5 +74,7 @@ def _row_groups(documents: Documents, layout: TokenLayout, ring: int) -> tuple[R
     by_bounds: dict[tuple[int, ...], list[int]] = {}
     for b in range(documents.batch):
         by_bounds.setdefault(tuple(documents.row(b)), []).append(b)
-    return tuple(RowGroup(tuple(rows), bounds, row_plan(layout, documents.seq_len, ring, bounds))
-                 for bounds, rows in by_bounds.items())
+    return tuple(
+        RowGroup(tuple(rows), bounds, row_plan(layout, documents.seq_len, ring, bounds))
+        for bounds, rows in by_bounds.items()
+    )

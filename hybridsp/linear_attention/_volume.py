@@ -75,8 +75,15 @@ class LinearLayerSpec:
         return self.heads * self.key_dim * self.value_dim
 
 
-def linear_layer_bytes(spec: LinearLayerSpec, batch: int, seq_len: int, ulysses: int, ring: int,
-                       runs_per_slot: int = 2, element_bytes: int = 2) -> dict[str, int]:
+def linear_layer_bytes(
+    spec: LinearLayerSpec,
+    batch: int,
+    seq_len: int,
+    ulysses: int,
+    ring: int,
+    runs_per_slot: int = 2,
+    element_bytes: int = 2,
+) -> dict[str, int]:
     """Bytes one rank sends in one forward of the layer (Note [linear bytes]); ``runs_per_slot``: 2 for
     zigzag, 1 contiguous, more for the balanced layout; ``element_bytes``: the activations' dtype."""
     context = ulysses * ring
@@ -88,12 +95,25 @@ def linear_layer_bytes(spec: LinearLayerSpec, batch: int, seq_len: int, ulysses:
     slot_tokens = batch * seq_len // ring
     gathered = slot_tokens * spec.conv_channels // ulysses * element_bytes * (ring - 1)
     only = (local * spec.features + local * out_features) * element_bytes * (context - 1) // context
-    return {"ulysses": a2a, "ring_states": states, "ring_halos": halos, "total": a2a + states + halos,
-            "gather_sequence": a2a + gathered, "ulysses_only": only}
+    return {
+        "ulysses": a2a,
+        "ring_states": states,
+        "ring_halos": halos,
+        "total": a2a + states + halos,
+        "gather_sequence": a2a + gathered,
+        "ulysses_only": only,
+    }
 
 
-def linear_layer_memory(spec: LinearLayerSpec, batch: int, seq_len: int, ulysses: int, ring: int,
-                        runs_per_slot: int = 2, element_bytes: int = 2) -> dict[str, int]:
+def linear_layer_memory(
+    spec: LinearLayerSpec,
+    batch: int,
+    seq_len: int,
+    ulysses: int,
+    ring: int,
+    runs_per_slot: int = 2,
+    element_bytes: int = 2,
+) -> dict[str, int]:
     """Bytes one rank holds for the layer's sharded call: the slot's inputs of its head groups, the
     gathered pairs and halos (all ring slots) and the states it restarts its runs from."""
     slot_tokens = batch * seq_len // ring
@@ -101,8 +121,13 @@ def linear_layer_memory(spec: LinearLayerSpec, batch: int, seq_len: int, ulysses
     halos = ring * runs_per_slot * batch * (spec.conv_kernel - 1) * spec.conv_channels // ulysses * element_bytes
     states = runs_per_slot * batch * spec.state_elements // ulysses * 4
     inputs = slot_tokens * spec.features // ulysses * element_bytes
-    return {"slot_inputs": inputs, "gathered_pairs": pairs, "gathered_halos": halos, "initial_states": states,
-            "total": inputs + pairs + halos + states}
+    return {
+        "slot_inputs": inputs,
+        "gathered_pairs": pairs,
+        "gathered_halos": halos,
+        "initial_states": states,
+        "total": inputs + pairs + halos + states,
+    }
 
 
 def parse_linear(text: str) -> tuple[LinearLayerSpec, int]:
@@ -111,25 +136,32 @@ def parse_linear(text: str) -> tuple[LinearLayerSpec, int]:
     ``mamba2:27:8:128:128:64`` (Mamba-2: groups, heads, state size, head dim)."""
     parts = text.split(":")
     if len(parts) not in (6, 7) or not all(p.isdigit() for p in parts[1:]):
-        raise ValueError(f"--linear expects KIND:LAYERS:UNITS:HEADS:KEY_DIM:VALUE_DIM[:CONV] with integers, e.g. "
-                         f"delta_rule:36:16:32:128:128; got {text!r}")
+        raise ValueError(
+            f"--linear expects KIND:LAYERS:UNITS:HEADS:KEY_DIM:VALUE_DIM[:CONV] with integers, e.g. "
+            f"delta_rule:36:16:32:128:128; got {text!r}"
+        )
     numbers = [int(p) for p in parts[1:]]
     return LinearLayerSpec(parts[0], *numbers[1:]), numbers[0]
 
 
-def linear_report(spec: LinearLayerSpec, layers: int, batch: int, seq_len: int, ulysses: int, ring: int,
-                  element_bytes: int = 2) -> str:
+def linear_report(
+    spec: LinearLayerSpec, layers: int, batch: int, seq_len: int, ulysses: int, ring: int, element_bytes: int = 2
+) -> str:
     """What the recurrent layers cost at ``ulysses x ring`` (the planner's report lines)."""
     if spec.units % ulysses:
-        return (f"Linear layers: {spec.units} {'key heads' if spec.kind == 'delta_rule' else 'groups'} are not "
-                f"divisible by Ulysses {ulysses}: hybridsp refuses this mesh for them; choose U dividing {spec.units}")
+        return (
+            f"Linear layers: {spec.units} {'key heads' if spec.kind == 'delta_rule' else 'groups'} are not "
+            f"divisible by Ulysses {ulysses}: hybridsp refuses this mesh for them; choose U dividing {spec.units}"
+        )
     sent = linear_layer_bytes(spec, batch, seq_len, ulysses, ring, element_bytes=element_bytes)
     held = linear_layer_memory(spec, batch, seq_len, ulysses, ring, element_bytes=element_bytes)
     mib = 2**20
-    return (f"Linear layers ({layers} x {spec.kind}, U={ulysses} x R={ring}), per layer and rank, forward: "
-            f"all-to-all {sent['ulysses'] / mib:.2f} MiB, ring state pairs {sent['ring_states'] / mib:.2f} MiB, "
-            f"conv halos {sent['ring_halos'] / mib:.3f} MiB (gathering the sequence instead: "
-            f"{sent['gather_sequence'] / mib:.2f} MiB; the whole context on Ulysses: {sent['ulysses_only'] / mib:.2f} "
-            f"MiB); buffers {held['total'] / mib:.2f} MiB (slot inputs {held['slot_inputs'] / mib:.2f}, gathered pairs "
-            f"{held['gathered_pairs'] / mib:.2f}); all {layers} layers: {layers * sent['total'] / mib:.1f} MiB sent. "
-            f"(The table above models every layer as attention.)")
+    return (
+        f"Linear layers ({layers} x {spec.kind}, U={ulysses} x R={ring}), per layer and rank, forward: "
+        f"all-to-all {sent['ulysses'] / mib:.2f} MiB, ring state pairs {sent['ring_states'] / mib:.2f} MiB, "
+        f"conv halos {sent['ring_halos'] / mib:.3f} MiB (gathering the sequence instead: "
+        f"{sent['gather_sequence'] / mib:.2f} MiB; the whole context on Ulysses: {sent['ulysses_only'] / mib:.2f} "
+        f"MiB); buffers {held['total'] / mib:.2f} MiB (slot inputs {held['slot_inputs'] / mib:.2f}, gathered pairs "
+        f"{held['gathered_pairs'] / mib:.2f}); all {layers} layers: {layers * sent['total'] / mib:.1f} MiB sent. "
+        f"(The table above models every layer as attention.)"
+    )

@@ -53,7 +53,7 @@ def sharded_cross_entropy(
     vocab = logits.shape[-1]
     safe_labels, bad = guard_labels(shift_labels, vocab, ignore_index)  # [B, S_local]; Note [bad labels]
     local_sum = F.cross_entropy(
-        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=ignore_index, reduction="sum",
+        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )  # an all-ignored shard sums to exactly 0
     return token_weighted_share(local_sum, safe_labels, bad, shift_labels, mesh, vocab=vocab, ignore_index=ignore_index)
 

@@ -106,13 +106,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """local_sum = sum of CE over this rank's valid tokens; gradients made in forward (Note above)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int,
-                chunk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int, chunk: int
+    ) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])  # [T, h]
         labels = shift_labels.reshape(-1)  # [T]
         grad_hidden = torch.empty_like(flat) if ctx.needs_input_grad[0] else None  # [T, h]
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None  # [V, h] fp32 accumulator
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )  # [V, h] fp32 accumulator
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, flat.shape[0], chunk):
             rows = slice(start, start + chunk)
@@ -135,8 +137,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx: Any, grad_total: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         if ctx.consumed:
-            raise RuntimeError("fused_cross_entropy's gradients are made in its forward and handed out once: a second "
-                               "backward through the same loss (retain_graph=True) is not supported; call it again")
+            raise RuntimeError(
+                "fused_cross_entropy's gradients are made in its forward and handed out once: a second "
+                "backward through the same loss (retain_graph=True) is not supported; call it again"
+            )
         ctx.consumed = True
         grad_hidden, grad_weight = ctx.saved_tensors
         d_hidden = d_weight = None
@@ -168,21 +172,24 @@ def _loss_and_grad_(logits: torch.Tensor, labels: torch.Tensor, ignore_index: in
     return loss
 
 
-def _chunked_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int,
-                  chunk: int) -> torch.Tensor:
+def _chunked_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int, chunk: int
+) -> torch.Tensor:
     """The loss value only (no grad needed): chunked, nothing kept."""
     flat, labels = hidden.reshape(-1, hidden.shape[-1]), shift_labels.reshape(-1)  # [T, h], [T]
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     with torch.no_grad():
         for start in range(0, flat.shape[0], chunk):
-            logits = _chunk_logits(flat[start:start + chunk], weight)  # [c, V]
+            logits = _chunk_logits(flat[start : start + chunk], weight)  # [c, V]
             total += torch.nn.functional.cross_entropy(
-                logits, labels[start:start + chunk], ignore_index=ignore_index, reduction="sum")
+                logits, labels[start : start + chunk], ignore_index=ignore_index, reduction="sum"
+            )
     return total
 
 
-def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int,
-                  chunk_size: int | None) -> int:
+def _check_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int, chunk_size: int | None
+) -> int:
     """Raise ValueError, quoting the numbers, before any collective; returns V."""
     if hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(shift_labels.shape):
         raise ValueError(

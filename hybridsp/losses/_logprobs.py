@@ -78,8 +78,13 @@ def gather_tokens(local: torch.Tensor, mesh: HybridMesh, cu_seqlens: CuSeqlens =
     return full.scatter(1, mine, local)  # [B, S, ...]: own positions differentiable
 
 
-def token_logprobs(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int = IGNORE_INDEX, *,
-                   mesh: HybridMesh | None = None) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor,
+    shift_labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    *,
+    mesh: HybridMesh | None = None,
+) -> torch.Tensor:
     """``log p(shift_labels)`` under ``logits``, per token, in fp32; 0 where the label is ``ignore_index``.
 
     ``logits`` [B, S_local, V], ``shift_labels`` [B, S_local] (already shifted on the full
@@ -93,8 +98,9 @@ def token_logprobs(logits: torch.Tensor, shift_labels: torch.Tensor, ignore_inde
     return logp
 
 
-def _guarded_token_logprobs(logits: torch.Tensor, shift_labels: torch.Tensor,
-                            ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _guarded_token_logprobs(
+    logits: torch.Tensor, shift_labels: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs [B, S_local] fp32, 0 where ignored or bad; bad-target mask [B, S_local]) of logits
     [B, S_local, V]: targets outside the vocabulary are ignored here and reported by the caller."""
     if tuple(logits.shape[:-1]) != tuple(shift_labels.shape):

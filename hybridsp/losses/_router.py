@@ -143,8 +143,9 @@ def real_token_mask(batch: Mapping[str, torch.Tensor], mesh: HybridMesh, documen
     return shard_tensors([real], mesh, cu_seqlens=documents)[0] != 0  # [B, S_pad / C]
 
 
-def _checked(router_logits: Sequence[torch.Tensor] | None, token_mask: torch.Tensor | None, num_experts: int,
-             top_k: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _checked(
+    router_logits: Sequence[torch.Tensor] | None, token_mask: torch.Tensor | None, num_experts: int, top_k: int
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """([T, E] per layer, [T] fp32 weights), or ValueError quoting the numbers (before any collective)."""
     if router_logits is None or isinstance(router_logits, torch.Tensor) or len(router_logits) == 0:
         got = "None" if router_logits is None else f"a {type(router_logits).__name__}"
@@ -157,14 +158,18 @@ def _checked(router_logits: Sequence[torch.Tensor] | None, token_mask: torch.Ten
     layers = [_as_rows(logits, index, num_experts) for index, logits in enumerate(router_logits)]
     tokens = {layer.shape[0] for layer in layers}
     if len(tokens) != 1:
-        raise ValueError(f"the router logits of the layers cover different token counts {sorted(tokens)}; "
-                         f"pass the router logits of one forward")
+        raise ValueError(
+            f"the router logits of the layers cover different token counts {sorted(tokens)}; "
+            f"pass the router logits of one forward"
+        )
     (count,) = tokens
     if token_mask is None:
         return layers, torch.ones(count, dtype=torch.float32, device=layers[0].device)  # [T]
     if token_mask.numel() != count or token_mask.is_complex():
-        raise ValueError(f"token_mask {tuple(token_mask.shape)} holds {token_mask.numel()} entries for {count} "
-                         f"router rows [B * S_local]: pass real_token_mask(...) of the same batch and rank")
+        raise ValueError(
+            f"token_mask {tuple(token_mask.shape)} holds {token_mask.numel()} entries for {count} "
+            f"router rows [B * S_local]: pass real_token_mask(...) of the same batch and rank"
+        )
     return layers, token_mask.reshape(-1).to(device=layers[0].device, dtype=torch.float32)  # [T]
 
 
@@ -174,6 +179,8 @@ def _as_rows(logits: torch.Tensor, index: int, num_experts: int) -> torch.Tensor
         shape = tuple(logits.shape) if torch.is_tensor(logits) else type(logits).__name__
         raise ValueError(f"router logits of layer {index} must be a float [T, E] or [B, S, E] tensor; got {shape}")
     if logits.shape[-1] != num_experts:
-        raise ValueError(f"router logits of layer {index} have {logits.shape[-1]} experts {tuple(logits.shape)}; "
-                         f"num_experts={num_experts}: pass the model's own number of experts")
+        raise ValueError(
+            f"router logits of layer {index} have {logits.shape[-1]} experts {tuple(logits.shape)}; "
+            f"num_experts={num_experts}: pass the model's own number of experts"
+        )
     return logits.reshape(-1, num_experts)  # [T, E]

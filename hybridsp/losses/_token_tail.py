@@ -85,8 +85,9 @@ def token_weighted_share(
     return (local_sum + others) / (count.clamp_min(1.0) / scale).float()
 
 
-def agree_on_labels(shift_labels: torch.Tensor, bad: torch.Tensor, mesh: HybridMesh | None, *, vocab: int,
-                    ignore_index: int) -> None:
+def agree_on_labels(
+    shift_labels: torch.Tensor, bad: torch.Tensor, mesh: HybridMesh | None, *, vocab: int, ignore_index: int
+) -> None:
     """ValueError on every context rank together when any rank's ``bad`` [B, S_local] (from
     :func:`guard_labels`) is set: one no-grad all_reduce of one number over ``mesh.context_group``;
     no communication for ``mesh=None`` or a context of one (then only this rank's labels count)."""
@@ -96,18 +97,27 @@ def agree_on_labels(shift_labels: torch.Tensor, bad: torch.Tensor, mesh: HybridM
     raise_on_bad_labels(int(total.item()), shift_labels, bad, vocab, ignore_index, mesh)
 
 
-def raise_on_bad_labels(total_bad: int, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int,
-                        mesh: HybridMesh | None) -> None:
+def raise_on_bad_labels(
+    total_bad: int,
+    shift_labels: torch.Tensor,
+    bad: torch.Tensor,
+    vocab: int,
+    ignore_index: int,
+    mesh: HybridMesh | None,
+) -> None:
     """ValueError quoting the count and a few ids when the group holds any bad label (Note [bad labels]).
 
     ``mesh`` only names this rank in the message (None: a single process, rank 0)."""
     if total_bad == 0:
         return
-    raise ValueError(_bad_labels_message(total_bad, shift_labels, bad, vocab, ignore_index, 0 if mesh is None else mesh.rank))
+    raise ValueError(
+        _bad_labels_message(total_bad, shift_labels, bad, vocab, ignore_index, 0 if mesh is None else mesh.rank)
+    )
 
 
-def _bad_labels_message(total_bad: int, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int,
-                        rank: int) -> str:
+def _bad_labels_message(
+    total_bad: int, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int, rank: int
+) -> str:
     local = shift_labels[bad][:4].tolist()
     return (
         f"{total_bad} target id(s) in shift_labels lie outside the vocabulary [0, {vocab}) of the logits "
@@ -117,8 +127,9 @@ def _bad_labels_message(total_bad: int, shift_labels: torch.Tensor, bad: torch.T
 
 
 @torch.library.custom_op("hybridsp::checked_totals", mutates_args=())
-def _checked_totals(totals: torch.Tensor, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int,
-                    ignore_index: int, rank: int) -> torch.Tensor:
+def _checked_totals(
+    totals: torch.Tensor, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int, rank: int
+) -> torch.Tensor:
     """A copy of ``totals`` [3] (loss sum, count, bad count) once the bad count is 0, else the ValueError."""
     total_bad = int(totals[2].item())
     if total_bad:
@@ -127,6 +138,7 @@ def _checked_totals(totals: torch.Tensor, shift_labels: torch.Tensor, bad: torch
 
 
 @_checked_totals.register_fake
-def _(totals: torch.Tensor, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int,
-      rank: int) -> torch.Tensor:
+def _(
+    totals: torch.Tensor, shift_labels: torch.Tensor, bad: torch.Tensor, vocab: int, ignore_index: int, rank: int
+) -> torch.Tensor:
     return torch.empty_like(totals)

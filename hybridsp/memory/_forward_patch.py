@@ -40,9 +40,14 @@ class ForwardPatch:
         self.undo()
 
 
-def patch_forwards(modules: list[nn.Module],
-                   make_forward: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]], tile_tokens: int,
-                   *, model: nn.Module, what: str) -> ForwardPatch:
+def patch_forwards(
+    modules: list[nn.Module],
+    make_forward: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]],
+    tile_tokens: int,
+    *,
+    model: nn.Module,
+    what: str,
+) -> ForwardPatch:
     """Give each of ``modules`` the forward ``make_forward(module)``; ``what`` names them in errors.
 
     Raises ValueError (nothing changed) when ``modules`` is empty, one already has an instance-level

@@ -39,10 +39,18 @@ from torch import nn
 
 from hybridsp.memory._forward_patch import ForwardPatch, patch_forwards
 
-LLAMA_STYLE_NORMS = frozenset({
-    "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm",
-    "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Phi3RMSNorm",
-})
+LLAMA_STYLE_NORMS = frozenset(
+    {
+        "LlamaRMSNorm",
+        "MistralRMSNorm",
+        "MixtralRMSNorm",
+        "Qwen2RMSNorm",
+        "Qwen2MoeRMSNorm",
+        "Qwen3RMSNorm",
+        "Qwen3MoeRMSNorm",
+        "Phi3RMSNorm",
+    }
+)
 DEFAULT_TILE_TOKENS = 1024
 
 
@@ -71,8 +79,15 @@ class _LeanRMSNorm(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-def _tile_backward(x: torch.Tensor, grad: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor,
-                   grad_x: torch.Tensor | None, grad_w: torch.Tensor | None, rows: slice) -> None:
+def _tile_backward(
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    rstd: torch.Tensor,
+    weight: torch.Tensor,
+    grad_x: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+    rows: slice,
+) -> None:
     """One tile's share: writes ``grad_x[rows]`` and adds into ``grad_w`` (x, grad: [t, h]; rstd [t, 1])."""
     xhat = x.to(torch.float32) * rstd  # [t, h]
     if grad_w is not None:
@@ -82,8 +97,9 @@ def _tile_backward(x: torch.Tensor, grad: torch.Tensor, rstd: torch.Tensor, weig
         grad_x[rows] = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
 
 
-def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                  tile_tokens: int = DEFAULT_TILE_TOKENS) -> torch.Tensor:
+def lean_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int = DEFAULT_TILE_TOKENS
+) -> torch.Tensor:
     """Llama's RMSNorm of ``x`` [..., h] with ``weight`` [h] (module docstring); [..., h]."""
     return cast(torch.Tensor, _LeanRMSNorm.apply(x, weight, eps, tile_tokens))
 
@@ -93,8 +109,13 @@ LeanNormHandle = ForwardPatch  # what apply_lean_norms returns: ``undo()`` resto
 
 def find_llama_style_norms(model: nn.Module) -> list[nn.Module]:
     """Every module of a class in :data:`LLAMA_STYLE_NORMS` with a ``weight`` and ``variance_epsilon``."""
-    return [m for m in model.modules() if type(m).__name__ in LLAMA_STYLE_NORMS
-            and isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "variance_epsilon")]
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__ in LLAMA_STYLE_NORMS
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and hasattr(m, "variance_epsilon")
+    ]
 
 
 def apply_lean_norms(model: nn.Module, *, tile_tokens: int = DEFAULT_TILE_TOKENS) -> LeanNormHandle:
@@ -104,8 +125,13 @@ def apply_lean_norms(model: nn.Module, *, tile_tokens: int = DEFAULT_TILE_TOKENS
         ValueError when the model has no such norm (names in :data:`LLAMA_STYLE_NORMS`), one is
         already switched, or ``tile_tokens < 1``.
     """
-    return patch_forwards(find_llama_style_norms(model), lambda module: _bound_forward(module, tile_tokens),
-                          tile_tokens, model=model, what=f"Llama-style RMSNorm (one of {sorted(LLAMA_STYLE_NORMS)})")
+    return patch_forwards(
+        find_llama_style_norms(model),
+        lambda module: _bound_forward(module, tile_tokens),
+        tile_tokens,
+        model=model,
+        what=f"Llama-style RMSNorm (one of {sorted(LLAMA_STYLE_NORMS)})",
+    )
 
 
 def _bound_forward(module: nn.Module, tile: int) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -164,9 +164,17 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     after the block. Outputs are bitwise those of the same checkpointed model without offload.
     """
 
-    def __init__(self, model: nn.Module | None = None, *, layers: Iterable[nn.Module] | None = None,
-                 enabled: bool = True, keep_last: int = 1, min_bytes: int = 1024, prefetch: bool = True,
-                 host_allocator: HostAllocator | None = None):
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        layers: Iterable[nn.Module] | None = None,
+        enabled: bool = True,
+        keep_last: int = 1,
+        min_bytes: int = 1024,
+        prefetch: bool = True,
+        host_allocator: HostAllocator | None = None,
+    ):
         if not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"keep_last must be an integer >= 0; got {keep_last!r}")
         if not isinstance(min_bytes, int) or min_bytes < 0:
@@ -201,8 +209,11 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return []
         from transformers.modeling_layers import GradientCheckpointingLayer
 
-        return [m for m in model.modules()
-                if isinstance(m, GradientCheckpointingLayer) and getattr(m, "gradient_checkpointing", False) is True]
+        return [
+            m
+            for m in model.modules()
+            if isinstance(m, GradientCheckpointingLayer) and getattr(m, "gradient_checkpointing", False) is True
+        ]
 
     def host_allocator(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         if self._custom_allocator is not None:

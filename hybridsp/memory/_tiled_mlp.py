@@ -62,21 +62,30 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, tile_tokens: int) -> torc
     params, biased = _params_of(mlp)
     if torch.compiler.is_compiling():
         if any(hasattr(p, "ds_id") for p in params):
-            raise ValueError("the tiled MLP under torch.compile cannot gather ZeRO-3 partitioned weights: compile "
-                             "with ZeRO stage 0-2, or leave the MLP untiled (handle.undo())")
+            raise ValueError(
+                "the tiled MLP under torch.compile cannot gather ZeRO-3 partitioned weights: compile "
+                "with ZeRO stage 0-2, or leave the MLP untiled (handle.undo())"
+            )
         # act_fn: a dynamic attribute of the MLP (a callable: find_gated_mlps checked it)
         return _checkpointed_tiles(x, mlp.act_fn, tile_tokens, biased, params)  # type: ignore[arg-type]
     with gathered(params):
         return cast(torch.Tensor, _TiledMLP.apply(x, mlp.act_fn, tile_tokens, biased, *params))
 
 
-def _checkpointed_tiles(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], tile: int,
-                        biased: tuple[bool, ...], params: Sequence[torch.Tensor]) -> torch.Tensor:
+def _checkpointed_tiles(
+    x: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    tile: int,
+    biased: tuple[bool, ...],
+    params: Sequence[torch.Tensor],
+) -> torch.Tensor:
     """The tiled MLP as a graph can hold it (Note [compiled tiles]): each tile under non-reentrant
     activation checkpointing, so only x is kept and every tile is recomputed in backward."""
     flat = x.reshape(-1, x.shape[-1])  # [T, h]
-    tiles = [checkpoint(_mlp_math, flat[start:start + tile], act, params, biased, use_reentrant=False)
-             for start in range(0, flat.shape[0], tile)]  # each [t, h]
+    tiles = [
+        checkpoint(_mlp_math, flat[start : start + tile], act, params, biased, use_reentrant=False)
+        for start in range(0, flat.shape[0], tile)
+    ]  # each [t, h]
     out = torch.cat(tiles) if tiles else _mlp_math(flat, act, params, biased)  # [T, h]; T = 0: empty
     return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., h]
 
@@ -91,8 +100,12 @@ def _params_of(mlp: nn.Module) -> tuple[list[torch.Tensor], tuple[bool, ...]]:
     return [linear.weight for linear in linears] + biases, biased
 
 
-def _mlp_math(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], params: Sequence[torch.Tensor],
-              biased: tuple[bool, ...]) -> torch.Tensor:
+def _mlp_math(
+    x: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor],
+    params: Sequence[torch.Tensor],
+    biased: tuple[bool, ...],
+) -> torch.Tensor:
     """down(act(gate(x)) * up(x)) with explicit weights; x [t, h] -> [t, h]. ``biased``: which of
     gate/up/down have a bias (those follow the three weights in ``params``, in that order)."""
     extra = iter(params[3:])
@@ -103,12 +116,18 @@ def _mlp_math(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], para
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], tile: int,
-                biased: tuple[bool, ...], *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        act: Callable[[torch.Tensor], torch.Tensor],
+        tile: int,
+        biased: tuple[bool, ...],
+        *params: torch.Tensor,
+    ) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [T, h]
         out = torch.empty(flat.shape[0], params[2].shape[0], dtype=x.dtype, device=x.device)  # [T, h]
         for start in range(0, flat.shape[0], tile):
-            out[start:start + tile] = _mlp_math(flat[start:start + tile], act, params, biased)
+            out[start : start + tile] = _mlp_math(flat[start : start + tile], act, params, biased)
         ctx.save_for_backward(x)
         ctx.act, ctx.tile, ctx.biased, ctx.params = act, tile, biased, params
         return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., h]
@@ -120,8 +139,11 @@ class _TiledMLP(torch.autograd.Function):
         wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[4 + i]]
         with gathered(ctx.params):
             leaves = [p.detach().requires_grad_(i in wanted) for i, p in enumerate(ctx.params)]
-            sums = {i: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for i, p in enumerate(leaves)
-                    if i in wanted}
+            sums = {
+                i: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                for i, p in enumerate(leaves)
+                if i in wanted
+            }
             grad_x = torch.empty_like(flat) if ctx.needs_input_grad[0] else None  # [T, h]
             for start in range(0, flat.shape[0], ctx.tile):
                 rows = slice(start, start + ctx.tile)
@@ -145,9 +167,12 @@ TiledMLPHandle = ForwardPatch  # what apply_tiled_mlp returns: ``undo()`` restor
 
 def find_gated_mlps(model: nn.Module) -> list[nn.Module]:
     """Every module with ``gate_proj``/``up_proj``/``down_proj`` linears and an ``act_fn``."""
-    return [m for m in model.modules()
-            if all(isinstance(getattr(m, name, None), nn.Linear) for name in _PARTS)
-            and callable(getattr(m, "act_fn", None))]
+    return [
+        m
+        for m in model.modules()
+        if all(isinstance(getattr(m, name, None), nn.Linear) for name in _PARTS)
+        and callable(getattr(m, "act_fn", None))
+    ]
 
 
 def apply_tiled_mlp(model: nn.Module, *, tile_tokens: int | None = None) -> TiledMLPHandle:
@@ -163,11 +188,19 @@ def apply_tiled_mlp(model: nn.Module, *, tile_tokens: int | None = None) -> Tile
     """
     modules = find_gated_mlps(model)
     # down_proj.out_features: dynamic attributes of an nn.Linear (find_gated_mlps checked it)
-    tile = (modules[0].down_proj.out_features  # type: ignore[union-attr]
-            if modules and tile_tokens is None else tile_tokens)
+    tile = (
+        modules[0].down_proj.out_features  # type: ignore[union-attr]
+        if modules and tile_tokens is None
+        else tile_tokens
+    )
     # tile is None only without any MLP, which patch_forwards rejects before it makes a forward
-    return patch_forwards(modules, lambda module: _bound_forward(module, tile), tile,  # type: ignore[arg-type]
-                          model=model, what="gated MLP (gate_proj/up_proj/down_proj + act_fn) to tile")
+    return patch_forwards(
+        modules,
+        lambda module: _bound_forward(module, tile),  # type: ignore[arg-type]
+        tile,  # type: ignore[arg-type]
+        model=model,
+        what="gated MLP (gate_proj/up_proj/down_proj + act_fn) to tile",
+    )
 
 
 def _bound_forward(module: nn.Module, tile: int) -> Callable[[torch.Tensor], torch.Tensor]:

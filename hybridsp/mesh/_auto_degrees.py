@@ -39,11 +39,25 @@ def sequence_splits(seq_len: int | None, ulysses: int, ring: int, layout: str = 
     return True
 
 
-def check_launch(world_size: int, local_world_size: int, context: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, micro_batch: int = 1) -> None:
+def check_launch(
+    world_size: int,
+    local_world_size: int,
+    context: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    micro_batch: int = 1,
+) -> None:
     """Raise ValueError, quoting the numbers, for sizes no degree choice can work with."""
-    check_positive_ints(world_size=world_size, local_world_size=local_world_size, num_heads=num_heads,
-                   num_kv_heads=num_kv_heads, head_dim=head_dim, context_size=context, micro_batch=micro_batch)
+    check_positive_ints(
+        world_size=world_size,
+        local_world_size=local_world_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        context_size=context,
+        micro_batch=micro_batch,
+    )
     if world_size % local_world_size != 0:
         raise ValueError(f"local world size {local_world_size} does not divide the world size {world_size}")
     if world_size % context != 0:
@@ -52,8 +66,9 @@ def check_launch(world_size: int, local_world_size: int, context: int, num_heads
         raise ValueError(f"query heads ({num_heads}) must be a multiple of K/V heads ({num_kv_heads})")
 
 
-def ulysses_candidates(context: int, num_heads: int, seq_len: int | None, ulysses: int | None,
-                       ring: int | None, layout: str = LAYOUT) -> list[int]:
+def ulysses_candidates(
+    context: int, num_heads: int, seq_len: int | None, ulysses: int | None, ring: int | None, layout: str = LAYOUT
+) -> list[int]:
     """Ulysses degrees that divide the context ranks and the heads and split the sequence
     (only the one fixed by ``ulysses`` or ``ring`` when given)."""
     if ulysses is not None and ring is not None and ulysses * ring != context:
@@ -63,8 +78,11 @@ def ulysses_candidates(context: int, num_heads: int, seq_len: int | None, ulysse
             raise ValueError(f"ring={ring} does not divide the {context} context ranks")
         ulysses = context // ring
     options = [ulysses] if ulysses is not None else divisors(context)
-    valid = [u for u in options
-             if context % u == 0 and heads_divisible(num_heads, u) and sequence_splits(seq_len, u, context // u, layout)]
+    valid = [
+        u
+        for u in options
+        if context % u == 0 and heads_divisible(num_heads, u) and sequence_splits(seq_len, u, context // u, layout)
+    ]
     if not valid:
         raise ValueError(
             f"no Ulysses degree among {options} divides both {context} context ranks and {num_heads} query heads"
@@ -80,8 +98,15 @@ def largest_inside_node(candidates: list[int], local_world_size: int) -> int:
 
 
 def choose_degrees(
-    world_size: int, local_world_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    seq_len: int | None = None, *, context_size: int | None = None, ulysses: int | None = None,
+    world_size: int,
+    local_world_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_len: int | None = None,
+    *,
+    context_size: int | None = None,
+    ulysses: int | None = None,
     ring: int | None = None,
 ) -> tuple[int, int]:
     """``(ulysses, ring)`` by the module's rule for a context group of ``context_size`` ranks

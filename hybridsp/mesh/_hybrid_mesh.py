@@ -71,7 +71,9 @@ class MeshShape:
         check_positive(self.kv_chunks, "kv_chunks", integer=True, or_none="")
         context = self.ulysses * self.ring
         if self.world_size % (context * self.tensor) != 0:
-            what = f"ulysses={self.ulysses} x ring={self.ring}" + (f" x tensor={self.tensor}" if self.tensor > 1 else "")
+            what = f"ulysses={self.ulysses} x ring={self.ring}" + (
+                f" x tensor={self.tensor}" if self.tensor > 1 else ""
+            )
             raise ValueError(
                 f"{what} = {context * self.tensor} {'context ' if self.tensor == 1 else ''}ranks do not divide the "
                 f"world size {self.world_size}; choose degrees whose product divides {self.world_size}"
@@ -220,7 +222,10 @@ def _local_world_size(explicit: int | None, world_size: int) -> int:
 
 
 def _resolve_degrees(
-    ulysses: int | Literal["auto"], ring: int | Literal["auto"], world_size: int, local_world_size: int,
+    ulysses: int | Literal["auto"],
+    ring: int | Literal["auto"],
+    world_size: int,
+    local_world_size: int,
     attention: dict[str, int | None],
 ) -> tuple[int, int]:
     """Explicit degrees as given; "auto" ones from :func:`hybridsp.mesh._auto_degrees.choose_degrees`."""
@@ -233,10 +238,15 @@ def _resolve_degrees(
             "head_dim=, seq_len= when known) to init_mesh"
         )
     return choose_degrees(
-        world_size, local_world_size, heads, attention.get("num_kv_heads") or heads,
-        attention.get("head_dim") or 128, attention.get("seq_len"),
+        world_size,
+        local_world_size,
+        heads,
+        attention.get("num_kv_heads") or heads,
+        attention.get("head_dim") or 128,
+        attention.get("seq_len"),
         context_size=attention.get("context_size"),
-        ulysses=None if ulysses == "auto" else ulysses, ring=None if ring == "auto" else ring,
+        ulysses=None if ulysses == "auto" else ulysses,
+        ring=None if ring == "auto" else ring,
     )
 
 
@@ -305,8 +315,9 @@ def init_mesh(
         raise RuntimeError("init_mesh needs torch.distributed to be initialised first (init_process_group)")
     world_size = dist.get_world_size()
     local = _local_world_size(local_world_size, world_size)
-    attention = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_len=seq_len,
-                     context_size=context_size)
+    attention = dict(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_len=seq_len, context_size=context_size
+    )
     MeshShape(world_size, 1, 1, tensor=tensor)  # the tensor degree alone must divide the world
     if num_heads is not None and tensor > 1:
         check_tensor_heads(num_heads, num_kv_heads, tensor)

@@ -71,8 +71,11 @@ class Placement:
         """One line: every host with its ranks, then where the Ulysses and ring groups lie."""
         hosts = "; ".join(f"{host} ranks {_spans(ranks)}" for host, ranks in self.ranks_by_host().items())
         crossing = self.ulysses_crossing_hosts()
-        ulysses = (f"{len(crossing)} of {len(self.ulysses)} Ulysses groups CROSS hosts: {crossing}" if crossing
-                   else f"{len(self.ulysses)} Ulysses groups each inside one host")
+        ulysses = (
+            f"{len(crossing)} of {len(self.ulysses)} Ulysses groups CROSS hosts: {crossing}"
+            if crossing
+            else f"{len(self.ulysses)} Ulysses groups each inside one host"
+        )
         ring_hosts = sorted({len(self.hosts_of(group)) for group in self.ring})
         ring = f"ring groups span {'/'.join(map(str, ring_hosts))} host(s)"
         return f"placement: {len(self.ranks_by_host())} host(s): {hosts}; {ulysses}; {ring}"

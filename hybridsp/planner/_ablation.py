@@ -39,24 +39,43 @@ class AblationRow:
         """The contract row ``{"techniques", "longest_context", "dp", "ulysses", "ring"}`` plus the
         chosen ZeRO stage, checkpointing and the memory terms of the recommended plan."""
         best = self.plan
-        row = {"techniques": list(self.techniques), "longest_context": self.longest.seq_len,
-               "dp": best.config.dp if best else None, "ulysses": best.config.ulysses if best else None,
-               "ring": best.config.ring if best else None}
+        row = {
+            "techniques": list(self.techniques),
+            "longest_context": self.longest.seq_len,
+            "dp": best.config.dp if best else None,
+            "ulysses": best.config.ulysses if best else None,
+            "ring": best.config.ring if best else None,
+        }
         if best is not None:
             memory, timing = memory_of(best), best.timing
             assert timing is not None  # evaluate() sets every cost of a valid plan
-            row.update(zero_stage=best.config.zero_stage, activation_checkpointing=best.config.checkpointing,
-                       step_s=best.step_s, tokens_per_s=best.tokens_per_s, peak_phase=memory.peak_phase,
-                       memory={**{k: v for k, v in asdict(memory).items() if k != "phases"},
-                               "phases": dict(memory.phases), "total": memory.total, "host": memory.host},
-                       usable_bytes=best.usable_bytes, host_usable_bytes=best.host_usable_bytes,
-                       host_traffic_bytes=timing.host_traffic_bytes, offload_s=timing.offload_s)
+            row.update(
+                zero_stage=best.config.zero_stage,
+                activation_checkpointing=best.config.checkpointing,
+                step_s=best.step_s,
+                tokens_per_s=best.tokens_per_s,
+                peak_phase=memory.peak_phase,
+                memory={
+                    **{k: v for k, v in asdict(memory).items() if k != "phases"},
+                    "phases": dict(memory.phases),
+                    "total": memory.total,
+                    "host": memory.host,
+                },
+                usable_bytes=best.usable_bytes,
+                host_usable_bytes=best.host_usable_bytes,
+                host_traffic_bytes=timing.host_traffic_bytes,
+                offload_s=timing.offload_s,
+            )
         return row
 
 
 def ablation(
-    model: ModelSpec, cluster: ClusterSpec, *, base: Techniques | None = None,
-    order: tuple[str, ...] = ABLATION_ORDER, **longest_options,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    base: Techniques | None = None,
+    order: tuple[str, ...] = ABLATION_ORDER,
+    **longest_options,
 ) -> list[AblationRow]:
     """Longest context with no technique, then adding each of ``order`` in turn (cumulative).
 
@@ -67,8 +86,9 @@ def ablation(
     rows = []
     for count in range(len(order) + 1):
         names = tuple(order[:count])
-        rows.append(AblationRow(names, longest_context(model, cluster, techniques=base.with_only(names),
-                                                       **longest_options)))
+        rows.append(
+            AblationRow(names, longest_context(model, cluster, techniques=base.with_only(names), **longest_options))
+        )
     return rows
 
 
@@ -81,7 +101,8 @@ def format_ablation(rows: list[AblationRow], model: ModelSpec, cluster: ClusterS
     lines = [
         f"Ablation: longest context of {model.name} on {cluster.name} ({cluster.world_size} GPUs, "
         f"{cluster.memory_bytes / GIB:.0f} GiB, {cluster.reserved_bytes / GIB:g} GiB reserved; host "
-        f"{cluster.host_memory_bytes / GIB:,.0f} GiB per node, PCIe {cluster.host_bw / 1e9:g} GB/s)", "",
+        f"{cluster.host_memory_bytes / GIB:,.0f} GiB per node, PCIe {cluster.host_bw / 1e9:g} GB/s)",
+        "",
         "| techniques (cumulative) | longest context | gain | DP x U x R | ZeRO | ckpt | peak phase | "
         "GiB: params / grads / optimizer / gathered / engine / checkpoints / activations / loss / workspace = total "
         "| host GiB per GPU | step s |",
@@ -97,13 +118,25 @@ def format_ablation(rows: list[AblationRow], model: ModelSpec, cluster: ClusterS
             lines.append(f"| {name} | nothing fits | | | | | | | | |")
             continue
         m = memory_of(best)
-        terms = " / ".join(f"{value / GIB:.1f}" for value in (
-            m.params, m.grads, m.optimizer, m.gathered_params, m.engine_state, m.checkpoints, m.activations,
-            m.logits, m.workspace))
+        terms = " / ".join(
+            f"{value / GIB:.1f}"
+            for value in (
+                m.params,
+                m.grads,
+                m.optimizer,
+                m.gathered_params,
+                m.engine_state,
+                m.checkpoints,
+                m.activations,
+                m.logits,
+                m.workspace,
+            )
+        )
         lines.append(
             f"| {name} | {length:,} | {gain} | {_mesh(best)} | {best.config.zero_stage} | "
             f"{'on' if best.config.checkpointing else 'off'} | {m.peak_phase} | {terms} = {m.total / GIB:.1f} | "
-            f"{m.host / GIB:.1f} of {best.host_usable_bytes / GIB:.0f} | {best.step_s:.1f} |")
+            f"{m.host / GIB:.1f} of {best.host_usable_bytes / GIB:.0f} | {best.step_s:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -119,10 +152,12 @@ def tie_note(result: PlanResult, space: SearchSpace) -> list[str]:
     if best is None or fastest.seconds_per_sequence >= best.seconds_per_sequence:
         return []
     slower = best.seconds_per_sequence / fastest.seconds_per_sequence - 1
-    return [f"  - picked over the fastest plan ({_describe(fastest)}), {slower:.1%} slower: plans within "
-            f"{space.tie_tolerance:.0%} of the fastest count as tied, and a tie goes to a Ulysses group inside one "
-            f"node, then the larger Ulysses degree, then a plan leaving {space.headroom:.0%} of memory free, then "
-            f"the faster"]
+    return [
+        f"  - picked over the fastest plan ({_describe(fastest)}), {slower:.1%} slower: plans within "
+        f"{space.tie_tolerance:.0%} of the fastest count as tied, and a tie goes to a Ulysses group inside one "
+        f"node, then the larger Ulysses degree, then a plan leaving {space.headroom:.0%} of memory free, then "
+        f"the faster"
+    ]
 
 
 def _variants(workload: Workload, space: SearchSpace):
@@ -142,23 +177,33 @@ def _variants(workload: Workload, space: SearchSpace):
         flag = "--offload-activations" + ("" if True in space.checkpointing else " --activation-checkpointing")
         yield flag, replace(workload, techniques=replace(tech, activation_offload=True)), with_ckpt
     if training and not tech.optimizer_offload:
-        yield "--offload-optimizer", replace(workload, techniques=replace(tech, optimizer_offload=True)), replace(
-            space, zero_stages=tuple(s for s in stages if s >= 1))
+        yield (
+            "--offload-optimizer",
+            replace(workload, techniques=replace(tech, optimizer_offload=True)),
+            replace(space, zero_stages=tuple(s for s in stages if s >= 1)),
+        )
     if not tech.param_offload:
-        yield "--offload-params", replace(workload, techniques=replace(tech, param_offload=True)), replace(
-            space, zero_stages=(3,))
+        yield (
+            "--offload-params",
+            replace(workload, techniques=replace(tech, param_offload=True)),
+            replace(space, zero_stages=(3,)),
+        )
 
 
 def _all_of(variants: list) -> tuple[Workload, SearchSpace]:
     """Every variant's changes at once."""
     workload, space = variants[0][1], variants[0][2]
-    techniques = {k: any(getattr(v[1].techniques, k) for v in variants) for k in
-                  ("fused_loss", "tiled_mlp", "activation_offload", "optimizer_offload", "param_offload")}
+    techniques = {
+        k: any(getattr(v[1].techniques, k) for v in variants)
+        for k in ("fused_loss", "tiled_mlp", "activation_offload", "optimizer_offload", "param_offload")
+    }
     spaces = [v[2] for v in variants]
     checkpointing = (True,) if any(s.checkpointing == (True,) for s in spaces) else space.checkpointing
     stages = set.intersection(*(set(s.zero_stages) for s in spaces)) or {3}
-    return (replace(workload, techniques=replace(workload.techniques, **techniques)),
-            replace(space, checkpointing=checkpointing, zero_stages=tuple(sorted(stages))))
+    return (
+        replace(workload, techniques=replace(workload.techniques, **techniques)),
+        replace(space, checkpointing=checkpointing, zero_stages=tuple(sorted(stages))),
+    )
 
 
 def _outcome(result: PlanResult, workload: Workload, space: SearchSpace) -> tuple[bool, float]:
@@ -171,15 +216,21 @@ def _outcome(result: PlanResult, workload: Workload, space: SearchSpace) -> tupl
 def no_fit_hint(result: PlanResult, space: SearchSpace) -> list[str]:
     """Nothing fits: what the smallest plan needs, and each technique that is off, tried on the same search."""
     smallest = min(result.ranked, key=lambda p: memory_of(p).total)
-    lines = [f"No plan fits in memory: the smallest ({_describe(smallest)}) needs "
-             f"{memory_of(smallest).total / GIB:.1f} "
-             f"GiB, {smallest.usable_bytes / GIB:.1f} GiB usable per GPU."]
+    lines = [
+        f"No plan fits in memory: the smallest ({_describe(smallest)}) needs "
+        f"{memory_of(smallest).total / GIB:.1f} "
+        f"GiB, {smallest.usable_bytes / GIB:.1f} GiB usable per GPU."
+    ]
     variants = list(_variants(result.workload, space))
     tried = [(flag, *_outcome(result, w, s)) for flag, w, s in variants]
     helping = [(flag, fits, need) for flag, fits, need in tried if need < memory_of(smallest).total * 0.999]
     if helping:
-        lines.append("  Off now, each alone: " + "; ".join(
-            f"{flag}: {'fits,' if fits else 'no fit,'} {need / GIB:.1f} GiB" for flag, fits, need in helping))
+        lines.append(
+            "  Off now, each alone: "
+            + "; ".join(
+                f"{flag}: {'fits,' if fits else 'no fit,'} {need / GIB:.1f} GiB" for flag, fits, need in helping
+            )
+        )
         if len(helping) > 1 and not any(fits for _, fits, _ in helping):
             fits, need = _outcome(result, *_all_of([v for v in variants if v[0] in {h[0] for h in helping}]))
             lines.append(f"  All of them together: {'fits,' if fits else 'no fit,'} {need / GIB:.1f} GiB")
@@ -199,8 +250,10 @@ def _why_no_mesh(result: PlanResult) -> str:
     if result.rejected:
         reasons = sorted({problem for plan in result.rejected for problem in plan.problems})
         return f"No valid mesh (not a memory problem): {'; '.join(reasons)}."
-    return (f"No DP x Ulysses x ring factorisation of the {world} GPUs matches the fixed degrees (not a memory "
-            f"problem): --dp, --ulysses and --ring must each divide {world}, and so must their product.")
+    return (
+        f"No DP x Ulysses x ring factorisation of the {world} GPUs matches the fixed degrees (not a memory "
+        f"problem): --dp, --ulysses and --ring must each divide {world}, and so must their product."
+    )
 
 
 def recommendation_lines(result: PlanResult, space: SearchSpace) -> list[str]:

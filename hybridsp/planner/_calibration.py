@@ -23,23 +23,34 @@ DTYPE_BYTES = 4  # fp32
 
 def model_spec(base: ModelSpec, vocab: int, layers: int) -> ModelSpec:
     """``base`` with ``layers`` layers and a vocabulary of ``vocab`` (tied embeddings)."""
-    return replace(base, num_layers=layers, vocab_size=vocab, tied_embeddings=True,
-                   name=f"examples/train.py, L={layers}, V={vocab}")
+    return replace(
+        base,
+        num_layers=layers,
+        vocab_size=vocab,
+        tied_embeddings=True,
+        name=f"examples/train.py, L={layers}, V={vocab}",
+    )
 
 
 def techniques(names) -> Techniques:
     """The planner's Techniques for a row's technique names (copies synchronous on CPU, so no
     offload in flight; gloo keeps one temporary per all-gather / reduce-scatter)."""
-    return Techniques(fused_loss="fused_loss" in names, tiled_mlp="tiled_mlp" in names,
-                      activation_offload="activation_offload" in names, offload_in_flight=0,
-                      collective_copies=1)
+    return Techniques(
+        fused_loss="fused_loss" in names,
+        tiled_mlp="tiled_mlp" in names,
+        activation_offload="activation_offload" in names,
+        offload_in_flight=0,
+        collective_copies=1,
+    )
 
 
 def memory(base: ModelSpec, vocab: int, layers: int, names, seq_len: int) -> MemoryUse:
     """The planner's per-rank memory of one measured step at ``seq_len`` tokens."""
-    return memory_use(model_spec(base, vocab, layers),
-                      Workload(seq_len, dtype_bytes=DTYPE_BYTES, techniques=techniques(names)),
-                      MeshConfig(WORLD // (ULYSSES * RING), ULYSSES, RING, ZERO_STAGE, "checkpointing" in names))
+    return memory_use(
+        model_spec(base, vocab, layers),
+        Workload(seq_len, dtype_bytes=DTYPE_BYTES, techniques=techniques(names)),
+        MeshConfig(WORLD // (ULYSSES * RING), ULYSSES, RING, ZERO_STAGE, "checkpointing" in names),
+    )
 
 
 def longest(base: ModelSpec, vocab: int, layers: int, names, budget: int, granularity: int) -> int:
@@ -48,12 +59,25 @@ def longest(base: ModelSpec, vocab: int, layers: int, names, budget: int, granul
     partitions and the engine's state, nothing reserved, the measured mesh, ZeRO-3 and checkpointing."""
     m = memory(base, vocab, layers, names, 2 * ULYSSES * RING)
     after_build = m.params + m.grads + m.optimizer + m.engine_state
-    cluster = preset_cluster("h100", 1, WORLD, memory_bytes=float(budget + after_build), reserved_bytes=0.0,
-                             name=f"this machine: 1 x {WORLD} ranks")
-    space = SearchSpace(zero_stages=(ZERO_STAGE,), checkpointing=("checkpointing" in names,), dp=1,
-                        ulysses=ULYSSES, ring=RING)
-    return longest_context(model_spec(base, vocab, layers), cluster, granularity=granularity,
-                           dtype_bytes=DTYPE_BYTES, space=space, techniques=techniques(names)).seq_len
+    cluster = preset_cluster(
+        "h100",
+        1,
+        WORLD,
+        memory_bytes=float(budget + after_build),
+        reserved_bytes=0.0,
+        name=f"this machine: 1 x {WORLD} ranks",
+    )
+    space = SearchSpace(
+        zero_stages=(ZERO_STAGE,), checkpointing=("checkpointing" in names,), dp=1, ulysses=ULYSSES, ring=RING
+    )
+    return longest_context(
+        model_spec(base, vocab, layers),
+        cluster,
+        granularity=granularity,
+        dtype_bytes=DTYPE_BYTES,
+        space=space,
+        techniques=techniques(names),
+    ).seq_len
 
 
 def attempt(base: ModelSpec, vocab: int, layers: int, names, seq_len: int) -> dict:

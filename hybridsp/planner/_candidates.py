@@ -68,8 +68,9 @@ class CandidatePlan:
 
     @property
     def fits(self) -> bool:
-        return (self.valid and memory_of(self).total <= self.usable_bytes
-                and memory_of(self).host <= self.host_usable_bytes)
+        return (
+            self.valid and memory_of(self).total <= self.usable_bytes and memory_of(self).host <= self.host_usable_bytes
+        )
 
     @property
     def step_s(self) -> float:
@@ -108,19 +109,29 @@ class CandidatePlan:
     def summary(self) -> dict[str, Any]:
         """The headline numbers as plain JSON-able values."""
         row: dict[str, Any] = {
-            "dp": self.config.dp, "ulysses": self.config.ulysses, "ring": self.config.ring,
-            "zero_stage": self.config.zero_stage, "activation_checkpointing": self.config.checkpointing,
-            "valid": self.valid, "fits": self.fits, "reasons": list(self.reasons),
+            "dp": self.config.dp,
+            "ulysses": self.config.ulysses,
+            "ring": self.config.ring,
+            "zero_stage": self.config.zero_stage,
+            "activation_checkpointing": self.config.checkpointing,
+            "valid": self.valid,
+            "fits": self.fits,
+            "reasons": list(self.reasons),
         }
         if self.valid:
             memory, topology, comm = memory_of(self), self.topology, self.comm
             assert topology is not None and comm is not None  # evaluate() sets every cost of a valid plan
             row.update(
-                step_s=self.step_s, seconds_per_sequence=self.seconds_per_sequence, tokens_per_s=self.tokens_per_s,
-                memory_gib=memory.total / GIB, usable_gib=self.usable_bytes / GIB,
-                host_gib=memory.host / GIB, peak_phase=memory.peak_phase,
+                step_s=self.step_s,
+                seconds_per_sequence=self.seconds_per_sequence,
+                tokens_per_s=self.tokens_per_s,
+                memory_gib=memory.total / GIB,
+                usable_gib=self.usable_bytes / GIB,
+                host_gib=memory.host / GIB,
+                peak_phase=memory.peak_phase,
                 all_to_all_crosses_nodes=topology.ulysses_crosses_nodes,
-                ring_crosses_nodes=topology.ring_crosses_nodes, kv_comm=comm.kv_comm,
+                ring_crosses_nodes=topology.ring_crosses_nodes,
+                kv_comm=comm.kv_comm,
             )
         return row
 
@@ -134,8 +145,13 @@ class CandidatePlan:
                 flops=asdict(flops),
                 bytes_per_step={"all_to_all": comm.all_to_all, "ring": comm.ring_total},
                 comm=asdict(comm),
-                memory={**asdict(memory), "phases": dict(memory.phases), "total": memory.total,
-                        "host": memory.host, "host_usable": self.host_usable_bytes},
+                memory={
+                    **asdict(memory),
+                    "phases": dict(memory.phases),
+                    "total": memory.total,
+                    "host": memory.host,
+                    "host_usable": self.host_usable_bytes,
+                },
                 timing={**asdict(timing), "step_s": self.step_s, "exposed_comm_s": timing.exposed_comm_s},
             )
         return row
@@ -163,8 +179,11 @@ def _all_to_all_note(model: ModelSpec, config: MeshConfig, topology: Topology, t
     notes = []
     per_node = topology.gpus_per_node
     if topology.ulysses_crosses_nodes:
-        why = f"U={config.ulysses} > {per_node} GPUs per node" if config.ulysses > per_node else (
-            f"U={config.ulysses} does not divide {per_node} GPUs per node")
+        why = (
+            f"U={config.ulysses} > {per_node} GPUs per node"
+            if config.ulysses > per_node
+            else (f"U={config.ulysses} does not divide {per_node} GPUs per node")
+        )
         notes.append(f"all-to-all crosses nodes ({why}): {format_seconds(timing.all_to_all_s)} exposed per step")
     else:
         notes.append(f"all-to-all inside a node: {format_seconds(timing.all_to_all_s)} exposed per step")
@@ -181,15 +200,21 @@ def _ring_note(timing: Timing) -> list[str]:
     where = "crosses nodes" if ring.link == "inter" else "inside a node"
     what = "ring" if ring.mode == "ring" else "K/V all-gather"
     if not ring.forward_hidden:
-        return [f"{what} ({where}) transfer {format_seconds(ring.forward_transfer_s)} > compute "
-                f"{format_seconds(ring.forward_compute_s)} per step: exposed {format_seconds(ring.exposed_s)} per step"]
+        return [
+            f"{what} ({where}) transfer {format_seconds(ring.forward_transfer_s)} > compute "
+            f"{format_seconds(ring.forward_compute_s)} per step: exposed {format_seconds(ring.exposed_s)} per step"
+        ]
     if not ring.backward_hidden:
-        return [f"{what} ({where}) backward transfer {format_seconds(ring.backward_transfer_s)} > compute "
-                f"{format_seconds(ring.backward_compute_s)} per step: exposed "
-                f"{format_seconds(ring.exposed_s)} per step"]
+        return [
+            f"{what} ({where}) backward transfer {format_seconds(ring.backward_transfer_s)} > compute "
+            f"{format_seconds(ring.backward_compute_s)} per step: exposed "
+            f"{format_seconds(ring.exposed_s)} per step"
+        ]
     tail = f" except the last dK/dV hop home ({format_seconds(ring.exposed_s)})" if ring.exposed_s > 0 else ""
-    return [f"{what} ({where}) transfer {format_seconds(ring.forward_transfer_s)} <= compute "
-            f"{format_seconds(ring.forward_compute_s)} per {'step' if ring.mode == 'ring' else 'chunk'}: hidden{tail}"]
+    return [
+        f"{what} ({where}) transfer {format_seconds(ring.forward_transfer_s)} <= compute "
+        f"{format_seconds(ring.forward_compute_s)} per {'step' if ring.mode == 'ring' else 'chunk'}: hidden{tail}"
+    ]
 
 
 def _memory_note(memory: MemoryUse, usable: float, host_usable: float = float("inf")) -> str:
@@ -205,23 +230,38 @@ def _memory_note(memory: MemoryUse, usable: float, host_usable: float = float("i
     return note
 
 
-def _notes(model: ModelSpec, config: MeshConfig, topology: Topology, timing: Timing, memory: MemoryUse,
-           usable: float, host_usable: float = float("inf")) -> tuple[str, ...]:
+def _notes(
+    model: ModelSpec,
+    config: MeshConfig,
+    topology: Topology,
+    timing: Timing,
+    memory: MemoryUse,
+    usable: float,
+    host_usable: float = float("inf"),
+) -> tuple[str, ...]:
     notes = [_memory_note(memory, usable, host_usable)]
     notes += _all_to_all_note(model, config, topology, timing)
     notes += _ring_note(timing)
     if timing.zero_exposed_s > 0:
-        notes.append(f"ZeRO-{config.zero_stage}: {format_seconds(timing.zero_exposed_s)} of its "
-                     f"{format_seconds(timing.zero_comm_s)} traffic exposed per step")
+        notes.append(
+            f"ZeRO-{config.zero_stage}: {format_seconds(timing.zero_exposed_s)} of its "
+            f"{format_seconds(timing.zero_comm_s)} traffic exposed per step"
+        )
     if timing.host_traffic_bytes:
-        notes.append(f"offload: {timing.host_traffic_bytes / GIB:.1f} GiB over PCIe per step, "
-                     f"{format_seconds(timing.offload_s)} exposed (CPU optimizer step included)")
+        notes.append(
+            f"offload: {timing.host_traffic_bytes / GIB:.1f} GiB over PCIe per step, "
+            f"{format_seconds(timing.offload_s)} exposed (CPU optimizer step included)"
+        )
     return tuple(notes)
 
 
 def evaluate(
-    model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig,
-    topology: Topology | None = None, order: MeshOrder = "ulysses_inner",
+    model: ModelSpec,
+    workload: Workload,
+    cluster: ClusterSpec,
+    config: MeshConfig,
+    topology: Topology | None = None,
+    order: MeshOrder = "ulysses_inner",
 ) -> CandidatePlan:
     """Validate ``config`` and, when valid, compute its FLOPs, bytes, memory, timing and notes.
 
@@ -229,11 +269,18 @@ def evaluate(
     one that fits (:func:`hybridsp.planner._kv_modes.best_of`).
     """
     if workload.techniques.kv_mode == "auto":
-        modes = [replace(workload, techniques=replace(workload.techniques, kv_mode=mode)) for mode in ("ring", "allgather")]
+        modes = [
+            replace(workload, techniques=replace(workload.techniques, kv_mode=mode)) for mode in ("ring", "allgather")
+        ]
         return best_of([evaluate(model, w, cluster, config, topology, order) for w in modes])
     problems = tuple(mesh_problems(model, workload, cluster, config))
-    base = _PlanBase(config=config, usable_bytes=cluster.usable_bytes, micro_batch=workload.micro_batch,
-                     seq_len=workload.seq_len, host_usable_bytes=cluster.host_bytes_per_gpu)
+    base = _PlanBase(
+        config=config,
+        usable_bytes=cluster.usable_bytes,
+        micro_batch=workload.micro_batch,
+        seq_len=workload.seq_len,
+        host_usable_bytes=cluster.host_bytes_per_gpu,
+    )
     if problems:
         return CandidatePlan(problems=problems, **base)
     topology = topology or mesh_topology(config, cluster.gpus_per_node, order)
@@ -241,5 +288,13 @@ def evaluate(
     memory = memory_use(model, workload, config)
     timing = step_timing(model, workload, config, topology, cluster, flops)
     notes = _notes(model, config, topology, timing, memory, cluster.usable_bytes, cluster.host_bytes_per_gpu)
-    return CandidatePlan(problems=(), flops=flops, comm=comm_volume(model, workload, config), memory=memory,
-                timing=timing, topology=topology, notes=notes, **base)
+    return CandidatePlan(
+        problems=(),
+        flops=flops,
+        comm=comm_volume(model, workload, config),
+        memory=memory,
+        timing=timing,
+        topology=topology,
+        notes=notes,
+        **base,
+    )

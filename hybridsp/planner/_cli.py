@@ -40,13 +40,23 @@ from hybridsp.planner._tensor import inference_options
 
 HELP = "rank Ulysses x ring x DP x ZeRO plans for a model on a cluster"
 _MODEL_FIELDS = {  # option dest -> ModelSpec field
-    "heads": "num_heads", "kv_heads": "num_kv_heads", "head_dim": "head_dim", "hidden": "hidden_size",
-    "intermediate": "intermediate_size", "layers": "num_layers", "vocab": "vocab_size", "v_head_dim": "v_head_dim",
+    "heads": "num_heads",
+    "kv_heads": "num_kv_heads",
+    "head_dim": "head_dim",
+    "hidden": "hidden_size",
+    "intermediate": "intermediate_size",
+    "layers": "num_layers",
+    "vocab": "vocab_size",
+    "v_head_dim": "v_head_dim",
 }
 _MODEL_HELP = {
-    "heads": "query (attention) heads", "kv_heads": "key/value heads (GQA; default: --heads)",
-    "head_dim": "size of one head (default: --hidden / --heads)", "hidden": "hidden size (model width)",
-    "intermediate": "MLP intermediate size", "layers": "decoder layers", "vocab": "vocabulary size",
+    "heads": "query (attention) heads",
+    "kv_heads": "key/value heads (GQA; default: --heads)",
+    "head_dim": "size of one head (default: --hidden / --heads)",
+    "hidden": "hidden size (model width)",
+    "intermediate": "MLP intermediate size",
+    "layers": "decoder layers",
+    "vocab": "vocabulary size",
     "v_head_dim": "size of one value head when it differs from --head-dim (MLA: 128 with --head-dim 192)",
 }
 _SUFFIXES = {"k": 1024, "m": 1024**2}  # 128k = 131,072 and 1M = 1,048,576 tokens, as context lengths are named
@@ -115,76 +125,141 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--intra-bw", type=_POSITIVE, help="intra-node bytes/s per accelerator per direction")
     cluster.add_argument("--inter-bw", type=_POSITIVE, help="inter-node bytes/s per accelerator per direction")
     cluster.add_argument("--efficiency", type=_POSITIVE, help="achieved fraction of peak FLOP/s (default 0.5)")
-    cluster.add_argument("--reserved-gib", type=_NON_NEGATIVE,
-                         help="memory kept from the model per accelerator (default 4)")
-    cluster.add_argument("--host-memory-gib", type=_POSITIVE,
-                         help="host memory per node for offload, GiB (default 2048)")
-    cluster.add_argument("--host-bw", type=_POSITIVE,
-                         help="host<->accelerator (PCIe) bytes/s per accelerator per direction")
-    cluster.add_argument("--host-adam-params-per-s", type=_POSITIVE,
-                         help="parameters per second a node's CPU Adam updates (optimizer offload; default 1e9)")
+    cluster.add_argument(
+        "--reserved-gib", type=_NON_NEGATIVE, help="memory kept from the model per accelerator (default 4)"
+    )
+    cluster.add_argument(
+        "--host-memory-gib", type=_POSITIVE, help="host memory per node for offload, GiB (default 2048)"
+    )
+    cluster.add_argument(
+        "--host-bw", type=_POSITIVE, help="host<->accelerator (PCIe) bytes/s per accelerator per direction"
+    )
+    cluster.add_argument(
+        "--host-adam-params-per-s",
+        type=_POSITIVE,
+        help="parameters per second a node's CPU Adam updates (optimizer offload; default 1e9)",
+    )
     work = parser.add_argument_group("workload")
-    work.add_argument("--seq-len", type=_tokens, help="tokens per sequence, e.g. 32768, 128k or 1M (k = 1024: 128k = "
-                      "131072, 1M = 1048576); required unless --longest-context")
+    work.add_argument(
+        "--seq-len",
+        type=_tokens,
+        help="tokens per sequence, e.g. 32768, 128k or 1M (k = 1024: 128k = "
+        "131072, 1M = 1048576); required unless --longest-context",
+    )
     work.add_argument("--micro-batch", type=_POSITIVE_INT, default=1, help="sequences per replica per step")
-    work.add_argument("--forward-only", action="store_true",
-                      help="one forward (a prefill, scoring) on the training meshes: no backward, gradients or "
-                           "optimizer; every rank holds the weights (or a ZeRO-3 shard), no K/V cache. For serving "
-                           "meshes that split weights and K/V cache heads T ways, see --tensor-inference")
+    work.add_argument(
+        "--forward-only",
+        action="store_true",
+        help="one forward (a prefill, scoring) on the training meshes: no backward, gradients or "
+        "optimizer; every rank holds the weights (or a ZeRO-3 shard), no K/V cache. For serving "
+        "meshes that split weights and K/V cache heads T ways, see --tensor-inference",
+    )
     work.add_argument("--chunked-loss", action="store_true", help="the loss never materialises all logits")
     work.add_argument("--non-causal", action="store_true", help="bidirectional attention")
-    work.add_argument("--dtype-bytes", type=int, choices=(1, 2, 4), default=2,
-                      help="activation element size (2 = bf16, 4 = fp32, 1 = fp8)")
-    work.add_argument("--doc-lengths", type=_lengths, metavar="N,N,...",
-                      help="packed documents: the lengths of one row's documents (repeated to fill --seq-len); the "
-                           "step time counts only attention within documents (with --seq-len), and the output "
-                           "reports each layout's ring imbalance and what layout='balanced' buys")
+    work.add_argument(
+        "--dtype-bytes",
+        type=int,
+        choices=(1, 2, 4),
+        default=2,
+        help="activation element size (2 = bf16, 4 = fp32, 1 = fp8)",
+    )
+    work.add_argument(
+        "--doc-lengths",
+        type=_lengths,
+        metavar="N,N,...",
+        help="packed documents: the lengths of one row's documents (repeated to fill --seq-len); the "
+        "step time counts only attention within documents (with --seq-len), and the output "
+        "reports each layout's ring imbalance and what layout='balanced' buys",
+    )
     tech = parser.add_argument_group("memory techniques (hybridsp.planner._memory states each term)")
     tech.add_argument("--fused-loss", action="store_true", help="hybridsp.fused_cross_entropy: no [T, V] logits")
-    tech.add_argument("--loss-chunk", type=_POSITIVE_INT, default=Techniques.loss_chunk,
-                      help="fused-loss chunk, tokens (default: the library's, ceil(T h / V) capped at 64 MiB of logits)")
+    tech.add_argument(
+        "--loss-chunk",
+        type=_POSITIVE_INT,
+        default=Techniques.loss_chunk,
+        help="fused-loss chunk, tokens (default: the library's, ceil(T h / V) capped at 64 MiB of logits)",
+    )
     tech.add_argument("--tiled-mlp", action="store_true", help="MLP over sequence tiles with recomputation")
     tech.add_argument("--mlp-tile", type=_POSITIVE_INT, help="tiled-MLP tile, tokens (default: the hidden size)")
-    tech.add_argument("--lean-norms", action="store_true",
-                      help="hybridsp.apply_lean_norms: RMSNorms keep x and one scale per row for backward")
-    tech.add_argument("--offload-activations", action="store_true",
-                      help="checkpointed layers' inputs in host memory (needs activation checkpointing)")
-    tech.add_argument("--keep-last", type=_COUNT, default=Techniques.keep_last,
-                      help="newest checkpointed inputs kept on the device (default 1)")
+    tech.add_argument(
+        "--lean-norms",
+        action="store_true",
+        help="hybridsp.apply_lean_norms: RMSNorms keep x and one scale per row for backward",
+    )
+    tech.add_argument(
+        "--offload-activations",
+        action="store_true",
+        help="checkpointed layers' inputs in host memory (needs activation checkpointing)",
+    )
+    tech.add_argument(
+        "--keep-last",
+        type=_COUNT,
+        default=Techniques.keep_last,
+        help="newest checkpointed inputs kept on the device (default 1)",
+    )
     tech.add_argument("--offload-optimizer", action="store_true", help="DeepSpeed offload_optimizer to CPU (ZeRO >= 1)")
     tech.add_argument("--offload-params", action="store_true", help="DeepSpeed offload_param to CPU (ZeRO-3)")
-    tech.add_argument("--kv-mode", choices=KV_MODES, default="auto",
-                      help="how K/V travel inside the ring group: ring (point-to-point steps), allgather "
-                           "(chunked all-gather), auto (default: the faster that fits, per mesh)")
-    tech.add_argument("--reduce-bucket", type=_POSITIVE_INT, default=Techniques.reduce_bucket,
-                      help="DeepSpeed reduce_bucket_size, elements (engine state)")
+    tech.add_argument(
+        "--kv-mode",
+        choices=KV_MODES,
+        default="auto",
+        help="how K/V travel inside the ring group: ring (point-to-point steps), allgather "
+        "(chunked all-gather), auto (default: the faster that fits, per mesh)",
+    )
+    tech.add_argument(
+        "--reduce-bucket",
+        type=_POSITIVE_INT,
+        default=Techniques.reduce_bucket,
+        help="DeepSpeed reduce_bucket_size, elements (engine state)",
+    )
     search = parser.add_argument_group("search")
     search.add_argument("--zero", type=int, nargs="+", choices=(0, 1, 2, 3), help="ZeRO stage(s) (default: all)")
-    search.add_argument("--activation-checkpointing", nargs="?", const="on", default="auto",
-                        choices=("on", "off", "auto"), help="on, off, or auto (try both; default)")
+    search.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("on", "off", "auto"),
+        help="on, off, or auto (try both; default)",
+    )
     search.add_argument("--dp", type=_POSITIVE_INT, help="fix the data-parallel degree")
     search.add_argument("--ulysses", type=_POSITIVE_INT, help="fix the Ulysses degree")
     search.add_argument("--ring", type=_POSITIVE_INT, help="fix the ring degree")
     search.add_argument("--order", choices=("ulysses_inner", "ring_inner"), default="ulysses_inner")
     search.add_argument("--longest-context", action="store_true", help="find the longest sequence that fits")
     search.add_argument("--granularity", type=_tokens, default=1024, help="--longest-context step, tokens (4k = 4096)")
-    search.add_argument("--ablation", action="store_true",
-                        help="with --longest-context: add fused_loss, tiled_mlp, activation_offload, "
-                             "optimizer_offload one at a time (a row each)")
-    search.add_argument("--clusters", action="store_true",
-                        help="the longest-context table for Llama-3 8B / 70B on 8-512 H100 / H200 "
-                             "(hybridsp.planner._clusters; --granularity applies); other options are ignored")
+    search.add_argument(
+        "--ablation",
+        action="store_true",
+        help="with --longest-context: add fused_loss, tiled_mlp, activation_offload, "
+        "optimizer_offload one at a time (a row each)",
+    )
+    search.add_argument(
+        "--clusters",
+        action="store_true",
+        help="the longest-context table for Llama-3 8B / 70B on 8-512 H100 / H200 "
+        "(hybridsp.planner._clusters; --granularity applies); other options are ignored",
+    )
     tensor = parser.add_argument_group("tensor parallelism (long-context inference)")
-    tensor.add_argument("--tensor-inference", action="store_true",
-                        help="rank T x Ulysses x ring meshes for a --seq-len prefill of --model on the cluster: weights "
-                             "1/T per rank, the K/V cache kept and split over sequence and heads (its own memory "
-                             "model; --forward-only instead plans the same prefill on DP x Ulysses x ring training "
-                             "meshes with whole weights and no cache)")
-    tensor.add_argument("--tensor-sp", action="store_true",
-                        help="with --tensor-inference: Megatron-style sequence parallelism inside the tensor group")
-    work.add_argument("--linear", metavar="KIND:LAYERS:UNITS:HEADS:KEY_DIM:VALUE_DIM[:CONV]",
-                      help="a hybrid model's linear layers (delta_rule or mamba2): their bytes and buffers per rank "
-                           "at the recommended mesh (hybridsp.linear_attention._volume)")
+    tensor.add_argument(
+        "--tensor-inference",
+        action="store_true",
+        help="rank T x Ulysses x ring meshes for a --seq-len prefill of --model on the cluster: weights "
+        "1/T per rank, the K/V cache kept and split over sequence and heads (its own memory "
+        "model; --forward-only instead plans the same prefill on DP x Ulysses x ring training "
+        "meshes with whole weights and no cache)",
+    )
+    tensor.add_argument(
+        "--tensor-sp",
+        action="store_true",
+        help="with --tensor-inference: Megatron-style sequence parallelism inside the tensor group",
+    )
+    work.add_argument(
+        "--linear",
+        metavar="KIND:LAYERS:UNITS:HEADS:KEY_DIM:VALUE_DIM[:CONV]",
+        help="a hybrid model's linear layers (delta_rule or mamba2): their bytes and buffers per rank "
+        "at the recommended mesh (hybridsp.linear_attention._volume)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--top", type=int, default=12, help="table rows (0: all)")
@@ -196,7 +271,9 @@ def _lengths(text: str) -> list[int]:
     try:
         lengths = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, e.g. 4000,1200,300; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts, e.g. 4000,1200,300; got {text!r}"
+        ) from None
     if not lengths or min(lengths) < 1:
         raise argparse.ArgumentTypeError(f"document lengths must be positive integers; got {text!r}")
     return lengths
@@ -204,29 +281,39 @@ def _lengths(text: str) -> list[int]:
 
 def model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The preset with explicit numbers applied, or a model from explicit numbers alone."""
-    given = {field: getattr(args, option) for option, field in _MODEL_FIELDS.items()
-             if getattr(args, option) is not None}
+    given = {
+        field: getattr(args, option) for option, field in _MODEL_FIELDS.items() if getattr(args, option) is not None
+    }
     if args.model:
         return replace(MODELS[args.model], **given)
-    missing = [f"--{o.replace('_', '-')}" for o in ("heads", "hidden", "intermediate", "layers", "vocab")
-               if _MODEL_FIELDS[o] not in given]
+    missing = [
+        f"--{o.replace('_', '-')}"
+        for o in ("heads", "hidden", "intermediate", "layers", "vocab")
+        if _MODEL_FIELDS[o] not in given
+    ]
     if missing:
         raise ValueError(f"give --model or the model's shape; missing {' '.join(missing)}")
     given.setdefault("num_kv_heads", given["num_heads"])
     if "head_dim" not in given and given["hidden_size"] % given["num_heads"]:
-        raise ValueError(f"--hidden {given['hidden_size']} is not a multiple of --heads {given['num_heads']}: give "
-                         f"--head-dim too (the model's per-head size)")
+        raise ValueError(
+            f"--hidden {given['hidden_size']} is not a multiple of --heads {given['num_heads']}: give "
+            f"--head-dim too (the model's per-head size)"
+        )
     given.setdefault("head_dim", given["hidden_size"] // given["num_heads"])
     return ModelSpec(**given)
 
 
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     overrides = {
-        "peak_flops": args.flops, "intra_bw": args.intra_bw, "inter_bw": args.inter_bw, "efficiency": args.efficiency,
+        "peak_flops": args.flops,
+        "intra_bw": args.intra_bw,
+        "inter_bw": args.inter_bw,
+        "efficiency": args.efficiency,
         "memory_bytes": args.memory_gib * GIB if args.memory_gib is not None else None,
         "reserved_bytes": args.reserved_gib * GIB if args.reserved_gib is not None else None,
         "host_memory_bytes": args.host_memory_gib * GIB if args.host_memory_gib is not None else None,
-        "host_bw": args.host_bw, "host_adam_params_per_s": args.host_adam_params_per_s,
+        "host_bw": args.host_bw,
+        "host_adam_params_per_s": args.host_adam_params_per_s,
     }
     given = {key: value for key, value in overrides.items() if value is not None}
     return preset_cluster(args.gpu, args.nodes, args.gpus_per_node, args.intra, args.inter, **given)
@@ -234,9 +321,16 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 def techniques_from_args(args: argparse.Namespace) -> Techniques:
     return Techniques(
-        fused_loss=args.fused_loss, loss_chunk=args.loss_chunk, tiled_mlp=args.tiled_mlp, mlp_tile=args.mlp_tile,
-        lean_norms=args.lean_norms, activation_offload=args.offload_activations, keep_last=args.keep_last,
-        optimizer_offload=args.offload_optimizer, param_offload=args.offload_params, kv_mode=args.kv_mode,
+        fused_loss=args.fused_loss,
+        loss_chunk=args.loss_chunk,
+        tiled_mlp=args.tiled_mlp,
+        mlp_tile=args.mlp_tile,
+        lean_norms=args.lean_norms,
+        activation_offload=args.offload_activations,
+        keep_last=args.keep_last,
+        optimizer_offload=args.offload_optimizer,
+        param_offload=args.offload_params,
+        kv_mode=args.kv_mode,
         reduce_bucket=args.reduce_bucket,
     )
 
@@ -272,20 +366,26 @@ def _row(index: int, plan: CandidatePlan, best: CandidatePlan | None) -> str:
     a2a = "-" if c.ulysses == 1 else ("xnode" if topology.ulysses_crosses_nodes else "node")
     ring = "-" if t.ring is None else ("xnode" if t.ring.link == "inter" else "node")
     ckpt = "on" if c.checkpointing else "off"
-    return (f"{index:>3}{mark} {c.dp:>3} {c.ulysses:>3} {c.ring:>3} {c.zero_stage:>4} {ckpt:>4} "
-            f"{plan.step_s:>9.3f} {ratio:>7} {plan.tokens_per_s:>10.0f} {memory_of(plan).total / GIB:>7.1f} "
-            f"{t.all_to_all_s:>7.3f} {t.ring_exposed_s:>7.3f} {a2a:>5} {ring:>5}  {_why(plan)}")
+    return (
+        f"{index:>3}{mark} {c.dp:>3} {c.ulysses:>3} {c.ring:>3} {c.zero_stage:>4} {ckpt:>4} "
+        f"{plan.step_s:>9.3f} {ratio:>7} {plan.tokens_per_s:>10.0f} {memory_of(plan).total / GIB:>7.1f} "
+        f"{t.all_to_all_s:>7.3f} {t.ring_exposed_s:>7.3f} {a2a:>5} {ring:>5}  {_why(plan)}"
+    )
 
 
 def format_result(result: PlanResult, top: int = 12, space: SearchSpace | None = None) -> str:
     """The ranked table, the recommendation and the rejected meshes, as text."""
     w, cl = result.workload, result.cluster
-    header = (f"{result.model.name}: {result.model.total_params / 1e9:.2f}B params, seq {w.seq_len:,} x micro-batch "
-              f"{w.micro_batch}{' (forward only)' if w.forward_only else ''} on {cl.name} "
-              f"({cl.world_size} GPUs, {cl.peak_flops / 1e12:.0f} TFLOP/s x {cl.efficiency:g}, "
-              f"{cl.memory_bytes / GIB:.0f} GiB, intra {cl.intra_bw / 1e9:g} GB/s, inter {cl.inter_bw / 1e9:g} GB/s)")
-    columns = (f"{'#':>4} {'DP':>3} {'U':>3} {'R':>3} {'ZeRO':>4} {'ckpt':>4} {'step s':>9} {'vs *':>7} "
-               f"{'tokens/s':>10} {'mem GiB':>7} {'a2a s':>7} {'ring s':>7} {'a2a':>5} {'ring':>5}  why")
+    header = (
+        f"{result.model.name}: {result.model.total_params / 1e9:.2f}B params, seq {w.seq_len:,} x micro-batch "
+        f"{w.micro_batch}{' (forward only)' if w.forward_only else ''} on {cl.name} "
+        f"({cl.world_size} GPUs, {cl.peak_flops / 1e12:.0f} TFLOP/s x {cl.efficiency:g}, "
+        f"{cl.memory_bytes / GIB:.0f} GiB, intra {cl.intra_bw / 1e9:g} GB/s, inter {cl.inter_bw / 1e9:g} GB/s)"
+    )
+    columns = (
+        f"{'#':>4} {'DP':>3} {'U':>3} {'R':>3} {'ZeRO':>4} {'ckpt':>4} {'step s':>9} {'vs *':>7} "
+        f"{'tokens/s':>10} {'mem GiB':>7} {'a2a s':>7} {'ring s':>7} {'a2a':>5} {'ring':>5}  why"
+    )
     shown = result.ranked if top <= 0 else result.ranked[:top]
     lines = [header, "", columns] + [_row(i + 1, p, result.recommended) for i, p in enumerate(shown)]
     if len(shown) < len(result.ranked):
@@ -295,18 +395,34 @@ def format_result(result: PlanResult, top: int = 12, space: SearchSpace | None =
         lines += ["", f"Note: {FORWARD_ONLY_VS_TENSOR}."]
     if result.rejected:
         lines += ["", f"Rejected meshes ({len(result.rejected)}):"]
-        lines += [f"  DP={p.config.dp} U={p.config.ulysses} R={p.config.ring}: {'; '.join(p.problems)}"
-                  for p in result.rejected]
+        lines += [
+            f"  DP={p.config.dp} U={p.config.ulysses} R={p.config.ring}: {'; '.join(p.problems)}"
+            for p in result.rejected
+        ]
     return "\n".join(lines)
 
 
-def run_ablation(args: argparse.Namespace, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace,
-                 techniques: Techniques, workload_args: dict) -> int:
+def run_ablation(
+    args: argparse.Namespace,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    space: SearchSpace,
+    techniques: Techniques,
+    workload_args: dict,
+) -> int:
     """``--longest-context --ablation``: one row per technique added; JSON ``{"ablation": [...]}``."""
     rows = ablation(model, cluster, base=techniques, granularity=args.granularity, space=space, **workload_args)
     if args.json:
-        print(json.dumps({"ablation": [row.to_dict() for row in rows], "model": model.name,
-                          "cluster": cluster.name, "granularity": args.granularity}))
+        print(
+            json.dumps(
+                {
+                    "ablation": [row.to_dict() for row in rows],
+                    "model": model.name,
+                    "cluster": cluster.name,
+                    "granularity": args.granularity,
+                }
+            )
+        )
     else:
         print(format_ablation(rows, model, cluster))
     return 0 if rows[-1].plan is not None else 1
@@ -316,9 +432,12 @@ def run_clusters(args: argparse.Namespace) -> int:
     """``--clusters``: the table (or ``--json`` rows); ``--out`` writes ``{"meta", "rows"}``."""
     rows, seconds = clusters.run(args.granularity)
     if args.out:
-        meta = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                "command": "python -m hybridsp " + " ".join(sys.argv[1:]), "seconds": seconds,
-                "assumptions": clusters.__doc__.split("\n\n", 2)[2].strip()}
+        meta = {
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": "python -m hybridsp " + " ".join(sys.argv[1:]),
+            "seconds": seconds,
+            "assumptions": clusters.__doc__.split("\n\n", 2)[2].strip(),
+        }
         with open(args.out, "w") as sink:
             sink.write(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(json.dumps({"clusters": rows}) if args.json else clusters.markdown(rows))
@@ -331,19 +450,29 @@ def run_tensor_inference(args: argparse.Namespace, model: ModelSpec, cluster: Cl
         raise ValueError("--tensor-inference needs --seq-len (the prompt's tokens)")
     options = inference_options(model, cluster, args.seq_len, args.dtype_bytes, sequence_parallel=args.tensor_sp)
     if args.json:
-        print(json.dumps({"tensor_inference": [{**vars(o), "memory": o.memory, "prefill_s": o.prefill_s}
-                                               for o in options]}))
+        print(
+            json.dumps(
+                {"tensor_inference": [{**vars(o), "memory": o.memory, "prefill_s": o.prefill_s} for o in options]}
+            )
+        )
     else:
-        print(f"{model.name}, {args.seq_len:,}-token prefill on {cluster.name} ({cluster.world_size} GPUs, "
-              f"{cluster.usable_bytes / GIB:.1f} GiB usable each){', SP in the tensor group' if args.tensor_sp else ''}")
+        print(
+            f"{model.name}, {args.seq_len:,}-token prefill on {cluster.name} ({cluster.world_size} GPUs, "
+            f"{cluster.usable_bytes / GIB:.1f} GiB usable each){', SP in the tensor group' if args.tensor_sp else ''}"
+        )
         print(f"Note: {FORWARD_ONLY_VS_TENSOR}.")
         print(f"{'T':>3} {'U':>3} {'R':>4} {'GiB/rank':>9} {'weights':>8} {'K/V':>8} {'fits':>5} {'prefill s':>10}")
         for o in options[: args.top or None]:
-            print(f"{o.tensor:>3} {o.ulysses:>3} {o.ring:>4} {o.memory / GIB:>9.1f} {o.params / GIB:>8.1f} "
-                  f"{o.kv_cache / GIB:>8.1f} {'yes' if o.fits else 'no':>5} {o.prefill_s:>10.2f}")
+            print(
+                f"{o.tensor:>3} {o.ulysses:>3} {o.ring:>4} {o.memory / GIB:>9.1f} {o.params / GIB:>8.1f} "
+                f"{o.kv_cache / GIB:>8.1f} {'yes' if o.fits else 'no':>5} {o.prefill_s:>10.2f}"
+            )
         best = options[0] if options and options[0].fits else None
-        print(f"Recommended: T={best.tensor} x Ulysses={best.ulysses} x ring={best.ring}" if best else
-              "Nothing fits: more GPUs, --tensor-sp, or a shorter --seq-len.")
+        print(
+            f"Recommended: T={best.tensor} x Ulysses={best.ulysses} x ring={best.ring}"
+            if best
+            else "Nothing fits: more GPUs, --tensor-sp, or a shorter --seq-len."
+        )
     return 0 if options and options[0].fits else 1
 
 
@@ -368,8 +497,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         model, cluster, space = model_from_args(args), cluster_from_args(args), space_from_args(args)
         techniques = techniques_from_args(args)
-        workload_args = dict(micro_batch=args.micro_batch, forward_only=args.forward_only,
-                             chunked_loss=args.chunked_loss, causal=not args.non_causal, dtype_bytes=args.dtype_bytes)
+        workload_args = dict(
+            micro_batch=args.micro_batch,
+            forward_only=args.forward_only,
+            chunked_loss=args.chunked_loss,
+            causal=not args.non_causal,
+            dtype_bytes=args.dtype_bytes,
+        )
         if args.tensor_inference:
             return run_tensor_inference(args, model, cluster)
         if args.ablation:
@@ -377,14 +511,21 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--ablation needs --longest-context")
             return run_ablation(args, model, cluster, space, techniques, workload_args)
         if args.longest_context:
-            longest = longest_context(model, cluster, granularity=args.granularity, space=space,
-                                      techniques=techniques, **workload_args)
-            result, extra = longest.result, {"longest_context": {"seq_len": longest.seq_len,
-                                                                 "granularity": longest.granularity}}
+            longest = longest_context(
+                model, cluster, granularity=args.granularity, space=space, techniques=techniques, **workload_args
+            )
+            result, extra = (
+                longest.result,
+                {"longest_context": {"seq_len": longest.seq_len, "granularity": longest.granularity}},
+            )
         elif args.seq_len is None:
             raise ValueError("give --seq-len (or --longest-context)")
         else:
-            work = attention_work_fraction(args.doc_lengths, args.seq_len, not args.non_causal) if args.doc_lengths else 1.0
+            work = (
+                attention_work_fraction(args.doc_lengths, args.seq_len, not args.non_causal)
+                if args.doc_lengths
+                else 1.0
+            )
             workload = Workload(args.seq_len, **workload_args, techniques=techniques, attention_work=work)
             result, extra = plan(model, workload, cluster, space), {}
     except ValueError as error:
@@ -394,16 +535,20 @@ def run(args: argparse.Namespace) -> int:
         work = result.workload.attention_work
         extra["packing"] = {"ring": ring, "attention_work": work, **packing_summary(args.doc_lengths, seq_len, ring)}
         if not args.longest_context:
-            extra["packing"]["report"] = (f"packed documents do {work:.1%} of an unpacked row's attention work (step "
-                                          f"times above count only that); " + extra["packing"]["report"])
+            extra["packing"]["report"] = (
+                f"packed documents do {work:.1%} of an unpacked row's attention work (step "
+                f"times above count only that); " + extra["packing"]["report"]
+            )
     if args.linear and result is not None and result.recommended is not None:
         extra["linear"] = _linear(args, result)
     if args.json:
         print(json.dumps({**(result.to_dict() if result else {"recommended": None, "ranked": []}), **extra}))
     else:
         if "longest_context" in extra:
-            print(f"Longest context: {extra['longest_context']['seq_len']:,} tokens "
-                  f"(multiple of {args.granularity}) under the plans below\n")
+            print(
+                f"Longest context: {extra['longest_context']['seq_len']:,} tokens "
+                f"(multiple of {args.granularity}) under the plans below\n"
+            )
         print(format_result(result, args.top, space) if result else "Nothing fits even at the granularity.")
         if "packing" in extra:
             print("\n" + extra["packing"]["report"])

@@ -57,23 +57,47 @@ def predict(model_name: str, gpu: str, world: int, granularity: int) -> dict:
     space = SearchSpace(zero_stages=(3,), checkpointing=(False, True))
     found = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space)
     chunked = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space, chunked_loss=True)
-    what_if = longest_context(model, cluster, granularity=granularity, dtype_bytes=2, space=space,
-                              memory_of=loss_at(MEASURED_LOSS_BYTES)).seq_len
-    row = {"model": model_name, "gpu": gpu, "gpus": world, "nodes": world // PER_NODE, "seq_len": found.seq_len,
-           "seq_len_chunked_loss": chunked.seq_len, "seq_len_loss_14b": what_if, "granularity": granularity}
+    what_if = longest_context(
+        model, cluster, granularity=granularity, dtype_bytes=2, space=space, memory_of=loss_at(MEASURED_LOSS_BYTES)
+    ).seq_len
+    row = {
+        "model": model_name,
+        "gpu": gpu,
+        "gpus": world,
+        "nodes": world // PER_NODE,
+        "seq_len": found.seq_len,
+        "seq_len_chunked_loss": chunked.seq_len,
+        "seq_len_loss_14b": what_if,
+        "granularity": granularity,
+    }
     best = found.result.recommended if found.result else None
     if best is None:
         return row
     c, t, m, topology = best.config, best.timing, memory_of(best), best.topology
     assert t is not None and topology is not None  # evaluate() sets every cost of a valid plan
     row.update(
-        dp=c.dp, ulysses=c.ulysses, ring=c.ring, zero_stage=c.zero_stage, checkpointing=c.checkpointing,
-        step_s=best.step_s, tokens_per_s=best.tokens_per_s, mfu=best.mfu(cluster.peak_flops),
-        compute_s=t.compute_s, all_to_all_s=t.all_to_all_s, ring_exposed_s=t.ring_exposed_s,
-        zero_exposed_s=t.zero_exposed_s, all_to_all_crosses_nodes=topology.ulysses_crosses_nodes,
+        dp=c.dp,
+        ulysses=c.ulysses,
+        ring=c.ring,
+        zero_stage=c.zero_stage,
+        checkpointing=c.checkpointing,
+        step_s=best.step_s,
+        tokens_per_s=best.tokens_per_s,
+        mfu=best.mfu(cluster.peak_flops),
+        compute_s=t.compute_s,
+        all_to_all_s=t.all_to_all_s,
+        ring_exposed_s=t.ring_exposed_s,
+        zero_exposed_s=t.zero_exposed_s,
+        all_to_all_crosses_nodes=topology.ulysses_crosses_nodes,
         ring_crosses_nodes=topology.ring_crosses_nodes,
-        memory_gib={"total": m.total / GIB, "model_states": m.model_states / GIB, "activations": m.activations / GIB,
-                    "logits": m.logits / GIB, "workspace": m.workspace / GIB, "usable": best.usable_bytes / GIB},
+        memory_gib={
+            "total": m.total / GIB,
+            "model_states": m.model_states / GIB,
+            "activations": m.activations / GIB,
+            "logits": m.logits / GIB,
+            "workspace": m.workspace / GIB,
+            "usable": best.usable_bytes / GIB,
+        },
     )
     if chunked.result and chunked.result.recommended:
         cc = chunked.result.recommended.config
@@ -94,8 +118,10 @@ def markdown(rows: list[dict]) -> str:
     ]
     for r in rows:
         if "dp" not in r:
-            lines.append(f"| {r['model']} | {r['gpu']} | {r['gpus']} ({r['nodes']}) | nothing fits | | | | | | | | "
-                         f"{r['seq_len_chunked_loss']:,} | {r['seq_len_loss_14b']:,} |")
+            lines.append(
+                f"| {r['model']} | {r['gpu']} | {r['gpus']} ({r['nodes']}) | nothing fits | | | | | | | | "
+                f"{r['seq_len_chunked_loss']:,} | {r['seq_len_loss_14b']:,} |"
+            )
             continue
         m = r["memory_gib"]
         where = " (a2a crosses nodes)" if r["all_to_all_crosses_nodes"] else ""

@@ -141,14 +141,18 @@ def comm_volume(model: ModelSpec, workload: Workload, config: MeshConfig) -> Com
     kv_block = (workload.seq_len // config.ring) * kv_row_bytes(workload.micro_batch, kv_heads, u, d, e, dv)
     sent, read = _mean_ring_blocks(config.ring, workload.seq_len // config.ring, workload.causal)
     return CommVolume(
-        ulysses=u, ring=config.ring, layers=model.num_layers,
+        ulysses=u,
+        ring=config.ring,
+        layers=model.num_layers,
         qkv_bytes=tokens * ((model.num_heads + kv_heads) * d + kv_heads * dv) * e,
         out_bytes=tokens * model.num_heads * dv * e,
         kv_block_bytes=kv_block,
         grad_block_bytes=kv_block,
         forward_passes=2 if config.checkpointing and not workload.forward_only else 1,
         backward=not workload.forward_only,
-        kv_comm=resolved_kv_mode(workload), sent_blocks=sent, read_blocks=read,
+        kv_comm=resolved_kv_mode(workload),
+        sent_blocks=sent,
+        read_blocks=read,
     )
 
 

@@ -81,8 +81,17 @@ def exposed(transfer: float, compute: float) -> float:
     return max(0.0, transfer - compute)
 
 
-def p2p_ring_timing(r: int, kv_x: float, grad_x: float, latency: float, fwd_c: float, backward: bool,
-                    passes: int, layers: int, link: str) -> RingTiming:
+def p2p_ring_timing(
+    r: int,
+    kv_x: float,
+    grad_x: float,
+    latency: float,
+    fwd_c: float,
+    backward: bool,
+    passes: int,
+    layers: int,
+    link: str,
+) -> RingTiming:
     """The ring formulas of the module docstring (``kv_x``, ``grad_x``: bytes / bandwidth)."""
     bwd_c, o = 2.5 * fwd_c, CALL_OVERHEAD_S
     forward = (r - 1) * (exposed(kv_x + latency, fwd_c) + o)
@@ -90,15 +99,32 @@ def p2p_ring_timing(r: int, kv_x: float, grad_x: float, latency: float, fwd_c: f
     if backward and r == 2:
         back = exposed(kv_x + latency, bwd_c) + grad_x + latency + o
     elif backward:
-        back = (2 * exposed(kv_x + latency, bwd_c) + (r - 3) * exposed(kv_x + grad_x + latency, bwd_c)
-                + exposed(grad_x + latency, bwd_c) + grad_x + latency + (r - 1) * o)
+        back = (
+            2 * exposed(kv_x + latency, bwd_c)
+            + (r - 3) * exposed(kv_x + grad_x + latency, bwd_c)
+            + exposed(grad_x + latency, bwd_c)
+            + grad_x
+            + latency
+            + (r - 1) * o
+        )
     bwd_x = (kv_x + grad_x if r > 2 else max(kv_x, grad_x)) + latency
-    return RingTiming(link, fwd_c, kv_x + latency, bwd_c, bwd_x if backward else 0.0,
-                      layers * (passes * forward + back))
+    return RingTiming(
+        link, fwd_c, kv_x + latency, bwd_c, bwd_x if backward else 0.0, layers * (passes * forward + back)
+    )
 
 
-def allgather_timing(r: int, chunks: int, kv_x: float, grad_x: float, latency: float, fwd_c: float,
-                     backward: bool, passes: int, layers: int, link: str) -> RingTiming:
+def allgather_timing(
+    r: int,
+    chunks: int,
+    kv_x: float,
+    grad_x: float,
+    latency: float,
+    fwd_c: float,
+    backward: bool,
+    passes: int,
+    layers: int,
+    link: str,
+) -> RingTiming:
     """The all-gather formulas of the module docstring (``kv_x``, ``grad_x``: one block / bandwidth)."""
     rounds = latency * math.ceil(math.log2(r))
     gather, reduce = (r - 1) * kv_x / chunks + rounds, (r - 1) * grad_x / chunks + rounds
@@ -108,8 +134,15 @@ def allgather_timing(r: int, chunks: int, kv_x: float, grad_x: float, latency: f
     back = 0.0
     if backward:
         back = exposed(gather, bwd_c) + (chunks - 1) * exposed(gather + reduce, 2.5 * chunk_c) + reduce + o
-    return RingTiming(link, chunk_c, gather, 2.5 * chunk_c, gather + reduce if backward else 0.0,
-                      layers * (passes * forward + back), mode="allgather")
+    return RingTiming(
+        link,
+        chunk_c,
+        gather,
+        2.5 * chunk_c,
+        gather + reduce if backward else 0.0,
+        layers * (passes * forward + back),
+        mode="allgather",
+    )
 
 
 def planner_chunks(workload: Workload, config: MeshConfig) -> int:
@@ -117,8 +150,9 @@ def planner_chunks(workload: Workload, config: MeshConfig) -> int:
     return default_kv_chunks(config.ring, workload.seq_len // config.ring)
 
 
-def kv_workspace_bytes(mode: str, kv_block: int, grad_block: int, dtype_bytes: int, ring: int, chunks: int,
-                       backward: bool) -> int:
+def kv_workspace_bytes(
+    mode: str, kv_block: int, grad_block: int, dtype_bytes: int, ring: int, chunks: int, backward: bool
+) -> int:
     """Transient K/V transport memory of one attention call (module docstring)."""
     if ring == 1:
         return 0
@@ -128,8 +162,7 @@ def kv_workspace_bytes(mode: str, kv_block: int, grad_block: int, dtype_bytes: i
     return 2 * kv_block + (round(grad_block * FP32 / dtype_bytes) + 2 * grad_block if backward else 0)
 
 
-def kv_timing(workload: Workload, config: MeshConfig, volume, link: str, bandwidth: float,
-              fwd_c: float) -> RingTiming:
+def kv_timing(workload: Workload, config: MeshConfig, volume, link: str, bandwidth: float, fwd_c: float) -> RingTiming:
     """The exposed K/V time of ``volume.kv_comm`` for one step of one rank."""
     kv_x, grad_x = volume.kv_block_bytes / bandwidth, volume.grad_block_bytes / bandwidth
     args = (kv_x, grad_x, STEP_LATENCY_S[link], fwd_c, volume.backward, volume.forward_passes, volume.layers, link)

@@ -146,9 +146,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def model_state_bytes(model: ModelSpec, zero_stage: int, shards: int, forward_only: bool, dtype_bytes: int = 2,
-                      optimizer_offload: bool = False, param_offload: bool = False,
-                      prefetch_bucket: int | None = None) -> tuple[int, ...]:
+def model_state_bytes(
+    model: ModelSpec,
+    zero_stage: int,
+    shards: int,
+    forward_only: bool,
+    dtype_bytes: int = 2,
+    optimizer_offload: bool = False,
+    param_offload: bool = False,
+    prefetch_bucket: int | None = None,
+) -> tuple[int, ...]:
     """(params, grads, optimizer, gathered) device bytes: e + e + 12 per param, ZeRO-partitioned.
 
     Stage 1 partitions the optimizer states, 2 adds gradients, 3 adds parameters (and then
@@ -163,8 +170,9 @@ def model_state_bytes(model: ModelSpec, zero_stage: int, shards: int, forward_on
         params = 0
     unit = max(model.layer_params, model.embedding_params)
     ahead = unit if prefetch_bucket is None else max(unit, prefetch_bucket)
-    gathered = e * min(psi if prefetch_bucket is not None else 2 * unit, unit + ahead) \
-        if zero_stage == 3 and shards > 1 else 0
+    gathered = (
+        e * min(psi if prefetch_bucket is not None else 2 * unit, unit + ahead) if zero_stage == 3 and shards > 1 else 0
+    )
     if forward_only:
         return params, 0, 0, gathered
     grads = _ceil_div(e * psi, shards) if zero_stage >= 2 else e * psi
@@ -209,8 +217,11 @@ def attention_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int) 
     hd, hdv = model.num_heads * model.head_dim, model.num_heads * model.value_head_dim
     kv_heads = expanded_kv_heads(model, ulysses)
     o_proj_input = hdv * dtype_bytes if ulysses > 1 else 0
-    return (dtype_bytes * (hd + hdv + kv_heads * (model.head_dim + model.value_head_dim)) + o_proj_input
-            + FP32 * model.num_heads)
+    return (
+        dtype_bytes * (hd + hdv + kv_heads * (model.head_dim + model.value_head_dim))
+        + o_proj_input
+        + FP32 * model.num_heads
+    )
 
 
 def mlp_bytes_per_token(model: ModelSpec, dtype_bytes: int, tiled: bool = False) -> int:
@@ -218,17 +229,20 @@ def mlp_bytes_per_token(model: ModelSpec, dtype_bytes: int, tiled: bool = False)
     return 0 if tiled else 4 * model.intermediate_size * dtype_bytes
 
 
-def layer_activation_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int, tiled_mlp: bool = False,
-                                     lean_norms: bool = False) -> int:
+def layer_activation_bytes_per_token(
+    model: ModelSpec, ulysses: int, dtype_bytes: int, tiled_mlp: bool = False, lean_norms: bool = False
+) -> int:
     """Saved tensors of one Llama layer per local token: 2 norms + attention + MLP."""
-    return (2 * norm_bytes_per_token(model, dtype_bytes, lean_norms)
-            + attention_bytes_per_token(model, ulysses, dtype_bytes) + mlp_bytes_per_token(model, dtype_bytes, tiled_mlp))
+    return (
+        2 * norm_bytes_per_token(model, dtype_bytes, lean_norms)
+        + attention_bytes_per_token(model, ulysses, dtype_bytes)
+        + mlp_bytes_per_token(model, dtype_bytes, tiled_mlp)
+    )
 
 
 def outside_layers_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean_norms: bool = False) -> int:
     """G: the final norm, RoPE cos/sin (one copy for all layers), token ids and labels."""
-    return (norm_bytes_per_token(model, dtype_bytes, lean_norms) + 2 * model.head_dim * dtype_bytes
-            + IDS_BYTES_PER_TOKEN)
+    return norm_bytes_per_token(model, dtype_bytes, lean_norms) + 2 * model.head_dim * dtype_bytes + IDS_BYTES_PER_TOKEN
 
 
 def checkpoint_alias_bytes_per_token(model: ModelSpec, workload: Workload) -> int:
@@ -299,8 +313,15 @@ def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: Mesh
     tokens = local_tokens(workload, config)
     accumulators = tokens * model.num_heads * (model.value_head_dim + 1) * FP32
     a2a = 2 * volume.qkv_bytes if config.ulysses > 1 else 0
-    ring = kv_workspace_bytes(volume.kv_comm, volume.kv_block_bytes, volume.grad_block_bytes, workload.dtype_bytes,
-                              config.ring, planner_chunks(workload, config), not workload.forward_only)
+    ring = kv_workspace_bytes(
+        volume.kv_comm,
+        volume.kv_block_bytes,
+        volume.grad_block_bytes,
+        workload.dtype_bytes,
+        config.ring,
+        planner_chunks(workload, config),
+        not workload.forward_only,
+    )
     return accumulators + max(a2a, ring)  # one after the other, never both (docstring)
 
 
@@ -319,7 +340,9 @@ def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tu
     layer = tokens * layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp, tech.lean_norms)
     if config.checkpointing:
         layer -= tokens * checkpoint_alias_bytes_per_token(model, workload)
-    mlp_region = tokens * (norm_bytes_per_token(model, e, tech.lean_norms) + mlp_bytes_per_token(model, e, tech.tiled_mlp))
+    mlp_region = tokens * (
+        norm_bytes_per_token(model, e, tech.lean_norms) + mlp_bytes_per_token(model, e, tech.tiled_mlp)
+    )
     layers = layer if config.checkpointing else model.num_layers * layer
     outside = tokens * outside_layers_bytes_per_token(model, e, tech.lean_norms)
     flow = tokens * model.hidden_size * e
@@ -332,8 +355,13 @@ def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tu
         ("loss", at_loss + outside + loss, at_loss + outside, loss, 0),
         head_backward_phase(model, workload, config, at_loss + outside),
         ("mlp backward", layers + flow + mlp + staged + regather, layers + flow, 0, mlp + staged + regather),
-        ("attention backward", layers - mlp_region + flow + attention + staged + regather, layers - mlp_region + flow,
-         0, attention + staged + regather),
+        (
+            "attention backward",
+            layers - mlp_region + flow + attention + staged + regather,
+            layers - mlp_region + flow,
+            0,
+            attention + staged + regather,
+        ),
     ]
     reduction = reduction_bytes(model, workload, config)
     if reduction:
@@ -394,24 +422,50 @@ def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> Memo
     """Peak bytes of one rank (module docstring) and its offloaded host bytes."""
     tech = workload.techniques
     params, grads, optimizer, gathered = model_state_bytes(
-        model, config.zero_stage, config.world_size, workload.forward_only, workload.dtype_bytes,
-        tech.optimizer_offload, tech.param_offload, tech.prefetch_bucket,
+        model,
+        config.zero_stage,
+        config.world_size,
+        workload.forward_only,
+        workload.dtype_bytes,
+        tech.optimizer_offload,
+        tech.param_offload,
+        tech.prefetch_bucket,
     )
     host_optimizer, host_params = host_state_bytes(model, workload, config)
-    states = dict(params=params, grads=grads, optimizer=optimizer, gathered_params=gathered,
-                  engine_state=engine_state_bytes(workload, config), host_optimizer=host_optimizer,
-                  host_params=host_params)
+    states = dict(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        gathered_params=gathered,
+        engine_state=engine_state_bytes(workload, config),
+        host_optimizer=host_optimizer,
+        host_params=host_params,
+    )
     if workload.forward_only:
         tokens, e = local_tokens(workload, config), workload.dtype_bytes
-        saved = tokens * (layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp)
-                          + 2 * model.hidden_size * e)
+        saved = tokens * (
+            layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp) + 2 * model.hidden_size * e
+        )
         loss, workspace = loss_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)
-        return MemoryUse(activations=saved, logits=loss, workspace=workspace, peak_phase="forward",
-                         phases=(("forward", saved + loss + workspace),), **states)
+        return MemoryUse(
+            activations=saved,
+            logits=loss,
+            workspace=workspace,
+            peak_phase="forward",
+            phases=(("forward", saved + loss + workspace),),
+            **states,
+        )
     device_ckpt, host_ckpt = checkpoint_bytes(model, workload, config)
     phases = _phases(model, workload, config)
     held = {phase[0]: 0 if phase[0] in AFTER_LAYERS_BACKWARD else device_ckpt for phase in phases}
     name, _, saved, loss, transient = max(phases, key=lambda phase: phase[1] + held[phase[0]])
-    return MemoryUse(activations=saved, logits=loss, workspace=transient, checkpoints=held[name],
-                     host_activations=host_ckpt, peak_phase=name,
-                     phases=tuple((phase[0], phase[1]) for phase in phases), **states)
+    return MemoryUse(
+        activations=saved,
+        logits=loss,
+        workspace=transient,
+        checkpoints=held[name],
+        host_activations=host_ckpt,
+        peak_phase=name,
+        phases=tuple((phase[0], phase[1]) for phase in phases),
+        **states,
+    )

@@ -66,7 +66,9 @@ def packing_traffic(doc_lengths: list[int], seq_len: int, ring: int) -> dict[str
     """K/V rows one ring pass ships (full causal; the same rows travel again in the backward) under
     ``zigzag`` and ``balanced``, and ``floor_105``: the fewest any layout within 5% balance ships."""
     seq_len, bounds = _packed_row(doc_lengths, seq_len, ring)
-    rows = {name: hull_rows(get_layout(name).slot_runs(seq_len, ring, bounds), bounds) for name in ("zigzag", "balanced")}
+    rows = {
+        name: hull_rows(get_layout(name).slot_runs(seq_len, ring, bounds), bounds) for name in ("zigzag", "balanced")
+    }
     return {**rows, "floor_105": kv_rows_lower_bound(bounds, seq_len, ring, 1.05)}
 
 
@@ -75,8 +77,11 @@ def packing_summary(doc_lengths: list[int], seq_len: int, ring: int, window: int
     with a window) and ``report``: one paragraph on what ``layout="balanced"`` buys and costs."""
     ratio = packing_imbalance(doc_lengths, seq_len, ring, window)
     rows = packing_traffic(doc_lengths, seq_len, ring) if window is None else None
-    report = ("packed documents: a ring of one has no imbalance (every layout is the same)" if ring == 1
-              else _report(doc_lengths, ring, ratio, rows))
+    report = (
+        "packed documents: a ring of one has no imbalance (every layout is the same)"
+        if ring == 1
+        else _report(doc_lengths, ring, ratio, rows)
+    )
     return {**ratio, "kv_rows": rows, "report": report}
 
 
@@ -90,12 +95,20 @@ def _report(doc_lengths: list[int], ring: int, ratio: dict, rows: dict | None) -
     gain = ratio["zigzag"] / ratio["balanced"]
     traffic = ""
     if rows and rows["zigzag"]:
-        floor = (f" (no layout within 5% balance ships under {rows['floor_105'] / rows['zigzag']:.2f}x)"
-                 if rows["floor_105"] else "")
-        traffic = (f"; it ships {rows['balanced'] / rows['zigzag']:.2f}x zigzag's K/V rows per ring pass{floor}, "
-                   f"which matters only where the ring's transfers are not hidden behind attention")
-    return (f"packed documents (lengths {doc_lengths[:6]}{'...' if len(doc_lengths) > 6 else ''}, ring {ring}): "
-            f"the busiest ring rank does {ratio['zigzag']:.2f}x the mean attention work with layout='zigzag', "
-            f"{ratio['balanced']:.2f}x with layout='balanced': the ring's attention runs {gain:.2f}x faster with "
-            f"'balanced'" + (" (pick it: hybridsp.init_mesh(..., layout='balanced') or \"layout\": \"balanced\")"
-                             if gain > 1.02 else "") + traffic)
+        floor = (
+            f" (no layout within 5% balance ships under {rows['floor_105'] / rows['zigzag']:.2f}x)"
+            if rows["floor_105"]
+            else ""
+        )
+        traffic = (
+            f"; it ships {rows['balanced'] / rows['zigzag']:.2f}x zigzag's K/V rows per ring pass{floor}, "
+            f"which matters only where the ring's transfers are not hidden behind attention"
+        )
+    return (
+        f"packed documents (lengths {doc_lengths[:6]}{'...' if len(doc_lengths) > 6 else ''}, ring {ring}): "
+        f"the busiest ring rank does {ratio['zigzag']:.2f}x the mean attention work with layout='zigzag', "
+        f"{ratio['balanced']:.2f}x with layout='balanced': the ring's attention runs {gain:.2f}x faster with "
+        f"'balanced'"
+        + (' (pick it: hybridsp.init_mesh(..., layout=\'balanced\') or "layout": "balanced")' if gain > 1.02 else "")
+        + traffic
+    )

@@ -85,8 +85,14 @@ def _preference(plan: CandidatePlan, headroom: float = 0.0) -> tuple:
     """Among equally fast plans: Ulysses inside a node, larger U, ``headroom`` of memory left
     free, then the faster, then lower ZeRO stage and no recompute."""
     cramped = memory_of(plan).total > (1 - headroom) * plan.usable_bytes
-    return (not plan.ulysses_inside_node, -plan.config.ulysses, cramped, plan.seconds_per_sequence,
-            plan.config.zero_stage, plan.config.checkpointing)
+    return (
+        not plan.ulysses_inside_node,
+        -plan.config.ulysses,
+        cramped,
+        plan.seconds_per_sequence,
+        plan.config.zero_stage,
+        plan.config.checkpointing,
+    )
 
 
 def recommend(plans: list[CandidatePlan], tie_tolerance: float = 0.02, headroom: float = 0.10) -> CandidatePlan | None:
@@ -113,7 +119,9 @@ class PlanResult:
 
     def to_dict(self) -> dict:
         return {
-            "model": asdict(self.model), "cluster": asdict(self.cluster), "workload": asdict(self.workload),
+            "model": asdict(self.model),
+            "cluster": asdict(self.cluster),
+            "workload": asdict(self.workload),
             "recommended": self.recommended.to_dict() if self.recommended else None,
             "ranked": [plan.summary() for plan in self.ranked],
             "rejected": [plan.summary() for plan in self.rejected],
@@ -123,8 +131,9 @@ class PlanResult:
 def _ranked(plans: list[CandidatePlan], recommended: CandidatePlan | None) -> tuple[CandidatePlan, ...]:
     """The recommendation, the other fitting plans by speed, then the rest by memory needed."""
     fitting = sorted((p for p in plans if p.fits and p is not recommended), key=_preference_by_speed)
-    too_big = sorted((p for p in plans if p.valid and not p.fits),
-                     key=lambda p: (memory_of(p).total, p.seconds_per_sequence))
+    too_big = sorted(
+        (p for p in plans if p.valid and not p.fits), key=lambda p: (memory_of(p).total, p.seconds_per_sequence)
+    )
     return (*([recommended] if recommended else []), *fitting, *too_big)
 
 
@@ -153,8 +162,11 @@ class LongestContext:
     result: PlanResult | None
 
     def to_dict(self) -> dict:
-        return {"seq_len": self.seq_len, "granularity": self.granularity,
-                "plan": self.result.to_dict() if self.result else None}
+        return {
+            "seq_len": self.seq_len,
+            "granularity": self.granularity,
+            "plan": self.result.to_dict() if self.result else None,
+        }
 
 
 def _sequence_step(granularity: int, ulysses: int, ring: int) -> int:
@@ -162,17 +174,18 @@ def _sequence_step(granularity: int, ulysses: int, ring: int) -> int:
     return math.lcm(granularity, ring * math.lcm(2, ulysses))
 
 
-def _fits(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig,
-          memory_of=memory_use) -> bool:
+def _fits(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig, memory_of=memory_use) -> bool:
     if mesh_problems(model, workload, cluster, config):
         return False
     memory = memory_of(model, workload, config)
     return memory.total <= cluster.usable_bytes and memory.host <= cluster.host_bytes_per_gpu
 
 
-def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig, step: int,
-                 memory_of=memory_use) -> int:
+def _longest_for(
+    model: ModelSpec, workload: Workload, cluster: ClusterSpec, config: MeshConfig, step: int, memory_of=memory_use
+) -> int:
     """Largest multiple of ``step`` that fits with ``config`` (memory grows with S), or 0."""
+
     def fits(k: int) -> bool:
         return _fits(model, replace(workload, seq_len=k * step), cluster, config, memory_of)
 
@@ -190,9 +203,18 @@ def _longest_for(model: ModelSpec, workload: Workload, cluster: ClusterSpec, con
 
 
 def longest_context(
-    model: ModelSpec, cluster: ClusterSpec, *, granularity: int = 1024, micro_batch: int = 1,
-    forward_only: bool = False, chunked_loss: bool = False, dtype_bytes: int = 2, causal: bool = True,
-    space: SearchSpace | None = None, techniques: Techniques | None = None, memory_of=memory_use,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    granularity: int = 1024,
+    micro_batch: int = 1,
+    forward_only: bool = False,
+    chunked_loss: bool = False,
+    dtype_bytes: int = 2,
+    causal: bool = True,
+    space: SearchSpace | None = None,
+    techniques: Techniques | None = None,
+    memory_of=memory_use,
 ) -> LongestContext:
     """The largest ``seq_len`` (a multiple of ``granularity``) that fits in memory (device and
     host) under some plan, with the ranked plans at that length (their recommendation fits by
@@ -202,8 +224,9 @@ def longest_context(
     if not isinstance(granularity, int) or granularity < 1:
         raise ValueError(f"granularity must be a positive integer; got {granularity!r}")
     space = space or SearchSpace()
-    workload = Workload(granularity, micro_batch, forward_only, causal, dtype_bytes, chunked_loss,
-                        techniques or Techniques())
+    workload = Workload(
+        granularity, micro_batch, forward_only, causal, dtype_bytes, chunked_loss, techniques or Techniques()
+    )
     longest = 0
     for dp, u, r in degree_triples(cluster.world_size):
         if not space.admits(dp, u, r) or not heads_divisible(model.num_heads, u):
@@ -215,8 +238,15 @@ def longest_context(
         return LongestContext(0, granularity, None)
     return LongestContext(longest, granularity, plan(model, replace(workload, seq_len=longest), cluster, space))
 
-def _by_cost(candidates: list[int], context: int, model: ModelSpec, workload: Workload, cluster: ClusterSpec,
-             tie_tolerance: float) -> int:
+
+def _by_cost(
+    candidates: list[int],
+    context: int,
+    model: ModelSpec,
+    workload: Workload,
+    cluster: ClusterSpec,
+    tie_tolerance: float,
+) -> int:
     """The candidate with the least modelled step time (only attention differs at fixed C);
     ties within ``tie_tolerance`` go to a larger U inside a node."""
     dp = cluster.world_size // context
@@ -228,10 +258,20 @@ def _by_cost(candidates: list[int], context: int, model: ModelSpec, workload: Wo
 
 
 def plan_degrees(
-    world_size: int, local_world_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-    seq_len: int | None = None, *, context_size: int | None = None, ulysses: int | None = None,
-    ring: int | None = None, micro_batch: int = 1, cluster: ClusterSpec | None = None,
-    model: ModelSpec | None = None, tie_tolerance: float = 0.02,
+    world_size: int,
+    local_world_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_len: int | None = None,
+    *,
+    context_size: int | None = None,
+    ulysses: int | None = None,
+    ring: int | None = None,
+    micro_batch: int = 1,
+    cluster: ClusterSpec | None = None,
+    model: ModelSpec | None = None,
+    tie_tolerance: float = 0.02,
 ) -> tuple[int, int]:
     """``(ulysses, ring)`` for a context group of ``context_size`` ranks (default: the whole world).
 
@@ -253,13 +293,24 @@ def plan_degrees(
                 f"world {world_size} with {local_world_size} per node"
             )
         if model is not None and (model.num_heads, model.num_kv_heads, model.head_dim) != (
-                num_heads, num_kv_heads, head_dim):
+            num_heads,
+            num_kv_heads,
+            head_dim,
+        ):
             raise ValueError(
                 f"model {model.name} has heads/kv heads/head dim {model.num_heads}/{model.num_kv_heads}/"
                 f"{model.head_dim}, not {num_heads}/{num_kv_heads}/{head_dim}"
             )
-        model = model or ModelSpec(num_heads, num_kv_heads, head_dim, num_heads * head_dim, 4 * num_heads * head_dim,
-                                   1, 1, name="attention-only")
+        model = model or ModelSpec(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            num_heads * head_dim,
+            4 * num_heads * head_dim,
+            1,
+            1,
+            name="attention-only",
+        )
         workload = Workload(seq_len, micro_batch)
         chosen = _by_cost(candidates, context, model, workload, cluster, tie_tolerance)
         return chosen, context // chosen

@@ -42,15 +42,19 @@ class ModelSpec:
 
     def __post_init__(self):
         _require_positive_ints(
-            self, "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size", "num_layers",
+            self,
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
             "vocab_size",
         )
         if self.v_head_dim is not None:
             _require_positive_ints(self, "v_head_dim")
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(
-                f"query heads ({self.num_heads}) must be a multiple of K/V heads ({self.num_kv_heads})"
-            )
+            raise ValueError(f"query heads ({self.num_heads}) must be a multiple of K/V heads ({self.num_kv_heads})")
 
     @property
     def value_head_dim(self) -> int:
@@ -119,8 +123,17 @@ class ClusterSpec:
 
     def __post_init__(self):
         _require_positive_ints(self, "nodes", "gpus_per_node")
-        _require_positive_numbers(self, "intra_bw", "inter_bw", "peak_flops", "memory_bytes", "efficiency",
-                                  "host_memory_bytes", "host_bw", "host_adam_params_per_s")
+        _require_positive_numbers(
+            self,
+            "intra_bw",
+            "inter_bw",
+            "peak_flops",
+            "memory_bytes",
+            "efficiency",
+            "host_memory_bytes",
+            "host_bw",
+            "host_adam_params_per_s",
+        )
         if self.efficiency > 1:
             raise ValueError(f"efficiency is a fraction of peak in (0, 1]; got {self.efficiency}")
         if not 0 <= self.reserved_bytes < self.memory_bytes:
@@ -239,15 +252,22 @@ def preset_cluster(
     gpu: str, nodes: int, gpus_per_node: int, intra: str = "nvlink", inter: str = "ib", **overrides
 ) -> ClusterSpec:
     """A :class:`ClusterSpec` from preset names; keyword ``overrides`` replace any field."""
-    for value, known, what in ((gpu, GPUS, "gpu"), (intra, INTRA_LINKS, "intra-node link"),
-                               (inter, INTER_LINKS, "inter-node link")):
+    for value, known, what in (
+        (gpu, GPUS, "gpu"),
+        (intra, INTRA_LINKS, "intra-node link"),
+        (inter, INTER_LINKS, "inter-node link"),
+    ):
         if value not in known:
             raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(known)}")
     preset = GPUS[gpu]
     cluster = ClusterSpec(
-        nodes=nodes, gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
         intra_bw=preset.nvlink_bw if intra == "nvlink" else preset.pcie_bw,
-        inter_bw=INTER_LINKS[inter], peak_flops=preset.peak_flops, memory_bytes=preset.memory_bytes,
-        name=f"{nodes}x{gpus_per_node} {gpu} {intra}/{inter}", host_bw=preset.pcie_bw,
+        inter_bw=INTER_LINKS[inter],
+        peak_flops=preset.peak_flops,
+        memory_bytes=preset.memory_bytes,
+        name=f"{nodes}x{gpus_per_node} {gpu} {intra}/{inter}",
+        host_bw=preset.pcie_bw,
     )
     return replace(cluster, **overrides) if overrides else cluster

@@ -68,8 +68,16 @@ def param_bytes_per_rank(model: ModelSpec, tensor: int, dtype_bytes: int = 2) ->
     return (split // tensor + whole) * dtype_bytes
 
 
-def inference_option(model: ModelSpec, cluster: ClusterSpec, tokens: int, tensor: int, ulysses: int, ring: int,
-                     dtype_bytes: int = 2, sequence_parallel: bool = False) -> TensorOption:
+def inference_option(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    tokens: int,
+    tensor: int,
+    ulysses: int,
+    ring: int,
+    dtype_bytes: int = 2,
+    sequence_parallel: bool = False,
+) -> TensorOption:
     """Memory and prefill time per rank of one prompt of ``tokens`` on ``tensor x ulysses x ring`` ranks
     (``sequence_parallel``: the prefill keeps the hidden states on 1/T of the tokens; same TP bytes)."""
     e, h, d, layers = dtype_bytes, model.hidden_size, model.head_dim, model.num_layers
@@ -88,12 +96,30 @@ def inference_option(model: ModelSpec, cluster: ClusterSpec, tokens: int, tensor
     a2a = layers * 4 * local * heads * d * e * (ulysses - 1) / ulysses
     link = cluster.intra_bw if tensor * ulysses <= cluster.gpus_per_node else cluster.inter_bw
     fits = params + kv_cache + activations <= cluster.usable_bytes
-    return TensorOption(tensor, ulysses, ring, params, kv_cache, activations, fits, compute_s, tp_comm_s,
-                        a2a / link, tp_bytes, sequence_parallel and tensor > 1)
+    return TensorOption(
+        tensor,
+        ulysses,
+        ring,
+        params,
+        kv_cache,
+        activations,
+        fits,
+        compute_s,
+        tp_comm_s,
+        a2a / link,
+        tp_bytes,
+        sequence_parallel and tensor > 1,
+    )
 
 
-def inference_options(model: ModelSpec, cluster: ClusterSpec, tokens: int, dtype_bytes: int = 2,
-                      tensor: int | None = None, sequence_parallel: bool = False) -> list[TensorOption]:
+def inference_options(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    tokens: int,
+    dtype_bytes: int = 2,
+    tensor: int | None = None,
+    sequence_parallel: bool = False,
+) -> list[TensorOption]:
     """Every valid (T, U, R) on the whole cluster (T and U dividing the heads, T inside a node and
     dividing the K/V heads); ``tensor`` fixes T. Sorted: fitting first, then by prefill time."""
     world, options = cluster.world_size, []
@@ -102,20 +128,24 @@ def inference_options(model: ModelSpec, cluster: ClusterSpec, tokens: int, dtype
             continue
         for u in _divisors(world // t):
             if (model.num_heads // t) % u == 0:
-                options.append(inference_option(model, cluster, tokens, t, u, world // (t * u), dtype_bytes,
-                                                sequence_parallel))
+                options.append(
+                    inference_option(model, cluster, tokens, t, u, world // (t * u), dtype_bytes, sequence_parallel)
+                )
     return sorted(options, key=lambda o: (not o.fits, o.prefill_s))
 
 
-def recommend_inference(model: ModelSpec, cluster: ClusterSpec, tokens: int, dtype_bytes: int = 2,
-                        sequence_parallel: bool = False) -> TensorOption:
+def recommend_inference(
+    model: ModelSpec, cluster: ClusterSpec, tokens: int, dtype_bytes: int = 2, sequence_parallel: bool = False
+) -> TensorOption:
     """The fastest fitting mesh (T may be 1); ValueError naming the smallest need when nothing fits."""
     options = inference_options(model, cluster, tokens, dtype_bytes, sequence_parallel=sequence_parallel)
     if not options or not options[0].fits:
         least = min(options, key=lambda o: o.memory) if options else None
         need = f"; the least memory is {least.memory / 2**30:.1f} GiB per rank at T={least.tensor}" if least else ""
-        raise ValueError(f"{model.name} with {tokens:,} tokens does not fit {cluster.name} "
-                         f"({cluster.usable_bytes / 2**30:.1f} GiB usable per rank){need}")
+        raise ValueError(
+            f"{model.name} with {tokens:,} tokens does not fit {cluster.name} "
+            f"({cluster.usable_bytes / 2**30:.1f} GiB usable per rank){need}"
+        )
     return options[0]
 
 

@@ -93,8 +93,7 @@ def _all_to_all_op_seconds(tensor_bytes: int, ulysses: int, topology: Topology, 
     the slowest rank decides."""
     chunk = tensor_bytes / ulysses
     return max(
-        max(same * chunk / cluster.intra_bw, other * chunk / cluster.inter_bw)
-        for same, other in topology.ulysses_peers
+        max(same * chunk / cluster.intra_bw, other * chunk / cluster.inter_bw) for same, other in topology.ulysses_peers
     )
 
 
@@ -110,7 +109,11 @@ def all_to_all_seconds(volume: CommVolume, topology: Topology, cluster: ClusterS
 
 
 def ring_timing(
-    model: ModelSpec, workload: Workload, config: MeshConfig, volume: CommVolume, topology: Topology,
+    model: ModelSpec,
+    workload: Workload,
+    config: MeshConfig,
+    volume: CommVolume,
+    topology: Topology,
     cluster: ClusterSpec,
 ) -> RingTiming | None:
     """Overlap of the K/V transport (``volume.kv_comm``) with the ring's compute; ``None`` for a
@@ -126,8 +129,9 @@ def ring_timing(
     return kv_timing(workload, config, volume, link, bandwidth, fwd_c)
 
 
-def offload_timing(model: ModelSpec, workload: Workload, config: MeshConfig, cluster: ClusterSpec,
-                   flops: Flops) -> tuple[float, int]:
+def offload_timing(
+    model: ModelSpec, workload: Workload, config: MeshConfig, cluster: ClusterSpec, flops: Flops
+) -> tuple[float, int]:
     """(exposed seconds, PCIe bytes) of one step's offload traffic for one rank.
 
     Activation offload: each offloaded layer input (T h e) goes to host while the next layer's
@@ -164,7 +168,11 @@ def offload_timing(model: ModelSpec, workload: Workload, config: MeshConfig, clu
 
 
 def step_timing(
-    model: ModelSpec, workload: Workload, config: MeshConfig, topology: Topology, cluster: ClusterSpec,
+    model: ModelSpec,
+    workload: Workload,
+    config: MeshConfig,
+    topology: Topology,
+    cluster: ClusterSpec,
     flops: Flops | None = None,
 ) -> Timing:
     """Compute / efficiency + all-to-alls + exposed ring + exposed ZeRO traffic.
@@ -187,5 +195,6 @@ def step_timing(
         ring=ring_timing(model, workload, config, volume, topology, cluster),
         zero_comm_s=overlapped + after_step,
         zero_exposed_s=_exposed(overlapped, window) + after_step,
-        offload_s=offload_s, host_traffic_bytes=host_traffic,
+        offload_s=offload_s,
+        host_traffic_bytes=host_traffic,
     )

@@ -36,8 +36,11 @@ HEAD_NORMS = ("q_norm", "k_norm")
 
 
 def _head_dim(attention: nn.Module, config) -> int:
-    return getattr(attention, "head_dim", None) or getattr(config, "head_dim", None) or (
-        config.hidden_size // config.num_attention_heads)
+    return (
+        getattr(attention, "head_dim", None)
+        or getattr(config, "head_dim", None)
+        or (config.hidden_size // config.num_attention_heads)
+    )
 
 
 def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Callable[[str, TensorSplit, object], None]:
@@ -45,8 +48,10 @@ def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Cal
     return the function that splits it: ``split(prefix, plan, group)``; ``o_proj`` is left to the caller
     (row-parallel)."""
     if not isinstance(getattr(attention, "o_proj", None), nn.Linear):
-        raise ValueError(f"{where} ({type(attention).__name__}) has no o_proj linear: tensor_parallel splits "
-                         f"attention whose output projection is o_proj")
+        raise ValueError(
+            f"{where} ({type(attention).__name__}) has no o_proj linear: tensor_parallel splits "
+            f"attention whose output projection is o_proj"
+        )
     if hasattr(attention, "kv_b_proj"):
         column, shared = _mla_parts(attention, where)
     elif hasattr(attention, "qkv_proj"):
@@ -54,8 +59,10 @@ def plan_attention(attention: nn.Module, config, tensor: int, where: str) -> Cal
     else:
         missing = [n for n in STANDARD if not isinstance(getattr(attention, n, None), nn.Linear)]
         if missing:
-            raise ValueError(f"{where} ({type(attention).__name__}) has no {', '.join(missing)}: tensor_parallel "
-                             f"knows q/k/v_proj, a fused qkv_proj and MLA's q(_b)_proj/kv_b_proj")
+            raise ValueError(
+                f"{where} ({type(attention).__name__}) has no {', '.join(missing)}: tensor_parallel "
+                f"knows q/k/v_proj, a fused qkv_proj and MLA's q(_b)_proj/kv_b_proj"
+            )
         column, shared = dict.fromkeys(STANDARD), ()
     per_head, over_width = _check_head_norms(attention, config, where)
     _refuse_unknown(attention, (*column, "o_proj", "sinks", *shared, *per_head, *over_width), where)
@@ -90,8 +97,9 @@ def _fused_qkv_blocks(attention: nn.Module, config) -> tuple[int, int, int]:
     blocks = (config.num_attention_heads * dim, kv * dim, kv * dim)
     rows = cast(nn.Linear, attention.qkv_proj).out_features
     if sum(blocks) != rows:
-        raise ValueError(f"qkv_proj has {rows} rows, not H*D + 2*Hkv*D = {' + '.join(map(str, blocks))}: "
-                         f"its layout is not q | k | v")
+        raise ValueError(
+            f"qkv_proj has {rows} rows, not H*D + 2*Hkv*D = {' + '.join(map(str, blocks))}: its layout is not q | k | v"
+        )
     return blocks
 
 
@@ -113,15 +121,18 @@ def _check_head_norms(attention: nn.Module, config, where: str) -> tuple[tuple[s
             raise ValueError(
                 f"{where}.{name} ({type(norm).__name__}) normalises over {weight.numel()} features, neither one head's "
                 f"{dim} nor a plain RMS norm over the {heads} x {dim} projected width: a split over heads would change "
-                f"it (tensor_parallel refuses; run this family with tensor=1)")
+                f"it (tensor_parallel refuses; run this family with tensor=1)"
+            )
     return tuple(per_head), tuple(over_width)
 
 
 def _refuse_unknown(attention: nn.Module, known: tuple[str, ...], where: str) -> None:
     for name, param in attention.named_parameters():
         if name.split(".")[0] not in known:
-            raise ValueError(f"{where}.{name} {tuple(param.shape)} has no known tensor-parallel split "
-                             f"(tensor_parallel knows {', '.join(known)})")
+            raise ValueError(
+                f"{where}.{name} {tuple(param.shape)} has no known tensor-parallel split "
+                f"(tensor_parallel knows {', '.join(known)})"
+            )
 
 
 def _split_linear_rows(linear: nn.Linear, name: str, plan: TensorSplit, blocks: tuple[int, ...] | None) -> None:

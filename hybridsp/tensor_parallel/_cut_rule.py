@@ -45,8 +45,9 @@ def take_shard(full: torch.Tensor, dim: int, blocks: tuple[int, ...] | None, ten
     return torch.cat(pieces, dim=dim)
 
 
-def split_parameter(module: nn.Module, attr: str, name: str, plan: TensorSplit, dim: int,
-                    blocks: tuple[int, ...] | None = None) -> None:
+def split_parameter(
+    module: nn.Module, attr: str, name: str, plan: TensorSplit, dim: int, blocks: tuple[int, ...] | None = None
+) -> None:
     """Replace ``module.<attr>`` by this rank's shard (a new parameter, ``requires_grad`` kept) and record it
     in ``plan`` under the full name ``name``."""
     param = getattr(module, attr)

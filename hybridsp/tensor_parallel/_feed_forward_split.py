@@ -65,8 +65,9 @@ def dense_parts(mlp: nn.Module) -> tuple[dict[str, tuple[int, ...] | None], int]
 
 def _check_width(width: int, tensor: int, what: str) -> None:
     if width % tensor:
-        raise ValueError(f"{what} {width} is not divisible by tensor={tensor}; choose a tensor degree "
-                         f"that divides {width}")
+        raise ValueError(
+            f"{what} {width} is not divisible by tensor={tensor}; choose a tensor degree that divides {width}"
+        )
 
 
 def plan_dense(mlp: nn.Module, tensor: int, where: str) -> Callable[[str, TensorSplit], None]:
@@ -74,8 +75,10 @@ def plan_dense(mlp: nn.Module, tensor: int, where: str) -> Callable[[str, Tensor
     left to the caller (row-parallel)."""
     parts = dense_parts(mlp)
     if parts is None:
-        raise ValueError(f"{where} ({type(mlp).__name__}) is neither a gate/up/down_proj MLP nor a mixture of "
-                         f"experts with 3-D experts: tensor_parallel does not know how to split it")
+        raise ValueError(
+            f"{where} ({type(mlp).__name__}) is neither a gate/up/down_proj MLP nor a mixture of "
+            f"experts with 3-D experts: tensor_parallel does not know how to split it"
+        )
     columns, width = parts
     _check_width(width, tensor, f"{where}'s intermediate width (down_proj in_features)")
     _refuse_unknown(mlp, (*columns, "down_proj"), where)
@@ -94,8 +97,10 @@ def plan_dense(mlp: nn.Module, tensor: int, where: str) -> Callable[[str, Tensor
 def _refuse_unknown(module: nn.Module, known: tuple[str, ...], where: str) -> None:
     for name, param in module.named_parameters():
         if name.split(".")[0] not in known:
-            raise ValueError(f"{where}.{name} {tuple(param.shape)} has no known tensor-parallel split "
-                             f"(tensor_parallel knows {', '.join(known)})")
+            raise ValueError(
+                f"{where}.{name} {tuple(param.shape)} has no known tensor-parallel split "
+                f"(tensor_parallel knows {', '.join(known)})"
+            )
 
 
 def _expert_axes(experts: nn.Module) -> tuple[int, int, int]:
@@ -111,25 +116,35 @@ def plan_experts(block: nn.Module, tensor: int, where: str) -> Callable[[str, Te
     split, the output reduction and the once-only down bias hooked."""
     experts = cast(nn.Module, block.experts)  # a module holding 3-D parameters (is_mixture_of_experts)
     if getattr(experts, "has_post_expert_norm", False):
-        raise ValueError(f"{where}.experts normalises each expert's output, which a split of the intermediate "
-                         f"width cannot reproduce (tensor_parallel refuses; run with tensor=1)")
+        raise ValueError(
+            f"{where}.experts normalises each expert's output, which a split of the intermediate "
+            f"width cannot reproduce (tensor_parallel refuses; run with tensor=1)"
+        )
     width, gate_up_axis, down_axis = _expert_axes(experts)
     _check_width(width, tensor, f"{where}.experts' intermediate width")
     gated = getattr(experts, "has_gate", True)
     up_rows = cast(torch.Tensor, experts.gate_up_proj).shape[gate_up_axis]
     if up_rows != (2 * width if gated else width):
-        raise ValueError(f"{where}.experts.gate_up_proj has {up_rows} rows along its projection axis for "
-                         f"an intermediate width {width}: its layout is not known")
+        raise ValueError(
+            f"{where}.experts.gate_up_proj has {up_rows} rows along its projection axis for "
+            f"an intermediate width {width}: its layout is not known"
+        )
     blocks = (width, width) if gated and getattr(experts, "is_concatenated", True) else None  # interleaved: one
-    shared = {n: plan_dense(child, tensor, f"{where}.{n}") for n, child in block.named_children()
-              if n != "experts" and n not in SHARED_MODULES and dense_parts(child) is not None}
+    shared = {
+        n: plan_dense(child, tensor, f"{where}.{n}")
+        for n, child in block.named_children()
+        if n != "experts" and n not in SHARED_MODULES and dense_parts(child) is not None
+    }
     known = ("experts", *shared, *SHARED_MODULES)
     _refuse_unknown(block, known, where)
     _refuse_unknown(experts, ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"), f"{where}.experts")
 
     def split(prefix: str, plan: TensorSplit, group) -> None:
-        names = {"gate_up_proj": (gate_up_axis, blocks), "gate_up_proj_bias": (1, blocks),
-                 "down_proj": (down_axis, None)}
+        names = {
+            "gate_up_proj": (gate_up_axis, blocks),
+            "gate_up_proj_bias": (1, blocks),
+            "down_proj": (down_axis, None),
+        }
         for attr, (axis, cut) in names.items():
             if isinstance(getattr(experts, attr, None), nn.Parameter):
                 split_parameter(experts, attr, f"{prefix}.experts.{attr}", plan, axis, cut)
@@ -147,8 +162,10 @@ def plan_experts(block: nn.Module, tensor: int, where: str) -> Callable[[str, Te
 
     for name in shared:
         if getattr(getattr(block, name).down_proj, "bias", None) is not None:
-            raise ValueError(f"{where}.{name}.down_proj has a bias, added inside the experts' reduction: "
-                             f"tensor_parallel does not split it")
+            raise ValueError(
+                f"{where}.{name}.down_proj has a bias, added inside the experts' reduction: "
+                f"tensor_parallel does not split it"
+            )
     return split
 
 
@@ -159,8 +176,10 @@ def _bias_once(experts: nn.Module, rank: int) -> list:
 
     def subtract(module, args, output):
         if len(args) < 3:
-            raise ValueError(f"{type(module).__name__} was called without positional (hidden, top_k_index, "
-                             f"top_k_weights); tensor_parallel needs them to add its down_proj_bias once")
+            raise ValueError(
+                f"{type(module).__name__} was called without positional (hidden, top_k_index, "
+                f"top_k_weights); tensor_parallel needs them to add its down_proj_bias once"
+            )
         index, weights = args[1], args[2]  # [N, k] each
         valid = index < module.down_proj_bias.shape[0]  # [N, k] (a masking index adds nothing)
         added = module.down_proj_bias[index.clamp(max=module.down_proj_bias.shape[0] - 1)]  # [N, k, h]

@@ -177,8 +177,10 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (1/{dist.get_world_size(self.group)}), out_features={self.out_features}, "
-                f"sequence_parallel={self.sequence_parallel}")
+        return (
+            f"in_features={self.in_features} (1/{dist.get_world_size(self.group)}), out_features={self.out_features}, "
+            f"sequence_parallel={self.sequence_parallel}"
+        )
 
 
 def _summed(grad: torch.Tensor, group) -> torch.Tensor:

@@ -74,8 +74,10 @@ def _layers(model: nn.Module) -> list[nn.Module]:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no decoder layers (model.layers); tensor_parallel supports "
-                         f"causal decoders whose layers are model.layers")
+        raise ValueError(
+            f"{type(model).__name__} has no decoder layers (model.layers); tensor_parallel supports "
+            f"causal decoders whose layers are model.layers"
+        )
     return list(layers)
 
 
@@ -84,9 +86,11 @@ def _blocks(layer: nn.Module, where: str) -> tuple[str, nn.Module, str, nn.Modul
     attention = [(n, c) for n, c in layer.named_children() if isinstance(getattr(c, "o_proj", None), nn.Linear)]
     forward = [(n, c) for n, c in layer.named_children() if is_mixture_of_experts(c) or dense_parts(c) is not None]
     if len(attention) != 1 or len(forward) != 1:
-        raise ValueError(f"{where} ({type(layer).__name__}) has {len(attention)} attention blocks (a child with "
-                         f"o_proj) and {len(forward)} feed-forward blocks (gate/up/down_proj or 3-D experts); "
-                         f"tensor_parallel splits layers with one of each")
+        raise ValueError(
+            f"{where} ({type(layer).__name__}) has {len(attention)} attention blocks (a child with "
+            f"o_proj) and {len(forward)} feed-forward blocks (gate/up/down_proj or 3-D experts); "
+            f"tensor_parallel splits layers with one of each"
+        )
     return (*attention[0], *forward[0])
 
 
@@ -154,10 +158,16 @@ def _enter_hook(group, sequence_parallel: bool):
 def _partial_grad_params(block: nn.Module, prefix: str, plan: TensorSplit) -> list[nn.Parameter]:
     """The replicated parameters of a block whose gradient each tensor rank only holds a part of (Note
     [replicated parameters in the tensor region]): every unsplit one, but a row-parallel bias without SP."""
-    whole = set() if plan.sequence_parallel else {id(m.bias) for m in block.modules()
-                                                  if isinstance(m, RowParallelLinear) and m.bias is not None}
-    return [p for n, p in block.named_parameters()
-            if p.requires_grad and f"{prefix}.{n}" not in plan.split_dims and id(p) not in whole]
+    whole = (
+        set()
+        if plan.sequence_parallel
+        else {id(m.bias) for m in block.modules() if isinstance(m, RowParallelLinear) and m.bias is not None}
+    )
+    return [
+        p
+        for n, p in block.named_parameters()
+        if p.requires_grad and f"{prefix}.{n}" not in plan.split_dims and id(p) not in whole
+    ]
 
 
 def _split_first_layer_input(group, tensor: int):
@@ -186,8 +196,9 @@ def _gather_after(group):
 def _sequence_parallel_ends(model: nn.Module, plan: TensorSplit, group) -> None:
     """Split the hidden states [B, S, h] -> [B, S/T, h] before layer 0; gather them after the final norm."""
     base = getattr(model, "model", model)
-    plan.handles.append(_layers(model)[0].register_forward_pre_hook(_split_first_layer_input(group, plan.tensor),
-                                                                with_kwargs=True))
+    plan.handles.append(
+        _layers(model)[0].register_forward_pre_hook(_split_first_layer_input(group, plan.tensor), with_kwargs=True)
+    )
     norm = cast(nn.Module, base.norm)  # the final norm of a transformers decoder
     plan.handles.append(norm.register_forward_hook(_gather_after(group)))
     plan.handles += [sum_grad_over_tensor(p, group) for p in norm.parameters() if p.requires_grad]

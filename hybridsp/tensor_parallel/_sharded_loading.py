@@ -25,8 +25,13 @@ from hybridsp.tensor_parallel._cut_rule import TensorSplit, tensor_plan
 FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
-def load_sharded_safetensors(model: nn.Module, directory: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                             device: str | torch.device = "cpu") -> nn.Module:
+def load_sharded_safetensors(
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
     """Load a checkpoint directory's ``*.safetensors`` straight into this rank's shards.
 
     ``model`` is a tensor-parallel model built on the ``meta`` device (nothing allocated), or an unsplit one
@@ -41,8 +46,11 @@ def load_sharded_safetensors(model: nn.Module, directory: str | os.PathLike, *, 
     plan = tensor_plan(model)
     wanted = list(model.state_dict().keys())
     with contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(os.path.join(directory, path), framework="pt", device="cpu"))
-                   for path in sorted(os.listdir(directory)) if path.endswith(".safetensors")]
+        handles = [
+            stack.enter_context(safe_open(os.path.join(directory, path), framework="pt", device="cpu"))
+            for path in sorted(os.listdir(directory))
+            if path.endswith(".safetensors")
+        ]
         index = {name: handle for handle in handles for name in handle.keys()}
         state = {}
         for name in wanted:
@@ -105,8 +113,10 @@ def _fused_from_experts(model: nn.Module, index: dict, name: str, plan: TensorSp
             piece = index[_expert_key(name, expert, "down_proj")].get_slice(_expert_key(name, expert, "down_proj"))
             local = piece[:, _range(piece.get_shape()[1], plan)]  # [h, I/T]
         else:
-            gate, up = (index[_expert_key(name, expert, p)].get_slice(_expert_key(name, expert, p))
-                        for p in ("gate_proj", "up_proj"))
+            gate, up = (
+                index[_expert_key(name, expert, p)].get_slice(_expert_key(name, expert, p))
+                for p in ("gate_proj", "up_proj")
+            )
             rows = _range(gate.get_shape()[0], plan)
             gate, up = gate[rows], up[rows]  # [I/T, h] each
             if getattr(experts, "is_concatenated", True):

@@ -38,7 +38,8 @@ def _nan_query(rank, world):
     q[0, 20, 1, 3] = float("nan")  # one query row of one head
     out = hybrid_attn_func(*(shard_sequence(t, mesh) for t in (q, k, v)), mesh=mesh, backend="torch")
     whole = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)[0].transpose(1, 2)  # one kernel call
+        *(t.transpose(1, 2) for t in (q, k, v)), is_causal=True
+    )[0].transpose(1, 2)  # one kernel call
     return torch.isnan(out), torch.isnan(shard_sequence(whole, mesh))
 
 
@@ -61,7 +62,8 @@ def _one_kernel_call(q, k, v, dout):
     t = lambda x: x.transpose(1, 2)  # noqa: E731
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(t(q), t(k), t(v), 0.0, True)[:2]
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        t(dout), t(q), t(k), t(v), out, lse, 0.0, True)
+        t(dout), t(q), t(k), t(v), out, lse, 0.0, True
+    )
     return [_nan_pattern(t(x)) for x in (out, *grads)]
 
 

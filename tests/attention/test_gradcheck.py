@@ -56,11 +56,10 @@ def _gradcheck_case(rank, world, ulysses, ring, layout, causal, kv_heads, masks=
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world,ulysses,ring,layout,causal,kv_heads", [
-    (2, 1, 2, "zigzag", True, 1),
-    (2, 1, 2, "contiguous", False, 2),
-    (4, 2, 2, "zigzag", True, 1),
-])
+@pytest.mark.parametrize(
+    "world,ulysses,ring,layout,causal,kv_heads",
+    [(2, 1, 2, "zigzag", True, 1), (2, 1, 2, "contiguous", False, 2), (4, 2, 2, "zigzag", True, 1)],
+)
 def test_gradcheck_float64_through_ring_and_hybrid(world, ulysses, ring, layout, causal, kv_heads):
     assert all(run_distributed(_gradcheck_case, world, ulysses, ring, layout, causal, kv_heads, timeout=240))
 

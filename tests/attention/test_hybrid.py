@@ -61,8 +61,12 @@ def _round_trip(rank, world):
     assert torch.equal(gather_sequence(local, mesh), full)
     positions = shard_sequence(torch.arange(32), mesh, dim=0)
     # zigzag: ring slot r holds chunks r and 3-r of 8 tokens, split over 2 Ulysses ranks
-    slot = torch.cat([torch.arange(8 * mesh.ring_rank, 8 * mesh.ring_rank + 8),
-                      torch.arange(8 * (3 - mesh.ring_rank), 8 * (3 - mesh.ring_rank) + 8)])
+    slot = torch.cat(
+        [
+            torch.arange(8 * mesh.ring_rank, 8 * mesh.ring_rank + 8),
+            torch.arange(8 * (3 - mesh.ring_rank), 8 * (3 - mesh.ring_rank) + 8),
+        ]
+    )
     assert torch.equal(positions, slot[8 * mesh.ulysses_rank : 8 * mesh.ulysses_rank + 8])
     return mesh.dp_rank, mesh.ring_rank, mesh.ulysses_rank
 

@@ -32,9 +32,18 @@ def _bad_inputs(mesh):
     ]
 
 
-_BAD_INPUT_NAMES = ("unknown backend", "integer q", "mixed dtypes", "q/k batch mismatch", "different devices",
-                    "heads not divisible by U", "sequence not splittable", "k/v shapes differ",
-                    "negative softmax scale", "flash on CPU")
+_BAD_INPUT_NAMES = (
+    "unknown backend",
+    "integer q",
+    "mixed dtypes",
+    "q/k batch mismatch",
+    "different devices",
+    "heads not divisible by U",
+    "sequence not splittable",
+    "k/v shapes differ",
+    "negative softmax scale",
+    "flash on CPU",
+)
 
 
 class _CpuFlashStandIn:
@@ -52,8 +61,16 @@ def _no_collective_allowed(*args, **kwargs):
 
 def _refusals(rank, world, ulysses, ring):
     mesh = init_mesh(ulysses, ring)
-    for name in ("all_to_all_single", "all_to_all", "batch_isend_irecv", "isend", "irecv", "all_reduce",
-                 "all_gather", "broadcast"):
+    for name in (
+        "all_to_all_single",
+        "all_to_all",
+        "batch_isend_irecv",
+        "isend",
+        "irecv",
+        "all_reduce",
+        "all_gather",
+        "broadcast",
+    ):
         setattr(dist, name, _no_collective_allowed)
     valid_here = {(1, 2): "heads not divisible by U", (2, 1): "sequence not splittable"}[(ulysses, ring)]
     messages = {}
@@ -146,8 +163,9 @@ def _later_call_disagrees(rank, world, scenario):
     q, k, v, _ = random_qkv(1, 64, 4, 2, 8, seed=3)
     local = [shard_sequence(t, mesh) for t in (q, k, v)]
     documents = as_documents(torch.tensor([0, 20, 64]), 1, 64)  # what shard_batch hands every layer
-    call = lambda window: hybrid_attn_func(*local, mesh=mesh, backend="torch", cu_seqlens=documents,  # noqa: E731
-                                           sliding_window=window)
+    call = lambda window: hybrid_attn_func(  # noqa: E731
+        *local, mesh=mesh, backend="torch", cu_seqlens=documents, sliding_window=window
+    )
     agreed = [None, 8] if scenario == "both settings agreed before" else [None]
     for window in agreed:
         call(window)

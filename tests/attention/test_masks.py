@@ -41,15 +41,22 @@ def test_plan_covers_exactly_the_visible_cells_once():
         seq = 2 * ring * rng.randint(1, 10)
         causal, window = rng.random() < 0.8, rng.choice([None, 1, 2, 5, 17, 70, 1000])
         rows = [[0, *sorted(rng.sample(range(1, seq), min(seq - 1, rng.randint(0, 5)))), seq] for _ in range(2)]
-        plan = build_plan(seq, ring, layout, causal=causal, docs=normalize_cu_seqlens(rows, 2, seq),
-                          window=window, batch=2)
+        plan = build_plan(
+            seq, ring, layout, causal=causal, docs=normalize_cu_seqlens(rows, 2, seq), window=window, batch=2
+        )
         perm, local = layout_permutation(seq, ring, 1, layout), seq // ring
         for b, bounds in enumerate(rows):
             visible = visible_mask(seq, bounds, causal, window)
             for rank, source in itertools.product(range(ring), repeat=2):
-                want = visible[perm[rank * local:(rank + 1) * local]][:, perm[source * local:(source + 1) * local]]
-                got = sum((piece_cells(p, local) for p in plan.pieces[(rank, source)]
-                           if p.batch == slice(None) or p.batch.start == b), torch.zeros(local, local, dtype=torch.int32))
+                want = visible[perm[rank * local : (rank + 1) * local]][:, perm[source * local : (source + 1) * local]]
+                got = sum(
+                    (
+                        piece_cells(p, local)
+                        for p in plan.pieces[(rank, source)]
+                        if p.batch == slice(None) or p.batch.start == b
+                    ),
+                    torch.zeros(local, local, dtype=torch.int32),
+                )
                 assert torch.equal(got, want.int()), (ring, layout, seq, causal, window, bounds, rank, source)
 
 
@@ -131,8 +138,8 @@ def test_flash_band_uses_window_size_and_matches_reference(version):
         visible = band_mask(12, sk, band)
         q_rows = visible.any(1).nonzero().flatten()
         k_cols = visible.any(0).nonzero().flatten()
-        qq = q[:, q_rows[0]:q_rows[-1] + 1]
-        kk, vv = kk[:, k_cols[0]:k_cols[-1] + 1], vv[:, k_cols[0]:k_cols[-1] + 1]
+        qq = q[:, q_rows[0] : q_rows[-1] + 1]
+        kk, vv = kk[:, k_cols[0] : k_cols[-1] + 1], vv[:, k_cols[0] : k_cols[-1] + 1]
         shift = int(q_rows[0]) - int(k_cols[0])
         trimmed = (None if band[0] is None else band[0] - shift, None if band[1] is None else band[1] - shift)
         flash_window(qq.shape[1], kk.shape[1], trimmed)  # valid (non-negative) after trimming
@@ -205,8 +212,10 @@ def _varlen_vs_per_piece(rank, world):
     worst = 0.0
     for opaque, window in [(False, None), (False, 7), (True, 50)]:
         results = []
-        for kernel in (FlashAttnKernel(with_varlen(make_standin("2.8"), opaque=opaque)),
-                       FlashAttnKernel(make_standin("2.8"))):
+        for kernel in (
+            FlashAttnKernel(with_varlen(make_standin("2.8"), opaque=opaque)),
+            FlashAttnKernel(make_standin("2.8")),
+        ):
             q, k, v, dout = (take_shard(t, rank, 0, world).clone().requires_grad_() for t in full)
             out = ring_attention(q, k, v, dist.group.WORLD, cu_seqlens=rows, sliding_window=window, backend=kernel)
             out.backward(dout)
@@ -232,8 +241,9 @@ def _bf16_rule(rank, world):
     rows, window = [DOCS, ROW2], 40
     reference = masked_reference_with_grads(*[t.float() for t in full16], rows_bounds=rows, causal=True, window=window)
     q, k, v = (shard_sequence(t, mesh).clone().requires_grad_() for t in full16[:3])
-    out = hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=[torch.tensor(r) for r in rows], sliding_window=window,
-                           backend="torch")
+    out = hybrid_attn_func(
+        q, k, v, mesh=mesh, cu_seqlens=[torch.tensor(r) for r in rows], sliding_window=window, backend="torch"
+    )
     out.backward(shard_sequence(full16[3], mesh))
     ours = [rel_err(a, shard_sequence(e, mesh)) for a, e in zip([out, q.grad, k.grad, v.grad], reference)]
     single = _bf16_single_process(full16, rows, window)
@@ -253,7 +263,8 @@ def _bf16_single_process(full16, rows, window):
     aten = torch.ops.aten
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask)
     dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+        dout, q, k, v, out, lse, 0.0, False, attn_mask=mask
+    )
     b, h, s, d = dk.shape
     dk, dv = (x.float().reshape(b, h // group, group, s, d).sum(2).to(x.dtype) for x in (dk, dv))
     return [x.transpose(1, 2) for x in (out, dq, dk, dv)]
@@ -303,7 +314,9 @@ def _window_bytes(rank, world, windows):
     for window in windows:
         q, k, v, dout = (take_shard(t, rank, 0, world).clone().requires_grad_() for t in random_qkv(1, 512, 4, 2, 16))
         counter = hybridsp.CommCounter()
-        ring_attention(q, k, v, dist.group.WORLD, sliding_window=window, backend="torch", counter=counter).backward(dout)
+        ring_attention(q, k, v, dist.group.WORLD, sliding_window=window, backend="torch", counter=counter).backward(
+            dout
+        )
         sent.append(counter.total())
     return sent
 

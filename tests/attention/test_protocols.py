@@ -69,8 +69,17 @@ def test_every_backend_declares_the_protocol(kernel):
 
 def test_the_default_varlen_calls_refuse():
     with pytest.raises(NotImplementedError, match="supports_varlen is False"):
-        TorchFusedKernel().forward_varlen(None, None, None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-                                          max_seqlen_k=0, window=(-1, -1), softmax_scale=1.0)
+        TorchFusedKernel().forward_varlen(
+            None,
+            None,
+            None,
+            cu_seqlens_q=None,
+            cu_seqlens_k=None,
+            max_seqlen_q=0,
+            max_seqlen_k=0,
+            window=(-1, -1),
+            softmax_scale=1.0,
+        )
 
 
 def test_a_forward_backward_object_is_completed_with_the_documented_defaults():
@@ -128,7 +137,12 @@ def test_point_to_point_tags_are_distinct_and_in_one_module():
 
 
 def test_no_discovery_in_the_call_path():
-    for name in ("attention/_pieces.py", "attention/_varlen.py", "attention/_resolve.py", "attention/_ring_function.py"):
+    for name in (
+        "attention/_pieces.py",
+        "attention/_varlen.py",
+        "attention/_resolve.py",
+        "attention/_ring_function.py",
+    ):
         source = (PACKAGE / name).read_text()
         assert "hasattr(" not in source and "getattr(" not in source, name
 
@@ -142,8 +156,9 @@ def test_the_fingerprint_names_its_fields():
     fingerprint = resolve.CallFingerprint.of(torch.zeros(2, 8, 4, 16), k, k[..., :12], CallSpec(), zigzag, None)
     assert fingerprint.batch == 2 and fingerprint.kv_heads == 2 and fingerprint.sliding_window == -1
     assert tuple(fingerprint) == (2, 8, 4, 16, 2, 12, 2, 1, -1, 0, 0, -1, 0, 0, 0, 0)
-    capped = resolve.CallFingerprint.of(torch.zeros(2, 8, 4, 16), k, k, CallSpec(softcap=50.0), zigzag, None,
-                                        torch.zeros(4, dtype=torch.bfloat16))
+    capped = resolve.CallFingerprint.of(
+        torch.zeros(2, 8, 4, 16), k, k, CallSpec(softcap=50.0), zigzag, None, torch.zeros(4, dtype=torch.bfloat16)
+    )
     assert capped.sinks == 2 and capped.softcap > 0 and capped.v_head_dim == 16
 
 

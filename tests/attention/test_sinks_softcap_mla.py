@@ -62,12 +62,22 @@ def _run_case(mesh, case: Case, seed: int):
     cu = None if case.docs is None else torch.tensor(case.docs)
     q, k, v, dout = (shard_sequence(t, mesh, cu_seqlens=cu).clone() for t in full)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu, sliding_window=case.window, sinks=sinks,
-                           softcap=case.softcap, backend=_backend(case.backend))
+    out = hybrid_attn_func(
+        q,
+        k,
+        v,
+        mesh=mesh,
+        cu_seqlens=cu,
+        sliding_window=case.window,
+        sinks=sinks,
+        softcap=case.softcap,
+        backend=_backend(case.backend),
+    )
     out.backward(dout)
     bounds = None if case.docs is None else [list(case.docs)] * 2
-    expected = sinks_reference_with_grads(*full, causal=True, sinks=sinks, softcap=case.softcap, rows_bounds=bounds,
-                                          window=case.window)
+    expected = sinks_reference_with_grads(
+        *full, causal=True, sinks=sinks, softcap=case.softcap, rows_bounds=bounds, window=case.window
+    )
     got = [out, q.grad, k.grad, v.grad]
     errors = [rel_err(a, shard_sequence(e, mesh, cu_seqlens=cu)) for a, e in zip(got, expected[:4])]
     if case.sinks:
@@ -85,12 +95,22 @@ def _single_process_bf16(case: Case, seed: int):
     sinks = _sinks(case.heads).requires_grad_()
     q, k, v = (t.clone().requires_grad_() for t in full[:3])
     cu = None if case.docs is None else torch.tensor(case.docs)
-    out = ring_attention(q, k, v, None, sinks=sinks, softcap=case.softcap, cu_seqlens=cu, sliding_window=case.window,
-                         backend=_backend(case.backend))
+    out = ring_attention(
+        q,
+        k,
+        v,
+        None,
+        sinks=sinks,
+        softcap=case.softcap,
+        cu_seqlens=cu,
+        sliding_window=case.window,
+        backend=_backend(case.backend),
+    )
     out.backward(full[3])
     bounds = None if case.docs is None else [list(case.docs)] * 2
-    expected = sinks_reference_with_grads(*full, causal=True, sinks=sinks, softcap=case.softcap, rows_bounds=bounds,
-                                          window=case.window)
+    expected = sinks_reference_with_grads(
+        *full, causal=True, sinks=sinks, softcap=case.softcap, rows_bounds=bounds, window=case.window
+    )
     return [rel_err(a, e) for a, e in zip([out, q.grad, k.grad, v.grad, sinks.grad], expected)]
 
 
@@ -113,8 +133,17 @@ WORLD4 = [
     Case(2, 2, softcap=2.0),
     Case(2, 2, kv_comm="allgather", kv_heads=1),
     Case(1, 4, dims=(16, 24), softcap=1.0, kv_heads=4),
-    Case(1, 4, layout="contiguous", kv_comm="allgather", kv_heads=1, dims=(24, 13), docs=DOCS, window=9,
-         dtype=torch.float64),
+    Case(
+        1,
+        4,
+        layout="contiguous",
+        kv_comm="allgather",
+        kv_heads=1,
+        dims=(24, 13),
+        docs=DOCS,
+        window=9,
+        dtype=torch.float64,
+    ),
     Case(2, 2, docs=DOCS, window=9, softcap=3.0),
     Case(2, 2, layout="balanced", docs=DOCS),
     Case(4, 1, kv_heads=1, softcap=2.0),  # a ring of one that nothing masks: one kernel call (plan None)
@@ -130,27 +159,37 @@ def test_world4_sinks_softcap_and_value_head_dims_equal_the_unmodified_math():
 
 @pytest.mark.distributed
 def test_ring_of_three_with_sinks_and_value_head_dim():
-    run_distributed(check_cases, 3, [Case(1, 3, softcap=2.0, kv_heads=1, dims=(24, 13)),
-                                     Case(1, 3, kv_comm="allgather", docs=DOCS, window=9)])
+    run_distributed(
+        check_cases,
+        3,
+        [Case(1, 3, softcap=2.0, kv_heads=1, dims=(24, 13)), Case(1, 3, kv_comm="allgather", docs=DOCS, window=9)],
+    )
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_world6_ulysses_three_and_more_cases():
-    cases = [Case(3, 2, kv_heads=1, dims=(24, 13), heads=6), Case(3, 2, kv_comm="allgather", softcap=2.0, docs=DOCS,
-                                                                 heads=6),
-             Case(3, 1, dims=(8, 24), heads=6), Case(3, 2, layout="balanced", docs=DOCS, window=9, heads=6,
-                                                     dtype=torch.float64)]
+    cases = [
+        Case(3, 2, kv_heads=1, dims=(24, 13), heads=6),
+        Case(3, 2, kv_comm="allgather", softcap=2.0, docs=DOCS, heads=6),
+        Case(3, 1, dims=(8, 24), heads=6),
+        Case(3, 2, layout="balanced", docs=DOCS, window=9, heads=6, dtype=torch.float64),
+    ]
     run_distributed(check_cases, 6, cases, timeout=600)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_world4_full_matrix():
-    cases = [Case(u, r, layout, kv_comm, kv, dims, True, cap, docs, window)
-             for u, r in [(2, 2), (1, 4)] for layout in ("zigzag", "contiguous") for kv_comm in ("ring", "allgather")
-             for kv, dims in [(4, (24, 16)), (1, (16, 13))] for cap in (None, 2.0)
-             for docs, window in [(None, None), (DOCS, 9)]]
+    cases = [
+        Case(u, r, layout, kv_comm, kv, dims, True, cap, docs, window)
+        for u, r in [(2, 2), (1, 4)]
+        for layout in ("zigzag", "contiguous")
+        for kv_comm in ("ring", "allgather")
+        for kv, dims in [(4, (24, 16)), (1, (16, 13))]
+        for cap in (None, 2.0)
+        for docs, window in [(None, None), (DOCS, 9)]
+    ]
     run_distributed(check_cases, 4, cases, timeout=900)
 
 
@@ -161,7 +200,9 @@ def _disagreements(rank, world):
     odd = rank == 1
     calls = {
         "sinks": lambda: hybrid_attn_func(q, k, v, mesh=mesh, sinks=None if odd else _sinks(4)),
-        "sinks dtype": lambda: hybrid_attn_func(q, k, v, mesh=mesh, sinks=_sinks(4, torch.float64 if odd else torch.float32)),
+        "sinks dtype": lambda: hybrid_attn_func(
+            q, k, v, mesh=mesh, sinks=_sinks(4, torch.float64 if odd else torch.float32)
+        ),
         "softcap": lambda: hybrid_attn_func(q, k, v, mesh=mesh, softcap=30.0 if odd else 50.0),
         "value head dim": lambda: hybrid_attn_func(q, k, v[..., :5] if odd else v, mesh=mesh),
     }
@@ -191,8 +232,9 @@ def _bytes_sent(rank, world, kv_comm):
     full = random_qkv(1, 64, 8, 2, 24, v_head_dim=16)
     q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in full)
     counter = hybridsp.CommCounter()
-    hybrid_attn_func(q, k, v, mesh=mesh, sinks=_sinks(8).requires_grad_(), backend="torch",
-                     counter=counter).backward(dout)
+    hybrid_attn_func(q, k, v, mesh=mesh, sinks=_sinks(8).requires_grad_(), backend="torch", counter=counter).backward(
+        dout
+    )
     return mesh.ring_rank, dict(counter.bytes_sent)
 
 
@@ -200,12 +242,33 @@ def _bytes_sent(rank, world, kv_comm):
 @pytest.mark.parametrize("kv_comm", ["ring", "allgather"])
 def test_bytes_with_a_narrower_value_head_dim_equal_the_formula(kv_comm):
     for ring_rank, sent in run_distributed(_bytes_sent, 4, kv_comm):
-        want = hybrid_bytes(batch=1, seq_len=64, heads=8, kv_heads=2, head_dim=24, v_head_dim=16, ulysses=2, ring=2,
-                            ring_rank=ring_rank, element_size=4, kv_comm=kv_comm)
+        want = hybrid_bytes(
+            batch=1,
+            seq_len=64,
+            heads=8,
+            kv_heads=2,
+            head_dim=24,
+            v_head_dim=16,
+            ulysses=2,
+            ring=2,
+            ring_rank=ring_rank,
+            element_size=4,
+            kv_comm=kv_comm,
+        )
         assert sent == want
         # nothing padded on the wire: K rows at 24 columns and V rows at 16, not 2 x 24
-        plain = hybrid_bytes(batch=1, seq_len=64, heads=8, kv_heads=2, head_dim=24, ulysses=2, ring=2,
-                             ring_rank=ring_rank, element_size=4, kv_comm=kv_comm)
+        plain = hybrid_bytes(
+            batch=1,
+            seq_len=64,
+            heads=8,
+            kv_heads=2,
+            head_dim=24,
+            ulysses=2,
+            ring=2,
+            ring_rank=ring_rank,
+            element_size=4,
+            kv_comm=kv_comm,
+        )
         assert sum(sent.values()) < sum(plain.values())
 
 

@@ -50,8 +50,10 @@ def _check(rank, world, meshes):
         leaves = [shard_sequence(t, mesh, cu_seqlens=cu).clone().requires_grad_() for t in (q, k, v)]
         out = hybrid_attn_func(*leaves, mesh=mesh, cu_seqlens=cu, sliding_window=window, backend="torch")
         out.backward(shard_sequence(dout, mesh, cu_seqlens=cu))
-        errors = [rel_err(a, shard_sequence(e, mesh, cu_seqlens=cu))
-                  for a, e in zip([out, *(t.grad for t in leaves)], expected)]
+        errors = [
+            rel_err(a, shard_sequence(e, mesh, cu_seqlens=cu))
+            for a, e in zip([out, *(t.grad for t in leaves)], expected)
+        ]
         if max(errors) > TOLERANCE:
             failures.append(f"U{ulysses}xR{ring} {name} window={window} Hkv={kv_heads}: {errors}")
     return failures
@@ -74,16 +76,27 @@ def test_every_piece_runs_once_and_no_stack_repeats_a_query_row():
     plan = build_plan(seq, ring, "zigzag", causal=True, docs=normalize_cu_seqlens(rows, 2, seq), window=4, batch=2)
     for pieces in plan.pieces.values():
         stacks, singles = stacks_and_singles(pieces, 0, 2, torch.device("cpu"))
-        want = sorted((p.rows.start, p.keys.start, b) for p in pieces
-                      for b in (range(2) if p.batch == slice(None) else [p.batch.start]))
-        got = [(p.rows.start, p.keys.start, b) for p in singles
-               for b in (range(2) if p.batch == slice(None) else [p.batch.start])]
+        want = sorted(
+            (p.rows.start, p.keys.start, b)
+            for p in pieces
+            for b in (range(2) if p.batch == slice(None) else [p.batch.start])
+        )
+        got = [
+            (p.rows.start, p.keys.start, b)
+            for p in singles
+            for b in (range(2) if p.batch == slice(None) else [p.batch.start])
+        ]
         for stack in stacks:
             n, m = stack.like.rows.stop - stack.like.rows.start, stack.like.keys.stop - stack.like.keys.start
             query = list(zip(stack.q_batch.tolist(), stack.q_seq.tolist()))
             assert len(query) == len(set(query)) == stack.size * n, "a stack repeats a query row"
-            got += [(s, k, b) for b, s, k in zip(stack.q_batch[::n].tolist(), stack.q_seq[::n].tolist(),
-                                                stack.k_seq[::m].tolist())]
+            got += [
+                (s, k, b)
+                for b, s, k in zip(stack.q_batch[::n].tolist(), stack.q_seq[::n].tolist(), stack.k_seq[::m].tolist())
+            ]
         assert sorted(got) == want
-        assert all(max(p.rows.stop - p.rows.start, p.keys.stop - p.keys.start) <= MAX_ROWS
-                   for stack in stacks for p in [stack.like])
+        assert all(
+            max(p.rows.stop - p.rows.start, p.keys.stop - p.keys.start) <= MAX_ROWS
+            for stack in stacks
+            for p in [stack.like]
+        )

@@ -50,9 +50,16 @@ def test_kernels_exact_on_strided_inputs(backend, dtype):
     for name, (qs, ks, vs) in _strided_views(q, k, v).items():
         assert torch.equal(qs, q) and torch.equal(ks, k)
         out, lse = kernel.forward(qs, ks, vs, causal=True, softmax_scale=scale)
-        grads = kernel.backward(dout.transpose(-1, -2).contiguous().transpose(-1, -2), qs, ks, vs,
-                                out.transpose(-1, -2).contiguous().transpose(-1, -2), lse,
-                                causal=True, softmax_scale=scale)
+        grads = kernel.backward(
+            dout.transpose(-1, -2).contiguous().transpose(-1, -2),
+            qs,
+            ks,
+            vs,
+            out.transpose(-1, -2).contiguous().transpose(-1, -2),
+            lse,
+            causal=True,
+            softmax_scale=scale,
+        )
         assert torch.isfinite(out).all(), name
         assert torch.allclose(out.double(), base_out.double(), atol=1e-2 if dtype == torch.bfloat16 else 1e-6), name
         assert torch.allclose(lse.double(), base_lse.double(), atol=1e-5), name

@@ -14,8 +14,9 @@ LENGTH, HEAD_DIM = 6, 4
 
 def _full(batch, heads, seed):
     """The full [B, U*L, H, D] tensor every rank knows; rank u holds tokens [u*L, (u+1)*L)."""
-    return torch.randn(batch, dist.get_world_size() * LENGTH, heads, HEAD_DIM,
-                       generator=torch.Generator().manual_seed(seed))
+    return torch.randn(
+        batch, dist.get_world_size() * LENGTH, heads, HEAD_DIM, generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _check(rank, world):
@@ -25,12 +26,12 @@ def _check(rank, world):
     for batch in (1, 3):
         heads = (2 * world, world)  # q-like and k-like head counts, packed in one all-to-all
         full = [_full(batch, h, seed=10 * batch + i) for i, h in enumerate(heads)]
-        local = [t[:, rank * LENGTH:(rank + 1) * LENGTH].clone().requires_grad_() for t in full]
+        local = [t[:, rank * LENGTH : (rank + 1) * LENGTH].clone().requires_grad_() for t in full]
         local[1] = local[1].detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # heads-first input
         out = seq_to_heads(local, group)
         for t, o, h in zip(full, out, heads):
             per = h // world
-            if not torch.equal(o, t[:, :, rank * per:(rank + 1) * per]):
+            if not torch.equal(o, t[:, :, rank * per : (rank + 1) * per]):
                 failures.append(f"B={batch} H={h}: seq_to_heads wrong")
         if len({o.untyped_storage().data_ptr() for o in out}) != 1:
             failures.append(f"B={batch}: outputs are not views of one receive buffer")
@@ -48,7 +49,7 @@ def _check(rank, world):
         for _tensor, w, h, leaf in zip(full, weights, heads, local):  # the adjoint: each rank's weights, back home
             gathered = [torch.empty_like(w) for _ in range(world)]
             dist.all_gather(gathered, w.contiguous(), group=group)
-            expected = torch.cat(gathered, dim=2)[:, rank * LENGTH:(rank + 1) * LENGTH]  # [B, L, H, D]
+            expected = torch.cat(gathered, dim=2)[:, rank * LENGTH : (rank + 1) * LENGTH]  # [B, L, H, D]
             if not torch.equal(leaf.grad, expected):
                 failures.append(f"B={batch} H={h}: gradient is not the adjoint")
     assert not failures, failures

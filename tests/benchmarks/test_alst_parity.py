@@ -67,6 +67,8 @@ def test_alst_defects_are_what_the_benchmark_states():
             assert _relative([n / 2 for n in alst["norms"]], reference["norms"]) <= TOLERANCE
             assert _relative(ours["norms"], reference["norms"]) <= TOLERANCE
         else:
-            fused = _trace({"stack": "alst", "ulysses": 2, "features": "tiled", "alst_loss": "fused_logits", **one_step})
+            fused = _trace(
+                {"stack": "alst", "ulysses": 2, "features": "tiled", "alst_loss": "fused_logits", **one_step}
+            )
             factor = (TINY["seq_len"] - 1) / 2
             assert _relative([n / factor for n in fused["head_norms"]], reference["head_norms"]) <= TOLERANCE

@@ -72,19 +72,25 @@ def test_runner_and_registry_import_only_the_standard_library():
     for name in ("__main__.py", "_registry.py"):
         for line, module in _imports(PACKAGE / name):
             root = module.split(".")[0]
-            assert root in sys.stdlib_module_names or module == f"{benchmarks.__name__}._registry", \
+            assert root in sys.stdlib_module_names or module == f"{benchmarks.__name__}._registry", (
                 f"{name}:{line} imports {module}"
+            )
 
 
 def test_no_benchmark_imports_tests_or_edits_sys_path():
     offenders = []
     for path in SOURCES:
         where = path.relative_to(PACKAGE.parent)
-        offenders += [f"{where}:{line} imports {module}" for line, module in _imports(path)
-                      if module.split(".")[0] == "tests"]
+        offenders += [
+            f"{where}:{line} imports {module}" for line, module in _imports(path) if module.split(".")[0] == "tests"
+        ]
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "path" and \
-                    isinstance(node.value, ast.Name) and node.value.id == "sys":
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
                 offenders.append(f"{where}:{node.lineno} uses sys.path")
             if isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "path" for a in node.names):
                 offenders.append(f"{where}:{node.lineno} imports sys.path")

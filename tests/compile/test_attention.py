@@ -23,25 +23,30 @@ SEQ, HEADS, HEAD_DIM = 48, 4, 8
 CASES = {  # name -> (init_mesh arguments, call settings)
     "U2xR2-ring-documents-window-gqa": (dict(ulysses=2, ring=2), dict(kv_heads=2, window=20, form="documents")),
     "U2xR2-allgather-one-kv-head": (dict(ulysses=2, ring=2, kv_comm="allgather"), dict(kv_heads=1, window=20)),
-    "U1xR4-ring-sinks-tensor-bounds": (dict(ulysses=1, ring=4), dict(kv_heads=4, window=20, form="tensor",
-                                                                      sinks=True)),
+    "U1xR4-ring-sinks-tensor-bounds": (dict(ulysses=1, ring=4), dict(kv_heads=4, window=20, form="tensor", sinks=True)),
     "U1xR4-allgather-documents": (dict(ulysses=1, ring=4, kv_comm="allgather"), dict(kv_heads=2, window=None)),
-    "U2xR2-balanced-documents-window": (dict(ulysses=2, ring=2, layout="balanced"),
-                                        dict(kv_heads=2, window=20, form="documents")),
-    "U1xR4-contiguous-sinks": (dict(ulysses=1, ring=4, layout="contiguous"), dict(kv_heads=1, window=None,
-                                                                                  sinks=True)),
-    "U2xR2-mla-head-dims-bf16-sinks": (dict(ulysses=2, ring=2), dict(kv_heads=2, window=20, v_head_dim=4,
-                                                                     dtype=torch.bfloat16, sinks=True)),
-    "U4xR1-softcap-sinks-reference": (dict(ulysses=4, ring=1), dict(kv_heads=1, window=None, softcap=5.0,
-                                                                    backend="reference", sinks=True, form="none")),
+    "U2xR2-balanced-documents-window": (
+        dict(ulysses=2, ring=2, layout="balanced"),
+        dict(kv_heads=2, window=20, form="documents"),
+    ),
+    "U1xR4-contiguous-sinks": (dict(ulysses=1, ring=4, layout="contiguous"), dict(kv_heads=1, window=None, sinks=True)),
+    "U2xR2-mla-head-dims-bf16-sinks": (
+        dict(ulysses=2, ring=2),
+        dict(kv_heads=2, window=20, v_head_dim=4, dtype=torch.bfloat16, sinks=True),
+    ),
+    "U4xR1-softcap-sinks-reference": (
+        dict(ulysses=4, ring=1),
+        dict(kv_heads=1, window=None, softcap=5.0, backend="reference", sinks=True, form="none"),
+    ),
 }
 BOUNDS = ([[0, 13, 48], [0, 30, 41, 48]], [[0, 48], [0, 5, 9, 48]], [[0, 7, 20, 33, 48], [0, 24, 48]])
 
 
 def _batch(step: int, settings: dict):
     dtype = settings.get("dtype", torch.float32)
-    q, k, v, dout = random_qkv(2, SEQ, HEADS, settings["kv_heads"], HEAD_DIM, seed=step, dtype=dtype,
-                               v_head_dim=settings.get("v_head_dim"))
+    q, k, v, dout = random_qkv(
+        2, SEQ, HEADS, settings["kv_heads"], HEAD_DIM, seed=step, dtype=dtype, v_head_dim=settings.get("v_head_dim")
+    )
     sinks = torch.randn(HEADS, generator=torch.Generator().manual_seed(step)) if settings.get("sinks") else None
     return q, k, v, dout, sinks
 
@@ -63,8 +68,17 @@ def _run_case(mesh_args: dict, settings: dict) -> list[str]:
     form = settings.get("form", "documents")
 
     def attend(q, k, v, cu_seqlens, sinks):
-        return hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu_seqlens, sliding_window=settings["window"],
-                                backend=settings.get("backend", "torch"), sinks=sinks, softcap=settings.get("softcap"))
+        return hybrid_attn_func(
+            q,
+            k,
+            v,
+            mesh=mesh,
+            cu_seqlens=cu_seqlens,
+            sliding_window=settings["window"],
+            backend=settings.get("backend", "torch"),
+            sinks=sinks,
+            softcap=settings.get("softcap"),
+        )
 
     compiled = torch.compile(attend, fullgraph=True)
     failures = []
@@ -74,7 +88,9 @@ def _run_case(mesh_args: dict, settings: dict) -> list[str]:
         shard = [shard_sequence(t, mesh, cu_seqlens=cu_seqlens) for t in (q, k, v, dout)]
         runs = []
         for function in (compiled, attend):
-            q_l = shard[0].transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # strided: [B, H, S, D] storage
+            q_l = (
+                shard[0].transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+            )  # strided: [B, H, S, D] storage
             k_l, v_l = (t.clone().requires_grad_() for t in shard[1:3])
             s_l = None if sinks is None else sinks.clone().requires_grad_()
             out = function(q_l, k_l, v_l, cu_seqlens, s_l)
@@ -118,8 +134,12 @@ def compiled_report():
 
 
 def test_compiled_attention_equals_eager_for_every_case(compiled_report):
-    failures = [f"rank {rank} {name}: {problem}" for rank, (report, _, _) in enumerate(compiled_report)
-                for name, (problems, _) in report.items() for problem in problems]
+    failures = [
+        f"rank {rank} {name}: {problem}"
+        for rank, (report, _, _) in enumerate(compiled_report)
+        for name, (problems, _) in report.items()
+        for problem in problems
+    ]
     assert not failures, "\n".join(failures)
 
 

@@ -27,9 +27,15 @@ STEPS = 3
 
 
 def _config(compiled: bool) -> dict:
-    config = {"hybridsp": {"ulysses": 2, "ring": 2}, "train_micro_batch_size_per_gpu": 2,
-              "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "steps_per_print": 1000,
-              "zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    config = {
+        "hybridsp": {"ulysses": 2, "ring": 2},
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+        "zero_optimization": {"stage": 2},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
     return {**config, "compile": {"enabled": True, "backend": "aot_eager"}} if compiled else config
 
 
@@ -46,15 +52,24 @@ def _deepspeed_run(compiled: bool) -> dict:
     losses, norms = [], []
     for step in range(STEPS):
         local = shard_batch(packed_lm_batch(step, 64), mesh, pad_token_id=PAD)
-        out = engine(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                     hybridsp_documents=local["documents"], use_cache=False)
+        out = engine(
+            input_ids=local["input_ids"],
+            position_ids=local["position_ids"],
+            hybridsp_documents=local["documents"],
+            use_cache=False,
+        )
         loss = sharded_cross_entropy(out.logits, local["shift_labels"], mesh)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
         norms.append(float(engine.get_global_grad_norm()))
-    return {"losses": losses, "norms": norms, "compiled": engine.is_compiled,
-            "graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values())}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "compiled": engine.is_compiled,
+        "graphs": counters["stats"]["unique_graphs"],
+        "recompiles": sum(counters["recompiles"].values()),
+    }
 
 
 def _deepspeed_both(rank, world):
@@ -82,8 +97,9 @@ def _trainer_run(compiled: bool) -> dict | None:
     torch._dynamo.reset()
     train = trainer_workers.samples(40, seed=1)
     with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
-        trainer = trainer_workers.make_trainer(out, dict(ulysses=2, ring=2, stage=2), train, None,
-                                               torch_compile=compiled)
+        trainer = trainer_workers.make_trainer(
+            out, dict(ulysses=2, ring=2, stage=2), train, None, torch_compile=compiled
+        )
         trainer.train()
     return trainer_workers.step_logs(trainer)
 

@@ -48,8 +48,12 @@ def _loss(model, local: dict, mesh, fused: bool):
 
     if fused:
         return hf.causal_lm_loss(model, local, mesh)
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                hybridsp_documents=local["documents"], use_cache=False)
+    out = model(
+        input_ids=local["input_ids"],
+        position_ids=local["position_ids"],
+        hybridsp_documents=local["documents"],
+        use_cache=False,
+    )
     return sharded_cross_entropy(out.logits, local["shift_labels"], mesh)
 
 
@@ -67,8 +71,12 @@ def _explained_breaks(family: str, mesh, tiled: bool, fused: bool, local: dict, 
     def step(local):
         if not fused:
             return _loss(model, local, mesh, fused)
-        out = model.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                          hybridsp_documents=local["documents"], use_cache=False)
+        out = model.model(
+            input_ids=local["input_ids"],
+            position_ids=local["position_ids"],
+            hybridsp_documents=local["documents"],
+            use_cache=False,
+        )
         return fused_cross_entropy(out.last_hidden_state, model.lm_head.weight, local["shift_labels"], mesh)
 
     plain = build_family(family)
@@ -100,8 +108,12 @@ def _run(family: str, mesh_args: dict, tiled: bool, fused: bool, backend: str) -
             loss.backward()
             losses.append(loss.detach())
         grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters()) if q.grad is not None]
-        errors.append(max([((losses[0] - losses[1]).abs() / losses[1].abs()).item()]
-                          + [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in grads]))
+        errors.append(
+            max(
+                [((losses[0] - losses[1]).abs() / losses[1].abs()).item()]
+                + [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in grads]
+            )
+        )
     graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
     ours, theirs = _explained_breaks(family, mesh, tiled, fused, local, packed_lm_batch(0, SEQ))
     return {"errors": errors, "graphs": graphs, "recompiles": recompiles, "breaks": ours, "unswitched_breaks": theirs}

@@ -22,8 +22,19 @@ from tests.helpers.paths import ROOT
 pytestmark = pytest.mark.integration
 
 TRAIN = ROOT / "examples" / "train.py"
-SMALL_MODEL = ["--seq-len", "128", "--layers", "2", "--hidden-size", "64", "--heads", "4", "--kv-heads", "2",
-               "--no-plot"]
+SMALL_MODEL = [
+    "--seq-len",
+    "128",
+    "--layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--no-plot",
+]
 # The job must end soon after a rank is killed, not hang: 240 s is generous on a busy machine (on gloo the
 # ranks are gone within seconds) and below train.py's default --collective-timeout (300 s), so the ranks
 # leave because their peer died, not because a collective timed out.
@@ -55,10 +66,23 @@ def _rank_pid(marker: str, local_rank: int) -> int | None:
 
 
 def _launch(world: int, run_dir: Path, *extra: str) -> subprocess.Popen:
-    command = ["deepspeed", "--num_gpus", str(world), "--master_port", str(_free_port()), str(TRAIN),
-               "--deepspeed", str(ROOT / "ds_configs" / "cp4.json"), *SMALL_MODEL, "--save-dir", str(run_dir), *extra]
-    return subprocess.Popen(command, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    command = [
+        "deepspeed",
+        "--num_gpus",
+        str(world),
+        "--master_port",
+        str(_free_port()),
+        str(TRAIN),
+        "--deepspeed",
+        str(ROOT / "ds_configs" / "cp4.json"),
+        *SMALL_MODEL,
+        "--save-dir",
+        str(run_dir),
+        *extra,
+    ]
+    return subprocess.Popen(
+        command, cwd=run_dir.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _free_port() -> int:
@@ -121,8 +145,14 @@ def test_killed_rank_ends_the_job_and_the_checkpoint_continues(tmp_path):
 def _direct(tmp_path: Path, world: int, *args: str) -> subprocess.CompletedProcess:
     """Rank 0 of ``world`` as a launcher would start it, failing in the preflight (no peers needed)."""
     env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}
-    return subprocess.run([sys.executable, str(TRAIN), *SMALL_MODEL, *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=JOB_SECONDS)
+    return subprocess.run(
+        [sys.executable, str(TRAIN), *SMALL_MODEL, *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=JOB_SECONDS,
+    )
 
 
 def _one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -150,8 +180,17 @@ def test_config_errors_are_one_sentence_before_the_expensive_imports(tmp_path):
 def test_config_error_under_the_launcher_is_reported_once(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"hybridsp": {"ulysses": 2, "ring": 2},, }')
-    command = ["deepspeed", "--num_gpus", "4", "--master_port", str(_free_port()), str(TRAIN),
-               "--deepspeed", str(broken), *SMALL_MODEL]
+    command = [
+        "deepspeed",
+        "--num_gpus",
+        "4",
+        "--master_port",
+        str(_free_port()),
+        str(TRAIN),
+        "--deepspeed",
+        str(broken),
+        *SMALL_MODEL,
+    ]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=JOB_SECONDS)
     output = result.stdout + result.stderr
     assert result.returncode != 0

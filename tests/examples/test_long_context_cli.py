@@ -22,8 +22,14 @@ def _alone(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProce
     launcher = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in launcher}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)  # a hang catcher
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # a hang catcher
 
 
 def test_score_long_runs_on_one_process_and_shows_each_layer(tmp_path):
@@ -38,7 +44,10 @@ def test_score_long_runs_on_one_process_and_shows_each_layer(tmp_path):
 def test_score_long_bad_timeout_is_one_error_line(tmp_path):
     result = _alone(tmp_path, "score_long.py", "--collective-timeout", "0")
     assert result.returncode == 2
-    assert result.stderr.strip() == "score_long.py: error: --collective-timeout must be a positive number of seconds; got 0.0"
+    assert (
+        result.stderr.strip()
+        == "score_long.py: error: --collective-timeout must be a positive number of seconds; got 0.0"
+    )
 
 
 def test_progress_reports_one_forward_then_stops():
@@ -48,8 +57,16 @@ def test_progress_reports_one_forward_then_stops():
     from progress import layer_progress
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                                         num_attention_heads=2, num_key_value_heads=1))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
     sink = io.StringIO()
     with torch.no_grad(), layer_progress(model, "prefill", stream=sink):
         model(torch.zeros(1, 4, dtype=torch.long))
@@ -62,7 +79,17 @@ def test_progress_reports_one_forward_then_stops():
 
 @pytest.mark.slow  # ~30 s: a tiny prefill and 4 decode steps on one process
 def test_generate_long_runs_on_one_process(tmp_path):
-    result = _alone(tmp_path, "generate_long.py", "--prompt-len", "256", "--new-tokens", "4", "--layers", "2",
-                    "--collective-timeout", "60")
+    result = _alone(
+        tmp_path,
+        "generate_long.py",
+        "--prompt-len",
+        "256",
+        "--new-tokens",
+        "4",
+        "--layers",
+        "2",
+        "--collective-timeout",
+        "60",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "prefill 1 x 256 tokens: layer 2/2" in result.stderr and "decode:" in result.stdout

@@ -28,8 +28,9 @@ def test_patches_are_laid_out_as_the_image_processor_does():
     example = _example()
     frame = example.draw_frames(3, 84)[1]  # [3, 84, 84]
     ours, grid = example.frames_to_patches(torch.stack([frame, frame]))  # an image is a frame shown twice
-    processor = Qwen2VLImageProcessorPil(do_resize=False, do_rescale=False, do_normalize=False, patch_size=14,
-                                         temporal_patch_size=2, merge_size=2)
+    processor = Qwen2VLImageProcessorPil(
+        do_resize=False, do_rescale=False, do_normalize=False, patch_size=14, temporal_patch_size=2, merge_size=2
+    )
     theirs = processor(images=[frame.numpy()], return_tensors="pt", input_data_format="channels_first")
     assert theirs["image_grid_thw"].tolist() == grid.tolist() == [[1, 6, 6]]
     assert torch.equal(theirs["pixel_values"].float(), ours)
@@ -56,10 +57,13 @@ def test_sharded_score_and_first_step_equal_the_unsharded_loss():
     assert result["losses"][1] < result["losses"][0]
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--size", "100"], "--size must be a positive multiple of 28 pixels; got 100"),
-    (["--frames", "7"], "--frames must be a positive multiple of 2; got 7"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--size", "100"], "--size must be a positive multiple of 28 pixels; got 100"),
+        (["--frames", "7"], "--frames must be a positive multiple of 2; got 7"),
+    ],
+)
 def test_bad_arguments_exit_with_code_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         _example().parse_args(argv)

@@ -71,8 +71,19 @@ def test_summary_leaves_the_warm_up_step_out():
 
 def test_layout_flag_reaches_the_mesh_config(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
-    args = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / "cp8.json"), "--ulysses", "2", "--ring", "2",
-                             "--pack", "--layout", "balanced"])
+    args = train.parse_args(
+        [
+            "--deepspeed",
+            str(ROOT / "ds_configs" / "cp8.json"),
+            "--ulysses",
+            "2",
+            "--ring",
+            "2",
+            "--pack",
+            "--layout",
+            "balanced",
+        ]
+    )
     plan = preflight.preflight(args)
     assert plan.hybrid.layout == "balanced" and args.pack
 
@@ -94,11 +105,15 @@ def test_a_rerun_into_a_used_run_directory_needs_overwrite_or_resume(tmp_path, m
     base = ["--deepspeed", str(ROOT / "ds_configs" / "cp1.json"), "--save-dir", str(run)]
     with pytest.raises(preflight.RunConfigError) as error:
         preflight.preflight(train.parse_args(base))
-    assert str(error.value) == (f"{run} already holds a run (metrics.jsonl, latest, step2); pass --resume to continue "
-                                f"it, --overwrite to write over it, or --save-dir DIR for a new one")
+    assert str(error.value) == (
+        f"{run} already holds a run (metrics.jsonl, latest, step2); pass --resume to continue "
+        f"it, --overwrite to write over it, or --save-dir DIR for a new one"
+    )
     for extra in (["--overwrite"], ["--resume"], ["--resume-from", str(run / "step2")]):
         assert preflight.preflight(train.parse_args(base + extra)).save_dir == run
-    fresh = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / "cp1.json"), "--save-dir", str(tmp_path / "new")])
+    fresh = train.parse_args(
+        ["--deepspeed", str(ROOT / "ds_configs" / "cp1.json"), "--save-dir", str(tmp_path / "new")]
+    )
     assert preflight.preflight(fresh).save_dir == tmp_path / "new"  # the README's first run: no directory yet
     (tmp_path / "empty").mkdir()
     assert preflight.previous_run(tmp_path / "empty") == []
@@ -109,7 +124,14 @@ def test_the_hf_trainer_example_refuses_a_used_output_dir(tmp_path, monkeypatch)
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     out = _previous_run(tmp_path / "out", "checkpoint-4/")
-    base = ["--deepspeed", str(ROOT / "ds_configs" / "trainer" / "cp2.json"), "--ulysses", "1", "--output-dir", str(out)]
+    base = [
+        "--deepspeed",
+        str(ROOT / "ds_configs" / "trainer" / "cp2.json"),
+        "--ulysses",
+        "1",
+        "--output-dir",
+        str(out),
+    ]
     with pytest.raises(preflight.RunConfigError, match=r"holds a run \(checkpoint-4\).*--output-dir DIR"):
         preflight.preflight(train_hf_trainer.parse_args(base))
     assert preflight.preflight(train_hf_trainer.parse_args(base + ["--resume"])).save_dir == out
@@ -120,10 +142,17 @@ def test_a_rerun_is_one_error_line_and_exit_2(tmp_path):
     import subprocess
 
     run = _previous_run(tmp_path / "runs" / "cp1-u1r1", "metrics.jsonl")
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed",
-                             str(ROOT / "ds_configs" / "cp1.json")], cwd=tmp_path, capture_output=True, text=True,
-                            env={**os.environ, "WORLD_SIZE": "1", "RANK": "0"}, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed", str(ROOT / "ds_configs" / "cp1.json")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WORLD_SIZE": "1", "RANK": "0"},
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.strip() == (f"train.py: error: {run.relative_to(tmp_path)} already holds a run (metrics.jsonl); "
-                                     f"pass --resume to continue it, --overwrite to write over it, or --save-dir DIR "
-                                     f"for a new one")
+    assert result.stderr.strip() == (
+        f"train.py: error: {run.relative_to(tmp_path)} already holds a run (metrics.jsonl); "
+        f"pass --resume to continue it, --overwrite to write over it, or --save-dir DIR "
+        f"for a new one"
+    )

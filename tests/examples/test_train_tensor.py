@@ -36,7 +36,17 @@ def test_tensor_with_gradient_clipping_is_accepted(monkeypatch):
 
 def test_tensor_with_indivisible_heads_or_world_is_one_readable_error(monkeypatch):
     with pytest.raises(preflight.RunConfigError, match="6 query heads are not divisible by tensor=4 x ulysses=1"):
-        _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "tensor" / "tp2_cp2.json"), "--tensor", "4",
-              "--ulysses", "1", "--heads", "6")
+        _plan(
+            monkeypatch,
+            4,
+            "--deepspeed",
+            str(ROOT / "ds_configs" / "tensor" / "tp2_cp2.json"),
+            "--tensor",
+            "4",
+            "--ulysses",
+            "1",
+            "--heads",
+            "6",
+        )
     with pytest.raises(preflight.RunConfigError, match="x tensor=4 = 8 ranks do not divide the world size 4"):
         _plan(monkeypatch, 4, "--deepspeed", str(ROOT / "ds_configs" / "tensor" / "tp2_cp2.json"), "--tensor", "4")

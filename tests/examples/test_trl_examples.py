@@ -21,10 +21,33 @@ from tests.helpers.paths import ROOT
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
 
 CP2 = str(ROOT / "ds_configs" / "trainer" / "cp2.json")
-TINY = ["--max-steps", "2", "--seq-len", "64", "--hidden-size", "64", "--layers", "2", "--heads", "4",
-        "--kv-heads", "2", "--vocab-size", "512"]
-LAUNCHER_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE",
-                      "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+TINY = [
+    "--max-steps",
+    "2",
+    "--seq-len",
+    "64",
+    "--hidden-size",
+    "64",
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--vocab-size",
+    "512",
+]
+LAUNCHER_VARIABLES = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_SIZE",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+)
 JOB_SECONDS = 600  # a hang catcher
 
 
@@ -38,8 +61,13 @@ def _environment(tmp_path: Path) -> dict:
     """No launcher variables; the worktree on the path; no JIT builds (DS_ACCELERATOR named, an empty
     extensions folder); one thread per rank on the shared cores."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-               TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"), HF_HUB_OFFLINE="1")
+    env.update(
+        PYTHONPATH=str(ROOT),
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"),
+        HF_HUB_OFFLINE="1",
+    )
     return env
 
 
@@ -49,12 +77,22 @@ def _run(tmp_path: Path, script: str, launcher: str | None, out: Path, *extra: s
     if launcher == "deepspeed":
         command = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), path, "--deepspeed", CP2, *args]
     elif launcher == "torchrun":
-        command = ["torchrun", "--nproc_per_node", "2", "--master_port", str(_free_port()), path, "--deepspeed", CP2,
-                   *args]
+        command = [
+            "torchrun",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            path,
+            "--deepspeed",
+            CP2,
+            *args,
+        ]
     else:  # one process, no launcher: U1 (cp2.json's U2 needs two ranks)
         command = [sys.executable, path, "--deepspeed", CP2, "--ulysses", "1", *args]
-    return subprocess.run(command, cwd=tmp_path, env=_environment(tmp_path), capture_output=True, text=True,
-                          timeout=JOB_SECONDS)
+    return subprocess.run(
+        command, cwd=tmp_path, env=_environment(tmp_path), capture_output=True, text=True, timeout=JOB_SECONDS
+    )
 
 
 def _losses(result: subprocess.CompletedProcess, out: Path) -> list[float]:
@@ -83,13 +121,19 @@ def test_sft_example_trains_packed_rows_on_2_ranks_and_refuses_a_rerun(tmp_path)
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     assert losses[0] > 5.0  # an untrained model over a 512-word vocabulary: ~ln 512 = 6.2
 
-    again = subprocess.run([sys.executable, str(ROOT / "examples" / "trl_sft.py"), "--deepspeed", CP2, *TINY,
-                            "--output-dir", str(out)], cwd=tmp_path, env={**_environment(tmp_path), "WORLD_SIZE": "2",
-                                                                           "RANK": "0"},
-                           capture_output=True, text=True, timeout=JOB_SECONDS)
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "trl_sft.py"), "--deepspeed", CP2, *TINY, "--output-dir", str(out)],
+        cwd=tmp_path,
+        env={**_environment(tmp_path), "WORLD_SIZE": "2", "RANK": "0"},
+        capture_output=True,
+        text=True,
+        timeout=JOB_SECONDS,
+    )
     assert again.returncode == 2, again.stderr[-2000:]
-    assert again.stderr.strip() == (f"trl_sft.py: error: {out} already holds a run (metrics.jsonl); pass --resume to "
-                                    f"continue it, --overwrite to write over it, or --output-dir DIR for a new one")
+    assert again.stderr.strip() == (
+        f"trl_sft.py: error: {out} already holds a run (metrics.jsonl); pass --resume to "
+        f"continue it, --overwrite to write over it, or --output-dir DIR for a new one"
+    )
 
 
 @pytest.mark.slow
@@ -117,8 +161,9 @@ def test_lora_example_saves_the_adapter_and_equals_one_process(tmp_path):
     assert "r=4, 1,792 of 108,608 parameters train" in result.stdout, result.stdout[-2000:]  # q, v of 2 layers
     assert (tmp_path / "u2" / "adapter_model.safetensors").is_file()
     assert not (tmp_path / "u2" / "model.safetensors").exists()
-    alone = _losses(_run(tmp_path, "peft_lora.py", None, tmp_path / "u1", "--lora-r", "4", "--lora-alpha", "8"),
-                    tmp_path / "u1")
+    alone = _losses(
+        _run(tmp_path, "peft_lora.py", None, tmp_path / "u1", "--lora-r", "4", "--lora-alpha", "8"), tmp_path / "u1"
+    )
     _same_losses(sharded, alone)
 
 
@@ -146,8 +191,10 @@ def test_grpo_example_equals_one_process(tmp_path):
     equal the one-process run's (1e-4; the loss to 1e-6 absolute: dapo's first loss is ~0)."""
     extra = ("--completion-len", "8")
     _losses(_run(tmp_path, "trl_grpo.py", "deepspeed", tmp_path / "u2", *extra), tmp_path / "u2")
-    _losses(_run(tmp_path, "trl_grpo.py", "deepspeed", tmp_path / "u2s", *extra, "--generation", "sharded"),
-            tmp_path / "u2s")
+    _losses(
+        _run(tmp_path, "trl_grpo.py", "deepspeed", tmp_path / "u2s", *extra, "--generation", "sharded"),
+        tmp_path / "u2s",
+    )
     _losses(_run(tmp_path, "trl_grpo.py", None, tmp_path / "u1", *extra), tmp_path / "u1")
     alone = _grpo_rows(tmp_path / "u1")
     for sharded in (_grpo_rows(tmp_path / "u2"), _grpo_rows(tmp_path / "u2s")):

@@ -26,8 +26,14 @@ CP4 = str(ROOT / "ds_configs" / "cp4.json")
 def _direct(tmp_path: Path, script: str, *args: str, world: int = 4) -> subprocess.CompletedProcess:
     """Rank 0 of ``world`` as a launcher would start it (failing before it needs its peers)."""
     env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "LOCAL_RANK": "0"}
-    return subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)  # a hang catcher
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # a hang catcher
 
 
 def _one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -40,14 +46,18 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
 
 def test_every_problem_is_reported_at_once(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
-    args = train.parse_args(["--deepspeed", CP4, "--heads", "3", "--kv-heads", "1", "--hidden-size", "96", "--seq-len", "0",
-                             "--lr", "-1"])
+    args = train.parse_args(
+        ["--deepspeed", CP4, "--heads", "3", "--kv-heads", "1", "--hidden-size", "96", "--seq-len", "0", "--lr", "-1"]
+    )
     with pytest.raises(preflight.RunConfigError) as error:
         preflight.preflight(args)
     message = str(error.value)
     assert message.startswith("4 problems: (1) --seq-len must be at least 1; got 0"), message
-    for part in ("--lr must be a positive number; got -1.0", "do not divide the world size 6",
-                 "3 query heads are not divisible by ulysses=2"):
+    for part in (
+        "--lr must be a positive number; got -1.0",
+        "do not divide the world size 6",
+        "3 query heads are not divisible by ulysses=2",
+    ):
         assert part in message, message
 
 
@@ -60,8 +70,9 @@ def test_sequence_length_message_names_the_option(monkeypatch):
 def test_hf_trainer_example_reports_problems_in_one_line_exit_2(tmp_path):
     """train.py's preflight is the same function (tests above; test_launch_failures runs it as a process)."""
     missing = tmp_path / "none.txt"
-    line = _one_error_line(_direct(tmp_path, "train_hf_trainer.py", "--deepspeed", CP4, "--seq-len", "-5",
-                                   "--data", str(missing)))
+    line = _one_error_line(
+        _direct(tmp_path, "train_hf_trainer.py", "--deepspeed", CP4, "--seq-len", "-5", "--data", str(missing))
+    )
     assert line.startswith("train_hf_trainer.py: error: 2 problems:"), line
     assert "--seq-len must be at least 1; got -5" in line and f"--data {missing} does not exist" in line
 
@@ -129,10 +140,10 @@ def _tiny_foreign_model(tmp_path: Path, kind: str) -> Path:
 
 REASONS = {
     "mamba": "MambaForCausalLM has no attention module that calls transformers' attention interface "
-             "(ALL_ATTENTION_FUNCTIONS): hybridsp replaces that call, so a model whose attention bypasses it cannot be "
-             "switched",
+    "(ALL_ATTENTION_FUNCTIONS): hybridsp replaces that call, so a model whose attention bypasses it cannot be "
+    "switched",
     "t5": "Unrecognized configuration class <class 'transformers.models.t5.configuration_t5.T5Config'> for this kind "
-          "of AutoModel: AutoModelForCausalLM.",
+    "of AutoModel: AutoModelForCausalLM.",
 }
 
 
@@ -142,8 +153,10 @@ def test_a_model_the_switch_cannot_take_is_one_preflight_sentence(tmp_path, monk
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(preflight.RunConfigError) as error:
         preflight.preflight(train.parse_args(["--deepspeed", CP4, "--model-path", str(path)]))
-    assert str(error.value) == (f"--model-path {path} is a {kind!r} model hybridsp's attention switch cannot take: "
-                                f"{REASONS[kind]} (docs/model-support.md)")
+    assert str(error.value) == (
+        f"--model-path {path} is a {kind!r} model hybridsp's attention switch cannot take: "
+        f"{REASONS[kind]} (docs/model-support.md)"
+    )
 
 
 def test_a_mamba_model_path_is_one_error_line_on_rank_0_and_silence_elsewhere(tmp_path):
@@ -151,6 +164,12 @@ def test_a_mamba_model_path_is_one_error_line_on_rank_0_and_silence_elsewhere(tm
     line = _one_error_line(_direct(tmp_path, "train.py", "--deepspeed", CP4, "--model-path", str(path)))
     assert line.startswith(f"train.py: error: --model-path {path} is a 'mamba' model hybridsp's"), line
     env = {**os.environ, "WORLD_SIZE": "4", "RANK": "1", "LOCAL_RANK": "1"}
-    other = subprocess.run([sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed", CP4, "--model-path",
-                            str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    other = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed", CP4, "--model-path", str(path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert (other.returncode, other.stderr.strip(), other.stdout.strip()) == (2, "", "")

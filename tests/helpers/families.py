@@ -12,9 +12,20 @@ from __future__ import annotations
 from tests.helpers.models.tiny import tiny_causal_lm
 
 PAD = 0
-SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=PAD, bos_token_id=1,
-             eos_token_id=2, attention_dropout=0.0)
+SHAPE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    pad_token_id=PAD,
+    bos_token_id=1,
+    eos_token_id=2,
+    attention_dropout=0.0,
+)
 WINDOWED = dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"])
 EAGER_ONLY = ("gemma2", "gpt_oss")  # transformers refuses sdpa for them
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")  # with a router load-balancing loss (DeepSeek-V3 adds none)
@@ -23,23 +34,42 @@ FAMILIES = {
     "mistral": dict(sliding_window=16),
     "qwen2": dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
     "qwen3": dict(layer_types=["full_attention", "sliding_attention"], use_sliding_window=True, sliding_window=16),
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                      mlp_only_layers=[]),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[]
+    ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "gemma2": dict(WINDOWED, attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=24),
     "gemma3_text": dict(WINDOWED, query_pre_attn_scalar=24, rope_parameters=None),
     "gpt_oss": dict(WINDOWED, num_local_experts=4, num_experts_per_tok=2),
-    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-                        n_group=2, topk_group=1, num_key_value_heads=4, head_dim=None),
+    "deepseek_v3": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_group=2,
+        topk_group=1,
+        num_key_value_heads=4,
+        head_dim=None,
+    ),
     "olmo2": {},
     "olmo3": dict(WINDOWED),
     "phi3": {},
     "smollm3": dict(no_rope_layers=[1, 0]),
     "granite": dict(attention_multiplier=0.2, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
     "glm4": {},
-    "llama4_text": dict(num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=1, intermediate_size_mlp=96,
-                        attention_chunk_size=16, no_rope_layers=[1, 0]),  # chunked RoPE layer, full NoPE layer
+    "llama4_text": dict(
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+        intermediate_size_mlp=96,
+        attention_chunk_size=16,
+        no_rope_layers=[1, 0],
+    ),  # chunked RoPE layer, full NoPE layer
 }
 
 
@@ -61,20 +91,33 @@ EXACT, UNTESTED = "exact", "not tested"
 CHECKS = ("switch", "packed", "trainer", "TRL SFT", "tensor parallel", "generate")
 REFUSED = "refused: "  # a cell "refused: <reason>": a test asserts the refusal names the reason
 COLUMNS = {  # check -> what "exact" means there, and the test that asserts it
-    "switch": ("U2xR2 logits, loss and every parameter gradient vs the unmodified model",
-               "tests/integrations/transformers/families/test_switch_matrix.py"),
-    "packed": ("packed documents at U2xR2 vs the unmodified model run per document",
-               "tests/integrations/transformers/families/test_switch_matrix.py"),
-    "trainer": ("HybridSPTrainer at U2xR2 vs the plain Trainer (loss, grad norm per step; MoE: with the router "
-                "loss, and the router weights after training)",
-                "tests/integrations/transformers/test_trainer.py, tests/integrations/transformers/test_router_loss.py, "
-                "tests/integrations/transformers/families/test_trainer_matrix.py"),
-    "TRL SFT": ("HybridSFTTrainer at U2xR1 or U2xR2 vs TRL's SFTTrainer, per-step loss and grad norm (MoE: with the "
-                "router loss)",
-                "tests/integrations/trl/test_trainers.py, tests/integrations/transformers/test_router_loss.py"),
-    "tensor parallel": ("T2xU2 with sequence parallelism vs the unmodified model", "tests/tensor_parallel/test_families.py"),
-    "generate": ("greedy ids of hybridsp.integrations.transformers.generate equal model.generate at U2xR2",
-                 "tests/integrations/transformers/families/test_generate_matrix.py"),
+    "switch": (
+        "U2xR2 logits, loss and every parameter gradient vs the unmodified model",
+        "tests/integrations/transformers/families/test_switch_matrix.py",
+    ),
+    "packed": (
+        "packed documents at U2xR2 vs the unmodified model run per document",
+        "tests/integrations/transformers/families/test_switch_matrix.py",
+    ),
+    "trainer": (
+        "HybridSPTrainer at U2xR2 vs the plain Trainer (loss, grad norm per step; MoE: with the router "
+        "loss, and the router weights after training)",
+        "tests/integrations/transformers/test_trainer.py, tests/integrations/transformers/test_router_loss.py, "
+        "tests/integrations/transformers/families/test_trainer_matrix.py",
+    ),
+    "TRL SFT": (
+        "HybridSFTTrainer at U2xR1 or U2xR2 vs TRL's SFTTrainer, per-step loss and grad norm (MoE: with the "
+        "router loss)",
+        "tests/integrations/trl/test_trainers.py, tests/integrations/transformers/test_router_loss.py",
+    ),
+    "tensor parallel": (
+        "T2xU2 with sequence parallelism vs the unmodified model",
+        "tests/tensor_parallel/test_families.py",
+    ),
+    "generate": (
+        "greedy ids of hybridsp.integrations.transformers.generate equal model.generate at U2xR2",
+        "tests/integrations/transformers/families/test_generate_matrix.py",
+    ),
 }
 
 
@@ -106,38 +149,57 @@ SUPPORT = {
 LINEAR_TESTS = "tests/linear/test_hf_models.py"
 LINEAR_GENERATE = "tests/linear/test_generate.py"
 LINEAR_SUPPORT = {  # hybrid linear-attention families: tiny configs in tests/helpers/models/linear.py, tested there
-    name: dict(zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, sft, UNTESTED,
-                            generate)))
+    name: dict(
+        zip(CHECKS, (f"{EXACT} ({LINEAR_TESTS})", f"{EXACT} ({LINEAR_TESTS})", trainer, sft, UNTESTED, generate))
+    )
     for name, trainer, sft, generate in (
-        ("qwen3_5_text", f"{EXACT} ({LINEAR_TESTS}, slow)", f"{EXACT} (packed; tests/integrations/trl/test_trainers.py, "
-                                                             f"slow)", f"{EXACT} ({LINEAR_GENERATE}, U2xR2, U1xR2)"),
+        (
+            "qwen3_5_text",
+            f"{EXACT} ({LINEAR_TESTS}, slow)",
+            f"{EXACT} (packed; tests/integrations/trl/test_trainers.py, slow)",
+            f"{EXACT} ({LINEAR_GENERATE}, U2xR2, U1xR2)",
+        ),
         ("qwen3_next", UNTESTED, UNTESTED, f"{EXACT} ({LINEAR_GENERATE}, U1xR3, slow)"),
-        ("nemotron_h", UNTESTED, UNTESTED, f"{EXACT} ({LINEAR_GENERATE}, U2xR2, U1xR2)"))
+        ("nemotron_h", UNTESTED, UNTESTED, f"{EXACT} ({LINEAR_GENERATE}, U2xR2, U1xR2)"),
+    )
 }
 
 
 def families_where(check: str, value: str = EXACT) -> list[str]:
     """The families whose ``check`` cell is ``value`` (``REFUSED``: any refusal)."""
-    return [name for name, row in SUPPORT.items() if row[check] == value or (value == REFUSED and
-                                                                             row[check].startswith(REFUSED))]
+    return [
+        name
+        for name, row in SUPPORT.items()
+        if row[check] == value or (value == REFUSED and row[check].startswith(REFUSED))
+    ]
 
 
 def render_support_matrix() -> str:
     """docs/model-support.md, from :data:`SUPPORT` (``python -m tests.helpers.families > docs/model-support.md``)."""
-    lines = ["# Model support: what the tests check per family", "",
-             "Generated from `tests/helpers/families.py` (`python -m tests.helpers.families > docs/model-support.md`);",
-             "`tests/integrations/transformers/families/test_support_doc.py` keeps this page equal to the table the",
-             "tests run. Every family is a tiny config built locally (2 layers, its distinguishing feature kept) and is",
-             "compared against the unmodified transformers model on one process. The switch takes any causal decoder",
-             "whose attention calls transformers' attention interface (docs/hf-trainer.md); families not listed here",
-             "are switched by the same rule but not tested here.", "",
-             "| check | exact means | test |", "|---|---|---|"]
+    lines = [
+        "# Model support: what the tests check per family",
+        "",
+        "Generated from `tests/helpers/families.py` (`python -m tests.helpers.families > docs/model-support.md`);",
+        "`tests/integrations/transformers/families/test_support_doc.py` keeps this page equal to the table the",
+        "tests run. Every family is a tiny config built locally (2 layers, its distinguishing feature kept) and is",
+        "compared against the unmodified transformers model on one process. The switch takes any causal decoder",
+        "whose attention calls transformers' attention interface (docs/hf-trainer.md); families not listed here",
+        "are switched by the same rule but not tested here.",
+        "",
+        "| check | exact means | test |",
+        "|---|---|---|",
+    ]
     lines += [f"| {check} | {meaning} | `{test}` |" for check, (meaning, test) in COLUMNS.items()]
     lines += ["", "| family | " + " | ".join(CHECKS) + " |", "|---|" + "---|" * len(CHECKS)]
     lines += [f"| {name} | " + " | ".join(row[c] for c in CHECKS) + " |" for name, row in SUPPORT.items()]
-    lines += ["", "Hybrid linear-attention families (Gated DeltaNet, Mamba-2 layers with exact state passing; "
-              "[linear-attention.md](linear-attention.md)):", "", "| family | " + " | ".join(CHECKS) + " |",
-              "|---|" + "---|" * len(CHECKS)]
+    lines += [
+        "",
+        "Hybrid linear-attention families (Gated DeltaNet, Mamba-2 layers with exact state passing; "
+        "[linear-attention.md](linear-attention.md)):",
+        "",
+        "| family | " + " | ".join(CHECKS) + " |",
+        "|---|" + "---|" * len(CHECKS),
+    ]
     lines += [f"| {name} | " + " | ".join(row[c] for c in CHECKS) + " |" for name, row in LINEAR_SUPPORT.items()]
     return "\n".join(lines) + "\n"
 

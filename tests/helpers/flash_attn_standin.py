@@ -240,8 +240,9 @@ def _flash_attn_backward(
     _refuse_unmodelled(dropout_p, softcap, alibi_slopes)
     _check_inputs(q, k, v)
     _check_backward(dout, q, k, v, out, softmax_lse)
-    grads = _attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal,
-                                window_size_left, window_size_right, softcap)
+    grads = _attention_backward(
+        dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size_left, window_size_right, softcap
+    )
     for buffer, value, like, name in zip((dq, dk, dv), grads[:3], (q, k, v), ("dq", "dk", "dv")):
         _fill_buffer(buffer, value, like, name)  # a buffer of None is allocated and lost, as in 2.8
     return _softmax_d_padded(grads[3])
@@ -254,8 +255,7 @@ def _pad8(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, (-x.shape[-1]) % 8))
 
 
-def _old_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                 return_softmax):
+def _old_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
     """flash-attn <= 2.6: pads the head dim itself, returns an 8-tuple."""
     q, k, v = [_maybe_contiguous(x) for x in (q, k, v)]
     _refuse_unmodelled(dropout_p, softcap, alibi_slopes, return_softmax)
@@ -267,14 +267,32 @@ def _old_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap
     return out_p[..., :head_dim], q_p, k_p, v_p, out_p, lse, s_dmask, _rng_state(q)
 
 
-def _old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                  window_size, softcap, alibi_slopes, deterministic, rng_state):
+def _old_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state,
+):
     """flash-attn <= 2.6: q/k/v/out padded, dout maybe not; returns (dq, dk, dv, softmax_d)."""
     dout, q, k, v, out = [_maybe_contiguous(x) for x in (dout, q, k, v, out)]
     _refuse_unmodelled(dropout_p, softcap, alibi_slopes)
     _check_inputs(q, k, v)
-    _check(q.shape[-1] == _round_multiple(dout.shape[-1], 8),
-           "head_size must be head_size_og rounded to a multiple of 8")
+    _check(
+        q.shape[-1] == _round_multiple(dout.shape[-1], 8), "head_size must be head_size_og rounded to a multiple of 8"
+    )
     dout = _pad8(dout)
     _check_backward(dout, q, k, v, out, softmax_lse)
     grads = _attention_backward(dout, q, k, v, out, softmax_lse, softmax_scale, causal, *window_size, softcap)
@@ -287,35 +305,132 @@ def _old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softma
 
 def _forward_2_6(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax):
     """flash-attn 2.6's signature -> (out, q_pad, k_pad, v_pad, out_pad, softmax_lse, S_dmask, rng_state)."""
-    return _old_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                        return_softmax)
+    return _old_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_softmax)
 
 
-def _backward_2_6(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                  window_size, softcap, alibi_slopes, deterministic, rng_state=None):
+def _backward_2_6(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     """flash-attn 2.6's signature -> (dq, dk, dv, softmax_d)."""
-    return _old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                         window_size, softcap, alibi_slopes, deterministic, rng_state)
+    return _old_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
 
 
 def _forward_2_5(q, k, v, dropout_p, softmax_scale, causal, window_size, alibi_slopes, return_softmax):
     """flash-attn 2.4/2.5's signature (no softcap) -> the 8-tuple of 2.6."""
-    return _old_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, alibi_slopes,
-                        return_softmax)
+    return _old_forward(q, k, v, dropout_p, softmax_scale, causal, window_size, 0.0, alibi_slopes, return_softmax)
 
 
-def _backward_2_5(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                  window_size, alibi_slopes, deterministic, rng_state=None):
+def _backward_2_5(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    deterministic,
+    rng_state=None,
+):
     """flash-attn 2.5's signature (no softcap) -> (dq, dk, dv, softmax_d)."""
-    return _old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                         window_size, 0.0, alibi_slopes, deterministic, rng_state)
+    return _old_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        0.0,
+        alibi_slopes,
+        deterministic,
+        rng_state,
+    )
 
 
-def _backward_2_4(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                  window_size, alibi_slopes, rng_state=None):
+def _backward_2_4(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    alibi_slopes,
+    rng_state=None,
+):
     """flash-attn 2.4's signature (no softcap, no deterministic) -> (dq, dk, dv, softmax_d)."""
-    return _old_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                         window_size, 0.0, alibi_slopes, False, rng_state)
+    return _old_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        0.0,
+        alibi_slopes,
+        False,
+        rng_state,
+    )
 
 
 _CUSTOM_OPS: dict[str, object] = {}
@@ -362,9 +477,7 @@ def make_standin(version: str = "2.8") -> SimpleNamespace:
         forward, backward = _forward_2_5, _backward_2_4
     else:
         raise ValueError(f"no stand-in for flash-attn {version!r}; choose one of {VERSIONS}")
-    return SimpleNamespace(
-        __version__=f"{version}-standin", _flash_attn_forward=forward, _flash_attn_backward=backward
-    )
+    return SimpleNamespace(__version__=f"{version}-standin", _flash_attn_forward=forward, _flash_attn_backward=backward)
 
 
 # --------------------------------------------------------------------------- varlen (flash-attn 2.7/2.8)
@@ -417,8 +530,16 @@ def _flash_attn_varlen_forward(
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), math.inf, device=q.device)
     for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
-        o, lse_rows = _attention_forward(q[None, rows], k[None, keys], v[None, keys], softmax_scale, causal,
-                                         window_size_left, window_size_right, softcap)
+        o, lse_rows = _attention_forward(
+            q[None, rows],
+            k[None, keys],
+            v[None, keys],
+            softmax_scale,
+            causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+        )
         out[rows], lse[:, rows] = o[0], lse_rows[0]
     return out, lse, torch.empty((0,), dtype=q.dtype, device=q.device), _rng_state(q)
 
@@ -457,8 +578,17 @@ def _flash_attn_varlen_backward(
     softmax_d = torch.zeros(q.shape[1], q.shape[0] + 128 * (cu_seqlens_q.numel() - 1), device=q.device)
     for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
         gq, gk, gv, d = _attention_backward(
-            dout[None, rows], q[None, rows], k[None, keys], v[None, keys], out[None, rows],
-            softmax_lse[None, :, rows], softmax_scale, causal, window_size_left, window_size_right, softcap,
+            dout[None, rows],
+            q[None, rows],
+            k[None, keys],
+            v[None, keys],
+            out[None, rows],
+            softmax_lse[None, :, rows],
+            softmax_scale,
+            causal,
+            window_size_left,
+            window_size_right,
+            softcap,
         )
         grads[0][rows], grads[1][keys], grads[2][keys] = gq[0], gk[0], gv[0]  # sequences do not share keys
         softmax_d[:, rows] = d[0]

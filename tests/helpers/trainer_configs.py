@@ -6,8 +6,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ARGUMENTS = dict(per_device_train_batch_size=3, gradient_accumulation_steps=2, learning_rate=1e-4,
-                 max_grad_norm=0.5, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-6, weight_decay=0.01)
+ARGUMENTS = dict(
+    per_device_train_batch_size=3,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-4,
+    max_grad_norm=0.5,
+    adam_beta1=0.8,
+    adam_beta2=0.9,
+    adam_epsilon=1e-6,
+    weight_decay=0.01,
+)
 
 
 def processed(config: dict | Path, tmp: Path, **arguments):

@@ -55,8 +55,13 @@ def _attention_state(rank, world):
         with context(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
             with allocations:
                 out = hybrid_attn_func(*leaves, mesh=mesh, causal=True, backend="torch")
-        results[mode] = {"saved": len(saved), "grad_fn": out.grad_fn is not None, "made": len(allocations.refs),
-                         "alive_bytes": allocations.alive_storages(out, *leaves), "out": out.numel() * 4}
+        results[mode] = {
+            "saved": len(saved),
+            "grad_fn": out.grad_fn is not None,
+            "made": len(allocations.refs),
+            "alive_bytes": allocations.alive_storages(out, *leaves),
+            "out": out.numel() * 4,
+        }
         del out
     return results
 
@@ -73,9 +78,18 @@ def test_no_grad_and_inference_mode_keep_nothing_for_backward():
 def _tiny_model_dir(directory: Path):
     from tests.helpers.models.tiny import tiny_causal_lm
 
-    model = tiny_causal_lm("llama", seed=1, dtype=None, vocab_size=256, hidden_size=32, intermediate_size=64,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=4096)
+    model = tiny_causal_lm(
+        "llama",
+        seed=1,
+        dtype=None,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+    )
     model.save_pretrained(directory)
     return model
 
@@ -93,8 +107,22 @@ def test_score_long_equals_the_unsharded_model(tmp_path):
     model = _tiny_model_dir(tmp_path / "model")
     text = ("A long document, scored in one forward pass over every rank. " * 12).strip()
     (tmp_path / "text.txt").write_text(text)
-    argv = ["--model-path", str(tmp_path / "model"), "--data", str(tmp_path / "text.txt"), "--ulysses", "2",
-            "--ring", "2", "--backend", "torch", "--chunk-size", "13", "--json-out", str(tmp_path / "out.json")]
+    argv = [
+        "--model-path",
+        str(tmp_path / "model"),
+        "--data",
+        str(tmp_path / "text.txt"),
+        "--ulysses",
+        "2",
+        "--ring",
+        "2",
+        "--backend",
+        "torch",
+        "--chunk-size",
+        "13",
+        "--json-out",
+        str(tmp_path / "out.json"),
+    ]
     results = run_distributed(_score, 4, argv, timeout=240)
     ids = torch.tensor([list(text.encode())])
     with torch.no_grad():

@@ -28,8 +28,12 @@ def _qkv(batch, sq, sk, heads, kv_heads, head_dim, dtype=torch.bfloat16, seed=0)
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
 
-    return (rand(batch, sq, heads, head_dim), rand(batch, sk, kv_heads, head_dim),
-            rand(batch, sk, kv_heads, head_dim), rand(batch, sq, heads, head_dim))
+    return (
+        rand(batch, sq, heads, head_dim),
+        rand(batch, sk, kv_heads, head_dim),
+        rand(batch, sk, kv_heads, head_dim),
+        rand(batch, sq, heads, head_dim),
+    )
 
 
 def _close(actual, expected, atol=ATOL, rtol=RTOL):
@@ -223,16 +227,61 @@ def test_standin_refuses_what_flash_attn_refuses():
     out, lse, _, _ = standin._flash_attn_forward(q, k, v, 0.0, 0.125, False, -1, -1, 0.0, None, False)
     strided = torch.empty(1, 8, 2, 128, dtype=q.dtype)[..., ::2]
     with pytest.raises(RuntimeError, match="dq must have contiguous last dimension"):
-        standin._flash_attn_backward(dout, q, k, v, out, lse, strided, torch.empty_like(k), torch.empty_like(v),
-                                     0.0, 0.125, False, -1, -1, 0.0, None, False)
+        standin._flash_attn_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            strided,
+            torch.empty_like(k),
+            torch.empty_like(v),
+            0.0,
+            0.125,
+            False,
+            -1,
+            -1,
+            0.0,
+            None,
+            False,
+        )
 
 
 def test_standin_signatures_match_flash_attn_2_8():
-    forward = ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left",
-               "window_size_right", "softcap", "alibi_slopes", "return_softmax"]
-    backward = ["dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p",
-                "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
-                "alibi_slopes", "deterministic", "rng_state"]
+    forward = [
+        "q",
+        "k",
+        "v",
+        "dropout_p",
+        "softmax_scale",
+        "causal",
+        "window_size_left",
+        "window_size_right",
+        "softcap",
+        "alibi_slopes",
+        "return_softmax",
+    ]
+    backward = [
+        "dout",
+        "q",
+        "k",
+        "v",
+        "out",
+        "softmax_lse",
+        "dq",
+        "dk",
+        "dv",
+        "dropout_p",
+        "softmax_scale",
+        "causal",
+        "window_size_left",
+        "window_size_right",
+        "softcap",
+        "alibi_slopes",
+        "deterministic",
+        "rng_state",
+    ]
     assert list(inspect.signature(standin._flash_attn_forward).parameters) == forward
     assert list(inspect.signature(standin._flash_attn_backward).parameters) == backward
 

@@ -8,7 +8,11 @@ from hybridsp.kernels._reference import attention_in_input_dtype
 from tests.helpers.references.attention import random_qkv, reference_with_grads, rel_err
 
 CASES = [  # (heads, kv_heads, head_dim, causal)
-    (4, 4, 64, False), (4, 4, 64, True), (4, 2, 128, True), (4, 1, 80, False), (6, 2, 80, True),
+    (4, 4, 64, False),
+    (4, 4, 64, True),
+    (4, 2, 128, True),
+    (4, 1, 80, False),
+    (6, 2, 80, True),
 ]
 
 
@@ -117,10 +121,16 @@ def test_torch_kernel_nan_row_of_a_short_block_is_nan_other_rows_bitwise_unchang
     else:
         out, lse = kernel.forward(q, k, v, causal=call == "causal", softmax_scale=0.3)
     t = lambda x: x.transpose(1, 2)  # noqa: E731
-    mask = None if call != "band" else torch.zeros(4, 4, dtype=dtype).masked_fill_(
-        ~torch.tensor([[0 <= i - j <= 1 for j in range(4)] for i in range(4)]), -torch.inf)
+    mask = (
+        None
+        if call != "band"
+        else torch.zeros(4, 4, dtype=dtype).masked_fill_(
+            ~torch.tensor([[0 <= i - j <= 1 for j in range(4)] for i in range(4)]), -torch.inf
+        )
+    )
     raw_out, raw_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        t(q), t(k), t(v), 0.0, call == "causal", attn_mask=mask, scale=0.3)[:2]
+        t(q), t(k), t(v), 0.0, call == "causal", attn_mask=mask, scale=0.3
+    )[:2]
     nan_rows = torch.zeros(1, 4, 4, dtype=torch.bool)  # [B, S, H]
     nan_rows[0, 2, 1] = True
     if call != "dense":
@@ -180,7 +190,9 @@ def test_lse_maps_match_their_elementwise_definitions(dtype):
     lse = torch.tensor([-math.inf, math.inf, math.nan, -3.5, 0.0, 2.25], dtype=dtype).view(1, 2, 3)
     backward = lse_for_backward(lse)
     merged = no_key_lse_to_neg_inf(lse)
-    for got, want in ((backward, [math.inf, math.inf, math.nan, -3.5, 0.0, 2.25]),
-                      (merged, [-math.inf, -math.inf, math.nan, -3.5, 0.0, 2.25])):
+    for got, want in (
+        (backward, [math.inf, math.inf, math.nan, -3.5, 0.0, 2.25]),
+        (merged, [-math.inf, -math.inf, math.nan, -3.5, 0.0, 2.25]),
+    ):
         assert got.dtype == dtype and got.shape == lse.shape
         torch.testing.assert_close(got.flatten(), torch.tensor(want, dtype=dtype), equal_nan=True, rtol=0, atol=0)

@@ -95,12 +95,15 @@ def test_flash_varlen_soft_caps_with_value_head_dim():
     kernel = FlashAttnKernel(with_varlen(make_standin("2.8")))
     q, k, v, dout = random_qkv(1, 12, 4, 2, 24, v_head_dim=16, seed=4, dtype=torch.bfloat16)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
-    args = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7, window=(-1, 0), softmax_scale=0.3,
-                softcap=2.0)
+    args = dict(
+        cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7, window=(-1, 0), softmax_scale=0.3, softcap=2.0
+    )
     out, lse = kernel.forward_varlen(q[0] * 3, k[0], v[0], **args)
     reference = get_kernel("reference")
     for rows in (slice(0, 5), slice(5, 12)):
-        out_r, _ = reference.forward(q[:, rows] * 3, k[:, rows], v[:, rows], causal=True, softmax_scale=0.3, softcap=2.0)
+        out_r, _ = reference.forward(
+            q[:, rows] * 3, k[:, rows], v[:, rows], causal=True, softmax_scale=0.3, softcap=2.0
+        )
         assert (out[rows].float() - out_r[0].float()).abs().max() < 2e-2
     grads = kernel.backward_varlen(dout[0], q[0] * 3, k[0], v[0], out, lse, **args)
     assert [g.shape for g in grads] == [q[0].shape, k[0].shape, v[0].shape]
@@ -128,8 +131,9 @@ class _PlainKernel:
         return get_kernel("reference").forward(q, k, v, causal=causal, softmax_scale=softmax_scale, **extra)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, softmax_scale, **extra):
-        return get_kernel("reference").backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                                **extra)
+        return get_kernel("reference").backward(
+            dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale, **extra
+        )
 
 
 class _CappingKernel(_PlainKernel):

@@ -69,10 +69,11 @@ def test_balanced_layout_is_zigzag_for_one_document_and_balances_packs():
     assert BALANCED.slot_runs(64, 4, (0, 64)) == ZIGZAG.slot_runs(64, 4)
     assert torch.equal(layout_permutation(64, 4, 2, "balanced", None), layout_permutation(64, 4, 2, "zigzag"))
     bounds = (0, 3000, 3500, 3600, 8192)  # zigzag puts the long first document's tail work on slot 0
-    plans = {name: build_plan(8192, 4, name, causal=True, docs=(bounds,), window=None, batch=1)
-             for name in ("zigzag", "balanced")}
-    ratio = {name: max(p.work(r) for r in range(4)) * 4 / sum(p.work(r) for r in range(4))
-             for name, p in plans.items()}
+    plans = {
+        name: build_plan(8192, 4, name, causal=True, docs=(bounds,), window=None, batch=1)
+        for name in ("zigzag", "balanced")
+    }
+    ratio = {name: max(p.work(r) for r in range(4)) * 4 / sum(p.work(r) for r in range(4)) for name, p in plans.items()}
     assert ratio["balanced"] < ratio["zigzag"] and ratio["balanced"] < 1.1, ratio
 
 
@@ -97,8 +98,9 @@ def test_shard_and_gather_sequence_with_documents_round_trip():
 def _case(mesh, full, rows, causal, window, kv_comm):
     cu = torch.tensor(rows[0]) if rows[0] == rows[1] else [torch.tensor(r) for r in rows]
     q, k, v = (shard_sequence(t, mesh, cu_seqlens=cu).clone().requires_grad_() for t in full[:3])
-    out = hybrid_attn_func(q, k, v, mesh=mesh, causal=causal, cu_seqlens=cu, sliding_window=window,
-                           backend="torch", kv_comm=kv_comm)
+    out = hybrid_attn_func(
+        q, k, v, mesh=mesh, causal=causal, cu_seqlens=cu, sliding_window=window, backend="torch", kv_comm=kv_comm
+    )
     out.backward(shard_sequence(full[3], mesh, cu_seqlens=cu))
     expected = masked_reference_with_grads(*full, rows_bounds=rows, causal=causal, window=window)
     got = [out, q.grad, k.grad, v.grad]
@@ -123,8 +125,9 @@ def _check(rank, world, meshes, kv_comms, kv_heads_list, cases):
                 for rows, causal, window in cases:
                     error = _case(mesh, full, rows, causal, window, kv_comm)
                     if error > TOLERANCE:
-                        failures.append(f"U{ulysses} R{ring} {kv_comm} kv={kv_heads} {rows} {causal} W={window}: "
-                                        f"{error:.2e}")
+                        failures.append(
+                            f"U{ulysses} R{ring} {kv_comm} kv={kv_heads} {rows} {causal} W={window}: {error:.2e}"
+                        )
     assert not failures, "\n".join(failures)
 
 
@@ -161,8 +164,18 @@ def _bytes(rank, world):
         out_ = hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=rows, backend="torch", counter=counter)
         out_.backward(torch.ones_like(out_))
         plan = plan_for(as_documents(rows, 2, SEQ), mesh.token_layout, mesh.ring, True, None)
-        want = hybrid_bytes(batch=2, seq_len=SEQ, heads=4, kv_heads=2, head_dim=8, ulysses=2, ring=mesh.ring,
-                            ring_rank=mesh.ring_rank, element_size=4, plan=plan)
+        want = hybrid_bytes(
+            batch=2,
+            seq_len=SEQ,
+            heads=4,
+            kv_heads=2,
+            head_dim=8,
+            ulysses=2,
+            ring=mesh.ring,
+            ring_rank=mesh.ring_rank,
+            element_size=4,
+            plan=plan,
+        )
         out.append((dict(counter.bytes_sent), want))
     return out
 
@@ -184,9 +197,28 @@ def test_planner_reports_what_the_balanced_layout_buys():
     assert pack_bounds([5, 3], 12) == (0, 5, 8, 12)
     skewed = packing_imbalance([3000, 500, 100, 4000, 200], 16384, 4)
     assert skewed["zigzag"] > 1.2 and skewed["balanced"] < 1.05, skewed
-    out = subprocess.run([sys.executable, "-m", "hybridsp", "plan", "--model", "llama3-8b", "--seq-len", "131072",
-                          "--ulysses", "2", "--ring", "4", "--doc-lengths", "5000,120,800,20000,300", "--json"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridsp",
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--seq-len",
+            "131072",
+            "--ulysses",
+            "2",
+            "--ring",
+            "4",
+            "--doc-lengths",
+            "5000,120,800,20000,300",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     packing = json.loads(out)["packing"]
     assert packing["ring"] == 4 and packing["zigzag"] > packing["balanced"] and "balanced" in packing["report"]
     rows = packing["kv_rows"]  # what it costs: rows per ring pass, and the floor for any layout within 5%

@@ -117,8 +117,12 @@ def _attention(rank, world, ulysses, window):
     # (where the placement window comes from, the layer's own window): a full-attention layer of a
     # model placed for a window computes exactly too
     for source, layer in (("documents", window), ("mesh", window), ("documents", None)):
-        mesh = init_mesh(ulysses=ulysses, ring=world // ulysses, layout="balanced",
-                         sliding_window=window if source == "mesh" else None)
+        mesh = init_mesh(
+            ulysses=ulysses,
+            ring=world // ulysses,
+            layout="balanced",
+            sliding_window=window if source == "mesh" else None,
+        )
         cu = Documents(2, 512, ROWS, window=window) if source == "documents" else list(ROWS)
         q, k, v = (shard_sequence(t, mesh, cu_seqlens=cu).clone().requires_grad_() for t in full[:3])
         out = hybrid_attn_func(q, k, v, mesh=mesh, cu_seqlens=cu, sliding_window=layer, backend="torch")

@@ -83,7 +83,10 @@ def test_trainer_u2xr2_packed_trains_like_the_plain_trainer(plain_trainer, stage
     assert ours["step"] == plain_trainer["step"] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm"):
         assert torch.allclose(torch.tensor(ours[key]), torch.tensor(plain_trainer[key]), rtol=1e-3, atol=0), (
-            key, ours[key], plain_trainer[key])
+            key,
+            ours[key],
+            plain_trainer[key],
+        )
 
 
 @pytest.mark.slow

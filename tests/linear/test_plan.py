@@ -60,13 +60,17 @@ def test_conv_taps_equal_a_per_document_conv(layout, ring, seq_len, bounds, kern
     channels = 3
     x = torch.randn(seq_len, channels)  # [S, C]
     weight = torch.randn(channels, kernel)  # [C, K]
-    expected = torch.cat([
-        F.conv1d(x[lo:hi].T[None], weight[:, None], padding=kernel - 1, groups=channels)[0, :, :hi - lo].T
-        for lo, hi in zip(bounds[:-1], bounds[1:])])  # [S, C]
+    expected = torch.cat(
+        [
+            F.conv1d(x[lo:hi].T[None], weight[:, None], padding=kernel - 1, groups=channels)[0, :, : hi - lo].T
+            for lo, hi in zip(bounds[:-1], bounds[1:])
+        ]
+    )  # [S, C]
     plan = row_plan(get_layout(layout), seq_len, ring, bounds)
     slots = [x[_slot_positions(plan, s)] for s in range(ring)]  # each [L, C]
-    tails = torch.stack([torch.cat([t, t.new_zeros(1, channels)])[tail_index(plan, s, kernel - 1)]
-                         for s, t in enumerate(slots)])  # [R, M * (K-1), C]
+    tails = torch.stack(
+        [torch.cat([t, t.new_zeros(1, channels)])[tail_index(plan, s, kernel - 1)] for s, t in enumerate(slots)]
+    )  # [R, M * (K-1), C]
     for slot in range(ring):
         ext = torch.cat([slots[slot], tails.flatten(0, 1), x.new_zeros(1, channels)])  # [L + R*M*(K-1) + 1, C]
         taps = conv_taps(plan, slot, kernel, bounds)  # [L, K]

@@ -110,8 +110,9 @@ def test_attention_heads_are_counted_without_the_output_gate():
     the 4 linear key heads would split."""
     from hybridsp.integrations import transformers as hf
 
-    model = tiny_hybrid("qwen3_5", num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=4,
-                        linear_num_value_heads=4)
+    model = tiny_hybrid(
+        "qwen3_5", num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=4, linear_num_value_heads=4
+    )
     with pytest.raises(ValueError, match="2 query heads are not divisible by the Ulysses degree 4"):
         hf.apply(model, mesh_at(4, 1))
     assert not any("forward" in m.__dict__ for m in model.modules())

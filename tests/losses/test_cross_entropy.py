@@ -47,8 +47,12 @@ def _cases():
     tail = torch.zeros(BATCH, SEQ, dtype=torch.bool)
     tail[:, 20:] = True  # right padding that empties the last chunk
     some = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(1)) < 0.3
-    return {"none": torch.zeros(BATCH, SEQ, dtype=torch.bool), "random": some, "tail": tail,
-            "all": torch.ones(BATCH, SEQ, dtype=torch.bool)}
+    return {
+        "none": torch.zeros(BATCH, SEQ, dtype=torch.bool),
+        "random": some,
+        "tail": tail,
+        "all": torch.ones(BATCH, SEQ, dtype=torch.bool),
+    }
 
 
 def _check(rank, world, meshes):

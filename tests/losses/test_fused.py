@@ -69,8 +69,12 @@ def _cases():
     tail = torch.zeros(BATCH, SEQ, dtype=torch.bool)
     tail[:, 20:] = True  # empties the zigzag shards that hold the sequence's end
     some = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(1)) < 0.3
-    return {"none": torch.zeros(BATCH, SEQ, dtype=torch.bool), "random": some, "tail": tail,
-            "all": torch.ones(BATCH, SEQ, dtype=torch.bool)}
+    return {
+        "none": torch.zeros(BATCH, SEQ, dtype=torch.bool),
+        "random": some,
+        "tail": tail,
+        "all": torch.ones(BATCH, SEQ, dtype=torch.bool),
+    }
 
 
 def _check(rank, world, meshes):
@@ -153,8 +157,9 @@ def test_the_logits_are_never_materialised():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             fused_cross_entropy(hidden, weight, labels, mesh_at(1, 1), chunk_size=chunk).backward()
         live = peak = 0
-        for event in sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                            key=lambda e: e.start_ns()):
+        for event in sorted(
+            (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+        ):
             live += event.nbytes()
             peak = max(peak, live)
         rows = chunk or default_chunk_size(vocab, tokens, hidden_size)

@@ -25,8 +25,11 @@ def _int32_labels(rank, world):
     full_loss = F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten(), ignore_index=-100)
     local = slice(rank * 6, (rank + 1) * 6)  # contiguous halves: what the loss sees does not depend on layout
     h, lab = hidden[:, local], labels[:, local].to(torch.int32)
-    return (float(hybridsp.sharded_cross_entropy(h @ weight.T, lab, mesh)),
-            float(hybridsp.fused_cross_entropy(h, weight, lab, mesh)), float(full_loss))
+    return (
+        float(hybridsp.sharded_cross_entropy(h @ weight.T, lab, mesh)),
+        float(hybridsp.fused_cross_entropy(h, weight, lab, mesh)),
+        float(full_loss),
+    )
 
 
 def _labels_worker(rank, world):

@@ -36,10 +36,13 @@ def _cases():
     mask[0, 21:] = 0  # right padding, a different length per row
     mask[1, 11:] = 0
     packed = torch.cat([torch.arange(12), torch.arange(10), torch.arange(7)]).expand(BATCH, SEQ)  # 3 documents
-    return {"padded": (mask, None, torch.float32, "zigzag"), "no mask": (None, None, torch.float32, "zigzag"),
-            "nothing real": (torch.zeros_like(mask), None, torch.float32, "zigzag"),
-            "packed balanced": (None, packed, torch.float32, "balanced"),
-            "padded bf16": (mask, None, torch.bfloat16, "zigzag")}
+    return {
+        "padded": (mask, None, torch.float32, "zigzag"),
+        "no mask": (None, None, torch.float32, "zigzag"),
+        "nothing real": (torch.zeros_like(mask), None, torch.float32, "zigzag"),
+        "packed balanced": (None, packed, torch.float32, "balanced"),
+        "padded bf16": (mask, None, torch.bfloat16, "zigzag"),
+    }
 
 
 def _sharded(mesh, logits, mask, positions):
@@ -55,8 +58,7 @@ def _sharded(mesh, logits, mask, positions):
     local = torch.stack([shard_sequence(layer, mesh, cu_seqlens=local_batch["documents"]) for layer in padded])
     local = local.clone().requires_grad_()  # [L, B, S_local, E]
     token_mask = real_token_mask(batch, mesh, local_batch["documents"])  # [B, S_local]
-    value = sharded_load_balancing_loss(list(local.flatten(1, 2)), token_mask, mesh, num_experts=EXPERTS,
-                                        top_k=TOP_K)
+    value = sharded_load_balancing_loss(list(local.flatten(1, 2)), token_mask, mesh, num_experts=EXPERTS, top_k=TOP_K)
     value.backward()
     grads = [gather_sequence(layer, mesh, cu_seqlens=local_batch["documents"]) for layer in local.grad]
     return value.detach(), torch.stack(grads)  # [L, B, S_pad, E]
@@ -122,16 +124,19 @@ def _call(router_logits, token_mask=None, experts=EXPERTS, top_k=TOP_K):
     return sharded_load_balancing_loss(router_logits, token_mask, mesh_at(2, 2), num_experts=experts, top_k=top_k)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(router_logits=None), "output_router_logits=True"),
-    (dict(router_logits=()), "output_router_logits=True"),
-    (dict(router_logits=torch.zeros(8, EXPERTS)), "a Tensor"),
-    (dict(router_logits=[torch.zeros(8, EXPERTS + 1)]), "have 7 experts"),
-    (dict(router_logits=[torch.zeros(8, EXPERTS), torch.zeros(6, EXPERTS)]), "different token counts [6, 8]"),
-    (dict(router_logits=[torch.zeros(8, EXPERTS, dtype=torch.long)]), "must be a float"),
-    (dict(router_logits=[torch.zeros(8, EXPERTS)], token_mask=torch.ones(2, 3)), "holds 6 entries for 8"),
-    (dict(router_logits=[torch.zeros(8, EXPERTS)], top_k=EXPERTS + 1), "top_k=7, num_experts=6"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(router_logits=None), "output_router_logits=True"),
+        (dict(router_logits=()), "output_router_logits=True"),
+        (dict(router_logits=torch.zeros(8, EXPERTS)), "a Tensor"),
+        (dict(router_logits=[torch.zeros(8, EXPERTS + 1)]), "have 7 experts"),
+        (dict(router_logits=[torch.zeros(8, EXPERTS), torch.zeros(6, EXPERTS)]), "different token counts [6, 8]"),
+        (dict(router_logits=[torch.zeros(8, EXPERTS, dtype=torch.long)]), "must be a float"),
+        (dict(router_logits=[torch.zeros(8, EXPERTS)], token_mask=torch.ones(2, 3)), "holds 6 entries for 8"),
+        (dict(router_logits=[torch.zeros(8, EXPERTS)], top_k=EXPERTS + 1), "top_k=7, num_experts=6"),
+    ],
+)
 def test_bad_input_is_a_value_error_before_any_collective(arguments, message):
     # mesh_at has no process groups: reaching the all_reduce would fail otherwise
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -13,10 +13,20 @@ from tests.helpers.models.tiny import tiny_causal_lm
 from tests.helpers.references.attention import rel_err
 
 MODULES = {  # class -> transformers module holding it
-    "LlamaRMSNorm": "llama", "MistralRMSNorm": "mistral", "MixtralRMSNorm": "mixtral", "Qwen2RMSNorm": "qwen2",
-    "Qwen2MoeRMSNorm": "qwen2_moe", "Qwen3RMSNorm": "qwen3", "Qwen3MoeRMSNorm": "qwen3_moe", "Phi3RMSNorm": "phi3",
+    "LlamaRMSNorm": "llama",
+    "MistralRMSNorm": "mistral",
+    "MixtralRMSNorm": "mixtral",
+    "Qwen2RMSNorm": "qwen2",
+    "Qwen2MoeRMSNorm": "qwen2_moe",
+    "Qwen3RMSNorm": "qwen3",
+    "Qwen3MoeRMSNorm": "qwen3_moe",
+    "Phi3RMSNorm": "phi3",
 }
-TOLERANCE = {torch.float64: 2e-6, torch.float32: 2e-6, torch.bfloat16: 2e-2}  # HF's norm computes fp64 input in fp32 too
+TOLERANCE = {
+    torch.float64: 2e-6,
+    torch.float32: 2e-6,
+    torch.bfloat16: 2e-2,
+}  # HF's norm computes fp64 input in fp32 too
 
 
 def _norm_class(name: str):
@@ -44,7 +54,9 @@ def test_lean_norm_equals_the_class_forward(name, dtype):
     norm = _norm_class(name)(24, eps=1e-5).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(24, generator=torch.Generator().manual_seed(1)).to(dtype))
-    x = torch.randn(37, 2, 24, generator=torch.Generator().manual_seed(0)).to(dtype).transpose(0, 1)  # [2, 37, 24], strided
+    x = (
+        torch.randn(37, 2, 24, generator=torch.Generator().manual_seed(0)).to(dtype).transpose(0, 1)
+    )  # [2, 37, 24], strided
     grad = torch.randn(2, 37, 24, generator=torch.Generator().manual_seed(2)).to(dtype)
     want = _grads(norm, x, grad)
     handle = apply_lean_norms(torch.nn.ModuleList([norm]), tile_tokens=16)
@@ -73,8 +85,17 @@ def test_head_dim_norm_and_no_weight_grad():
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_model_loss_and_gradients_equal_hf(checkpointing):
     """A tiny Llama (and its gradient-checkpointed run), B=2: loss and every parameter gradient as unmodified."""
-    model = tiny_causal_lm("llama", seed=0, vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, attn_implementation="sdpa")
+    model = tiny_causal_lm(
+        "llama",
+        seed=0,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        attn_implementation="sdpa",
+    )
     if checkpointing:
         model.gradient_checkpointing_enable()
     model.train()
@@ -115,12 +136,29 @@ def test_lean_norm_keeps_no_normalized_copy():
 
 
 def test_bad_input_raises():
-    model = tiny_causal_lm("gemma2", seed=0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    model = tiny_causal_lm(
+        "gemma2",
+        seed=0,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
     with pytest.raises(ValueError, match="has no Llama-style RMSNorm"):
         apply_lean_norms(model)
-    llama = tiny_causal_lm("llama", seed=0, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1)
+    llama = tiny_causal_lm(
+        "llama",
+        seed=0,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     with pytest.raises(ValueError, match=r"positive number of rows \(tokens\); got 0"):
         apply_lean_norms(llama, tile_tokens=0)
     apply_lean_norms(llama)
@@ -130,8 +168,17 @@ def test_bad_input_raises():
 
 def test_compiled_model_with_lean_norms_equals_eager_hf():
     """torch.compile (aot_eager, fullgraph=True) of a tiny Llama with lean norms: loss and gradients as unmodified eager."""
-    model = tiny_causal_lm("llama", seed=0, vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, attn_implementation="sdpa")
+    model = tiny_causal_lm(
+        "llama",
+        seed=0,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        attn_implementation="sdpa",
+    )
     ids = torch.randint(0, 64, (2, 50), generator=torch.Generator().manual_seed(0))
 
     def run(call):
@@ -155,8 +202,18 @@ def test_planner_norm_term_is_what_a_decoder_layer_keeps(dtype):
     from hybridsp.planner._memory import norm_bytes_per_token
     from hybridsp.planner._specs import ModelSpec
 
-    model = tiny_causal_lm("llama", seed=0, dtype=dtype, vocab_size=64, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = tiny_causal_lm(
+        "llama",
+        seed=0,
+        dtype=dtype,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
     tokens = 96
     hidden = torch.randn(1, tokens, 64, dtype=dtype, requires_grad=True)
     positions = torch.arange(tokens).unsqueeze(0)
@@ -173,8 +230,9 @@ def test_planner_norm_term_is_what_a_decoder_layer_keeps(dtype):
             model.model.layers[0](hidden * 1, position_embeddings=embeddings, position_ids=positions)
         return sum(seen.values())
 
-    spec = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, intermediate_size=128, num_layers=1,
-                     vocab_size=64)
+    spec = ModelSpec(
+        num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, intermediate_size=128, num_layers=1, vocab_size=64
+    )
     e = torch.empty((), dtype=dtype).element_size()
     predicted = 2 * tokens * (norm_bytes_per_token(spec, e) - norm_bytes_per_token(spec, e, lean=True))
     hf = kept()

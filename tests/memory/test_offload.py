@@ -38,8 +38,16 @@ def _model(checkpointing: bool):
     from tests.helpers.models.tiny import tiny_causal_lm
 
     model = tiny_causal_lm(
-        "llama", seed=0, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, attn_implementation="sdpa",
+        "llama",
+        seed=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
     )
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -77,9 +85,12 @@ def _train(model, config: dict, offload: bool = False) -> dict:
         engine.step()
     trace["params"] = full_params(engine)
     param = engine.zero_offload_param()
-    trace["engine"] = {"optimizer_offload": engine.zero_cpu_offload(), "basic_optimizer": type(engine.basic_optimizer).__name__,
-                       "param_offload": param is not None and param.device == "cpu",
-                       "stage3_offloads": bool(getattr(engine.optimizer, "offload_optimizer", False))}
+    trace["engine"] = {
+        "optimizer_offload": engine.zero_cpu_offload(),
+        "basic_optimizer": type(engine.basic_optimizer).__name__,
+        "param_offload": param is not None and param.device == "cpu",
+        "stage3_offloads": bool(getattr(engine.optimizer, "offload_optimizer", False)),
+    }
     hooks.remove()
     undo()
     return trace
@@ -91,9 +102,11 @@ def _rel(actual, expected) -> float:
 
 
 def _errors(run: dict, ref: dict) -> dict:
-    return {"loss": max(_rel(a, b) for a, b in zip(run["loss"], ref["loss"])),
-            "grad": max(_rel(a, b) for a, b in zip(run["grad"], ref["grad"])),
-            "params": _rel(run["params"], ref["params"])}
+    return {
+        "loss": max(_rel(a, b) for a, b in zip(run["loss"], ref["loss"])),
+        "grad": max(_rel(a, b) for a, b in zip(run["grad"], ref["grad"])),
+        "params": _rel(run["params"], ref["params"]),
+    }
 
 
 def _offload_config(optimizer: bool, params: bool) -> dict:
@@ -115,8 +128,12 @@ def _offload_config(optimizer: bool, params: bool) -> dict:
 
 EXAMPLE_RUNS = {  # examples/train.py, 2 steps at S=256 on U2 x R2
     "plain": ["--deepspeed", str(ROOT / "ds_configs" / "cp8.json"), "--activation-checkpointing"],
-    "offload": ["--deepspeed", str(ROOT / "ds_configs" / "cp8_offload.json"), "--activation-checkpointing",
-                "--offload-activations"],
+    "offload": [
+        "--deepspeed",
+        str(ROOT / "ds_configs" / "cp8_offload.json"),
+        "--activation-checkpointing",
+        "--offload-activations",
+    ],
 }
 
 
@@ -128,8 +145,10 @@ def _example(directory: str, name: str, flags: list[str]) -> list[float]:
     import train
 
     out = Path(directory, f"example-{name}")
-    train.main(flags + ["--ulysses", "2", "--ring", "2", "--max-steps", "2", "--seq-len", "256", "--no-plot",
-                        "--save-dir", str(out)])
+    train.main(
+        flags
+        + ["--ulysses", "2", "--ring", "2", "--max-steps", "2", "--seq-len", "256", "--no-plot", "--save-dir", str(out)]
+    )
     dist.barrier()
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -151,12 +170,20 @@ def _everything(rank, world, directory):
     both_offload = _train(_model(False), _offload_config(True, True))
     example = {name: _example(directory, name, flags) for name, flags in EXAMPLE_RUNS.items()}
     return {
-        "ckpt_vs_plain": _errors(ckpt, plain), "offload_vs_ckpt": _errors(offloaded, ckpt),
-        "offload_vs_plain": _errors(offloaded, plain), "stats": offloaded["stats"], "ckpt_stats": ckpt["stats"],
-        "optimizer_offload": _errors(optimizer_offload, no_offload), "both_offload": _errors(both_offload, no_offload),
+        "ckpt_vs_plain": _errors(ckpt, plain),
+        "offload_vs_ckpt": _errors(offloaded, ckpt),
+        "offload_vs_plain": _errors(offloaded, plain),
+        "stats": offloaded["stats"],
+        "ckpt_stats": ckpt["stats"],
+        "optimizer_offload": _errors(optimizer_offload, no_offload),
+        "both_offload": _errors(both_offload, no_offload),
         "jit_built": os.path.exists(extensions),
         "example": example,
-        "engines": {"none": no_offload["engine"], "optimizer": optimizer_offload["engine"], "both": both_offload["engine"]},
+        "engines": {
+            "none": no_offload["engine"],
+            "optimizer": optimizer_offload["engine"],
+            "both": both_offload["engine"],
+        },
     }
 
 

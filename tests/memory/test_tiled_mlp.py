@@ -16,8 +16,17 @@ VOCAB, SEQ = 64, 50
 
 def _model(bias=False, dtype=torch.float32):
     return tiny_causal_lm(
-        "llama", seed=0, dtype=dtype, vocab_size=VOCAB, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, mlp_bias=bias, attn_implementation="sdpa",
+        "llama",
+        seed=0,
+        dtype=dtype,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        mlp_bias=bias,
+        attn_implementation="sdpa",
     )
 
 
@@ -32,8 +41,9 @@ def _ids(seed=0):
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("bias,checkpointing,tile", [
-    (False, False, 7), (True, False, 50), (False, True, 7), (True, True, 1000)])  # tiles: non-divisor, 2, 1
+@pytest.mark.parametrize(
+    "bias,checkpointing,tile", [(False, False, 7), (True, False, 50), (False, True, 7), (True, True, 1000)]
+)  # tiles: non-divisor, 2, 1
 def test_tiled_gradients_equal_untiled(bias, checkpointing, tile):
     model, ids = _model(bias), _ids()
     if checkpointing:

@@ -34,8 +34,16 @@ def _model(tied: bool):
     from tests.helpers.models.tiny import tiny_causal_lm
 
     return tiny_causal_lm(
-        "llama", seed=0, vocab_size=VOCAB, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=tied,
+        "llama",
+        seed=0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
     )
 
 
@@ -45,15 +53,21 @@ def _config() -> dict:
     config = load_config(ROOT / "ds_configs" / "cp2.json")
     config.pop("optimizer")
     zero = {**config["zero_optimization"], "stage": 3, "stage3_param_persistence_threshold": 0}
-    return {**config, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0, "zero_optimization": zero, "steps_per_print": 10**6}
+    return {
+        **config,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "steps_per_print": 10**6,
+    }
 
 
 def _batch() -> dict:
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(1, VOCAB, (2, SEQ), generator=gen)
     labels = ids.clone()
-    labels[1, SEQ - 10:] = -100  # some ignored targets
+    labels[1, SEQ - 10 :] = -100  # some ignored targets
     return {"input_ids": ids, "labels": labels}
 
 
@@ -74,11 +88,11 @@ def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool, direct: bo
     trace = {"losses": [], "grads": []}
     for _ in range(STEPS):
         if direct:  # the decoder alone, then the loss on the partitioned lm_head weight, outside any module
-            hidden = engine.module.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                                         use_cache=False).last_hidden_state
+            hidden = engine.module.model(
+                input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
+            ).last_hidden_state
             trace.setdefault("status", engine.module.lm_head.weight.ds_status.name)
-            loss = fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"], mesh,
-                                       chunk_size=7)
+            loss = fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"], mesh, chunk_size=7)
         elif fused:
             loss = causal_lm_loss(engine, local, mesh, chunk_size=7)
         else:
@@ -91,10 +105,12 @@ def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool, direct: bo
     trace["params"] = full_params(engine)
     if direct:  # scoring: gathered once (GatheredParameters), the logits path's value
         with torch.no_grad():
-            hidden = engine.module.model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                                         use_cache=False).last_hidden_state
-            trace["scored"] = fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"],
-                                                  mesh, chunk_size=7).item()
+            hidden = engine.module.model(
+                input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
+            ).last_hidden_state
+            trace["scored"] = fused_cross_entropy(
+                hidden, engine.module.lm_head.weight, local["shift_labels"], mesh, chunk_size=7
+            ).item()
             logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
             trace["expected"] = sharded_cross_entropy(logits, local["shift_labels"], mesh).item()
     return trace
@@ -110,8 +126,11 @@ def _everything(rank, world, directory):
     out = {}
     for tied in (False, True):
         reference = _train(tied, fused=False, tiled=False, checkpointing=False)
-        variants = {"fused": (True, False, False), "fused+tiled": (True, True, False),
-                    "direct fused_cross_entropy": (True, False, False, True)}
+        variants = {
+            "fused": (True, False, False),
+            "fused+tiled": (True, True, False),
+            "direct fused_cross_entropy": (True, False, False, True),
+        }
         if tied:
             variants["fused+tiled+ckpt"] = (True, True, True)
         for name, flags in variants.items():

@@ -15,20 +15,49 @@ from hybridsp.launch._launcher import ranks_per_node, read_launch_env, slurm_tas
 from hybridsp.testing import run_distributed
 
 # `deepspeed --hostfile H` (2 nodes x 4) on node 1, rank 6
-DEEPSPEED = {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_SIZE": "4", "CROSS_RANK": "1",
-             "CROSS_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+DEEPSPEED = {
+    "RANK": "6",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "2",
+    "LOCAL_SIZE": "4",
+    "CROSS_RANK": "1",
+    "CROSS_SIZE": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+}
 # `torchrun --nnodes 2 --nproc-per-node 4` on node 1, rank 6
-TORCHRUN = {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-            "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "6", "TORCHELASTIC_RUN_ID": "none"}
+TORCHRUN = {
+    "RANK": "6",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "2",
+    "LOCAL_WORLD_SIZE": "4",
+    "GROUP_RANK": "1",
+    "GROUP_WORLD_SIZE": "2",
+    "ROLE_RANK": "6",
+    "TORCHELASTIC_RUN_ID": "none",
+}
 # `srun --nodes 2 --ntasks 7` (4 + 3), the second node's first task
-SLURM = {"SLURM_PROCID": "4", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
-         "SLURM_STEP_TASKS_PER_NODE": "4,3"}
+SLURM = {
+    "SLURM_PROCID": "4",
+    "SLURM_NTASKS": "7",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "1",
+    "SLURM_NNODES": "2",
+    "SLURM_STEP_TASKS_PER_NODE": "4,3",
+}
 
 
 def test_deepspeed_launcher_reads_local_size_and_cross_rank():
     env = read_launch_env(DEEPSPEED)
-    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank,
-            env.nodes) == ("deepspeed", 6, 8, 2, 4, 1, 2)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank, env.nodes) == (
+        "deepspeed",
+        6,
+        8,
+        2,
+        4,
+        1,
+        2,
+    )
 
 
 def test_accelerate_inside_the_deepspeed_launcher_does_not_make_one_rank_per_node():
@@ -46,21 +75,34 @@ def test_torchrun_and_other_env_launchers():
 def test_srun_torchrun_reads_torchrun_and_plain_srun_reads_slurm():
     assert read_launch_env({**SLURM, **TORCHRUN}).launcher == "torchrun"
     env = read_launch_env(SLURM)
-    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == \
-        ("slurm", 4, 7, 0, 3, 1)
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (
+        "slurm",
+        4,
+        7,
+        0,
+        3,
+        1,
+    )
 
 
 def test_open_mpi_and_no_launcher():
-    env = read_launch_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "8",
-                           "OMPI_COMM_WORLD_LOCAL_RANK": "3", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"})
+    env = read_launch_env(
+        {
+            "OMPI_COMM_WORLD_RANK": "3",
+            "OMPI_COMM_WORLD_SIZE": "8",
+            "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+        }
+    )
     assert (env.launcher, env.rank, env.local_world_size) == ("mpi", 3, 4)
     assert read_launch_env({}).launcher == "none"
     assert ranks_per_node(8, {}) == 8 and ranks_per_node(8, {"LOCAL_WORLD_SIZE": "0"}) == 1
 
 
-@pytest.mark.parametrize("spec,node,expected", [
-    ("4(x2)", 0, 4), ("4(x2)", 1, 4), ("4(x2),3", 2, 3), ("8", 0, 8), ("2(x3)", 3, None), ("bad", 0, None),
-])
+@pytest.mark.parametrize(
+    "spec,node,expected",
+    [("4(x2)", 0, 4), ("4(x2)", 1, 4), ("4(x2),3", 2, 3), ("8", 0, 8), ("2(x3)", 3, None), ("bad", 0, None)],
+)
 def test_slurm_tasks_per_node(spec, node, expected):
     assert slurm_tasks_on_node(spec, node) == expected
 

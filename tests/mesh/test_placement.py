@@ -22,8 +22,10 @@ def _placement(hosts: list[str], ulysses: int, ring: int) -> Placement:
 def test_two_hosts_of_four_with_u4_r2_keep_ulysses_inside():
     placement = _placement(["a/10.0.0.1"] * 4 + ["b/10.0.0.2"] * 4, 4, 2)
     assert placement.ulysses_crossing_hosts() == []
-    assert placement.describe() == ("placement: 2 host(s): a/10.0.0.1 ranks 0-3; b/10.0.0.2 ranks 4-7; "
-                                    "2 Ulysses groups each inside one host; ring groups span 2 host(s)")
+    assert placement.describe() == (
+        "placement: 2 host(s): a/10.0.0.1 ranks 0-3; b/10.0.0.2 ranks 4-7; "
+        "2 Ulysses groups each inside one host; ring groups span 2 host(s)"
+    )
 
 
 def test_ulysses_across_hosts_is_named():

@@ -26,11 +26,13 @@ def test_a_timeout_that_is_not_positive_is_refused():
 
 
 def test_the_timeout_reaches_the_default_group_and_the_mesh_groups():
-    code = ("from hybridsp.launch._process_group import init_process_group\n"
-            "from hybridsp.launch._timeouts import default_group_timeout\n"
-            "import hybridsp, torch.distributed as dist\n"
-            "init_process_group(7.0, backend='gloo'); hybridsp.init_mesh(1, 1)\n"
-            "print(dist.get_world_size(), default_group_timeout().total_seconds())\n")
+    code = (
+        "from hybridsp.launch._process_group import init_process_group\n"
+        "from hybridsp.launch._timeouts import default_group_timeout\n"
+        "import hybridsp, torch.distributed as dist\n"
+        "init_process_group(7.0, backend='gloo'); hybridsp.init_mesh(1, 1)\n"
+        "print(dist.get_world_size(), default_group_timeout().total_seconds())\n"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

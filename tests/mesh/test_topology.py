@@ -24,9 +24,21 @@ def _free_port() -> int:
 
 def _launch_node(node_rank: int, port: int, report_dir: Path) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
-        "--node-rank", str(node_rank), "--master-addr", "127.0.0.1", "--master-port", str(port),
-        "tests/scripts/two_node_check.py", str(report_dir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--node-rank",
+        str(node_rank),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "tests/scripts/two_node_check.py",
+        str(report_dir),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

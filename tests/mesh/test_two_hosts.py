@@ -32,8 +32,21 @@ pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # launchers on 
 
 TRAIN = ROOT / "examples" / "train.py"
 CP8 = str(ROOT / "ds_configs" / "cp8.json")
-SMALL_MODEL = ["--seq-len", "128", "--layers", "2", "--hidden-size", "64", "--heads", "4", "--kv-heads", "2",
-               "--no-plot", "--lr", "1e-3"]
+SMALL_MODEL = [
+    "--seq-len",
+    "128",
+    "--layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--no-plot",
+    "--lr",
+    "1e-3",
+]
 PORT = 29400  # inside fresh namespaces every port is free
 JOB_SECONDS = 420
 CHECK_SECONDS = 600  # only catches a hang: generous, so a busy machine does not fail the test
@@ -67,19 +80,70 @@ def _finish(jobs: list[subprocess.Popen], limit: float) -> list[str]:
 @pytest.mark.timeout(2 * CHECK_SECONDS + 300)  # two launches, each under CHECK_SECONDS
 def test_torchrun_two_hosts_keep_ulysses_inside_a_host_and_stay_exact(tmp_path):
     with two_hosts() as hosts:
-        jobs = [hosts.popen(node, [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
-            "--node-rank", str(node), "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
-            "tests/scripts/two_node_check.py", str(tmp_path)], cwd=ROOT, env={**_env(), "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        jobs = [
+            hosts.popen(
+                node,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "4",
+                    "--node-rank",
+                    str(node),
+                    "--master-addr",
+                    hosts.addresses[0],
+                    "--master-port",
+                    str(PORT),
+                    "tests/scripts/two_node_check.py",
+                    str(tmp_path),
+                ],
+                cwd=ROOT,
+                env={**_env(), "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for node in (0, 1)
+        ]
         outputs = _finish(jobs, CHECK_SECONDS)
         namespaces = [_netns_inode(name) for name in hosts.names]
         assert all(job.returncode == 0 for job in jobs), "\n".join(o[-3000:] for o in outputs)
-        checks = [hosts.popen(node, [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
-            "--node-rank", str(node), "--master-addr", hosts.addresses[0], "--master-port", str(PORT + 1),
-            "-m", "hybridsp", "check-mesh", "--ulysses", "4", "--ring", "2"], cwd=ROOT, env=_env(),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        checks = [
+            hosts.popen(
+                node,
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--nproc-per-node",
+                    "4",
+                    "--node-rank",
+                    str(node),
+                    "--master-addr",
+                    hosts.addresses[0],
+                    "--master-port",
+                    str(PORT + 1),
+                    "-m",
+                    "hybridsp",
+                    "check-mesh",
+                    "--ulysses",
+                    "4",
+                    "--ring",
+                    "2",
+                ],
+                cwd=ROOT,
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for node in (0, 1)
+        ]
         check_outputs = _finish(checks, CHECK_SECONDS)
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert not any(name in left for name in hosts.names), f"namespaces left behind: {left}"
@@ -117,19 +181,56 @@ def _disk(tmp: Path, node: int) -> Path:
 
 def _deepspeed_host(hosts: Hosts, node: int, tmp: Path, *extra: str) -> subprocess.Popen:
     """``deepspeed --hostfile H --no_ssh --node_rank node`` inside host ``node``, on its own disk."""
-    command = ["deepspeed", "--hostfile", str(_hostfile(tmp)), "--no_ssh", "--node_rank", str(node),
-               "--master_addr", hosts.addresses[0], "--master_port", str(PORT), str(TRAIN), "--deepspeed", CP8,
-               *SMALL_MODEL, "--save-dir", "run", *extra]
-    return hosts.popen(node, command, cwd=_disk(tmp, node), env=_env(), stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
+    command = [
+        "deepspeed",
+        "--hostfile",
+        str(_hostfile(tmp)),
+        "--no_ssh",
+        "--node_rank",
+        str(node),
+        "--master_addr",
+        hosts.addresses[0],
+        "--master_port",
+        str(PORT),
+        str(TRAIN),
+        "--deepspeed",
+        CP8,
+        *SMALL_MODEL,
+        "--save-dir",
+        "run",
+        *extra,
+    ]
+    return hosts.popen(
+        node, command, cwd=_disk(tmp, node), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _torchrun_host(hosts: Hosts, node: int, tmp: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "4",
-               "--node-rank", str(node), "--master-addr", hosts.addresses[0], "--master-port", str(PORT),
-               str(TRAIN), "--deepspeed", CP8, *SMALL_MODEL, "--save-dir", "run", *extra]
-    return hosts.popen(node, command, cwd=_disk(tmp, node), env=_env(), stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "4",
+        "--node-rank",
+        str(node),
+        "--master-addr",
+        hosts.addresses[0],
+        "--master-port",
+        str(PORT),
+        str(TRAIN),
+        "--deepspeed",
+        CP8,
+        *SMALL_MODEL,
+        "--save-dir",
+        "run",
+        *extra,
+    ]
+    return hosts.popen(
+        node, command, cwd=_disk(tmp, node), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _train(rank, world, argv):
@@ -141,8 +242,9 @@ def _train(rank, world, argv):
 
 def _one_host(run_dir: Path, world: int, *extra: str) -> dict[int, float]:
     """The same job on one host: ``world`` gloo ranks on this machine's loopback."""
-    run_distributed(_train, world, ["--deepspeed", CP8, *SMALL_MODEL, "--save-dir", str(run_dir), *extra],
-                    timeout=JOB_SECONDS)
+    run_distributed(
+        _train, world, ["--deepspeed", CP8, *SMALL_MODEL, "--save-dir", str(run_dir), *extra], timeout=JOB_SECONDS
+    )
     return _losses(run_dir)
 
 
@@ -162,8 +264,12 @@ def _rank_hosts(hosts: Hosts) -> dict[int, int]:
             except OSError:
                 continue
             ranks = [item[5:] for item in environ if item.startswith(b"RANK=")]
-            if b"train.py" in command and ranks and b"deepspeed.launcher" not in command \
-                    and b"torch.distributed.run" not in command:
+            if (
+                b"train.py" in command
+                and ranks
+                and b"deepspeed.launcher" not in command
+                and b"torch.distributed.run" not in command
+            ):
                 found[int(ranks[0])] = host
     return found
 
@@ -191,8 +297,12 @@ def _check_placement(run_dir: Path, rank_hosts: dict[int, int], addresses: tuple
 
 def _partitions(tag: Path) -> list[int]:
     """Ranks whose ZeRO-3 partition (optimizer and parameter files) is in ``tag``."""
-    return [rank for rank in range(8) if (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
-            and (tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").is_file()]
+    return [
+        rank
+        for rank in range(8)
+        if (tag / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").is_file()
+        and (tag / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt").is_file()
+    ]
 
 
 def _check_run_complete(tmp: Path, steps: int) -> None:
@@ -249,8 +359,20 @@ COLLECTIVE_TIMEOUT, EXIT_MARGIN = 30, 120
 def test_lost_host_ends_host_a_within_the_timeout_and_host_a_resumes_alone(tmp_path):
     run_dir, alone = _disk(tmp_path, 0) / "run", tmp_path / "host-a-alone"
     with two_hosts() as hosts:
-        jobs = [_deepspeed_host(hosts, node, tmp_path, "--max-steps", "200", "--save-every", "1",
-                                "--collective-timeout", str(COLLECTIVE_TIMEOUT)) for node in (0, 1)]
+        jobs = [
+            _deepspeed_host(
+                hosts,
+                node,
+                tmp_path,
+                "--max-steps",
+                "200",
+                "--save-every",
+                "1",
+                "--collective-timeout",
+                str(COLLECTIVE_TIMEOUT),
+            )
+            for node in (0, 1)
+        ]
         try:
             _wait_for_checkpoint(run_dir, 2, jobs)
             hosts.unplug(1)  # host B vanishes from the network: A hears nothing, not even a reset
@@ -275,11 +397,35 @@ def test_lost_host_ends_host_a_within_the_timeout_and_host_a_resumes_alone(tmp_p
 
         saved = int((run_dir / "latest").read_text().strip().removeprefix("step"))
         assert _partitions(run_dir / f"step{saved}") == list(range(8))  # host B's parts survive on A's disk
-        resumed = hosts.popen(0, [
-            "deepspeed", "--num_gpus", "4", "--master_port", str(PORT), str(TRAIN), "--deepspeed", CP8, *SMALL_MODEL,
-            "--ulysses", "4", "--ring", "1", "--resume-from", str(run_dir), "--max-steps", str(saved + 2),
-            "--save-dir", str(alone)], cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
+        resumed = hosts.popen(
+            0,
+            [
+                "deepspeed",
+                "--num_gpus",
+                "4",
+                "--master_port",
+                str(PORT),
+                str(TRAIN),
+                "--deepspeed",
+                CP8,
+                *SMALL_MODEL,
+                "--ulysses",
+                "4",
+                "--ring",
+                "1",
+                "--resume-from",
+                str(run_dir),
+                "--max-steps",
+                str(saved + 2),
+                "--save-dir",
+                str(alone),
+            ],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         output = _finish([resumed], JOB_SECONDS)[0]
     assert resumed.returncode == 0, output[-4000:]
     assert f"resumed from {run_dir / f'step{saved}'} (universal)" in output

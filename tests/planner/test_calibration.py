@@ -40,8 +40,10 @@ def test_planner_against_the_measured_cpu_ablation():
         assert min(a["seq_len"] for a in failed) - row["longest"] <= row["granularity"]  # the search is complete
     for row in (r for r in rows if r.get("at")):
         assert not row["attempt_list"][0]["ok"]
-        assert calibration.attempt(base, row["vocab"], row["layers"], tuple(row["techniques"]), row["at"])["step"] > \
-            row["budget_total"] // 8
+        assert (
+            calibration.attempt(base, row["vocab"], row["layers"], tuple(row["techniques"]), row["at"])["step"]
+            > row["budget_total"] // 8
+        )
 
 
 def test_planner_against_the_checkpointed_cpu_ablation_rows():
@@ -51,10 +53,15 @@ def test_planner_against_the_checkpointed_cpu_ablation_rows():
     any) did not. The planner's longest lies within 15% of that bracket and its step
     memory at the longest measured length within 10% of the worst rank's allocated peak."""
     base, rows = _base_and_rows()
-    checkpointed = {tuple(r["techniques"]): r for r in rows
-                    if not r.get("at") and r.get("longest") and "checkpointing" in r["techniques"]}
-    assert set(checkpointed) >= {("checkpointing", "fused_loss", "tiled_mlp"),
-                                 ("checkpointing", "fused_loss", "tiled_mlp", "activation_offload")}
+    checkpointed = {
+        tuple(r["techniques"]): r
+        for r in rows
+        if not r.get("at") and r.get("longest") and "checkpointing" in r["techniques"]
+    }
+    assert set(checkpointed) >= {
+        ("checkpointing", "fused_loss", "tiled_mlp"),
+        ("checkpointing", "fused_loss", "tiled_mlp", "activation_offload"),
+    }
     for techniques, row in checkpointed.items():
         budget = row["budget_total"] // 8
         predicted = calibration.longest(base, row["vocab"], row["layers"], techniques, budget, row["granularity"])
@@ -80,8 +87,9 @@ def test_checkpointed_terms_by_hand():
     model = calibration.model_spec(_base_and_rows()[0], 32000, 4)  # h 256, 8 q heads and 4 K/V heads of 32, I 640
     tokens, e = 1024, 4
     config = MeshConfig(1, 4, 2, 3, True)
-    workload = Workload(8 * tokens, dtype_bytes=e, techniques=Techniques(fused_loss=True, tiled_mlp=True,
-                                                                      collective_copies=1))
+    workload = Workload(
+        8 * tokens, dtype_bytes=e, techniques=Techniques(fused_loss=True, tiled_mlp=True, collective_copies=1)
+    )
     accumulators = tokens * 8 * (32 + 1) * 4
     qkv = tokens * (8 + 4 + 4) * 32 * e  # 4 K/V heads, one per Ulysses rank: none repeated
     kv_block = grad_block = tokens * 2 * 4 * 32 * e  # K+V (dK+dV) of the U-group's sequence, 1 K/V head per rank
@@ -121,8 +129,9 @@ def _backward_peak(rank, world, ulysses, ring):
         dout = torch.randn_like(out)
         torch.empty(_MARKER, dtype=torch.uint8)  # a marker, freed at once: the backward starts after it
         out.backward(dout)
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     live, start, peak = 0, None, 0
     for event in events:
         live += event.nbytes()

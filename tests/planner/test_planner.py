@@ -33,13 +33,15 @@ from hybridsp.planner._techniques import Techniques
 from tests.helpers.paths import DATA
 
 # h=32, H=4, Hkv=2, D=8, I=64, L=2, V=100
-SMALL = ModelSpec(num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, intermediate_size=64, num_layers=2,
-                  vocab_size=100)
+SMALL = ModelSpec(
+    num_heads=4, num_kv_heads=2, head_dim=8, hidden_size=32, intermediate_size=64, num_layers=2, vocab_size=100
+)
 
 
 def _cluster(nodes=1, per_node=4, **overrides):
-    values = dict(intra_bw=100e9, inter_bw=10e9, peak_flops=100e12, memory_bytes=80 * GIB, efficiency=0.5,
-                  reserved_bytes=0)
+    values = dict(
+        intra_bw=100e9, inter_bw=10e9, peak_flops=100e12, memory_bytes=80 * GIB, efficiency=0.5, reserved_bytes=0
+    )
     return ClusterSpec(nodes, per_node, **{**values, **overrides})
 
 
@@ -68,8 +70,21 @@ def test_bytes_with_a_value_head_dim_of_its_own_match_the_runtime_formula():
     model = ModelSpec(8, 8, 24, hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=10, v_head_dim=16)
     assert model.value_head_dim == 16 and ModelSpec(8, 8, 24, 128, 256, 1, 10).value_head_dim == 24
     volume = comm_volume(model, Workload(64, dtype_bytes=4), MeshConfig(1, 2, 2))
-    per_rank = [hybrid_bytes(batch=1, seq_len=64, heads=8, kv_heads=8, head_dim=24, v_head_dim=16, ulysses=2, ring=2,
-                             ring_rank=r, element_size=4) for r in range(2)]
+    per_rank = [
+        hybrid_bytes(
+            batch=1,
+            seq_len=64,
+            heads=8,
+            kv_heads=8,
+            head_dim=24,
+            v_head_dim=16,
+            ulysses=2,
+            ring=2,
+            ring_rank=r,
+            element_size=4,
+        )
+        for r in range(2)
+    ]
     assert volume.all_to_all == per_rank[0]["all_to_all"]
     assert volume.ring_total == sum(b["ring"] for b in per_rank) // 2
     with pytest.raises(ValueError, match="v_head_dim must be a positive integer"):
@@ -92,8 +107,11 @@ def test_bytes_with_gqa_expansion_bf16_and_recompute():
     assert volume.ring_total == 3 * (2 * seen * kv + (seen * kv + seen * g))
     forward_only = comm_volume(model, Workload(256, micro_batch=2, forward_only=True), MeshConfig(1, 8, 2))
     assert forward_only.all_to_all == 3 * per_pass and forward_only.ring_total == 3 * seen * kv
-    gathered = comm_volume(model, Workload(256, micro_batch=2, techniques=Techniques(kv_mode="allgather")),
-                           MeshConfig(1, 8, 2, checkpointing=True))
+    gathered = comm_volume(
+        model,
+        Workload(256, micro_batch=2, techniques=Techniques(kv_mode="allgather")),
+        MeshConfig(1, 8, 2, checkpointing=True),
+    )
     assert gathered.ring_total == 3 * (2 * kv + (kv + g))  # whole blocks, forward, recompute, backward
 
 
@@ -178,13 +196,23 @@ def test_activation_bytes_hand_computed():
     # bf16: the chunk's fp32 logits + their bf16 copy, the fp32 accumulator + the bf16 product and its fp32 cast,
     # the hidden gradient
     assert dict(chunked.phases)["loss"] - tokens * (2 * layer + outside) == (
-        chunk * 100 * (4 + 2) + 100 * 32 * (4 + 2 + 4) + tokens * 32 * 2)
+        chunk * 100 * (4 + 2) + 100 * 32 * (4 + 2 + 4) + tokens * 32 * 2
+    )
 
 
 # Measured in benchmarks/results_longest_context.md (examples/train.py's model, fp32, ZeRO-3 on CPU):
 # what autograd saved per local token, walking the graph of one forward at S=2,048.
-EXAMPLE = ModelSpec(num_heads=8, num_kv_heads=4, head_dim=32, hidden_size=256, intermediate_size=640, num_layers=4,
-                    vocab_size=256, tied_embeddings=True, name="examples/train.py default")
+EXAMPLE = ModelSpec(
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=32,
+    hidden_size=256,
+    intermediate_size=640,
+    num_layers=4,
+    vocab_size=256,
+    tied_embeddings=True,
+    name="examples/train.py default",
+)
 MEASURED_SAVED_PER_TOKEN = {1: 82_356, 2: 86_452}  # U=1 (w1), U=2 (cp4)
 
 
@@ -211,8 +239,9 @@ def test_memory_within_10_percent_of_every_measured_step():
     attempts = list(_measured_attempts())
     assert len(attempts) == 13
     for config, seq_len, measured in attempts:
-        memory = memory_use(EXAMPLE, Workload(seq_len, dtype_bytes=4),
-                            MeshConfig(1, config["ulysses"], config["ring"], zero_stage=3))
+        memory = memory_use(
+            EXAMPLE, Workload(seq_len, dtype_bytes=4), MeshConfig(1, config["ulysses"], config["ring"], zero_stage=3)
+        )
         assert memory.engine_state == 50_000_000 * 4
         step_error = memory.step / measured["step_alloc_peak"] - 1
         total_error = memory.total / measured["alloc_peak"] - 1
@@ -225,7 +254,11 @@ def test_offload_moves_states_and_checkpoints_to_host():
 
     psi, n = SMALL.total_params, 4
     assert model_state_bytes(SMALL, 3, n, False, 2, optimizer_offload=True) == (
-        2 * psi // n, 0, 0, 4 * max(SMALL.layer_params, SMALL.embedding_params))
+        2 * psi // n,
+        0,
+        0,
+        4 * max(SMALL.layer_params, SMALL.embedding_params),
+    )
     assert model_state_bytes(SMALL, 3, n, False, 2, optimizer_offload=True, param_offload=True)[0] == 0
     assert model_state_bytes(SMALL, 0, n, False, 2, optimizer_offload=True)[2] == 12 * psi  # ZeRO-0: no offload
     both = Workload(4096, techniques=Techniques(optimizer_offload=True, param_offload=True))
@@ -245,16 +278,25 @@ def test_offload_moves_states_and_checkpoints_to_host():
     # checkpointing (the whole model's worth at the end of the backward is the reduce-scatter's copy, a phase)
     for checkpointing in (True, False):
         assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, checkpointing)) == 2 * (
-            deep.embedding_params + deep.layer_params)
+            deep.embedding_params + deep.layer_params
+        )
     from hybridsp.planner._memory import reduction_bytes
 
-    assert reduction_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * (deep.total_params + deep.embedding_params)
+    assert reduction_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * (
+        deep.total_params + deep.embedding_params
+    )
     gloo = Workload(4096, techniques=Techniques(collective_copies=1))  # gloo clones the flat bucket once more
     assert reduction_bytes(deep, gloo, MeshConfig(1, 2, 2, 3)) == 2 * (2 * deep.total_params + deep.embedding_params)
     assert reduction_bytes(deep, gloo, MeshConfig(1, 2, 2, 2)) == 0  # ZeRO-2 reduces differently (not modelled)
     assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 1, True)) == 0  # full gradients are states
-    assert memory.total == (memory.model_states + memory.engine_state + memory.checkpoints + memory.activations
-                            + memory.logits + memory.workspace)
+    assert memory.total == (
+        memory.model_states
+        + memory.engine_state
+        + memory.checkpoints
+        + memory.activations
+        + memory.logits
+        + memory.workspace
+    )
 
 
 def test_tiled_mlp_and_fused_loss_terms():
@@ -265,8 +307,10 @@ def test_tiled_mlp_and_fused_loss_terms():
     assert mlp_transient_bytes(SMALL, Workload(4096), config) == tokens * 2 * 64 * 2
     tiled = Workload(4096, techniques=Techniques(tiled_mlp=True))
     assert mlp_transient_bytes(SMALL, tiled, config) == 32 * 6 * 64 * 2  # a tile of h = 32 tokens
-    assert mlp_transient_bytes(SMALL, Workload(4096, techniques=Techniques(tiled_mlp=True, mlp_tile=100)),
-                               config) == 100 * 6 * 64 * 2
+    assert (
+        mlp_transient_bytes(SMALL, Workload(4096, techniques=Techniques(tiled_mlp=True, mlp_tile=100)), config)
+        == 100 * 6 * 64 * 2
+    )
     fused = Workload(4096, techniques=Techniques(fused_loss=True, loss_chunk=256))  # bf16
     assert loss_bytes(SMALL, fused, config) == 256 * 100 * (4 + 2) + 100 * 32 * (4 + 2 + 4) + tokens * 32 * 2
     fp32 = Workload(4096, dtype_bytes=4, techniques=Techniques(fused_loss=True, loss_chunk=256))
@@ -286,7 +330,8 @@ def test_fused_loss_chunk_follows_the_library_default():
             config = MeshConfig(1, 2, 2)
             tokens = seq_len // 4
             assert fused_loss_chunk(model, workload, config) == min(
-                tokens, default_chunk_size(model.vocab_size, tokens, model.hidden_size))
+                tokens, default_chunk_size(model.vocab_size, tokens, model.hidden_size)
+            )
 
 
 def test_host_memory_bounds_activation_offload():
@@ -294,8 +339,9 @@ def test_host_memory_bounds_activation_offload():
 
     model, everything = MODELS["llama3-8b"], Techniques(fused_loss=True, tiled_mlp=True, activation_offload=True)
     roomy = longest_context(model, preset_cluster("h100", 1, 8), granularity=65536, techniques=everything)
-    small = longest_context(model, preset_cluster("h100", 1, 8, host_memory_bytes=64 * GIB), granularity=65536,
-                            techniques=everything)
+    small = longest_context(
+        model, preset_cluster("h100", 1, 8, host_memory_bytes=64 * GIB), granularity=65536, techniques=everything
+    )
     assert small.seq_len < roomy.seq_len
     best = small.result.recommended
     assert best.memory.host <= 64 * GIB / 8 and best.fits
@@ -323,8 +369,20 @@ def test_kv_modes_accepted_and_unknown_ones_refused():
         Techniques(kv_mode="tree")
 
 
-ABLATION_COMMAND = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--nodes", "1", "--gpus-per-node", "8",
-                    "--longest-context", "--ablation", "--json"]
+ABLATION_COMMAND = [
+    "plan",
+    "--model",
+    "llama3-8b",
+    "--gpu",
+    "h100",
+    "--nodes",
+    "1",
+    "--gpus-per-node",
+    "8",
+    "--longest-context",
+    "--ablation",
+    "--json",
+]
 
 
 def test_ablation_contract(capsys):
@@ -333,8 +391,12 @@ def test_ablation_contract(capsys):
     assert output.count("\n") == 1  # one JSON object on one line
     rows = json.loads(output)["ablation"]
     assert [row["techniques"] for row in rows] == [
-        [], ["fused_loss"], ["fused_loss", "tiled_mlp"], ["fused_loss", "tiled_mlp", "activation_offload"],
-        ["fused_loss", "tiled_mlp", "activation_offload", "optimizer_offload"]]
+        [],
+        ["fused_loss"],
+        ["fused_loss", "tiled_mlp"],
+        ["fused_loss", "tiled_mlp", "activation_offload"],
+        ["fused_loss", "tiled_mlp", "activation_offload", "optimizer_offload"],
+    ]
     lengths = [row["longest_context"] for row in rows]
     assert lengths == sorted(lengths) and lengths[0] > 0
     assert lengths[-1] > 3_700_000  # Arctic long-sequence training's 3.7M on 8 H100
@@ -342,8 +404,17 @@ def test_ablation_contract(capsys):
         assert set(row) >= {"techniques", "longest_context", "dp", "ulysses", "ring"}
         assert row["dp"] * row["ulysses"] * row["ring"] == 8
         memory = row["memory"]
-        terms = ("params", "grads", "optimizer", "gathered_params", "engine_state", "checkpoints", "activations",
-                 "logits", "workspace")
+        terms = (
+            "params",
+            "grads",
+            "optimizer",
+            "gathered_params",
+            "engine_state",
+            "checkpoints",
+            "activations",
+            "logits",
+            "workspace",
+        )
         assert sum(memory[term] for term in terms) == memory["total"] <= row["usable_bytes"]
         assert memory["host"] <= row["host_usable_bytes"]
     last = rows[-1]["memory"]
@@ -457,13 +528,27 @@ def test_recommendation_prefers_ulysses_inside_a_node_on_ties():
 def _random_case(rng: random.Random):
     heads = rng.choice([4, 6, 8, 12, 16, 24, 28, 32, 40, 64])
     kv_heads = rng.choice([d for d in range(1, heads + 1) if heads % d == 0])
-    model = ModelSpec(heads, kv_heads, rng.choice([64, 128]), rng.choice([1024, 4096]), rng.choice([2048, 8192]),
-                      rng.randint(1, 40), rng.choice([1000, 32000]))
-    cluster = _cluster(nodes=rng.choice([1, 2, 3, 4]), per_node=rng.choice([1, 2, 4, 6, 8]),
-                       memory_bytes=rng.choice([16, 40, 80]) * GIB, intra_bw=rng.choice([30e9, 450e9]),
-                       inter_bw=rng.choice([1e9, 50e9]))
-    workload = Workload(rng.choice([1, 2, 3, 8, 64]) * rng.choice([1000, 1024, 4096, 12288]),
-                        micro_batch=rng.choice([1, 2]), forward_only=rng.random() < 0.2)
+    model = ModelSpec(
+        heads,
+        kv_heads,
+        rng.choice([64, 128]),
+        rng.choice([1024, 4096]),
+        rng.choice([2048, 8192]),
+        rng.randint(1, 40),
+        rng.choice([1000, 32000]),
+    )
+    cluster = _cluster(
+        nodes=rng.choice([1, 2, 3, 4]),
+        per_node=rng.choice([1, 2, 4, 6, 8]),
+        memory_bytes=rng.choice([16, 40, 80]) * GIB,
+        intra_bw=rng.choice([30e9, 450e9]),
+        inter_bw=rng.choice([1e9, 50e9]),
+    )
+    workload = Workload(
+        rng.choice([1, 2, 3, 8, 64]) * rng.choice([1000, 1024, 4096, 12288]),
+        micro_batch=rng.choice([1, 2]),
+        forward_only=rng.random() < 0.2,
+    )
     return model, cluster, workload
 
 
@@ -526,8 +611,22 @@ def test_search_space_and_specs_validate():
 
 
 def test_cli_json_recommendation_is_valid(capsys):
-    status = main(["plan", "--model", "llama3-8b", "--gpu", "h100", "--nodes", "4", "--gpus-per-node", "8",
-                   "--seq-len", "1000000", "--json"])
+    status = main(
+        [
+            "plan",
+            "--model",
+            "llama3-8b",
+            "--gpu",
+            "h100",
+            "--nodes",
+            "4",
+            "--gpus-per-node",
+            "8",
+            "--seq-len",
+            "1000000",
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     best = data["recommended"]
     assert status == 0 and best["fits"] and best["valid"]
@@ -538,13 +637,58 @@ def test_cli_json_recommendation_is_valid(capsys):
 
 
 def test_cli_table_overrides_and_errors(capsys):
-    status = main(["plan", "--model", "llama3-70b", "--gpu", "h200", "--nodes", "2", "--seq-len", "131072",
-                   "--heads", "40", "--memory-gib", "100", "--inter", "ethernet", "--zero", "3", "--top", "3"])
+    status = main(
+        [
+            "plan",
+            "--model",
+            "llama3-70b",
+            "--gpu",
+            "h200",
+            "--nodes",
+            "2",
+            "--seq-len",
+            "131072",
+            "--heads",
+            "40",
+            "--memory-gib",
+            "100",
+            "--inter",
+            "ethernet",
+            "--zero",
+            "3",
+            "--top",
+            "3",
+        ]
+    )
     text = capsys.readouterr().out
     assert status == 0 and "Recommended: DP=" in text and "ZeRO-3" in text and "100 GiB" in text
     assert "heads 40 not divisible by U=16" in text
-    assert main(["plan", "--hidden", "64", "--heads", "4", "--intermediate", "128", "--layers", "2", "--vocab", "50",
-                 "--seq-len", "1024", "--nodes", "1", "--gpus-per-node", "2", "--forward-only", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--hidden",
+                "64",
+                "--heads",
+                "4",
+                "--intermediate",
+                "128",
+                "--layers",
+                "2",
+                "--vocab",
+                "50",
+                "--seq-len",
+                "1024",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "2",
+                "--forward-only",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["recommended"]["zero_stage"] in (0, 3)
     with pytest.raises(SystemExit, match="missing --heads"):
         main(["plan", "--hidden", "64", "--seq-len", "1024"])
@@ -625,8 +769,9 @@ def test_bytes_equal_what_the_comm_counter_records():
     model = ModelSpec(8, 2, 16, hidden_size=128, intermediate_size=256, num_layers=1, vocab_size=10)
     expected = []
     for ulysses, ring in _COUNTED_MESHES:
-        volume = comm_volume(model, Workload(64, micro_batch=2, dtype_bytes=4), MeshConfig(8 // (ulysses * ring),
-                                                                                          ulysses, ring))
+        volume = comm_volume(
+            model, Workload(64, micro_batch=2, dtype_bytes=4), MeshConfig(8 // (ulysses * ring), ulysses, ring)
+        )
         expected.append({"all_to_all": volume.all_to_all, "ring": volume.ring_total})
     counted = run_distributed(_counted_bytes, 8, timeout=300)
     for index, want in enumerate(expected):  # the planner prices the mean rank of the ring

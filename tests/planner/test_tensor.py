@@ -11,8 +11,16 @@ from hybridsp.planner._tensor import (
     sequence_parallel_saving,
 )
 
-TINY = ModelSpec(num_heads=8, num_kv_heads=4, head_dim=16, hidden_size=128, intermediate_size=256, num_layers=2,
-                 vocab_size=100, name="tiny")
+TINY = ModelSpec(
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    hidden_size=128,
+    intermediate_size=256,
+    num_layers=2,
+    vocab_size=100,
+    name="tiny",
+)
 
 
 def test_terms_by_hand():
@@ -47,8 +55,24 @@ def test_plan_cli_ranks_tensor_meshes_for_a_long_prefill():
     import sys
 
     run = lambda *extra: subprocess.run(  # noqa: E731
-        [sys.executable, "-m", "hybridsp", "plan", "--model", "llama3-70b", "--seq-len", "1000000", "--nodes", "2",
-         "--tensor-inference", "--json", *extra], capture_output=True, text=True)
+        [
+            sys.executable,
+            "-m",
+            "hybridsp",
+            "plan",
+            "--model",
+            "llama3-70b",
+            "--seq-len",
+            "1000000",
+            "--nodes",
+            "2",
+            "--tensor-inference",
+            "--json",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+    )
     with_sp = run("--tensor-sp")
     options = json.loads(with_sp.stdout)["tensor_inference"]
     assert with_sp.returncode == 0 and options[0]["fits"] and options[0]["tensor"] > 1

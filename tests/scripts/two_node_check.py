@@ -56,12 +56,19 @@ def main(report_dir: str) -> None:
     expected = reference_with_grads(*full, causal=True)
     errors = [rel_err(a, shard_sequence(e, mesh)) for a, e in zip([out, q.grad, k.grad, v.grad], expected)]
     report = {
-        "rank": dist.get_rank(), "node": int(os.environ["GROUP_RANK"]),
-        "ulysses": mesh.ulysses, "ring": mesh.ring, "dp": mesh.dp,
-        "ulysses_members": _members(mesh.ulysses_group), "ulysses_nodes": _node_of_each(mesh.ulysses_group),
-        "ring_members": _members(mesh.ring_group), "ring_nodes": _node_of_each(mesh.ring_group),
-        "netns": os.stat("/proc/self/ns/net").st_ino, "ulysses_netns": _netns_of_each(mesh.ulysses_group),
-        "ring_netns": _netns_of_each(mesh.ring_group), "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "rank": dist.get_rank(),
+        "node": int(os.environ["GROUP_RANK"]),
+        "ulysses": mesh.ulysses,
+        "ring": mesh.ring,
+        "dp": mesh.dp,
+        "ulysses_members": _members(mesh.ulysses_group),
+        "ulysses_nodes": _node_of_each(mesh.ulysses_group),
+        "ring_members": _members(mesh.ring_group),
+        "ring_nodes": _node_of_each(mesh.ring_group),
+        "netns": os.stat("/proc/self/ns/net").st_ino,
+        "ulysses_netns": _netns_of_each(mesh.ulysses_group),
+        "ring_netns": _netns_of_each(mesh.ring_group),
+        "gloo_interface": os.environ.get("GLOO_SOCKET_IFNAME"),
         "errors": errors,
     }
     Path(report_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))

@@ -67,7 +67,7 @@ def family_errors(name: str, mesh, sequence_parallel: bool, switch: bool, overri
     logits, loss, grads, _ = sharded(model, mesh, BATCH)
     plan = tensor_plan(model)
     real = BATCH["attention_mask"].bool()  # [B, S]
-    errors = {"logits": rel_err(logits[:, :real.shape[1]][real], ref_logits[real]), "loss": rel_err(loss, ref_loss)}
+    errors = {"logits": rel_err(logits[:, : real.shape[1]][real], ref_logits[real]), "loss": rel_err(loss, ref_loss)}
     for param_name, grad in grads.items():
         errors[f"grad {param_name}"] = rel_err(full_gradient(grad, param_name, plan, mesh), ref_grads[param_name])
     local_sizes = {n: p.numel() for n, p in model.named_parameters()}
@@ -89,8 +89,9 @@ def _check(rank, world, cases, sequence_parallel):
             errors = family_errors(name, mesh, sequence_parallel, switch, *overrides or [{}])
             worst = max(errors, key=errors.get)
             if not errors[worst] <= TOLERANCE:
-                failures.append(f"T={tensor} U={ulysses} R={ring} {name} sp={sequence_parallel}: {worst} "
-                                f"{errors[worst]:.2e}")
+                failures.append(
+                    f"T={tensor} U={ulysses} R={ring} {name} sp={sequence_parallel}: {worst} {errors[worst]:.2e}"
+                )
             compared.append((name, (tensor, ulysses, ring)))
     assert not failures, "\n".join(failures)
     return compared
@@ -115,11 +116,22 @@ def router_loss_errors(name: str, mesh) -> dict[str, float]:
     hf.tensor_parallel(model, mesh, sequence_parallel=True)
     with hf.apply(model, mesh):
         local = shard_batch(BATCH, mesh, pad_token_id=0)
-        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                    hybridsp_documents=local["documents"], use_cache=False, output_router_logits=True)
-        aux = sharded_load_balancing_loss(out.router_logits, real_token_mask(BATCH, mesh, local["documents"]), mesh,
-                                          num_experts=model.config.num_experts if hasattr(model.config, "num_experts")
-                                          else model.config.num_local_experts, top_k=model.config.num_experts_per_tok)
+        out = model(
+            input_ids=local["input_ids"],
+            position_ids=local["position_ids"],
+            hybridsp_documents=local["documents"],
+            use_cache=False,
+            output_router_logits=True,
+        )
+        aux = sharded_load_balancing_loss(
+            out.router_logits,
+            real_token_mask(BATCH, mesh, local["documents"]),
+            mesh,
+            num_experts=model.config.num_experts
+            if hasattr(model.config, "num_experts")
+            else model.config.num_local_experts,
+            top_k=model.config.num_experts_per_tok,
+        )
         loss = sharded_cross_entropy(out.logits, local["shift_labels"], mesh) + 0.05 * aux
         loss.backward()
     plan, errors = tensor_plan(model), {"loss": rel_err(loss.detach(), ref_loss)}
@@ -202,13 +214,30 @@ def _mesh(tensor: int, ulysses: int = 1):
 
 
 REFUSED = {  # family, overrides, tensor degree, the message
-    "expert width": ("qwen3_moe", dict(moe_intermediate_size=33), 2,
-                     r"layer 0.mlp.experts' intermediate width 33 is not divisible by tensor=2"),
-    "dense width": ("deepseek_v3", dict(intermediate_size=95), 2,
-                    r"layer 0.mlp's intermediate width \(down_proj in_features\) 95 is not divisible by tensor=2"),
-    "deepseek expert width": ("deepseek_v3", dict(moe_intermediate_size=31), 2,
-                            r"layer 1.mlp.experts' intermediate width 31 is not divisible"),
-    "gpt_oss expert width": ("gpt_oss", dict(intermediate_size=95), 2, r"experts' intermediate width 95 is not divisible"),
+    "expert width": (
+        "qwen3_moe",
+        dict(moe_intermediate_size=33),
+        2,
+        r"layer 0.mlp.experts' intermediate width 33 is not divisible by tensor=2",
+    ),
+    "dense width": (
+        "deepseek_v3",
+        dict(intermediate_size=95),
+        2,
+        r"layer 0.mlp's intermediate width \(down_proj in_features\) 95 is not divisible by tensor=2",
+    ),
+    "deepseek expert width": (
+        "deepseek_v3",
+        dict(moe_intermediate_size=31),
+        2,
+        r"layer 1.mlp.experts' intermediate width 31 is not divisible",
+    ),
+    "gpt_oss expert width": (
+        "gpt_oss",
+        dict(intermediate_size=95),
+        2,
+        r"experts' intermediate width 95 is not divisible",
+    ),
     "MLA heads": ("deepseek_v3", {}, 8, r"4 query heads are not divisible by tensor=8"),
     "K/V heads": ("phi3", {}, 4, r"2 key/value heads are not divisible by tensor=4"),
 }
@@ -221,8 +250,12 @@ def _centred_q_norm(model):
 
 
 REFUSED["a width norm that is not a plain RMS norm"] = (
-    "olmo2", {}, 2, r"layer 0.self_attn.q_norm \(LayerNorm\) normalises over 64 features, neither one head's 16 nor a "
-                    r"plain RMS norm over the 4 x 16 projected width")
+    "olmo2",
+    {},
+    2,
+    r"layer 0.self_attn.q_norm \(LayerNorm\) normalises over 64 features, neither one head's 16 nor a "
+    r"plain RMS norm over the 4 x 16 projected width",
+)
 CHANGE = {"a width norm that is not a plain RMS norm": _centred_q_norm}
 
 

@@ -21,9 +21,11 @@ TOLERANCE = 1e-4
 FAMILIES = {"llama": dict(num_key_value_heads=2), "qwen2": {}}  # both GQA: llama 4/2, qwen2 8/2 (q/k/v bias)
 # Replicated parameters inside the tensor region: Qwen3's per-head q_norm / k_norm, and row-parallel
 # biases (o_proj / down_proj) that sequence parallelism adds on S/T tokens.
-REPLICATED_INSIDE = {"qwen3": ("qwen3", {}), "llama_biased": ("llama", dict(num_key_value_heads=2, attention_bias=True,
-                                                                           mlp_bias=True)),
-                     "qwen3_t3": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=3, intermediate_size=96))}
+REPLICATED_INSIDE = {
+    "qwen3": ("qwen3", {}),
+    "llama_biased": ("llama", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
+    "qwen3_t3": ("qwen3", dict(num_attention_heads=6, num_key_value_heads=3, intermediate_size=96)),
+}
 BATCH = make_batch(64, (64, 50))
 
 
@@ -76,8 +78,9 @@ def _check(rank, world, meshes, families, modes):
                     failures.append(f"{family}: the split linears hold {shard} bytes per rank, not {whole}/{tensor}")
                 worst = max(errors, key=errors.get)
                 if errors[worst] > TOLERANCE:
-                    failures.append(f"T={tensor} U={ulysses} R={ring} {family} sp={sequence_parallel}: "
-                                    f"{worst} {errors[worst]:.2e}")
+                    failures.append(
+                        f"T={tensor} U={ulysses} R={ring} {family} sp={sequence_parallel}: {worst} {errors[worst]:.2e}"
+                    )
                 sizes.append((family, local, full))
     assert not failures, "\n".join(failures)
     return sizes
@@ -103,8 +106,11 @@ def test_mesh_tensor_axis_is_innermost_and_other_groups_hold_one_tensor_rank():
     assert groups["ulysses"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert groups["ring"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert groups["data_context"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # ZeRO never spans the tensor group
-    assert [shape.coords_of(r) + (shape.tensor_rank_of(r),) for r in (0, 3, 5)] == [(0, 0, 0, 0), (0, 0, 1, 1),
-                                                                                   (0, 1, 0, 1)]
+    assert [shape.coords_of(r) + (shape.tensor_rank_of(r),) for r in (0, 3, 5)] == [
+        (0, 0, 0, 0),
+        (0, 0, 1, 1),
+        (0, 1, 0, 1),
+    ]
     assert MeshShape(16, 2, 1, tensor=4).dp == 2
     ring_inner = MeshShape(8, 2, 2, order="ring_inner", tensor=2).group_members()
     assert ring_inner["ring"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and ring_inner["tensor"][0] == [0, 1]
@@ -128,14 +134,19 @@ def test_models_that_cannot_be_split_are_refused_before_any_change():
 
     model = build("qwen2")  # 8 query heads, 2 K/V heads, MLP 128
     before = {n: p.clone() for n, p in model.named_parameters()}
-    for tensor, ulysses, message in ((4, 1, r"2 key/value heads are not divisible by tensor=4"),
-                                     (2, 8, r"8 query heads are not divisible by tensor=2 x ulysses=8 = 16")):
+    for tensor, ulysses, message in (
+        (4, 1, r"2 key/value heads are not divisible by tensor=4"),
+        (2, 8, r"8 query heads are not divisible by tensor=2 x ulysses=8 = 16"),
+    ):
         mesh = SimpleNamespace(tensor=tensor, ulysses=ulysses, tensor_rank=0, tensor_group=None)
         with pytest.raises(ValueError, match=message):
             hf.tensor_parallel(model, mesh)
     wide = build("llama", intermediate_size=126)  # 4 query and 4 K/V heads
-    with pytest.raises(ValueError, match=r"layer 0.mlp's intermediate width \(down_proj in_features\) 126 is not "
-                                         r"divisible by tensor=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer 0.mlp's intermediate width \(down_proj in_features\) 126 is not "
+        r"divisible by tensor=4",
+    ):
         hf.tensor_parallel(wide, SimpleNamespace(tensor=4, ulysses=1, tensor_rank=0, tensor_group=None))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 

@@ -55,8 +55,9 @@ def _direct_gather(output: torch.Tensor, part: torch.Tensor, group: dist.Process
     return PendingBlocks(dist.batch_isend_irecv(ops), None)
 
 
-def gather_chunk(output: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup,
-                 direct: bool | None = None) -> PendingBlocks | dist.Work:
+def gather_chunk(
+    output: torch.Tensor, part: torch.Tensor, group: dist.ProcessGroup, direct: bool | None = None
+) -> PendingBlocks | dist.Work:
     """Start gathering every rank's ``part`` [B, m, Hkv, D] into ``output`` [R * B, m, Hkv, D]
     (rank-major); returns an object with ``wait()``.
 
@@ -78,8 +79,9 @@ def chunk_pieces(plan: BlockPlan, rank: int, chunks: int) -> tuple[tuple[Piece, 
     Source ``s``'s rows ``[j m, (j + 1) m)`` sit at ``[s m, (s + 1) m)`` of the gathered chunk.
     Memoised on the plan.
     """
-    table: tuple[tuple[Piece, ...], ...] = plan.memo(("chunk_pieces", rank, chunks),
-                                                     lambda: _chunk_pieces(plan, rank, chunks))
+    table: tuple[tuple[Piece, ...], ...] = plan.memo(
+        ("chunk_pieces", rank, chunks), lambda: _chunk_pieces(plan, rank, chunks)
+    )
     return table
 
 
@@ -114,8 +116,15 @@ def _gathered_keys(buffer: torch.Tensor) -> torch.Tensor:
 class _ChunkGathers:
     """Asynchronous all-gathers of K/V chunks, one chunk ahead, two buffers alternating."""
 
-    def __init__(self, group: dist.ProcessGroup, k: torch.Tensor, v: torch.Tensor, chunks: int,
-                 needed: tuple[bool, ...], counter: CommCounter | None) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        chunks: int,
+        needed: tuple[bool, ...],
+        counter: CommCounter | None,
+    ) -> None:
         self._group, self._k, self._v, self._counter = group, k, v, counter
         self._size = dist.get_world_size(group)
         self._rows, self._needed = k.shape[1] // chunks, needed
@@ -148,8 +157,13 @@ class _ChunkGathers:
         return [_gathered_keys(g) for g in gathered]
 
 
-def _post_reduce(group: dist.ProcessGroup, dk_all: torch.Tensor, dv_all: torch.Tensor, dtype: torch.dtype,
-                 counter: CommCounter | None) -> tuple[dist.Work, torch.Tensor]:
+def _post_reduce(
+    group: dist.ProcessGroup,
+    dk_all: torch.Tensor,
+    dv_all: torch.Tensor,
+    dtype: torch.dtype,
+    counter: CommCounter | None,
+) -> tuple[dist.Work, torch.Tensor]:
     """Start returning a chunk's partial dK [B, R m, Hkv, D] / dV [B, R m, Hkv, Dv] to their owners:
     all-to-all of ``[R, B, m, Hkv (D + Dv)]`` in ``dtype`` (each row's dK then its dV, so the head
     dims may differ); returns (work, received)."""
@@ -189,16 +203,18 @@ class AllGatherTransport(Transport):
     def blocks(self) -> Iterator[Block]:
         """The own block (while chunk 0 travels), then one block per gathered chunk ``[B, R m, Hkv, D]``."""
         plan, rank = self._plan, self._rank
-        gathers = _ChunkGathers(self._group, self._k, self._v, self._chunks, needed_chunks(plan, self._chunks),
-                                self._counter)
+        gathers = _ChunkGathers(
+            self._group, self._k, self._v, self._chunks, needed_chunks(plan, self._chunks), self._counter
+        )
         yield Block(plan.pieces[(rank, rank)], self._k, self._v, own=True)
         for j, pieces in enumerate(chunk_pieces(plan, rank, self._chunks)):
             gathered = gathers.take(j)
             if gathered is not None:
                 yield Block(pieces, gathered[0], gathered[1], chunk_rows=slice(j * self._rows, (j + 1) * self._rows))
 
-    def send_home(self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor,
-                  dv_acc: torch.Tensor) -> None:
+    def send_home(
+        self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor, dv_acc: torch.Tensor
+    ) -> None:
         """Start the chunk's reduce-scatter (in the input dtype); add the previous chunk's sums."""
         self.finish(dk_acc, dv_acc)
         if grads is None:

@@ -45,8 +45,9 @@ class Transport(Protocol):
         """The own block first, then every visiting block (the next one already in flight)."""
         ...
 
-    def send_home(self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor,
-                  dv_acc: torch.Tensor) -> None:
+    def send_home(
+        self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor, dv_acc: torch.Tensor
+    ) -> None:
         """Start returning a visiting block's partial (dk, dv) [B, rows, Hkv, D] (accumulation dtype;
         None: the block had no pieces) to its owner, rounded once to the input dtype; add what has
         arrived for this rank so far into dk_acc/dv_acc."""

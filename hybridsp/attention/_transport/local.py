@@ -23,8 +23,9 @@ class LocalTransport(Transport):
     def blocks(self) -> Iterator[Block]:
         yield self._block
 
-    def send_home(self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor,
-                  dv_acc: torch.Tensor) -> None:  # pragma: no cover - never visited
+    def send_home(
+        self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor, dv_acc: torch.Tensor
+    ) -> None:  # pragma: no cover - never visited
         raise AssertionError("a ring of one has no visiting block")
 
     def finish(self, dk_acc: torch.Tensor, dv_acc: torch.Tensor) -> None:

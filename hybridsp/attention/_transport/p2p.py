@@ -53,11 +53,17 @@ class P2PTransport(Transport):
         size, rank, plan = self._plan.ring, self._rank, self._plan
         dest, source = (rank + step) % size, (rank - step) % size
         send_hull, recv_hull = plan.hulls[(dest, rank)], plan.hulls[(rank, source)]
-        sends = [] if send_hull is None else [t[:, send_hull[0]:send_hull[1]] for t in (self._k, self._v)]
+        sends = [] if send_hull is None else [t[:, send_hull[0] : send_hull[1]] for t in (self._k, self._v)]
         like = [] if recv_hull is None else _receive_like((self._k, self._v), recv_hull[1] - recv_hull[0])
         return post(
-            self._group, None if send_hull is None else dest, sends, None if recv_hull is None else source, like,
-            device=self._k.device, tag=KV_TAG, counter=self._counter,
+            self._group,
+            None if send_hull is None else dest,
+            sends,
+            None if recv_hull is None else source,
+            like,
+            device=self._k.device,
+            tag=KV_TAG,
+            counter=self._counter,
         )
 
     def blocks(self) -> Iterator[Block]:
@@ -74,8 +80,9 @@ class P2PTransport(Transport):
             k_rows, v_rows = received if received is not None else (None, None)
             yield Block(plan.pieces[(rank, source)], k_rows, v_rows, 0 if hull is None else hull[0], step=step)
 
-    def send_home(self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor,
-                  dv_acc: torch.Tensor) -> None:
+    def send_home(
+        self, block: Block, grads: list[torch.Tensor] | None, dk_acc: torch.Tensor, dv_acc: torch.Tensor
+    ) -> None:
         """Send this step's partial (dk, dv) home to ``rank - step`` in the input dtype; receive the
         own-block partials of ``rank + step``; add the previous step's arrivals into the accumulators."""
         size, rank, step = self._plan.ring, self._rank, block.step
@@ -86,8 +93,14 @@ class P2PTransport(Transport):
         like = [] if recv_hull is None else _receive_like((self._k, self._v), recv_hull[1] - recv_hull[0])
         self.finish(dk_acc, dv_acc)
         pending = post(
-            self._group, None if grads is None else home, sends, None if recv_hull is None else visitor, like,
-            device=self._k.device, tag=GRAD_TAG, counter=self._counter,
+            self._group,
+            None if grads is None else home,
+            sends,
+            None if recv_hull is None else visitor,
+            like,
+            device=self._k.device,
+            tag=GRAD_TAG,
+            counter=self._counter,
         )
         self._grads_pending = (pending, recv_hull)
 
@@ -99,5 +112,5 @@ class P2PTransport(Transport):
         received = pending.wait()
         if received is not None:
             assert hull is not None  # rows arrive only where the plan has a hull
-            dk_acc[:, hull[0]:hull[1]] += received[0]
-            dv_acc[:, hull[0]:hull[1]] += received[1]
+            dk_acc[:, hull[0] : hull[1]] += received[0]
+            dv_acc[:, hull[0] : hull[1]] += received[1]

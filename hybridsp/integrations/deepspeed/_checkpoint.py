@@ -165,8 +165,13 @@ def convert_to_universal(plan: ResumeSource) -> None:
         from deepspeed.checkpoint import ds_to_universal
 
         args = argparse.Namespace(
-            input_folder=str(plan.tag_dir), output_folder=str(target), num_extract_workers=1,
-            num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True,
+            input_folder=str(plan.tag_dir),
+            output_folder=str(target),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
         )
         with contextlib.redirect_stdout(io.StringIO()):  # the converter prints every file it writes
             ds_to_universal.main(args)

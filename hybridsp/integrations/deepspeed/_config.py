@@ -50,8 +50,18 @@ from hybridsp.kernels import BACKEND_NAMES
 from hybridsp.mesh._hybrid_mesh import MeshShape
 
 SECTION = "hybridsp"
-SECTION_KEYS = ("ulysses", "ring", "order", "layout", "backend", "kv_comm", "kv_chunks", "tensor",
-                "tensor_sequence_parallel", "generation")
+SECTION_KEYS = (
+    "ulysses",
+    "ring",
+    "order",
+    "layout",
+    "backend",
+    "kv_comm",
+    "kv_chunks",
+    "tensor",
+    "tensor_sequence_parallel",
+    "generation",
+)
 OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size", "tensor_parallel")
 PRECISIONS = ("bf16", "fp16", "fp32")
 
@@ -77,8 +87,16 @@ class HybridConfig:
         for name in ("ulysses", "ring", "tensor"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} degree must be a positive integer; got {getattr(self, name)!r}")
-        MeshShape(self.context * self.tensor, self.ulysses, self.ring, self.order, self.layout, self.kv_comm,
-                  self.kv_chunks, self.tensor)  # checks
+        MeshShape(
+            self.context * self.tensor,
+            self.ulysses,
+            self.ring,
+            self.order,
+            self.layout,
+            self.kv_comm,
+            self.kv_chunks,
+            self.tensor,
+        )  # checks
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
         if self.generation not in GENERATION_MODES:
@@ -126,8 +144,9 @@ class HybridConfig:
 
     def mesh_shape(self, world_size: int) -> MeshShape:
         """The mesh for ``world_size`` ranks; ValueError (no communication) when the sizes disagree."""
-        shape = MeshShape(world_size, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks,
-                          self.tensor)
+        shape = MeshShape(
+            world_size, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks, self.tensor
+        )
         if self.data_parallel_size is not None and self.data_parallel_size != shape.dp:
             raise ValueError(
                 f"data_parallel_size={self.data_parallel_size} disagrees with world size {world_size} / "
@@ -170,7 +189,7 @@ def resolve_precision(config: dict, precision: str | None = None) -> dict:
             section["enabled"] = name == precision
     sections = [config.get(name) for name in ("bf16", "fp16")]
     if all(isinstance(section, dict) and section.get("enabled") is True for section in sections):
-        raise ValueError("bf16 and fp16 are both enabled; enable at most one (or set both to \"auto\")")
+        raise ValueError('bf16 and fp16 are both enabled; enable at most one (or set both to "auto")')
     return config
 
 

@@ -83,8 +83,15 @@ def build_mesh(hybrid: HybridConfig) -> HybridMesh:
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs torch.distributed initialised (deepspeed.init_distributed() does it)")
     shape = hybrid.mesh_shape(dist.get_world_size())
-    return init_mesh(shape.ulysses, shape.ring, order=shape.order, layout=shape.layout, kv_comm=shape.kv_comm,
-                     kv_chunks=shape.kv_chunks, tensor=shape.tensor)
+    return init_mesh(
+        shape.ulysses,
+        shape.ring,
+        order=shape.order,
+        layout=shape.layout,
+        kv_comm=shape.kv_comm,
+        kv_chunks=shape.kv_chunks,
+        tensor=shape.tensor,
+    )
 
 
 class HybridMPU:
@@ -234,22 +241,23 @@ def initialize(
 ) -> HybridEngine:
     """``deepspeed.initialize`` with the hybrid mesh: returns ``(engine, optimizer, mesh, undo)``.
 
-    Reads the ``"hybridsp"`` section of ``config`` (a dict or a JSON path; ``ulysses``, ``ring``,
-    ``backend``, ``kv_comm`` and ``layout`` override it), builds the mesh over all ranks (initialising torch.distributed
-    through DeepSpeed if needed), calls ``switch_attention(model, mesh, backend)`` (the caller's attention
-switch, e.g. the transformers integration's; it returns its undo), passes
-    DeepSpeed a :class:`HybridMPU` and the cleaned config, and on ZeRO-3 with ``C > 1`` adds the
-    gradient hooks of Note [gradient scale]. ``precision`` forces the value of
-    ``"auto"`` precision sections. A ``"compile": {"enabled": true, "backend": ..., "kwargs": {...}}``
-    section compiles the engine (``engine.compile``; :mod:`hybridsp.integrations.deepspeed._compiling`).
-    Raises ValueError, before any process group is created, for a config whose sizes disagree. ``undo()`` removes what this call added to the model (the
-    ZeRO-3 gradient hooks, the attention switch); the engine is not usable after it.
+        Reads the ``"hybridsp"`` section of ``config`` (a dict or a JSON path; ``ulysses``, ``ring``,
+        ``backend``, ``kv_comm`` and ``layout`` override it), builds the mesh over all ranks (initialising torch.distributed
+        through DeepSpeed if needed), calls ``switch_attention(model, mesh, backend)`` (the caller's attention
+    switch, e.g. the transformers integration's; it returns its undo), passes
+        DeepSpeed a :class:`HybridMPU` and the cleaned config, and on ZeRO-3 with ``C > 1`` adds the
+        gradient hooks of Note [gradient scale]. ``precision`` forces the value of
+        ``"auto"`` precision sections. A ``"compile": {"enabled": true, "backend": ..., "kwargs": {...}}``
+        section compiles the engine (``engine.compile``; :mod:`hybridsp.integrations.deepspeed._compiling`).
+        Raises ValueError, before any process group is created, for a config whose sizes disagree. ``undo()`` removes what this call added to the model (the
+        ZeRO-3 gradient hooks, the attention switch); the engine is not usable after it.
     """
     import deepspeed
 
     raw = load_config(config)
-    hybrid = HybridConfig.from_ds_config(raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm,
-                                         layout=layout, tensor=tensor)
+    hybrid = HybridConfig.from_ds_config(
+        raw, ulysses=ulysses, ring=ring, backend=backend, kv_comm=kv_comm, layout=layout, tensor=tensor
+    )
     ds_config = deepspeed_config(raw, hybrid, precision=precision)
     compiling = compile_settings(raw)
     check_tensor_optimizer(optimizer, hybrid.tensor)
@@ -260,7 +268,10 @@ switch, e.g. the transformers integration's; it returns its undo), passes
         undo_switch = _no_undo if switch_attention is None else switch_attention(model, mesh, hybrid.backend)
         try:
             engine, ds_optimizer, _, _ = deepspeed.initialize(
-                model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config,
+                model=model,
+                optimizer=optimizer,
+                lr_scheduler=lr_scheduler,
+                config=ds_config,
                 mpu=HybridMPU(mesh),
                 model_parameters=model.parameters() if model_parameters is None else model_parameters,
             )

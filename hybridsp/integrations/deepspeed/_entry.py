@@ -32,8 +32,9 @@ def default_switch(model: nn.Module) -> engine.AttentionSwitch | None:
     return None
 
 
-def initialize(model: nn.Module, config, *, switch_attention: engine.AttentionSwitch | None = None,
-               **options) -> engine.HybridEngine:
+def initialize(
+    model: nn.Module, config, *, switch_attention: engine.AttentionSwitch | None = None, **options
+) -> engine.HybridEngine:
     """:func:`hybridsp.integrations.deepspeed._engine.initialize` (same arguments) with ``model``'s
     attention switched: by ``switch_attention`` when given, else by :func:`default_switch`."""
     switch = switch_attention if switch_attention is not None else default_switch(model)

@@ -69,7 +69,7 @@ def check_tensor_optimizer(optimizer: Any, tensor: int) -> None:
         raise ValueError(
             f"tensor={tensor} replaces the model's linear weights by their shards, so an optimizer built on the "
             f"whole weights would update nothing; pass optimizer=lambda params: YourOptimizer(params, ...) (DeepSpeed "
-            f"calls it with the sharded parameters) or an \"optimizer\" section in the config"
+            f'calls it with the sharded parameters) or an "optimizer" section in the config'
         )
 
 
@@ -95,8 +95,10 @@ def mark_split_parameters(model: nn.Module) -> list[str]:
             marked.append(name)
     if len(marked) != len(split):
         missing = sorted(set(split) - set(marked))
-        raise ValueError(f"{len(missing)} split parameters are not parameters of the model (e.g. {missing[0]}); "
-                         f"mark_split_parameters needs the model tensor_parallel returned")
+        raise ValueError(
+            f"{len(missing)} split parameters are not parameters of the model (e.g. {missing[0]}); "
+            f"mark_split_parameters needs the model tensor_parallel returned"
+        )
     return marked
 
 
@@ -139,11 +141,16 @@ def count_tensor_shards_in_norm(optimizer: Any, mesh: HybridMesh, stage: int) ->
     if mesh.tensor == 1 or stage == 0 or not _zero_norm_ignores_the_mpu(optimizer):
         return _no_undo
     if not hasattr(optimizer, "model_parallel_group") or not hasattr(optimizer, "model_parallel_rank"):
-        raise RuntimeError(f"{type(optimizer).__name__} (ZeRO stage {stage}) has no model_parallel_group / "
-                           f"model_parallel_rank: this DeepSpeed computes the gradient norm differently, and with "
-                           f"tensor={mesh.tensor} it would miss the other tensor ranks' shards")
-    values = {"model_parallel_group": mesh.tensor_group, "model_parallel_rank": mesh.tensor_rank,
-              "model_parallel_world_size": mesh.tensor}
+        raise RuntimeError(
+            f"{type(optimizer).__name__} (ZeRO stage {stage}) has no model_parallel_group / "
+            f"model_parallel_rank: this DeepSpeed computes the gradient norm differently, and with "
+            f"tensor={mesh.tensor} it would miss the other tensor ranks' shards"
+        )
+    values = {
+        "model_parallel_group": mesh.tensor_group,
+        "model_parallel_rank": mesh.tensor_rank,
+        "model_parallel_world_size": mesh.tensor,
+    }
     before = {name: getattr(optimizer, name) for name in values if hasattr(optimizer, name)}
     for name in before:
         setattr(optimizer, name, values[name])

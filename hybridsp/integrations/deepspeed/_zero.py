@@ -69,9 +69,6 @@ def gathered(params: Iterable[torch.Tensor]):
     return deepspeed.zero.GatheredParameters(pending, modifier_rank=None)
 
 
-
-
-
 def land_full_gradient(output: torch.Tensor, input_index: int, param: torch.Tensor) -> None:
     """Arm ``param``'s gradient landing (module docstring) for the next backward through ``output``.
 
@@ -83,10 +80,11 @@ def land_full_gradient(output: torch.Tensor, input_index: int, param: torch.Tens
     if not hasattr(param, "ds_id") or not param.requires_grad or output.grad_fn is None:
         return
     node = output.grad_fn.next_functions[input_index][0]
-    if (node is None or type(node).__name__ != "AccumulateGrad"
-            or node.variable is not param):  # type: ignore[attr-defined]  # AccumulateGrad's; not in torch's Node stub
-        raise RuntimeError(f"input {input_index} of {output.grad_fn.name()} is not the parameter's gradient "
-                           f"accumulator ({type(node).__name__}); cannot arm the ZeRO-3 gradient landing")
+    if node is None or type(node).__name__ != "AccumulateGrad" or node.variable is not param:  # type: ignore[attr-defined]  # AccumulateGrad's; not in torch's Node stub
+        raise RuntimeError(
+            f"input {input_index} of {output.grad_fn.name()} is not the parameter's gradient "
+            f"accumulator ({type(node).__name__}); cannot arm the ZeRO-3 gradient landing"
+        )
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     state: dict[str, torch.Tensor] = {}

@@ -29,13 +29,7 @@ if TYPE_CHECKING:
     from hybridsp.integrations.transformers._loss import causal_lm_loss, model_router_loss
     from hybridsp.integrations.transformers._padding import padded_documents
     from hybridsp.integrations.transformers._peft import base_model
-    from hybridsp.integrations.transformers._switch import (
-        NAME,
-        HybridAttentionHandle,
-        ModelAdapter,
-        apply,
-        register,
-    )
+    from hybridsp.integrations.transformers._switch import NAME, HybridAttentionHandle, ModelAdapter, apply, register
     from hybridsp.integrations.transformers._trainer import HybridSPMixin, HybridSPTrainer
     from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
     from hybridsp.integrations.transformers._vision.generation import generate_vlm

@@ -22,6 +22,8 @@ class Binding:
 
     mesh: HybridMesh
     backend: BackendName | AttentionKernel
+
+
 DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)
 
 
@@ -48,8 +50,12 @@ def _class_calls_interface(klass: type) -> bool:
 
     if issubclass(klass, PreTrainedModel):
         return False
-    return any(INTERFACE_NAME in _names_of(value) for base in klass.__mro__ if not base.__module__.startswith("torch")
-               for value in vars(base).values())
+    return any(
+        INTERFACE_NAME in _names_of(value)
+        for base in klass.__mro__
+        if not base.__module__.startswith("torch")
+        for value in vars(base).values()
+    )
 
 
 def _names_of(value) -> tuple[str, ...]:

@@ -48,8 +48,10 @@ def check_model(model: nn.Module, modules: list[nn.Module], mesh: HybridMesh | N
             f"hybridsp replaces that call, so a model whose attention bypasses it cannot be switched"
         )
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; hybridsp's transformers integration takes causal "
-                         f"decoders (its cross-attention has no causal order over a sharded sequence)")
+        raise ValueError(
+            f"{name} is an encoder-decoder model; hybridsp's transformers integration takes causal "
+            f"decoders (its cross-attention has no causal order over a sharded sequence)"
+        )
     if any(hasattr(m, BINDING_ATTR) for m in modules):
         raise ValueError(f"{name} is already switched to {NAME}: undo the first handle before applying again")
     heads = _query_heads(model, modules[0])
@@ -73,8 +75,10 @@ def _check_module(module: nn.Module, mesh: HybridMesh | None, heads: int | None)
     """One attention module: causal, heads divisible by U."""
     config, layer = module.config, getattr(module, "layer_idx", "?")
     if not getattr(module, "is_causal", True) or not getattr(config, "is_causal", True):
-        raise ValueError(f"layer {layer} ({type(module).__name__}) is not causal; hybridsp's transformers "
-                         f"integration supports causal decoders only")
+        raise ValueError(
+            f"layer {layer} ({type(module).__name__}) is not causal; hybridsp's transformers "
+            f"integration supports causal decoders only"
+        )
     if mesh is not None and heads is not None and not heads_divisible(heads, mesh.ulysses):
         raise ValueError(
             f"the model's {heads} query heads are not divisible by the Ulysses degree {mesh.ulysses}; choose a "
@@ -126,8 +130,14 @@ def _refuse_other_token_mixers(model: nn.Module) -> None:
     """ValueError for layers that mix tokens outside attention (a causal depthwise convolution, a recurrence)
     other than the linear-attention mixers :mod:`.linear_layers` shards: run per shard, they would restart at
     every shard boundary."""
-    mixers = sorted({type(parent).__name__ for parent in model.modules() for child in parent.children()
-                     if _mixes_tokens(child) and mixer_kind(parent) is None})  # linear_layers shards those
+    mixers = sorted(
+        {
+            type(parent).__name__
+            for parent in model.modules()
+            for child in parent.children()
+            if _mixes_tokens(child) and mixer_kind(parent) is None
+        }
+    )  # linear_layers shards those
     if mixers:
         raise ValueError(
             f"{type(model).__name__} has layers that mix tokens outside attention ({', '.join(mixers)}: a "
@@ -149,8 +159,11 @@ def layer_windows(model: nn.Module) -> list[int | None]:
 
 def _module_window(module: nn.Module) -> int | None:
     """The window a layer passes to the attention: its own (Qwen2/3), else its config's (Mistral)."""
-    window = (cast("int | None", module.sliding_window) if hasattr(module, "sliding_window")
-              else getattr(module.config, "sliding_window", None))
+    window = (
+        cast("int | None", module.sliding_window)
+        if hasattr(module, "sliding_window")
+        else getattr(module.config, "sliding_window", None)
+    )
     return None if window is None else int(window)
 
 

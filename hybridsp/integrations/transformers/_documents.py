@@ -169,8 +169,7 @@ def documents_from_kwargs(kwargs: dict, batch: int, seq_len: int):
         )
     edges = sorted(set(bounds) | {b * seq_len for b in range(batch + 1)})
     return [
-        torch.tensor([e - b * seq_len for e in edges if b * seq_len <= e <= (b + 1) * seq_len])
-        for b in range(batch)
+        torch.tensor([e - b * seq_len for e in edges if b * seq_len <= e <= (b + 1) * seq_len]) for b in range(batch)
     ]
 
 

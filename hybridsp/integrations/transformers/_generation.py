@@ -76,12 +76,7 @@ from hybridsp.inference import ShardedKVCache, decode_attention
 from hybridsp.integrations.transformers._binding import BINDING_ATTR, DECODE_KWARG, DOCUMENTS_KWARG
 from hybridsp.integrations.transformers._linear_layers import refuse_generation
 from hybridsp.integrations.transformers._padding import left_padded_inputs, left_padding_mask
-from hybridsp.integrations.transformers._sampling import (  # noqa: F401  choose_next_tokens: re-exported
-    check_sampling,
-    choose_next_tokens,
-    eos_ids,
-    pad_id,
-)
+from hybridsp.integrations.transformers._sampling import check_sampling, choose_next_tokens, eos_ids, pad_id  # noqa: F401  choose_next_tokens: re-exported
 from hybridsp.layout._documents import Documents
 from hybridsp.layout._layouts import layout_permutation
 from hybridsp.linear_attention._decode import LinearStates
@@ -139,12 +134,18 @@ class DecodeStep:
             positions = torch.full((1, 1), self.index, dtype=torch.long, device=query.device)  # [1, T]
         keys_at = self.store.key_positions(cast(int, module.layer_idx))  # [L] this rank's cached tokens' indices
         out = decode_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),  # [B, T, H, D], [B, L, Hkv, D]
-            mesh=binding.mesh, softmax_scale=scaling, backend=binding.backend,
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),  # [B, T, H, D], [B, L, Hkv, D]
+            mesh=binding.mesh,
+            softmax_scale=scaling,
+            backend=binding.backend,
             query_positions=None if positions is None else positions[0],
-            key_positions=keys_at, window=kwargs.get("sliding_window"),
+            key_positions=keys_at,
+            window=kwargs.get("sliding_window"),
             key_mask=None if self.real is None else self.real[:, keys_at],  # [B, L]
-            sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"),
+            sinks=kwargs.get("s_aux"),
+            softcap=kwargs.get("softcap"),
         )  # [B, T, H, Dv]
         return out, None
 
@@ -171,7 +172,12 @@ class Prefill:
 
 
 def prefill(
-    model: nn.Module, input_ids: torch.Tensor, *, mesh: HybridMesh, max_new_tokens: int = 0, all_logits: bool = False,
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    mesh: HybridMesh,
+    max_new_tokens: int = 0,
+    all_logits: bool = False,
     attention_mask: torch.Tensor | None = None,
 ) -> Prefill:
     """Run the prompt sequence-parallel and fill a K/V cache that stays sharded (a collective).
@@ -206,16 +212,24 @@ def _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask=None) -> P
         inputs = left_padded_inputs(mask, seq_pad, mine)  # per-row position_ids, attention_mask
     real = (mine < seq).nonzero().squeeze(1)  # local indices of the unpadded tokens
     store = ShardedKVCache(
-        mesh, _num_layers(model), positions=mine[real], shard_lengths=(shards < seq).sum(1).tolist(),
+        mesh,
+        _num_layers(model),
+        positions=mine[real],
+        shard_lengths=(shards < seq).sum(1).tolist(),
         new_tokens=max(max_new_tokens - 1, 0),
     )
     cache = HybridCache(store, None if real.numel() == mine.numel() else real)
     cache.linear_states = LinearStates(seq, mine)
     last_shard, last_index = (int(i) for i in (shards == seq - 1).nonzero()[0])
-    keep = 0 if all_logits else torch.tensor([last_index] * (mesh.context_rank == last_shard), dtype=torch.long,
-                                             device=device)
+    keep = (
+        0
+        if all_logits
+        else torch.tensor([last_index] * (mesh.context_rank == last_shard), dtype=torch.long, device=device)
+    )
     out = model(
-        input_ids=shard_sequence(ids, mesh), use_cache=True, logits_to_keep=keep,
+        input_ids=shard_sequence(ids, mesh),
+        use_cache=True,
+        logits_to_keep=keep,
         **{cache_argument(model): cache, **inputs},
     )
     local = out.logits  # [B, S_pad/C, V], or [B, 1 or 0, V]
@@ -282,15 +296,24 @@ def generate(
     eos = eos_ids(model, eos_token_id)
     pad = pad_id(model, pad_token_id, eos)
     with torch.inference_mode():
-        ids, logits = _generate(model, input_ids, mesh, max_new_tokens, eos, pad,
-                                dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                     generator=generator), streamer, mask)
+        ids, logits = _generate(
+            model,
+            input_ids,
+            mesh,
+            max_new_tokens,
+            eos,
+            pad,
+            dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
+            streamer,
+            mask,
+        )
     ids = ids.clone()  # normal tensors, usable outside inference mode
     return (ids, logits.clone()) if output_logits else ids
 
 
-def _generate(model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int | None, sampling: dict, streamer,
-              mask=None):
+def _generate(
+    model, input_ids, mesh, max_new_tokens, eos: list[int], pad: int | None, sampling: dict, streamer, mask=None
+):
     if streamer is not None:
         streamer.put(input_ids)
     if max_new_tokens == 0:
@@ -331,8 +354,12 @@ def decode_step(model: nn.Module, state: Prefill, tokens: torch.Tensor, position
     if state.left_padding is not None:  # Note [left padding]: RoPE counts real tokens, masks count indices
         positions = positions - state.left_padding[:, None].to(positions.device)  # [B, 1]
         step = DecodeStep(state.cache.store, index=position, real=state.real)
-    out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
-                **{cache_argument(model): state.cache, DECODE_KWARG: step})
+    out = model(
+        input_ids=tokens[:, None],
+        position_ids=positions,
+        use_cache=True,
+        **{cache_argument(model): state.cache, DECODE_KWARG: step},
+    )
     return out.logits[:, -1].float()  # [B, V]
 
 

@@ -56,8 +56,9 @@ class HybridAttentionHandle:
         return f"HybridAttentionHandle({name}, {count} attention modules, active={self.active})"
 
 
-def switch_modules(model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook,
-                   undo_linear=None):
+def switch_modules(
+    model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook, undo_linear=None
+):
     """Bind ``modules`` to ``mesh`` and name ``"hybridsp"`` in ``configs`` (no checks); the handle also
     removes ``hook`` and calls ``undo_linear``. The step every adapter shares with
     :func:`~hybridsp.integrations.transformers.apply`."""

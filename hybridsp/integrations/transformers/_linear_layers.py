@@ -59,12 +59,35 @@ from hybridsp.linear_attention._slots import slot_call
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 MARK = "_hybridsp_linear"  # set on every mixer switch_linear_layers switched (removed by undo)
-DELTA_PARTS = ("A_log", "dt_bias", "conv1d", "norm", "out_proj", "num_k_heads", "num_v_heads", "head_k_dim",
-               "head_v_dim")
+DELTA_PARTS = (
+    "A_log",
+    "dt_bias",
+    "conv1d",
+    "norm",
+    "out_proj",
+    "num_k_heads",
+    "num_v_heads",
+    "head_k_dim",
+    "head_v_dim",
+)
 QWEN35_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
 QWEN3_NEXT_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering")
-MAMBA2_PARTS = ("A_log", "dt_bias", "D", "conv1d", "in_proj", "n_groups", "ssm_state_size", "num_heads", "head_dim",
-                "intermediate_size", "norm", "out_proj", "chunk_size", "time_step_limit")
+MAMBA2_PARTS = (
+    "A_log",
+    "dt_bias",
+    "D",
+    "conv1d",
+    "in_proj",
+    "n_groups",
+    "ssm_state_size",
+    "num_heads",
+    "head_dim",
+    "intermediate_size",
+    "norm",
+    "out_proj",
+    "chunk_size",
+    "time_step_limit",
+)
 
 
 def mixer_kind(module: nn.Module) -> str | None:
@@ -248,8 +271,9 @@ def _delta_projections(module, hidden_states: torch.Tensor):
     """q, k [B, L, Hk, dk]; v, z [B, L, Hv, dv]; b, a [B, L, Hv] before the conv."""
     batch, length, _ = hidden_states.shape
     if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: per key-head interleaved fused projections
-        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states),
-                                                               module.in_proj_ba(hidden_states))
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(
+            module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states)
+        )
         return q, k, v, z, b, a
     mixed = module.in_proj_qkv(hidden_states)  # [B, L, 2 Hk dk + Hv dv]
     q, k, v = mixed.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
@@ -260,8 +284,9 @@ def _delta_projections(module, hidden_states: torch.Tensor):
     return q, k, v, z, module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
 
 
-def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor, cache=None,
-                       attention_mask=None, **kwargs) -> torch.Tensor:
+def delta_rule_forward(
+    module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs
+) -> torch.Tensor:
     """A Gated DeltaNet's forward over the mesh: [B, S/C, hidden] -> [B, S/C, hidden] (a generation
     prefill also fills its :class:`LinearStates`; a decode step runs :func:`_delta_decode`)."""
     store = _prompt_states(module, hidden_states, cache, kwargs)
@@ -272,17 +297,26 @@ def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Te
     hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
     group = hv // hk  # value heads per key head
     q, k, v, z, b, a = _delta_projections(module, hidden_states)
-    parts = [q, k, v.reshape(batch, length, hk, group * dv), b.reshape(batch, length, hk, group),
-             a.reshape(batch, length, hk, group)]  # each [B, L, Hk, f]
+    parts = [
+        q,
+        k,
+        v.reshape(batch, length, hk, group * dv),
+        b.reshape(batch, length, hk, group),
+        a.reshape(batch, length, hk, group),
+    ]  # each [B, L, Hk, f]
     pre = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1) if store is not None else None  # [B, L, C]
     q, k, v, b, a = to_slot_heads(parts, mesh)  # each [B, Ls, hk, f], hk = Hk / U
     slot_len, local_k = q.shape[1], q.shape[2]
     lo, hi = unit_range(hk, mesh)
     call = _documents(kwargs, batch, length, mesh)
-    rows = _channels((0, lo * dk, hi * dk), (module.key_dim, lo * dk, hi * dk),
-                     (2 * module.key_dim, lo * group * dv, hi * group * dv))
-    mixed = _conv(module, torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1), rows, call, mesh,
-                  hidden_states.dtype)  # [B, Ls, C_local]
+    rows = _channels(
+        (0, lo * dk, hi * dk),
+        (module.key_dim, lo * dk, hi * dk),
+        (2 * module.key_dim, lo * group * dv, hi * group * dv),
+    )
+    mixed = _conv(
+        module, torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1), rows, call, mesh, hidden_states.dtype
+    )  # [B, Ls, C_local]
     q, k, v = mixed.split([local_k * dk, local_k * dk, local_k * group * dv], dim=-1)
     heads = slice(lo * group, hi * group)
     a = a.reshape(batch, slot_len, local_k * group)  # [B, Ls, hv]
@@ -299,7 +333,8 @@ def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Te
         assert pre is not None and chained is not None  # both set with the store
         store.layers[module.layer_idx] = (
             prompt_conv_tail(pre, store, module.conv1d.weight.shape[-1], mesh),
-            prompt_final_state(GatedDeltaRule(kernel, dv), inputs, call, chained[0], store, heads, hv, mesh))
+            prompt_final_state(GatedDeltaRule(kernel, dv), inputs, call, chained[0], store, heads, hv, mesh),
+        )
     out = to_sequence(out, mesh)  # [B, L, Hv, dv]
     out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(batch, length, -1)  # [B, L, Hv dv]
     return module.out_proj(out)
@@ -308,8 +343,9 @@ def delta_rule_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Te
 # --------------------------------------------------------------------------- Mamba-2
 
 
-def mamba2_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor, cache=None,
-                   attention_mask=None, **kwargs) -> torch.Tensor:
+def mamba2_forward(
+    module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs
+) -> torch.Tensor:
     """A Mamba-2 mixer's forward over the mesh: [B, S/C, hidden] -> [B, S/C, hidden] (a generation
     prefill also fills its :class:`LinearStates`; a decode step runs :func:`_mamba2_decode`)."""
     store = _prompt_states(module, hidden_states, cache, kwargs)
@@ -318,26 +354,46 @@ def mamba2_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor
         return _mamba2_decode(module, store, hidden_states)
     dtype = hidden_states.dtype
     batch, length, _ = hidden_states.shape
-    inner, groups, state, heads, dim = (module.intermediate_size, module.n_groups, module.ssm_state_size,
-                                        module.num_heads, module.head_dim)
+    inner, groups, state, heads, dim = (
+        module.intermediate_size,
+        module.n_groups,
+        module.ssm_state_size,
+        module.num_heads,
+        module.head_dim,
+    )
     per_group = heads // groups
     gate, xbc, dt = module.in_proj(hidden_states).split([inner, module.conv_dim, heads], dim=-1)
     x, bm, cm = xbc.split([inner, groups * state, groups * state], dim=-1)
     pre = xbc if store is not None else None  # [B, L, C]
-    parts = [x.reshape(batch, length, groups, per_group * dim), bm.reshape(batch, length, groups, state),
-             cm.reshape(batch, length, groups, state), dt.reshape(batch, length, groups, per_group)]
+    parts = [
+        x.reshape(batch, length, groups, per_group * dim),
+        bm.reshape(batch, length, groups, state),
+        cm.reshape(batch, length, groups, state),
+        dt.reshape(batch, length, groups, per_group),
+    ]
     x, bm, cm, dt = to_slot_heads(parts, mesh)  # each [B, Ls, g, f], g = G / U
     slot_len, local = x.shape[1], x.shape[2]
     lo, hi = unit_range(groups, mesh)
     call = _documents(kwargs, batch, length, mesh)
-    rows = _channels((0, lo * per_group * dim, hi * per_group * dim), (inner, lo * state, hi * state),
-                     (inner + groups * state, lo * state, hi * state))
-    mixed = _conv(module, torch.cat([x.flatten(2), bm.flatten(2), cm.flatten(2)], dim=-1), rows, call, mesh,
-                  dtype)  # [B, Ls, C_local]
+    rows = _channels(
+        (0, lo * per_group * dim, hi * per_group * dim),
+        (inner, lo * state, hi * state),
+        (inner + groups * state, lo * state, hi * state),
+    )
+    mixed = _conv(
+        module, torch.cat([x.flatten(2), bm.flatten(2), cm.flatten(2)], dim=-1), rows, call, mesh, dtype
+    )  # [B, Ls, C_local]
     x, bm, cm = mixed.split([local * per_group * dim, local * state, local * state], dim=-1)
     own = slice(lo * per_group, hi * per_group)
-    scan = Mamba2Scan(kernel, -torch.exp(module.A_log[own].float()), module.D[own], module.dt_bias[own],
-                      module.time_step_limit, module.chunk_size, state)
+    scan = Mamba2Scan(
+        kernel,
+        -torch.exp(module.A_log[own].float()),
+        module.D[own],
+        module.dt_bias[own],
+        module.time_step_limit,
+        module.chunk_size,
+        state,
+    )
     inputs = {
         "x": x.reshape(batch, slot_len, local * per_group, dim),  # [B, Ls, h, P]
         "dt": dt.reshape(batch, slot_len, local * per_group),  # [B, Ls, h]
@@ -350,7 +406,8 @@ def mamba2_forward(module, mesh: HybridMesh, kernel, hidden_states: torch.Tensor
         assert pre is not None and chained is not None  # both set with the store
         store.layers[module.layer_idx] = (
             prompt_conv_tail(pre, store, module.conv1d.weight.shape[-1], mesh),
-            prompt_final_state(scan, inputs, call, chained[0], store, own, heads, mesh))
+            prompt_final_state(scan, inputs, call, chained[0], store, own, heads, mesh),
+        )
     out = to_sequence(out, mesh).reshape(batch, length, inner)  # [B, L, H P]
     return module.out_proj(module.norm(out, gate).to(dtype))
 
@@ -376,12 +433,19 @@ def _delta_decode(module, store: LinearStates, hidden_states: torch.Tensor) -> t
     mixed = _conv_decode(module, store, pre, hidden_states.dtype)  # [B, 1, C]
     q, k, v = mixed.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
     step = _module_function(module, "torch_recurrent_gated_delta_rule") or _module_function(
-        module, "torch_chunk_gated_delta_rule")
+        module, "torch_chunk_gated_delta_rule"
+    )
     tail, state = store.layers[module.layer_idx]
     out, state = step(
-        q.reshape(batch, 1, -1, dk), k.reshape(batch, 1, -1, dk), v.reshape(batch, 1, -1, dv),  # [B, 1, H, d]
-        g=-module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias), beta=b.sigmoid(),
-        initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)  # [B, 1, Hv, dv]
+        q.reshape(batch, 1, -1, dk),
+        k.reshape(batch, 1, -1, dk),
+        v.reshape(batch, 1, -1, dv),  # [B, 1, H, d]
+        g=-module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias),
+        beta=b.sigmoid(),
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )  # [B, 1, Hv, dv]
     store.layers[module.layer_idx] = (tail, state.float())
     out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(batch, 1, -1)  # [B, 1, Hv dv]
     return module.out_proj(out)
@@ -391,17 +455,28 @@ def _mamba2_decode(module, store: LinearStates, hidden_states: torch.Tensor) -> 
     """One token [B, 1, hidden] through the whole mixer, all heads, with the model's own
     ``mamba2_selective_state_update`` (which updates the state in place)."""
     batch, dtype = hidden_states.shape[0], hidden_states.dtype
-    inner, groups, size, heads, dim = (module.intermediate_size, module.n_groups, module.ssm_state_size,
-                                       module.num_heads, module.head_dim)
+    inner, groups, size, heads, dim = (
+        module.intermediate_size,
+        module.n_groups,
+        module.ssm_state_size,
+        module.num_heads,
+        module.head_dim,
+    )
     gate, xbc, dt = module.in_proj(hidden_states).split([inner, module.conv_dim, heads], dim=-1)
     x, bm, cm = _conv_decode(module, store, xbc, dtype).split([inner, groups * size, groups * size], dim=-1)
     _, state = store.layers[module.layer_idx]
     update = _module_function(module, "mamba2_selective_state_update")
     out = update(
-        state, x.reshape(batch, heads, dim), dt.transpose(1, 2).expand(-1, -1, dim),  # [B, H, P]
+        state,
+        x.reshape(batch, heads, dim),
+        dt.transpose(1, 2).expand(-1, -1, dim),  # [B, H, P]
         (-torch.exp(module.A_log.float()))[:, None, None].expand(-1, dim, size),  # [H, P, N]
-        bm.reshape(batch, groups, size), cm.reshape(batch, groups, size),  # [B, G, N]
-        module.D[:, None].expand(-1, dim), z=None, dt_bias=module.dt_bias[:, None].expand(-1, dim), dt_softplus=True,
+        bm.reshape(batch, groups, size),
+        cm.reshape(batch, groups, size),  # [B, G, N]
+        module.D[:, None].expand(-1, dim),
+        z=None,
+        dt_bias=module.dt_bias[:, None].expand(-1, dim),
+        dt_softplus=True,
     )  # [B, H, P]
     return module.out_proj(module.norm(out.reshape(batch, 1, -1), gate).to(dtype))
 

@@ -90,8 +90,12 @@ def causal_lm_loss(
             f"loss off with output_router_logits=False in the model's config"
         )
     with _loss_as_head_output(head, local_batch["shift_labels"], mesh, ignore_index, chunk_size):
-        out = model(input_ids=local_batch["input_ids"], position_ids=local_batch["position_ids"],
-                    hybridsp_documents=local_batch.get("documents"), use_cache=False)
+        out = model(
+            input_ids=local_batch["input_ids"],
+            position_ids=local_batch["position_ids"],
+            hybridsp_documents=local_batch.get("documents"),
+            use_cache=False,
+        )
     if router is None:
         return out.logits
     return out.logits + router.coefficient * router.share(out.router_logits, token_mask, mesh)
@@ -114,8 +118,9 @@ class RouterLoss:
                 f"the model's output has no router_logits although its loss adds router_aux_loss_coef="
                 f"{self.coefficient} times the load-balancing loss: run it with output_router_logits=True"
             )
-        return sharded_load_balancing_loss(router_logits, token_mask, mesh, num_experts=self.num_experts,
-                                           top_k=self.top_k)
+        return sharded_load_balancing_loss(
+            router_logits, token_mask, mesh, num_experts=self.num_experts, top_k=self.top_k
+        )
 
 
 def model_router_loss(model: nn.Module, coefficient: float | None = None) -> RouterLoss | None:
@@ -140,8 +145,12 @@ def model_router_loss(model: nn.Module, coefficient: float | None = None) -> Rou
         return None
     experts, top_k = getattr(inner, "num_experts", None), getattr(inner, "num_experts_per_tok", None)
     function = getattr(sys.modules.get(type(inner).__module__), "load_balancing_loss_func", None)
-    if not (adds_one and isinstance(experts, int) and isinstance(top_k, int)
-            and _is_switch_balancing(function, experts, top_k)):
+    if not (
+        adds_one
+        and isinstance(experts, int)
+        and isinstance(top_k, int)
+        and _is_switch_balancing(function, experts, top_k)
+    ):
         raise ValueError(
             f"{type(inner).__name__} has no router loss that hybridsp shards (router_aux_loss_coef="
             f"{coefficient}, num_experts={experts}, num_experts_per_tok={top_k}): hybridsp computes the Switch "
@@ -175,8 +184,9 @@ def _loss_as_head_output(head: nn.Linear, shift_labels, mesh, ignore_index, chun
         raise RuntimeError(f"{head!r} already has an instance-level forward; nested causal_lm_loss is not supported")
 
     def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
-        return fused_cross_entropy(hidden, head.weight, shift_labels, mesh, ignore_index=ignore_index,
-                                   chunk_size=chunk_size)
+        return fused_cross_entropy(
+            hidden, head.weight, shift_labels, mesh, ignore_index=ignore_index, chunk_size=chunk_size
+        )
 
     head.forward = loss_forward  # type: ignore[method-assign,assignment]  # an instance-level forward, on purpose
     try:
@@ -194,11 +204,13 @@ def captured_router_logits(model: nn.Module):
     get_decoder = getattr(inner, "get_decoder", None)  # a transformers model's
     decoder = get_decoder() if get_decoder is not None else getattr(inner, "model", None)
     if not isinstance(decoder, nn.Module):
-        raise ValueError(f"{type(inner).__name__} has no decoder module (get_decoder()) whose output carries "
-                         f"the router logits")
+        raise ValueError(
+            f"{type(inner).__name__} has no decoder module (get_decoder()) whose output carries the router logits"
+        )
     found: list = []
-    handle = decoder.register_forward_hook(lambda module, args, output: found.append(
-        getattr(output, "router_logits", None)))
+    handle = decoder.register_forward_hook(
+        lambda module, args, output: found.append(getattr(output, "router_logits", None))
+    )
     try:
         yield found
     finally:

@@ -146,8 +146,10 @@ def left_padding_mask(attention_mask: torch.Tensor | None, input_ids: torch.Tens
         shape = tuple(attention_mask.shape) if torch.is_tensor(attention_mask) else type(attention_mask).__name__
         raise ValueError(f"attention_mask must be a [B, S] tensor like input_ids {tuple(input_ids.shape)}; got {shape}")
     if attention_mask.dtype != torch.bool and not ((attention_mask == 0) | (attention_mask == 1)).all():
-        raise ValueError(f"attention_mask must hold 0 (padding) and 1 (real token); got values "
-                         f"{sorted(attention_mask.unique().tolist())[:6]}")
+        raise ValueError(
+            f"attention_mask must hold 0 (padding) and 1 (real token); got values "
+            f"{sorted(attention_mask.unique().tolist())[:6]}"
+        )
     mask = attention_mask.bool().to(input_ids.device)  # [B, S]
     drops = (mask[:, :-1] & ~mask[:, 1:]).nonzero()
     if drops.numel():
@@ -168,5 +170,5 @@ def left_padded_inputs(mask: torch.Tensor, seq_pad: int, mine: torch.Tensor) -> 
     [S_pad/C] the indices this rank holds (Note [left padding] in :mod:`hybridsp.integrations.transformers._generation`)."""
     real = torch.nn.functional.pad(mask, (0, seq_pad - mask.shape[1]), value=False)  # [B, S_pad]
     positions = (real.long().cumsum(1) - 1).clamp_min(0)  # [B, S_pad]
-    positions[:, mask.shape[1]:] = torch.arange(mask.shape[1], seq_pad, device=mask.device)  # layout padding
+    positions[:, mask.shape[1] :] = torch.arange(mask.shape[1], seq_pad, device=mask.device)  # layout padding
     return {"position_ids": positions[:, mine], "attention_mask": real[:, mine].long()}  # each [B, S_pad/C]

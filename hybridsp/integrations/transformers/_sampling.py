@@ -10,8 +10,13 @@ from torch import nn
 
 
 def choose_next_tokens(
-    logits: torch.Tensor, *, do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-    top_p: float = 1.0, generator: torch.Generator | None = None,
+    logits: torch.Tensor,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """logits [B, V] -> token ids [B]: argmax, or a draw after temperature, top-k and top-p (in that order).
 

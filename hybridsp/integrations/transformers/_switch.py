@@ -182,18 +182,27 @@ def hybridsp_attention_forward(
         cu_seqlens = documents_from_kwargs(kwargs, batch, seq_len)
     cu_seqlens = layer_documents(cu_seqlens, chunk_size_of(module), batch, seq_len)
     out = hybrid_attn_func(
-        q, k, v, mesh=binding.mesh, causal=True, backend=binding.backend,
+        q,
+        k,
+        v,
+        mesh=binding.mesh,
+        causal=True,
+        backend=binding.backend,
         softmax_scale=_scale_of(module, scaling),
-        cu_seqlens=cu_seqlens, sliding_window=kwargs.get("sliding_window"),
-        sinks=kwargs.get("s_aux"), softcap=kwargs.get("softcap"),
+        cu_seqlens=cu_seqlens,
+        sliding_window=kwargs.get("sliding_window"),
+        sinks=kwargs.get("s_aux"),
+        softcap=kwargs.get("softcap"),
     )  # [B, S, H, Dv]
     return out, None
 
 
 def _refuse_chunked_decode(module: nn.Module) -> None:
     if chunk_size_of(module) is not None:
-        raise ValueError(f"layer {module.layer_idx} is a chunked-attention layer, which hybridsp's sharded-cache "
-                         f"generation does not mask by chunk; generate with the unswitched model")
+        raise ValueError(
+            f"layer {module.layer_idx} is a chunked-attention layer, which hybridsp's sharded-cache "
+            f"generation does not mask by chunk; generate with the unswitched model"
+        )
 
 
 def _scale_of(module: nn.Module, scaling: float | None) -> float | None:
@@ -255,7 +264,9 @@ class ModelAdapter(Protocol):
         adapter switches (e.g. a vision tower of another family)."""
         ...
 
-    def apply(self, model: nn.Module, mesh: HybridMesh, backend: BackendName | AttentionKernel) -> HybridAttentionHandle:
+    def apply(
+        self, model: nn.Module, mesh: HybridMesh, backend: BackendName | AttentionKernel
+    ) -> HybridAttentionHandle:
         """Switch ``model`` (checks first, nothing changed on failure); the handle undoes it."""
         ...
 
@@ -268,8 +279,13 @@ def default_adapters() -> tuple[ModelAdapter, ...]:
     return (VisionLanguageAdapter(),)
 
 
-def apply(model: nn.Module, mesh: HybridMesh, *, backend: BackendName | AttentionKernel = "auto",
-          adapters: Sequence[ModelAdapter] | None = None) -> HybridAttentionHandle:
+def apply(
+    model: nn.Module,
+    mesh: HybridMesh,
+    *,
+    backend: BackendName | AttentionKernel = "auto",
+    adapters: Sequence[ModelAdapter] | None = None,
+) -> HybridAttentionHandle:
     """Switch one model instance to hybrid sequence-parallel attention over ``mesh``.
 
     Registers ``"hybridsp"`` (idempotent), binds the mesh to every attention module

@@ -170,7 +170,8 @@ class HybridSPMixin(_TrainerBase):
 
     def _refuse_unsupported(self) -> None:
         refused = {
-            "model_init": self.model_init is not None, "compute_loss_func": self.compute_loss_func is not None,
+            "model_init": self.model_init is not None,
+            "compute_loss_func": self.compute_loss_func is not None,
             "label_smoothing_factor": self.args.label_smoothing_factor != 0,
         }
         if any(refused.values()):
@@ -234,18 +235,25 @@ class HybridSPMixin(_TrainerBase):
             return None
         labels = [self._full(batch)["shift_labels"] for batch in batch_samples]  # each [B, S]
         vocab = self._vocab_size()
-        bad = [guard_labels(x, vocab, IGNORE_INDEX)[1] if vocab else torch.zeros_like(x, dtype=torch.bool)
-               for x in labels]  # [B, S] each: targets outside the vocabulary
+        bad = [
+            guard_labels(x, vocab, IGNORE_INDEX)[1] if vocab else torch.zeros_like(x, dtype=torch.bool) for x in labels
+        ]  # [B, S] each: targets outside the vocabulary
         count = sum(int((x != IGNORE_INDEX).sum()) for x in labels)
-        totals = torch.tensor([float(count), float(sum(int(b.sum()) for b in bad))], dtype=torch.float64,
-                              device=device)  # [2]: valid targets, bad targets
+        totals = torch.tensor(
+            [float(count), float(sum(int(b.sum()) for b in bad))], dtype=torch.float64, device=device
+        )  # [2]: valid targets, bad targets
         if self.hybrid_mesh.dp > 1:
             dist.all_reduce(totals, group=self.hybrid_mesh.data_group)
         # a bad label on one replica: every replica raises here, before the forward (Note [bad labels]);
         # vocab None: no label is flagged on any replica (same model), so the message never reads it
-        raise_on_bad_labels(int(totals[1]), torch.cat([x.flatten() for x in labels]),
-                            torch.cat([b.flatten() for b in bad]), vocab,  # type: ignore[arg-type]  # None: unread
-                            IGNORE_INDEX, self.hybrid_mesh)
+        raise_on_bad_labels(
+            int(totals[1]),
+            torch.cat([x.flatten() for x in labels]),
+            torch.cat([b.flatten() for b in bad]),
+            vocab,  # type: ignore[arg-type]  # None: unread
+            IGNORE_INDEX,
+            self.hybrid_mesh,
+        )
         return totals[0]
 
     def _vocab_size(self) -> int | None:
@@ -276,12 +284,15 @@ class HybridSPMixin(_TrainerBase):
         :func:`shard_batch` (packed rows, the balanced layout and the model's window included)."""
         model = self.accelerator.unwrap_model(self.model)
         if vlm_batch.is_vision_batch(tensors) or self._needs_idle_encoder(model):
-            return vlm_batch.shard_vlm_batch(tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id(),
-                                             idle_encoder=True)
+            return vlm_batch.shard_vlm_batch(
+                tensors, self.hybrid_mesh, model, pad_token_id=self._pad_token_id(), idle_encoder=True
+            )
         from hybridsp.integrations.transformers._capabilities import layout_window  # Note [layout window] there
 
         text = {key: value for key, value in tensors.items() if key not in vlm_batch.EXTRA_KEYS}
-        return shard_batch(text, self.hybrid_mesh, pad_token_id=self._pad_token_id(), sliding_window=layout_window(model))
+        return shard_batch(
+            text, self.hybrid_mesh, pad_token_id=self._pad_token_id(), sliding_window=layout_window(model)
+        )
 
     def _needs_idle_encoder(self, model) -> bool:
         """A vision-language model whose vision tower ZeRO-3 gathers collectively across replicas."""
@@ -376,11 +387,18 @@ def _share_of_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items, 
     vocab = logits.shape[-1]
     safe_labels, bad = guard_labels(shift_labels, vocab, IGNORE_INDEX)  # [B, S_local]
     local_sum = F.cross_entropy(
-        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum",
+        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return token_weighted_share(
-        local_sum, safe_labels, bad, shift_labels, mesh, vocab=vocab, ignore_index=IGNORE_INDEX,
-        denominator=num_items, scale=mesh.dp,
+        local_sum,
+        safe_labels,
+        bad,
+        shift_labels,
+        mesh,
+        vocab=vocab,
+        ignore_index=IGNORE_INDEX,
+        denominator=num_items,
+        scale=mesh.dp,
     )
 
 

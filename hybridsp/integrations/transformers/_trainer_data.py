@@ -39,11 +39,7 @@ def shard_loader_over_replicas(dataloader, mesh: HybridMesh):
     """
     if mesh.context == 1 or mesh.world_size == 1:
         return dataloader
-    from accelerate.data_loader import (  # type: ignore[import-untyped]  # accelerate ships no type information
-        BatchSamplerShard,
-        DataLoaderDispatcher,
-        IterableDatasetShard,
-    )
+    from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, IterableDatasetShard  # type: ignore[import-untyped]  # accelerate ships no type information
 
     if isinstance(dataloader, DataLoaderDispatcher):
         raise ValueError(

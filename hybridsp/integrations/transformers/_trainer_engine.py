@@ -44,7 +44,7 @@ def refuse_tensor_parallel(hybrid: ds_schema.HybridConfig) -> None:
             f"HybridSPTrainer has no tensor parallelism: with tensor={hybrid.tensor} it would train the unsplit "
             f"weights on all {hybrid.tensor} tensor ranks doing identical work. For tensor parallelism use "
             f"hybridsp.integrations.deepspeed.initialize (examples/train.py --tensor {hybrid.tensor}; see "
-            f"docs/tensor-parallel.md), or set \"tensor\": 1 and remove \"tensor_parallel\" from the DeepSpeed config"
+            f'docs/tensor-parallel.md), or set "tensor": 1 and remove "tensor_parallel" from the DeepSpeed config'
         )
 
 

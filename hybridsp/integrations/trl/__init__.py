@@ -26,11 +26,6 @@ _EXPORTS = {
     "HybridRLOOTrainer": "hybridsp.integrations.trl._grpo",
 }
 
-__all__ = [
-    "HybridDPOTrainer",
-    "HybridGRPOTrainer",
-    "HybridRLOOTrainer",
-    "HybridSFTTrainer",
-]
+__all__ = ["HybridDPOTrainer", "HybridGRPOTrainer", "HybridRLOOTrainer", "HybridSFTTrainer"]
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

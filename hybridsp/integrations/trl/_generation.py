@@ -42,17 +42,27 @@ from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 MAPPED = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id")
 IGNORED = ("bos_token_id", "cache_implementation", "disable_compile")
-NEUTRAL = {"min_p": (None,), "repetition_penalty": (None, 1.0), "num_beams": (None, 1), "num_return_sequences": (None, 1),
-           "use_cache": (None, True)}  # else transformers' default (None in transformers 5)
+NEUTRAL = {
+    "min_p": (None,),
+    "repetition_penalty": (None, 1.0),
+    "num_beams": (None, 1),
+    "num_return_sequences": (None, 1),
+    "use_cache": (None, True),
+}  # else transformers' default (None in transformers 5)
 
 
 def config_settings(config) -> dict:
     """TRL's generation settings as its trainers build them from a ``GRPOConfig`` / ``RLOOConfig``
     (eos and pad come from the tokenizer later; Note [generation settings])."""
     settings = {
-        "max_new_tokens": config.max_completion_length, "do_sample": True, "temperature": config.temperature,
-        "top_p": config.top_p, "top_k": config.top_k, "min_p": config.min_p,
-        "repetition_penalty": config.repetition_penalty, "cache_implementation": config.cache_implementation,
+        "max_new_tokens": config.max_completion_length,
+        "do_sample": True,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+        "min_p": config.min_p,
+        "repetition_penalty": config.repetition_penalty,
+        "cache_implementation": config.cache_implementation,
     }
     return {**settings, **dict(config.generation_kwargs or {})}
 
@@ -70,13 +80,14 @@ def generate_options(settings: dict, name: str) -> dict:
             refused.append(f"{key}={value!r}")
     if refused:
         raise ValueError(
-            f"{name} with \"generation\": \"sharded\" samples with temperature, top_k and top_p only; it cannot "
-            f"honour {refused}: leave them at their defaults, or set \"generation\": \"plain\" in the hybridsp section"
+            f'{name} with "generation": "sharded" samples with temperature, top_k and top_p only; it cannot '
+            f'honour {refused}: leave them at their defaults, or set "generation": "plain" in the hybridsp section'
         )
     options = {key: settings[key] for key in MAPPED if key in settings}
     options["top_k"] = options.get("top_k") or None  # TRL: 0 is off; hybridsp: None is off
-    check_sampling(options.get("do_sample", False), options.get("temperature", 1.0), options["top_k"],
-                   options.get("top_p", 1.0))  # ValueError quoting the value
+    check_sampling(
+        options.get("do_sample", False), options.get("temperature", 1.0), options["top_k"], options.get("top_p", 1.0)
+    )  # ValueError quoting the value
     return options
 
 
@@ -87,7 +98,7 @@ def sharded_generate(policy: nn.Module, mesh: HybridMesh, options: dict, name: s
     def generate_sharded(input_ids=None, attention_mask=None, generation_config=None, **extras: Any):
         given = sorted(key for key, value in extras.items() if value is not None)
         if given:
-            raise ValueError(f"{name} with \"generation\": \"sharded\" generates from text only; got {given}")
+            raise ValueError(f'{name} with "generation": "sharded" generates from text only; got {given}')
         return generate(policy, input_ids, mesh=mesh, attention_mask=attention_mask, **options)  # [B, S + new]
 
     return generate_sharded

@@ -96,7 +96,7 @@ class _HybridRLMixin(_RLBase):
         name, positional = type(self).__name__, list(args)
         config = kwargs.get("args", positional[2] if len(positional) > 2 else None)
         if config is None:
-            raise ValueError(f"{name} needs args= a TRL config with deepspeed= (its \"hybridsp\" section) set")
+            raise ValueError(f'{name} needs args= a TRL config with deepspeed= (its "hybridsp" section) set')
         _refuse_unsupported(name, config, kwargs)
         if len(positional) > 2:
             positional[2] = _per_replica(name, config, hybridsp)
@@ -139,8 +139,17 @@ class _HybridRLMixin(_RLBase):
 
     # ---- scoring and the loss -----------------------------------------------------------------
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **model_extras):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **model_extras,
+    ):
         """TRL's per-token log-probs [B, C] (and entropies) of the completion tokens from sharded fused calls
         (Note [sharded scoring]); the aux loss is refused at construction."""
         extras = sorted(key for key, value in model_extras.items() if value is not None)
@@ -219,10 +228,12 @@ def _per_replica(name: str, config, overrides: dict | None):
 
 def _check_sharded_generation(name: str, config, hybrid) -> None:
     """ValueError, before any collective, for what ``"generation": "sharded"`` cannot do (TRL's prompts are left-padded)."""
-    generate_options(config_settings(config), name)  # Note [generation settings] in hybridsp.integrations.trl._generation
+    generate_options(
+        config_settings(config), name
+    )  # Note [generation settings] in hybridsp.integrations.trl._generation
     if hybrid.context > 1 and hybrid.layout == "balanced":
         raise ValueError(
-            f"{name} with \"generation\": \"sharded\" generates left-padded prompts, which layout=\"balanced\" "
-            f"cannot place (Note [balanced layout] in hybridsp.integrations.transformers._generation); set \"layout\": "
-            f"\"zigzag\" or \"generation\": \"plain\" in the hybridsp section"
+            f'{name} with "generation": "sharded" generates left-padded prompts, which layout="balanced" '
+            f'cannot place (Note [balanced layout] in hybridsp.integrations.transformers._generation); set "layout": '
+            f'"zigzag" or "generation": "plain" in the hybridsp section'
         )

@@ -66,8 +66,14 @@ class _ShardedFusedCalls:
         scored = full["shift_labels"][:, : seq_len - 1] != IGNORE_INDEX  # [B, S - 1]
         self.pending = (local["shift_labels"], seq_len, scored, documents)
         rest = {key: value for key, value in kwargs.items() if key not in SHARDED_KEYS}
-        return args, {**rest, "input_ids": local["input_ids"], "position_ids": local["position_ids"],
-                      "shift_labels": local["shift_labels"], "hybridsp_documents": documents, "use_cache": False}
+        return args, {
+            **rest,
+            "input_ids": local["input_ids"],
+            "position_ids": local["position_ids"],
+            "shift_labels": local["shift_labels"],
+            "hybridsp_documents": documents,
+            "use_cache": False,
+        }
 
     def after(self, module, args, kwargs, output):
         """Forward hook: the per-token fields of this rank's tokens -> the full sequence [B, S - 1]."""

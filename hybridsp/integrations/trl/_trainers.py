@@ -122,10 +122,17 @@ class HybridSFTTrainer(HybridSPMixin, SFTTrainer):  # type: ignore[misc]
         documents = local.pop("documents")  # host data: the attention plans once per forward
         routed = self._router_loss is not None
         capture: contextlib.AbstractContextManager[list[Any]] = (
-            captured_router_logits(model) if routed else contextlib.nullcontext([]))
+            captured_router_logits(model) if routed else contextlib.nullcontext([])
+        )
         with capture as router_logits:
-            outputs = model(**local, shift_labels=shift_labels, hybridsp_documents=documents, fused_lm_head=True,
-                            use_cache=False, **({"output_router_logits": True} if routed else {}))
+            outputs = model(
+                **local,
+                shift_labels=shift_labels,
+                hybridsp_documents=documents,
+                fused_lm_head=True,
+                use_cache=False,
+                **({"output_router_logits": True} if routed else {}),
+            )
         per_token = -outputs.log_probs  # [B, S_local], 0 where not scored
         if cast(SFTConfig, self.args).loss_type == "dft":  # SFTTrainer makes its args an SFTConfig
             per_token = per_token * outputs.log_probs.exp().detach()

@@ -90,8 +90,9 @@ def _held(per_slot: Iterable[SubRuns]) -> Held:
     return held
 
 
-def plan_work(runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequence[int],
-              window: TiledWindow) -> list[int]:
+def plan_work(
+    runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequence[int], window: TiledWindow
+) -> list[int]:
     """Per slot, the cells ``build_plan`` computes for causal sliding window ``window`` (a
     :class:`~hybridsp.layout._balance.work.TiledWindow`) on these runs (Note [tiled work])."""
     per_slot = [_sub_runs(runs, bounds) for runs in runs_per_slot]
@@ -99,8 +100,9 @@ def plan_work(runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequen
     return [_slot_cells(subs, held, window.window, window.tile) for subs in per_slot]
 
 
-def refine(runs_per_slot: tuple[Runs, ...], bounds: Sequence[int], window: TiledWindow,
-           evals: int = REFINE_EVALS) -> tuple[tuple[Runs, ...], list[int]]:
+def refine(
+    runs_per_slot: tuple[Runs, ...], bounds: Sequence[int], window: TiledWindow, evals: int = REFINE_EVALS
+) -> tuple[tuple[Runs, ...], list[int]]:
     """``(runs, work)``: the layout after token exchanges that lower its busiest slot's exact
     work (Note [tile refine]), and each slot's :func:`plan_work`."""
     w, tile = window.window, window.tile
@@ -130,8 +132,9 @@ def refine(runs_per_slot: tuple[Runs, ...], bounds: Sequence[int], window: Tiled
     return runs, work
 
 
-def _exchange(pieces: list[Pieces], work: list[int], x: int, bounds: Sequence[int], w: int, tile: int,
-              evals: int) -> Exchange:
+def _exchange(
+    pieces: list[Pieces], work: list[int], x: int, bounds: Sequence[int], w: int, tile: int, evals: int
+) -> Exchange:
     """``(evaluations spent, y, x's pieces, y's pieces)``: the first exchange between the busiest
     slot ``x`` and one of the lightest that lowers the busiest slot's share (y None: none)."""
     spent = 0
@@ -170,7 +173,7 @@ def _ends(pieces: Pieces, size: int) -> Iterator[tuple[int, int, Pieces]]:
     """``(start, length, the other pieces)`` for the head and the tail ``size`` tokens (or the
     whole piece, when not longer) of every piece."""
     for i, (s, n) in enumerate(pieces):
-        others = pieces[:i] + pieces[i + 1:]
+        others = pieces[:i] + pieces[i + 1 :]
         if n <= size:
             yield s, n, others
             continue

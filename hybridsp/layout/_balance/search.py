@@ -42,8 +42,9 @@ REPAIR_SLACK = 0.015
 ORDER_SLACK = 0.01
 
 
-def place_contiguous(slots: list[Slot], order: list[int], start: int, mean_work: float, capacity: int,
-                     window: Window) -> None:
+def place_contiguous(
+    slots: list[Slot], order: list[int], start: int, mean_work: float, capacity: int, window: Window
+) -> None:
     """The largest document fills the slots' free tokens in consecutive pieces, in ``order``
     improved by swapping neighbours while that lowers the busiest slot's work."""
     free = [capacity - slot.tokens for slot in slots]
@@ -60,7 +61,7 @@ def place_contiguous(slots: list[Slot], order: list[int], start: int, mean_work:
     while improved:
         improved = False
         for j in range(len(order) - 1):
-            trial = order[:j] + [order[j + 1], order[j]] + order[j + 2:]
+            trial = order[:j] + [order[j + 1], order[j]] + order[j + 2 :]
             value = busiest(trial)
             if value < best:
                 order, best, improved = trial, value, True
@@ -71,7 +72,7 @@ def place_contiguous(slots: list[Slot], order: list[int], start: int, mean_work:
         improved = False
         for j in range(len(order) - 1):
             if free[order[j + 1]] < free[order[j]]:
-                trial = order[:j] + [order[j + 1], order[j]] + order[j + 2:]
+                trial = order[:j] + [order[j + 1], order[j]] + order[j + 2 :]
                 if busiest(trial) <= allowed:
                     order, improved = trial, True
     a = 0
@@ -80,8 +81,17 @@ def place_contiguous(slots: list[Slot], order: list[int], start: int, mean_work:
         a += free[i]
 
 
-def build_greedy(docs: Docs, seq_len: int, ring: int, window: Window, *, slack: float = 0.0, split_min: float = 0.25,
-                 unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK) -> list[Slot]:
+def build_greedy(
+    docs: Docs,
+    seq_len: int,
+    ring: int,
+    window: Window,
+    *,
+    slack: float = 0.0,
+    split_min: float = 0.25,
+    unit_share: float = DEFAULT_UNIT_SHARE,
+    unit_work: float = DEFAULT_UNIT_WORK,
+) -> list[Slot]:
     """The slots of one split-as-needed try: units most work first, each whole to the slot whose
     projected work lacks the most (dense units) or has the most (sparse ones); a document that
     would push that slot over the mean gives it just a tail and goes on as its head."""
@@ -160,8 +170,9 @@ def _tail_cut(n: int, free: int, budget: float, rho: float, window: Window) -> i
     return left
 
 
-def repair(slots: list[Slot], start: int, n: int, mean_work: float, capacity: int, window: Window,
-           budget: list[int]) -> list[int]:
+def repair(
+    slots: list[Slot], start: int, n: int, mean_work: float, capacity: int, window: Window, budget: list[int]
+) -> list[int]:
     """Local search for a contiguous balancer: move or swap whole runs between one slot and the
     others; the balancer (the document at ``start`` of ``n`` tokens, not yet placed) fills the
     free tokens in consecutive pieces, the slot that needs the most work per free token last.

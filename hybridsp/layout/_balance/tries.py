@@ -97,8 +97,18 @@ from hybridsp.layout._balance.work import (
 DEFAULT_SPLIT_SHARE = math.inf
 DEFAULT_SPLIT_LENGTH = 1.0
 DEFAULT_RESERVE = 0.75
-SPLITS = ((math.inf, 0.75), (math.inf, 0.5), (0.5, 0.75), (0.5, 0.5), (0.35, 0.75), (0.35, 0.5),
-           (0.35, 1.0), (0.25, 0.5), (0.15, 0.5), (0.1, 0.25))
+SPLITS = (
+    (math.inf, 0.75),
+    (math.inf, 0.5),
+    (0.5, 0.75),
+    (0.5, 0.5),
+    (0.35, 0.75),
+    (0.35, 0.5),
+    (0.35, 1.0),
+    (0.25, 0.5),
+    (0.15, 0.5),
+    (0.1, 0.25),
+)
 
 
 @dataclass(frozen=True)
@@ -124,8 +134,16 @@ class BalancerTry:
         return None  # no two balancer tries coincide
 
     def slots(self, docs: Docs, seq_len: int, ring: int, window: Window, budgets: SearchBudgets) -> list[Slot]:
-        return _build(docs, seq_len, ring, window, split_share=self.split_share, reserve=self.reserve,
-                      contiguous=self.contiguous, budget=budgets.shared)
+        return _build(
+            docs,
+            seq_len,
+            ring,
+            window,
+            split_share=self.split_share,
+            reserve=self.reserve,
+            contiguous=self.contiguous,
+            budget=budgets.shared,
+        )
 
 
 @dataclass(frozen=True)
@@ -153,8 +171,17 @@ class HostedTry:
         return host_count(self.part, ring), self.reserve  # at small R the counts coincide
 
     def slots(self, docs: Docs, seq_len: int, ring: int, window: Window, budgets: SearchBudgets) -> list[Slot]:
-        return _build(docs, seq_len, ring, window, split_share=math.inf, reserve=self.reserve,
-                      contiguous=True, budget=budgets.hosted, hosts=host_count(self.part, ring))
+        return _build(
+            docs,
+            seq_len,
+            ring,
+            window,
+            split_share=math.inf,
+            reserve=self.reserve,
+            contiguous=True,
+            budget=budgets.hosted,
+            hosts=host_count(self.part, ring),
+        )
 
 
 # the tries of balanced_slot_runs, in order: the contiguous and the nested balancer for every
@@ -162,10 +189,10 @@ class HostedTry:
 # split-as-needed tries after the first two SPLITS; then the hosted tries (host count 1, R // 2
 # or R - 1: fractions 0, 0.5, 1 of the way from 1 to R - 1)
 TRIES: tuple[BalancerTry | GreedyTry | HostedTry, ...] = tuple(
-    BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[:2] for contiguous in (True, False))
+    BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[:2] for contiguous in (True, False)
+)
 TRIES += (GreedyTry(0.5), GreedyTry(1.0))
-TRIES += tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[2:]
-               for contiguous in (True, False))
+TRIES += tuple(BalancerTry(share, reserve, contiguous) for share, reserve in SPLITS[2:] for contiguous in (True, False))
 TRIES += tuple(HostedTry(part, reserve) for part in (0.0, 0.5, 1.0) for reserve in (0.5, 1.0))
 REFINE_STARTS = 3  # the least busy unbalanced tries the refine search starts from (Note [tile refine])
 ACCEPT = 1.03  # a try counts as balanced when its busiest slot has at most this x the mean work
@@ -193,7 +220,7 @@ def balanced_slot_runs(bounds: tuple[int, ...], seq_len: int, ring: int, *, wind
     budget = min(REPAIR_EVALS, REPAIR_DOCUMENTS // len(docs[1]))
     budgets = SearchBudgets([budget], [budget])  # the hosted tries come last: a budget of their own
     seen: set[tuple[int, float]] = set()
-    for strategy in TRIES[:max(2, TRY_DOCUMENTS // len(docs[1]))]:
+    for strategy in TRIES[: max(2, TRY_DOCUMENTS // len(docs[1]))]:
         duplicate = strategy.duplicate_key(ring)
         if duplicate is not None:
             if duplicate in seen:
@@ -215,8 +242,9 @@ def balanced_slot_runs(bounds: tuple[int, ...], seq_len: int, ring: int, *, wind
     return best
 
 
-def _refined(starts: list[tuple[float, int, tuple[Runs, ...]]], bounds: tuple[int, ...], ring: int,
-             window: TiledWindow) -> tuple[Runs, ...]:
+def _refined(
+    starts: list[tuple[float, int, tuple[Runs, ...]]], bounds: tuple[int, ...], ring: int, window: TiledWindow
+) -> tuple[Runs, ...]:
     """The best of :func:`~hybridsp.layout._balance.refine.refine` from each of ``starts``
     (``(ratio, index, runs)``, least busy first), stopping at the first within ``ACCEPT``
     (Note [tile refine] in balance.refine: a local search; later starts get a third of the budget)."""
@@ -247,12 +275,23 @@ def host_count(share: float, ring: int) -> int:
     return max(1, 1 + round(share * (ring - 2)))
 
 
-def design_slot_runs(bounds: tuple[int, ...], seq_len: int, ring: int, *, window: Window = None,
-                     split_share: float = DEFAULT_SPLIT_SHARE, split_length: float = DEFAULT_SPLIT_LENGTH,
-                     unit_share: float = DEFAULT_UNIT_SHARE, unit_work: float = DEFAULT_UNIT_WORK,
-                     reserve: float = DEFAULT_RESERVE, balancer: bool = True, spread_all: bool = False,
-                     contiguous: bool = False, greedy: float | None = None,
-                     host_share: float | None = None) -> tuple[Runs, ...]:
+def design_slot_runs(
+    bounds: tuple[int, ...],
+    seq_len: int,
+    ring: int,
+    *,
+    window: Window = None,
+    split_share: float = DEFAULT_SPLIT_SHARE,
+    split_length: float = DEFAULT_SPLIT_LENGTH,
+    unit_share: float = DEFAULT_UNIT_SHARE,
+    unit_work: float = DEFAULT_UNIT_WORK,
+    reserve: float = DEFAULT_RESERVE,
+    balancer: bool = True,
+    spread_all: bool = False,
+    contiguous: bool = False,
+    greedy: float | None = None,
+    host_share: float | None = None,
+) -> tuple[Runs, ...]:
     """One try with explicit knobs (Note [balanced layout]; for benchmarks of the choices).
 
     ``split_share`` / ``split_length``: documents with work >= split_share x W* or >=
@@ -271,19 +310,46 @@ def design_slot_runs(bounds: tuple[int, ...], seq_len: int, ring: int, *, window
         return zigzag_slot_runs(seq_len, ring)
     docs = documents(bounds, window)
     if greedy is not None:
-        return finish_runs(build_greedy(docs, seq_len, ring, window, split_min=greedy, unit_share=unit_share,
-                                     unit_work=unit_work), bounds)
-    slots = _build(docs, seq_len, ring, window, split_share=split_share,
-                   split_length=split_length, unit_share=unit_share, unit_work=unit_work,
-                   reserve=reserve, balancer=balancer, spread_all=spread_all, contiguous=contiguous,
-                   budget=[REPAIR_EVALS], hosts=None if host_share is None else host_count(host_share, ring))
+        return finish_runs(
+            build_greedy(docs, seq_len, ring, window, split_min=greedy, unit_share=unit_share, unit_work=unit_work),
+            bounds,
+        )
+    slots = _build(
+        docs,
+        seq_len,
+        ring,
+        window,
+        split_share=split_share,
+        split_length=split_length,
+        unit_share=unit_share,
+        unit_work=unit_work,
+        reserve=reserve,
+        balancer=balancer,
+        spread_all=spread_all,
+        contiguous=contiguous,
+        budget=[REPAIR_EVALS],
+        hosts=None if host_share is None else host_count(host_share, ring),
+    )
     return finish_runs(slots, bounds)
 
 
-def _build(docs: Docs, seq_len: int, ring: int, window: Window, *, split_share: float, reserve: float,
-           split_length: float = DEFAULT_SPLIT_LENGTH, unit_share: float = DEFAULT_UNIT_SHARE,
-           unit_work: float = DEFAULT_UNIT_WORK, balancer: bool = True, spread_all: bool = False,
-           contiguous: bool = False, budget: list[int] | None = None, hosts: int | None = None) -> list[Slot]:
+def _build(
+    docs: Docs,
+    seq_len: int,
+    ring: int,
+    window: Window,
+    *,
+    split_share: float,
+    reserve: float,
+    split_length: float = DEFAULT_SPLIT_LENGTH,
+    unit_share: float = DEFAULT_UNIT_SHARE,
+    unit_work: float = DEFAULT_UNIT_WORK,
+    balancer: bool = True,
+    spread_all: bool = False,
+    contiguous: bool = False,
+    budget: list[int] | None = None,
+    hosts: int | None = None,
+) -> list[Slot]:
     """The slots (runs unsorted, exact tokens and work) of one design (Note [balanced layout]).
     ``hosts``: only the first ``hosts`` slots keep room for the (contiguous) balancer; the others
     are filled by units, a unit that fits nowhere cut head first into the fullest (Note [hosts])."""
@@ -312,8 +378,9 @@ def _build(docs: Docs, seq_len: int, ring: int, window: Window, *, split_share: 
         _place_unit(slots, bounds, start, n, work, rho, rooms, capacity, window, hosts is not None)
         left_work, left_tokens = left_work - work, left_tokens - n
     if balancer and contiguous:
-        order = repair(slots, bounds[largest], lengths[largest], mean_work, capacity, window,
-                        [0] if budget is None else budget)
+        order = repair(
+            slots, bounds[largest], lengths[largest], mean_work, capacity, window, [0] if budget is None else budget
+        )
         place_contiguous(slots, order, bounds[largest], mean_work, capacity, window)
     elif balancer:
         place_nested(slots, bounds[largest], lengths[largest], mean_work, capacity, window)
@@ -328,8 +395,17 @@ def _pieces(work: int, n: int, min_work: float, max_length: float, ring: int) ->
     return max(2, min(ring, max(by_work, by_length)))
 
 
-def _split_document(slots: list[Slot], bounds: tuple[int, ...], d: int, k: int, rho: float, room: int, capacity: int,
-                    window: Window, contiguous: bool = False) -> None:
+def _split_document(
+    slots: list[Slot],
+    bounds: tuple[int, ...],
+    d: int,
+    k: int,
+    rho: float,
+    room: int,
+    capacity: int,
+    window: Window,
+    contiguous: bool = False,
+) -> None:
     """Per-document zigzag of document ``d`` over the k (or more, up to R) slots with the fewest
     tokens that stay within ``room`` (else ``capacity``), taken in order of projected work (work
     - ``rho`` x tokens, lowest first); cut like a unit if no k slots fit."""
@@ -360,8 +436,14 @@ def _head_tail(chosen: list[Slot], start: int, n: int, window: Window) -> None:
     base, extra = divmod(n, 2 * k)
     order = list(range(k))  # order[j]: the pair the j-th chosen slot takes
     if window is not None:
-        order.sort(key=lambda i: -(piece_work(i * base, (i + 1) * base, window)
-                                   + piece_work((2 * k - 1 - i) * base, (2 * k - i) * base, window)))
+        order.sort(
+            key=lambda i: (
+                -(
+                    piece_work(i * base, (i + 1) * base, window)
+                    + piece_work((2 * k - 1 - i) * base, (2 * k - i) * base, window)
+                )
+            )
+        )
     sizes = [base] * (2 * k)
     tokens = [slot.tokens + 2 * base for slot in chosen]
     for _ in range(extra):
@@ -388,8 +470,18 @@ def _consecutive(chosen: list[Slot], start: int, n: int, window: Window) -> None
         slot.take(start + lo, hi - lo, piece_work(lo, hi, window))
 
 
-def _place_unit(slots: list[Slot], bounds: tuple[int, ...], start: int, n: int, work: int, rho: float, rooms: list[int],
-                capacity: int, window: Window, short_heads: bool = False) -> None:
+def _place_unit(
+    slots: list[Slot],
+    bounds: tuple[int, ...],
+    start: int,
+    n: int,
+    work: int,
+    rho: float,
+    rooms: list[int],
+    capacity: int,
+    window: Window,
+    short_heads: bool = False,
+) -> None:
     """Give the unit whole to the slot that most lacks work (projected: its free tokens at ``rho``
     work each), among those with room (``rooms[i]`` tokens for slot i); else cut it (:func:`_cut_unit`)."""
     best, best_key = None, None
@@ -406,8 +498,16 @@ def _place_unit(slots: list[Slot], bounds: tuple[int, ...], start: int, n: int, 
     _cut_unit(slots, bounds, start, n, rooms, capacity, window, short_heads)
 
 
-def _cut_unit(slots: list[Slot], bounds: tuple[int, ...], start: int, n: int, rooms: list[int], capacity: int,
-              window: Window, short_heads: bool = False) -> None:
+def _cut_unit(
+    slots: list[Slot],
+    bounds: tuple[int, ...],
+    start: int,
+    n: int,
+    rooms: list[int],
+    capacity: int,
+    window: Window,
+    short_heads: bool = False,
+) -> None:
     """Cut [start, start + n) into consecutive pieces filling slots up to their room, then up to
     ``capacity``: the slots with the most free tokens first, or (``short_heads``) the fewest, so
     that the head cut off is short (a holder of a later piece reads it)."""

@@ -33,8 +33,9 @@ Runs = tuple[tuple[int, int], ...]
 Docs = tuple[tuple[int, ...], list[int], list[int]]  # (bounds, lengths, works) of a row's documents
 
 
-def slot_work(runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequence[int],
-              window: Window = None) -> list[int]:
+def slot_work(
+    runs_per_slot: Iterable[Iterable[tuple[int, int]]], bounds: Sequence[int], window: Window = None
+) -> list[int]:
     """Cells per slot under the work model (sum over its tokens of min(offset + 1, W)).
 
     O(m log n) for m runs and n documents (a bisection per run, then a walk over the documents
@@ -158,8 +159,9 @@ def piece_work(lo: int, hi: int, window: Window) -> int:
     return prefix_work(hi, window) - prefix_work(lo, window)
 
 
-def group_units(whole: Iterable[int], bounds: Sequence[int], works: Sequence[int], limit: float,
-                work_limit: float) -> list[list[int]]:
+def group_units(
+    whole: Iterable[int], bounds: Sequence[int], works: Sequence[int], limit: float, work_limit: float
+) -> list[list[int]]:
     """Consecutive whole documents grouped into units ``[start, tokens, work]`` of at most ``limit``
     tokens and ``work_limit`` work (a document over either is a unit alone)."""
     units: list[list[int]] = []
@@ -194,8 +196,9 @@ def finish_runs(slots: list[Slot], bounds: Sequence[int]) -> tuple[Runs, ...]:
     out = []
     it = iter(ends)
     for slot in slots:
-        keyed = sorted((len(holders[a]) > 1 or len(holders[b]) > 1, start, n)
-                       for (start, n, _), (a, b) in zip(slot.runs, it))
+        keyed = sorted(
+            (len(holders[a]) > 1 or len(holders[b]) > 1, start, n) for (start, n, _), (a, b) in zip(slot.runs, it)
+        )
         runs: list[list[int]] = []
         group = None
         for shared, start, n in keyed:

@@ -58,7 +58,7 @@ def test_allgather_chunks_cover_each_visible_cell_once():
             chunks = rng.choice([c for c in range(1, local + 1) if local % c == 0])
             cells = _gathered_cells(plan, rank, chunks)
             for source in range(ring):
-                want = visible[perm[rank * local:(rank + 1) * local]][:, perm[source * local:(source + 1) * local]]
+                want = visible[perm[rank * local : (rank + 1) * local]][:, perm[source * local : (source + 1) * local]]
                 want = torch.zeros_like(want) if source == rank else want  # the own block is computed locally
                 assert torch.equal(cells[source], want.int()), (ring, layout, seq, causal, window, bounds, rank)
 
@@ -75,8 +75,10 @@ def test_ring_rows_equal_the_block_plan():
     for ring, layout, causal in itertools.product([2, 3, 4, 8], ["zigzag", "contiguous"], [True, False]):
         plan = build_plan(4 * ring * 2, ring, layout, causal=causal, docs=None, window=None, batch=1)
         for rank in range(ring):
-            assert ring_rows(ring, rank, plan.local_len, layout, causal) == (plan.rows_sent(rank),
-                                                                               plan.rows_received(rank))
+            assert ring_rows(ring, rank, plan.local_len, layout, causal) == (
+                plan.rows_sent(rank),
+                plan.rows_received(rank),
+            )
 
 
 def test_bad_kv_comm_and_chunks_are_refused_before_any_collective():
@@ -107,7 +109,9 @@ def _allgather_exact(rank, world, meshes, kv_list, chunk_list):
             mesh = init_mesh(ulysses=ulysses, ring=ring, layout=layout, kv_comm="allgather", kv_chunks=chunks)
             errors = _mode_errors(mesh, full, expected, causal, None)
             if max(errors) > TOLERANCE:
-                failures.append(f"U={ulysses} R={ring} {layout} chunks={chunks} causal={causal} kv={kv_heads}: {errors}")
+                failures.append(
+                    f"U={ulysses} R={ring} {layout} chunks={chunks} causal={causal} kv={kv_heads}: {errors}"
+                )
     assert not failures, "\n".join(failures)
 
 
@@ -142,12 +146,25 @@ def _bytes_match_formula(rank, world, cases):
             full = random_qkv(BATCH, SEQ, HEADS, kv_heads, HEAD_DIM, seed=2, dtype=dtype)
             q, k, v = (shard_sequence(t, mesh).clone().requires_grad_() for t in full[:3])
             counter = CommCounter()
-            hybrid_attn_func(q, k, v, mesh=mesh, backend="torch", counter=counter).backward(shard_sequence(full[3], mesh))
-            want = hybrid_bytes(batch=BATCH, seq_len=SEQ, heads=HEADS, kv_heads=kv_heads, head_dim=HEAD_DIM,
-                                ulysses=ulysses, ring=ring, ring_rank=mesh.ring_rank, element_size=q.element_size(),
-                                kv_comm=kv_comm)
+            hybrid_attn_func(q, k, v, mesh=mesh, backend="torch", counter=counter).backward(
+                shard_sequence(full[3], mesh)
+            )
+            want = hybrid_bytes(
+                batch=BATCH,
+                seq_len=SEQ,
+                heads=HEADS,
+                kv_heads=kv_heads,
+                head_dim=HEAD_DIM,
+                ulysses=ulysses,
+                ring=ring,
+                ring_rank=mesh.ring_rank,
+                element_size=q.element_size(),
+                kv_comm=kv_comm,
+            )
             if dict(counter.bytes_sent) != want:
-                failures.append(f"U={ulysses} R={ring} {kv_comm} {dtype} kv={kv_heads}: {dict(counter.bytes_sent)} != {want}")
+                failures.append(
+                    f"U={ulysses} R={ring} {kv_comm} {dtype} kv={kv_heads}: {dict(counter.bytes_sent)} != {want}"
+                )
     assert not failures, "\n".join(failures)
 
 

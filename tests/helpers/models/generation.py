@@ -8,13 +8,23 @@ import torch
 from hybridsp.testing import run_distributed
 from tests.helpers.models.tiny import tiny_causal_lm
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=256, pad_token_id=0, attn_implementation="sdpa")
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    attn_implementation="sdpa",
+)
 FAMILIES = {  # (config class, model class, overrides); heads H / H_kv
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),  # MQA
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2)),  # q/k/v bias
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
-                                                            sliding_window=None)),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=None),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
 }
 

@@ -10,23 +10,62 @@ import torch
 from tests.helpers.models import packed
 
 VOCAB = 128
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=256, attn_implementation="sdpa",
-              pad_token_id=0)
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, max_position_embeddings=256, attn_implementation="sdpa", pad_token_id=0)
 FAMILIES = {  # family -> (config class, model class, fields); linear heads: Hk < Hv, odd value head dim
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(
-        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
-        linear_conv_kernel_dim=4, num_hidden_layers=3,
-        layer_types=["linear_attention", "full_attention", "linear_attention"])),
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
-        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
-        linear_conv_kernel_dim=4, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-        num_experts=0, decoder_sparse_step=1, mlp_only_layers=[0, 1])),
-    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
-        intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        mamba_num_heads=4, mamba_head_dim=6, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=16,
-        layers_block_type=["mamba", "attention", "mamba", "mlp"])),
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        dict(
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=6,
+            linear_conv_kernel_dim=4,
+            num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+        ),
+    ),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=6,
+            linear_conv_kernel_dim=4,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            num_experts=0,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0, 1],
+        ),
+    ),
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            intermediate_size=96,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=6,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            chunk_size=16,
+            layers_block_type=["mamba", "attention", "mamba", "mlp"],
+        ),
+    ),
 }
 
 
@@ -61,8 +100,9 @@ def per_document_mixers(model) -> None:
     model call's ``position_ids`` are 0 (a forward pre-hook on ``model`` reads them); calls with a cache run as
     they are."""
     seen = {}
-    model.register_forward_pre_hook(lambda _, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")),
-                                    with_kwargs=True)
+    model.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.update(position_ids=kwargs.get("position_ids")), with_kwargs=True
+    )
     for module in model.modules():
         if hasattr(module, "A_log") and hasattr(module, "conv1d"):
             module.forward = functools.partial(_run_per_document, module.forward, seen)
@@ -75,7 +115,11 @@ def _run_per_document(forward, seen: dict, hidden_states, cache=None, attention_
     rows = []
     for b in range(hidden_states.shape[0]):
         starts = sorted({0, *(positions[b] == 0).nonzero().flatten().tolist(), hidden_states.shape[1]})
-        mask = lambda s, e: None if attention_mask is None else attention_mask[b:b + 1, s:e]  # noqa: E731
-        rows.append(torch.cat([forward(hidden_states[b:b + 1, s:e], attention_mask=mask(s, e))
-                               for s, e in zip(starts, starts[1:])], dim=1))  # [1, S, hidden]
+        mask = lambda s, e: None if attention_mask is None else attention_mask[b : b + 1, s:e]  # noqa: E731
+        rows.append(
+            torch.cat(
+                [forward(hidden_states[b : b + 1, s:e], attention_mask=mask(s, e)) for s, e in zip(starts, starts[1:])],
+                dim=1,
+            )
+        )  # [1, S, hidden]
     return torch.cat(rows, dim=0)  # [B, S, hidden]

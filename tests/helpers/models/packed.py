@@ -33,5 +33,3 @@ def per_document_reference(model, batch, rows):
     loss = total / count
     loss.backward()
     return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-

@@ -9,13 +9,23 @@ from hybridsp.integrations import transformers as hf
 from tests.helpers.models.tiny import tiny_causal_lm
 
 PAD = 0
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              max_position_embeddings=128, pad_token_id=PAD, attn_implementation="sdpa")
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=128,
+    pad_token_id=PAD,
+    attn_implementation="sdpa",
+)
 FAMILIES = {  # (config class, model class, overrides); heads: H / H_kv
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=4)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2)),  # q/k/v bias
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2,
-                                                            sliding_window=None)),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_attention_heads=8, num_key_value_heads=2, sliding_window=None),
+    ),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
 }
 
@@ -38,8 +48,12 @@ def sharded(model, mesh, batch):
     """(gathered logits [B, S_pad, V], loss, {name: grad summed over the context group}, local valid count)."""
     model.zero_grad(set_to_none=True)
     local = shard_batch(batch, mesh, pad_token_id=PAD, sliding_window=hf.layout_window(model))
-    out = model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                hybridsp_documents=local["documents"], use_cache=False)
+    out = model(
+        input_ids=local["input_ids"],
+        position_ids=local["position_ids"],
+        hybridsp_documents=local["documents"],
+        use_cache=False,
+    )
     loss = sharded_cross_entropy(out.logits, local["shift_labels"], mesh)
     loss.backward()
     names, params = zip(*model.named_parameters())

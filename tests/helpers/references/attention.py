@@ -46,8 +46,9 @@ def random_qkv(batch, seq, heads, kv_heads, head_dim, *, seed=0, dtype=torch.flo
     return q, k, v, dout
 
 
-def sinks_reference_with_grads(q, k, v, dout, *, causal: bool, sinks=None, softcap=None, rows_bounds=None,
-                               window=None, softmax_scale=None):
+def sinks_reference_with_grads(
+    q, k, v, dout, *, causal: bool, sinks=None, softcap=None, rows_bounds=None, window=None, softmax_scale=None
+):
     """(out, dq, dk, dv, dsinks) in float64 autograd, written as the unmodified models do it: scores
     scaled, soft-capped (``softcap * tanh(scores / softcap)``, Gemma 2), masked (causal, documents
     ``rows_bounds`` per batch row, window), a sink logit per head appended as one more column

@@ -49,11 +49,22 @@ def mask_cases(windows, full_matrix, seq=SEQ):
     """(rows_bounds, causal, window) cases: documents, windows and both combined (last document ends at seq)."""
     end = lambda bounds: [*bounds[:-1], seq]  # noqa: E731
     docs, mixed, spanning = [end(DOCS)] * 2, [end(DOCS), end(ROW2)], [end(SPANNING)] * 2
-    cases = [(docs, True, None), (mixed, True, None), (spanning, True, windows[0]),
-             (mixed, True, windows[0]), (docs, True, windows[1]), (mixed, True, windows[2])]
+    cases = [
+        (docs, True, None),
+        (mixed, True, None),
+        (spanning, True, windows[0]),
+        (mixed, True, windows[0]),
+        (docs, True, windows[1]),
+        (mixed, True, windows[2]),
+    ]
     if full_matrix:
-        cases += [(docs, False, None), (mixed, False, windows[1]), (spanning, True, windows[1]),
-                  (docs, True, windows[0]), (mixed, True, windows[1])]
+        cases += [
+            (docs, False, None),
+            (mixed, False, windows[1]),
+            (spanning, True, windows[1]),
+            (docs, True, windows[0]),
+            (mixed, True, windows[1]),
+        ]
     return cases
 
 
@@ -61,11 +72,13 @@ def check_meshes(rank, world, meshes, windows, full_matrix, seq=SEQ, kv_list=(8,
     failures = []
     for (ulysses, ring), layout in meshes:
         mesh = init_mesh(ulysses=ulysses, ring=ring, layout=layout, kv_comm=kv_comm)
-        for kv_heads in ([8, 2, 1] if full_matrix else kv_list):
+        for kv_heads in [8, 2, 1] if full_matrix else kv_list:
             full = random_qkv(2, seq, 8, kv_heads, 16, seed=3 + mesh.dp_rank)
             for rows_bounds, causal, window in mask_cases(windows, full_matrix, seq):
                 error = hybrid_case(mesh, full, rows_bounds, causal, window)
                 if error > TOLERANCE:
-                    failures.append(f"U={ulysses} R={ring} {layout} kv={kv_heads} docs={rows_bounds} "
-                                    f"causal={causal} W={window}: {error:.2e}")
+                    failures.append(
+                        f"U={ulysses} R={ring} {layout} kv={kv_heads} docs={rows_bounds} "
+                        f"causal={causal} W={window}: {error:.2e}"
+                    )
     assert not failures, "\n".join(failures)

@@ -12,8 +12,9 @@ from tests.helpers.models.switched import sharded
 from tests.helpers.references.attention import rel_err
 
 
-def model_errors(family: str, ulysses: int, ring: int, rows, layout: str = "zigzag", linear: bool = True,
-                 checkpointing: bool = False) -> dict:
+def model_errors(
+    family: str, ulysses: int, ring: int, rows, layout: str = "zigzag", linear: bool = True, checkpointing: bool = False
+) -> dict:
     """{what: relative error} of logits, loss and every parameter gradient (summed over the context
     group) of ``family`` switched onto a ``ulysses x ring`` mesh, against the per-document reference.
     ``linear=False``: the linear layers are switched back right away (the unmodified mixers run per shard);
@@ -67,17 +68,20 @@ def train_hybrid_model(rank: int, world: int, family: str, hybrid: dict | None) 
         else:
             config = ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], False)
             args = _arguments(out, config, per_device_train_batch_size=1, train_sampling_strategy="sequential")
-            trainer = HybridSPTrainer(model=model, args=args, train_dataset=packed_pairs(docs),
-                                      data_collator=packed_collate)
+            trainer = HybridSPTrainer(
+                model=model, args=args, train_dataset=packed_pairs(docs), data_collator=packed_collate
+            )
         trainer.train()
     return step_logs(trainer) if rank == 0 else None
 
 
 def packed_pairs(docs: list[dict]) -> list[dict]:
     """Every two consecutive documents as one row; position_ids restart at each document."""
-    return [{key: torch.cat([d[key] for d in docs[i:i + 2]]) for key in ("input_ids", "labels")}
-            | {"position_ids": torch.cat([torch.arange(len(d["input_ids"])) for d in docs[i:i + 2]])}
-            for i in range(0, len(docs), 2)]
+    return [
+        {key: torch.cat([d[key] for d in docs[i : i + 2]]) for key in ("input_ids", "labels")}
+        | {"position_ids": torch.cat([torch.arange(len(d["input_ids"])) for d in docs[i : i + 2]])}
+        for i in range(0, len(docs), 2)
+    ]
 
 
 def packed_collate(rows: list[dict]) -> dict:
@@ -86,8 +90,10 @@ def packed_collate(rows: list[dict]) -> dict:
 
     batch = collate([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows])
     longest = batch["input_ids"].shape[1]
-    positions = [torch.cat([r["position_ids"], torch.arange(1, longest - len(r["position_ids"]) + 1)
-                            + r["position_ids"][-1]]) for r in rows]
+    positions = [
+        torch.cat([r["position_ids"], torch.arange(1, longest - len(r["position_ids"]) + 1) + r["position_ids"][-1]])
+        for r in rows
+    ]
     return {**batch, "position_ids": torch.stack(positions)}  # each [B, S]
 
 
@@ -119,8 +125,6 @@ def generation_errors(rank: int, world: int, cases) -> dict:
         ref_ids, ref_logits = reference_generate(model, ids, max_new_tokens=new)
         mesh = init_mesh(ulysses=ulysses, ring=ring, layout=(layout or ["zigzag"])[0])
         with hf.apply(model, mesh):
-            ours, logits = hf.generate(model, ids, mesh=mesh, max_new_tokens=new, eos_token_id=[],
-                                       output_logits=True)
+            ours, logits = hf.generate(model, ids, mesh=mesh, max_new_tokens=new, eos_token_id=[], output_logits=True)
         found[name] = (bool(torch.equal(ours, ref_ids)), rel_err(logits, ref_logits))
     return found
-

@@ -33,10 +33,22 @@ def moe_model(family: str):
 def _settings(output_dir: str, hybrid: dict | None) -> dict:
     deepspeed = None if hybrid is None else ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], False)
     return dict(  # SGD: the trained weights move linearly with the gradients (Adam would amplify rounding)
-        output_dir=output_dir, per_device_train_batch_size=MICRO_BATCH, per_device_eval_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, max_grad_norm=1.0, learning_rate=0.5,
-        optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-        disable_tqdm=True, seed=0, deepspeed=deepspeed, use_cpu=not torch.cuda.is_available(),
+        output_dir=output_dir,
+        per_device_train_batch_size=MICRO_BATCH,
+        per_device_eval_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        max_grad_norm=1.0,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        deepspeed=deepspeed,
+        use_cpu=not torch.cuda.is_available(),
         dataloader_num_workers=0,
     )
 
@@ -61,8 +73,13 @@ def _trainer(case: dict, output_dir: str):
 
     args = TrainingArguments(**_settings(output_dir, hybrid), remove_unused_columns=False)
     cls = Trainer if hybrid is None else HybridSPTrainer
-    return cls(model=model, args=args, train_dataset=samples(16, seed=1), eval_dataset=samples(5, seed=2),
-               data_collator=collate)
+    return cls(
+        model=model,
+        args=args,
+        train_dataset=samples(16, seed=1),
+        eval_dataset=samples(5, seed=2),
+        data_collator=collate,
+    )
 
 
 def train(rank: int, case: dict) -> dict | None:
@@ -79,8 +96,10 @@ def train(rank: int, case: dict) -> dict | None:
     initial = dict(moe_model(case["family"]).named_parameters())
     return {
         **{key: [row.get(key) for row in logged] for key in ("step", "loss", "grad_norm", "aux_loss")},
-        "updates": {name: (p.detach() - initial[name].detach()).tolist()  # lists: no shared memory
-                    for name, p in trainer.model.named_parameters()},
+        "updates": {
+            name: (p.detach() - initial[name].detach()).tolist()  # lists: no shared memory
+            for name, p in trainer.model.named_parameters()
+        },
         "eval_loss": metrics["eval_loss"],
     }
 
@@ -114,5 +133,6 @@ def several(rank: int, world_size: int, cases: list) -> list:
     """Each case in turn, in the same processes: :func:`train` (item "trainer" or "sft") or
     :func:`causal_lm_loss_check` (item "causal_lm_loss")."""
     os.environ["OMP_NUM_THREADS"] = "1"  # accelerate would raise the thread count on CPU
-    return [causal_lm_loss_check(rank, case) if case["item"] == "causal_lm_loss" else train(rank, case)
-            for case in cases]
+    return [
+        causal_lm_loss_check(rank, case) if case["item"] == "causal_lm_loss" else train(rank, case) for case in cases
+    ]

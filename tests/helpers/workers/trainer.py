@@ -20,9 +20,18 @@ def tiny_llama(seed: int = 0):
     from tests.helpers.models.tiny import tiny_causal_lm
 
     return tiny_causal_lm(
-        "llama", seed=seed, dtype=None, vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128,
-        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-        max_position_embeddings=256, pad_token_id=0, attn_implementation="sdpa",
+        "llama",
+        seed=seed,
+        dtype=None,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        attn_implementation="sdpa",
     )
 
 
@@ -55,10 +64,12 @@ def ds_config(ulysses: int, ring: int, stage: int, config_optimizer: bool) -> di
     """fp32 DeepSpeed config with a hybridsp section; "auto" values come from TrainingArguments."""
     config = {
         "hybridsp": {"ulysses": ulysses, "ring": ring},
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
         "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": stage == 3},
-        "zero_allow_untested_optimizer": True, "steps_per_print": 1000,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1000,
     }
     if config_optimizer:  # DeepSpeed's AdamW; hybridsp selects torch's implementation on CPU
         config["optimizer"] = {"type": "AdamW", "params": {k: "auto" for k in ("lr", "betas", "eps", "weight_decay")}}
@@ -69,11 +80,24 @@ def _arguments(output_dir: str, deepspeed: dict | None, **overrides):
     from transformers import TrainingArguments
 
     settings = dict(
-        output_dir=output_dir, per_device_train_batch_size=MICRO_BATCH, per_device_eval_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, max_grad_norm=1.0, learning_rate=3e-3,
-        weight_decay=0.01, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-        disable_tqdm=True, seed=0, deepspeed=deepspeed, use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0, remove_unused_columns=False,
+        output_dir=output_dir,
+        per_device_train_batch_size=MICRO_BATCH,
+        per_device_eval_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        max_grad_norm=1.0,
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        deepspeed=deepspeed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
     )
     return TrainingArguments(**{**settings, **overrides})
 
@@ -86,22 +110,36 @@ def make_trainer(output_dir: str, hybrid: dict | None, train, evaluation, **over
 
     model = tiny_llama()
     if hybrid is None:
-        return Trainer(model=model, args=_arguments(output_dir, None, **overrides), train_dataset=train,
-                       eval_dataset=evaluation, data_collator=collate)
+        return Trainer(
+            model=model,
+            args=_arguments(output_dir, None, **overrides),
+            train_dataset=train,
+            eval_dataset=evaluation,
+            data_collator=collate,
+        )
     from hybridsp.integrations.transformers import HybridSPTrainer
 
     degrees = {"ulysses": hybrid["ulysses"], "ring": hybrid["ring"]}
     config = None
     if hybrid["stage"] is not None:
         config = ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], hybrid.get("config_optimizer", False))
-    return HybridSPTrainer(model=model, args=_arguments(output_dir, config, **overrides), train_dataset=train,
-                           eval_dataset=evaluation, data_collator=collate, hybridsp=None if config else degrees)
+    return HybridSPTrainer(
+        model=model,
+        args=_arguments(output_dir, config, **overrides),
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collate,
+        hybridsp=None if config else degrees,
+    )
 
 
 def step_logs(trainer) -> dict:
     steps = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
-    return {"step": [row["step"] for row in steps], "loss": [row["loss"] for row in steps],
-            "grad_norm": [row["grad_norm"] for row in steps]}
+    return {
+        "step": [row["step"] for row in steps],
+        "loss": [row["loss"] for row in steps],
+        "grad_norm": [row["grad_norm"] for row in steps],
+    }
 
 
 def train_and_evaluate(rank: int, world_size: int, hybrid: dict | None) -> dict | None:
@@ -119,7 +157,8 @@ def train_and_evaluate(rank: int, world_size: int, hybrid: dict | None) -> dict 
     if rank != 0:
         return None
     return {
-        **step_logs(trainer), "eval_loss": metrics["eval_loss"],
+        **step_logs(trainer),
+        "eval_loss": metrics["eval_loss"],
         "predictions": torch.as_tensor(predictions.predictions).tolist(),
         "label_ids": torch.as_tensor(predictions.label_ids).tolist(),
     }
@@ -144,8 +183,12 @@ def save_and_resume(rank: int, world_size: int, hybrid: dict, out: str) -> dict 
         return None
     with open(os.path.join(checkpoint, "config.json")) as handle:
         saved_config = json.load(handle)
-    return {"first": step_logs(first), "resumed": step_logs(second), "config": saved_config,
-            "files": sorted(os.listdir(checkpoint))}
+    return {
+        "first": step_logs(first),
+        "resumed": step_logs(second),
+        "config": saved_config,
+        "files": sorted(os.listdir(checkpoint)),
+    }
 
 
 def several(rank: int, world_size: int, runs: list) -> list:

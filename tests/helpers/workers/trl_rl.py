@@ -20,8 +20,18 @@ from tests.helpers.workers.trainer import ds_config, tiny_llama
 from tests.helpers.workers.trl_sft import WORDS, tokenizer
 
 STEPS, MICRO_BATCH, GENERATIONS, COMPLETION = 3, 4, 2, 10
-LOGGED = ("loss", "grad_norm", "kl", "reward", "reward_std", "entropy", "clip_ratio/region_mean",
-          "completions/mean_length", "rewards/low_ids/mean", "rewards/near_five/mean")
+LOGGED = (
+    "loss",
+    "grad_norm",
+    "kl",
+    "reward",
+    "reward_std",
+    "entropy",
+    "clip_ratio/region_mean",
+    "completions/mean_length",
+    "rewards/low_ids/mean",
+    "rewards/near_five/mean",
+)
 
 
 def prompt_rows(count: int, seed: int) -> list[dict]:
@@ -30,8 +40,9 @@ def prompt_rows(count: int, seed: int) -> list[dict]:
     rows = []
     for _ in range(count):
         length = int(torch.randint(2, 10, (1,), generator=generator))
-        rows.append({"prompt": " ".join(f"t{int(i)}" for i in torch.randint(2, 2 + WORDS, (length,),
-                                                                              generator=generator))})
+        rows.append(
+            {"prompt": " ".join(f"t{int(i)}" for i in torch.randint(2, 2 + WORDS, (length,), generator=generator))}
+        )
     return rows
 
 
@@ -59,13 +70,27 @@ def _settings(output_dir: str, case: dict) -> dict:
     if hybrid is not None and "generation" in hybrid:
         deepspeed["hybridsp"]["generation"] = hybrid["generation"]
     return dict(
-        output_dir=output_dir, per_device_train_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=case.get("accumulation", 1), max_steps=STEPS, max_grad_norm=1.0,
-        learning_rate=5e-3, lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],
-        disable_tqdm=True, seed=0, deepspeed=deepspeed, use_cpu=not torch.cuda.is_available(),
-        dataloader_num_workers=0, bf16=False, gradient_checkpointing=case.get("checkpointing", False),
+        output_dir=output_dir,
+        per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=case.get("accumulation", 1),
+        max_steps=STEPS,
+        max_grad_norm=1.0,
+        learning_rate=5e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        deepspeed=deepspeed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
+        bf16=False,
+        gradient_checkpointing=case.get("checkpointing", False),
         num_generations=GENERATIONS,
-        max_completion_length=COMPLETION, beta=case.get("beta", 0.1), num_iterations=case.get("num_iterations", 1),
+        max_completion_length=COMPLETION,
+        beta=case.get("beta", 0.1),
+        num_iterations=case.get("num_iterations", 1),
     )
 
 
@@ -99,8 +124,13 @@ def _trainer(case: dict, output_dir: str, model_path: str, rewards: Rewards):
 
         args = RLOOConfig(**settings)
         cls = RLOOTrainer if case["hybrid"] is None else HybridRLOOTrainer
-    return cls(model=_model(model_path, case), reward_funcs=rewards.functions(), args=args, train_dataset=data,
-               processing_class=tokenizer())
+    return cls(
+        model=_model(model_path, case),
+        reward_funcs=rewards.functions(),
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer(),
+    )
 
 
 def _logs(trainer) -> dict:
@@ -150,8 +180,11 @@ def run_case(rank: int, case: dict) -> dict:
 
     # a prefix per rank: forked workers share tempfile's name generator
     start = time.perf_counter()
-    with (tempfile.TemporaryDirectory(prefix=f"rl-rank{rank}-") as out, without_cpu_shm_comm_build(),
-          CountedCalls(generation, "generate") as sharded):
+    with (
+        tempfile.TemporaryDirectory(prefix=f"rl-rank{rank}-") as out,
+        without_cpu_shm_comm_build(),
+        CountedCalls(generation, "generate") as sharded,
+    ):
         model_path = _saved_tiny_llama(rank, out)
         rewards = Rewards()
         trainer = _trainer(case, os.path.join(out, "run"), model_path, rewards)
@@ -159,8 +192,12 @@ def run_case(rank: int, case: dict) -> dict:
         import torch.distributed as dist
 
         dist.barrier()  # rank 0's directory (the reference model's path) outlives every rank's use
-        return {**_logs(trainer), "completions": rewards.seen, "sharded_generations": sharded.calls,
-                "seconds": time.perf_counter() - start}
+        return {
+            **_logs(trainer),
+            "completions": rewards.seen,
+            "sharded_generations": sharded.calls,
+            "seconds": time.perf_counter() - start,
+        }
 
 
 def several(rank: int, world_size: int, cases: list) -> list:

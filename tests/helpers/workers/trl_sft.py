@@ -48,17 +48,35 @@ def sft_rows(count: int, seed: int, packing: bool) -> list[dict]:
 
 def dpo_rows(count: int, seed: int) -> list[dict]:
     generator = torch.Generator().manual_seed(seed)
-    return [{"prompt": _words(generator, 3, 10), "chosen": " " + _words(generator, 2, 12),
-             "rejected": " " + _words(generator, 2, 12)} for _ in range(count)]
+    return [
+        {
+            "prompt": _words(generator, 3, 10),
+            "chosen": " " + _words(generator, 2, 12),
+            "rejected": " " + _words(generator, 2, 12),
+        }
+        for _ in range(count)
+    ]
 
 
 def _settings(output_dir: str, hybrid: dict | None) -> dict:
     deepspeed = None if hybrid is None else ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], False)
     return dict(
-        output_dir=output_dir, per_device_train_batch_size=MICRO_BATCH, per_device_eval_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, max_grad_norm=1.0, learning_rate=3e-3,
-        lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-        seed=0, deepspeed=deepspeed, use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+        output_dir=output_dir,
+        per_device_train_batch_size=MICRO_BATCH,
+        per_device_eval_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        max_grad_norm=1.0,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        deepspeed=deepspeed,
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_num_workers=0,
     )
 
 
@@ -92,9 +110,15 @@ def _trainer(case: dict, output_dir: str):
 
         from hybridsp.integrations.trl import HybridSFTTrainer
 
-        args = SFTConfig(**settings, bf16=False, gradient_checkpointing=case.get("checkpointing", False),
-                         packing=case.get("packing", False),
-                         max_length=48, loss_type=case.get("loss_type", "nll"), dataset_num_proc=None)
+        args = SFTConfig(
+            **settings,
+            bf16=False,
+            gradient_checkpointing=case.get("checkpointing", False),
+            packing=case.get("packing", False),
+            max_length=48,
+            loss_type=case.get("loss_type", "nll"),
+            dataset_num_proc=None,
+        )
         cls = SFTTrainer if hybrid is None else HybridSFTTrainer
         packing = case.get("packing", False)
         data, held_out = (Dataset.from_list(sft_rows(n, seed=seed, packing=packing)) for n, seed in ((32, 1), (5, 3)))
@@ -104,13 +128,24 @@ def _trainer(case: dict, output_dir: str):
 
         from hybridsp.integrations.trl import HybridDPOTrainer
 
-        args = DPOConfig(**settings, bf16=False, gradient_checkpointing=False, beta=0.5,
-                         precompute_ref_log_probs=case.get("precompute", False))
+        args = DPOConfig(
+            **settings,
+            bf16=False,
+            gradient_checkpointing=False,
+            beta=0.5,
+            precompute_ref_log_probs=case.get("precompute", False),
+        )
         cls = DPOTrainer if hybrid is None else HybridDPOTrainer
         # PEFT: the reference is the policy without adapters; precompute: the policy before training
         ref = None if case.get("peft") or case.get("precompute") else tiny_llama()
-        return cls(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(dpo_rows(24, seed=2)),
-                   eval_dataset=Dataset.from_list(dpo_rows(5, seed=3)), processing_class=tokenizer())
+        return cls(
+            model=model,
+            ref_model=ref,
+            args=args,
+            train_dataset=Dataset.from_list(dpo_rows(24, seed=2)),
+            eval_dataset=Dataset.from_list(dpo_rows(5, seed=3)),
+            processing_class=tokenizer(),
+        )
     from transformers import Trainer, TrainingArguments
 
     from hybridsp.integrations.transformers import HybridSPTrainer

@@ -23,22 +23,48 @@ def tiny_vlm(kind: str = "qwen2_vl", seed: int = 0, dtype=torch.float32):
         Qwen2VLForConditionalGeneration,
     )
 
-    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=2, num_heads=2, patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE,
-                  in_channels=3)
-    ids = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
-               attn_implementation="sdpa")
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=2, num_heads=2, patch_size=PATCH, temporal_patch_size=TEMPORAL, spatial_merge_size=MERGE, in_channels=3
+    )
+    ids = dict(
+        image_token_id=IMAGE,
+        video_token_id=VIDEO,
+        vision_start_token_id=START,
+        vision_end_token_id=END,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     if kind == "qwen2_vl":
-        config = Qwen2VLConfig(text_config=text, vision_config=dict(vision, embed_dim=32, hidden_size=64, mlp_ratio=2),
-                               **ids)
+        config = Qwen2VLConfig(
+            text_config=text, vision_config=dict(vision, embed_dim=32, hidden_size=64, mlp_ratio=2), **ids
+        )
         model = Qwen2VLForConditionalGeneration(config)
     else:
-        config = Qwen2_5_VLConfig(text_config=text, vision_config=dict(
-            vision, hidden_size=32, out_hidden_size=64, intermediate_size=64, window_size=16,
-            fullatt_block_indexes=[1]), **ids)
+        config = Qwen2_5_VLConfig(
+            text_config=text,
+            vision_config=dict(
+                vision,
+                hidden_size=32,
+                out_hidden_size=64,
+                intermediate_size=64,
+                window_size=16,
+                fullatt_block_indexes=[1],
+            ),
+            **ids,
+        )
         model = Qwen2_5_VLForConditionalGeneration(config)
     return model.to(dtype)
 
@@ -79,7 +105,7 @@ def collate(rows: list[dict]) -> dict:
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         if any(key in row for row in rows):
             batch[key] = torch.cat([row[key] for row in rows if key in row])
-    batch["mm_token_type_ids"] = ((batch["input_ids"] == IMAGE).int() + 2 * (batch["input_ids"] == VIDEO).int())
+    batch["mm_token_type_ids"] = (batch["input_ids"] == IMAGE).int() + 2 * (batch["input_ids"] == VIDEO).int()
     return batch
 
 
@@ -139,7 +165,8 @@ def _compare(model, batch: dict, mesh, mode: str, expected) -> dict:
     full = gather_sequence(logits.detach(), mesh)[:, : batch["input_ids"].shape[1]]  # [B, S, V]
     real = batch["attention_mask"].bool()
     return {
-        "logits": float((full - logits_ref)[real].abs().max()), "loss": abs(float(loss.detach()) - float(loss_ref)),
+        "logits": float((full - logits_ref)[real].abs().max()),
+        "loss": abs(float(loss.detach()) - float(loss_ref)),
         "grad": max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in grads_ref.items()),
         "vision_grads": sum(1 for n in grads_ref if "visual" in n),
     }

@@ -40,21 +40,39 @@ def text_only_mix(count: int, seed: int, replicas: int = 2) -> list[dict]:
     for index in range(count):
         step, replica = divmod(index // MICRO_BATCH, replicas)
         text_only = replica != step % replicas
-        rows.append(sample(generator, [int(torch.randint(12, 40, (1,), generator=generator))]) if text_only
-                    else images[index])
+        rows.append(
+            sample(generator, [int(torch.randint(12, 40, (1,), generator=generator))]) if text_only else images[index]
+        )
     return rows
 
 
 def _arguments(output_dir: str, deepspeed: dict | None, micro: int = MICRO_BATCH, **overrides):
     from transformers import TrainingArguments
 
-    return TrainingArguments(**{
-        **dict(output_dir=output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=ACCUMULATION,
-               max_steps=STEPS, max_grad_norm=1.0, learning_rate=3e-3, weight_decay=0.01, lr_scheduler_type="constant",
-               logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True, seed=0, deepspeed=deepspeed,
-               use_cpu=True, dataloader_num_workers=0, remove_unused_columns=False),
-        **overrides,
-    })
+    return TrainingArguments(
+        **{
+            **dict(
+                output_dir=output_dir,
+                per_device_train_batch_size=micro,
+                gradient_accumulation_steps=ACCUMULATION,
+                max_steps=STEPS,
+                max_grad_norm=1.0,
+                learning_rate=3e-3,
+                weight_decay=0.01,
+                lr_scheduler_type="constant",
+                logging_steps=1,
+                save_strategy="no",
+                report_to=[],
+                disable_tqdm=True,
+                seed=0,
+                deepspeed=deepspeed,
+                use_cpu=True,
+                dataloader_num_workers=0,
+                remove_unused_columns=False,
+            ),
+            **overrides,
+        }
+    )
 
 
 def train(rank: int, world_size: int, runs: list, data: str = "images") -> list:
@@ -80,8 +98,9 @@ def train(rank: int, world_size: int, runs: list, data: str = "images") -> list:
                 trainer = Trainer(model=tiny_vlm(), args=args, train_dataset=rows, data_collator=collate)
             else:
                 config = ds_config(run["ulysses"], run["ring"], run["stage"], config_optimizer=False)
-                trainer = HybridSPTrainer(model=tiny_vlm(), args=_arguments(out, config, **order), train_dataset=rows,
-                                          data_collator=collate)
+                trainer = HybridSPTrainer(
+                    model=tiny_vlm(), args=_arguments(out, config, **order), train_dataset=rows, data_collator=collate
+                )
             trainer.train()
         steps = [row for row in trainer.state.log_history if "loss" in row and "grad_norm" in row]
         results.append({"loss": [row["loss"] for row in steps], "grad_norm": [row["grad_norm"] for row in steps]})

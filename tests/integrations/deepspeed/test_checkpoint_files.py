@@ -46,7 +46,10 @@ def test_partitions_from_other_disks_are_copied_to_rank0_and_a_shared_disk_copie
     # case 0: ranks 1 and 2 share a disk that is not rank 0's, rank 3 has its own; case 1: one shared disk
     results = run_distributed(_write_and_collect, 4, str(tmp_path), [[0, 1, 1, 2], [0, 0, 0, 0]], timeout=120)
     assert results == [[[1, 2, 3], []]] * 4
-    expected = {f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt": _payload(rank, kind)
-                for rank in range(4) for kind in ("optim", "model")}
+    expected = {
+        f"zero_pp_rank_{rank}_mp_rank_00_{kind}_states.pt": _payload(rank, kind)
+        for rank in range(4)
+        for kind in ("optim", "model")
+    }
     for case in (0, 1):
         assert _rank0_files(tmp_path, case) == expected  # complete, and no marker or partial file left behind

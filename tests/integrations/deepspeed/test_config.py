@@ -60,7 +60,8 @@ def test_cp8_is_the_zero3_hybrid_and_its_variants_differ_only_in_the_stage():
         variant = load_config(ROOT / "ds_configs" / f"cp8_zero{stage}.json")
         assert variant["zero_optimization"]["stage"] == stage
         assert {k: v for k, v in variant.items() if k != "zero_optimization"} == {
-            k: v for k, v in cp8.items() if k != "zero_optimization"}
+            k: v for k, v in cp8.items() if k != "zero_optimization"
+        }
 
 
 def test_auto_precision_resolves_to_the_device():
@@ -87,8 +88,10 @@ def test_deepspeed_alone_would_silently_train_auto_precision_in_fp32():
 
 
 def test_precision_errors():
-    _raises(lambda: resolve_precision({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "fp32"),
-            "bf16 and fp16 are both enabled")
+    _raises(
+        lambda: resolve_precision({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "fp32"),
+        "bf16 and fp16 are both enabled",
+    )
     _raises(lambda: resolve_precision(AUTO, "fp8"), "unknown precision 'fp8'", "bf16, fp16, fp32")
 
 
@@ -108,15 +111,24 @@ def test_section_defaults_overrides_and_owned_keys():
 
 def test_validation_errors_quote_the_numbers():
     cfg = HybridConfig.from_ds_config
-    _raises(lambda: cfg({"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": 8}),
-            "sequence_parallel_size=8", "ulysses=2 x ring=2 = 4")
+    _raises(
+        lambda: cfg({"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": 8}),
+        "sequence_parallel_size=8",
+        "ulysses=2 x ring=2 = 4",
+    )
     _raises(lambda: cfg({"sequence_parallel_size": 4}), "sequence_parallel_size=4", "= 1 context ranks")
-    _raises(lambda: cfg({"hybridsp": {"ulysses": 4}, "sequence_parallel_size": 4}, ulysses=2),  # an override too
-            "sequence_parallel_size=4", "ulysses=2 x ring=1 = 2")
-    _raises(lambda: cfg({"hybridsp": {"ulysses": 2, "ring": 2}, "data_parallel_size": 4}).mesh_shape(8),
-            "data_parallel_size=4", "world size 8", "= 2 replicas")
-    _raises(lambda: HybridConfig(ulysses=4, ring=2).mesh_shape(12),
-            "= 8 context ranks do not divide the world size 12")
+    _raises(
+        lambda: cfg({"hybridsp": {"ulysses": 4}, "sequence_parallel_size": 4}, ulysses=2),  # an override too
+        "sequence_parallel_size=4",
+        "ulysses=2 x ring=1 = 2",
+    )
+    _raises(
+        lambda: cfg({"hybridsp": {"ulysses": 2, "ring": 2}, "data_parallel_size": 4}).mesh_shape(8),
+        "data_parallel_size=4",
+        "world size 8",
+        "= 2 replicas",
+    )
+    _raises(lambda: HybridConfig(ulysses=4, ring=2).mesh_shape(12), "= 8 context ranks do not divide the world size 12")
     for bad in (0, -1, 2.0, True, "2"):
         _raises(lambda: HybridConfig(ulysses=bad), "ulysses degree must be a positive integer")
     _raises(lambda: HybridConfig(ring=0), "ring degree must be a positive integer")
@@ -130,8 +142,11 @@ def test_validation_errors_quote_the_numbers():
 
 def test_zero3_reduce_scatter_off_is_refused_with_context_parallelism():
     zero3_off = {"zero_optimization": {"stage": 3, "reduce_scatter": False}}
-    _raises(lambda: deepspeed_config(zero3_off, HybridConfig(ulysses=2, ring=2), precision="fp32"),
-            "reduce_scatter=false with 4 context ranks", "DP x 4")
+    _raises(
+        lambda: deepspeed_config(zero3_off, HybridConfig(ulysses=2, ring=2), precision="fp32"),
+        "reduce_scatter=false with 4 context ranks",
+        "DP x 4",
+    )
     assert deepspeed_config(zero3_off, HybridConfig(), precision="fp32") == zero3_off  # no context ranks: fine
     zero2_off = {"zero_optimization": {"stage": 2, "reduce_scatter": False}}
     assert deepspeed_config(zero2_off, HybridConfig(ulysses=2), precision="fp32") == zero2_off  # ZeRO-2 divides right
@@ -182,16 +197,27 @@ def test_kv_comm_from_the_config_section_and_overrides():
     assert (shape.kv_comm, shape.kv_chunks, shape.dp) == ("allgather", 2, 2)
     assert HybridConfig.from_ds_config(section, kv_comm="ring").mesh_shape(4).kv_comm == "ring"
     assert HybridConfig.from_ds_config({"hybridsp": {"ring": 2}}).kv_comm == "ring"  # the default
-    _raises(lambda: HybridConfig.from_ds_config({"hybridsp": {"kv_comm": "p2p"}}), "unknown kv_comm 'p2p'",
-            "ring, allgather")
+    _raises(
+        lambda: HybridConfig.from_ds_config({"hybridsp": {"kv_comm": "p2p"}}),
+        "unknown kv_comm 'p2p'",
+        "ring, allgather",
+    )
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": "4"},
-     "sequence_parallel_size must be a positive integer; got '4' (str)"),
-    ({"hybridsp": {"ulysses": 2}, "data_parallel_size": 2.0}, "data_parallel_size must be a positive integer; got 2.0"),
-    ({"hybridsp": {"ulysses": 2}, "sequence_parallel_size": True}, "got True (bool)"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (
+            {"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": "4"},
+            "sequence_parallel_size must be a positive integer; got '4' (str)",
+        ),
+        (
+            {"hybridsp": {"ulysses": 2}, "data_parallel_size": 2.0},
+            "data_parallel_size must be a positive integer; got 2.0",
+        ),
+        ({"hybridsp": {"ulysses": 2}, "sequence_parallel_size": True}, "got True (bool)"),
+    ],
+)
 def test_config_sizes_must_be_json_numbers(config, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         HybridConfig.from_ds_config(config)

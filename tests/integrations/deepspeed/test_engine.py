@@ -47,8 +47,16 @@ def _model(seed: int = SEED):
     from tests.helpers.models.tiny import tiny_causal_lm
 
     return tiny_causal_lm(
-        "llama", seed=seed, vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD,
+        "llama",
+        seed=seed,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=PAD,
         attn_implementation="sdpa",
     )
 
@@ -127,9 +135,14 @@ def _train(engine, batches, steps, micro, accumulation, local_loss, save=None) -
 
 
 def _reference_config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": CLIP,
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+    }
 
 
 def _train_without_sp(stage: int, batches) -> Trace:
@@ -137,8 +150,12 @@ def _train_without_sp(stage: int, batches) -> Trace:
     import deepspeed
 
     model = _model()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
-                                      config=_reference_config(stage), model_parameters=model.parameters())
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+        config=_reference_config(stage),
+        model_parameters=model.parameters(),
+    )
     trace = _train(engine, batches, range(STEPS), 1, 1, lambda batch, first, n: engine(**_hf(batch, first, n)).loss)
     trace.partition = _partition_size(engine)
     return trace
@@ -147,8 +164,12 @@ def _train_without_sp(stage: int, batches) -> Trace:
 def _hf(batch, first, count):
     """Arguments of the unmodified HF model for rows first..first+count: its own mask, shift and mean."""
     rows = _rows(batch, first, count)
-    return {"input_ids": rows["input_ids"], "attention_mask": rows["attention_mask"], "use_cache": False,
-            "labels": rows["labels"].masked_fill(rows["attention_mask"] == 0, -100)}
+    return {
+        "input_ids": rows["input_ids"],
+        "attention_mask": rows["attention_mask"],
+        "use_cache": False,
+        "labels": rows["labels"].masked_fill(rows["attention_mask"] == 0, -100),
+    }
 
 
 def _train_plain_pytorch(batches) -> Trace:
@@ -175,9 +196,14 @@ def _sp_config(name: str, stage: int) -> dict:
     config = load_config(ROOT / "ds_configs" / MESHES[name][0])
     config.pop("optimizer")
     zero = {**config["zero_optimization"], "stage": stage, "stage3_param_persistence_threshold": 0}
-    return {**config, "train_micro_batch_size_per_gpu": MESHES[name][1],
-            "gradient_accumulation_steps": MESHES[name][2], "gradient_clipping": CLIP, "zero_optimization": zero,
-            "steps_per_print": 10**6}
+    return {
+        **config,
+        "train_micro_batch_size_per_gpu": MESHES[name][1],
+        "gradient_accumulation_steps": MESHES[name][2],
+        "gradient_clipping": CLIP,
+        "zero_optimization": zero,
+        "steps_per_print": 10**6,
+    }
 
 
 def _train_with_sp(name: str, stage: int, batches, steps, seed=SEED, save=None, load=None) -> Trace:
@@ -186,8 +212,9 @@ def _train_with_sp(name: str, stage: int, batches, steps, seed=SEED, save=None, 
     from hybridsp.integrations import deepspeed as hds
 
     model = _model(seed)
-    engine, _, mesh, _ = hds.initialize(model, _sp_config(name, stage), optimizer=torch.optim.AdamW(
-        model.parameters(), lr=LR))
+    engine, _, mesh, _ = hds.initialize(
+        model, _sp_config(name, stage), optimizer=torch.optim.AdamW(model.parameters(), lr=LR)
+    )
     if load is not None:
         path, _ = engine.load_checkpoint(load[0], tag=load[1])
         assert path is not None, f"no checkpoint {load}"
@@ -215,8 +242,12 @@ def _zero3_without_hook(batches) -> tuple[float, torch.Tensor]:
     mesh = hds.build_mesh(hybrid)
     apply(model, mesh)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), model_parameters=model.parameters(),
-        config=hds.deepspeed_config(_sp_config("U2xR2", 3), hybrid), mpu=hds.HybridMPU(mesh))
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=LR),
+        model_parameters=model.parameters(),
+        config=hds.deepspeed_config(_sp_config("U2xR2", 3), hybrid),
+        mpu=hds.HybridMPU(mesh),
+    )
     local = shard_batch(batches[0], mesh, pad_token_id=PAD)
     logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
     engine.backward(sharded_cross_entropy(logits, local["shift_labels"], mesh))
@@ -237,9 +268,13 @@ def _per_step(actual, expected) -> list[float]:
 def _compare(run: Trace, ref: Trace, start: torch.Tensor, steps=range(STEPS)) -> dict:
     """Relative errors per step (loss, norm, gradient) and of the parameter update at the end."""
     losses, norms, grads = (list(values[i] for i in steps) for values in (ref.losses, ref.norms, ref.grads))
-    return {"loss": _per_step(run.losses, losses), "norm": _per_step(run.norms, norms),
-            "grad": _per_step(run.grads, grads), "update": _rel(run.params - start, ref.params - start),
-            "params": _rel(run.params, ref.params)}
+    return {
+        "loss": _per_step(run.losses, losses),
+        "norm": _per_step(run.norms, norms),
+        "grad": _per_step(run.grads, grads),
+        "update": _rel(run.params - start, ref.params - start),
+        "params": _rel(run.params, ref.params),
+    }
 
 
 def _train_everything(rank, world, checkpoints):
@@ -250,21 +285,31 @@ def _train_everything(rank, world, checkpoints):
     # built without one inherits (deepspeed/utils/groups.py).
     references = {stage: _train_without_sp(stage, batches) for stage in STAGES}
     plain = _train_plain_pytorch(batches)
-    out = {"reference": {stage: {**_compare(ref, plain, start), "partition": ref.partition, "norms": ref.norms,
-                                 "losses": ref.losses} for stage, ref in references.items()},
-           "sp": {}, "resumed": {}}
+    out = {
+        "reference": {
+            stage: {**_compare(ref, plain, start), "partition": ref.partition, "norms": ref.norms, "losses": ref.losses}
+            for stage, ref in references.items()
+        },
+        "sp": {},
+        "resumed": {},
+    }
     for name, stage in itertools.product(MESHES, STAGES):
         tag = f"{name}-zero{stage}"
         run = _train_with_sp(name, stage, batches, range(STEPS), save=(checkpoints, tag))
-        out["sp"][tag] = {**_compare(run, references[stage], start), "partition": run.partition,
-                          "batch_size": run.batch_size, "norms": run.norms}
-        resumed = _train_with_sp(name, stage, batches, range(SAVE_AFTER, STEPS), seed=SEED + 1,
-                                 load=(checkpoints, tag))
+        out["sp"][tag] = {
+            **_compare(run, references[stage], start),
+            "partition": run.partition,
+            "batch_size": run.batch_size,
+            "norms": run.norms,
+        }
+        resumed = _train_with_sp(name, stage, batches, range(SAVE_AFTER, STEPS), seed=SEED + 1, load=(checkpoints, tag))
         out["resumed"][tag] = _compare(resumed, run, start, range(SAVE_AFTER, STEPS))
     norm, grads = _zero3_without_hook(batches)
-    out["no_hook"] = {"norm_ratio": norm / references[3].norms[0],
-                      "grad_ratio": (grads.norm() / references[3].grads[0].norm()).item(),
-                      "grad_x4": _rel(grads * 4, references[3].grads[0])}
+    out["no_hook"] = {
+        "norm_ratio": norm / references[3].norms[0],
+        "grad_ratio": (grads.norm() / references[3].grads[0].norm()).item(),
+        "grad_x4": _rel(grads * 4, references[3].grads[0]),
+    }
     out["jit_built"] = os.path.exists(extensions)
     return out
 
@@ -276,8 +321,11 @@ def runs(tmp_path_factory):
 
 
 def _worst(errors: dict) -> dict:
-    return {key: max(value) if isinstance(value, list) else value
-            for key, value in errors.items() if key in ("loss", "norm", "grad", "update", "params")}
+    return {
+        key: max(value) if isinstance(value, list) else value
+        for key, value in errors.items()
+        if key in ("loss", "norm", "grad", "update", "params")
+    }
 
 
 def test_reference_equals_single_process_pytorch(runs):

@@ -20,8 +20,21 @@ from tests.helpers.paths import ROOT
 
 pytestmark = pytest.mark.integration
 
-SMALL_MODEL = ["--seq-len", "128", "--layers", "2", "--hidden-size", "64", "--heads", "4", "--kv-heads", "2",
-               "--no-plot", "--lr", "1e-3"]
+SMALL_MODEL = [
+    "--seq-len",
+    "128",
+    "--layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--no-plot",
+    "--lr",
+    "1e-3",
+]
 
 
 def _config(tmp: Path, stage: int) -> str:
@@ -47,11 +60,32 @@ def _losses(run_dir: Path) -> dict[int, float]:
 def _resume_on_fewer_ranks(tmp_path: Path, stage: int) -> tuple[dict, dict]:
     config = _config(tmp_path, stage)
     full, resumed = tmp_path / "cp4", tmp_path / "u2r1"
-    run_distributed(_train, 4, ["--deepspeed", config, *SMALL_MODEL, "--max-steps", "4", "--save-every", "2",
-                                "--save-dir", str(full)], timeout=400)
-    run_distributed(_train, 2, ["--deepspeed", config, *SMALL_MODEL, "--max-steps", "4", "--ulysses", "2",
-                                "--ring", "1", "--resume-from", str(full / "step2"), "--save-dir", str(resumed)],
-                    timeout=400)
+    run_distributed(
+        _train,
+        4,
+        ["--deepspeed", config, *SMALL_MODEL, "--max-steps", "4", "--save-every", "2", "--save-dir", str(full)],
+        timeout=400,
+    )
+    run_distributed(
+        _train,
+        2,
+        [
+            "--deepspeed",
+            config,
+            *SMALL_MODEL,
+            "--max-steps",
+            "4",
+            "--ulysses",
+            "2",
+            "--ring",
+            "1",
+            "--resume-from",
+            str(full / "step2"),
+            "--save-dir",
+            str(resumed),
+        ],
+        timeout=400,
+    )
     return _losses(full), _losses(resumed)
 
 
@@ -61,7 +95,11 @@ def test_resume_cp4_checkpoint_on_two_ranks_as_u2r1(tmp_path, stage):
     uninterrupted, resumed = _resume_on_fewer_ranks(tmp_path, stage)
     assert sorted(resumed) == [3, 4], resumed
     for step in (3, 4):
-        assert abs(resumed[step] - uninterrupted[step]) <= 1e-3 * abs(uninterrupted[step]), (step, resumed, uninterrupted)
+        assert abs(resumed[step] - uninterrupted[step]) <= 1e-3 * abs(uninterrupted[step]), (
+            step,
+            resumed,
+            uninterrupted,
+        )
     assert (tmp_path / "cp4" / "step2_universal" / "zero").is_dir()
 
 
@@ -74,12 +112,15 @@ def _write_checkpoint(root: Path, saved: SavedMesh) -> Path:
     return root
 
 
-@pytest.mark.parametrize("saved,current,universal", [
-    (SavedMesh(4, 2, 2, 3), MeshShape(4, 2, 2), False),   # same mesh
-    (SavedMesh(4, 2, 2, 3), MeshShape(4, 4, 1), False),   # same world, other U x R: same ZeRO partitions
-    (SavedMesh(4, 2, 2, 3), MeshShape(2, 2, 1), True),    # lost two ranks
-    (SavedMesh(8, 4, 2, 1), MeshShape(4, 2, 1), True),
-])
+@pytest.mark.parametrize(
+    "saved,current,universal",
+    [
+        (SavedMesh(4, 2, 2, 3), MeshShape(4, 2, 2), False),  # same mesh
+        (SavedMesh(4, 2, 2, 3), MeshShape(4, 4, 1), False),  # same world, other U x R: same ZeRO partitions
+        (SavedMesh(4, 2, 2, 3), MeshShape(2, 2, 1), True),  # lost two ranks
+        (SavedMesh(8, 4, 2, 1), MeshShape(4, 2, 1), True),
+    ],
+)
 def test_plan_resume_chooses_direct_or_universal(tmp_path, saved, current, universal):
     plan = plan_resume(_write_checkpoint(tmp_path, saved), current, saved.zero_stage)
     assert plan.universal is universal and plan.tag == "step2"

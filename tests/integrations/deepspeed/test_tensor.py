@@ -30,9 +30,16 @@ MESHES = {  # name -> hybridsp section, extra top-level config
 
 
 def _config(stage: int, section: dict, extra: dict) -> dict:
-    return {"hybridsp": {**section, "backend": "torch"}, **extra, "train_micro_batch_size_per_gpu": 2,
-            "gradient_accumulation_steps": 1, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+    return {
+        "hybridsp": {**section, "backend": "torch"},
+        **extra,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+    }
 
 
 def _sgd(params):
@@ -73,7 +80,9 @@ def _engine_errors(stage, section, extra, reference):
         engine.backward(loss)
         errors = {"loss": rel_err(loss.detach(), ref_loss)}
         for name, param in engine.module.named_parameters():
-            errors[f"grad {name}"] = rel_err(safe_get_full_grad(param), shard_of(ref_grads[name], split.get(name), mesh))
+            errors[f"grad {name}"] = rel_err(
+                safe_get_full_grad(param), shard_of(ref_grads[name], split.get(name), mesh)
+            )
         engine.step()
         for key, value in errors.items():
             worst[key] = max(worst.get(key, 0.0), value)
@@ -125,5 +134,6 @@ def test_whole_weight_optimizers_and_disagreeing_autotp_sizes_are_refused_and_cl
     assert hds.HybridConfig.from_ds_config({"tensor_parallel": {"autotp_size": 2}}).tensor == 2
     model = build("llama", num_key_value_heads=2)
     with pytest.raises(ValueError, match="pass optimizer=lambda params"):
-        hds.initialize(model, {"hybridsp": section, "gradient_clipping": 0},
-                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        hds.initialize(
+            model, {"hybridsp": section, "gradient_clipping": 0}, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+        )

@@ -61,15 +61,21 @@ def reference_run():
 
 
 def _config(stage: int, section: dict, micro: int) -> dict:
-    return {"hybridsp": {**section, "backend": "torch"}, "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": 1, "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
-            "zero_allow_untested_optimizer": True, "steps_per_print": 10**6}
+    return {
+        "hybridsp": {**section, "backend": "torch"},
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+    }
 
 
 def _replica_rows(batch: dict, mesh) -> dict:
     """This DP replica's rows of the full batch."""
     rows = batch["input_ids"].shape[0] // mesh.dp
-    return {k: v[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows] for k, v in batch.items()}
+    return {k: v[mesh.dp_rank * rows : (mesh.dp_rank + 1) * rows] for k, v in batch.items()}
 
 
 def _engine_errors(stage: int, section: dict, reference) -> dict[str, float]:
@@ -111,8 +117,11 @@ def _check(rank, world, tmp, stages, meshes):
     for name in meshes:
         for stage in stages:
             errors = _engine_errors(stage, MESHES[name], reference)
-            failures += [f"{name} ZeRO-{stage}: {key} rel err {value:.2e}" for key, value in errors.items()
-                         if value > TOLERANCE[key.split()[0]]]
+            failures += [
+                f"{name} ZeRO-{stage}: {key} rel err {value:.2e}"
+                for key, value in errors.items()
+                if value > TOLERANCE[key.split()[0]]
+            ]
     assert not failures, "\n".join(failures)
 
 
@@ -150,8 +159,11 @@ def test_count_tensor_shards_in_norm_sets_the_zero_attributes_undoably_and_refus
     mesh = SimpleNamespace(tensor=2, tensor_group="<tensor group>", tensor_rank=1)
     zero = fake(DeepSpeedZeroOptimizer, model_parallel_group=None, model_parallel_rank=0, model_parallel_world_size=1)
     undo = count_tensor_shards_in_norm(zero, mesh, 2)
-    assert vars(zero) == {"model_parallel_group": "<tensor group>", "model_parallel_rank": 1,
-                          "model_parallel_world_size": 2}
+    assert vars(zero) == {
+        "model_parallel_group": "<tensor group>",
+        "model_parallel_rank": 1,
+        "model_parallel_world_size": 2,
+    }
     undo()
     assert vars(zero) == {"model_parallel_group": None, "model_parallel_rank": 0, "model_parallel_world_size": 1}
     count_tensor_shards_in_norm(SimpleNamespace(), mesh, 0)()  # stage 0: DeepSpeed asks the mpu

@@ -64,8 +64,9 @@ def _check_families(rank, world, meshes, families, kv_comm="ring"):
                 empty_shards += valid == 0
                 worst = max(errors, key=errors.get)
                 if not finite or errors[worst] > TOLERANCE:
-                    failures.append(f"U={ulysses} R={ring} {family} {name}: finite={finite}, "
-                                    f"{worst} {errors[worst]:.2e}")
+                    failures.append(
+                        f"U={ulysses} R={ring} {family} {name}: finite={finite}, {worst} {errors[worst]:.2e}"
+                    )
             handle.undo()
             for name, batch in BATCHES.items():  # after undo: the original model, bit for bit
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
@@ -162,13 +163,28 @@ def test_refused_models_raise_and_change_nothing():
     cases = {
         "4 query heads are not divisible by the Ulysses degree 8": (build("llama"), mesh_at(8, 1)),
         "MambaForCausalLM has no attention module that calls transformers' attention interface": (
-            transformers.MambaForCausalLM(transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1,
-                                                                   state_size=4)), mesh_at(1, 1)),
-        "BartForConditionalGeneration is an encoder-decoder model": (transformers.BartForConditionalGeneration(
-            transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1,
-                                    encoder_attention_heads=2, decoder_attention_heads=2)), mesh_at(1, 1)),
+            transformers.MambaForCausalLM(
+                transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4)
+            ),
+            mesh_at(1, 1),
+        ),
+        "BartForConditionalGeneration is an encoder-decoder model": (
+            transformers.BartForConditionalGeneration(
+                transformers.BartConfig(
+                    vocab_size=64,
+                    d_model=32,
+                    encoder_layers=1,
+                    decoder_layers=1,
+                    encoder_attention_heads=2,
+                    decoder_attention_heads=2,
+                )
+            ),
+            mesh_at(1, 1),
+        ),
         "has layers that mix tokens outside attention (LlamaMLP: a convolution": (
-            _with_a_convolution(build("llama")), mesh_at(1, 1)),
+            _with_a_convolution(build("llama")),
+            mesh_at(1, 1),
+        ),
     }
     for message, (model, mesh) in cases.items():
         before = model.config._attn_implementation
@@ -195,8 +211,10 @@ def test_the_switch_reads_capabilities_not_names():
     chunked = build("llama")
     chunked.config.layer_types, chunked.config.attention_chunk_size = ["chunked_attention", "full_attention"], 16
     hf.apply(chunked, mesh_at(2, 2)).undo()  # chunked layers run as documents cut into chunks
-    with pytest.raises(ValueError, match=re.escape("chunked-attention layers (attention_chunk_size=16), which "
-                                                   "layout='balanced' cannot run")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("chunked-attention layers (attention_chunk_size=16), which layout='balanced' cannot run"),
+    ):
         hf.apply(chunked, mesh_at(1, 2, layout="balanced"))
     bidirectional = build("llama")
     bidirectional.model.layers[1].self_attn.is_causal = False

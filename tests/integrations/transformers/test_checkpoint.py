@@ -25,9 +25,18 @@ SEQ, VOCAB = 32, 96
 def _write_model(directory: Path) -> None:
     from tests.helpers.models.tiny import tiny_causal_lm
 
-    tiny_causal_lm("llama", seed=3, dtype=None, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   max_position_embeddings=128).save_pretrained(directory)
+    tiny_causal_lm(
+        "llama",
+        seed=3,
+        dtype=None,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    ).save_pretrained(directory)
 
 
 def _config() -> dict:
@@ -50,11 +59,16 @@ def _shards_equal_the_directory(model, directory: Path) -> dict:
         part = param.ds_tensor.numel()
         expected = torch.zeros(part * world, dtype=flat.dtype)
         expected[: flat.numel()] = flat
-        worst = max(worst, (param.ds_tensor.flatten() - expected[rank * part:(rank + 1) * part]).abs().max().item())
+        worst = max(worst, (param.ds_tensor.flatten() - expected[rank * part : (rank + 1) * part]).abs().max().item())
         full_on_rank += param.numel() != 0  # ZeRO-3 keeps an empty .data between uses
         names += 1
-    return {"worst": worst, "full_on_rank": full_on_rank, "names": names, "stored": len(stored),
-            "dtypes": sorted({str(p.ds_tensor.dtype) for p in model.parameters()})}
+    return {
+        "worst": worst,
+        "full_on_rank": full_on_rank,
+        "names": names,
+        "stored": len(stored),
+        "dtypes": sorted({str(p.ds_tensor.dtype) for p in model.parameters()}),
+    }
 
 
 def _round_trip(rank, world, directory):
@@ -82,15 +96,19 @@ def _round_trip(rank, world, directory):
         logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
     trained = gather_sequence(logits, mesh)  # [B, S, V] in sequence order
     export_hf(engine, directory / "export")
-    exported = transformers.AutoModelForCausalLM.from_pretrained(directory / "export", local_files_only=True,
-                                                                 attn_implementation="sdpa")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        directory / "export", local_files_only=True, attn_implementation="sdpa"
+    )
     initial = transformers.AutoModelForCausalLM.from_pretrained(directory / "model", local_files_only=True)
     with torch.no_grad():
         expected = exported(input_ids=ids, use_cache=False).logits
         before = initial(input_ids=ids, use_cache=False).logits
-    return {**loaded, "logits": ((trained - expected).abs().max() / expected.abs().max()).item(),
-            "moved": ((before - expected).abs().max() / expected.abs().max()).item(),
-            "exported_dtype": str(exported.dtype)}
+    return {
+        **loaded,
+        "logits": ((trained - expected).abs().max() / expected.abs().max()).item(),
+        "moved": ((before - expected).abs().max() / expected.abs().max()).item(),
+        "exported_dtype": str(exported.dtype),
+    }
 
 
 @pytest.mark.distributed

@@ -60,7 +60,8 @@ def _three_meshes_rank(rank, world):
                 ids = prompt(batch, PROMPT)
                 out, logits = hf.generate(model, ids, mesh=mesh, max_new_tokens=NEW, output_logits=True)
                 results[ulysses, ring, family, batch] = dict(
-                    ids=out, logits=logits, prompt_logits=sharded_prompt_logits(model, ids, mesh))
+                    ids=out, logits=logits, prompt_logits=sharded_prompt_logits(model, ids, mesh)
+                )
             handle.undo()
     return portable(results)
 
@@ -108,8 +109,9 @@ def _balanced_rank(rank, world):
             for length in BALANCED_PROMPTS:
                 ids = prompt(2, length)
                 out, logits = hf.generate(model, ids, mesh=mesh, max_new_tokens=NEW, output_logits=True)
-                results[ulysses, ring, length] = dict(ids=out, logits=logits,
-                                                      prompt_logits=sharded_prompt_logits(model, ids, mesh))
+                results[ulysses, ring, length] = dict(
+                    ids=out, logits=logits, prompt_logits=sharded_prompt_logits(model, ids, mesh)
+                )
     return portable(results)
 
 
@@ -145,8 +147,11 @@ def test_left_padding_on_a_balanced_mesh_is_refused_before_any_collective():
     mask[0, :3] = 0
     with hf.apply(model, mesh):
         for call in (hf.generate, hf.prefill):
-            with pytest.raises(ValueError, match=r"layout='balanced' mesh takes prompts without left padding.*"
-                                                 r"layout='zigzag'"):
+            with pytest.raises(
+                ValueError,
+                match=r"layout='balanced' mesh takes prompts without left padding.*"
+                r"layout='zigzag'",
+            ):
                 call(model, prompt(2, 16), mesh=mesh, max_new_tokens=2, attention_mask=mask)
 
 
@@ -160,12 +165,22 @@ def _features_rank(rank, world, eos_id):
     with hf.apply(model, mesh):
         results["padded"] = hf.generate(model, prompt(2, 125), mesh=mesh, max_new_tokens=NEW)  # pads to 128
         results["tiny"] = hf.generate(model, prompt(2, 3), mesh=mesh, max_new_tokens=NEW)  # shards of padding only
-        results["eos"] = hf.generate(model, prompt(2, 64), mesh=mesh, max_new_tokens=NEW, eos_token_id=eos_id,
-                                     pad_token_id=0)
+        results["eos"] = hf.generate(
+            model, prompt(2, 64), mesh=mesh, max_new_tokens=NEW, eos_token_id=eos_id, pad_token_id=0
+        )
         torch.manual_seed(SAMPLE_SEED)  # the global generator, seeded alike on every rank
         results["sampled"] = hf.generate(model, prompt(2, 64), mesh=mesh, max_new_tokens=NEW, **SAMPLING)
-        draws = [hf.generate(model, prompt(2, 64), mesh=mesh, max_new_tokens=NEW, **SAMPLING,
-                             generator=torch.Generator().manual_seed(SAMPLE_SEED)) for _ in range(2)]
+        draws = [
+            hf.generate(
+                model,
+                prompt(2, 64),
+                mesh=mesh,
+                max_new_tokens=NEW,
+                **SAMPLING,
+                generator=torch.Generator().manual_seed(SAMPLE_SEED),
+            )
+            for _ in range(2)
+        ]
         results["generator"] = draws
         results["none"] = hf.generate(model, prompt(2, 64), mesh=mesh, max_new_tokens=0)
         streamer = Recorder()
@@ -182,8 +197,7 @@ def _features_rank(rank, world, eos_id):
     replicas = init_mesh(ulysses=1, ring=2)  # DP = 2: each replica continues its own prompt
     model = build("llama")
     with hf.apply(model, replicas):
-        results["dp"] = hf.generate(model, prompt(2, 96, seed=10 + replicas.dp_rank), mesh=replicas,
-                                    max_new_tokens=NEW)
+        results["dp"] = hf.generate(model, prompt(2, 96, seed=10 + replicas.dp_rank), mesh=replicas, max_new_tokens=NEW)
     return portable(results)
 
 
@@ -201,6 +215,8 @@ class Recorder:
 
     def end(self):
         self.pieces.append("end")
+
+
 SAMPLING = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9)
 
 
@@ -248,8 +264,8 @@ def _assert_bf16(got):
     exact = build("llama", dtype=torch.bfloat16).float()  # the same (bf16-rounded) weights, fp32 math
     ids, logits = got["bf16"]
     forced = ids[:, :-1]  # teacher-forced: the logits that chose each new token are at positions S-1 .. S+new-2
-    truth = prompt_logits(exact, forced)[:, PROMPT - 1:]
-    baseline = prompt_logits(model, forced)[:, PROMPT - 1:]
+    truth = prompt_logits(exact, forced)[:, PROMPT - 1 :]
+    baseline = prompt_logits(model, forced)[:, PROMPT - 1 :]
     ours, theirs = (logits - truth).abs().max().item(), (baseline - truth).abs().max().item()
     assert ours <= 2 * theirs + 1e-3, f"bf16 decode logits: error {ours:.2e} vs unmodified bf16 {theirs:.2e}"
     truth, baseline = prompt_logits(exact, prompt(2, PROMPT)), prompt_logits(model, prompt(2, PROMPT))
@@ -282,8 +298,11 @@ def _reference_decode(q, k, v, q_pos, k_pos, window):
 
 
 DECODE_CASES = [  # (kv heads, new tokens T, window, dtype)
-    (1, 1, None, torch.float32), (2, 1, None, torch.bfloat16), (2, 3, None, torch.float32),
-    (1, 1, 9, torch.float32), (2, 3, 6, torch.bfloat16),
+    (1, 1, None, torch.float32),
+    (2, 1, None, torch.bfloat16),
+    (2, 3, None, torch.float32),
+    (1, 1, 9, torch.float32),
+    (2, 3, 6, torch.bfloat16),
 ]
 
 
@@ -296,8 +315,17 @@ def _decode_rank(rank, world):
         q = torch.randn(2, t, 4, 16, generator=torch.Generator().manual_seed(100 + index)).to(dtype)
         q_pos = torch.arange(sum(lengths) - t + 1, sum(lengths) + 1) if t > 1 else torch.tensor([sum(lengths)])
         mine = slice(bounds[mesh.context_rank], bounds[mesh.context_rank + 1])
-        outs.append(decode_attention(q, k[:, mine], v[:, mine], mesh=mesh, query_positions=q_pos,
-                                     key_positions=positions[mine], window=window))
+        outs.append(
+            decode_attention(
+                q,
+                k[:, mine],
+                v[:, mine],
+                mesh=mesh,
+                query_positions=q_pos,
+                key_positions=positions[mine],
+                window=window,
+            )
+        )
     model = build("qwen2")
     with hf.apply(model, mesh):
         ids = hf.generate(model, prompt(2, 100), mesh=mesh, max_new_tokens=NEW)  # 100 pads to 102 for R=3
@@ -369,22 +397,26 @@ def test_sampling_filters_match_transformers_warpers():
     for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(10), TopPLogitsWarper(0.8)):
         warped = warper(None, warped)
     for seed in range(5):
-        ours = choose_next_tokens(logits, do_sample=True, temperature=0.7, top_k=10, top_p=0.8,
-                                  generator=torch.Generator().manual_seed(seed))
+        ours = choose_next_tokens(
+            logits, do_sample=True, temperature=0.7, top_k=10, top_p=0.8, generator=torch.Generator().manual_seed(seed)
+        )
         theirs = torch.multinomial(warped.softmax(-1), 1, generator=torch.Generator().manual_seed(seed)).squeeze(1)
         assert torch.equal(ours, theirs)
     assert torch.equal(choose_next_tokens(logits), logits.argmax(-1))
 
 
-@pytest.mark.parametrize("call, match", [
-    (dict(input_ids=torch.ones(4, dtype=torch.long)), r"input_ids must be an int64 tensor \[B, S\]; got \(4,\)"),
-    (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), r"at least one token per row; got shape \(2, 0\)"),
-    (dict(max_new_tokens=-1), r"max_new_tokens must be an integer >= 0; got -1"),
-    (dict(do_sample=True, temperature=0.0), r"temperature must be > 0 for sampling; got 0.0"),
-    (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\]; got 1.5"),
-    (dict(do_sample=True, top_k=0), r"top_k must be None or an integer >= 1; got 0"),
-    (dict(mesh="other"), r"switched with a different mesh"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (dict(input_ids=torch.ones(4, dtype=torch.long)), r"input_ids must be an int64 tensor \[B, S\]; got \(4,\)"),
+        (dict(input_ids=torch.ones(2, 0, dtype=torch.long)), r"at least one token per row; got shape \(2, 0\)"),
+        (dict(max_new_tokens=-1), r"max_new_tokens must be an integer >= 0; got -1"),
+        (dict(do_sample=True, temperature=0.0), r"temperature must be > 0 for sampling; got 0.0"),
+        (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\]; got 1.5"),
+        (dict(do_sample=True, top_k=0), r"top_k must be None or an integer >= 1; got 0"),
+        (dict(mesh="other"), r"switched with a different mesh"),
+    ],
+)
 def test_bad_arguments_are_refused_before_any_collective(call, match):
     mesh = mesh_at(ulysses=2, ring=2)  # no process groups: a collective would fail, not hang
     model = build("qwen2")

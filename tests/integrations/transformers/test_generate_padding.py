@@ -42,8 +42,9 @@ def _rank(rank, world):
         for name in CASES:
             model = _model(name)
             with hf.apply(model, mesh):
-                results[ulysses, ring, name] = hf.generate(model, ids, mesh=mesh, max_new_tokens=NEW,
-                                                           attention_mask=mask, output_logits=True, eos_token_id=[])
+                results[ulysses, ring, name] = hf.generate(
+                    model, ids, mesh=mesh, max_new_tokens=NEW, attention_mask=mask, output_logits=True, eos_token_id=[]
+                )
     results["refusals"] = _refusals(mesh)
     return portable(results)
 
@@ -71,8 +72,9 @@ def results():
 def test_left_padded_greedy_ids_equal_model_generate(results, ulysses, ring):
     ids, mask = left_padded()
     for name in CASES:
-        ref_ids, ref_logits = reference_generate(_model(name), ids, attention_mask=mask, max_new_tokens=NEW,
-                                                 eos_token_id=None, pad_token_id=0)
+        ref_ids, ref_logits = reference_generate(
+            _model(name), ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0
+        )
         for rank, result in enumerate(results):
             got_ids, got_logits = result[ulysses, ring, name]
             error = (got_logits - ref_logits).abs().max().item()

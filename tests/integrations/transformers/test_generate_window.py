@@ -17,8 +17,10 @@ WINDOW, PROMPT, NEW = 12, 64, 8
 def _windowed(family: str):
     """Mistral with a window on every layer; Qwen2 with one sliding and one full layer (max_window_layers=1)."""
     overrides = FAMILIES[family][2]
-    window = {"mistral": dict(sliding_window=WINDOW),
-              "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)}[family]
+    window = {
+        "mistral": dict(sliding_window=WINDOW),
+        "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    }[family]
     return tiny_causal_lm(family, seed=0, dtype=None, **{**COMMON, **overrides, **window}).eval()
 
 
@@ -30,9 +32,13 @@ def _generate_windowed(rank, world, family):
     handle = hf.apply(model, mesh)
     out = hf.generate(model, ids, mesh=mesh, max_new_tokens=NEW, eos_token_id=[], output_logits=True)
     handle.undo()
-    ids_out, logits = (out if isinstance(out, tuple) else (out, None))
-    return portable({"equal": torch.equal(ids_out, expected),
-                     "logit_err": None if logits is None else (logits.float() - expected_logits.float()).abs().max().item()})
+    ids_out, logits = out if isinstance(out, tuple) else (out, None)
+    return portable(
+        {
+            "equal": torch.equal(ids_out, expected),
+            "logit_err": None if logits is None else (logits.float() - expected_logits.float()).abs().max().item(),
+        }
+    )
 
 
 def test_sliding_window_models_generate_like_the_unmodified_model():

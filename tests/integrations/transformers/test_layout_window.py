@@ -19,10 +19,18 @@ CONFIGS = [  # (family, overrides, the layers' windows, the layout's window)
     ("llama", {}, [None, None], None),
     ("mistral", dict(sliding_window=6), [6, 6], 6),
     ("qwen2", dict(use_sliding_window=True, sliding_window=10, max_window_layers=1), [None, 10], None),
-    ("qwen2", dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=10, max_window_layers=1),
-     [None, 10, 10], 10),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=7, layer_types=["sliding_attention", "full_attention"]),
-     [7, None], None),
+    (
+        "qwen2",
+        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=10, max_window_layers=1),
+        [None, 10, 10],
+        10,
+    ),
+    (
+        "qwen3",
+        dict(use_sliding_window=True, sliding_window=7, layer_types=["sliding_attention", "full_attention"]),
+        [7, None],
+        None,
+    ),
 ]
 
 
@@ -40,9 +48,14 @@ def test_the_pre_hook_refuses_documents_placed_for_another_window():
     ids = torch.randint(1, 128, (1, 32))
     positions = torch.arange(32)[None]
     with hf.apply(model, mesh, backend="torch"):
-        with pytest.raises(ValueError, match="placed this batch's tokens for sliding_window=None but the model's "
-                                             "layers use 6"):
+        with pytest.raises(
+            ValueError, match="placed this batch's tokens for sliding_window=None but the model's layers use 6"
+        ):
             model(input_ids=ids, position_ids=positions, hybridsp_documents=Documents(1, 64, rows), use_cache=False)
         with pytest.raises(ValueError, match="sliding_window=4 but the model's layers use 6"):
-            model(input_ids=ids, position_ids=positions, hybridsp_documents=Documents(1, 64, rows, window=4),
-                  use_cache=False)
+            model(
+                input_ids=ids,
+                position_ids=positions,
+                hybridsp_documents=Documents(1, 64, rows, window=4),
+                use_cache=False,
+            )

@@ -120,9 +120,19 @@ def test_packed_kwargs_forms_and_single_rank_packing():
     with hf.apply(model, mesh_at(1, 1), backend="torch"):
         derived = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         flat = torch.tensor([0, 20, 21, 24, 49, 64, 104, 128])  # transformers' flattened form over B x S
-        given = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                      cu_seq_lens_q=flat, cu_seq_lens_k=flat).logits
+        given = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+            cu_seq_lens_q=flat,
+            cu_seq_lens_k=flat,
+        ).logits
         with pytest.raises(ValueError, match="B x S = 2 x 64 = 128"):
-            model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                  cu_seq_lens_q=flat[:-1], cu_seq_lens_k=flat[:-1])
+            model(
+                input_ids=batch["input_ids"],
+                position_ids=batch["position_ids"],
+                use_cache=False,
+                cu_seq_lens_q=flat[:-1],
+                cu_seq_lens_k=flat[:-1],
+            )
     assert rel_err(derived.detach(), expected) < TOLERANCE and rel_err(given.detach(), expected) < TOLERANCE

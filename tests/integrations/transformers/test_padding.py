@@ -33,10 +33,13 @@ def test_boundaries_of_left_right_and_packed_rows():
     assert padded_documents(mask.bool(), None)[0].tolist() == [0, 2, 6]
 
 
-@pytest.mark.parametrize("mask, message", [
-    (torch.tensor([[1, 1, 0, 0, 1, 1]]), r"row 0 has 2 padding token\(s\) at indices 2\.\.3 between real tokens"),
-    (torch.tensor([[1, 2, 1, 1, 1, 1]]), r"only 0 \(padding\) and 1"),
-])
+@pytest.mark.parametrize(
+    "mask, message",
+    [
+        (torch.tensor([[1, 1, 0, 0, 1, 1]]), r"row 0 has 2 padding token\(s\) at indices 2\.\.3 between real tokens"),
+        (torch.tensor([[1, 2, 1, 1, 1, 1]]), r"only 0 \(padding\) and 1"),
+    ],
+)
 def test_holes_and_non_binary_masks_are_refused(mask, message):
     with pytest.raises(ValueError, match=message):
         padded_documents(mask, torch.arange(6)[None])
@@ -64,8 +67,9 @@ def _switched_logits(model, mesh, ids, mask, positions):
 def _packed_right_padded():
     """ids, mask and positions of a packed right-padded row 0 and a one-document row 1; per-row documents."""
     (docs, pads) = RIGHT_PACKED
-    positions = torch.stack([torch.cat([torch.arange(n) for n in docs] + [torch.arange(pads) + docs[-1]]),
-                             torch.arange(SEQ)])  # [2, S]
+    positions = torch.stack(
+        [torch.cat([torch.arange(n) for n in docs] + [torch.arange(pads) + docs[-1]]), torch.arange(SEQ)]
+    )  # [2, S]
     mask = torch.stack([torch.arange(SEQ) < sum(docs), torch.ones(SEQ, dtype=torch.bool)]).long()  # [2, S]
     return _ids(3)[:2], mask, positions, [docs, (SEQ,)]
 
@@ -76,7 +80,7 @@ def _per_document(model, ids, rows):
     for b, lengths in enumerate(rows):
         start = 0
         for n in lengths:
-            out[b, start:start + n] = model(input_ids=ids[b:b + 1, start:start + n], use_cache=False).logits[0]
+            out[b, start : start + n] = model(input_ids=ids[b : b + 1, start : start + n], use_cache=False).logits[0]
             start += n
     return out
 

@@ -55,8 +55,9 @@ def qwen3_moe():
 
 def _close(ours, reference, what, rtol=RTOL):
     ours, reference = torch.tensor(ours, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
-    assert torch.allclose(ours, reference, rtol=rtol, atol=0), f"{what}: ours {ours.tolist()} vs plain " \
-        f"{reference.tolist()}"
+    assert torch.allclose(ours, reference, rtol=rtol, atol=0), (
+        f"{what}: ours {ours.tolist()} vs plain {reference.tolist()}"
+    )
 
 
 def _compare_training(plain, ours, family):
@@ -64,8 +65,12 @@ def _compare_training(plain, ours, family):
     _close(ours["loss"], plain["loss"], f"{family} loss")
     _close(ours["grad_norm"], plain["grad_norm"], f"{family} grad_norm")
     _close([ours["eval_loss"]], [plain["eval_loss"]], f"{family} eval_loss")
-    errors = {name: ((torch.tensor(ours["updates"][name]) - torch.tensor(update)).abs().max()
-                     / torch.tensor(update).abs().max()).item() for name, update in plain["updates"].items()}
+    errors = {
+        name: (
+            (torch.tensor(ours["updates"][name]) - torch.tensor(update)).abs().max() / torch.tensor(update).abs().max()
+        ).item()
+        for name, update in plain["updates"].items()
+    }
     routers = {name: error for name, error in errors.items() if name.endswith("mlp.gate.weight")}
     assert len(routers) == 2 and max(routers.values()) < ROUTER_RTOL, f"{family} router updates: {routers}"
     assert max(errors.values()) < UPDATE_RTOL, f"{family} updates: {errors}"

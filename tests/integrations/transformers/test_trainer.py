@@ -56,8 +56,9 @@ def plain():
 def _assert_close(ours, reference, what):
     ours, reference = torch.tensor(ours, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
     ratio = ours / reference
-    assert torch.allclose(ours, reference, rtol=RTOL, atol=0), f"{what}: ours {ours.tolist()} vs plain " \
-        f"{reference.tolist()} (ratio {ratio.tolist()})"
+    assert torch.allclose(ours, reference, rtol=RTOL, atol=0), (
+        f"{what}: ours {ours.tolist()} vs plain {reference.tolist()} (ratio {ratio.tolist()})"
+    )
 
 
 @pytest.mark.distributed
@@ -154,9 +155,16 @@ def _engine_config_check():
     from hybridsp.integrations import deepspeed as hds
     from hybridsp.integrations.transformers._trainer import engine_config
 
-    raw = {"hybridsp": {"ulysses": 2, "ring": 2}, "sequence_parallel_size": 4, "data_parallel_size": 2,
-           "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 5, "train_batch_size": 120,
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 2}}
+    raw = {
+        "hybridsp": {"ulysses": 2, "ring": 2},
+        "sequence_parallel_size": 4,
+        "data_parallel_size": 2,
+        "train_micro_batch_size_per_gpu": 3,
+        "gradient_accumulation_steps": 5,
+        "train_batch_size": 120,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+    }
     cleaned = engine_config(raw, hds.HybridConfig.from_ds_config(raw), SimpleNamespace(dp=2))
     return {"cleaned": cleaned, "raw_after": raw}
 
@@ -172,8 +180,9 @@ def _replica_loaders():
 
     world, context, seen = 4, 2, []
     for rank in range(world):
-        loader = prepare_data_loader(DataLoader(list(range(10)), batch_size=2), num_processes=world,
-                                     process_index=rank, put_on_device=False)
+        loader = prepare_data_loader(
+            DataLoader(list(range(10)), batch_size=2), num_processes=world, process_index=rank, put_on_device=False
+        )
         mesh = SimpleNamespace(context=context, world_size=world, dp=world // context, dp_rank=rank // context)
         seen.append([batch.tolist() for batch in shard_loader_over_replicas(loader, mesh)])
     return seen

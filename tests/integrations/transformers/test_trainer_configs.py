@@ -14,6 +14,8 @@ from tests.helpers.trainer_configs import ARGUMENTS, filled_by_trainer, processe
 pytestmark = pytest.mark.integration
 
 TRAINER_CONFIGS = sorted((ROOT / "ds_configs" / "trainer").glob("*.json"))
+
+
 def _autos(node, prefix="") -> list[str]:
     if isinstance(node, dict):
         return [key for k, v in node.items() for key in _autos(v, f"{prefix}{k}.")]

@@ -24,11 +24,13 @@ def packed_rows(docs: list[dict]) -> list[dict]:
     rows = []
     for first in range(0, len(docs), DOCS_PER_ROW):
         group = docs[first : first + DOCS_PER_ROW]
-        rows.append({
-            "input_ids": torch.cat([d["input_ids"] for d in group]),
-            "labels": torch.cat([d["labels"] for d in group]),
-            "position_ids": torch.cat([torch.arange(len(d["input_ids"])) for d in group]),
-        })
+        rows.append(
+            {
+                "input_ids": torch.cat([d["input_ids"] for d in group]),
+                "labels": torch.cat([d["labels"] for d in group]),
+                "position_ids": torch.cat([torch.arange(len(d["input_ids"])) for d in group]),
+            }
+        )
     return rows
 
 
@@ -52,10 +54,12 @@ def _train(rank, world, packed: bool):
     docs = samples(16, seed=1)
     with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         if packed:
-            args = _arguments(out, ds_config(2, 1, 2, False), per_device_train_batch_size=1,
-                              train_sampling_strategy="sequential")
-            trainer = HybridSPTrainer(model=tiny_llama(), args=args, train_dataset=packed_rows(docs),
-                                      data_collator=packed_collate)
+            args = _arguments(
+                out, ds_config(2, 1, 2, False), per_device_train_batch_size=1, train_sampling_strategy="sequential"
+            )
+            trainer = HybridSPTrainer(
+                model=tiny_llama(), args=args, train_dataset=packed_rows(docs), data_collator=packed_collate
+            )
         else:
             args = _arguments(out, None, per_device_train_batch_size=DOCS_PER_ROW, train_sampling_strategy="sequential")
             trainer = Trainer(model=tiny_llama(), args=args, train_dataset=docs, data_collator=collate)
@@ -98,8 +102,12 @@ def _predict(rank, world, layout: str | None):
             result = trainer.predict(docs)
         else:
             args = _arguments(out, None, per_device_eval_batch_size=2)
-            trainer = HybridSPTrainer(model=tiny_llama(), args=args, data_collator=packed_collate,
-                                      hybridsp={"ulysses": 1, "ring": 2, "layout": layout})
+            trainer = HybridSPTrainer(
+                model=tiny_llama(),
+                args=args,
+                data_collator=packed_collate,
+                hybridsp={"ulysses": 1, "ring": 2, "layout": layout},
+            )
             result = trainer.predict(packed_rows(docs))
     return (torch.as_tensor(result.predictions).tolist(), result.metrics["test_loss"]) if rank == 0 else None
 

@@ -14,7 +14,6 @@ completions the plain run sampled (token for token), and the per-step logged ``l
 per-function rewards must agree to relative 1e-4 (absolute 1e-6 near 0; measured: 1e-6).
 """
 
-
 import pytest
 import torch
 
@@ -43,7 +42,11 @@ SLOW_CASES = {
     "grpo-dr_grpo-U2xR2-zero2": ({"item": "grpo", "loss_type": "dr_grpo"}, 4, U2R2, 1),
     "grpo-bnpo-U2xR2-zero2": ({"item": "grpo", "loss_type": "bnpo"}, 4, U2R2, 1),
     "grpo-dapo-iterations-accumulation-U2xR2-zero2": (
-        {"item": "grpo", "num_iterations": 2, "accumulation": 2}, 4, U2R2, 1),
+        {"item": "grpo", "num_iterations": 2, "accumulation": 2},
+        4,
+        U2R2,
+        1,
+    ),
     "grpo-dapo-U2xR2-zero3": ({"item": "grpo"}, 4, {**U2R2, "stage": 3}, 1),
     "grpo-lora-U2xR1-zero2": ({"item": "grpo", "peft": True}, 2, U2R1, 1),
     "grpo-checkpointing-U2xR1-zero2": ({"item": "grpo", "checkpointing": True}, 2, U2R1, 1),
@@ -52,9 +55,18 @@ SLOW_CASES = {
     "grpo-dapo-U1xR3-zero2": ({"item": "grpo"}, 3, {"ulysses": 1, "ring": 3, "stage": 2}, 1),  # an odd degree
     "grpo-dapo-sharded-generation-U2xR2-zero3": ({"item": "grpo"}, 4, {**U2R2, "stage": 3, "generation": "sharded"}, 1),
     "rloo-sharded-generation-U2xR2-zero2": ({"item": "rloo"}, 4, {**U2R2, "generation": "sharded"}, 1),
-    "grpo-lora-sharded-generation-U2xR1-zero2": ({"item": "grpo", "peft": True}, 2, {**U2R1, "generation": "sharded"}, 1),
+    "grpo-lora-sharded-generation-U2xR1-zero2": (
+        {"item": "grpo", "peft": True},
+        2,
+        {**U2R1, "generation": "sharded"},
+        1,
+    ),
     "grpo-dapo-sharded-generation-U1xR3-zero2": (
-        {"item": "grpo"}, 3, {"ulysses": 1, "ring": 3, "stage": 2, "generation": "sharded"}, 1),
+        {"item": "grpo"},
+        3,
+        {"ulysses": 1, "ring": 3, "stage": 2, "generation": "sharded"},
+        1,
+    ),
 }
 
 

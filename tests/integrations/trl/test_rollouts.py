@@ -20,7 +20,7 @@ def _trl_rows(batch: int = 3, prompt: int = 7, completion: int = 6, seed: int = 
         lead = int(torch.randint(0, prompt, (1,), generator=generator))  # at least one real prompt token
         tail = int(torch.randint(0, completion, (1,), generator=generator))
         mask[row, :lead] = 0
-        mask[row, prompt + completion - tail:] = 0
+        mask[row, prompt + completion - tail :] = 0
     return ids.masked_fill(mask == 0, 0), mask
 
 
@@ -81,17 +81,32 @@ def _construction_checks(rank, world_size):
     gathered = view.gather(torch.tensor([1.0, 2.0]))  # one replica: its values once, not twice
     summed = view.reduce(torch.tensor([3.0]))
     padded = view.pad_across_processes(torch.ones(2), pad_index=-1)
-    found = {"index": view.process_index, "count": view.num_processes, "device": view.device,
-             "gathered": gathered.tolist(), "summed": summed.tolist(), "padded": padded.tolist()}
+    found = {
+        "index": view.process_index,
+        "count": view.num_processes,
+        "device": view.device,
+        "gathered": gathered.tolist(),
+        "summed": summed.tolist(),
+        "padded": padded.tolist(),
+    }
     errors = []
     with tempfile.TemporaryDirectory(prefix=f"rl-checks{rank}-") as out:
-        settings = dict(output_dir=out, report_to=[], bf16=False, use_cpu=True, gradient_checkpointing=False,
-                        deepspeed=ds_config(2, 1, 2, False))
-        for config, extra in ((dict(per_device_train_batch_size=3, num_generations=2), {}),
-                              (dict(per_device_train_batch_size=2, num_generations=2), {"tools": [len]})):
+        settings = dict(
+            output_dir=out,
+            report_to=[],
+            bf16=False,
+            use_cpu=True,
+            gradient_checkpointing=False,
+            deepspeed=ds_config(2, 1, 2, False),
+        )
+        for config, extra in (
+            (dict(per_device_train_batch_size=3, num_generations=2), {}),
+            (dict(per_device_train_batch_size=2, num_generations=2), {"tools": [len]}),
+        ):
             try:
-                HybridGRPOTrainer(model=tiny_llama(), reward_funcs=[len], args=GRPOConfig(**settings, **config),
-                                  **extra)
+                HybridGRPOTrainer(
+                    model=tiny_llama(), reward_funcs=[len], args=GRPOConfig(**settings, **config), **extra
+                )
             except ValueError as error:
                 errors.append(str(error))
     return {**found, "errors": errors}

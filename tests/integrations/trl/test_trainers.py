@@ -14,7 +14,6 @@ agree to relative 1e-3 (measured: loss and grad_norm below 1e-6). PEFT runs trai
 LoRA weights and save the same ``adapter_model`` as the plain run.
 """
 
-
 import pytest
 import torch
 
@@ -61,8 +60,7 @@ def _key(options: dict) -> str:
 def _run(cases: dict) -> tuple[dict, dict]:
     """(ours by name, plain by options key): one launch per world size, one plain launch."""
     plain_options = {_key(options): options for options, _, _ in cases.values()}
-    plain_results = run_distributed(several, 1, [{**o, "hybrid": None} for o in plain_options.values()],
-                                    timeout=600)[0]
+    plain_results = run_distributed(several, 1, [{**o, "hybrid": None} for o in plain_options.values()], timeout=600)[0]
     ours = {}
     for world in sorted({world for _, world, _ in cases.values()}):
         names = [name for name, (_, w, _) in cases.items() if w == world]
@@ -81,8 +79,10 @@ def worst_relative(ours, reference) -> float:
 def _check(name: str, ours: dict, plain: dict, cases: dict) -> None:
     options = cases[name][0]
     assert ours["step"] == plain["step"] == [1, 2]
-    keys = ["loss", "grad_norm"] + {"dpo": ["rewards/chosen", "rewards/rejected"],
-                                    "sft": ["mean_token_accuracy", "entropy"]}.get(options["item"], [])
+    keys = ["loss", "grad_norm"] + {
+        "dpo": ["rewards/chosen", "rewards/rejected"],
+        "sft": ["mean_token_accuracy", "entropy"],
+    }.get(options["item"], [])
     for key in keys:
         assert worst_relative(ours[key], plain[key]) < RTOL, f"{name} {key}: ours {ours[key]} vs plain {plain[key]}"
     if options["item"] in ("sft", "dpo"):
@@ -122,8 +122,13 @@ def test_more_trl_and_peft_cases_match_the_plain_trainers():
 def test_packed_sft_on_a_hybrid_linear_model():
     """HybridSFTTrainer with packing on Qwen3.5 (Gated DeltaNet layers, exact state passing) at U2xR2 ZeRO-2
     against the plain SFTTrainer, whose recurrent layers run each packed document by itself."""
-    cases = {"sft-packed-qwen3_5-U2xR2-zero2": ({"item": "sft", "packing": True, "model": "qwen3_5"}, 4,
-                                                {**U2R2, "stage": 2})}
+    cases = {
+        "sft-packed-qwen3_5-U2xR2-zero2": (
+            {"item": "sft", "packing": True, "model": "qwen3_5"},
+            4,
+            {**U2R2, "stage": 2},
+        )
+    }
     ours, plain = _run(cases)
     for name in cases:
         _check(name, ours[name], plain[_key(cases[name][0])], cases)
@@ -152,8 +157,10 @@ def _fused_call_checks(rank, world_size):
     remove = shard_fused_calls(model, mesh)
     ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     errors = []
-    for call in (lambda: model(ids, labels=labels, fused_lm_head=True),
-                 lambda: model(input_ids=ids, labels=labels, token_type_ids=mask, fused_lm_head=True)):
+    for call in (
+        lambda: model(ids, labels=labels, fused_lm_head=True),
+        lambda: model(input_ids=ids, labels=labels, token_type_ids=mask, fused_lm_head=True),
+    ):
         try:
             call()
         except ValueError as error:
@@ -170,8 +177,11 @@ def _fused_call_checks(rank, world_size):
     except ValueError as error:
         errors.append(str(error))
     fields = ("log_probs", "entropy", "is_top1", "label_mask", "loss")
-    return {"plain": {k: getattr(plain, k).tolist() for k in fields},
-            "ours": {k: getattr(ours, k).tolist() for k in fields}, "errors": errors}
+    return {
+        "plain": {k: getattr(plain, k).tolist() for k in fields},
+        "ours": {k: getattr(ours, k).tolist() for k in fields},
+        "errors": errors,
+    }
 
 
 def test_fused_calls_keep_trls_values_and_bad_setups_are_refused():

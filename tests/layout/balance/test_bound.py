@@ -59,8 +59,7 @@ def balance_of(owner, bounds, ring: int) -> float:
 def test_bound_never_above_the_best_layout(seq_len, ring):
     rng = random.Random(seq_len * 10 + ring)
     layouts = list(every_layout(seq_len, ring))
-    assert len(layouts) == math.factorial(seq_len) // (math.factorial(seq_len // ring) ** ring
-                                                          * math.factorial(ring))
+    assert len(layouts) == math.factorial(seq_len) // (math.factorial(seq_len // ring) ** ring * math.factorial(ring))
     positive = 0
     for _ in range(6):
         cuts = sorted(rng.sample(range(1, seq_len), rng.randint(0, 3)))

@@ -117,18 +117,21 @@ def test_exact_partition_on_random_packs():
         assert slot_work(slots, bounds, window) == brute_work(slots, bounds, window), (case, bounds)
 
 
-@pytest.mark.parametrize("knobs", [
-    dict(split_share=0, split_length=0, unit_share=0, unit_work=0, balancer=False, spread_all=True),
-    dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0, balancer=False),
-    dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0),
-    dict(balancer=False),
-    dict(spread_all=True),
-    dict(split_share=0.1, reserve=0.0),
-    dict(split_share=0.5, reserve=1.5, unit_share=1.0, unit_work=1.0),
-    dict(contiguous=True, host_share=0.0),
-    dict(contiguous=True, host_share=0.5, reserve=0.5),
-    dict(contiguous=True, host_share=1.0, reserve=1.0, split_share=0.35),
-])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(split_share=0, split_length=0, unit_share=0, unit_work=0, balancer=False, spread_all=True),
+        dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0, balancer=False),
+        dict(split_share=INF, split_length=INF, unit_share=0, unit_work=0),
+        dict(balancer=False),
+        dict(spread_all=True),
+        dict(split_share=0.1, reserve=0.0),
+        dict(split_share=0.5, reserve=1.5, unit_share=1.0, unit_work=1.0),
+        dict(contiguous=True, host_share=0.0),
+        dict(contiguous=True, host_share=0.5, reserve=0.5),
+        dict(contiguous=True, host_share=1.0, reserve=1.0, split_share=0.35),
+    ],
+)
 def test_every_design_is_an_exact_partition(knobs):
     rng = random.Random(1)
     for _ in range(60):
@@ -175,8 +178,9 @@ def test_short_documents_stay_whole_and_runs_stay_few():
     # besides the largest (the balancer), so at most R documents span two or more slots
     bounds = tuple(range(0, seq_len + 1, 256))
     slots = balanced_slot_runs(bounds, seq_len, ring)
-    spans = [{r for r, runs in enumerate(slots) for s, n in runs if s < b and s + n > a}
-             for a, b in zip(bounds, bounds[1:])]
+    spans = [
+        {r for r, runs in enumerate(slots) for s, n in runs if s < b and s + n > a} for a, b in zip(bounds, bounds[1:])
+    ]
     assert sum(len(s) > 1 for s in spans) <= ring
     # 8,000 short documents: consecutive ones travel together, a few hundred runs at most
     bounds = (0, *sorted(rng.sample(range(1, 65536), 7999)), 65536)
@@ -202,8 +206,7 @@ def test_kv_rows_shipped_against_zigzag(ring):
         for layout in shipped:
             plan = build_plan(16384, ring, layout, causal=True, docs=(bounds,), window=None, batch=1)
             rows = sum(plan.rows_received(r) for r in range(ring))
-            runs = (balanced_slot_runs(bounds, 16384, ring) if layout == "balanced"
-                    else zigzag_slot_runs(16384, ring))
+            runs = balanced_slot_runs(bounds, 16384, ring) if layout == "balanced" else zigzag_slot_runs(16384, ring)
             assert balance.hull_rows(runs, bounds) == rows, (layout, seed)
             shipped[layout] += rows
     assert shipped["balanced"] <= SHIPPED_VS_ZIGZAG[ring] * shipped["zigzag"], shipped
@@ -240,13 +243,16 @@ def test_cost_grows_linearly_with_documents():
     assert lines[4000] <= 10 * lines[500], lines
 
 
-@pytest.mark.parametrize("bounds, seq_len, ring, window, message", [
-    ((0, 5, 12), 12, 4, None, "multiple of 2 x ring = 8"),
-    ((1, 5, 16), 16, 2, None, "start at 0 and end at seq_len=16"),
-    ((0, 5, 15), 16, 2, None, "start at 0 and end at seq_len=16"),
-    ((0, 5, 5, 16), 16, 2, None, "bounds[1]=5 and bounds[2]=5"),
-    ((0, 16), 16, 2, 0, "window must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "bounds, seq_len, ring, window, message",
+    [
+        ((0, 5, 12), 12, 4, None, "multiple of 2 x ring = 8"),
+        ((1, 5, 16), 16, 2, None, "start at 0 and end at seq_len=16"),
+        ((0, 5, 15), 16, 2, None, "start at 0 and end at seq_len=16"),
+        ((0, 5, 5, 16), 16, 2, None, "bounds[1]=5 and bounds[2]=5"),
+        ((0, 16), 16, 2, 0, "window must be >= 1"),
+    ],
+)
 def test_bad_input_is_a_clear_value_error(bounds, seq_len, ring, window, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         balanced_slot_runs(bounds, seq_len, ring, window=window)

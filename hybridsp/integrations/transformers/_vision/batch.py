@@ -104,8 +104,10 @@ class VisionShard:
     exchange: Exchange | None = None
 
     def __repr__(self) -> str:
-        return (f"VisionShard({self.grid.shape[0]} units, {self.pixels.shape[0]} patches, "
-                f"{self.image_rows.numel()} image / {self.video_rows.numel()} video tokens here)")
+        return (
+            f"VisionShard({self.grid.shape[0]} units, {self.pixels.shape[0]} patches, "
+            f"{self.image_rows.numel()} image / {self.video_rows.numel()} video tokens here)"
+        )
 
 
 def is_vision_batch(batch: Mapping[str, Any]) -> bool:
@@ -119,8 +121,14 @@ def text_fields(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def shard_vlm_batch(
-    batch: Mapping[str, Any], mesh: HybridMesh, model, *, vision: str = "auto", pad_token_id: int = 0,
-    ignore_index: int = IGNORE_INDEX, idle_encoder: bool = False,
+    batch: Mapping[str, Any],
+    mesh: HybridMesh,
+    model,
+    *,
+    vision: str = "auto",
+    pad_token_id: int = 0,
+    ignore_index: int = IGNORE_INDEX,
+    idle_encoder: bool = False,
 ) -> dict[str, Any]:
     """This rank's shard of a full vision-language batch. No communication.
 
@@ -148,14 +156,17 @@ def shard_vlm_batch(
     """
     _check_keys(batch, vision)
     if mesh.layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"vision-language batches are cut in the zigzag or contiguous layout; got layout "
-                         f"{mesh.layout!r}: build the mesh with layout='zigzag'")
+        raise ValueError(
+            f"vision-language batches are cut in the zigzag or contiguous layout; got layout "
+            f"{mesh.layout!r}: build the mesh with layout='zigzag'"
+        )
     text = prepare_batch(text_fields(batch), mesh, pad_token_id=pad_token_id, ignore_index=ignore_index)
     input_ids = text["input_ids"]  # [B, S_pad]
     plan = plan_vision(batch, input_ids, mesh, model, vision) if is_vision_batch(batch) else None  # checks counts
     positions = multimodal_positions(batch, model, input_ids.shape[1])  # [3, B, S_pad]
     local = {
-        "input_ids": shard_sequence(input_ids, mesh), "position_ids": shard_sequence(positions, mesh, dim=2),
+        "input_ids": shard_sequence(input_ids, mesh),
+        "position_ids": shard_sequence(positions, mesh, dim=2),
         "shift_labels": shard_sequence(text["shift_labels"], mesh),
         "documents": batch_documents(text["position_ids"]),  # one per row; pass as hybridsp_documents=
     }
@@ -171,8 +182,12 @@ def idle_vision_shard(model, device: torch.device | str = "cpu") -> VisionShard:
     features = int(config.in_channels) * int(config.temporal_patch_size) * int(config.patch_size) ** 2
     empty = torch.zeros(0, dtype=torch.long, device=device)
     return VisionShard(
-        pixels=torch.zeros(merge * merge, features, device=device), grid=torch.tensor([[1, merge, merge]], device=device),
-        image_rows=empty, video_rows=empty, has_images=True, has_videos=False,
+        pixels=torch.zeros(merge * merge, features, device=device),
+        grid=torch.tensor([[1, merge, merge]], device=device),
+        image_rows=empty,
+        video_rows=empty,
+        has_images=True,
+        has_videos=False,
     )
 
 
@@ -211,8 +226,12 @@ def multimodal_positions(batch: Mapping[str, Any], model, padded: int) -> torch.
     extra = {"second_per_grid_ts": batch["second_per_grid_ts"]} if batch.get("second_per_grid_ts") is not None else {}
     inner = model.model if hasattr(getattr(model, "model", None), "get_rope_index") else model
     positions, _ = inner.get_rope_index(
-        input_ids, mm_token_type_ids=types, image_grid_thw=batch.get("image_grid_thw"),
-        video_grid_thw=batch.get("video_grid_thw"), attention_mask=mask, **extra,
+        input_ids,
+        mm_token_type_ids=types,
+        image_grid_thw=batch.get("image_grid_thw"),
+        video_grid_thw=batch.get("video_grid_thw"),
+        attention_mask=mask,
+        **extra,
     )  # [3, B, S]
     real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()  # [B, S]
     real = torch.nn.functional.pad(real, (0, padded - input_ids.shape[1]), value=False)  # [B, S_pad]
@@ -244,7 +263,7 @@ def _units(image_grid, video_grid, merge: int) -> _Units:
     feature = 0
     for is_video, grid in ((False, image_grid), (True, video_grid)):
         patch = 0
-        for t, h, w in ([] if grid is None else grid.tolist()):
+        for t, h, w in [] if grid is None else grid.tolist():
             for _ in range(t):
                 starts.append(patch)
                 features.append(feature)
@@ -252,8 +271,12 @@ def _units(image_grid, video_grid, merge: int) -> _Units:
                 video.append(is_video)
                 patch += h * w
                 feature += h * w // merge**2
-    return _Units(torch.tensor(starts, dtype=torch.long), torch.tensor(features, dtype=torch.long),
-                  torch.tensor(hw, dtype=torch.long).view(-1, 2), torch.tensor(video, dtype=torch.bool))
+    return _Units(
+        torch.tensor(starts, dtype=torch.long),
+        torch.tensor(features, dtype=torch.long),
+        torch.tensor(hw, dtype=torch.long).view(-1, 2),
+        torch.tensor(video, dtype=torch.bool),
+    )
 
 
 def _token_features(input_ids: torch.Tensor, model, units: _Units) -> torch.Tensor:
@@ -302,9 +325,12 @@ def plan_vision(batch: Mapping[str, Any], input_ids: torch.Tensor, mesh: HybridM
     pixels, grid = _unit_pixels(batch, units, encode, merge)
     device = input_ids.device
     return VisionShard(
-        pixels=pixels, grid=grid.to(device), image_rows=rows[~video_feature[needed]].to(device),
+        pixels=pixels,
+        grid=grid.to(device),
+        image_rows=rows[~video_feature[needed]].to(device),
         video_rows=rows[video_feature[needed]].to(device),
-        has_images=torch.is_tensor(batch.get("image_grid_thw")), has_videos=torch.is_tensor(batch.get("video_grid_thw")),
+        has_images=torch.is_tensor(batch.get("image_grid_thw")),
+        has_videos=torch.is_tensor(batch.get("video_grid_thw")),
         exchange=exchange,
     )
 

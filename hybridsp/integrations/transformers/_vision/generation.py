@@ -45,8 +45,14 @@ if TYPE_CHECKING:
 
 
 def generate_vlm(
-    model: nn.Module, batch: Mapping[str, Any], *, mesh: HybridMesh, max_new_tokens: int,
-    eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, vision: str = "auto",
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    mesh: HybridMesh,
+    max_new_tokens: int,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    vision: str = "auto",
 ) -> torch.Tensor:
     """Greedy continuation of a multimodal prompt with the K/V cache sharded over the context group.
 
@@ -102,15 +108,26 @@ def _prefill(model, batch, mesh: HybridMesh, max_new_tokens: int, vision: str):
     mine = shards[mesh.context_rank].to(input_ids.device)  # [S_pad/C] sequence indices of this rank's tokens
     real = (mine < seq).nonzero().squeeze(1)
     text_config = cast("PretrainedConfig", language_model_of(model).config)  # the decoder's transformers config
-    store = ShardedKVCache(mesh, text_config.num_hidden_layers, positions=mine[real],
-                           shard_lengths=(shards < seq).sum(1).tolist(), new_tokens=max(max_new_tokens - 1, 0))
+    store = ShardedKVCache(
+        mesh,
+        text_config.num_hidden_layers,
+        positions=mine[real],
+        shard_lengths=(shards < seq).sum(1).tolist(),
+        new_tokens=max(max_new_tokens - 1, 0),
+    )
     cache = HybridCache(store, None if real.numel() == mine.numel() else real)
     last_shard, last_index = (int(i) for i in (shards == seq - 1).nonzero()[0])
     keep = torch.tensor([last_index] * (mesh.context_rank == last_shard), dtype=torch.long, device=input_ids.device)
     positions = torch.cat([mine.expand(rows, -1)[None], local["position_ids"]])  # [4, B, S_pad/C]
     extra = {VISION_KWARG: local[VISION_KWARG]} if VISION_KWARG in local else {}
-    out = model(input_ids=local["input_ids"], position_ids=positions, use_cache=True, logits_to_keep=keep,
-                **{cache_argument(model): cache}, **extra)
+    out = model(
+        input_ids=local["input_ids"],
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=keep,
+        **{cache_argument(model): cache},
+        **extra,
+    )
     if mesh.context_rank == last_shard:
         logits = out.logits[:, 0].float().contiguous()  # [B, V]
     else:
@@ -125,8 +142,12 @@ def _decode(model, cache: HybridCache, tokens: torch.Tensor, index: int, delta: 
     cache.store.begin_token(index)
     text = torch.full_like(tokens[:, None], index)  # [B, 1]
     positions = torch.stack([text, text + delta, text + delta, text + delta])  # [4, B, 1]
-    out = model(input_ids=tokens[:, None], position_ids=positions, use_cache=True,
-                **{cache_argument(model): cache, DECODE_KWARG: DecodeStep(cache.store)})
+    out = model(
+        input_ids=tokens[:, None],
+        position_ids=positions,
+        use_cache=True,
+        **{cache_argument(model): cache, DECODE_KWARG: DecodeStep(cache.store)},
+    )
     return out.logits[:, -1].float()  # [B, V]
 
 
@@ -143,11 +164,16 @@ def _check(model: nn.Module, batch: Mapping[str, Any], max_new_tokens) -> None:
         raise ValueError(f"batch['input_ids'] must be an int64 tensor [B, S]; got {getattr(ids, 'shape', ids)}")
     mask = batch.get("attention_mask")
     if mask is not None and not bool(mask.all()):
-        raise ValueError("generate_vlm takes whole prompts without padding (attention_mask all ones); "
-                         "generate rows of different lengths separately")
+        raise ValueError(
+            "generate_vlm takes whole prompts without padding (attention_mask all ones); "
+            "generate rows of different lengths separately"
+        )
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0; got {max_new_tokens!r}")
-    unknown = sorted(set(k for k, v in batch.items() if torch.is_tensor(v)) - set(VISION_KEYS)
-                     - {"input_ids", "attention_mask", "mm_token_type_ids", "second_per_grid_ts"})
+    unknown = sorted(
+        set(k for k, v in batch.items() if torch.is_tensor(v))
+        - set(VISION_KEYS)
+        - {"input_ids", "attention_mask", "mm_token_type_ids", "second_per_grid_ts"}
+    )
     if unknown:
         raise ValueError(f"generate_vlm does not take {unknown}")

@@ -57,8 +57,11 @@ def refuse_other_multimodal(model: nn.Module) -> None:
     """ValueError for a model with a vision tower that is not one of :data:`VLM_MODEL_TYPES` (e.g. LLaVA):
     switching every config would also reach its vision encoder."""
     config = getattr(model, "config", None)
-    if (config is not None and getattr(config, "vision_config", None) is not None
-            and not is_vision_language_model(model)):
+    if (
+        config is not None
+        and getattr(config, "vision_config", None) is not None
+        and not is_vision_language_model(model)
+    ):
         raise ValueError(
             f"model type {config.model_type!r} has a vision encoder; hybridsp supports the vision-language model "
             f"types {', '.join(VLM_MODEL_TYPES)}. For another one, switch its language model only: "
@@ -163,11 +166,9 @@ def encode_shard(model: nn.Module, shard: VisionShard, mesh: HybridMesh) -> dict
     outputs = {}
     if shard.has_images:
         # transformers' Qwen2-VL holds a tuple of per-image features in pooler_output (its annotation: a Tensor)
-        outputs["image"] = BaseModelOutputWithPooling(
-            pooler_output=(features.index_select(0, shard.image_rows),))  # type: ignore[arg-type]
+        outputs["image"] = BaseModelOutputWithPooling(pooler_output=(features.index_select(0, shard.image_rows),))  # type: ignore[arg-type]
     if shard.has_videos:
-        outputs["video"] = BaseModelOutputWithPooling(
-            pooler_output=(features.index_select(0, shard.video_rows),))  # type: ignore[arg-type]  # as above
+        outputs["video"] = BaseModelOutputWithPooling(pooler_output=(features.index_select(0, shard.video_rows),))  # type: ignore[arg-type]  # as above
     return outputs
 
 

@@ -2,4 +2,6 @@
 
 from hybridsp._deprecated import moved_module
 
-__getattr__ = moved_module(__name__, "hybridsp.integrations.transformers._vision.model", "hybridsp.integrations.transformers")
+__getattr__ = moved_module(
+    __name__, "hybridsp.integrations.transformers._vision.model", "hybridsp.integrations.transformers"
+)

@@ -37,10 +37,11 @@ def test_greedy_ids_equal_model_generate_for_every_family():
     results = launch(_rank, 4, names, refused)
     assert all(sorted(result) == sorted(names + refused) for result in results), [sorted(r) for r in results]
     for name in refused:
-        reason = SUPPORT[name]["generate"][len(REFUSED):]
+        reason = SUPPORT[name]["generate"][len(REFUSED) :]
         assert all(reason in str(result[name]) for result in results), (name, results[0][name])
     for name in names:
         expected = build_family(name).eval().generate(prompt_ids(), do_sample=False, max_new_tokens=NEW)
         for rank, result in enumerate(results):
-            assert torch.equal(result[name], expected), f"{name} rank {rank}: {result[name][:, PROMPT:]} vs " \
-                                                        f"{expected[:, PROMPT:]}"
+            assert torch.equal(result[name], expected), (
+                f"{name} rank {rank}: {result[name][:, PROMPT:]} vs {expected[:, PROMPT:]}"
+            )

@@ -25,8 +25,10 @@ def _errors(model, mesh, batch, expected, key: str) -> dict[str, float]:
     logits, loss, grads, _ = sharded(model, mesh, batch)
     ref_logits, ref_loss, ref_grads = expected
     real = batch.get("attention_mask", torch.ones_like(batch["input_ids"])).bool()  # [B, S]
-    errors = {f"{key} logits": rel_err(logits[:, :real.shape[1]][real], ref_logits[real]),
-              f"{key} loss": rel_err(loss, ref_loss)}
+    errors = {
+        f"{key} logits": rel_err(logits[:, : real.shape[1]][real], ref_logits[real]),
+        f"{key} loss": rel_err(loss, ref_loss),
+    }
     errors.update({f"{key} grad {n}": rel_err(g, ref_grads[n]) for n, g in grads.items()})
     return errors
 
@@ -49,7 +51,7 @@ def family_errors(name: str, mesh, packed: bool) -> dict[str, float]:
 
 def _refusal(name: str, mesh) -> str | None:
     """None when family ``name`` is refused with its table reason, else what happened instead."""
-    reason = SUPPORT[name]["switch"][len(REFUSED):]
+    reason = SUPPORT[name]["switch"][len(REFUSED) :]
     try:
         family_errors(name, mesh, packed=False)
     except ValueError as error:

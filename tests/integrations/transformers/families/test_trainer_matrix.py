@@ -20,8 +20,9 @@ def _compare(names) -> None:
     assert names, "the table marks none of these families for the Trainer: nothing to compare"
     cases = [dict(item="trainer", family=name, hybrid=None) for name in names]
     plain = run_distributed(several, 1, cases, timeout=900)[0]
-    ours = run_distributed(several, 4, [dict(case, hybrid=dict(ulysses=2, ring=2, stage=2)) for case in cases],
-                           timeout=900)[0]
+    ours = run_distributed(
+        several, 4, [dict(case, hybrid=dict(ulysses=2, ring=2, stage=2)) for case in cases], timeout=900
+    )[0]
     assert len(plain) == len(ours) == len(names), (len(plain), len(ours), names)  # zip below would stop short
     failures = []
     for name, reference, result in zip(names, plain, ours):

@@ -7,7 +7,6 @@ between text runs, right-padded; micro batch 2, gradient accumulation 2, 3 steps
 ZeRO-2 and ZeRO-3 (default run) and at U2 x R2 under ZeRO-2 and ZeRO-3 (slow).
 """
 
-
 import pytest
 import torch
 
@@ -30,7 +29,9 @@ def plain():
 def _assert_close(ours: dict, reference: dict, name: str) -> None:
     for key in ("loss", "grad_norm"):
         a, b = torch.tensor(ours[key], dtype=torch.float64), torch.tensor(reference[key], dtype=torch.float64)
-        assert len(a) == STEPS and torch.allclose(a, b, rtol=RTOL, atol=0), f"{name} {key}: {a.tolist()} vs {b.tolist()}"
+        assert len(a) == STEPS and torch.allclose(a, b, rtol=RTOL, atol=0), (
+            f"{name} {key}: {a.tolist()} vs {b.tolist()}"
+        )
 
 
 @pytest.mark.distributed

@@ -104,11 +104,27 @@ def test_apply_switches_the_language_model_only_and_refuses_other_vision_models(
     assert model.config.text_config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="divisible by the Ulysses degree 8"):
         apply(model, mesh_at(8, 1, 0))
-    llava = LlavaForConditionalGeneration(LlavaConfig(
-        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=28, patch_size=14),
-        text_config=dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4)))
+    llava = LlavaForConditionalGeneration(
+        LlavaConfig(
+            vision_config=dict(
+                model_type="clip_vision_model",
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+            ),
+            text_config=dict(
+                model_type="llama",
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+            ),
+        )
+    )
     with pytest.raises(ValueError, match="'llava' has a vision encoder"):
         apply(llava, mesh_at(2, 1, 0))
     assert llava.config.vision_config._attn_implementation != "hybridsp"
