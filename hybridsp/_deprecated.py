@@ -29,3 +29,21 @@ def moved_module(old: str, new: str, face: str | None) -> Callable[[str], object
         return value
 
     return __getattr__
+
+
+def renamed_names(package: str, renames: dict[str, tuple[str, object]]) -> Callable[[str], object]:
+    """A module ``__getattr__`` for ``package`` whose ``renames`` map an old name to ``(new name, the
+    object)``: the old name still resolves, with a warning naming the new one."""
+
+    def __getattr__(name: str) -> object:
+        if name not in renames:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        new, value = renames[name]
+        warnings.warn(
+            f"{package}.{name} is deprecated and will be removed in hybridsp 0.3: use {package}.{new}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return value
+
+    return __getattr__

@@ -49,7 +49,7 @@ ALLOWED: dict[str, set[str]] = {
     "inference": _BASE | {"_comm", "attention", "kernels", "mesh"},
     "linear_attention": _BASE | {"_comm", "attention", "layout", "mesh"},
     "tensor_parallel": _BASE | {"mesh"},
-    "planner": _BASE | {"layout", "linear_attention", "mesh"},
+    "planner": _BASE | {"_deprecated", "layout", "linear_attention", "mesh"},
     "testing": set(),
     "_commands": _BASE | {"launch", "mesh"},
     "hybridsp": _CORE | {"_version"},  # the top-level face

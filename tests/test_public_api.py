@@ -138,3 +138,10 @@ def test_names_that_left_a_face_warn():
         assert hds.OWNED_KEYS
     with pytest.raises(AttributeError):
         hds.no_such_name  # noqa: B018
+
+
+def test_a_renamed_class_warns_and_is_the_new_one():
+    import hybridsp.planner as planner
+
+    with pytest.warns(DeprecationWarning, match="use hybridsp.planner.CandidatePlan"):
+        assert planner.Plan is planner.CandidatePlan

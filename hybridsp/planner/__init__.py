@@ -65,6 +65,7 @@ Step time and ranking
     (10%) of usable memory free, then the faster of them.
 """
 
+from hybridsp._deprecated import renamed_names
 from hybridsp.planner._ablation import AblationRow, ablation, format_ablation
 from hybridsp.planner._candidates import CandidatePlan, evaluate, mesh_problems
 from hybridsp.planner._costs import CommVolume, Flops, comm_volume, flops_per_rank
@@ -126,3 +127,5 @@ __all__ = [
     "recommend",
     "step_timing",
 ]
+
+__getattr__ = renamed_names(__name__, {"Plan": ("CandidatePlan", CandidatePlan)})
