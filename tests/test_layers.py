@@ -10,7 +10,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hybridsp"
 MAX_LINES = 420  # "about 400"
-SHIM_MARK = "keep-old-paths"
+SHIM_MARKS = ("Deprecated path (keep-old-paths)", "Deprecated package path (keep-old-paths)")  # shims' first line
 
 _BASE = {"_types", "_checks", "_formulas"}  # torch-free leaves every package may use
 _CORE = _BASE | {
@@ -74,7 +74,7 @@ def _unit(module: str) -> str:
 
 
 def _is_shim(path: Path) -> bool:
-    return SHIM_MARK in path.read_text()
+    return path.read_text().startswith(tuple(f'"""{mark}' for mark in SHIM_MARKS))
 
 
 def _modules() -> dict[str, Path]:
