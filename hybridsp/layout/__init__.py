@@ -5,8 +5,8 @@ Public: the token layouts (:class:`TokenLayout`; :class:`Zigzag`, :class:`Contig
 normalised once per batch) and the block plan (:class:`BlockPlan` of :class:`Piece` s: the visible
 pieces of every block, masks as data; :func:`build_plan`).
 
-Inside: ``_layouts``, ``_runs_cache``, ``_documents``, ``_block_plan``, ``_balance/`` (the
-document-balanced runs).
+Inside: ``_layouts``, ``_runs_cache``, ``_documents``, ``_block_plan`` (with ``_pieces``: a plan's
+pieces and their merging), ``_balance/`` (the document-balanced runs).
 """
 
 from hybridsp._types import LayoutName

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from hybridsp._formulas import zigzag_slot_runs
+from hybridsp.layout._balance import design as balance_design
 from hybridsp.layout._balance import search as balance_search
 from hybridsp.layout._balance import tries as balance
 from hybridsp.layout._balance import work as balance_work
@@ -22,7 +23,8 @@ from hybridsp.layout._balance.tries import balanced_slot_runs, design_slot_runs
 from hybridsp.layout._balance.work import slot_work
 from tests.helpers.packs import lognormal_pack
 
-FILES = {module.__file__ for module in (balance, balance_search, balance_work)}  # the layout's code, traced
+# the layout's code, traced
+FILES = {module.__file__ for module in (balance, balance_design, balance_search, balance_work)}
 
 INF = math.inf
 
