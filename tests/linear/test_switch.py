@@ -121,7 +121,7 @@ def test_attention_heads_are_counted_without_the_output_gate():
 def test_a_second_prefill_into_a_generation_cache_is_refused():
     """A call into a generation cache whose layer already holds the prompt state, without a decode step (a decoder
     layer that dropped the keyword arguments), would restart the state: refused."""
-    from hybridsp.integrations.transformers._generation import HybridCache
+    from hybridsp.integrations.transformers._hybrid_cache import HybridCache
     from hybridsp.linear_attention._decode import LinearStates
 
     model = tiny_hybrid("qwen3_5")

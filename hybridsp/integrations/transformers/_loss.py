@@ -21,6 +21,9 @@ OLMoE, ...) gets the same term here, with the whole sequence's load-balancing lo
 the model and checks, on a few fixed numbers, that the ``load_balancing_loss_func`` of the model's
 own module is the Switch Transformer loss that the sharded one reproduces; a model that adds
 another router loss is refused (ValueError), one that adds none (DeepSeek-V3) needs nothing.
+
+:func:`share_of_loss` is the same token-weighted loss from logits a forward returned, as
+:class:`~hybridsp.integrations.transformers._trainer.HybridSPMixin` computes it (Note [the loss] there).
 """
 
 from __future__ import annotations
@@ -31,12 +34,14 @@ from dataclasses import dataclass
 from typing import Mapping, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridsp.integrations.transformers._peft import base_model
 from hybridsp.losses._cross_entropy import IGNORE_INDEX
 from hybridsp.losses._fused import fused_cross_entropy
 from hybridsp.losses._router import balancing_loss, local_router_statistics, sharded_load_balancing_loss
+from hybridsp.losses._token_tail import guard_labels, token_weighted_share
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 
@@ -99,6 +104,31 @@ def causal_lm_loss(
     if router is None:
         return out.logits
     return out.logits + router.coefficient * router.share(out.router_logits, token_mask, mesh)
+
+
+def share_of_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items, mesh: HybridMesh) -> torch.Tensor:
+    """Value ``DP * replica_sum / N``, gradient ``DP * d(local_sum) / N`` (Note [the loss] in :mod:`hybridsp.integrations.transformers._trainer`).
+
+    ``logits`` [B, S_local, V], ``shift_labels`` [B, S_local]; ``num_items`` the global count N.
+    One no-grad all_reduce over the context group, which also carries the bad-label count
+    (:mod:`hybridsp.losses._token_tail`: a bad label is an error on every rank, never a hang).
+    """
+    vocab = logits.shape[-1]
+    safe_labels, bad = guard_labels(shift_labels, vocab, IGNORE_INDEX)  # [B, S_local]
+    local_sum = F.cross_entropy(
+        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return token_weighted_share(
+        local_sum,
+        safe_labels,
+        bad,
+        shift_labels,
+        mesh,
+        vocab=vocab,
+        ignore_index=IGNORE_INDEX,
+        denominator=num_items,
+        scale=mesh.dp,
+    )
 
 
 @dataclass(frozen=True)

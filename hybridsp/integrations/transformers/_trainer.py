@@ -88,34 +88,31 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import Trainer
 
-from hybridsp._types import BackendName
 from hybridsp.attention._api import gather_sequence
 from hybridsp.data._batch import prepare_batch, shard_batch
 from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
-from hybridsp.integrations.transformers._loss import RouterLoss, model_router_loss
+from hybridsp.integrations.transformers._loss import RouterLoss, model_router_loss, share_of_loss
+from hybridsp.integrations.transformers._peft import switch_attention
 from hybridsp.integrations.transformers._trainer_data import gather_over_replicas, shard_loader_over_replicas
 from hybridsp.integrations.transformers._trainer_engine import (  # noqa: F401  engine_config: re-exported
     engine_config,
+    hybrid_config,
     prepare_with_mesh,
-    refuse_tensor_parallel,
     remove_owned_keys,
 )
 from hybridsp.integrations.transformers._vision import batch as vlm_batch
 from hybridsp.integrations.transformers._vision.model import is_vision_language_model
 from hybridsp.losses._cross_entropy import IGNORE_INDEX
 from hybridsp.losses._router import real_token_mask
-from hybridsp.losses._token_tail import guard_labels, raise_on_bad_labels, token_weighted_share
+from hybridsp.losses._token_tail import guard_labels, raise_on_bad_labels
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedModel
-
-    from hybridsp.integrations.transformers._handle import HybridAttentionHandle
 
     _TrainerBase = Trainer  # the type checker sees the Trainer the mixin is composed with
 else:
@@ -141,7 +138,7 @@ class HybridSPMixin(_TrainerBase):
         self._hybridsp_unhook: Callable[[], None] | None = None
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
-        self._hybridsp_handle = _switch_attention(self.model, self.hybrid_mesh, self.hybrid_config.backend)
+        self._hybridsp_handle = switch_attention(self.model, self.hybrid_mesh, self.hybrid_config.backend)
         self._router_loss = self._checked_router_loss()  # Note [router loss]
         if not self.is_deepspeed_enabled:  # DDP averages over DP x C
             self._scale_gradients(self.model)
@@ -160,7 +157,7 @@ class HybridSPMixin(_TrainerBase):
     def create_accelerator_and_postprocess(self) -> None:
         """The ``"hybridsp"`` section read and checked (before any collective), the Trainer's
         accelerator, the mesh, then our hook on DeepSpeed's engine creation."""
-        self.hybrid_config = _hybrid_config(self.args, self._hybridsp_overrides)
+        self.hybrid_config = hybrid_config(self.args, self._hybridsp_overrides)
         with hds.without_cpu_shm_comm_build():
             super().create_accelerator_and_postprocess()
         self.hybrid_mesh = _mesh(self.hybrid_config)
@@ -319,7 +316,7 @@ class HybridSPMixin(_TrainerBase):
         shift_labels = local.pop("shift_labels")  # [B, S_local]
         documents = local.pop("documents")  # host data: every layer plans once, no collective to find them
         outputs = model(**local, hybridsp_documents=documents, use_cache=False)
-        loss = _share_of_loss(outputs.logits, shift_labels, num_items_in_batch, self.hybrid_mesh)
+        loss = share_of_loss(outputs.logits, shift_labels, num_items_in_batch, self.hybrid_mesh)
         if self._router_loss is not None:  # Note [router loss]: DP x, as the Trainer scales the model's loss
             aux = self._router_share(getattr(outputs, "router_logits", None), tensors, documents)
             loss = loss + self.hybrid_mesh.dp * self._router_loss.coefficient * aux
@@ -345,7 +342,7 @@ class HybridSPMixin(_TrainerBase):
             logits, loss = outputs.logits, None  # [B, S_local, V]
             if has_labels:
                 count = self._get_num_items_in_batch([inputs], self.args.device)
-                loss = _share_of_loss(logits, shift_labels, count, self.hybrid_mesh).detach()
+                loss = share_of_loss(logits, shift_labels, count, self.hybrid_mesh).detach()
                 if self._router_loss is not None:  # Note [router loss]: once per batch, DP x as in training
                     router_logits = getattr(outputs, "router_logits", None)
                     weight = self.hybrid_mesh.dp * self._router_loss.coefficient
@@ -377,40 +374,6 @@ def _batch_tensors(inputs) -> dict[str, torch.Tensor]:
     return {key: value for key, value in inputs.items() if torch.is_tensor(value)}
 
 
-def _share_of_loss(logits: torch.Tensor, shift_labels: torch.Tensor, num_items, mesh: HybridMesh) -> torch.Tensor:
-    """Value ``DP * replica_sum / N``, gradient ``DP * d(local_sum) / N`` (Note [the loss]).
-
-    ``logits`` [B, S_local, V], ``shift_labels`` [B, S_local]; ``num_items`` the global count N.
-    One no-grad all_reduce over the context group, which also carries the bad-label count
-    (:mod:`hybridsp.losses._token_tail`: a bad label is an error on every rank, never a hang).
-    """
-    vocab = logits.shape[-1]
-    safe_labels, bad = guard_labels(shift_labels, vocab, IGNORE_INDEX)  # [B, S_local]
-    local_sum = F.cross_entropy(
-        logits.reshape(-1, vocab).float(), safe_labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return token_weighted_share(
-        local_sum,
-        safe_labels,
-        bad,
-        shift_labels,
-        mesh,
-        vocab=vocab,
-        ignore_index=IGNORE_INDEX,
-        denominator=num_items,
-        scale=mesh.dp,
-    )
-
-
-def _hybrid_config(args, overrides: dict) -> ds_schema.HybridConfig:
-    """The validated section of ``args``' DeepSpeed config (none without DeepSpeed) with ``overrides``;
-    ValueError for tensor parallelism (Note [no tensor parallelism] in ``trainer_engine``)."""
-    deepspeed = getattr(args, "hf_deepspeed_config", None) if args.deepspeed else None
-    hybrid = ds_schema.HybridConfig.from_ds_config(deepspeed.config if deepspeed else {}, **overrides)
-    refuse_tensor_parallel(hybrid)
-    return hybrid
-
-
 def _mesh(hybrid: ds_schema.HybridConfig) -> HybridMesh:
     hybrid.mesh_shape(dist.get_world_size() if dist.is_initialized() else 1)  # ValueError quoting the sizes
     if not dist.is_initialized():
@@ -419,10 +382,3 @@ def _mesh(hybrid: ds_schema.HybridConfig) -> HybridMesh:
             "(a DeepSpeed config in TrainingArguments(deepspeed=...) initialises it on a single process too)"
         )
     return hds.build_mesh(hybrid)
-
-
-def _switch_attention(model, mesh: HybridMesh, backend: BackendName) -> HybridAttentionHandle:
-    from hybridsp.integrations.transformers._peft import base_model
-    from hybridsp.integrations.transformers._switch import apply
-
-    return apply(base_model(model), mesh, backend=backend)  # a PEFT wrapper: the model inside it

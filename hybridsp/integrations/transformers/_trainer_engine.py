@@ -48,6 +48,15 @@ def refuse_tensor_parallel(hybrid: ds_schema.HybridConfig) -> None:
         )
 
 
+def hybrid_config(args, overrides: dict) -> ds_schema.HybridConfig:
+    """The validated section of ``args``' DeepSpeed config (none without DeepSpeed) with ``overrides``;
+    ValueError for tensor parallelism (Note [no tensor parallelism])."""
+    deepspeed = getattr(args, "hf_deepspeed_config", None) if args.deepspeed else None
+    hybrid = ds_schema.HybridConfig.from_ds_config(deepspeed.config if deepspeed else {}, **overrides)
+    refuse_tensor_parallel(hybrid)
+    return hybrid
+
+
 def prepare_with_mesh(prepare, trainer, *args, **kwargs):
     """``accelerator.prepare`` with our ``deepspeed.initialize`` in place (Note [intercepting ...])."""
     if not trainer.is_deepspeed_enabled:

@@ -27,13 +27,8 @@ from torch import nn
 
 from hybridsp.inference import ShardedKVCache
 from hybridsp.integrations.transformers._binding import DECODE_KWARG
-from hybridsp.integrations.transformers._generation import (
-    DecodeStep,
-    HybridCache,
-    agree_across_context,
-    cache_argument,
-    choose_next_tokens,
-)
+from hybridsp.integrations.transformers._generation import agree_across_context, cache_argument, choose_next_tokens
+from hybridsp.integrations.transformers._hybrid_cache import DecodeStep, HybridCache
 from hybridsp.integrations.transformers._switch import NAME
 from hybridsp.integrations.transformers._vision.batch import VISION_KEYS, multimodal_positions, shard_vlm_batch
 from hybridsp.integrations.transformers._vision.model import VISION_KWARG, language_model_of
