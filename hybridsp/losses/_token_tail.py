@@ -1,7 +1,7 @@
 """The token-weighted tail shared by every sharded loss: labels guarded, one all-reduce, the scaled share.
 
 :func:`hybridsp.sharded_cross_entropy`, :func:`hybridsp.fused_cross_entropy` and the HF Trainer's
-loss (:mod:`hybridsp.integrations.transformers._trainer`) all end the same way: this rank has the sum of its
+loss (:func:`hybridsp.integrations.transformers._loss.share_of_loss`) all end the same way: this rank has the sum of its
 tokens' losses; the value must be the mean over the whole context group's valid tokens and the
 gradient this rank's share. The pieces:
 
