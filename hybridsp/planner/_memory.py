@@ -85,14 +85,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridsp._formulas import CHUNK_LOGITS_BYTES, FP32, default_chunk_size
-from hybridsp.planner._costs import comm_volume, expanded_kv_heads, local_tokens
-from hybridsp.planner._kv_modes import kv_workspace_bytes, planner_chunks
+from hybridsp._formulas import FP32
+from hybridsp.planner._activations import (
+    checkpoint_alias_bytes_per_token,
+    checkpoint_bytes,
+    layer_activation_bytes_per_token,
+    mlp_bytes_per_token,
+    norm_bytes_per_token,
+    outside_layers_bytes_per_token,
+)
+from hybridsp.planner._costs import local_tokens
+from hybridsp.planner._model_states import engine_state_bytes, host_state_bytes, model_state_bytes
+from hybridsp.planner._phase_terms import (
+    attention_workspace_bytes,
+    gather_copy_bytes,
+    loss_bytes,
+    mlp_transient_bytes,
+    reduction_bytes,
+    staged_gradient_bytes,
+)
 from hybridsp.planner._specs import MeshConfig, ModelSpec, Workload
-
-ADAM_BYTES_PER_PARAM = 12  # fp32 master weights + Adam m + Adam v
-HOST_GRAD_BYTES_PER_PARAM = 4  # ZeRO-Offload's fp32 gradient partition in host memory
-IDS_BYTES_PER_TOKEN = 16  # int64 token ids (embedding) and labels (loss)
 
 
 @dataclass(frozen=True)
@@ -142,196 +154,7 @@ class MemoryUse:
         return self.host_activations + self.host_optimizer + self.host_params
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def model_state_bytes(
-    model: ModelSpec,
-    zero_stage: int,
-    shards: int,
-    forward_only: bool,
-    dtype_bytes: int = 2,
-    optimizer_offload: bool = False,
-    param_offload: bool = False,
-    prefetch_bucket: int | None = None,
-) -> tuple[int, ...]:
-    """(params, grads, optimizer, gathered) device bytes: e + e + 12 per param, ZeRO-partitioned.
-
-    Stage 1 partitions the optimizer states, 2 adds gradients, 3 adds parameters (and then
-    holds gathered parameters: the largest unit of a layer and the embedding, u, plus what is
-    prefetched, max(u, prefetch_bucket), at most the whole model; without ``prefetch_bucket``
-    two units). Offload moves the optimizer states and gradients (ZeRO >= 1) or the parameter
-    partition (ZeRO-3) to host.
-    """
-    psi, e = model.total_params, dtype_bytes
-    params = _ceil_div(e * psi, shards) if zero_stage == 3 else e * psi
-    if param_offload and zero_stage == 3:
-        params = 0
-    unit = max(model.layer_params, model.embedding_params)
-    ahead = unit if prefetch_bucket is None else max(unit, prefetch_bucket)
-    gathered = (
-        e * min(psi if prefetch_bucket is not None else 2 * unit, unit + ahead) if zero_stage == 3 and shards > 1 else 0
-    )
-    if forward_only:
-        return params, 0, 0, gathered
-    grads = _ceil_div(e * psi, shards) if zero_stage >= 2 else e * psi
-    optimizer = _ceil_div(ADAM_BYTES_PER_PARAM * psi, shards) if zero_stage >= 1 else ADAM_BYTES_PER_PARAM * psi
-    if optimizer_offload and zero_stage >= 1:
-        grads = optimizer = 0
-    return params, grads, optimizer, gathered
-
-
-def host_state_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> tuple[int, int]:
-    """(optimizer, params) bytes this rank keeps in host memory under ZeRO-Offload."""
-    tech, psi, shards = workload.techniques, model.total_params, config.world_size
-    optimizer = params = 0
-    if not workload.forward_only and tech.optimizer_offload and config.zero_stage >= 1:
-        optimizer = _ceil_div((ADAM_BYTES_PER_PARAM + HOST_GRAD_BYTES_PER_PARAM) * psi, shards)
-    if tech.param_offload and config.zero_stage == 3:
-        params = _ceil_div(workload.dtype_bytes * psi, shards)
-    return optimizer, params
-
-
-def engine_state_bytes(workload: Workload, config: MeshConfig) -> int:
-    """DeepSpeed's contiguous gradient bucket: ``reduce_bucket`` elements of e (ZeRO >= 1, training)."""
-    if workload.forward_only or config.zero_stage == 0:
-        return 0
-    return workload.techniques.reduce_bucket * workload.dtype_bytes
-
-
-# ----------------------------------------------------------------------------- saved per token
-
-
-def norm_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean: bool = False) -> int:
-    """One HF RMSNorm: x in fp32, the normalised x and the weighted output in e, fp32 rstd; a lean
-    norm: x as it is and the weighted output in e, fp32 rstd."""
-    if lean:
-        return 2 * dtype_bytes * model.hidden_size + FP32
-    return (FP32 + 2 * dtype_bytes) * model.hidden_size + FP32
-
-
-def attention_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int) -> int:
-    """q, k, v after the all-to-all, the kernel output, the o_proj input (U > 1), fp32 LSE
-    (v, the output and the o_proj input at the value head dim)."""
-    hd, hdv = model.num_heads * model.head_dim, model.num_heads * model.value_head_dim
-    kv_heads = expanded_kv_heads(model, ulysses)
-    o_proj_input = hdv * dtype_bytes if ulysses > 1 else 0
-    return (
-        dtype_bytes * (hd + hdv + kv_heads * (model.head_dim + model.value_head_dim))
-        + o_proj_input
-        + FP32 * model.num_heads
-    )
-
-
-def mlp_bytes_per_token(model: ModelSpec, dtype_bytes: int, tiled: bool = False) -> int:
-    """gate, SiLU(gate), up, their product: 4 I e; 0 when tiled (recomputed per tile)."""
-    return 0 if tiled else 4 * model.intermediate_size * dtype_bytes
-
-
-def layer_activation_bytes_per_token(
-    model: ModelSpec, ulysses: int, dtype_bytes: int, tiled_mlp: bool = False, lean_norms: bool = False
-) -> int:
-    """Saved tensors of one Llama layer per local token: 2 norms + attention + MLP."""
-    return (
-        2 * norm_bytes_per_token(model, dtype_bytes, lean_norms)
-        + attention_bytes_per_token(model, ulysses, dtype_bytes)
-        + mlp_bytes_per_token(model, dtype_bytes, tiled_mlp)
-    )
-
-
-def outside_layers_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean_norms: bool = False) -> int:
-    """G: the final norm, RoPE cos/sin (one copy for all layers), token ids and labels."""
-    return norm_bytes_per_token(model, dtype_bytes, lean_norms) + 2 * model.head_dim * dtype_bytes + IDS_BYTES_PER_TOKEN
-
-
-def checkpoint_alias_bytes_per_token(model: ModelSpec, workload: Workload) -> int:
-    """Bytes of a recomputed layer that are its checkpoint, already counted by :func:`checkpoint_bytes`:
-    the first RMSNorm's fp32 x (its ``.to(float32)`` returns the input itself when e = 4) while
-    the checkpoint stays on the device (no activation offload; offload brings a new device copy
-    back for the recompute, which the norm's x term counts). h x 4 in fp32, else 0; with lean norms
-    (x kept as it is) h x e in any dtype."""
-    if workload.techniques.activation_offload:
-        return 0
-    if workload.techniques.lean_norms:
-        return workload.dtype_bytes * model.hidden_size
-    return FP32 * model.hidden_size if workload.dtype_bytes == FP32 else 0
-
-
-# ----------------------------------------------------------------------------- step terms
-
-
-def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> tuple[int, int]:
-    """(device, host) bytes of the checkpointed layers' inputs, T h e each."""
-    if not config.checkpointing or workload.forward_only:
-        return 0, 0
-    one = local_tokens(workload, config) * model.hidden_size * workload.dtype_bytes
-    layers, tech = model.num_layers, workload.techniques
-    if not tech.activation_offload:
-        return layers * one, 0
-    kept = min(layers, tech.keep_last)
-    return min(layers, kept + tech.offload_in_flight) * one, (layers - kept) * one
-
-
 AFTER_LAYERS_BACKWARD = ("gradient reduction",)  # phases after every layer's backward: no checkpoint is left
-
-
-FUSED_CHUNK_LOGITS_BYTES = CHUNK_LOGITS_BYTES  # the library's own (hybridsp._formulas)
-
-
-def fused_loss_chunk(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Rows per fused-loss chunk: ``loss_chunk``, or the library's default
-    (:func:`hybridsp._formulas.default_chunk_size`: ceil(T h / V), at most 64 MiB of fp32 logits); <= T."""
-    tokens = local_tokens(workload, config)
-    chunk = workload.techniques.loss_chunk
-    if chunk is None:
-        chunk = default_chunk_size(model.vocab_size, tokens, model.hidden_size)
-    return min(chunk, tokens)
-
-
-def loss_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """The loss's bytes at the loss phase (module docstring, "Loss")."""
-    tokens, vocab, e, h = local_tokens(workload, config), model.vocab_size, workload.dtype_bytes, model.hidden_size
-    chunk = fused_loss_chunk(model, workload, config)
-    low = 0 if e == FP32 else e  # bf16/fp16: the chunk's logits and weight-gradient product in e, then cast
-    if workload.forward_only:
-        return chunk * vocab * (FP32 + low) if workload.fused_loss else tokens * vocab * (e + FP32)
-    if workload.fused_loss:
-        return chunk * vocab * (FP32 + low) + vocab * h * (FP32 + (low and low + FP32)) + tokens * h * e
-    return tokens * vocab * (e + 3 * FP32)
-
-
-def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Transient buffers of one attention call: the fp32 out (or dq) accumulator and LSE, plus
-    the larger of the all-to-all's send+receive of q/k/v and the K/V transport's buffers
-    (:func:`hybridsp.planner._kv_modes.kv_workspace_bytes`: ring or all-gather). Not their sum:
-    ``hybridsp.attention._ulysses`` reshards before the ring call (forward: q/k/v; backward: dout) and after
-    it (forward: out; backward: dq/dk/dv), and each side frees its buffers before the other
-    starts (``del send`` / ``received`` in ``_seq_to_heads`` / ``_heads_to_seq``; the ring's
-    receive and dK/dV blocks die with ``_ring_backward``)."""
-    volume = comm_volume(model, workload, config)
-    tokens = local_tokens(workload, config)
-    accumulators = tokens * model.num_heads * (model.value_head_dim + 1) * FP32
-    a2a = 2 * volume.qkv_bytes if config.ulysses > 1 else 0
-    ring = kv_workspace_bytes(
-        volume.kv_comm,
-        volume.kv_block_bytes,
-        volume.grad_block_bytes,
-        workload.dtype_bytes,
-        config.ring,
-        planner_chunks(workload, config),
-        not workload.forward_only,
-    )
-    return accumulators + max(a2a, ring)  # one after the other, never both (docstring)
-
-
-def mlp_transient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """MLP backward: t x 2 I e gradients untiled (t = T), t x 6 I e tiled (t = mlp_tile, default h)."""
-    tokens, e, tech = local_tokens(workload, config), workload.dtype_bytes, workload.techniques
-    if not tech.tiled_mlp:
-        return tokens * 2 * model.intermediate_size * e
-    tile = min(tokens, tech.mlp_tile or model.hidden_size)
-    return tile * 6 * model.intermediate_size * e
 
 
 def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tuple[str, int, int, int, int]]:
@@ -382,40 +205,6 @@ def head_backward_phase(model: ModelSpec, workload: Workload, config: MeshConfig
     else:
         held, transient = tokens * vocab * (e + FP32), max(regather, vocab * h * e)
     return ("head backward", saved + held + transient, saved, held, transient)
-
-
-def gather_copy_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, unit: int) -> int:
-    """ZeRO-3 re-gathers each module's parameters (``unit`` of them) for its backward; a backend
-    that all-gathers through a temporary (``collective_copies``: gloo, measured) holds that many
-    more, e each. 0 on NCCL or below ZeRO-3."""
-    if config.zero_stage < 3 or config.world_size == 1:
-        return 0
-    return workload.techniques.collective_copies * unit * workload.dtype_bytes
-
-
-def reduction_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """The end of the backward under ZeRO-3 (measured, benchmarks/results/longest_context/ablation_cpu.md): the last
-    gradient hook flushes DeepSpeed's bucket, whose reduce-scatter copies the bucket's contents
-    into one flat rank-ordered buffer (``reduce_scatter_coalesced``), e x min(Psi, reduce_bucket),
-    plus ``collective_copies`` more (gloo clones its input), while the first module's full
-    gradient, e x embedding, still exists. 0 below ZeRO-3 or on one rank."""
-    if config.zero_stage < 3 or config.world_size == 1 or workload.forward_only:
-        return 0
-    tech, e = workload.techniques, workload.dtype_bytes
-    bucket = min(model.total_params, tech.reduce_bucket)
-    return (1 + tech.collective_copies) * bucket * e + model.embedding_params * e
-
-
-def staged_gradient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Full-size gradients alive in a layer's backward before ZeRO (>= 2) takes them into its
-    bucket (preallocated: ``engine_state``): the LM head's (a tied embedding's waits for the
-    embedding's backward) and the running layer's, up to ``reduce_bucket`` elements of e. (The
-    whole model's worth that an earlier revision counted here with checkpointing, measured at
-    L=16, is the end-of-backward reduce-scatter copy: :func:`reduction_bytes`.)"""
-    if config.zero_stage < 2:
-        return 0
-    elements = model.embedding_params + model.layer_params
-    return workload.dtype_bytes * min(elements, workload.techniques.reduce_bucket)
 
 
 def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> MemoryUse:

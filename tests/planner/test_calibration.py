@@ -82,7 +82,7 @@ def test_checkpointed_terms_by_hand():
     both); the gradient reduction, after every layer's backward, holds no checkpoint; a
     recomputed fp32 layer's first-norm x is its checkpoint (counted once)."""
     from hybridsp.planner import MeshConfig, Techniques, Workload, memory_use
-    from hybridsp.planner._memory import attention_workspace_bytes, reduction_bytes
+    from hybridsp.planner._phase_terms import attention_workspace_bytes, reduction_bytes
 
     model = calibration.model_spec(_base_and_rows()[0], 32000, 4)  # h 256, 8 q heads and 4 K/V heads of 32, I 640
     tokens, e = 1024, 4
@@ -145,7 +145,7 @@ def _backward_peak(rank, world, ulysses, ring):
 
 def _planner_workspace(ulysses, ring):
     from hybridsp.planner import MeshConfig, ModelSpec, Techniques, Workload
-    from hybridsp.planner._memory import attention_workspace_bytes
+    from hybridsp.planner._phase_terms import attention_workspace_bytes
 
     model = ModelSpec(_H, _HKV, _D, _H * _D, 640, 1, 32000, tied_embeddings=True)
     workload = Workload(ulysses * ring * _T, dtype_bytes=4, techniques=Techniques(kv_mode="ring"))

@@ -10,7 +10,8 @@ import json
 import pytest
 
 from hybridsp.__main__ import main
-from hybridsp.planner._cli import _tokens, add_arguments
+from hybridsp.planner._cli import add_arguments
+from hybridsp.planner._options import _tokens
 from hybridsp.planner._packing import attention_work_fraction
 
 

@@ -26,8 +26,9 @@ from hybridsp.planner import (
     plan_degrees,
     preset_cluster,
 )
+from hybridsp.planner._activations import layer_activation_bytes_per_token
 from hybridsp.planner._costs import zero_bytes
-from hybridsp.planner._memory import layer_activation_bytes_per_token, model_state_bytes
+from hybridsp.planner._model_states import model_state_bytes
 from hybridsp.planner._specs import GIB
 from hybridsp.planner._techniques import Techniques
 from tests.helpers.paths import DATA
@@ -217,7 +218,7 @@ MEASURED_SAVED_PER_TOKEN = {1: 82_356, 2: 86_452}  # U=1 (w1), U=2 (cp4)
 
 
 def test_saved_activations_equal_the_measured_breakdown():
-    from hybridsp.planner._memory import outside_layers_bytes_per_token
+    from hybridsp.planner._activations import outside_layers_bytes_per_token
 
     for ulysses, measured in MEASURED_SAVED_PER_TOKEN.items():
         layers = EXAMPLE.num_layers * layer_activation_bytes_per_token(EXAMPLE, ulysses, 4)
@@ -250,7 +251,8 @@ def test_memory_within_10_percent_of_every_measured_step():
 
 def test_offload_moves_states_and_checkpoints_to_host():
     from hybridsp.planner import Techniques
-    from hybridsp.planner._memory import checkpoint_bytes, host_state_bytes
+    from hybridsp.planner._activations import checkpoint_bytes
+    from hybridsp.planner._model_states import host_state_bytes
 
     psi, n = SMALL.total_params, 4
     assert model_state_bytes(SMALL, 3, n, False, 2, optimizer_offload=True) == (
@@ -272,7 +274,7 @@ def test_offload_moves_states_and_checkpoints_to_host():
     assert checkpoint_bytes(deep, offload, MeshConfig(1, 2, 2, checkpointing=False)) == (0, 0)
     memory = memory_use(deep, offload, MeshConfig(1, 2, 2, zero_stage=3, checkpointing=True))
     assert memory.host_activations == 9 * one and memory.host == 9 * one
-    from hybridsp.planner._memory import staged_gradient_bytes
+    from hybridsp.planner._phase_terms import staged_gradient_bytes
 
     # gradients alive before ZeRO's bucket takes them: the LM head's and the running layer's, with or without
     # checkpointing (the whole model's worth at the end of the backward is the reduce-scatter's copy, a phase)
@@ -280,7 +282,7 @@ def test_offload_moves_states_and_checkpoints_to_host():
         assert staged_gradient_bytes(deep, offload, MeshConfig(1, 2, 2, 3, checkpointing)) == 2 * (
             deep.embedding_params + deep.layer_params
         )
-    from hybridsp.planner._memory import reduction_bytes
+    from hybridsp.planner._phase_terms import reduction_bytes
 
     assert reduction_bytes(deep, offload, MeshConfig(1, 2, 2, 3, True)) == 2 * (
         deep.total_params + deep.embedding_params
@@ -301,7 +303,7 @@ def test_offload_moves_states_and_checkpoints_to_host():
 
 def test_tiled_mlp_and_fused_loss_terms():
     from hybridsp.planner import Techniques
-    from hybridsp.planner._memory import loss_bytes, mlp_transient_bytes
+    from hybridsp.planner._phase_terms import loss_bytes, mlp_transient_bytes
 
     config, tokens = MeshConfig(1, 2, 2), 1024
     assert mlp_transient_bytes(SMALL, Workload(4096), config) == tokens * 2 * 64 * 2
@@ -321,7 +323,7 @@ def test_tiled_mlp_and_fused_loss_terms():
 def test_fused_loss_chunk_follows_the_library_default():
     from hybridsp._formulas import CHUNK_LOGITS_BYTES, default_chunk_size
     from hybridsp.planner import Techniques
-    from hybridsp.planner._memory import FUSED_CHUNK_LOGITS_BYTES, fused_loss_chunk
+    from hybridsp.planner._phase_terms import FUSED_CHUNK_LOGITS_BYTES, fused_loss_chunk
 
     assert FUSED_CHUNK_LOGITS_BYTES == CHUNK_LOGITS_BYTES
     for model in (SMALL, EXAMPLE, MODELS["llama3-8b"]):
