@@ -1,4 +1,4 @@
-"""Every test says what it is (setup.cfg's markers; tests/README.md): a test that starts processes is marked
+"""Every test says what it is (the markers registered in pyproject.toml; tests/README.md): a test that starts processes is marked
 ``distributed``, one that runs DeepSpeed, a Trainer, an example script or a launcher end to end ``integration``.
 
 The markers are written in the test modules; nothing infers them at collection time. This file reads the test tree
