@@ -284,7 +284,7 @@ def shard_index(
     """The positions :func:`take_shard` takes: [1, L] when every row is laid out alike, else [rows, L]
     (``L = S / (R*U)``; ``bounds`` as there). Each row's runs come from the cache once."""
     layout = get_layout(layout)
-    per_row = _row_bounds(bounds if layout.uses_documents else None, rows)
+    per_row = _row_bounds(bounds if layout.uses_documents else None, rows) or [None]  # no rows: B = 0
     if all(row == per_row[0] for row in per_row):
         return shard_positions(seq_len, ring_rank, ulysses_rank, ring, ulysses, layout, per_row[0]).unsqueeze(0)
     return torch.stack([shard_positions(seq_len, ring_rank, ulysses_rank, ring, ulysses, layout, b) for b in per_row])

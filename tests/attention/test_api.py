@@ -106,3 +106,19 @@ def test_nan_in_a_row_shows_where_one_kernel_call_shows_it(ulysses, world):
             assert not (d & ~g).any() and not (g & ~s).any(), (which, name)
         if which != "v":
             assert torch.equal(got[0], single[0]), which
+
+
+def _empty_batch(rank, world, ulysses):
+    mesh = init_mesh(ulysses=ulysses, ring=world // ulysses)
+    q, k, v, _ = random_qkv(1, 16, 4, 2, 8)
+    q, k, v = (shard_sequence(t[:0], mesh).requires_grad_() for t in (q, k, v))  # B = 0 on every rank
+    out = hybrid_attn_func(q, k, v, mesh=mesh, backend="torch")
+    out.sum().backward()
+    return tuple(out.shape), tuple(q.grad.shape), tuple(k.grad.shape)
+
+
+@pytest.mark.parametrize("ulysses", [2, 1])
+def test_an_empty_batch_gives_an_empty_output_and_gradients(ulysses):
+    """B = 0 (a data loader's empty last batch) runs through the all-to-alls and the ring: shapes like q's."""
+    for out, dq, dk in run_distributed(_empty_batch, 2, ulysses):
+        assert out == (0, 8, 4, 8) and dq == (0, 8, 4, 8) and dk == (0, 8, 2, 8)

@@ -29,7 +29,14 @@ if TYPE_CHECKING:
     from hybridsp.integrations.transformers._loss import causal_lm_loss, model_router_loss
     from hybridsp.integrations.transformers._padding import padded_documents
     from hybridsp.integrations.transformers._peft import base_model
-    from hybridsp.integrations.transformers._switch import NAME, HybridAttentionHandle, ModelAdapter, apply, register
+    from hybridsp.integrations.transformers._switch import (
+        NAME,
+        HybridAttentionHandle,
+        ModelAdapter,
+        apply,
+        default_adapters,
+        register,
+    )
     from hybridsp.integrations.transformers._trainer import HybridSPMixin, HybridSPTrainer
     from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
     from hybridsp.integrations.transformers._vision.generation import generate_vlm
@@ -42,6 +49,7 @@ _EXPORTS = {
     "HybridAttentionHandle": _P + "_switch",
     "ModelAdapter": _P + "_switch",
     "apply": _P + "_switch",
+    "default_adapters": _P + "_switch",
     "register": _P + "_switch",
     "check_switchable": _P + "_capabilities",
     "layer_windows": _P + "_capabilities",
@@ -85,6 +93,7 @@ __all__ = [
     "base_model",
     "causal_lm_loss",
     "check_switchable",
+    "default_adapters",
     "export_hf",
     "generate",
     "generate_vlm",
