@@ -12,6 +12,14 @@ import warnings
 from typing import Callable
 
 
+def warn_deprecated(what: str, advice: str, stacklevel: int = 3) -> None:
+    """The one deprecation warning of 0.2's moves: ``what`` goes in 0.3, ``advice`` says what to use instead
+    (``stacklevel`` 3: the caller of the module ``__getattr__`` that calls this)."""
+    warnings.warn(
+        f"{what} is deprecated and will be removed in hybridsp 0.3: {advice}", DeprecationWarning, stacklevel=stacklevel
+    )
+
+
 def moved_module(old: str, new: str, face: str | None) -> Callable[[str], object]:
     """The module ``__getattr__`` of the old path ``old``: names resolve from ``new`` (the private
     module that holds them now) with a warning naming the public ``face`` that exports them, or
@@ -23,9 +31,7 @@ def moved_module(old: str, new: str, face: str | None) -> Callable[[str], object
         value = getattr(importlib.import_module(new), name)
         public = face is not None and name in getattr(importlib.import_module(face), "__all__", ())
         advice = f"import {name} from {face}" if public else f"{name} is private now ({new}) and may change"
-        warnings.warn(
-            f"{old} is deprecated and will be removed in hybridsp 0.3: {advice}", DeprecationWarning, stacklevel=2
-        )
+        warn_deprecated(old, advice)
         return value
 
     return __getattr__
@@ -39,11 +45,7 @@ def renamed_names(package: str, renames: dict[str, tuple[str, object]]) -> Calla
         if name not in renames:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         new, value = renames[name]
-        warnings.warn(
-            f"{package}.{name} is deprecated and will be removed in hybridsp 0.3: use {package}.{new}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        warn_deprecated(f"{package}.{name}", f"use {package}.{new}")
         return value
 
     return __getattr__

@@ -8,9 +8,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.helpers.paths import is_old_path_shim
+
 PACKAGE = Path(__file__).resolve().parent.parent / "hybridsp"
 MAX_LINES = 420  # "about 400"
-SHIM_MARKS = ("Deprecated path (keep-old-paths)", "Deprecated package path (keep-old-paths)")  # shims' first line
 
 _BASE = {"_types", "_checks", "_formulas"}  # torch-free leaves every package may use
 _CORE = _BASE | {
@@ -55,7 +56,7 @@ ALLOWED: dict[str, set[str]] = {
     "hybridsp": _CORE | {"_version"},  # the top-level face
     "__main__": set(),  # finds its commands by name
     # the integrations: anything in the core, their shared helper, and each other as drawn here
-    "integrations": set(),
+    "integrations": {"_deprecated"},
     "integrations.deepspeed": _CORE | {"integrations", "integrations.transformers"},  # _entry: the switch, lazily
     "integrations.transformers": _CORE | {"integrations", "integrations.deepspeed"},  # the Trainer builds its engine
     "integrations.trl": _CORE | {"integrations", "integrations.deepspeed", "integrations.transformers"},
@@ -73,15 +74,11 @@ def _unit(module: str) -> str:
     return parts[1]
 
 
-def _is_shim(path: Path) -> bool:
-    return path.read_text().startswith(tuple(f'"""{mark}' for mark in SHIM_MARKS))
-
-
 def _modules() -> dict[str, Path]:
     """Dotted module name -> file, for every module of the package (packages as their __init__)."""
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
-        if _is_shim(path):
+        if is_old_path_shim(path):
             continue
         parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
         if parts[-1] == "__init__":

@@ -14,10 +14,9 @@ import warnings
 
 import pytest
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, is_old_path_shim
 
 PACKAGE = ROOT / "hybridsp"
-SHIM_MARKS = ("Deprecated path (keep-old-paths)", "Deprecated package path (keep-old-paths)")  # shims' first line
 
 
 def _documented_surface() -> dict[str, list[str]]:
@@ -43,11 +42,6 @@ def test_docs_list_exactly_each_faces_all():
             assert getattr(module, name) is not None, f"{package}.{name}"
 
 
-def _is_shim(path) -> bool:
-    """An old-path shim: a two-line module whose docstring starts with one of :data:`SHIM_MARKS`."""
-    return path.read_text().startswith(tuple(f'"""{mark}' for mark in SHIM_MARKS))
-
-
 def _public_modules() -> list[str]:
     """Package modules whose own name, and every package above them, has no leading underscore."""
     found = []
@@ -55,9 +49,7 @@ def _public_modules() -> list[str]:
         parts = path.relative_to(ROOT).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        if any(p.startswith("_") and p != "__main__" for p in parts) or path.read_text().startswith(
-            tuple(f'"""{mark}' for mark in SHIM_MARKS)
-        ):
+        if any(p.startswith("_") and p != "__main__" for p in parts) or is_old_path_shim(path):
             continue
         found.append(".".join(parts))
     return found
@@ -211,3 +203,10 @@ def test_snippet_parses_and_names_only_public_hybridsp_names(where, code):
         warnings.simplefilter("error", DeprecationWarning)
         for name in sorted(names):
             _resolve(name)  # AttributeError / ModuleNotFoundError / DeprecationWarning: a stale name
+
+
+def test_the_layout_literal_names_the_layout_objects():
+    from hybridsp._types import LAYOUT_NAMES
+    from hybridsp.layout import LAYOUTS
+
+    assert LAYOUTS == LAYOUT_NAMES

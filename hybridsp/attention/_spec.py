@@ -6,7 +6,7 @@ varlen groups read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
 import torch
@@ -61,10 +61,6 @@ class CallSpec:
             counter=mesh.comm_counter if counter is None else counter,
             **settings,
         )
-
-    def with_(self, **changes: Any) -> CallSpec:
-        """A copy with ``changes`` (the spec itself is frozen)."""
-        return replace(self, **changes)
 
 
 def placement_layout(mesh: HybridMesh, cu_seqlens: CuSeqlens = None, sliding_window: int | None = None) -> TokenLayout:

@@ -14,8 +14,9 @@ so type checkers and IDEs see their real types.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import Callable
+
+from hybridsp._deprecated import warn_deprecated
 
 
 def lazy_exports(
@@ -33,11 +34,7 @@ def lazy_exports(
             return getattr(importlib.import_module(table[name]), name)
         if name in deprecated:
             module, advice = deprecated[name]
-            warnings.warn(
-                f"{package}.{name} is deprecated and will be removed in hybridsp 0.3: {advice}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            warn_deprecated(f"{package}.{name}", advice)
             return getattr(importlib.import_module(module), name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 

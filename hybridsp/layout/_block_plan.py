@@ -49,11 +49,10 @@ from hybridsp.layout._documents import Rows
 from hybridsp.layout._layouts import TokenLayout, get_layout
 
 # re-exported (``as``): importers of this module use them; their home is _pieces
+from hybridsp.layout._pieces import ALL_ROWS
 from hybridsp.layout._pieces import Band as Band
 from hybridsp.layout._pieces import Piece as Piece
 from hybridsp.layout._pieces import merge_pieces as merge_pieces
-
-_ALL = slice(None)  # every batch row (as in hybridsp.layout._pieces: compared by value)
 
 SubRun = tuple[int, int, int]  # (global start, length, local offset) inside one document
 DocRuns = dict[int, list[SubRun]]  # one slot's sub-runs by document
@@ -89,7 +88,7 @@ class BlockPlan:
         total = 0
         for source in range(self.ring):
             for piece in self.pieces[(rank, source)]:
-                total += piece.work * (self.batch_rows if piece.batch == _ALL else 1)
+                total += piece.work * (self.batch_rows if piece.batch == ALL_ROWS else 1)
         return total
 
     def rows_received(self, rank: int) -> int:
@@ -294,9 +293,9 @@ def _hull(found: list[Piece]) -> tuple[int, int] | None:
 def _row_groups(docs: Rows | None, batch: int, seq_len: int) -> list[tuple[tuple[int, ...], slice]]:
     """(boundaries, batch slice) groups: one for all rows when they agree, else one per row."""
     if docs is None:
-        return [((0, seq_len), _ALL)]
+        return [((0, seq_len), ALL_ROWS)]
     if all(row == docs[0] for row in docs):
-        return [(docs[0], _ALL)]
+        return [(docs[0], ALL_ROWS)]
     return [(row, slice(b, b + 1)) for b, row in enumerate(docs)]
 
 

@@ -51,12 +51,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridsp._formulas import zigzag_slot_runs
-from hybridsp.layout._runs_cache import RUNS_CACHE
+from hybridsp.layout._runs_cache import RUNS_CACHE, Runs
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-Runs = tuple[tuple[tuple[int, int], ...], ...]  # per slot: (global start, length) runs in slot order
 # a batch's document boundaries: one row's shared by every row, one per row, or None
 BatchBounds = tuple[int, ...] | Sequence[tuple[int, ...]] | None
 

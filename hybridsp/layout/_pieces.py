@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from hybridsp._types import PieceKind
 
-_ALL = slice(None)
+ALL_ROWS = slice(None)  # a piece of every batch row (compared by value)
 
 Band = tuple[int | None, int | None]
 Corner = tuple[tuple[int, int], int, int]  # (batch key, first row, first key) of a piece
@@ -28,7 +28,7 @@ class Piece:
     keys: slice
     kind: PieceKind
     band: Band = (None, None)
-    batch: slice = field(default_factory=lambda: _ALL)
+    batch: slice = field(default_factory=lambda: ALL_ROWS)
 
     @property
     def work(self) -> int:
@@ -89,7 +89,7 @@ def _join_adjacent(pieces: list[Piece], along: str) -> list[Piece]:
 
 
 def _batch_key(batch: slice) -> tuple[int, int]:
-    return (-1, -1) if batch == _ALL else (batch.start, batch.stop)
+    return (-1, -1) if batch == ALL_ROWS else (batch.start, batch.stop)
 
 
 def _corner(p: Piece) -> Corner:

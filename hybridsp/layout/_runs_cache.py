@@ -28,8 +28,7 @@ _BOUND_BYTES = 40  # one document boundary in the key: an int and its tuple slot
 _SLOT_BYTES = 64  # one slot's tuple of runs
 _RUN_BYTES = 140  # one (start, length) run: the pair and its two ints
 
-# per slot, its (global start, length) runs: hybridsp.layout._layouts.Runs (not imported: that module imports this one)
-Runs = tuple[tuple[tuple[int, int], ...], ...]
+Runs = tuple[tuple[tuple[int, int], ...], ...]  # per slot: (global start, length) runs in slot order
 
 
 def entry_bytes(bounds: Sequence[int] | None, runs: Runs) -> int:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from hybridsp._types import GENERATION_MODES, BackendName, KVComm, LayoutName, MeshOrder
+from hybridsp._types import GENERATION_MODES, BackendName, GenerationMode, KVComm, LayoutName, MeshOrder
 from hybridsp.integrations.deepspeed._compiling import without_compile_keys
 from hybridsp.integrations.deepspeed._tensor import autotp_size
 from hybridsp.kernels import BACKEND_NAMES
@@ -79,7 +79,7 @@ class HybridConfig:
     kv_chunks: int | None = None
     tensor: int = 1
     tensor_sequence_parallel: bool = False
-    generation: str = "plain"
+    generation: GenerationMode = "plain"
     sequence_parallel_size: int | None = None
     data_parallel_size: int | None = None
 
