@@ -42,8 +42,6 @@ from hybridsp.launch._timeouts import default_group_timeout
 from hybridsp.layout._layouts import TokenLayout, get_layout, required_multiple
 from hybridsp.mesh._auto_degrees import choose_degrees
 
-ORDERS = MESH_ORDERS
-
 
 @dataclass(frozen=True)
 class MeshShape:
@@ -62,8 +60,8 @@ class MeshShape:
     def __post_init__(self) -> None:
         for name in ("ulysses", "ring", "tensor"):
             check_positive(getattr(self, name), f"{name} degree", integer=True)
-        if self.order not in ORDERS:
-            raise ValueError(f"unknown rank order {self.order!r}; choose one of {', '.join(ORDERS)}")
+        if self.order not in MESH_ORDERS:
+            raise ValueError(f"unknown rank order {self.order!r}; choose one of {', '.join(MESH_ORDERS)}")
         get_layout(self.layout)  # ValueError for an unknown name
         get_layout("balanced", self.sliding_window)  # ValueError for a window that is not a positive int
         if self.kv_comm not in KV_COMMS:
