@@ -99,7 +99,7 @@ def test_python_is_inside_requires_python():
 
 
 def test_the_transformers_floor_is_the_one_the_switch_enforces():
-    from hybridsp.integrations.transformers import MIN_TRANSFORMERS_VERSION
+    from hybridsp.integrations.transformers._switch import MIN_TRANSFORMERS_VERSION
 
     floors = [spec.version for spec in declared()["transformers"] if spec.operator == ">="]
     assert floors == [MIN_TRANSFORMERS_VERSION.removesuffix(".0")], floors
