@@ -19,12 +19,17 @@ def norm_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean: bool = False)
     return (FP32 + 2 * dtype_bytes) * model.hidden_size + FP32
 
 
-def attention_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int) -> int:
+def attention_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int, head_chunks: int = 1) -> int:
     """q, k, v after the all-to-all, the kernel output, the o_proj input (U > 1), fp32 LSE
-    (v, the output and the o_proj input at the value head dim)."""
+    (v, the output and the o_proj input at the value head dim). Head-chunked (G > 1): the same
+    q/k/v/out bytes, kept before the all-to-all (a group's full-sequence copies live only while its
+    pass runs), so the o_proj input is the kept output itself: no second copy at U > 1. An output
+    gate (Qwen3-Next) keeps sigmoid(gate) and the gated product (the o_proj input) as well."""
     hd, hdv = model.num_heads * model.head_dim, model.num_heads * model.value_head_dim
     kv_heads = expanded_kv_heads(model, ulysses)
-    o_proj_input = hdv * dtype_bytes if ulysses > 1 else 0
+    o_proj_input = hdv * dtype_bytes if ulysses > 1 and head_chunks == 1 else 0
+    if model.attention_output_gate:
+        o_proj_input = 2 * hdv * dtype_bytes
     return (
         dtype_bytes * (hd + hdv + kv_heads * (model.head_dim + model.value_head_dim))
         + o_proj_input
@@ -32,18 +37,61 @@ def attention_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int) 
     )
 
 
+LINEAR_CHUNK = 64  # the chunked delta rule's / SSD's chunk (flash-linear-attention, transformers' torch path)
+
+
+def linear_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int) -> int:
+    """One recurrent layer (Gated DeltaNet / Mamba-2, flash-linear-attention's chunk kernel), per local
+    token: the conv's input and output (the kernel's q/k/v or x/B/C), 2 c e; the output gate z, the
+    kernel output and the gated norm's output (the out-projection input), 3 Hv dv e; per value
+    head the fp32 gates (g, beta or dt: 8 bytes), the norm's fp32 rstd (4) and the chunk's WY/decay
+    matrix row (64 e). U > 1 adds the all-to-all's received inputs (features e). The chunk
+    states are recomputed in backward (:func:`linear_workspace_bytes_per_token`)."""
+    spec = model.linear
+    if spec is None:
+        return 0
+    inner, e = spec.heads * spec.value_dim, dtype_bytes
+    received = spec.features * e if ulysses > 1 else 0
+    return 2 * spec.conv_channels * e + 3 * inner * e + spec.heads * (8 + 4 + LINEAR_CHUNK * e) + received
+
+
+def linear_workspace_bytes_per_token(model: ModelSpec, dtype_bytes: int) -> int:
+    """A recurrent layer's backward, per local token: the chunk states and their gradients,
+    recomputed (``[T/64, Hv, dk, dv]`` each, input dtype): 2 Hv dk dv e / 64."""
+    spec = model.linear
+    if spec is None:
+        return 0
+    return -(-2 * spec.heads * spec.key_dim * spec.value_dim * dtype_bytes // LINEAR_CHUNK)
+
+
 def mlp_bytes_per_token(model: ModelSpec, dtype_bytes: int, tiled: bool = False) -> int:
-    """gate, SiLU(gate), up, their product: 4 I e; 0 when tiled (recomputed per tile)."""
-    return 0 if tiled else 4 * model.intermediate_size * dtype_bytes
+    """gate, SiLU(gate), up, their product: 4 I e; MoE: 4 I_active e plus each of the k experts' copy
+    of its input (k h e) and the router's fp32 probabilities (4 E); 0 when tiled (recomputed per tile)."""
+    if tiled:
+        return 0
+    e = dtype_bytes
+    dispatch = model.experts_per_token * model.hidden_size * e + FP32 * model.num_experts if model.is_moe else 0
+    return 4 * model.active_intermediate * e + dispatch
 
 
 def layer_activation_bytes_per_token(
-    model: ModelSpec, ulysses: int, dtype_bytes: int, tiled_mlp: bool = False, lean_norms: bool = False
+    model: ModelSpec,
+    ulysses: int,
+    dtype_bytes: int,
+    tiled_mlp: bool = False,
+    lean_norms: bool = False,
+    kind: str = "attention",
+    head_chunks: int = 1,
 ) -> int:
-    """Saved tensors of one Llama layer per local token: 2 norms + attention + MLP."""
+    """Saved tensors of one layer per local token: 2 norms + its mixer (``kind``: ``"attention"`` or
+    ``"linear"``) + MLP."""
+    if kind == "linear":
+        mixer = linear_bytes_per_token(model, ulysses, dtype_bytes)
+    else:
+        mixer = attention_bytes_per_token(model, ulysses, dtype_bytes, head_chunks)
     return (
         2 * norm_bytes_per_token(model, dtype_bytes, lean_norms)
-        + attention_bytes_per_token(model, ulysses, dtype_bytes)
+        + mixer
         + mlp_bytes_per_token(model, dtype_bytes, tiled_mlp)
     )
 
@@ -55,19 +103,25 @@ def outside_layers_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean_norm
 
 def checkpoint_alias_bytes_per_token(model: ModelSpec, workload: Workload) -> int:
     """Bytes of a recomputed layer that are its checkpoint, already counted by :func:`checkpoint_bytes`:
-    the first RMSNorm's fp32 x (its ``.to(float32)`` returns the input itself when e = 4) while
-    the checkpoint stays on the device (no activation offload; offload brings a new device copy
-    back for the recompute, which the norm's x term counts). h x 4 in fp32, else 0; with lean norms
-    (x kept as it is) h x e in any dtype."""
-    if workload.techniques.activation_offload:
-        return 0
+    the first RMSNorm's fp32 x (its ``.to(float32)`` returns the input itself when e = 4) while the
+    checkpoint stays on the device (no activation offload). With lean norms (x kept as it is) h x e
+    in any dtype, offloaded or not: the restored copy the recompute runs from is the one
+    :func:`checkpoint_bytes` counts for a layer's backward, and the norm keeps that very tensor."""
     if workload.techniques.lean_norms:
         return workload.dtype_bytes * model.hidden_size
+    if workload.techniques.activation_offload:
+        return 0
     return FP32 * model.hidden_size if workload.dtype_bytes == FP32 else 0
 
 
-def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> tuple[int, int]:
-    """(device, host) bytes of the checkpointed layers' inputs, T h e each."""
+def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, phase: str = "loss") -> tuple[int, int]:
+    """(device, host) bytes of the checkpointed layers' inputs, T h e each.
+
+    With activation offload the device holds, at the loss (``phase="loss"``: the end of the forward),
+    the newest ``keep_last`` and ``offload_in_flight`` more whose copies to host may still run; in a
+    layer's backward (``phase="backward"``), the input the recompute runs from (the newest
+    ``keep_last`` at the last layer's backward) and the previous layer's, prefetched when copies are
+    asynchronous (``offload_in_flight`` > 0: CUDA; the backward copies one way only)."""
     if not config.checkpointing or workload.forward_only:
         return 0, 0
     one = local_tokens(workload, config) * model.hidden_size * workload.dtype_bytes
@@ -75,4 +129,8 @@ def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -
     if not tech.activation_offload:
         return layers * one, 0
     kept = min(layers, tech.keep_last)
-    return min(layers, kept + tech.offload_in_flight) * one, (layers - kept) * one
+    if phase == "loss":
+        device = min(layers, kept + tech.offload_in_flight)
+    else:
+        device = min(layers, max(kept, 1) + min(1, tech.offload_in_flight))
+    return device * one, (layers - kept) * one

@@ -9,6 +9,7 @@ from hybridsp._formulas import heads_divisible
 from hybridsp._types import MeshOrder
 from hybridsp.layout._layouts import check_sequence_length
 from hybridsp.planner._costs import CommVolume, Flops, comm_volume, expanded_kv_heads, flops_per_rank
+from hybridsp.planner._head_chunks import head_chunk_choices, head_chunk_problem, resolved_head_chunks
 from hybridsp.planner._kv_modes import best_of
 from hybridsp.planner._memory import MemoryUse, memory_use
 from hybridsp.planner._specs import GIB, ClusterSpec, MeshConfig, ModelSpec, Workload
@@ -38,6 +39,14 @@ def mesh_problems(model: ModelSpec, workload: Workload, cluster: ClusterSpec, co
         )
     if not heads_divisible(model.num_heads, config.ulysses):
         problems.append(f"heads {model.num_heads} not divisible by U={config.ulysses}")
+    if model.linear is not None and model.linear_layers and model.linear.units % config.ulysses:
+        problems.append(
+            f"the linear layers' {model.linear.units} {'key heads' if model.linear.kind == 'delta_rule' else 'groups'}"
+            f" are not divisible by U={config.ulysses}"
+        )
+    chunks = head_chunk_problem(model, workload, config) if heads_divisible(model.num_heads, config.ulysses) else None
+    if chunks:
+        problems.append(chunks)
     try:
         check_sequence_length(workload.seq_len, config.ring, config.ulysses, LAYOUT)
     except ValueError as error:
@@ -58,6 +67,7 @@ class CandidatePlan:
     comm: CommVolume | None = None
     memory: MemoryUse | None = None
     timing: Timing | None = None
+    head_chunks: int = 1  # G, the head groups of each attention layer (hybridsp.planner._head_chunks)
     topology: Topology | None = None
     notes: tuple[str, ...] = ()
     host_usable_bytes: float = float("inf")  # this rank's share of its node's host memory
@@ -114,6 +124,7 @@ class CandidatePlan:
             "ring": self.config.ring,
             "zero_stage": self.config.zero_stage,
             "activation_checkpointing": self.config.checkpointing,
+            "head_chunks": self.head_chunks,
             "valid": self.valid,
             "fits": self.fits,
             "reasons": list(self.reasons),
@@ -268,6 +279,12 @@ def evaluate(
     ``kv_mode="auto"`` evaluates the ring and the all-gather transport and keeps the faster
     one that fits (:func:`hybridsp.planner._kv_modes.best_of`).
     """
+    if workload.techniques.head_chunks == "auto":
+        choices = (
+            head_chunk_choices(model, config.ulysses) if heads_divisible(model.num_heads, config.ulysses) else (1,)
+        )
+        each = [replace(workload, techniques=replace(workload.techniques, head_chunks=g)) for g in choices]
+        return best_of([evaluate(model, w, cluster, config, topology, order) for w in each])
     if workload.techniques.kv_mode == "auto":
         modes = [
             replace(workload, techniques=replace(workload.techniques, kv_mode=mode)) for mode in ("ring", "allgather")
@@ -296,5 +313,6 @@ def evaluate(
         timing=timing,
         topology=topology,
         notes=notes,
+        head_chunks=resolved_head_chunks(model, workload, config),
         **base,
     )

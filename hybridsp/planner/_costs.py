@@ -59,10 +59,25 @@ def ring_step_forward_flops(model: ModelSpec, workload: Workload, config: MeshCo
     return int((full // 2 if workload.causal else full) * workload.attention_work)
 
 
+LINEAR_CHUNK = 64  # the chunked delta rule's chunk (hybridsp.planner._activations.LINEAR_CHUNK)
+
+
+def linear_forward_flops_per_token(model: ModelSpec) -> int:
+    """One recurrent layer's chunked recurrence per token (projections are in ``matmul_params``):
+    per value head, within its chunk of c = 64 tokens q k^T and the scores times v, 2 c (dk + dv),
+    and the state's read-out and update, 4 dk dv (2 FLOPs per multiply-add). 0 without linear layers."""
+    spec = model.linear
+    if spec is None or not model.linear_layers:
+        return 0
+    return spec.heads * (2 * LINEAR_CHUNK * (spec.key_dim + spec.value_dim) + 4 * spec.key_dim * spec.value_dim)
+
+
 def flops_per_rank(model: ModelSpec, workload: Workload, config: MeshConfig) -> Flops:
-    """Attention (forward, 2.5x backward, +1x forward when recomputed) and dense (2/4/+2 x N x T)."""
-    att_fwd = model.num_layers * attention_forward_flops_per_layer(model, workload, config.context)
-    dense_fwd = 2 * model.matmul_params * local_tokens(workload, config)
+    """Attention (forward, 2.5x backward, +1x forward when recomputed) and dense (2/4/+2 x N x T; N counts
+    active experts only; recurrent layers' chunked recurrence joins the dense FLOPs, linear in T)."""
+    att_fwd = model.attention_layers * attention_forward_flops_per_layer(model, workload, config.context)
+    tokens = local_tokens(workload, config)
+    dense_fwd = 2 * model.matmul_params * tokens + model.linear_layers * linear_forward_flops_per_token(model) * tokens
     if workload.forward_only:
         return Flops(att_fwd, dense_fwd, model=att_fwd + dense_fwd, forward=att_fwd + dense_fwd)
     att_bwd, dense_bwd = att_fwd * 5 // 2, 2 * dense_fwd
@@ -143,7 +158,7 @@ def comm_volume(model: ModelSpec, workload: Workload, config: MeshConfig) -> Com
     return CommVolume(
         ulysses=u,
         ring=config.ring,
-        layers=model.num_layers,
+        layers=model.attention_layers,
         qkv_bytes=tokens * ((model.num_heads + kv_heads) * d + kv_heads * dv) * e,
         out_bytes=tokens * model.num_heads * dv * e,
         kv_block_bytes=kv_block,

@@ -95,11 +95,13 @@ from hybridsp.planner._activations import (
     outside_layers_bytes_per_token,
 )
 from hybridsp.planner._costs import local_tokens
+from hybridsp.planner._head_chunks import resolved_head_chunks
 from hybridsp.planner._model_states import engine_state_bytes, host_state_bytes, model_state_bytes
 from hybridsp.planner._phase_terms import (
     attention_workspace_bytes,
     gather_copy_bytes,
     loss_bytes,
+    linear_workspace_bytes,
     mlp_transient_bytes,
     reduction_bytes,
     staged_gradient_bytes,
@@ -154,38 +156,68 @@ class MemoryUse:
         return self.host_activations + self.host_optimizer + self.host_params
 
 
-AFTER_LAYERS_BACKWARD = ("gradient reduction",)  # phases after every layer's backward: no checkpoint is left
+AFTER_LAYERS_BACKWARD = ("gradient reduction",)
+AT_LOSS = (
+    "loss",
+    "head backward",
+)  # the end of the forward: activation offload's copies to host may still run  # phases after every layer's backward: no checkpoint is left
+
+
+def _layer_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, kind: str) -> int:
+    """Saved bytes of one ``kind`` layer (``"attention"`` / ``"linear"``) at this mesh, all local tokens."""
+    tech = workload.techniques
+    per_token = layer_activation_bytes_per_token(
+        model,
+        config.ulysses,
+        workload.dtype_bytes,
+        tech.tiled_mlp,
+        tech.lean_norms,
+        kind,
+        resolved_head_chunks(model, workload, config),
+    )
+    return local_tokens(workload, config) * per_token
 
 
 def _phases(model: ModelSpec, workload: Workload, config: MeshConfig) -> list[tuple[str, int, int, int, int]]:
     """(phase, total, saved, loss, transient) of every training phase (checkpoints excluded)."""
     tokens, e, tech = local_tokens(workload, config), workload.dtype_bytes, workload.techniques
-    layer = tokens * layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp, tech.lean_norms)
+    kinds = {"attention": model.attention_layers, "linear": model.linear_layers}
+    layer = {kind: _layer_bytes(model, workload, config, kind) for kind, count in kinds.items() if count}
     if config.checkpointing:
-        layer -= tokens * checkpoint_alias_bytes_per_token(model, workload)
+        alias = tokens * checkpoint_alias_bytes_per_token(model, workload)
+        layer = {kind: size - alias for kind, size in layer.items()}
     mlp_region = tokens * (
         norm_bytes_per_token(model, e, tech.lean_norms) + mlp_bytes_per_token(model, e, tech.tiled_mlp)
     )
-    layers = layer if config.checkpointing else model.num_layers * layer
+    every_layer = sum(kinds[kind] * size for kind, size in layer.items())
     outside = tokens * outside_layers_bytes_per_token(model, e, tech.lean_norms)
     flow = tokens * model.hidden_size * e
     loss = loss_bytes(model, workload, config)
-    mlp, attention = mlp_transient_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)
-    at_loss = 0 if config.checkpointing else layers  # checkpointed layers keep nothing inside until recomputed
+    mlp = mlp_transient_bytes(model, workload, config)
+    at_loss = 0 if config.checkpointing else every_layer  # checkpointed layers keep nothing inside until recomputed
     staged = staged_gradient_bytes(model, workload, config)
     regather = gather_copy_bytes(model, workload, config, model.layer_params)
+
+    def layers(kind: str) -> int:  # saved bytes while a ``kind`` layer runs its backward
+        return layer[kind] if config.checkpointing else every_layer
+
+    biggest = max(layer, key=lambda kind: layer[kind])
     phases = [
         ("loss", at_loss + outside + loss, at_loss + outside, loss, 0),
         head_backward_phase(model, workload, config, at_loss + outside),
-        ("mlp backward", layers + flow + mlp + staged + regather, layers + flow, 0, mlp + staged + regather),
         (
-            "attention backward",
-            layers - mlp_region + flow + attention + staged + regather,
-            layers - mlp_region + flow,
+            "mlp backward",
+            layers(biggest) + flow + mlp + staged + regather,
+            layers(biggest) + flow,
             0,
-            attention + staged + regather,
+            mlp + staged + regather,
         ),
     ]
+    mixers = {"attention": attention_workspace_bytes, "linear": linear_workspace_bytes}
+    for kind in layer:
+        work = mixers[kind](model, workload, config) + staged + regather
+        saved = layers(kind) - mlp_region + flow
+        phases.append((f"{kind} backward", saved + work, saved, 0, work))
     reduction = reduction_bytes(model, workload, config)
     if reduction:
         phases.append(("gradient reduction", reduction, 0, 0, reduction))
@@ -232,10 +264,12 @@ def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> Memo
     )
     if workload.forward_only:
         tokens, e = local_tokens(workload, config), workload.dtype_bytes
-        saved = tokens * (
-            layer_activation_bytes_per_token(model, config.ulysses, e, tech.tiled_mlp) + 2 * model.hidden_size * e
+        kinds = ("attention", "linear") if model.linear_layers else ("attention",)
+        saved = max(_layer_bytes(model, workload, config, kind) for kind in kinds) + 2 * tokens * model.hidden_size * e
+        workspace = max(
+            attention_workspace_bytes(model, workload, config), linear_workspace_bytes(model, workload, config)
         )
-        loss, workspace = loss_bytes(model, workload, config), attention_workspace_bytes(model, workload, config)
+        loss = loss_bytes(model, workload, config)
         return MemoryUse(
             activations=saved,
             logits=loss,
@@ -245,8 +279,12 @@ def memory_use(model: ModelSpec, workload: Workload, config: MeshConfig) -> Memo
             **states,
         )
     device_ckpt, host_ckpt = checkpoint_bytes(model, workload, config)
+    in_backward, _ = checkpoint_bytes(model, workload, config, phase="backward")
     phases = _phases(model, workload, config)
-    held = {phase[0]: 0 if phase[0] in AFTER_LAYERS_BACKWARD else device_ckpt for phase in phases}
+    held = {
+        phase[0]: 0 if phase[0] in AFTER_LAYERS_BACKWARD else device_ckpt if phase[0] in AT_LOSS else in_backward
+        for phase in phases
+    }
     name, _, saved, loss, transient = max(phases, key=lambda phase: phase[1] + held[phase[0]])
     return MemoryUse(
         activations=saved,

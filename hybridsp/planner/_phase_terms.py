@@ -6,7 +6,10 @@ staged before ZeRO's bucket."""
 from __future__ import annotations
 
 from hybridsp._formulas import CHUNK_LOGITS_BYTES, FP32, default_chunk_size
+from hybridsp.linear_attention import linear_layer_memory
+from hybridsp.planner._activations import linear_workspace_bytes_per_token
 from hybridsp.planner._costs import comm_volume, local_tokens
+from hybridsp.planner._head_chunks import resolved_head_chunks
 from hybridsp.planner._kv_modes import kv_workspace_bytes, planner_chunks
 from hybridsp.planner._specs import MeshConfig, ModelSpec, Workload
 
@@ -42,9 +45,12 @@ def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: Mesh
     ``hybridsp.attention._ulysses`` reshards before the ring call (forward: q/k/v; backward: dout) and after
     it (forward: out; backward: dq/dk/dv), and each side frees its buffers before the other
     starts (``del send`` / ``received`` in ``_seq_to_heads`` / ``_heads_to_seq``; the ring's
-    receive and dK/dV blocks die with ``_ring_backward``)."""
+    receive and dK/dV blocks die with ``_ring_backward``). Head-chunked (G > 1,
+    :mod:`hybridsp.planner._head_chunks`): one group's accumulators and ring blocks, and at U > 1
+    its q/k/v after the all-to-all with the next group's all-to-all in flight (3 qkv / G), together."""
     volume = comm_volume(model, workload, config)
     tokens = local_tokens(workload, config)
+    chunks = resolved_head_chunks(model, workload, config)
     accumulators = tokens * model.num_heads * (model.value_head_dim + 1) * FP32
     a2a = 2 * volume.qkv_bytes if config.ulysses > 1 else 0
     ring = kv_workspace_bytes(
@@ -56,16 +62,35 @@ def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: Mesh
         planner_chunks(workload, config),
         not workload.forward_only,
     )
-    return accumulators + max(a2a, ring)  # one after the other, never both (docstring)
+    if chunks == 1:
+        return accumulators + max(a2a, ring)  # one after the other, never both (docstring)
+    return -(-(accumulators + ring + 3 * a2a // 2) // chunks)
+
+
+def linear_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
+    """Transient buffers of one recurrent layer's call: its recomputed chunk states and their
+    gradients (:func:`hybridsp.planner._activations.linear_workspace_bytes_per_token`) and the sharded
+    call's buffers (:func:`hybridsp.linear_attention.linear_layer_memory`: the slot's inputs, the
+    gathered state pairs and halos, the initial states). 0 for a model without linear layers."""
+    if model.linear is None or not model.linear_layers:
+        return 0
+    tokens, e = local_tokens(workload, config), workload.dtype_bytes
+    held = linear_layer_memory(
+        model.linear, workload.micro_batch, workload.seq_len, config.ulysses, config.ring, element_bytes=e
+    )
+    states = tokens * linear_workspace_bytes_per_token(model, e) if not workload.forward_only else 0
+    return states + held["total"]
 
 
 def mlp_transient_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """MLP backward: t x 2 I e gradients untiled (t = T), t x 6 I e tiled (t = mlp_tile, default h)."""
+    """MLP backward: t x 2 I e gradients untiled (t = T), t x 6 I e tiled (t = mlp_tile, default h);
+    MoE: I is the active width, k x I_e + I_shared."""
     tokens, e, tech = local_tokens(workload, config), workload.dtype_bytes, workload.techniques
+    width = model.active_intermediate
     if not tech.tiled_mlp:
-        return tokens * 2 * model.intermediate_size * e
+        return tokens * 2 * width * e
     tile = min(tokens, tech.mlp_tile or model.hidden_size)
-    return tile * 6 * model.intermediate_size * e
+    return tile * 6 * width * e
 
 
 def gather_copy_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, unit: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hybridsp._checks import check_positive
+from hybridsp.linear_attention import LinearLayerSpec
 from hybridsp.planner._techniques import Techniques
 
 GIB = 2**30
@@ -27,7 +28,17 @@ def _require_positive_numbers(spec, *names: str) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A Llama-family decoder: GQA attention, SwiGLU MLP, RMSNorm, untied LM head by default."""
+    """A decoder: GQA attention, SwiGLU MLP, RMSNorm, untied LM head by default.
+
+    Hybrid models: ``linear_layers`` of the ``num_layers`` are recurrent (Gated DeltaNet or
+    Mamba-2, shapes in ``linear``: :class:`hybridsp.linear_attention.LinearLayerSpec`); the rest
+    are attention. MoE: ``num_experts`` experts of ``expert_intermediate_size`` (None: the
+    intermediate size), ``experts_per_token`` active per token, plus a shared expert of
+    ``shared_expert_intermediate_size`` (0: none) and a router (h x E) in every layer; parameters
+    and optimizer states count every expert, activations and FLOPs the active ones.
+    ``attention_output_gate``: q_proj also makes a sigmoid gate of the attention output (Qwen3-Next,
+    Qwen3.5: q_proj is h x 2HD).
+    """
 
     num_heads: int
     num_kv_heads: int
@@ -39,6 +50,13 @@ class ModelSpec:
     tied_embeddings: bool = False
     name: str = "custom"
     v_head_dim: int | None = None  # v's head dim when it differs from q/k's (MLA); None: head_dim
+    linear_layers: int = 0
+    linear: LinearLayerSpec | None = None
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int = 0
+    attention_output_gate: bool = False
 
     def __post_init__(self):
         _require_positive_ints(
@@ -55,6 +73,24 @@ class ModelSpec:
             _require_positive_ints(self, "v_head_dim")
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"query heads ({self.num_heads}) must be a multiple of K/V heads ({self.num_kv_heads})")
+        self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        if not 0 <= self.linear_layers < self.num_layers:
+            raise ValueError(
+                f"linear_layers ({self.linear_layers}) must be >= 0 and fewer than num_layers ({self.num_layers}): "
+                f"at least one attention layer"
+            )
+        if self.linear_layers and not isinstance(self.linear, LinearLayerSpec):
+            raise ValueError(f"{self.linear_layers} linear layers need their shapes: linear=LinearLayerSpec(...)")
+        if self.num_experts < 0 or self.shared_expert_intermediate_size < 0:
+            raise ValueError("num_experts and shared_expert_intermediate_size must be >= 0")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"experts_per_token ({self.experts_per_token}) must be in 1..num_experts ({self.num_experts})"
+            )
+        if self.expert_intermediate_size is not None:
+            _require_positive_ints(self, "expert_intermediate_size")
 
     @property
     def value_head_dim(self) -> int:
@@ -62,20 +98,62 @@ class ModelSpec:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @property
+    def attention_layers(self) -> int:
+        """Layers with (softmax) attention: ``num_layers - linear_layers``."""
+        return self.num_layers - self.linear_layers
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
     def attention_params_per_layer(self) -> int:
-        """q and o projections (h x H*D each) plus k and v (h x Hkv*D each); no biases."""
+        """q and o projections (h x H*D each; q twice with an output gate) plus k and v (h x Hkv*D each)."""
         h, d = self.hidden_size, self.head_dim
-        return 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d
+        q = 2 if self.attention_output_gate else 1
+        return (q + 1) * h * self.num_heads * d + 2 * h * self.num_kv_heads * d
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        """A recurrent layer: in-projection h x (conv inputs + gates + output gate), the conv, out-projection."""
+        spec = self.linear
+        if spec is None:
+            return 0
+        inner = spec.heads * spec.value_dim
+        return self.hidden_size * (spec.features + 2 * inner) + spec.conv_channels * spec.conv_kernel
+
+    @property
+    def expert_intermediate(self) -> int:
+        return self.intermediate_size if self.expert_intermediate_size is None else self.expert_intermediate_size
+
+    @property
+    def active_intermediate(self) -> int:
+        """Intermediate width one token runs through: I dense; k x I_e + I_shared for MoE."""
+        if not self.is_moe:
+            return self.intermediate_size
+        return self.experts_per_token * self.expert_intermediate + self.shared_expert_intermediate_size
 
     @property
     def mlp_params_per_layer(self) -> int:
-        """gate, up and down projections: 3 x h x I."""
-        return 3 * self.hidden_size * self.intermediate_size
+        """gate, up and down projections: 3 x h x I; MoE: every expert, the shared expert and the router."""
+        h = self.hidden_size
+        if not self.is_moe:
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts * self.expert_intermediate + self.shared_expert_intermediate_size
+        return 3 * h * experts + h * self.num_experts
+
+    @property
+    def active_mlp_params_per_layer(self) -> int:
+        """The MLP parameters one token multiplies with (MoE: its k experts, the shared one, the router)."""
+        if not self.is_moe:
+            return self.mlp_params_per_layer
+        return 3 * self.hidden_size * self.active_intermediate + self.hidden_size * self.num_experts
 
     @property
     def layer_params(self) -> int:
-        """One decoder layer: attention + MLP + two RMSNorm weights."""
-        return self.attention_params_per_layer + self.mlp_params_per_layer + 2 * self.hidden_size
+        """The largest decoder layer (ZeRO-3's gather unit): mixer + MLP + two RMSNorm weights."""
+        mixer = max(self.attention_params_per_layer, self.linear_params_per_layer)
+        return mixer + self.mlp_params_per_layer + 2 * self.hidden_size
 
     @property
     def embedding_params(self) -> int:
@@ -85,13 +163,20 @@ class ModelSpec:
     def total_params(self) -> int:
         """Everything ZeRO stores: layers, final norm, embedding and (untied) LM head."""
         head = 0 if self.tied_embeddings else self.embedding_params
-        return self.num_layers * self.layer_params + self.hidden_size + self.embedding_params + head
+        mixers = (
+            self.attention_layers * self.attention_params_per_layer + self.linear_layers * self.linear_params_per_layer
+        )
+        per_layer = self.mlp_params_per_layer + 2 * self.hidden_size
+        return mixers + self.num_layers * per_layer + self.hidden_size + self.embedding_params + head
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token: the layers' projections and the LM head."""
-        per_layer = self.attention_params_per_layer + self.mlp_params_per_layer
-        return self.num_layers * per_layer + self.embedding_params
+        """Parameters that take part in a matmul per token (active experts only): the layers' projections and
+        the LM head."""
+        mixers = (
+            self.attention_layers * self.attention_params_per_layer + self.linear_layers * self.linear_params_per_layer
+        )
+        return mixers + self.num_layers * self.active_mlp_params_per_layer + self.embedding_params
 
 
 @dataclass(frozen=True)
@@ -245,6 +330,55 @@ MODELS = {
     "llama3-405b": ModelSpec(128, 8, 128, 16384, 53248, 126, 128256, name="llama3-405b"),
     "llama2-7b": ModelSpec(32, 32, 128, 4096, 11008, 32, 32000, name="llama2-7b"),
     "qwen2.5-7b": ModelSpec(28, 4, 128, 3584, 18944, 28, 152064, name="qwen2.5-7b"),
+    # MoE: every expert stored, k active per token (transformers' Qwen3MoeConfig / MixtralConfig of the releases)
+    "qwen3-30b-a3b": ModelSpec(
+        32,
+        4,
+        128,
+        2048,
+        6144,
+        48,
+        151936,
+        name="qwen3-30b-a3b",
+        num_experts=128,
+        experts_per_token=8,
+        expert_intermediate_size=768,
+    ),
+    "mixtral-8x7b": ModelSpec(
+        32, 8, 128, 4096, 14336, 32, 32000, name="mixtral-8x7b", num_experts=8, experts_per_token=2
+    ),
+    # hybrid: 3 of every 4 layers Gated DeltaNet (16 key heads, 32 value heads, dk = dv = 128, conv 4),
+    # attention with an output gate; transformers 5.24's Qwen3_5TextConfig / Qwen3NextConfig defaults
+    "qwen3.5-9b": ModelSpec(
+        16,
+        4,
+        256,
+        4096,
+        12288,
+        32,
+        248320,
+        name="qwen3.5-9b",
+        linear_layers=24,
+        linear=LinearLayerSpec("delta_rule", 16, 32, 128, 128),
+        attention_output_gate=True,
+    ),
+    "qwen3-next-80b-a3b": ModelSpec(
+        16,
+        2,
+        256,
+        2048,
+        5632,
+        48,
+        151936,
+        name="qwen3-next-80b-a3b",
+        linear_layers=36,
+        linear=LinearLayerSpec("delta_rule", 16, 32, 128, 128),
+        attention_output_gate=True,
+        num_experts=512,
+        experts_per_token=10,
+        expert_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+    ),
 }
 
 

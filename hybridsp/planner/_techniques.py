@@ -39,6 +39,9 @@ class Techniques:
     reduce_bucket: DeepSpeed's ``reduce_bucket_size`` (elements; 5e7 in ``ds_configs/``).
     prefetch_bucket: ZeRO-3's ``stage3_prefetch_bucket_size`` (elements; 5e7): parameters
         gathered ahead of the module that runs.
+    head_chunks: G, the head groups each attention layer runs as (``hybrid_attn_func(head_chunks=)``):
+        an int dividing the K/V heads a Ulysses rank holds, or ``"auto"``: the planner evaluates
+        every G the mesh admits and keeps the fastest plan that fits (:mod:`hybridsp.planner._head_chunks`).
     collective_copies: full-size temporaries the communication backend makes of a collective's
         buffer: 0 for NCCL (in place), 1 for gloo (measured on CPU: its all-gather receives into
         a temporary, its reduce-scatter clones the input).
@@ -58,6 +61,7 @@ class Techniques:
     reduce_bucket: int = 50_000_000
     prefetch_bucket: int = 50_000_000
     collective_copies: int = 0
+    head_chunks: int | str = 1
 
     def __post_init__(self):
         for name in ("reduce_bucket", "prefetch_bucket"):
@@ -68,6 +72,9 @@ class Techniques:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"Techniques.{name} must be an integer >= 0; got {value!r}")
+        chunks = self.head_chunks
+        if chunks != "auto" and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+            raise ValueError(f"Techniques.head_chunks must be a positive integer or 'auto'; got {chunks!r}")
         if self.kv_mode not in KV_MODES:
             raise ValueError(f"unknown K/V mode {self.kv_mode!r}; choose one of {', '.join(KV_MODES)}")
 

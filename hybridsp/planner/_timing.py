@@ -6,19 +6,22 @@ The rank order is :class:`hybridsp.mesh._hybrid_mesh.MeshShape`'s (Ulysses inner
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridsp._types import MeshOrder
 from hybridsp.mesh._hybrid_mesh import MeshShape
+from hybridsp.linear_attention import linear_layer_bytes
 from hybridsp.planner._costs import (
     CommVolume,
     Flops,
+    attention_forward_flops_per_layer,
     comm_volume,
     flops_per_rank,
     local_tokens,
     ring_step_forward_flops,
     zero_bytes,
 )
+from hybridsp.planner._head_chunks import chunked_exposed, resolved_head_chunks
 from hybridsp.planner._kv_modes import RingTiming, kv_timing
 from hybridsp.planner._kv_modes import exposed as _exposed  # offload_timing keeps a running total named exposed
 from hybridsp.planner._specs import ClusterSpec, MeshConfig, ModelSpec, Workload
@@ -97,15 +100,46 @@ def _all_to_all_op_seconds(tensor_bytes: int, ulysses: int, topology: Topology, 
     )
 
 
-def all_to_all_seconds(volume: CommVolume, topology: Topology, cluster: ClusterSpec) -> float:
-    """All all-to-alls of the step, fully exposed (nothing overlaps them)."""
+def all_to_all_seconds(
+    volume: CommVolume, topology: Topology, cluster: ClusterSpec, chunks: int = 1, attention_s: float = 0.0
+) -> float:
+    """All all-to-alls of the step: fully exposed at G = 1; head-chunked, each group's overlaps the
+    previous group's attention compute (``attention_s``: one layer's attention forward, seconds;
+    backward 2.5x; :func:`hybridsp.planner._head_chunks.chunked_exposed`)."""
     if volume.ulysses == 1:
         return 0.0
     per_pass = sum(
         _all_to_all_op_seconds(size, volume.ulysses, topology, cluster) for size in (volume.qkv_bytes, volume.out_bytes)
     )
-    passes = volume.forward_passes + (1 if volume.backward else 0)
-    return volume.layers * passes * per_pass
+    forward = volume.forward_passes * chunked_exposed(per_pass, attention_s, chunks)
+    backward = chunked_exposed(per_pass, 2.5 * attention_s, chunks) if volume.backward else 0.0
+    return volume.layers * (forward + backward)
+
+
+def linear_comm_seconds(
+    model: ModelSpec, workload: Workload, config: MeshConfig, topology: Topology, cluster: ClusterSpec
+) -> float:
+    """The recurrent layers' communication, exposed: the all-to-all of their inputs and outputs
+    (U > 1) and the ring's state pairs and conv halos (R > 1; all-gathers on the ring's slowest
+    link), per pass (:func:`hybridsp.linear_attention.linear_layer_bytes`; backward the same again)."""
+    if model.linear is None or not model.linear_layers or config.context == 1:
+        return 0.0
+    sent = linear_layer_bytes(
+        model.linear,
+        workload.micro_batch,
+        workload.seq_len,
+        config.ulysses,
+        config.ring,
+        element_bytes=workload.dtype_bytes,
+    )
+    u = config.ulysses
+    a2a = _all_to_all_op_seconds(sent["ulysses"] * u // (u - 1), u, topology, cluster) if u > 1 else 0.0
+    ring = 0.0
+    if config.ring > 1:
+        slowest = min({"intra": cluster.intra_bw, "inter": cluster.inter_bw}[hop] for hop in topology.ring_hops)
+        ring = (sent["ring_states"] + sent["ring_halos"]) / slowest
+    passes = (2 if config.checkpointing else 1) + (0 if workload.forward_only else 1)
+    return model.linear_layers * passes * (a2a + ring)
 
 
 def ring_timing(
@@ -117,7 +151,8 @@ def ring_timing(
     cluster: ClusterSpec,
 ) -> RingTiming | None:
     """Overlap of the K/V transport (``volume.kv_comm``) with the ring's compute; ``None`` for a
-    ring of one. Formulas: :mod:`hybridsp.planner._kv_modes`.
+    ring of one. Formulas: :mod:`hybridsp.planner._kv_modes`. Head-chunked: G rings of blocks / G
+    and compute / G (:mod:`hybridsp.planner._head_chunks`).
 
     The ring moves in lockstep, so a step's transfer runs at the slowest hop's bandwidth.
     """
@@ -126,7 +161,14 @@ def ring_timing(
     link = "inter" if topology.ring_crosses_nodes else "intra"
     bandwidth = min({"intra": cluster.intra_bw, "inter": cluster.inter_bw}[hop] for hop in topology.ring_hops)
     fwd_c = ring_step_forward_flops(model, workload, config) / cluster.achieved_flops
-    return kv_timing(workload, config, volume, link, bandwidth, fwd_c)
+    chunks = resolved_head_chunks(model, workload, config)
+    if chunks == 1:
+        return kv_timing(workload, config, volume, link, bandwidth, fwd_c)
+    group = replace(
+        volume, kv_block_bytes=volume.kv_block_bytes // chunks, grad_block_bytes=volume.grad_block_bytes // chunks
+    )
+    one = kv_timing(workload, config, group, link, bandwidth, fwd_c / chunks)
+    return replace(one, exposed_s=chunks * one.exposed_s)
 
 
 def offload_timing(
@@ -189,9 +231,12 @@ def step_timing(
     overlapped, after_step = (size / zero_link for size in zero_bytes(model, workload, config))
     window = compute if config.zero_stage == 3 or workload.forward_only else compute - forward
     offload_s, host_traffic = offload_timing(model, workload, config, cluster, flops)
+    chunks = resolved_head_chunks(model, workload, config)
+    attention_s = attention_forward_flops_per_layer(model, workload, config.context) / cluster.achieved_flops
     return Timing(
         compute_s=compute,
-        all_to_all_s=all_to_all_seconds(volume, topology, cluster),
+        all_to_all_s=all_to_all_seconds(volume, topology, cluster, chunks, attention_s)
+        + linear_comm_seconds(model, workload, config, topology, cluster),
         ring=ring_timing(model, workload, config, volume, topology, cluster),
         zero_comm_s=overlapped + after_step,
         zero_exposed_s=_exposed(overlapped, window) + after_step,
