@@ -24,6 +24,13 @@ class Benchmark:
 
 
 BENCHMARKS = (
+    # planner
+    Benchmark(
+        "memory.layer_terms",
+        "Does the planner's memory model of one decoder layer match this machine, term by term (any G)?",
+        "results/planner",
+        ("--quick", "--chunks", "1", "--out", "{tmp}/layer_terms"),
+    ),
     # attention
     Benchmark(
         "attention.peers",

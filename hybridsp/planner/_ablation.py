@@ -267,7 +267,8 @@ def recommendation_lines(result: PlanResult, space: SearchSpace) -> list[str]:
     assert t is not None  # evaluate() sets every cost of a valid plan
     lines = [
         f"Recommended: DP={c.dp} x Ulysses={c.ulysses} x ring={c.ring}, ZeRO-{c.zero_stage}, "
-        f"activation checkpointing {'on' if c.checkpointing else 'off'}",
+        f"activation checkpointing {'on' if c.checkpointing else 'off'}"
+        + (f", head chunks G={best.head_chunks}" if best.head_chunks > 1 else ""),
         f"  step {format_seconds(best.step_s)} = compute {format_seconds(t.compute_s)} + all-to-all "
         f"{format_seconds(t.all_to_all_s)} + ring exposed {format_seconds(t.ring_exposed_s)} + ZeRO exposed "
         f"{format_seconds(t.zero_exposed_s)} + offload exposed {format_seconds(t.offload_s)}; "

@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from hybridsp.planner import _clusters as clusters
@@ -115,7 +116,29 @@ def _linear(args: argparse.Namespace, result: PlanResult) -> str:
         raise SystemExit(f"python -m hybridsp plan: error: {error}") from None
     assert result.recommended is not None  # run() asks for the report only when a plan is recommended
     config, work = result.recommended.config, result.workload
-    return linear_report(spec, layers, work.micro_batch, work.seq_len, config.ulysses, config.ring, args.dtype_bytes)
+    report = linear_report(spec, layers, work.micro_batch, work.seq_len, config.ulysses, config.ring, args.dtype_bytes)
+    return report.replace("models every layer as attention", f"models these {layers} layers as linear")
+
+
+def _with_linear(args: argparse.Namespace, model: ModelSpec) -> ModelSpec:
+    """``--linear KIND:LAYERS:...``: that many of the model's layers are recurrent, in memory and time."""
+    if not args.linear:
+        return model
+    from hybridsp.linear_attention._volume import parse_linear
+
+    spec, layers = parse_linear(args.linear)
+    return replace(model, linear_layers=layers, linear=spec)
+
+
+def _breakdown(result: PlanResult) -> str:
+    """``--breakdown``: the recommended plan's memory at its peak, term by term."""
+    from hybridsp.planner._breakdown import format_breakdown
+
+    best = result.recommended
+    assert best is not None
+    techniques = replace(result.workload.techniques, head_chunks=best.head_chunks)
+    workload = replace(result.workload, techniques=techniques)
+    return format_breakdown(result.model, workload, best.config, best.usable_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
         return run_clusters(args)
     extra: dict[str, Any]
     try:
-        model, cluster, space = model_from_args(args), cluster_from_args(args), space_from_args(args)
+        model, cluster, space = (
+            _with_linear(args, model_from_args(args)),
+            cluster_from_args(args),
+            space_from_args(args),
+        )
         techniques = techniques_from_args(args)
         workload_args = dict(
             micro_batch=args.micro_batch,
@@ -183,4 +210,6 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + extra["packing"]["report"])
         if "linear" in extra:
             print("\n" + extra["linear"])
+        if args.breakdown and result is not None and result.recommended is not None:
+            print("\n" + _breakdown(result))
     return 0 if result is not None and result.recommended is not None else 1

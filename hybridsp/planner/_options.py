@@ -21,6 +21,10 @@ _MODEL_FIELDS = {  # option dest -> ModelSpec field
     "layers": "num_layers",
     "vocab": "vocab_size",
     "v_head_dim": "v_head_dim",
+    "experts": "num_experts",
+    "experts_per_token": "experts_per_token",
+    "expert_intermediate": "expert_intermediate_size",
+    "shared_expert_intermediate": "shared_expert_intermediate_size",
 }
 _MODEL_HELP = {
     "heads": "query (attention) heads",
@@ -31,6 +35,10 @@ _MODEL_HELP = {
     "layers": "decoder layers",
     "vocab": "vocabulary size",
     "v_head_dim": "size of one value head when it differs from --head-dim (MLA: 128 with --head-dim 192)",
+    "experts": "MoE: experts per layer (parameters and optimizer states count all of them)",
+    "experts_per_token": "MoE: experts each token runs through (activations and FLOPs count these)",
+    "expert_intermediate": "MoE: one expert's intermediate size (default --intermediate)",
+    "shared_expert_intermediate": "MoE: the shared expert's intermediate size (default none)",
 }
 _SUFFIXES = {"k": 1024, "m": 1024**2}  # 128k = 131,072 and 1M = 1,048,576 tokens, as context lengths are named
 
@@ -69,6 +77,13 @@ def _tokens(text: str) -> int:
 
 
 _POSITIVE_INT = _number(int, 0, False, "a positive integer")
+
+
+def _head_chunks(text: str) -> int | str:
+    """``auto`` or a positive integer (a usage error otherwise)."""
+    return "auto" if text == "auto" else _POSITIVE_INT(text)
+
+
 _COUNT = _number(int, 0, True, "an integer >= 0")
 _POSITIVE = _number(float, 0.0, False, "a positive finite number")
 _NON_NEGATIVE = _number(float, 0.0, True, "a finite number >= 0")
@@ -171,6 +186,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="how K/V travel inside the ring group: ring (point-to-point steps), allgather "
         "(chunked all-gather), auto (default: the faster that fits, per mesh)",
+    )
+    tech.add_argument(
+        "--head-chunks",
+        type=_head_chunks,
+        default=1,
+        help="G: each attention layer runs as G passes over head groups (an integer dividing the K/V heads "
+        "per Ulysses rank, or auto: the fastest G that fits, per mesh; default 1)",
+    )
+    tech.add_argument(
+        "--breakdown", action="store_true", help="print where every GiB of the recommended plan goes at its peak"
     )
     tech.add_argument(
         "--reduce-bucket",
@@ -297,6 +322,7 @@ def techniques_from_args(args: argparse.Namespace) -> Techniques:
         optimizer_offload=args.offload_optimizer,
         param_offload=args.offload_params,
         kv_mode=args.kv_mode,
+        head_chunks=args.head_chunks,
         reduce_bucket=args.reduce_bucket,
     )
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hybridsp._types import MeshOrder
-from hybridsp.mesh._hybrid_mesh import MeshShape
 from hybridsp.linear_attention import linear_layer_bytes
+from hybridsp.mesh._hybrid_mesh import MeshShape
 from hybridsp.planner._costs import (
     CommVolume,
     Flops,
