@@ -167,8 +167,11 @@ def main(argv=None) -> int:
         data["attention"][chunks] = {"measured": measured, **planned}
         lines.append(_row(f"attention saved, G={chunks}", measured and measured["saved"], planned["planned_saved"]))
         lines.append(
-            _row(f"attention backward transient, G={chunks}", measured and measured["backward_peak"],
-                 planned["planned_backward"])
+            _row(
+                f"attention backward transient, G={chunks}",
+                measured and measured["backward_peak"],
+                planned["planned_backward"],
+            )
         )
     if not supported:
         lines += ["", "G > 1: `hybrid_attn_func` has no `head_chunks` parameter in this tree: not measured."]

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, replace
 
 from hybridsp.planner import _search as search
 from hybridsp.planner._candidates import CandidatePlan, format_seconds, memory_of
+from hybridsp.planner._memory import memory_use
 from hybridsp.planner._search import LongestContext, PlanResult, SearchSpace, longest_context
 from hybridsp.planner._specs import GIB, ClusterSpec, ModelSpec, Workload
 from hybridsp.planner._techniques import ABLATION_ORDER, Techniques
@@ -30,6 +31,7 @@ class AblationRow:
 
     techniques: tuple[str, ...]
     longest: LongestContext
+    why: str = ""  # nothing fits: what the previous row's plan would need with this row's techniques
 
     @property
     def plan(self) -> CandidatePlan | None:
@@ -83,13 +85,42 @@ def ablation(
     its on/off switches are replaced row by row. ``longest_options`` go to :func:`longest_context`.
     """
     base = base or Techniques()
-    rows = []
+    rows: list[AblationRow] = []
     for count in range(len(order) + 1):
         names = tuple(order[:count])
-        rows.append(
-            AblationRow(names, longest_context(model, cluster, techniques=base.with_only(names), **longest_options))
-        )
+        longest = longest_context(model, cluster, techniques=base.with_only(names), **longest_options)
+        fitted = [row for row in rows if row.plan is not None]
+        why = _why_nothing(fitted[-1], base.with_only(names), model, cluster) if fitted and not longest.seq_len else ""
+        rows.append(AblationRow(names, longest, why))
     return rows
+
+
+TERMS = ("checkpoints", "activations", "logits", "workspace", "params", "grads", "optimizer", "gathered_params")
+
+
+def _why_nothing(previous: AblationRow, techniques: Techniques, model: ModelSpec, cluster: ClusterSpec) -> str:
+    """Nothing fits: the previous row's plan and length with these techniques, and the term that grew most."""
+    best = previous.plan
+    if best is None or previous.longest.result is None:
+        return ""
+    workload = previous.longest.result.workload
+    before = memory_of(best)
+    after = memory_use(
+        model, replace(workload, techniques=replace(techniques, head_chunks=best.head_chunks)), best.config
+    )
+    grew = max(TERMS, key=lambda term: getattr(after, term) - getattr(before, term))
+    return (
+        f"at the last fitting row's plan and length ({workload.seq_len:,}) it needs {after.total / GIB:.1f} GiB of "
+        f"{cluster.usable_bytes / GIB:.1f} ({after.peak_phase} peak): {grew} {getattr(before, grew) / GIB:.1f} -> "
+        f"{getattr(after, grew) / GIB:.1f} GiB"
+        + (
+            f"; the fused loss keeps a full fp32 LM-head weight gradient (V h 4 = "
+            f"{model.embedding_params * 4 / GIB:.1f} GiB) and, in bf16, makes each chunk's V h product and its fp32 "
+            f"cast (hybridsp/losses/_fused.py), a fixed cost the [T, V] logits it replaces exceed only at longer T"
+            if grew == "logits" and "fused_loss" in techniques.names
+            else ""
+        )
+    )
 
 
 def _mesh(plan: CandidatePlan | None) -> str:
@@ -115,7 +146,7 @@ def format_ablation(rows: list[AblationRow], model: ModelSpec, cluster: ClusterS
         previous = length or previous
         name = " + ".join(row.techniques) or "none"
         if best is None:
-            lines.append(f"| {name} | nothing fits | | | | | | | | |")
+            lines.append(f"| {name} | nothing fits | | | | | | {row.why} | | |")
             continue
         m = memory_of(best)
         terms = " / ".join(
