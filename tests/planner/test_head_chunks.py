@@ -6,8 +6,16 @@ from dataclasses import replace
 import pytest
 
 from hybridsp.linear_attention import LinearLayerSpec
-from hybridsp.planner import MODELS, MeshConfig, ModelSpec, Techniques, Workload, longest_context, memory_use
-from hybridsp.planner import preset_cluster
+from hybridsp.planner import (
+    MODELS,
+    MeshConfig,
+    ModelSpec,
+    Techniques,
+    Workload,
+    longest_context,
+    memory_use,
+    preset_cluster,
+)
 from hybridsp.planner._activations import attention_bytes_per_token, checkpoint_bytes, linear_bytes_per_token
 from hybridsp.planner._breakdown import peak_breakdown
 from hybridsp.planner._head_chunks import chunked_exposed, head_chunk_choices
