@@ -159,7 +159,11 @@ def main(argv=None) -> int:
         "|---|---|---|---|",
         _row("RMSNorm saved (its input and output excluded)", single["norm"]["saved"], single["norm"]["planned_saved"]),
         _row("MLP saved", single["mlp"]["saved"], single["mlp"]["planned_saved"]),
-        _row("MLP backward transient (weight gradients excluded)", single["mlp"]["backward_peak"], single["mlp"]["planned_backward"]),
+        _row(
+            "MLP backward transient (weight gradients excluded)",
+            single["mlp"]["backward_peak"],
+            single["mlp"]["planned_backward"],
+        ),
     ]
     data = {"single": single, "attention": {}}
     for chunks in map(int, args.chunks.split(",")):
