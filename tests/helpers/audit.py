@@ -57,6 +57,7 @@ NO_DROPOUT = dict.fromkeys(
     0.0,
 )  # attention dropout is refused by design; the audit asks about what the model computes
 SEQ, BATCH, CHUNK = 32, 2, 12
+MAX_PARAMETERS = 20_000_000  # 80 MB in fp32 per copy: the tiny fields did their job
 
 
 def quiet() -> None:
@@ -93,6 +94,10 @@ def tiny_model(model_type: str, seed: int = 0):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(model_type, **_fields_of(model_type))
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMETERS:  # a field the tiny fields did not reach (a nested text config's vocabulary)
+        raise ValueError(f"the tiny copy still has {size:,} parameters (over {MAX_PARAMETERS:,})")
     torch.manual_seed(seed)
     for implementation in ("sdpa", "eager"):
         try:
@@ -172,12 +177,15 @@ def _compare_many(rank: int, world: int, types: list[str]) -> dict:
     return {name: compare_family(rank, world, name) for name in types}
 
 
-def audit(types: list[str], chunk: int = CHUNK) -> dict[str, dict]:
-    """The audit's row per family (module docstring)."""
+def audit(types: list[str], out: Path, chunk: int = CHUNK) -> dict[str, dict]:
+    """The audit's row per family (module docstring), written to ``out`` after each step; families ``out``
+    already holds with a final answer are kept (rerun after an interruption)."""
     from hybridsp.testing import run_distributed
 
     quiet()
-    rows = {name: decision(name) for name in types}
+    done = json.loads(out.read_text())["families"] if out.exists() else {}
+    rows = {name: done.get(name) or decision(name) for name in types}
+    _write(out, rows)
     switched = [name for name, row in rows.items() if row["decision"] == "switched"]
     for start in range(0, len(switched), chunk):
         part = switched[start : start + chunk]
@@ -187,7 +195,14 @@ def audit(types: list[str], chunk: int = CHUNK) -> dict[str, dict]:
             results = {name: _compare_alone(name) for name in part}
         for name in part:
             rows[name] = {**rows[name], **results[name]}
+        _write(out, rows)
     return rows
+
+
+def _write(out: Path, rows: dict) -> None:
+    import transformers
+
+    out.write_text(json.dumps(dict(transformers=transformers.__version__, families=rows), indent=1) + "\n")
 
 
 def _compare_alone(name: str) -> dict:
@@ -204,11 +219,8 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated model types (default: all causal-LM types)")
     parser.add_argument("--out", type=Path, default=AUDIT_FILE)
     args = parser.parse_args()
-    import transformers
-
     types = args.only.split(",") if args.only else model_types()
-    rows = audit(types)
-    args.out.write_text(json.dumps(dict(transformers=transformers.__version__, families=rows), indent=1) + "\n")
+    rows = audit(types, args.out)
     for name, row in rows.items():
         print(f"{name:28s} {row['decision']:10s} {row.get('max_rel', '')!s:24s} {row.get('detail', '')[:110]}")
 

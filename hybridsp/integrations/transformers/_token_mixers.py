@@ -187,7 +187,7 @@ def mixing_evidence(module: nn.Module) -> str | None:
         return "a convolution over the sequence"
     state = sorted(STATE_NAMES & {*module._parameters, *module._buffers})
     if state:
-        return f"a recurrence's own state parameter {state[0]!r}"
+        return f"its own parameter {state[0]!r}, the mark of a state-space, decay or dynamic-mask mixer"
     if klass.__module__.startswith("torch."):
         return None
     named = MIXER_NAME.search(klass.__name__)

@@ -157,3 +157,14 @@ def test_mixers_are_claimed_by_class_not_by_their_attributes():
     nemotron, falcon = build("nemotron_h"), build("falcon_h1")
     assert {type(m).__name__ for m, _ in claimed_mixers(nemotron, hf.default_mixers())} == {"NemotronHMamba2Mixer"}
     assert claimed_mixers(falcon, hf.default_mixers()) == []
+
+
+def test_the_check_model_command_answers_as_the_switch(tmp_path, capsys):
+    from hybridsp.__main__ import main
+
+    build("minimax").config.save_pretrained(tmp_path)
+    assert main(["check-model", str(tmp_path), "--ring", "2"]) == 1
+    assert "refused. MiniMaxForCausalLM mixes tokens outside attention" in capsys.readouterr().out
+    assert main(["check-model", "qwen3_5_text", "--ulysses", "2", "--ring", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "switchable" in out and "Qwen3_5GatedDeltaNet: 24 layers" in out
