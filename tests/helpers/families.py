@@ -209,11 +209,13 @@ handle = apply(model, mesh, mixers=mixers)
 AUDIT_HEADER = """## Every decoder family of the installed transformers: the audit
 
 `python -m tests.helpers.audit` builds every model type of transformers' causal-LM auto mapping on the meta
-device from its default config (dropout off) and asks the switch's decision (`check_switchable`, the same
+device from its default config and asks the switch's decision (`check_switchable`, the same
 decision `apply` takes); every model the switch takes is then built tiny and random (4 layers, hidden 64,
 4 query / 2 K/V heads where the config has those fields) and compared at U1xR2 on 2 gloo ranks with the
 unmodified model on one process: logits and every parameter gradient, largest relative error (fp32,
-tolerance 1e-4). `exact`: switched and within tolerance; `refused`: the switch's one-line refusal
+tolerance 1e-4; a gradient is compared relative to its own largest value or to 1e-3 of the model's largest
+gradient, whichever is larger, since some are zero in exact arithmetic, e.g. a key bias under softmax; dropout
+and router jitter off, as they are random). `exact`: switched and within tolerance; `refused`: the switch's one-line refusal
 (shortened here); `defect`: switched but not exact (then refused by model type, see the reason); `not built`:
 transformers itself cannot build the family's default or tiny config here. Check your own saved model the
 same way: `python -m hybridsp check-model PATH --ulysses U --ring R`.

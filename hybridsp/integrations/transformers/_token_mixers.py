@@ -48,10 +48,9 @@ from hybridsp.mesh._hybrid_mesh import HybridMesh
 MARK = "_hybridsp_linear"  # set on every mixer a default adapter switched (removed by undo)
 
 STATE_NAMES = frozenset({"A_log", "A", "D", "dt_bias", "slope_rate", "decay", "time_decay", "time_first"})
-MIXER_NAME = re.compile(
-    r"Mamba|Mixer|SSM|Lightning|LinearAttention|DeltaNet|Indexer|Rglru|RWKV|Retention|Hyena|"
-    r"[msx]LSTM|Compressor|Scan",
-    re.IGNORECASE,
+MIXER_NAME = re.compile(  # case-sensitive: "GptOssMLP" holds "ssM", not an SSM
+    r"Mamba|Mixer|SSM|Ssm|Lightning|LinearAttention|DeltaNet|Indexer|Rglru|RGLRU|Rwkv|RWKV|Retention|Hyena|"
+    r"[msx]LSTM|Compressor|Scan|ShortConv"
 )
 REFUSED_CLASSES: dict[str, str] = {}  # class name -> why, for mixers the signs below miss (filled by the audit)
 
