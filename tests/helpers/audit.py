@@ -129,7 +129,21 @@ def _fields_of(model_type: str, tiny: dict = TINY) -> dict:
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    return {key: value for key, value in {**tiny, **NO_DROPOUT}.items() if hasattr(default, key)}
+    fields = {key: value for key, value in {**tiny, **NO_DROPOUT}.items() if hasattr(default, key)}
+    fields |= {key: 0.0 for key, value in vars(default).items() if _is_noise(key, value)}
+    text = getattr(default, "text_config", None)
+    if text is not None and not isinstance(text, dict):  # a multimodal model: shrink its language model too
+        fields["text_config"] = {key: value for key, value in {**tiny, **NO_DROPOUT}.items() if hasattr(text, key)}
+        fields["text_config"] |= {key: 0.0 for key, value in vars(text).items() if _is_noise(key, value)}
+    if "qk_rope_head_dim" in fields:  # MLA: the head dim is the rope part's, every head has its own K/V
+        fields.pop("head_dim", None)
+        fields["num_key_value_heads"] = fields.get("num_attention_heads", 4)
+    return fields
+
+
+def _is_noise(key: str, value) -> bool:
+    """A random perturbation of training (dropout, router jitter): off in the audit, since it is random."""
+    return isinstance(value, float) and any(word in key for word in ("dropout", "pdrop", "jitter"))
 
 
 def _first_line(error: BaseException) -> str:

@@ -216,9 +216,10 @@ unmodified model on one process: logits and every parameter gradient, largest re
 tolerance 1e-4; a gradient is compared relative to its own largest value or to 1e-3 of the model's largest
 gradient, whichever is larger, since some are zero in exact arithmetic, e.g. a key bias under softmax; dropout
 and router jitter off, as they are random). `exact`: switched and within tolerance; `refused`: the switch's one-line refusal
-(shortened here); `defect`: switched but not exact (then refused by model type, see the reason); `not built`:
-transformers itself cannot build the family's default or tiny config here. Check your own saved model the
-same way: `python -m hybridsp check-model PATH --ulysses U --ring R`.
+(shortened here); `defect`: switched but not exact, or failing at the first forward (none at this version); `not built`:
+transformers itself cannot build the family's default or tiny config here (its error is shown; the switch's
+decision on the default config was "switched"). Ask the switch about your own saved model, on the meta device:
+`python -m hybridsp check-model PATH --ulysses U --ring R` (exit 1 with the refusal line).
 """
 
 
@@ -239,7 +240,7 @@ def render_audit(audit: dict) -> list[str]:
     return lines
 
 
-AUDIT_KINDS = ("exact", "refused", "defect", "not built", "switched")
+AUDIT_KINDS = ("exact", "refused", "defect", "not built")
 
 
 def _short(text: str, limit: int = 220) -> str:

@@ -16,8 +16,7 @@ or decay recurrence (``A_log``, ``dt_bias``, ``D``, ``A``, ``slope_rate``, ``tim
 name of a known kind of mixer (Mamba, Mixer, SSM, Lightning, linear attention, DeltaNet, Indexer,
 RG-LRU, RWKV, retention, Hyena, xLSTM, compressor, scan). The audit of every decoder family of
 the installed transformers (``python -m tests.helpers.audit``, docs/model-support.md) checks the rule
-against the unmodified models; the classes it found to mix tokens without any of these signs are listed
-in :data:`REFUSED_CLASSES`.
+against the unmodified models (transformers 5.25: every family the switch takes is exact at U1xR2).
 
 Note [mixers under compile]: the default adapters' sharded forwards read the batch's documents on the host
 (the segment plan of each row, the conv taps, the state-passing order), which a traced graph would take as
@@ -52,7 +51,6 @@ MIXER_NAME = re.compile(  # case-sensitive: "GptOssMLP" holds "ssM", not an SSM
     r"Mamba|Mixer|SSM|Ssm|Lightning|LinearAttention|DeltaNet|Indexer|Rglru|RGLRU|Rwkv|RWKV|Retention|Hyena|"
     r"[msx]LSTM|Compressor|Scan|ShortConv"
 )
-REFUSED_CLASSES: dict[str, str] = {}  # class name -> why, for mixers the signs below miss (filled by the audit)
 
 
 class MixerAdapter(Protocol):
@@ -178,8 +176,6 @@ def claimed_mixers(model: nn.Module, mixers) -> list[tuple[nn.Module, MixerAdapt
 def mixing_evidence(module: nn.Module) -> str | None:
     """Why ``module`` mixes tokens across positions, judged by what it is (Note [mixers by identity]), or None."""
     klass = type(module)
-    if klass.__name__ in REFUSED_CLASSES:
-        return REFUSED_CLASSES[klass.__name__]
     if isinstance(module, nn.RNNBase):
         return "a recurrent layer"
     if isinstance(module, nn.modules.conv._ConvNd) and _kernel_positions(module) > 1:
@@ -226,7 +222,7 @@ def _reported_name(model: nn.Module, path: str, module: nn.Module) -> str:
         return type(module).__name__
     for end in range(len(parts) - 1, 0, -1):
         klass = type(model.get_submodule(".".join(parts[:end])))
-        if klass.__name__ in REFUSED_CLASSES or MIXER_NAME.search(klass.__name__):
+        if MIXER_NAME.search(klass.__name__):
             return klass.__name__
     if type(module).__module__.startswith("torch.") and len(parts) > 1:
         return f"{type(model.get_submodule('.'.join(parts[:-1]))).__name__}.{parts[-1]}"
