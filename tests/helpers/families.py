@@ -217,8 +217,8 @@ tolerance 1e-4; a gradient is compared relative to its own largest value or to 1
 gradient, whichever is larger, since some are zero in exact arithmetic, e.g. a key bias under softmax; dropout
 and router jitter off, as they are random). `exact`: switched and within tolerance; `refused`: the switch's one-line refusal
 (shortened here); `defect`: switched but not exact, or failing at the first forward (none at this version); `not built`:
-transformers itself cannot build the family's default or tiny config here (its error is shown; the switch's
-decision on the default config was "switched"). Ask the switch about your own saved model, on the meta device:
+transformers itself cannot build the family's default or tiny config here (its error is shown: either
+the default config or the tiny copy fails in transformers, or the unmodified model's own forward does). Ask the switch about your own saved model, on the meta device:
 `python -m hybridsp check-model PATH --ulysses U --ring R` (exit 1 with the refusal line).
 """
 
