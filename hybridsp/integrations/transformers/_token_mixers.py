@@ -52,6 +52,8 @@ MIXER_NAME = re.compile(  # case-sensitive: "GptOssMLP" holds "ssM", not an SSM
     r"[msx]LSTM|Compressor|Scan|ShortConv"
 )
 
+PER_TOKEN_SUFFIXES = ("Norm", "MLP", "Mlp", "Embedding", "Embeddings", "Experts", "Router", "Head")
+
 
 class MixerAdapter(Protocol):
     """Switches one kind of token mixer (a module that mixes tokens outside the attention call) to run
@@ -186,7 +188,9 @@ def mixing_evidence(module: nn.Module) -> str | None:
     if klass.__module__.startswith("torch."):
         return None
     named = MIXER_NAME.search(klass.__name__)
-    if named is None or any(MIXER_NAME.search(type(m).__name__) for m in list(module.modules())[1:]):
+    if named is None or klass.__name__.endswith(PER_TOKEN_SUFFIXES):
+        return None  # a family's norm or MLP (MambaRMSNorm) carries the family's name, not a mixer's
+    if any(MIXER_NAME.search(type(m).__name__) for m in list(module.modules())[1:]):
         return None  # a layer holding a mixer (JambaMambaDecoderLayer) is reported as that mixer
     return f"a token mixer by its class ({named.group(0)!r})"
 

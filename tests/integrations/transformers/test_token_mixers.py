@@ -141,7 +141,7 @@ def test_a_user_mixer_is_refused_until_an_adapter_claims_it():
     model = build("llama", device="cpu", num_hidden_layers=2)
     model.model.layers[1].short_conv = ShortConv(64)
     message = refusal(model, mesh_at(1, 2))
-    assert "ShortConv.conv in layers 1 (a convolution over the sequence)" in message
+    assert "ShortConv in layers 1 (a token mixer by its class" in message
     adapter = ShortConvAdapter()
     mixers = (*hf.default_mixers(), adapter)
     hf.check_switchable(model, mesh_at(1, 2), mixers=mixers)
