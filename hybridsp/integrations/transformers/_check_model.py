@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from typing import Any, cast
 
 HELP = "ask the attention switch about a saved model (built on the meta device): switched or refused, and why"
 
@@ -47,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--ulysses and --ring must be >= 1, got {args.ulysses} and {args.ring}")
     model = build_on_meta(args.model)
     shape = MeshShape(args.ulysses * args.ring, args.ulysses, args.ring)
-    mesh = HybridMesh(shape, 0, dict.fromkeys(["ulysses", "ring", "context", "data", "data_context"]))
+    no_groups = cast("dict[str, Any]", dict.fromkeys(["ulysses", "ring", "context", "data", "data_context"]))
+    mesh = HybridMesh(shape, 0, no_groups)  # the decision reads degrees only; no process group is made
     name = f"{type(model).__name__} at U{args.ulysses}xR{args.ring}"
     try:
         decision = decide(model, mesh)

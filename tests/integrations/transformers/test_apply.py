@@ -181,7 +181,7 @@ def test_refused_models_raise_and_change_nothing():
             ),
             mesh_at(1, 1),
         ),
-        "has layers that mix tokens outside attention (LlamaMLP: a convolution": (
+        "mixes tokens outside attention in modules hybridsp does not implement: LlamaMLP.mixer in layers 0 (a convolution": (
             _with_a_convolution(build("llama")),
             mesh_at(1, 1),
         ),
