@@ -9,7 +9,10 @@ multipliers. ``build_family(name)`` builds it with the reference implementation 
 
 from __future__ import annotations
 
+import json
+
 from tests.helpers.models.tiny import tiny_causal_lm
+from tests.helpers.paths import ROOT
 
 PAD = 0
 SHAPE = dict(
@@ -174,6 +177,77 @@ def families_where(check: str, value: str = EXACT) -> list[str]:
     ]
 
 
+MIXER_HOWTO = """A recurrence, a convolution over the sequence, a state-space scan or a sparse indexer would restart at
+every shard boundary if it ran per shard, so the switch replaces such a module only when a `MixerAdapter`
+claims it by its class (Gated DeltaNet of Qwen3.5, Qwen3.5-MoE and Qwen3-Next; Mamba-2 of Nemotron-H), and
+refuses the model otherwise. To switch a model with another mixer, implement the protocol and pass it; test
+it against the family's unmodified model at U2xR2 or U1xR2 as `tests/linear/test_hf_models.py` does:
+
+```python
+from hybridsp.integrations.transformers import MixerAdapter, apply, check_switchable, default_mixers
+
+
+class MyConvAdapter(MixerAdapter):
+    name = "my short convolution"
+
+    def matches(self, module):  # by identity, never by attribute names
+        return type(module).__name__ == "MyShortConv" and type(module).__module__ == "my_model.modeling"
+
+    def check(self, module, mesh):  # ValueError for what this mesh cannot run
+        ...
+
+    def switch(self, module, mesh):  # replace the instance's forward with a sharded one; return the undo
+        ...
+
+
+mixers = (*default_mixers(), MyConvAdapter())
+check_switchable(model, mesh, mixers=mixers)  # the same decision as apply
+handle = apply(model, mesh, mixers=mixers)
+```
+"""
+
+AUDIT_HEADER = """## Every decoder family of the installed transformers: the audit
+
+`python -m tests.helpers.audit` builds every model type of transformers' causal-LM auto mapping on the meta
+device from its default config and asks the switch's decision (`check_switchable`, the same
+decision `apply` takes); every model the switch takes is then built tiny and random (4 layers, hidden 64,
+4 query / 2 K/V heads where the config has those fields) and compared at U1xR2 on 2 gloo ranks with the
+unmodified model on one process: logits and every parameter gradient, largest relative error (fp32,
+tolerance 1e-4; a gradient is compared relative to its own largest value or to 1e-3 of the model's largest
+gradient, whichever is larger, since some are zero in exact arithmetic, e.g. a key bias under softmax; dropout
+and router jitter off, as they are random). `exact`: switched and within tolerance; `refused`: the switch's one-line refusal
+(shortened here); `defect`: switched but not exact, or failing at the first forward (none at this version); `not built`:
+transformers itself cannot build the family's default or tiny config here (its error is shown: either
+the default config or the tiny copy fails in transformers, or the unmodified model's own forward does). Ask the switch about your own saved model, on the meta device:
+`python -m hybridsp check-model PATH --ulysses U --ring R` (exit 1 with the refusal line).
+"""
+
+
+def render_audit(audit: dict) -> list[str]:
+    """The audit table (``docs/model-support-audit.json``, written by ``python -m tests.helpers.audit``)."""
+    rows = audit["families"]
+    counts = {kind: sum(row["decision"] == kind for row in rows.values()) for kind in AUDIT_KINDS}
+    lines = [AUDIT_HEADER, f"transformers {audit['transformers']}: " + ", ".join(f"{n} {k}" for k, n in counts.items())]
+    lines += ["", "| model type | model | decision | largest relative error, or the reason |", "|---|---|---|---|"]
+    for name, row in sorted(rows.items()):
+        detail = f"{row['max_rel']:.1e} (U1xR2)" if "max_rel" in row and row["decision"] == "exact" else ""
+        detail = (
+            detail
+            or _short(row.get("detail", ""))
+            or (f"{row['max_rel']:.1e} ({row.get('worst')})" if "max_rel" in row else "")
+        )
+        lines.append(f"| {name} | {row.get('model', '')} | {row['decision']} | {detail} |")
+    return lines
+
+
+AUDIT_KINDS = ("exact", "refused", "defect", "not built")
+
+
+def _short(text: str, limit: int = 220) -> str:
+    text = text.replace("|", "/").replace("ValueError: ", "")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def render_support_matrix() -> str:
     """docs/model-support.md, from :data:`SUPPORT` (``python -m tests.helpers.families > docs/model-support.md``)."""
     lines = [
@@ -183,8 +257,11 @@ def render_support_matrix() -> str:
         "`tests/integrations/transformers/families/test_support_doc.py` keeps this page equal to the table the",
         "tests run. Every family is a tiny config built locally (2 layers, its distinguishing feature kept) and is",
         "compared against the unmodified transformers model on one process. The switch takes any causal decoder",
-        "whose attention calls transformers' attention interface (docs/hf-trainer.md); families not listed here",
-        "are switched by the same rule but not tested here.",
+        "whose attention calls transformers' attention interface (docs/hf-trainer.md) and refuses, in one line and",
+        "before any change or collective, every other module that mixes tokens across positions unless a mixer",
+        "adapter claims it by class (below); the audit at the end of this page runs that decision on every family.",
+        "",
+        MIXER_HOWTO,
         "",
         "| check | exact means | test |",
         "|---|---|---|",
@@ -201,6 +278,9 @@ def render_support_matrix() -> str:
         "|---|" + "---|" * len(CHECKS),
     ]
     lines += [f"| {name} | " + " | ".join(row[c] for c in CHECKS) + " |" for name, row in LINEAR_SUPPORT.items()]
+    audit = ROOT / "docs" / "model-support-audit.json"
+    if audit.exists():
+        lines += ["", *render_audit(json.loads(audit.read_text()))]
     return "\n".join(lines) + "\n"
 
 

@@ -74,9 +74,11 @@ def test_refusals_change_nothing():
             super().__init__()
             self.A_log = nn.Parameter(torch.zeros(2))
 
-    model.model.layers[0].extra = UnknownRecurrence()
-    with pytest.raises(ValueError, match="neither a Gated DeltaNet nor a Mamba-2"):
-        switch_linear_layers(model, mesh_at(1, 1))
+    model.model.layers[0].extra = UnknownRecurrence()  # apply refuses it (tests/integrations/.../test_token_mixers.py)
+    from hybridsp.integrations import transformers as hf
+
+    with pytest.raises(ValueError, match=r"UnknownRecurrence in layers 0 \(its own parameter 'A_log'"):
+        hf.apply(model, mesh_at(1, 1))
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert switch_linear_layers(nn.Linear(2, 2), mesh_at(1, 1)) is None
 

@@ -23,20 +23,16 @@ from typing import TYPE_CHECKING
 from hybridsp.integrations import lazy_exports
 
 if TYPE_CHECKING:
-    from hybridsp.integrations.transformers._capabilities import check_switchable, layer_windows, layout_window
+    from hybridsp.integrations.transformers._adapters import ModelAdapter, default_adapters
+    from hybridsp.integrations.transformers._capabilities import layer_windows, layout_window
     from hybridsp.integrations.transformers._checkpoint import export_hf, load_pretrained
+    from hybridsp.integrations.transformers._decision import check_switchable
     from hybridsp.integrations.transformers._generation import Prefill, generate, prefill
     from hybridsp.integrations.transformers._loss import causal_lm_loss, model_router_loss
     from hybridsp.integrations.transformers._padding import padded_documents
     from hybridsp.integrations.transformers._peft import base_model
-    from hybridsp.integrations.transformers._switch import (
-        NAME,
-        HybridAttentionHandle,
-        ModelAdapter,
-        apply,
-        default_adapters,
-        register,
-    )
+    from hybridsp.integrations.transformers._switch import NAME, HybridAttentionHandle, apply, register
+    from hybridsp.integrations.transformers._token_mixers import MixerAdapter, default_mixers
     from hybridsp.integrations.transformers._trainer import HybridSPMixin, HybridSPTrainer
     from hybridsp.integrations.transformers._vision.batch import shard_vlm_batch
     from hybridsp.integrations.transformers._vision.generation import generate_vlm
@@ -47,11 +43,13 @@ _P = "hybridsp.integrations.transformers."
 _EXPORTS = {
     "NAME": _P + "_switch",
     "HybridAttentionHandle": _P + "_switch",
-    "ModelAdapter": _P + "_switch",
+    "ModelAdapter": _P + "_adapters",
     "apply": _P + "_switch",
-    "default_adapters": _P + "_switch",
+    "default_adapters": _P + "_adapters",
     "register": _P + "_switch",
-    "check_switchable": _P + "_capabilities",
+    "MixerAdapter": _P + "_token_mixers",
+    "default_mixers": _P + "_token_mixers",
+    "check_switchable": _P + "_decision",
     "layer_windows": _P + "_capabilities",
     "layout_window": _P + "_capabilities",
     "Prefill": _P + "_generation",
@@ -85,6 +83,7 @@ __all__ = [
     "HybridAttentionHandle",
     "HybridSPMixin",
     "HybridSPTrainer",
+    "MixerAdapter",
     "ModelAdapter",
     "NAME",
     "Prefill",
@@ -94,6 +93,7 @@ __all__ = [
     "causal_lm_loss",
     "check_switchable",
     "default_adapters",
+    "default_mixers",
     "export_hf",
     "generate",
     "generate_vlm",

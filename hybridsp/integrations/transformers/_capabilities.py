@@ -1,7 +1,7 @@
 """What the switch takes, decided by capability, and the windows its layers use.
 
-:func:`check_switchable` / :func:`check_model` (Note [capabilities] in
-:mod:`hybridsp.integrations.transformers._switch`): ValueError, before anything changes, for a model
+:func:`check_model` (Note [capabilities] in :mod:`hybridsp.integrations.transformers._switch`): the
+attention modules' part of the decision (:mod:`.decision`), ValueError, before anything changes, for a model
 hybridsp cannot run exactly; :func:`layer_windows` and :func:`layout_window` (Note [layout window]).
 
 Note [layout window]: ``layout="balanced"`` places tokens so that every ring slot does the same
@@ -25,18 +25,11 @@ from torch import nn
 
 from hybridsp._formulas import heads_divisible
 from hybridsp.integrations.transformers._binding import BINDING_ATTR, INTERFACE_NAME, NAME, attention_modules
-from hybridsp.integrations.transformers._linear_layers import mixer_kind
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 from hybridsp.tensor_parallel._model_split import tensor_plan
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-
-def check_switchable(model: nn.Module, mesh: HybridMesh | None = None) -> None:
-    """Raise ValueError when :func:`apply` would refuse ``model`` (on ``mesh``; None: any mesh's heads);
-    works on a model built on the meta device (nothing is read or changed)."""
-    check_model(model, attention_modules(model), mesh)
 
 
 def check_model(model: nn.Module, modules: list[nn.Module], mesh: HybridMesh | None) -> None:
@@ -58,7 +51,6 @@ def check_model(model: nn.Module, modules: list[nn.Module], mesh: HybridMesh | N
     for module in modules:
         _check_module(module, mesh, heads)
     _refuse_chunked_on_document_layout(modules, mesh)
-    _refuse_other_token_mixers(model)
 
 
 def _query_heads(model: nn.Module, module: nn.Module) -> int | None:
@@ -124,32 +116,6 @@ def check_position_scaled_queries(module: nn.Module, seq_len: int, mesh: HybridM
             f"{mesh.context} context ranks; set attn_temperature_tuning=False or keep sequences under "
             f"{floor_scale - 1} tokens"
         )
-
-
-def _refuse_other_token_mixers(model: nn.Module) -> None:
-    """ValueError for layers that mix tokens outside attention (a causal depthwise convolution, a recurrence)
-    other than the linear-attention mixers :mod:`.linear_layers` shards: run per shard, they would restart at
-    every shard boundary."""
-    mixers = sorted(
-        {
-            type(parent).__name__
-            for parent in model.modules()
-            for child in parent.children()
-            if _mixes_tokens(child) and mixer_kind(parent) is None
-        }
-    )  # linear_layers shards those
-    if mixers:
-        raise ValueError(
-            f"{type(model).__name__} has layers that mix tokens outside attention ({', '.join(mixers)}: a "
-            f"convolution or recurrence over the sequence); hybridsp cannot shard them"
-        )
-
-
-def _mixes_tokens(module: nn.Module) -> bool:
-    """A depthwise 1-D convolution over the sequence, or a recurrent layer."""
-    if isinstance(module, nn.RNNBase):
-        return True
-    return isinstance(module, nn.Conv1d) and module.groups == module.in_channels > 1
 
 
 def layer_windows(model: nn.Module) -> list[int | None]:

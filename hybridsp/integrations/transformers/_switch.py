@@ -13,11 +13,14 @@ GLM-4, ...; docs/model-support.md lists what the tests check per family), on tra
 ``sliding_window``, head dims (q/k and v may differ), packed documents (Note [packed documents]).
 Position handling stays the model's own, from the global ``position_ids`` (RoPE per layer type,
 layers without RoPE). Hybrid linear-attention models (Qwen3.5, Qwen3-Next, Nemotron-H): the same
-:func:`apply` also switches their Gated DeltaNet / Mamba-2 mixers
-(:func:`~hybridsp.integrations.transformers._linear_layers.switch_linear_layers`; the handle undoes both). Refused, with a line naming what is missing: a model with no such module (its
+:func:`apply` also switches their Gated DeltaNet / Mamba-2 mixers, recognised by class
+(:mod:`hybridsp.integrations.transformers._token_mixers`; the handle undoes both). What is refused is
+decided once, by :func:`~hybridsp.integrations.transformers._decision.decide`, for ``apply`` and
+``check_switchable`` alike. Refused, with a line naming what is missing: a model with no such module (its
 attention bypasses the interface), encoder-decoders, non-causal attention, chunked-attention layers on a layout that places tokens by document (chunked layers
 otherwise run as documents cut into chunks, Note [chunked layers] in :mod:`.documents`),
-layers that mix tokens outside attention (a causal convolution or a recurrence), Llama 4's query temperature tuning past ``floor_scale`` tokens under sequence parallelism, attention dropout in training, a ``head_mask``, a user-supplied 4D mask, and a KV
+layers that mix tokens outside attention that no mixer adapter claims by identity (Note [mixers by identity]
+in :mod:`.token_mixers`), a model split by transformers' own tensor parallelism, Llama 4's query temperature tuning past ``floor_scale`` tokens under sequence parallelism, attention dropout in training, a ``head_mask``, a user-supplied 4D mask, and a KV
 cache that already holds tokens outside :func:`generate` (long-context generation against a sharded
 K/V cache: :mod:`hybridsp.integrations.transformers._generation`).
 
@@ -83,7 +86,7 @@ them; the model's default 0..S/C-1 would be wrong RoPE), and ``labels`` must not
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 import transformers
@@ -92,18 +95,16 @@ from torch import nn
 
 from hybridsp._types import BackendName
 from hybridsp.attention._api import hybrid_attn_func
+from hybridsp.integrations.transformers._adapters import ModelAdapter
 from hybridsp.integrations.transformers._binding import BINDING_ATTR as _BINDING_ATTR
-from hybridsp.integrations.transformers._binding import DECODE_KWARG, DOCUMENTS_KWARG, NAME, attention_modules
+from hybridsp.integrations.transformers._binding import DECODE_KWARG, DOCUMENTS_KWARG, NAME
 from hybridsp.integrations.transformers._binding import Binding as _Binding
-from hybridsp.integrations.transformers._capabilities import (
-    check_model,
-    check_position_scaled_queries,
-    chunk_size_of,
-    layout_window,
-)
+from hybridsp.integrations.transformers._capabilities import check_position_scaled_queries, chunk_size_of, layout_window
+from hybridsp.integrations.transformers._decision import decide
 from hybridsp.integrations.transformers._documents import documents_from_kwargs, install_input_check, layer_documents
 from hybridsp.integrations.transformers._handle import HybridAttentionHandle, switch_modules
-from hybridsp.integrations.transformers._linear_layers import switch_linear_layers
+from hybridsp.integrations.transformers._linear_layers import switch_claimed_mixers
+from hybridsp.integrations.transformers._token_mixers import MixerAdapter
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
@@ -246,50 +247,19 @@ def _check_call(
         )
 
 
-class ModelAdapter(Protocol):
-    """A model family :func:`apply` switches its own way instead of the generic path (every module
-    that calls the attention interface). :func:`apply` asks each adapter in turn: the first whose
-    ``matches(model)`` is true switches the model; a model no adapter matches goes through every
-    adapter's ``check(model)`` (a ValueError for relatives it cannot switch), then the generic path.
-    """
-
-    name: str
-
-    def matches(self, model: nn.Module) -> bool:
-        """Whether this adapter switches ``model``."""
-        ...
-
-    def check(self, model: nn.Module) -> None:
-        """Raise ValueError, before anything changes, for a model of this family's kind that no
-        adapter switches (e.g. a vision tower of another family)."""
-        ...
-
-    def apply(
-        self, model: nn.Module, mesh: HybridMesh, backend: BackendName | AttentionKernel
-    ) -> HybridAttentionHandle:
-        """Switch ``model`` (checks first, nothing changed on failure); the handle undoes it."""
-        ...
-
-
-def default_adapters() -> tuple[ModelAdapter, ...]:
-    """The adapters :func:`apply` uses unless given others: the vision-language models (Qwen2-VL,
-    Qwen2.5-VL: the language model's attention only)."""
-    from hybridsp.integrations.transformers._vision.model import VisionLanguageAdapter
-
-    return (VisionLanguageAdapter(),)
-
-
 def apply(
     model: nn.Module,
     mesh: HybridMesh,
     *,
     backend: BackendName | AttentionKernel = "auto",
     adapters: Sequence[ModelAdapter] | None = None,
+    mixers: Sequence[MixerAdapter] | None = None,
 ) -> HybridAttentionHandle:
     """Switch one model instance to hybrid sequence-parallel attention over ``mesh``.
 
     Registers ``"hybridsp"`` (idempotent), binds the mesh to every attention module
-    (Note [binding the mesh]), sets every config's ``_attn_implementation`` to ``"hybridsp"``
+    (Note [binding the mesh]), sets every config's ``_attn_implementation`` to ``"hybridsp"``,
+    switches the token mixers an adapter claims (Note [mixers by identity] in :mod:`.token_mixers`)
     and, when ``C > 1``, checks each call's inputs (position_ids given, no labels).
 
     Args:
@@ -299,31 +269,24 @@ def apply(
         backend: the local attention kernel (``auto``, ``torch``, ``flash``, ``reference``).
         adapters: the :class:`ModelAdapter` s to ask before the generic path (None:
             :func:`default_adapters`); pass ``(*default_adapters(), MyAdapter())`` to add one.
+        mixers: the :class:`MixerAdapter` s that switch token mixers other than attention (None:
+            :func:`default_mixers`: Gated DeltaNet and Mamba-2); pass ``(*default_mixers(), MyMixer())`` to
+            add one. Any other module that mixes tokens makes ``apply`` refuse.
 
     Returns:
         a :class:`HybridAttentionHandle`; ``handle.undo()`` restores the model exactly.
 
     Raises:
-        TypeError for a class; ValueError, before changing anything, for an unsupported model
-        or config (the message says what to change); RuntimeError for old transformers.
+        TypeError for a class; ValueError, before changing anything and before any collective, for an
+        unsupported model or config (the message says what to change; ``check_switchable`` raises the same);
+        RuntimeError for old transformers.
     """
-    if isinstance(model, type):
-        raise TypeError(
-            f"apply() switches a model instance, got the class {model.__name__}: build the model, then call "
-            f"apply(model, mesh) (register() alone makes attn_implementation={NAME!r} loadable)"
-        )
+    decision = decide(model, mesh, adapters, mixers)
     register()
-    adapters = default_adapters() if adapters is None else tuple(adapters)
-    adapter = next((a for a in adapters if a.matches(model)), None)
-    if adapter is not None:
-        if any(hasattr(m, _BINDING_ATTR) for m in model.modules()):
-            raise ValueError(f"{type(model).__name__} is already switched to {NAME}: undo the first handle first")
-        return adapter.apply(model, mesh, backend)
-    for other in adapters:
-        other.check(model)
-    modules = attention_modules(model)
-    check_model(model, modules, mesh)
-    undo_linear = switch_linear_layers(model, mesh, backend)  # checks every linear layer before changing any
+    if decision.adapter is not None:
+        return decision.adapter.apply(model, mesh, backend)
+    modules = decision.attention
+    undo_linear = switch_claimed_mixers(decision.mixers, mesh)
     hook = install_input_check(model, mesh, layout_window(model))
     return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook, undo_linear)
 

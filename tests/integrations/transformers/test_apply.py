@@ -162,7 +162,7 @@ def _with_a_convolution(model):
 def test_refused_models_raise_and_change_nothing():
     cases = {
         "4 query heads are not divisible by the Ulysses degree 8": (build("llama"), mesh_at(8, 1)),
-        "MambaForCausalLM has no attention module that calls transformers' attention interface": (
+        "MambaForCausalLM mixes tokens outside attention in modules hybridsp does not implement: MambaMixer": (
             transformers.MambaForCausalLM(
                 transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, state_size=4)
             ),
@@ -181,7 +181,7 @@ def test_refused_models_raise_and_change_nothing():
             ),
             mesh_at(1, 1),
         ),
-        "has layers that mix tokens outside attention (LlamaMLP: a convolution": (
+        "mixes tokens outside attention in modules hybridsp does not implement: LlamaMLP.mixer in layers 0 (a convolution": (
             _with_a_convolution(build("llama")),
             mesh_at(1, 1),
         ),

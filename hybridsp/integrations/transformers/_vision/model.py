@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridsp.integrations.transformers._binding import attention_modules
+from hybridsp.integrations.transformers._token_mixers import refuse_unknown_mixers
 from hybridsp.integrations.transformers._vision.batch import Exchange, VisionShard
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
@@ -81,6 +82,9 @@ class VisionLanguageAdapter:
     def check(self, model: nn.Module) -> None:
         refuse_other_multimodal(model)
 
+    def preflight(self, model: nn.Module, mesh: HybridMesh | None) -> None:
+        check_language_model(model, mesh)
+
     def apply(self, model: nn.Module, mesh: HybridMesh, backend):
         from hybridsp.integrations.transformers._handle import switch_modules
 
@@ -101,23 +105,33 @@ def apply_to_language_model(model: nn.Module, mesh: HybridMesh, backend, switch)
     before anything changes, for heads the Ulysses degree does not divide or a non-causal config.
     """
     text = language_model_of(model)
-    modules = attention_modules(text)
+    modules = check_language_model(model, mesh)
     config = cast("PretrainedConfig", text.config)  # the language model's transformers config
-    if not modules:
-        raise ValueError(f"{type(model).__name__}'s language model has no q/k/v/o attention module to switch")
-    if config.num_attention_heads % mesh.ulysses:
-        raise ValueError(
-            f"the language model's {config.num_attention_heads} query heads are not divisible by the Ulysses degree "
-            f"{mesh.ulysses}; choose a Ulysses degree that divides {config.num_attention_heads}"
-        )
-    if not all(getattr(m, "is_causal", True) for m in modules):
-        raise ValueError("hybridsp switches causal language models only; a language-model layer is not causal")
     hook = model.register_forward_pre_hook(_pre_hook(model, mesh), with_kwargs=True)
     try:
         return switch(model, modules, [config], mesh, backend, hook)
     except BaseException:
         hook.remove()
         raise
+
+
+def check_language_model(model: nn.Module, mesh: HybridMesh | None) -> list[nn.Module]:
+    """The language model's attention modules; ValueError, before anything changes, for heads the Ulysses
+    degree does not divide, a non-causal layer or a token mixer outside attention (Note [mixers by identity])."""
+    text = language_model_of(model)
+    modules = attention_modules(text)
+    config = cast("PretrainedConfig", text.config)  # the language model's transformers config
+    if not modules:
+        raise ValueError(f"{type(model).__name__}'s language model has no q/k/v/o attention module to switch")
+    if mesh is not None and config.num_attention_heads % mesh.ulysses:
+        raise ValueError(
+            f"the language model's {config.num_attention_heads} query heads are not divisible by the Ulysses degree "
+            f"{mesh.ulysses}; choose a Ulysses degree that divides {config.num_attention_heads}"
+        )
+    if not all(getattr(m, "is_causal", True) for m in modules):
+        raise ValueError("hybridsp switches causal language models only; a language-model layer is not causal")
+    refuse_unknown_mixers(text, [])
+    return modules
 
 
 def _pre_hook(model: nn.Module, mesh: HybridMesh):
