@@ -175,6 +175,20 @@ def test_the_hf_trainer_example_refuses_a_used_output_dir(tmp_path, monkeypatch)
     assert preflight.preflight(train_hf_trainer.parse_args(base + ["--resume"])).save_dir == out
 
 
+def test_the_hf_trainer_example_sizes_its_data_by_replicas_not_ranks(monkeypatch):
+    """U2xR1 and U1xR2 on 2 ranks take the rows of one process (DP 1); U1xR1 on 2 ranks takes twice as many (DP 2)."""
+    import train_hf_trainer
+
+    def rows(world: int, ulysses: int, ring: int) -> int:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        config = str(ROOT / "ds_configs" / "trainer" / "cp2.json")
+        args = train_hf_trainer.parse_args(["--deepspeed", config, "--ulysses", str(ulysses), "--ring", str(ring)])
+        return train_hf_trainer.dataset_rows(preflight.preflight(args), micro_batch=3, accumulation=2)
+
+    assert rows(1, 1, 1) == rows(2, 2, 1) == rows(2, 1, 2) == 6
+    assert rows(2, 1, 1) == rows(4, 2, 1) == 12
+
+
 def test_a_rerun_into_a_named_run_directory_is_one_error_line_and_exit_2(tmp_path):
     import os
     import subprocess
