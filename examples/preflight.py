@@ -162,15 +162,30 @@ def argument_problems(args) -> list[str]:
         problems.append(f"--collective-timeout must be a positive number of seconds; got {timeout}")
     heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
     if not getattr(args, "model_path", None) and heads and kv_heads and heads >= 1 and kv_heads >= 1:
-        if heads % kv_heads or getattr(args, "hidden_size", heads) % heads:
-            problems.append(
-                f"--heads {heads} must be a multiple of --kv-heads {kv_heads} and divide --hidden-size "
-                f"{getattr(args, 'hidden_size', None)}"
-            )
+        problems += _head_problems(heads, kv_heads, getattr(args, "hidden_size", None))
     for option in ("data", "checkpoint", "model_path", "tokenizer"):
         path = getattr(args, option, None)
         if path is not None and not Path(path).exists():
             problems.append(f"--{option.replace('_', '-')} {path} does not exist")
+    return problems
+
+
+def _head_problems(heads: int, kv_heads: int, hidden_size: int | None) -> list[str]:
+    """The built-in model's head counts: each failing condition alone, with its numbers and a value that works."""
+    problems = []
+    if heads % kv_heads:
+        fits = [k for k in range(kv_heads, 0, -1) if heads % k == 0][0]
+        problems.append(
+            f"the query heads (--heads {heads}) must be a multiple of the key/value heads (--kv-heads {kv_heads}); "
+            f"pass --kv-heads {fits} (or a divisor of {heads})"
+        )
+    if hidden_size is not None and hidden_size % heads:
+        fits = [h for h in range(heads, 0, -1) if hidden_size % h == 0 and h % kv_heads == 0] or [kv_heads]
+        problems.append(
+            f"the hidden size (--hidden-size {hidden_size}) must be a multiple of the query heads (--heads {heads}) "
+            f"to give each head {hidden_size / heads:g} dimensions; pass --heads {fits[0]} or a --hidden-size that "
+            f"{heads} divides (e.g. {-(-hidden_size // heads) * heads})"
+        )
     return problems
 
 

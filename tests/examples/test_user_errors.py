@@ -44,6 +44,20 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def test_head_counts_name_the_failing_quantity_and_a_value_that_works():
+    """Before: ``--heads 6 must be a multiple of --kv-heads 2 and divide --hidden-size 256`` (6 is a multiple of 2)."""
+    args = train.parse_args(["--heads", "6", "--kv-heads", "2", "--hidden-size", "256"])
+    assert preflight.argument_problems(args) == [
+        "the hidden size (--hidden-size 256) must be a multiple of the query heads (--heads 6) to give each head "
+        "42.6667 dimensions; pass --heads 4 or a --hidden-size that 6 divides (e.g. 258)"
+    ]
+    args = train.parse_args(["--heads", "8", "--kv-heads", "3", "--hidden-size", "256"])
+    assert preflight.argument_problems(args) == [
+        "the query heads (--heads 8) must be a multiple of the key/value heads (--kv-heads 3); pass --kv-heads 2 "
+        "(or a divisor of 8)"
+    ]
+
+
 def test_every_problem_is_reported_at_once(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     args = train.parse_args(
