@@ -189,6 +189,7 @@ def test_the_hf_trainer_example_sizes_its_data_by_replicas_not_ranks(monkeypatch
     assert rows(2, 1, 1) == rows(4, 2, 1) == 12
 
 
+@pytest.mark.slow  # the message: test_a_rerun_into_a_used_run_directory_needs_overwrite_or_resume; one line, exit 2: test_launch_failures
 def test_a_rerun_into_a_named_run_directory_is_one_error_line_and_exit_2(tmp_path):
     import os
     import subprocess

@@ -75,6 +75,12 @@ def test_every_problem_is_reported_at_once(monkeypatch):
         assert part in message, message
 
 
+def test_a_missing_config_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(preflight.RunConfigError, match=r"nope\.json does not exist \(pass --deepspeed PATH"):
+        preflight.preflight(train.parse_args(["--deepspeed", str(tmp_path / "nope.json")]))
+
+
 def test_sequence_length_message_names_the_option(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(preflight.RunConfigError, match=r"^--seq-len 1001: sequence length 1001"):
