@@ -44,7 +44,7 @@ def _ids(seed=0):
 @pytest.mark.parametrize(
     "bias,checkpointing,tile",
     [
-        (False, False, 7),
+        pytest.param(False, False, 7, marks=pytest.mark.slow),  # the same tiles as (False, True, 7), recomputed
         (True, False, 50),
         (False, True, 7),
         pytest.param(True, True, 1000, marks=pytest.mark.slow),  # one tile; bias and checkpointing: the two above
