@@ -26,13 +26,15 @@ class RunConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RunPlan:
-    """What preflight found: the DeepSpeed config (a dict), the hybrid section, the world."""
+    """What preflight found: the DeepSpeed config (a dict), the hybrid section, the world, the run
+    directory, and ``notice``: a line for rank 0's console (the default run directory written over)."""
 
     ds_config: dict
     hybrid: object  # hybridsp.integrations.deepspeed.HybridConfig
     world_size: int
     rank: int
     save_dir: Path
+    notice: str | None = None
 
 
 def load_ds_config(path: str) -> dict:
@@ -128,7 +130,13 @@ def preflight(args) -> RunPlan:
             if len(problems) == 1
             else f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
         )
-    return RunPlan(config, hybrid, world, rank, save_dir)
+    return RunPlan(config, hybrid, world, rank, save_dir, _overwrite_notice(args, save_dir))
+
+
+def announce(plan: RunPlan) -> None:
+    """Rank 0 prints the plan's notice, if any (e.g. that the default run directory is written over)."""
+    if plan.notice and plan.rank == 0:
+        print(plan.notice, flush=True)
 
 
 def argument_problems(args) -> list[str]:
@@ -154,15 +162,30 @@ def argument_problems(args) -> list[str]:
         problems.append(f"--collective-timeout must be a positive number of seconds; got {timeout}")
     heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
     if not getattr(args, "model_path", None) and heads and kv_heads and heads >= 1 and kv_heads >= 1:
-        if heads % kv_heads or getattr(args, "hidden_size", heads) % heads:
-            problems.append(
-                f"--heads {heads} must be a multiple of --kv-heads {kv_heads} and divide --hidden-size "
-                f"{getattr(args, 'hidden_size', None)}"
-            )
+        problems += _head_problems(heads, kv_heads, getattr(args, "hidden_size", None))
     for option in ("data", "checkpoint", "model_path", "tokenizer"):
         path = getattr(args, option, None)
         if path is not None and not Path(path).exists():
             problems.append(f"--{option.replace('_', '-')} {path} does not exist")
+    return problems
+
+
+def _head_problems(heads: int, kv_heads: int, hidden_size: int | None) -> list[str]:
+    """The built-in model's head counts: each failing condition alone, with its numbers and a value that works."""
+    problems = []
+    if heads % kv_heads:
+        fits = [k for k in range(kv_heads, 0, -1) if heads % k == 0][0]
+        problems.append(
+            f"the query heads (--heads {heads}) must be a multiple of the key/value heads (--kv-heads {kv_heads}); "
+            f"pass --kv-heads {fits} (or a divisor of {heads})"
+        )
+    if hidden_size is not None and hidden_size % heads:
+        fits = [h for h in range(heads, 0, -1) if hidden_size % h == 0 and h % kv_heads == 0] or [kv_heads]
+        problems.append(
+            f"the hidden size (--hidden-size {hidden_size}) must be a multiple of the query heads (--heads {heads}) "
+            f"to give each head {hidden_size / heads:g} dimensions; pass --heads {fits[0]} or a --hidden-size that "
+            f"{heads} divides (e.g. {-(-hidden_size // heads) * heads})"
+        )
     return problems
 
 
@@ -191,7 +214,10 @@ def _hybrid_section(args, config: dict, world: int, problems: list[str]):
 
             deepspeed_config(config, hybrid, precision="fp32")  # refusals for tensor parallelism (gradient clipping)
     except ValueError as error:
-        problems.append(f"{args.ds_config} on {world} ranks: {error}")
+        alone = (
+            "" if "WORLD_SIZE" in os.environ else " (without a launcher this is one process: pass --ulysses 1 --ring 1)"
+        )
+        problems.append(f"{args.ds_config} on {world} ranks: {error}{alone}")
     seq_len = getattr(args, "seq_len", None)
     if seq_len is not None and seq_len >= 1:
         try:
@@ -256,22 +282,49 @@ def previous_run(directory: Path) -> list[str]:
     return found + tags
 
 
-def _overwrite_problems(args, save_dir: Path) -> list[str]:
-    """A new run into a directory that already holds one needs ``--overwrite`` (``--resume`` continues it)."""
+def _written_over(args, save_dir: Path) -> list[str]:
+    """What an earlier run left in ``save_dir`` that this run would write over (none when it resumes,
+    continues its own checkpoint, or passed ``--overwrite``)."""
     if not hasattr(args, "overwrite") or args.overwrite or args.resume:
         return []
     resume_from = getattr(args, "resume_from", None)
     if resume_from and save_dir.resolve() in (Path(resume_from).resolve(), *Path(resume_from).resolve().parents):
         return []  # continuing this directory's own checkpoint (the run directory or one of its tag folders)
-    left = previous_run(save_dir)
-    if not left:
+    return previous_run(save_dir)
+
+
+def _default_run_directory(args) -> bool:
+    """train.py without ``--save-dir``: the run directory is ``runs/<config>-u<U>r<R>``, named for the user."""
+    return hasattr(args, "save_dir") and not args.save_dir
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _overwrite_problems(args, save_dir: Path) -> list[str]:
+    """A new run into a directory the user named that already holds one needs ``--overwrite`` (``--resume``
+    continues it); the default run directory is written over (:func:`_overwrite_notice`)."""
+    left = _written_over(args, save_dir)
+    if not left or _default_run_directory(args):
         return []
     option = "--save-dir" if hasattr(args, "save_dir") else "--output-dir"
-    shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
     return [
-        f"{save_dir} already holds a run ({shown}); pass --resume to continue it, --overwrite to write over it, "
-        f"or {option} DIR for a new one"
+        f"{save_dir} already holds a run ({_listed(left)}); pass --resume to continue it, --overwrite to write "
+        f"over it, or {option} DIR for a new one"
     ]
+
+
+def _overwrite_notice(args, save_dir: Path) -> str | None:
+    """The console line for a rerun into the default run directory: the README's command run twice works,
+    writing over the first run (the same choice on every rank, on every host: no directory is invented)."""
+    left = _written_over(args, save_dir) if _default_run_directory(args) else []
+    if not left:
+        return None
+    return (
+        f"{save_dir} holds an earlier run ({_listed(left)}): this run writes over it (--resume continues it "
+        f"instead, --save-dir DIR keeps it)"
+    )
 
 
 def _is_checkpoint(path: Path) -> bool:

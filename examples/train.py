@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_mesh_arguments, add_model_arguments, add_overwrite_argument, add_step_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import end_rank_on_error, return_freed_memory_to_os, share_cpu_cores  # noqa: E402
-from preflight import RunConfigError, RunPlan, exit_once, load_ds_config, preflight, report_placement  # noqa: E402
+from preflight import RunConfigError, RunPlan, announce, exit_once, load_ds_config, preflight, report_placement  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
 
@@ -133,6 +133,9 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+SMOOTHED_STEPS = 10  # the summary's smoothed loss: the mean over this many last steps
+
+
 class Metrics:
     """Rank 0's JSON-lines metrics file and the history for the loss curve."""
 
@@ -175,15 +178,18 @@ class Metrics:
         return path
 
     def summary(self, start_step: int, plot: Path | None, save_dir: Path) -> str:
-        """One line: losses, steady tokens/s (the run's first step is warm-up and left out), memory, files."""
+        """One line: losses (the first, the last batch's, and the mean of the last ``SMOOTHED_STEPS`` steps: one
+        batch's loss is noisy), steady tokens/s (the run's first step is warm-up and left out), memory, files."""
         rows = [r for r in self.history if r["step"] > start_step]
         if not rows:
             return f"nothing trained; checkpoint: {save_dir}"
         steady = sorted(r["tokens_per_s"] for r in rows if not r.get("warmup")) or [rows[0]["tokens_per_s"]]
         first, last = rows[0], rows[-1]
         rss = max(r.get("rss_bytes_max", 0) for r in rows) / 2**20
+        recent = [r["loss"] for r in rows[-SMOOTHED_STEPS:]]
         return (
-            f"done: steps {first['step']}..{last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}, "
+            f"done: steps {first['step']}..{last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f} "
+            f"(mean of the last {len(recent)} steps {sum(recent) / len(recent):.3f}), "
             f"{steady[len(steady) // 2]:.0f} tokens/s (median; the first step took {first['step_seconds']:.1f} s of "
             f"warm-up and is left out), max RSS per rank {rss:.0f} MiB; metrics: {self.path}"
             + (f", loss curve: {plot}" if plot else "")
@@ -290,6 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = preflight(args)
     except RunConfigError as error:
         exit_once(error)
+    announce(plan)  # rank 0: e.g. the default run directory holds an earlier run, written over
     name_cpu_accelerator()
     return_freed_memory_to_os()  # Note [flat RSS] in host.py
     share_cpu_cores()  # Note [threads per rank] in host.py

@@ -3,6 +3,7 @@
     deepspeed [--num_gpus N] examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json [options]
     torchrun --nproc_per_node N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json [options]
     accelerate launch --use_deepspeed --num_processes N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json
+    python examples/train_hf_trainer.py --ulysses 1 --ring 1       # one process, no launcher (the reference)
 
 The same built-in data and model as examples/train.py (byte-level Python documentation, a
 small Llama from ``train.build_model``), presented the way Hugging Face users hold data: a
@@ -12,6 +13,11 @@ its batch, clipping and optimizer values become the ``TrainingArguments`` (the T
 insists that the two agree; ``"auto"`` values take this script's defaults). Logging, the
 learning-rate schedule, checkpoints (``--output-dir``, ``--save-steps``) and resumption
 (``--resume``) are the Trainer's own.
+
+The dataset holds ``micro batch x accumulation x DP replicas x steps`` windows: the replicas, not the
+ranks, since the context ranks of a replica share its rows. So every mesh of the same DP degree
+(U2xR1, U1xR2, U1xR1 on one process) trains on the same rows in the same order, and their losses agree
+step by step.
 """
 
 from __future__ import annotations
@@ -165,15 +171,20 @@ def pin_cpu_threads() -> None:
         os.environ["OMP_NUM_THREADS"] = str(share_cpu_cores())
 
 
+def dataset_rows(plan, micro_batch: int, accumulation: int) -> int:
+    """Rows one optimizer step takes: micro batch x accumulation x DP replicas (not x the world size: the
+    context ranks of a replica share its rows), so meshes of one DP degree train on the same rows."""
+    return micro_batch * accumulation * plan.hybrid.mesh_shape(plan.world_size).dp
+
+
 def run(args: argparse.Namespace, plan) -> None:
     """Build the data, model and HybridSPTrainer; train; print one summary on rank 0."""
     from transformers import default_data_collator
 
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
+    from hybridsp.launch import init_process_group
 
-    _, vocab_size, windows = load_windows(args, args.seq_len)
-    model = build_model(args, vocab_size)
     config = load_ds_config(args, plan.ds_config)
     chosen = (
         ("ulysses", args.ulysses),
@@ -184,14 +195,12 @@ def run(args: argparse.Namespace, plan) -> None:
     )
     overrides = {k: v for k, v in chosen if v}
     with without_cpu_shm_comm_build():  # on CPU, skip DeepSpeed's shm all-reduce build (gloo never uses it)
+        init_process_group()  # `python examples/train_hf_trainer.py`: a world of one (no MPI discovery)
+        _, vocab_size, windows = load_windows(args, args.seq_len)
+        model = build_model(args, vocab_size)  # under ZeRO-3, --model-path loads partitioned (a collective)
         training = training_arguments(args, config)
-        dataset = WindowDataset(
-            windows,
-            training.per_device_train_batch_size
-            * training.gradient_accumulation_steps
-            * training.world_size
-            * args.max_steps,
-        )
+        rows = dataset_rows(plan, training.per_device_train_batch_size, training.gradient_accumulation_steps)
+        dataset = WindowDataset(windows, rows * args.max_steps)
         trainer = HybridSPTrainer(
             model=model, args=training, train_dataset=dataset, data_collator=default_data_collator, hybridsp=overrides
         )

@@ -208,9 +208,7 @@ def main(parse_args, build_trainer, argv: list[str] | None = None) -> None:
     try:
         check_args(args)
         plan = preflight(args)  # one line, exit code 2, before the expensive imports
-    except RunConfigError as error:
-        if "WORLD_SIZE" not in os.environ and "do not divide the world size 1" in str(error):
-            error = RunConfigError(f"{error} (without a launcher this is one process: pass --ulysses 1 --ring 1)")
+    except RunConfigError as error:  # without a launcher, degrees above 1 get the --ulysses 1 --ring 1 hint
         exit_once(error)
     name_cpu_accelerator()
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:

@@ -420,7 +420,11 @@ def main(argv=None) -> int:
         limit_from=args.limit_from,
     )
     if args.granularity % (2 * args.world):
-        raise SystemExit(f"--granularity {args.granularity} must be a multiple of 2 x world = {2 * args.world}")
+        step = 2 * args.world
+        raise SystemExit(
+            f"--granularity {args.granularity} must be a multiple of 2 x world = {step} (the zigzag layout's chunks); "
+            f"pass --granularity {-(-args.granularity // step) * step}"
+        )
     os.environ.setdefault("HYBRIDSP_TEST_PRELOAD", ",".join(PRELOAD[3:]))
     harness.warm_forkserver(PRELOAD)
     parts = list(RENDER) if args.part == "all" else [args.part]

@@ -105,7 +105,10 @@ class Run:
         if self.stack == "alst" and self.ring != 1:
             raise ValueError(f"ALST is Ulysses only: ring must be 1, got {self.ring}")
         if self.seq_len % (2 * self.context):
-            raise ValueError(f"seq_len {self.seq_len} must be a multiple of 2 x U x R = {2 * self.context}")
+            raise ValueError(
+                f"seq_len {self.seq_len} must be a multiple of 2 x U x R = {2 * self.context} (the zigzag layout's "
+                f"chunks); pass seq_len={-(-self.seq_len // (2 * self.context)) * 2 * self.context}"
+            )
 
 
 def reference_of(run: Run) -> Run:

@@ -217,7 +217,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if bq != bk or dq != dk:
         raise ValueError(f"q and k/v must share batch and head dim; got q {tuple(q.shape)} and k/v {tuple(k.shape)}")
     if hk == 0 or hq % hk != 0:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk}); change num_key_value_heads")
+        raise ValueError(
+            f"query heads ({hq}, q's dim 2) must be a multiple of key/value heads ({hk}, k/v's dim 2) for GQA; pass "
+            f"q [B, S, H, D] and k/v [B, S, H_kv, D] with H_kv dividing H (num_key_value_heads dividing "
+            f"num_attention_heads)"
+        )
     if causal and sq != sk:
         raise ValueError(f"causal attention is only defined here for square blocks; got {sq} queries and {sk} keys")
 

@@ -63,7 +63,10 @@ def check_launch(
     if world_size % context != 0:
         raise ValueError(f"context size {context} does not divide the world size {world_size}")
     if num_heads % num_kv_heads != 0:
-        raise ValueError(f"query heads ({num_heads}) must be a multiple of K/V heads ({num_kv_heads})")
+        raise ValueError(
+            f"the model's query heads ({num_heads}) must be a multiple of its key/value heads ({num_kv_heads}); "
+            f"pass the model's own num_attention_heads and num_key_value_heads (GQA groups query heads evenly)"
+        )
 
 
 def ulysses_candidates(

@@ -72,7 +72,11 @@ class ModelSpec:
         if self.v_head_dim is not None:
             _require_positive_ints(self, "v_head_dim")
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(f"query heads ({self.num_heads}) must be a multiple of K/V heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"ModelSpec: query heads num_heads={self.num_heads} must be a multiple of key/value heads "
+                f"num_kv_heads={self.num_kv_heads}; give the model's own values (num_attention_heads, "
+                f"num_key_value_heads in its config.json)"
+            )
         self._check_hybrid()
 
     def _check_hybrid(self) -> None:

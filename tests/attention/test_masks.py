@@ -180,6 +180,7 @@ def test_world4_full_matrix():
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a bigger size of the world-4 check above; test_world8_full_matrix holds these meshes too
 def test_world8_documents_and_windows_equal_float64_masked_attention():
     run_distributed(check_meshes, 8, WORLD8[:2], (5, 40, 300), False)
 

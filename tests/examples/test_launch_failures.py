@@ -166,8 +166,12 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
 def test_config_errors_are_one_sentence_before_the_expensive_imports(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{\n  "hybridsp": {"ulysses": 2,\n  "ring": 2\n')
-    assert "broken.json is not valid JSON" in _one_error_line(_direct(tmp_path, 4, "--deepspeed", str(broken)))
-    assert "line 4" in _one_error_line(_direct(tmp_path, 4, "--deepspeed", str(broken)))
+    line = _one_error_line(_direct(tmp_path, 4, "--deepspeed", str(broken)))
+    assert "broken.json is not valid JSON" in line and "line 4" in line, line
+
+
+@pytest.mark.slow  # each message is checked in process (tests/examples/test_user_errors.py); here as a launch sees it
+def test_more_config_errors_are_one_sentence(tmp_path):
     missing = _one_error_line(_direct(tmp_path, 4, "--deepspeed", str(tmp_path / "nope.json")))
     assert "nope.json does not exist" in missing
     cp4 = str(ROOT / "ds_configs" / "cp4.json")
@@ -177,6 +181,7 @@ def test_config_errors_are_one_sentence_before_the_expensive_imports(tmp_path):
 
 
 @pytest.mark.distributed  # a 4-rank deepspeed launch
+@pytest.mark.slow  # rank 0 alone speaks: also test_user_errors' mamba case (ranks 0 and 1); a deepspeed launch: above
 def test_config_error_under_the_launcher_is_reported_once(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"hybridsp": {"ulysses": 2, "ring": 2},, }')

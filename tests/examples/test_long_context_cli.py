@@ -41,6 +41,18 @@ def test_score_long_runs_on_one_process_and_shows_each_layer(tmp_path):
     assert "scored 256 tokens in one forward over HybridMesh(dp=1, ring=1, ulysses=1" in result.stdout
 
 
+def test_the_timeout_default_in_the_help_is_the_one_docs_memory_states():
+    """docs/memory.md said 300 where the three long-context scripts default to 1800."""
+    import generate_long
+    import long_video
+    import score_long
+
+    defaults = {module.__name__: module.parse_args([]).collective_timeout for module in (score_long, generate_long)}
+    defaults["long_video"] = long_video.parse_args([]).collective_timeout
+    assert set(defaults.values()) == {1800.0}, defaults
+    assert "`--collective-timeout SECONDS` (default 1800," in (ROOT / "docs" / "memory.md").read_text()
+
+
 def test_score_long_bad_timeout_is_one_error_line(tmp_path):
     result = _alone(tmp_path, "score_long.py", "--collective-timeout", "0")
     assert result.returncode == 2

@@ -69,6 +69,20 @@ def test_summary_leaves_the_warm_up_step_out():
     assert "800 tokens/s" in line and "5.000 -> 3.000" in line and "50.0 s of warm-up" in line
 
 
+def test_summary_shows_the_mean_of_the_last_steps_beside_the_last_batch():
+    metrics = train.Metrics(Path("unused.jsonl"), resume=False, enabled=False)
+    losses = [6.0, 5.0, *([3.0, 1.0] * 6)]  # 14 steps; the last batch alone says 1.0
+    metrics.history = [
+        {"step": i + 1, "loss": loss, "tokens_per_s": 100.0, "step_seconds": 1.0, "warmup": i == 0}
+        for i, loss in enumerate(losses)
+    ]
+    last = losses[-train.SMOOTHED_STEPS :]
+    line = metrics.summary(0, None, Path("runs/x"))
+    assert f"6.000 -> 1.000 (mean of the last 10 steps {sum(last) / len(last):.3f})" in line, line
+    metrics.history = metrics.history[:3]  # fewer steps than the window: their mean
+    assert "6.000 -> 3.000 (mean of the last 3 steps 4.667)" in metrics.summary(0, None, Path("runs/x"))
+
+
 def test_layout_flag_reaches_the_mesh_config(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     args = train.parse_args(
@@ -119,6 +133,30 @@ def test_a_rerun_into_a_used_run_directory_needs_overwrite_or_resume(tmp_path, m
     assert preflight.previous_run(tmp_path / "empty") == []
 
 
+def test_the_readme_command_run_twice_writes_over_the_default_run_directory(tmp_path, monkeypatch, capsys):
+    """No --save-dir: the second run goes into the same default directory and says so on rank 0's console."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.chdir(tmp_path)
+    args = train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / "cp1.json")])
+    first = preflight.preflight(args)
+    assert first.save_dir == Path("runs/cp1-u1r1") and first.notice is None  # nothing there yet
+    _previous_run(tmp_path / "runs" / "cp1-u1r1", "metrics.jsonl", "latest", "step2/")
+    second = preflight.preflight(args)
+    assert second.save_dir == first.save_dir
+    assert second.notice == (
+        "runs/cp1-u1r1 holds an earlier run (metrics.jsonl, latest, step2): this run writes over it "
+        "(--resume continues it instead, --save-dir DIR keeps it)"
+    )
+    preflight.announce(second)
+    assert capsys.readouterr().out == second.notice + "\n"
+    for extra in (["--resume"], ["--overwrite"]):
+        assert (
+            preflight.preflight(train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / "cp1.json"), *extra])).notice
+            is None
+        )
+
+
 def test_the_hf_trainer_example_refuses_a_used_output_dir(tmp_path, monkeypatch):
     import train_hf_trainer
 
@@ -137,13 +175,29 @@ def test_the_hf_trainer_example_refuses_a_used_output_dir(tmp_path, monkeypatch)
     assert preflight.preflight(train_hf_trainer.parse_args(base + ["--resume"])).save_dir == out
 
 
-def test_a_rerun_is_one_error_line_and_exit_2(tmp_path):
+def test_the_hf_trainer_example_sizes_its_data_by_replicas_not_ranks(monkeypatch):
+    """U2xR1 and U1xR2 on 2 ranks take the rows of one process (DP 1); U1xR1 on 2 ranks takes twice as many (DP 2)."""
+    import train_hf_trainer
+
+    def rows(world: int, ulysses: int, ring: int) -> int:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        config = str(ROOT / "ds_configs" / "trainer" / "cp2.json")
+        args = train_hf_trainer.parse_args(["--deepspeed", config, "--ulysses", str(ulysses), "--ring", str(ring)])
+        return train_hf_trainer.dataset_rows(preflight.preflight(args), micro_batch=3, accumulation=2)
+
+    assert rows(1, 1, 1) == rows(2, 2, 1) == rows(2, 1, 2) == 6
+    assert rows(2, 1, 1) == rows(4, 2, 1) == 12
+
+
+@pytest.mark.slow  # the message: test_a_rerun_into_a_used_run_directory_needs_overwrite_or_resume; one line, exit 2: test_launch_failures
+def test_a_rerun_into_a_named_run_directory_is_one_error_line_and_exit_2(tmp_path):
     import os
     import subprocess
 
-    run = _previous_run(tmp_path / "runs" / "cp1-u1r1", "metrics.jsonl")
+    run = _previous_run(tmp_path / "runs" / "mine", "metrics.jsonl")
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed", str(ROOT / "ds_configs" / "cp1.json")],
+        [sys.executable, str(ROOT / "examples" / "train.py"), "--deepspeed", str(ROOT / "ds_configs" / "cp1.json")]
+        + ["--save-dir", "runs/mine"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

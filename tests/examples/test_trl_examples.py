@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.example_runs import example_environment, free_port
 from tests.helpers.paths import ROOT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
@@ -37,52 +36,21 @@ TINY = [
     "--vocab-size",
     "512",
 ]
-LAUNCHER_VARIABLES = (
-    "WORLD_SIZE",
-    "RANK",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_SIZE",
-    "CROSS_RANK",
-    "CROSS_SIZE",
-)
 JOB_SECONDS = 600  # a hang catcher
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _environment(tmp_path: Path) -> dict:
-    """No launcher variables; the worktree on the path; no JIT builds (DS_ACCELERATOR named, an empty
-    extensions folder); one thread per rank on the shared cores."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(
-        PYTHONPATH=str(ROOT),
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        TORCH_EXTENSIONS_DIR=str(tmp_path / "torch_extensions"),
-        HF_HUB_OFFLINE="1",
-    )
-    return env
 
 
 def _run(tmp_path: Path, script: str, launcher: str | None, out: Path, *extra: str) -> subprocess.CompletedProcess:
     path = str(ROOT / "examples" / script)
     args = [*TINY, "--output-dir", str(out), *extra]
     if launcher == "deepspeed":
-        command = ["deepspeed", "--num_gpus", "2", "--master_port", str(_free_port()), path, "--deepspeed", CP2, *args]
+        command = ["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), path, "--deepspeed", CP2, *args]
     elif launcher == "torchrun":
         command = [
             "torchrun",
             "--nproc_per_node",
             "2",
             "--master_port",
-            str(_free_port()),
+            str(free_port()),
             path,
             "--deepspeed",
             CP2,
@@ -91,7 +59,7 @@ def _run(tmp_path: Path, script: str, launcher: str | None, out: Path, *extra: s
     else:  # one process, no launcher: U1 (cp2.json's U2 needs two ranks)
         command = [sys.executable, path, "--deepspeed", CP2, "--ulysses", "1", *args]
     return subprocess.run(
-        command, cwd=tmp_path, env=_environment(tmp_path), capture_output=True, text=True, timeout=JOB_SECONDS
+        command, cwd=tmp_path, env=example_environment(tmp_path), capture_output=True, text=True, timeout=JOB_SECONDS
     )
 
 
@@ -124,7 +92,7 @@ def test_sft_example_trains_packed_rows_on_2_ranks_and_refuses_a_rerun(tmp_path)
     again = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "trl_sft.py"), "--deepspeed", CP2, *TINY, "--output-dir", str(out)],
         cwd=tmp_path,
-        env={**_environment(tmp_path), "WORLD_SIZE": "2", "RANK": "0"},
+        env={**example_environment(tmp_path), "WORLD_SIZE": "2", "RANK": "0"},
         capture_output=True,
         text=True,
         timeout=JOB_SECONDS,

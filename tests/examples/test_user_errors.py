@@ -44,6 +44,20 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
+def test_head_counts_name_the_failing_quantity_and_a_value_that_works():
+    """Before: ``--heads 6 must be a multiple of --kv-heads 2 and divide --hidden-size 256`` (6 is a multiple of 2)."""
+    args = train.parse_args(["--heads", "6", "--kv-heads", "2", "--hidden-size", "256"])
+    assert preflight.argument_problems(args) == [
+        "the hidden size (--hidden-size 256) must be a multiple of the query heads (--heads 6) to give each head "
+        "42.6667 dimensions; pass --heads 4 or a --hidden-size that 6 divides (e.g. 258)"
+    ]
+    args = train.parse_args(["--heads", "8", "--kv-heads", "3", "--hidden-size", "256"])
+    assert preflight.argument_problems(args) == [
+        "the query heads (--heads 8) must be a multiple of the key/value heads (--kv-heads 3); pass --kv-heads 2 "
+        "(or a divisor of 8)"
+    ]
+
+
 def test_every_problem_is_reported_at_once(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     args = train.parse_args(
@@ -59,6 +73,12 @@ def test_every_problem_is_reported_at_once(monkeypatch):
         "3 query heads are not divisible by ulysses=2",
     ):
         assert part in message, message
+
+
+def test_a_missing_config_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(preflight.RunConfigError, match=r"nope\.json does not exist \(pass --deepspeed PATH"):
+        preflight.preflight(train.parse_args(["--deepspeed", str(tmp_path / "nope.json")]))
 
 
 def test_sequence_length_message_names_the_option(monkeypatch):

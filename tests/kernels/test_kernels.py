@@ -60,7 +60,9 @@ def test_causal_refuses_non_square_blocks():
 
 def test_bad_shapes_are_value_errors():
     q, k, v, _ = random_qkv(1, 8, 3, 2, 16)
-    with pytest.raises(ValueError, match=r"query heads \(3\).*key/value heads \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"query heads \(3, q's dim 2\) must be a multiple of key/value heads \(2, .*H_kv dividing H"
+    ):
         get_kernel("torch").forward(q, k, v, causal=False, softmax_scale=1.0)
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_kernel("cudnn")

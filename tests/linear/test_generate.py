@@ -9,8 +9,12 @@ the three changes Qwen3.5's logits by 0.16 to 1.3)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from hybridsp import init_mesh
+from hybridsp.integrations import transformers as hf
 from hybridsp.testing import run_distributed
+from tests.helpers.models.linear import packed_batch, tiny_hybrid
 from tests.helpers.workers.linear import generation_errors
 
 pytestmark = pytest.mark.distributed
@@ -48,3 +52,54 @@ def test_greedy_ids_qwen3_next_three_ring_ranks_and_balanced():
         ("nemotron_h U1xR3 balanced", "nemotron_h", 1, 3, 23, 4, "balanced"),
     ]
     _check(run_distributed(generation_errors, 3, cases, timeout=400)[0])
+
+
+EOS_PROMPT, EOS_NEW = 9, 4
+EOS_CASES = {  # case -> generate's keyword arguments, the same for hybridsp's generate and model.generate
+    "eos_token_id=None": dict(eos_token_id=None),
+    "not passed": {},
+    "pad_token_id=None": dict(pad_token_id=None),
+}
+
+
+def _eos_prompt():
+    """[2, 9] prompt; the first greedy token of row 0 becomes the model's EOS, row 1 starts with another one."""
+    return packed_batch(((EOS_PROMPT,), (EOS_PROMPT,)), seed=3)["input_ids"]
+
+
+def _eos_model():
+    model = tiny_hybrid("qwen3_next").eval()
+    with torch.inference_mode():
+        first = model(input_ids=_eos_prompt()).logits[:, -1].argmax(-1)  # [2] the first greedy tokens
+    model.generation_config.eos_token_id = int(first[0])
+    model.generation_config.pad_token_id = 0
+    return model, first
+
+
+def _eos_rank(rank: int, world: int) -> dict:
+    model, _ = _eos_model()
+    mesh = init_mesh(ulysses=1, ring=2)
+    with hf.apply(model, mesh):
+        return {
+            case: hf.generate(model, _eos_prompt(), mesh=mesh, max_new_tokens=EOS_NEW, **kwargs)
+            for case, kwargs in EOS_CASES.items()
+        }
+
+
+def test_eos_token_id_none_passed_keeps_generating_as_model_generate():
+    """Qwen3-Next at U1xR2, B = 2, greedy, the model's EOS set to row 0's first greedy token: ``eos_token_id=None``
+    passed keeps generating (as ``model.generate``), not passed stops row 0 at once and pads it with the config's
+    pad (0), ``pad_token_id=None`` passed pads with the EOS: ids equal ``model.generate``'s with the same
+    arguments in every case, on both ranks."""
+    model, first = _eos_model()
+    assert first[0] != first[1], "setup: row 1 must not start with the EOS"
+    expected = {
+        case: model.generate(_eos_prompt(), max_new_tokens=EOS_NEW, do_sample=False, **kwargs)
+        for case, kwargs in EOS_CASES.items()
+    }
+    eos, new = int(first[0]), slice(EOS_PROMPT + 1, None)
+    assert expected["eos_token_id=None"].shape[1] == EOS_PROMPT + EOS_NEW
+    assert (expected["not passed"][0, new] == 0).all() and (expected["pad_token_id=None"][0, new] == eos).all()
+    for rank, found in enumerate(run_distributed(_eos_rank, 2, timeout=300)):
+        for case, ids in found.items():
+            assert torch.equal(ids, expected[case]), f"rank {rank}, {case}: {ids.tolist()} != {expected[case].tolist()}"

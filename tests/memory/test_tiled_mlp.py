@@ -42,7 +42,13 @@ def _ids(seed=0):
 
 
 @pytest.mark.parametrize(
-    "bias,checkpointing,tile", [(False, False, 7), (True, False, 50), (False, True, 7), (True, True, 1000)]
+    "bias,checkpointing,tile",
+    [
+        pytest.param(False, False, 7, marks=pytest.mark.slow),  # the same tiles as (False, True, 7), recomputed
+        (True, False, 50),
+        (False, True, 7),
+        pytest.param(True, True, 1000, marks=pytest.mark.slow),  # one tile; bias and checkpointing: the two above
+    ],
 )  # tiles: non-divisor, 2, 1
 def test_tiled_gradients_equal_untiled(bias, checkpointing, tile):
     model, ids = _model(bias), _ids()

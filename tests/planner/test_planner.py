@@ -601,7 +601,10 @@ def test_longest_context_fits_and_nothing_longer_does():
 def test_search_space_and_specs_validate():
     with pytest.raises(ValueError, match="ZeRO stages"):
         SearchSpace(zero_stages=(4,))
-    with pytest.raises(ValueError, match=r"query heads \(32\) must be a multiple of K/V heads \(5\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"query heads num_heads=32 must be a multiple of key/value heads num_kv_heads=5; give the model.s own",
+    ):
         ModelSpec(32, 5, 128, 4096, 14336, 32, 128256)
     with pytest.raises(ValueError, match="efficiency"):
         _cluster(efficiency=1.5)
@@ -735,6 +738,8 @@ def test_plan_degrees_cost_model():
         plan_degrees(16, 8, 32, 8, 128, 65536, cluster=cluster)
     with pytest.raises(ValueError, match="local world size 6 does not divide the world size 16"):
         plan_degrees(16, 6, 32, 8, 128)
+    with pytest.raises(ValueError, match=r"query heads \(32\) must be a multiple of its key/value heads \(5\); pass"):
+        plan_degrees(16, 8, 32, 5, 128)
     with pytest.raises(ValueError, match="ring=3 does not divide the 16 context ranks"):
         plan_degrees(16, 8, 32, 8, 128, ring=3)
 

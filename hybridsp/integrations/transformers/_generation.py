@@ -53,10 +53,11 @@ row, ``S_pad`` long) as ``hybridsp_documents``, so the attention plans it withou
 which the balanced layout places per row; the sharded cache holds one position set for all rows,
 so that case is refused (ValueError, before any collective): use ``layout="zigzag"`` there.
 
-Note [EOS and padding of finished rows]: as ``model.generate``: ``eos_token_id=None`` takes
-the model's ``generation_config.eos_token_id`` (pass ``[]`` to never stop early); a row that
-produced an EOS gets ``pad_token_id`` (default: the generation config's, else the first EOS)
-from then on, and generation stops when every row has finished. Only EOS/pad are read from
+Note [EOS and padding of finished rows]: as ``model.generate``: ``eos_token_id`` not passed takes
+the model's ``generation_config.eos_token_id``; ``eos_token_id=None`` (or ``[]``) passed never stops
+early, as ``model.generate(..., eos_token_id=None)`` does. A row that produced an EOS gets
+``pad_token_id`` from then on (not passed: the generation config's, else the first EOS; ``None``
+passed: the first EOS), and generation stops when every row has finished. Only EOS/pad are read from
 the generation config; sampling settings come from the arguments (greedy by default).
 """
 
@@ -76,7 +77,14 @@ from hybridsp.integrations.transformers._binding import BINDING_ATTR, DECODE_KWA
 from hybridsp.integrations.transformers._hybrid_cache import DecodeStep, HybridCache
 from hybridsp.integrations.transformers._linear_layers import refuse_generation
 from hybridsp.integrations.transformers._padding import left_padded_inputs, left_padding_mask
-from hybridsp.integrations.transformers._sampling import check_sampling, choose_next_tokens, eos_ids, pad_id  # noqa: F401  choose_next_tokens: re-exported
+from hybridsp.integrations.transformers._sampling import (  # noqa: F401  choose_next_tokens: re-exported
+    FROM_GENERATION_CONFIG,
+    Default,
+    check_sampling,
+    choose_next_tokens,
+    eos_ids,
+    pad_id,
+)
 from hybridsp.layout._documents import Documents
 from hybridsp.layout._layouts import layout_permutation
 from hybridsp.linear_attention._decode import LinearStates
@@ -186,8 +194,8 @@ def generate(
     *,
     mesh: HybridMesh,
     max_new_tokens: int,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
+    eos_token_id: int | list[int] | None | Default = FROM_GENERATION_CONFIG,
+    pad_token_id: int | None | Default = FROM_GENERATION_CONFIG,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -204,8 +212,10 @@ def generate(
         input_ids: [B, S] int64, the whole prompt, the same on every rank of the context group.
         mesh: the mesh the model was switched with.
         max_new_tokens: how many tokens to add at most (>= 0).
-        eos_token_id: token id(s) that end a row; None: the model's generation config's (Note [EOS ...]).
-        pad_token_id: fills finished rows; None: the generation config's, else the first EOS.
+        eos_token_id: token id(s) that end a row; not passed: the model's generation config's; None or []:
+            never stop early, as ``model.generate(..., eos_token_id=None)`` (Note [EOS ...]).
+        pad_token_id: fills finished rows; not passed: the generation config's, else the first EOS; None: the
+            first EOS.
         do_sample: False: greedy (argmax). True: sample from ``softmax(logits / temperature)``
             restricted to the ``top_k`` most likely tokens and the ``top_p`` nucleus (the order
             and rules of transformers' warpers).

@@ -5,8 +5,23 @@
 
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch import nn
+
+
+class Default(enum.Enum):
+    """The default of ``eos_token_id`` / ``pad_token_id``: not passed, so the model's ``generation_config``
+    decides; ``None`` passed explicitly means none (as ``model.generate``'s keyword arguments)."""
+
+    FROM_GENERATION_CONFIG = "the model's generation_config"
+
+    def __repr__(self) -> str:
+        return "FROM_GENERATION_CONFIG"
+
+
+FROM_GENERATION_CONFIG = Default.FROM_GENERATION_CONFIG
 
 
 def choose_next_tokens(
@@ -50,9 +65,10 @@ def check_sampling(do_sample: bool, temperature: float, top_k: int | None, top_p
 
 
 def eos_ids(model: nn.Module, eos_token_id) -> list[int]:
-    if eos_token_id is None:
-        config = getattr(model, "generation_config", None)
-        eos_token_id = getattr(config, "eos_token_id", None)
+    """The EOS ids: the generation config's when not passed (``FROM_GENERATION_CONFIG``); none for ``None``
+    or ``[]`` passed (``model.generate`` keeps generating then)."""
+    if eos_token_id is FROM_GENERATION_CONFIG:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos_token_id is None:
         return []
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -62,7 +78,9 @@ def eos_ids(model: nn.Module, eos_token_id) -> list[int]:
 
 
 def pad_id(model: nn.Module, pad_token_id, eos: list[int]) -> int | None:
-    if pad_token_id is None:
+    """The id that fills finished rows: the generation config's when not passed, then (also for ``None``
+    passed) the first EOS, as ``model.generate``."""
+    if pad_token_id is FROM_GENERATION_CONFIG:
         pad_token_id = getattr(getattr(model, "generation_config", None), "pad_token_id", None)
     if pad_token_id is None and eos:
         pad_token_id = eos[0]

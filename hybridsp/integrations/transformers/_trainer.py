@@ -378,7 +378,7 @@ def _mesh(hybrid: ds_schema.HybridConfig) -> HybridMesh:
     hybrid.mesh_shape(dist.get_world_size() if dist.is_initialized() else 1)  # ValueError quoting the sizes
     if not dist.is_initialized():
         raise RuntimeError(
-            "HybridSPTrainer needs torch.distributed: launch with deepspeed, torchrun or accelerate launch "
-            "(a DeepSpeed config in TrainingArguments(deepspeed=...) initialises it on a single process too)"
+            "HybridSPTrainer needs torch.distributed: launch with deepspeed, torchrun or accelerate launch, or, for "
+            "one process without a launcher, call hybridsp.launch.init_process_group() before building the Trainer"
         )
     return hds.build_mesh(hybrid)

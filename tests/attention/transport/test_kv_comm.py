@@ -118,7 +118,13 @@ def _allgather_exact(rank, world, meshes, kv_list, chunk_list):
 @pytest.mark.distributed
 def test_allgather_equals_float64_at_world4():
     # chunks None (default), 1 (one gather) and 8 (two rows per rank per chunk at R=2, one at R=4)
-    run_distributed(_allgather_exact, 4, [(1, 4), (2, 2), (4, 1)], [HEADS, 1], [None, 1, 8])
+    run_distributed(_allgather_exact, 4, [(1, 4), (2, 2)], [HEADS, 1], [None, 1, 8])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # a ring of one gathers nothing: Ulysses alone, which tests/attention/test_hybrid.py checks
+def test_allgather_on_a_ring_of_one_at_world4():
+    run_distributed(_allgather_exact, 4, [(4, 1)], [HEADS, 1], [None, 1, 8])
 
 
 @pytest.mark.distributed

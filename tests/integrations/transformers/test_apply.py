@@ -88,6 +88,7 @@ def test_kv_allgather_mesh_through_a_switched_model_equals_the_single_process_mo
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # a bigger size of the world-4 check (the same families at U2xR2; the switch matrix: every family)
 def test_world_8_llama_and_qwen2_equal_the_single_process_model():
     empty = run_distributed(_check_families, 8, [(4, 2), (2, 4)], ["llama", "qwen2"], timeout=300)
     assert sum(empty) > 0, "no rank had a shard without valid tokens"

@@ -202,6 +202,19 @@ def test_bad_setups_raise_clear_errors(checks):
     assert "needs 'labels'" in messages["labels"]
 
 
+def test_without_a_process_group_the_error_names_the_one_process_way():
+    """Before: it said a DeepSpeed config in TrainingArguments initialises torch.distributed on one process
+    (it does not: examples/train_hf_trainer.py failed so)."""
+    import torch.distributed as dist
+
+    from hybridsp.integrations.deepspeed import HybridConfig
+    from hybridsp.integrations.transformers._trainer import _mesh
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"hybridsp\.launch\.init_process_group\(\) before building the Trainer"):
+        _mesh(HybridConfig.from_ds_config({"hybridsp": {"ulysses": 1, "ring": 1}}))
+
+
 def _tensor_refusals(rank, world_size):
     """HybridSPTrainer with a tensor degree in the DeepSpeed config: refused at construction on every rank."""
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build

@@ -29,6 +29,7 @@ from hybridsp.inference import ShardedKVCache
 from hybridsp.integrations.transformers._binding import DECODE_KWARG
 from hybridsp.integrations.transformers._generation import agree_across_context, cache_argument, choose_next_tokens
 from hybridsp.integrations.transformers._hybrid_cache import DecodeStep, HybridCache
+from hybridsp.integrations.transformers._sampling import FROM_GENERATION_CONFIG, Default, eos_ids, pad_id
 from hybridsp.integrations.transformers._switch import NAME
 from hybridsp.integrations.transformers._vision.batch import VISION_KEYS, multimodal_positions, shard_vlm_batch
 from hybridsp.integrations.transformers._vision.model import VISION_KWARG, language_model_of
@@ -45,8 +46,8 @@ def generate_vlm(
     *,
     mesh: HybridMesh,
     max_new_tokens: int,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
+    eos_token_id: int | list[int] | None | Default = FROM_GENERATION_CONFIG,
+    pad_token_id: int | None | Default = FROM_GENERATION_CONFIG,
     vision: str = "auto",
 ) -> torch.Tensor:
     """Greedy continuation of a multimodal prompt with the K/V cache sharded over the context group.
@@ -58,7 +59,8 @@ def generate_vlm(
             takes them), optional ``mm_token_type_ids``; the same on every context rank.
         mesh: the mesh the model was switched with.
         max_new_tokens: how many tokens to add at most (>= 0).
-        eos_token_id, pad_token_id: as ``model.generate`` (None: the generation config's).
+        eos_token_id, pad_token_id: as ``model.generate`` (not passed: the generation config's; ``eos_token_id=None``
+            never stops early; ``pad_token_id=None``: the first EOS), as ``generate``'s.
         vision: ``"auto"``, ``"local"`` or ``"split"`` (who encodes which image, see ``vlm_batch``).
 
     Returns:
@@ -68,22 +70,21 @@ def generate_vlm(
         ValueError, before any collective, for an unswitched model or bad arguments.
     """
     _check(model, batch, max_new_tokens)
-    eos = _as_list(eos_token_id if eos_token_id is not None else getattr(model.generation_config, "eos_token_id", None))
-    pad = pad_token_id if pad_token_id is not None else getattr(model.generation_config, "pad_token_id", None)
-    pad = eos[0] if pad is None and eos else pad
+    eos = eos_ids(model, eos_token_id)
+    pad = pad_id(model, pad_token_id, eos)
     input_ids = batch["input_ids"]
     if max_new_tokens == 0:
         return input_ids.clone()
     with torch.inference_mode():
         cache, logits, delta = _prefill(model, batch, mesh, max_new_tokens, vision)
         pieces, unfinished = [input_ids], torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        eos_ids = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
+        eos_tensor = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
         for index in range(max_new_tokens):
             tokens = agree_across_context(choose_next_tokens(logits), mesh)  # [B]
             if eos:
                 assert pad is not None  # with an EOS, pad defaults to eos[0]
                 tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad))
-                unfinished &= ~torch.isin(tokens, eos_ids)
+                unfinished &= ~torch.isin(tokens, eos_tensor)
             pieces.append(tokens[:, None])
             if index + 1 == max_new_tokens or not bool(unfinished.any()):
                 break
@@ -144,10 +145,6 @@ def _decode(model, cache: HybridCache, tokens: torch.Tensor, index: int, delta: 
         **{cache_argument(model): cache, DECODE_KWARG: DecodeStep(cache.store)},
     )
     return out.logits[:, -1].float()  # [B, V]
-
-
-def _as_list(ids) -> list[int]:
-    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
 def _check(model: nn.Module, batch: Mapping[str, Any], max_new_tokens) -> None:

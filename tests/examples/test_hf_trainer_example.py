@@ -1,0 +1,67 @@
+"""examples/train_hf_trainer.py as a user runs it: one process without a launcher (also with ``--model-path``,
+which needed mpi4py before), and on two meshes of DP 1 (U2xR1, U1xR2 under torchrun) training on the same rows
+as the one-process run, so their losses agree step by step (to 1e-4; the data used to be sized by the world)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.example_runs import example_environment, free_port
+from tests.helpers.paths import ROOT
+
+pytestmark = [pytest.mark.distributed, pytest.mark.integration]
+
+SCRIPT = str(ROOT / "examples" / "train_hf_trainer.py")
+CP2 = str(ROOT / "ds_configs" / "trainer" / "cp2.json")  # ZeRO-3, every Trainer value "auto"
+STEPS = 3
+TINY = ["--seq-len", "64", "--hidden-size", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2"]
+JOB_SECONDS = 600  # a hang catcher
+
+
+def _train(tmp_path: Path, name: str, ranks: int, *extra: str, steps: int = STEPS) -> list[float]:
+    """Run the example (``ranks`` 1: no launcher) for ``steps`` into tmp_path/name; exit 0; its per-step losses."""
+    out = tmp_path / name
+    args = [SCRIPT, "--deepspeed", CP2, *TINY, "--max-steps", str(steps), "--output-dir", str(out), *extra]
+    launcher = ["torchrun", "--nproc_per_node", str(ranks), "--master_port", str(free_port())] if ranks > 1 else []
+    result = subprocess.run(
+        [*launcher, *([] if launcher else [sys.executable]), *args],
+        cwd=tmp_path,
+        env=example_environment(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=JOB_SECONDS,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in output, output[-4000:]
+    assert f"done: {steps} steps" in result.stdout, result.stdout[-2000:]
+    history = json.loads((out / f"checkpoint-{steps}" / "trainer_state.json").read_text())["log_history"]
+    return [row["loss"] for row in history if "loss" in row]
+
+
+def _write_model(path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    LlamaForCausalLM(LlamaConfig(vocab_size=256, num_key_value_heads=2, **config)).save_pretrained(path)
+
+
+def test_one_process_without_a_launcher_loads_a_saved_model(tmp_path):
+    """``python examples/train_hf_trainer.py --ulysses 1 --model-path DIR``: a world of one, ZeRO-3 loading."""
+    _write_model(tmp_path / "model")
+    losses = _train(tmp_path, "alone", 1, "--ulysses", "1", "--model-path", str(tmp_path / "model"), steps=1)
+    assert len(losses) == 1 and losses[0] > 0
+
+
+@pytest.mark.slow
+def test_meshes_of_one_replica_train_on_the_rows_of_one_process(tmp_path):
+    """U2xR1 and U1xR2 on 2 ranks against U1xR1 on one process: every step's loss within 1e-4."""
+    alone = _train(tmp_path, "alone", 1, "--ulysses", "1", "--ring", "1")
+    for ulysses, ring in ((2, 1), (1, 2)):
+        sharded = _train(tmp_path, f"u{ulysses}r{ring}", 2, "--ulysses", str(ulysses), "--ring", str(ring))
+        assert len(sharded) == len(alone) == STEPS
+        assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(sharded, alone)), (ulysses, ring, sharded, alone)
