@@ -90,7 +90,7 @@ import transformers
 from packaging.version import Version
 from torch import nn
 
-from hybridsp._types import BackendName
+from hybridsp._types import BackendName, HeadChunks
 from hybridsp.attention._api import hybrid_attn_func
 from hybridsp.integrations.transformers._binding import BINDING_ATTR as _BINDING_ATTR
 from hybridsp.integrations.transformers._binding import DECODE_KWARG, DOCUMENTS_KWARG, NAME, attention_modules
@@ -193,6 +193,7 @@ def hybridsp_attention_forward(
         sliding_window=kwargs.get("sliding_window"),
         sinks=kwargs.get("s_aux"),
         softcap=kwargs.get("softcap"),
+        head_chunks=binding.head_chunks,
     )  # [B, S, H, Dv]
     return out, None
 
@@ -285,6 +286,7 @@ def apply(
     *,
     backend: BackendName | AttentionKernel = "auto",
     adapters: Sequence[ModelAdapter] | None = None,
+    head_chunks: HeadChunks | None = None,
 ) -> HybridAttentionHandle:
     """Switch one model instance to hybrid sequence-parallel attention over ``mesh``.
 
@@ -299,6 +301,8 @@ def apply(
         backend: the local attention kernel (``auto``, ``torch``, ``flash``, ``reference``).
         adapters: the :class:`ModelAdapter` s to ask before the generic path (None:
             :func:`default_adapters`); pass ``(*default_adapters(), MyAdapter())`` to add one.
+        head_chunks: every attention call's head groups (``hybrid_attn_func``'s ``head_chunks``; None:
+            ``mesh.head_chunks``, which the ``"hybridsp"`` config section sets; adapters use the mesh's).
 
     Returns:
         a :class:`HybridAttentionHandle`; ``handle.undo()`` restores the model exactly.
@@ -325,7 +329,7 @@ def apply(
     check_model(model, modules, mesh)
     undo_linear = switch_linear_layers(model, mesh, backend)  # checks every linear layer before changing any
     hook = install_input_check(model, mesh, layout_window(model))
-    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook, undo_linear)
+    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook, undo_linear, head_chunks)
 
 
 def _configs_of(model: nn.Module, modules: list[nn.Module]) -> list:
