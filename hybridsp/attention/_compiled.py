@@ -86,7 +86,9 @@ def compiled_attention(
     object as ``backend`` (name one), a ``counter`` (set ``mesh.comm_counter``): neither can enter a graph;
     or an int ``head_chunks`` > 1 (eager only)."""
     if head_chunks not in (1, "auto"):
-        raise ValueError(f'under torch.compile head_chunks must be 1 or "auto" (all heads at once); got {head_chunks!r}')
+        raise ValueError(
+            f'under torch.compile head_chunks must be 1 or "auto" (all heads at once); got {head_chunks!r}'
+        )
     if not isinstance(backend, str):
         raise ValueError(
             f"under torch.compile, backend must be a kernel name ('auto', 'torch', 'flash', "

@@ -50,12 +50,7 @@ import torch.distributed as dist
 
 from hybridsp.attention._ring_function import ring_backward, ring_forward
 from hybridsp.attention._sinks import sink_grad
-from hybridsp.attention._ulysses import (
-    expand_kv_heads_for,
-    heads_to_seq_plain,
-    seq_to_heads_buffers,
-    split_heads,
-)
+from hybridsp.attention._ulysses import expand_kv_heads_for, heads_to_seq_plain, seq_to_heads_buffers, split_heads
 
 if TYPE_CHECKING:
     from hybridsp.attention._resolve import RingCall
@@ -77,7 +72,7 @@ class HeadGroups:
         """Group g's heads of a [B, L, H_i, D] tensor: the view [B, L, U, H_i/(U G), D] (U > 1, split per
         destination rank of the head scatter) or [B, L, H_i/G, D] (U = 1)."""
         per_group = t.shape[2] // (self.ulysses * self.groups)
-        view = t.unflatten(2, (self.ulysses, self.groups, per_group))[:, :, :, g]  # [B, L, U, h_i, D]
+        view: torch.Tensor = t.unflatten(2, (self.ulysses, self.groups, per_group))[:, :, :, g]  # [B, L, U, h_i, D]
         return view if self.ulysses > 1 else view.squeeze(2)  # U = 1: [B, L, h_i, D]
 
     def sinks_of(self, sinks: torch.Tensor | None, g: int) -> torch.Tensor | None:
@@ -126,12 +121,7 @@ class HeadChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        sinks: torch.Tensor | None,
-        heads: HeadGroups,
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, heads: HeadGroups
     ) -> torch.Tensor:
         b, length, num_heads, _ = q.shape
         out = q.new_empty(b, num_heads, length, v.shape[-1]).transpose(1, 2)  # [B, L, H, Dv], heads-first storage
@@ -209,12 +199,7 @@ def _slot_widths(widths: tuple[int, int]) -> list[int]:
 
 
 def head_chunked_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    call: RingCall,
-    mesh: HybridMesh,
-    sinks: torch.Tensor | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall, mesh: HybridMesh, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """:func:`~hybridsp.attention._api.hybrid_attn_func` of a resolved call with ``call.head_chunks`` > 1:
     q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] -> out [B, L, H, Dv] (differentiable in q, k, v, sinks)."""

@@ -154,7 +154,7 @@ def resolve_head_chunks(
         raise ValueError(
             f"head_chunks={head_chunks} must divide the K/V heads each Ulysses rank holds: {per_rank}{one} "
             f"({k.shape[2]} K/V heads for {q.shape[2]} query heads over ulysses={ulysses}); head groups split along "
-            f"K/V heads so that no K/V head is sent twice: choose a divisor of {per_rank}, or \"auto\""
+            f'K/V heads so that no K/V head is sent twice: choose a divisor of {per_rank}, or "auto"'
         )
     return head_chunks
 

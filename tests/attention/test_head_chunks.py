@@ -229,3 +229,54 @@ def test_config_section_and_mesh_shape_carry_head_chunks():
     assert MeshShape(4, 2, 2).head_chunks == 1
     with pytest.raises(ValueError, match="head_chunks must be a positive integer"):
         HybridConfig.from_ds_config({"hybridsp": {"ulysses": 2, "head_chunks": 0}})
+
+
+def _switched_llama(rank, world, head_chunks):
+    """Relative errors of a switched tiny Llama (4 query / 4 K/V heads) at U2xR1 with the switch's
+    ``head_chunks`` against the unmodified one-process model: logits, loss, every gradient."""
+    from hybridsp.integrations import transformers as hf
+    from tests.helpers.models.switched import build, expected_of, make_batch, sharded
+
+    mesh = init_mesh(ulysses=2, ring=1)
+    model = build("llama")
+    batch = make_batch(32, (32, 32))
+    logits, loss, grads = expected_of(model, batch)
+    handle = hf.apply(model, mesh, backend="torch", head_chunks=head_chunks)
+    got_logits, got_loss, got_grads, _ = sharded(model, mesh, batch)
+    assert model.model.layers[0].self_attn._hybridsp_binding.head_chunks == head_chunks
+    handle.undo()
+    errors = {"logits": rel_err(got_logits, logits), "loss": rel_err(got_loss, loss)}
+    return errors | {name: rel_err(got_grads[name], grads[name]) for name in grads}
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.distributed
+def test_the_transformers_switch_carries_head_chunks():
+    for errors in run_distributed(_switched_llama, 2, 2):
+        assert max(errors.values()) < 1e-4, errors
+
+
+@pytest.mark.fast
+def test_compiled_call_refuses_int_head_groups():
+    from hybridsp.attention._compiled import compiled_attention
+    from tests.helpers.mesh import mesh_at
+
+    q = torch.zeros(1, 8, 4, 16)
+    with pytest.raises(ValueError, match='head_chunks must be 1 or "auto"'):
+        compiled_attention(
+            q,
+            q,
+            q,
+            mesh=mesh_at(2, 1),
+            causal=True,
+            cu_seqlens=None,
+            sliding_window=None,
+            softmax_scale=None,
+            backend="auto",
+            counter=None,
+            kv_comm=None,
+            sinks=None,
+            softcap=None,
+            head_chunks=2,
+        )
