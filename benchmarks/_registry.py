@@ -106,6 +106,12 @@ BENCHMARKS = (
         ("--worlds", "4", "--seq", "2048", "--repeats", "1", "--out", "{tmp}/a2a_memory.json"),
     ),
     Benchmark(
+        "memory.head_chunks",
+        "Head-chunked attention: memory per rank of one layer and of a step, by head groups G?",
+        "results/head_chunks",
+        ("--quick", "--part", "layer", "--out", "{tmp}"),
+    ),
+    Benchmark(
         "memory.tensor_parallel",
         "Tensor parallelism x hybrid SP: parameters and activations per rank?",
         "results/tensor_parallel",

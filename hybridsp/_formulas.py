@@ -68,6 +68,26 @@ def expanded_kv_heads(num_heads: int, num_kv_heads: int, ulysses: int) -> int:
     return num_kv_heads * kv_repeats_for(num_heads, num_kv_heads, ulysses)
 
 
+HEAD_CHUNK_BYTES = 64 * 2**20  # head_chunks="auto": one head group's ring-slot q/k/v/out take at most 64 MiB
+
+
+def head_chunk_kv_heads(num_heads: int, num_kv_heads: int, ulysses: int) -> int:
+    """K/V heads one Ulysses rank holds after the head scatter (Hkv' / U): what ``head_chunks`` G must
+    divide (the groups split along K/V heads, so no K/V head travels twice)."""
+    return expanded_kv_heads(num_heads, num_kv_heads, ulysses) // ulysses
+
+
+def auto_head_chunks(kv_heads_per_rank: int, slot_bytes: int, target: int = HEAD_CHUNK_BYTES) -> int:
+    """``head_chunks="auto"``: the smallest divisor G of a rank's K/V heads whose groups keep at most
+    ``target`` bytes of ring-slot q/k/v/out each (``slot_bytes / G``; ``slot_bytes`` = the rank's
+    ``B (S/R) (h D + hkv (D + Dv) + h Dv) e`` after the all-to-all); one K/V head per group when no
+    divisor is small enough. 1 (no chunking) for a slot of at most ``target`` bytes."""
+    for groups in range(1, kv_heads_per_rank + 1):
+        if kv_heads_per_rank % groups == 0 and slot_bytes <= target * groups:
+            return groups
+    return kv_heads_per_rank
+
+
 # ----------------------------------------------------------------------------- bytes
 
 

@@ -6,7 +6,7 @@ its type, which is derived from the type so the two cannot drift apart.
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Literal, Union, get_args
 
 KVComm = Literal["ring", "allgather"]
 """How K/V blocks travel in the ring group: point-to-point steps, or a chunked all-gather."""
@@ -22,6 +22,9 @@ BackendName = Literal["auto", "torch", "flash", "reference"]
 
 PieceKind = Literal["full", "causal", "band"]
 """The mask of one block-plan piece (:mod:`hybridsp.layout`)."""
+
+HeadChunks = Union[int, Literal["auto"]]
+"""How many head groups one attention call runs in turn (an int G >= 1, or ``"auto"``; :mod:`hybridsp.attention`)."""
 
 GenerationMode = Literal["plain", "sharded"]
 """How TRL's online trainers generate: the plain model, or hybridsp's sharded generation."""

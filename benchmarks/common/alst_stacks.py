@@ -81,6 +81,7 @@ class Run:
     head_norm: bool = False
     budget: int | None = None  # alst.compare: bytes of VmData a rank may add (RLIMIT_DATA); None: no cap
     limit_from: str = "build"  # alst.compare: the cap counts from after the engine build or after the imports
+    head_chunks: int | str = 1  # hybridsp: the "hybridsp" config section's head_chunks (head groups per attention call)
 
     @property
     def context(self) -> int:
@@ -90,7 +91,8 @@ class Run:
     def name(self) -> str:
         mesh = "" if self.stack == "reference" else f" U{self.ulysses}xR{self.ring}"
         loss = f" ({self.alst_loss})" if self.stack == "alst" and self.features != "plain" else ""
-        return f"{self.stack}{mesh} {self.features}{loss}"
+        chunks = f" G{self.head_chunks}" if self.stack == "hybridsp" and self.head_chunks != 1 else ""
+        return f"{self.stack}{mesh}{chunks} {self.features}{loss}"
 
     def check(self, world: int) -> None:
         """ValueError before any collective for a run these ranks cannot train."""
@@ -215,7 +217,8 @@ def hybridsp_stack(run: Run, host_allocator=None):
     from hybridsp.memory._tiled_mlp import apply_tiled_mlp
 
     model = build_model(run)
-    config = {**ds_config(run), "hybridsp": {"ulysses": run.ulysses, "ring": run.ring}}
+    section = {"ulysses": run.ulysses, "ring": run.ring, "head_chunks": run.head_chunks}
+    config = {**ds_config(run), "hybridsp": section}
     engine, _, mesh, _ = initialize(model, config, optimizer=optimizer_for(model, run))
     if run.features != "plain":
         apply_tiled_mlp(engine.module)

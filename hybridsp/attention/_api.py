@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridsp._checks import check_head_chunks
 from hybridsp._comm import CommCounter
-from hybridsp._types import BackendName, KVComm
+from hybridsp._types import BackendName, HeadChunks, KVComm
 from hybridsp.attention._compiled import compiled_attention
+from hybridsp.attention._head_chunks import head_chunked_attention
 from hybridsp.attention._resolve import check_causal, check_kv_comm, check_softcap, resolve_ring_call
 from hybridsp.attention._ring import run_ring
 from hybridsp.attention._spec import CallSpec, CuSeqlens, placement_layout
@@ -49,6 +51,7 @@ def hybrid_attn_func(
     kv_comm: KVComm | None = None,
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
+    head_chunks: HeadChunks | None = None,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the mesh's context ranks.
 
@@ -94,6 +97,14 @@ def hybrid_attn_func(
             positive number, or None. Needs a kernel with ``supports_softcap``: ``backend="auto"``
             picks one (``reference`` on CPU, ``flash`` with flash-attn >= 2.6 on CUDA); a named
             kernel without it raises ValueError.
+        head_chunks: G, the head groups the call runs in turn (:mod:`hybridsp.attention._head_chunks`):
+            each group's all-to-all, ring and reverse all-to-all, forward and backward, so that one
+            group's ring-slot buffers exist at a time; the same result and the same bytes on the wire
+            as G = 1 (all heads at once). G must divide the K/V heads each Ulysses rank holds
+            (``Hkv' / U``; groups split along K/V heads, query heads follow theirs). ``"auto"``: the
+            smallest such G whose groups keep at most 64 MiB of ring-slot q/k/v/out each
+            (:func:`hybridsp._formulas.auto_head_chunks`). None: ``mesh.head_chunks`` (default 1).
+            Under ``torch.compile`` the call runs all heads at once (an int G > 1 raises ValueError).
 
     Returns:
         out [B, S_local, H, Dv] in q's dtype, differentiable in q, k, v (and sinks).
@@ -123,11 +134,13 @@ def hybrid_attn_func(
             kv_comm=kv_comm,
             sinks=sinks,
             softcap=softcap,
+            head_chunks=mesh.head_chunks if head_chunks is None else head_chunks,
         )
     spec = CallSpec.on_mesh(
         mesh,
         kv_comm=kv_comm,
         counter=counter,
+        head_chunks=head_chunks,
         causal=causal,
         cu_seqlens=cu_seqlens,
         sliding_window=sliding_window,
@@ -146,6 +159,8 @@ def hybrid_attn_func(
         agreement_group=mesh.context_group if mesh.context > 1 else None,
         sinks=sinks,
     )
+    if call.head_chunks > 1:
+        return head_chunked_attention(q, k, v, call, mesh, sinks)  # [B, S/C, H, Dv]
     if mesh.ulysses == 1:
         return run_ring(q, k, v, call, sinks)  # [B, S/C, H, Dv]
     heads = q.shape[2]
@@ -160,8 +175,8 @@ class HybridAttention(nn.Module):
     """``nn.Module`` around :func:`hybrid_attn_func`:
     ``forward(q, k, v, cu_seqlens=None, *, sinks=None, counter=None) -> out``.
 
-    ``sliding_window``, ``kv_comm`` and ``softcap`` are fixed per module (a layer's property;
-    ``kv_comm=None``: the mesh's); ``cu_seqlens`` may be given at construction or per call (packed
+    ``sliding_window``, ``kv_comm``, ``softcap`` and ``head_chunks`` are fixed per module (a layer's property;
+    ``kv_comm=None``, ``head_chunks=None``: the mesh's); ``cu_seqlens`` may be given at construction or per call (packed
     batches change every step). ``sinks``: a tensor [H] given at construction is registered as the
     module's parameter ``sinks`` (an ``nn.Parameter`` is kept as it is, so it can be shared with the
     model that owns it); a ``sinks=`` passed to ``forward`` is used instead for that call. Shapes as there.
@@ -179,15 +194,18 @@ class HybridAttention(nn.Module):
         kv_comm: KVComm | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        head_chunks: HeadChunks | None = None,
     ) -> None:
         super().__init__()
         check_causal(causal)
+        if head_chunks is not None:
+            check_head_chunks(head_chunks)
         check_sliding_window(sliding_window)
         check_softcap(softcap)
         if kv_comm is not None:
             check_kv_comm(kv_comm)
         self.mesh, self.causal, self.softmax_scale, self.backend = mesh, causal, softmax_scale, backend
-        self.kv_comm, self.softcap = kv_comm, softcap
+        self.kv_comm, self.softcap, self.head_chunks = kv_comm, softcap, head_chunks
         self.cu_seqlens, self.sliding_window = cu_seqlens, sliding_window
         self.sinks: nn.Parameter | None
         if sinks is not None:
@@ -221,6 +239,7 @@ class HybridAttention(nn.Module):
             sliding_window=self.sliding_window,
             sinks=self.sinks if sinks is None else sinks,
             softcap=self.softcap,
+            head_chunks=self.head_chunks,
         )
 
     def extra_repr(self) -> str:

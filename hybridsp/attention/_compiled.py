@@ -35,7 +35,7 @@ import torch.distributed as dist
 from hybridsp._comm import CommCounter
 from hybridsp._formulas import expanded_kv_heads
 from hybridsp._opaque import OpaqueRef
-from hybridsp._types import BackendName, KVComm
+from hybridsp._types import BackendName, HeadChunks, KVComm
 from hybridsp.attention._resolve import (
     check_causal,
     check_softcap,
@@ -79,13 +79,16 @@ def compiled_attention(
     kv_comm: Optional[KVComm],
     sinks: Optional[torch.Tensor],
     softcap: Optional[float],
+    head_chunks: HeadChunks = 1,
 ) -> torch.Tensor:
     """:func:`~hybridsp.attention._api.hybrid_attn_func` while dynamo traces (Note [compiled call]);
-    the same arguments, out [B, L, H, Dv].
-
-    Raises ValueError, while tracing, for a kernel object as ``backend`` (name one) or a ``counter``
-    (set ``mesh.comm_counter``): neither can enter a graph.
-    """
+    the same arguments, out [B, L, H, Dv]; all heads at once. Raises ValueError, while tracing, for a kernel
+    object as ``backend`` (name one), a ``counter`` (set ``mesh.comm_counter``): neither can enter a graph;
+    or an int ``head_chunks`` > 1 (eager only)."""
+    if head_chunks not in (1, "auto"):
+        raise ValueError(
+            f'under torch.compile head_chunks must be 1 or "auto" (all heads at once); got {head_chunks!r}'
+        )
     if not isinstance(backend, str):
         raise ValueError(
             f"under torch.compile, backend must be a kernel name ('auto', 'torch', 'flash', "
@@ -153,6 +156,7 @@ def _spec(
     return CallSpec.on_mesh(
         mesh,
         kv_comm=kv_comm,
+        head_chunks=1,  # all heads at once (compiled_attention)
         causal=causal,
         cu_seqlens=_as_cu_seqlens(bounds),
         sliding_window=window,

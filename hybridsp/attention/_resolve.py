@@ -13,7 +13,7 @@ rank when any field differs. It runs on *every* call: whether a rank enters a co
 not depend on anything that can differ between ranks, and a memo of "already agreed" settings
 can (rank 1 with a new window would run the check while the others, seeing settings agreed on
 an earlier layer, skip it and hang in the ring; and a rank may switch to settings agreed on
-another layer). The cost is one all_reduce of 36 int64 and one host read of its result per call:
+another layer). The cost is one all_reduce of 38 int64 and one host read of its result per call:
 one collective latency (on 2 gloo ranks sharing 2 busy CPU cores, +3 ms on a 35 ms S=2048 call);
 the :class:`Documents` keeps the fingerprint tensor, so nothing is rebuilt per layer.
 """
@@ -27,9 +27,9 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from hybridsp._checks import check_positive
+from hybridsp._checks import check_head_chunks, check_positive
 from hybridsp._comm import CommCounter
-from hybridsp._formulas import default_kv_chunks, heads_divisible
+from hybridsp._formulas import auto_head_chunks, default_kv_chunks, head_chunk_kv_heads, heads_divisible
 from hybridsp._types import KV_COMMS, KVComm
 from hybridsp.attention._spec import CallSpec
 from hybridsp.attention._transport.allgather import AllGatherTransport
@@ -56,6 +56,7 @@ class RingCall:
     scale: float
     plan: BlockPlan | None  # None: one kernel call on the whole local sequence
     kv_chunks: int | None  # the all-gather transport's chunks per block; None for the other transports
+    head_chunks: int = 1  # the head groups G the call runs in turn (hybridsp.attention._head_chunks)
 
     @property
     def causal(self) -> bool:
@@ -132,6 +133,30 @@ def check_kv_chunks(kv_chunks: int | None, local_len: int) -> None:
             f"kv_chunks must be a positive integer dividing the {local_len} local tokens per ring rank; "
             f"got {kv_chunks!r}"
         )
+
+
+def resolve_head_chunks(
+    head_chunks: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses: int, ring: int
+) -> int:
+    """The head groups G of a call on q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] (this rank's
+    tokens before the all-to-all): ``head_chunks`` checked, ``"auto"`` resolved
+    (:func:`hybridsp._formulas.auto_head_chunks`). Raises ValueError (before any communication) unless
+    G divides the K/V heads one Ulysses rank holds (Hkv' / U), which also makes it divide the query heads."""
+    check_head_chunks(head_chunks)
+    per_rank = head_chunk_kv_heads(q.shape[2], k.shape[2], ulysses)
+    if head_chunks == "auto":
+        b, length, heads, d = q.shape
+        slot_heads = heads // ulysses * (d + v.shape[-1]) + per_rank * (d + v.shape[-1])
+        return auto_head_chunks(per_rank, b * length * ulysses * slot_heads * q.element_size())
+    assert isinstance(head_chunks, int)  # checked: an int or "auto"
+    if per_rank % head_chunks:
+        one = " (G must then be 1)" if per_rank == 1 else ""
+        raise ValueError(
+            f"head_chunks={head_chunks} must divide the K/V heads each Ulysses rank holds: {per_rank}{one} "
+            f"({k.shape[2]} K/V heads for {q.shape[2]} query heads over ulysses={ulysses}); head groups split along "
+            f'K/V heads so that no K/V head is sent twice: choose a divisor of {per_rank}, or "auto"'
+        )
+    return head_chunks
 
 
 def resolve_kv_chunks(kv_chunks: int | None, ring: int, local_len: int) -> int:
@@ -218,9 +243,10 @@ def resolve_ring_call(
     documents = as_documents(spec.cu_seqlens, q.shape[0], slot * ring)
     kernel = resolve_kernel(spec.backend, q, v, spec.softcap)  # ValueError for a backend that cannot run it
     chunks = resolve_kv_chunks(spec.kv_chunks, ring, slot) if spec.kv_comm == "allgather" else None
-    fingerprint = CallFingerprint.of(q, k, v, spec, layout, chunks, sinks)
+    groups = resolve_head_chunks(spec.head_chunks, q, k, v, ulysses, ring)
+    fingerprint = CallFingerprint.of(q, k, v, spec, layout, chunks, sinks, groups)
     check_agreement(agreement_group, documents, fingerprint, q.device)
-    return _ring_call(q, spec, kernel, group, ring, layout, documents, chunks)
+    return _ring_call(q, spec, kernel, group, ring, layout, documents, chunks, groups)
 
 
 def replay_ring_call(
@@ -246,12 +272,13 @@ def _ring_call(
     layout: TokenLayout,
     documents: Documents,
     chunks: int | None,
+    groups: int = 1,
 ) -> RingCall:
     """The :class:`RingCall` of a checked spec and its kernel: this rank's place, the plan, the scale."""
     rank = 0 if group is None else dist.get_rank(group)
     plan = plan_for(documents, layout, ring, spec.causal, spec.sliding_window)
     scale = default_softmax_scale(q.shape[-1], spec.softmax_scale)
-    return RingCall(spec, group, ring, rank, kernel, scale, plan, chunks)
+    return RingCall(spec, group, ring, rank, kernel, scale, plan, chunks, groups)
 
 
 class CallFingerprint(NamedTuple):
@@ -273,6 +300,7 @@ class CallFingerprint(NamedTuple):
     kv_chunks: int  # 0: not the all-gather transport
     sinks: int  # 0: none, else 1 + the index of their dtype in FLOAT_DTYPES
     softcap: int  # the float64 bits >> 2 (0: none)
+    head_chunks: int  # the resolved head groups G
 
     @classmethod
     def of(
@@ -284,6 +312,7 @@ class CallFingerprint(NamedTuple):
         layout: TokenLayout,
         chunks: int | None,
         sinks: torch.Tensor | None = None,
+        head_chunks: int = 1,
     ) -> CallFingerprint:
         """The fingerprint of a call on q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv]
         (``layout``: the spec's layout object; ``chunks``: the resolved all-gather chunks)."""
@@ -306,6 +335,7 @@ class CallFingerprint(NamedTuple):
             chunks or 0,
             0 if sinks is None else 1 + FLOAT_DTYPES.index(sinks.dtype),
             _float_bits(spec.softcap),
+            head_chunks,
         )
 
 
@@ -322,6 +352,7 @@ _LABELS = {
     "kv_heads": "K/V heads",
     "v_head_dim": "value head dim",
     "placement_window": "placement window",
+    "head_chunks": "head_chunks",
 }
 _NAMES = tuple(_LABELS.get(field, field) for field in CallFingerprint._fields) + ("documents", "documents")
 
@@ -333,11 +364,11 @@ def check_agreement(
     documents (Note [agreement]); one small all_reduce on every call, whatever was agreed before."""
     if group is None or dist.get_world_size(group) == 1:
         return
-    mine: torch.Tensor = documents.remember(  # [16 + 2] int64: the fields, then the documents' digest
+    mine: torch.Tensor = documents.remember(  # [17 + 2] int64: the fields, then the documents' digest
         ("fingerprint", fields, device),
         lambda: torch.tensor([*fields, *documents.digest()], dtype=torch.int64, device=device),
     )
-    extremes = torch.cat([mine, -mine])  # [36]: max of x and of -x give the max and the min
+    extremes = torch.cat([mine, -mine])  # [38]: max of x and of -x give the max and the min
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     high, low = extremes[: mine.numel()], -extremes[mine.numel() :]
     differ = (high != low).nonzero().flatten().tolist()

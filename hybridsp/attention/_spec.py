@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
-from hybridsp._types import BackendName, KVComm, LayoutName
+from hybridsp._types import BackendName, HeadChunks, KVComm, LayoutName
 from hybridsp.layout._documents import Documents
 
 if TYPE_CHECKING:
@@ -31,7 +31,8 @@ class CallSpec:
 
     ``layout`` is the token layout the tokens were sharded with (a name or a
     :class:`~hybridsp.layout.TokenLayout`, placed for the window that applies); ``kv_chunks`` the
-    all-gather transport's chunk count (None: the default); ``counter`` records bytes sent. The
+    all-gather transport's chunk count (None: the default); ``counter`` records bytes sent;
+    ``head_chunks`` the head groups the call runs in turn (:mod:`hybridsp.attention._head_chunks`). The
     other fields are :func:`~hybridsp.attention.hybrid_attn_func`'s arguments of the same names.
     Nothing is checked here: :func:`~hybridsp.attention._resolve.resolve_ring_call` checks the spec
     together with the tensors, before any communication.
@@ -47,18 +48,26 @@ class CallSpec:
     kv_chunks: int | None = None
     softcap: float | None = None
     counter: CommCounter | None = None
+    head_chunks: HeadChunks = 1
 
     @classmethod
     def on_mesh(
-        cls, mesh: HybridMesh, *, kv_comm: KVComm | None = None, counter: CommCounter | None = None, **settings: Any
+        cls,
+        mesh: HybridMesh,
+        *,
+        kv_comm: KVComm | None = None,
+        counter: CommCounter | None = None,
+        head_chunks: HeadChunks | None = None,
+        **settings: Any,
     ) -> CallSpec:
-        """The spec of a call on ``mesh``: its K/V transport, chunking and byte counter unless given,
-        and its token layout placed for the window the documents carry (``settings``: the other fields)."""
+        """The spec of a call on ``mesh``: its K/V transport, chunking, head groups and byte counter unless
+        given, and its token layout placed for the window the documents carry (``settings``: the other fields)."""
         return cls(
             layout=placement_layout(mesh, settings.get("cu_seqlens")),
             kv_comm=mesh.kv_comm if kv_comm is None else kv_comm,
             kv_chunks=mesh.kv_chunks,
             counter=mesh.comm_counter if counter is None else counter,
+            head_chunks=mesh.head_chunks if head_chunks is None else head_chunks,
             **settings,
         )
 

@@ -102,11 +102,19 @@ def split_heads(joined: torch.Tensor, per_rank: list[int]) -> list[torch.Tensor]
     return [part.transpose(1, 2) for part in joined.split(per_rank, dim=1)]  # views, each [B, U*L, h_i, D]
 
 
+def by_destination(t: torch.Tensor, size: int) -> torch.Tensor:
+    """[B, L, H, D] -> the view [B, L, U, H/U, D] (heads per destination rank); a 5-D tensor (already
+    split per destination: a head group's view, :mod:`hybridsp.attention._head_chunks`) as it is."""
+    return t if t.dim() == 5 else t.unflatten(2, (size, t.shape[2] // size))  # [B, L, U, H/U, D]
+
+
 def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, counter: CommCounter | None) -> torch.Tensor:
-    """The heads-first buffer [B, sum H_i/U, U*L, D] that :func:`_seq_to_heads` splits."""
+    """The heads-first buffer [B, sum H_i/U, U*L, D] that :func:`_seq_to_heads` splits (each tensor
+    [B, L, H_i, D], or [B, L, U, H_i/U, D] split per destination)."""
     size = dist.get_world_size(group)
-    b, length, _, d = tensors[0].shape
-    per_rank = [t.shape[2] // size for t in tensors]
+    tensors = [by_destination(t, size) for t in tensors]  # each [B, L, U, h_i, D]
+    b, length, _, _, d = tensors[0].shape
+    per_rank = [t.shape[3] for t in tensors]
     packed = sum(per_rank)
     if b == 0:  # an empty batch on every rank (the agreement check compared B): nothing to exchange
         return tensors[0].new_empty(0, packed, size * length, d)  # [0, sum H_i/U, U*L, D]
@@ -116,7 +124,7 @@ def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, counter
         send = tensors[0].new_empty(size, packed, length, d)  # [U (dest), sum H_i/U, L, D]
         offset = 0
         for t, h in zip(tensors, per_rank):
-            send[:, offset : offset + h].copy_(t[row].unflatten(1, (size, h)).permute(1, 2, 0, 3))  # [U, h, L, D]
+            send[:, offset : offset + h].copy_(t[row].permute(1, 2, 0, 3))  # [U, h, L, D]
             offset += h
         received = _all_to_all(send, group, counter)  # [U (source = sequence piece), sum H_i/U, L, D]
         del send

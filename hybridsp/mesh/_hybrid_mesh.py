@@ -34,9 +34,9 @@ from typing import Any, Literal
 
 import torch.distributed as dist
 
-from hybridsp._checks import check_positive
+from hybridsp._checks import check_head_chunks, check_positive
 from hybridsp._opaque import OpaqueRef
-from hybridsp._types import KV_COMMS, MESH_ORDERS, KVComm, LayoutName, MeshOrder
+from hybridsp._types import KV_COMMS, MESH_ORDERS, HeadChunks, KVComm, LayoutName, MeshOrder
 from hybridsp.launch._launcher import ranks_per_node
 from hybridsp.launch._timeouts import default_group_timeout
 from hybridsp.layout._layouts import TokenLayout, get_layout, required_multiple
@@ -56,6 +56,7 @@ class MeshShape:
     kv_chunks: int | None = None
     tensor: int = 1
     sliding_window: int | None = None  # the window layouts that place by document balance for
+    head_chunks: HeadChunks = 1  # the default head groups of every attention call (hybridsp.attention._head_chunks)
 
     def __post_init__(self) -> None:
         for name in ("ulysses", "ring", "tensor"):
@@ -67,6 +68,7 @@ class MeshShape:
         if self.kv_comm not in KV_COMMS:
             raise ValueError(f"unknown kv_comm {self.kv_comm!r}; choose one of {', '.join(KV_COMMS)}")
         check_positive(self.kv_chunks, "kv_chunks", integer=True, or_none="")
+        check_head_chunks(self.head_chunks)
         context = self.ulysses * self.ring
         if self.world_size % (context * self.tensor) != 0:
             what = f"ulysses={self.ulysses} x ring={self.ring}" + (
@@ -187,6 +189,11 @@ class HybridMesh:
         return self.shape.kv_chunks
 
     @property
+    def head_chunks(self) -> HeadChunks:
+        """The default ``head_chunks`` of every attention call over the mesh."""
+        return self.shape.head_chunks
+
+    @property
     def tensor(self) -> int:
         return self.shape.tensor
 
@@ -286,6 +293,7 @@ def init_mesh(
     kv_comm: KVComm = "ring",
     kv_chunks: int | None = None,
     sliding_window: int | None = None,
+    head_chunks: HeadChunks = 1,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
@@ -304,7 +312,8 @@ def init_mesh(
     and ``context_size`` (default: the whole world) when given). Raises ValueError, before any
     collective, when the degrees do not divide the world size or cannot be chosen.
     ``kv_comm`` (``"ring"`` or ``"allgather"``) and ``kv_chunks`` are the default K/V transport
-    of every :func:`~hybridsp.hybrid_attn_func` call over the mesh (see :mod:`hybridsp.attention._ring`).
+    of every :func:`~hybridsp.hybrid_attn_func` call over the mesh (see :mod:`hybridsp.attention._ring`), and
+    ``head_chunks`` its default head groups (an int G >= 1 or ``"auto"``; :mod:`hybridsp.attention._head_chunks`).
     ``sliding_window``: the model's window, for ``layout="balanced"`` to balance windowed work
     (the default of :func:`~hybridsp.shard_sequence`, :func:`~hybridsp.shard_batch` and the
     attention; Note [placement window] in :mod:`hybridsp.layout._layouts`); other layouts ignore it.
@@ -321,7 +330,7 @@ def init_mesh(
         check_tensor_heads(num_heads, num_kv_heads, tensor)
         attention.update(num_heads=num_heads // tensor, num_kv_heads=(num_kv_heads or num_heads) // tensor)
     ulysses, ring = _resolve_degrees(ulysses, ring, world_size // tensor, max(local // tensor, 1), attention)
-    shape = MeshShape(world_size, ulysses, ring, order, layout, kv_comm, kv_chunks, tensor, sliding_window)
+    shape = MeshShape(world_size, ulysses, ring, order, layout, kv_comm, kv_chunks, tensor, sliding_window, head_chunks)
     if num_heads is not None and tensor > 1:
         check_tensor_heads(num_heads, num_kv_heads, tensor, ulysses)
     _warn_if_ulysses_crosses_nodes(shape, local)

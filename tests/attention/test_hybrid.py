@@ -106,17 +106,19 @@ def test_bad_inputs_raise_value_errors_on_every_rank_without_hanging():
     run_distributed(_bad_inputs, 8, timeout=300)  # catches a hang; start-up alone can take a minute when busy
 
 
-def _bytes_sent(rank, world):
+def _bytes_sent(rank, world, kv_heads, head_chunks):
     mesh = init_mesh(ulysses=2, ring=2)
-    q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in random_qkv(1, 64, 8, 2, 16))
+    q, k, v, dout = (shard_sequence(t, mesh).requires_grad_() for t in random_qkv(1, 64, 8, kv_heads, 16))
     counter = hybridsp.CommCounter()
-    hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch", counter=counter).backward(dout)
+    out = hybrid_attn_func(q, k, v, mesh=mesh, causal=True, backend="torch", counter=counter, head_chunks=head_chunks)
+    out.backward(dout)
     return mesh.ring_rank, dict(counter.bytes_sent)
 
 
-def test_bytes_sent_equal_the_analytic_minimum():
+@pytest.mark.parametrize("kv_heads,head_chunks", [(2, 1), (4, 2)])  # head groups: the same bytes
+def test_bytes_sent_equal_the_analytic_minimum(kv_heads, head_chunks):
     element = 4  # fp32
-    local, heads, kv_heads, d, u = 16, 8, 2, 16, 2
+    local, heads, d, u = 16, 8, 16, 2
     qkv = local * (heads + 2 * kv_heads) * d * element  # one rank's q, k, v
     out = local * heads * d * element
     # forward: q/k/v and out all-to-all; backward: dout and dq/dk/dv; (U-1)/U of each leaves the rank
@@ -126,6 +128,6 @@ def test_bytes_sent_equal_the_analytic_minimum():
     # K/V rows go out in the forward and again in the backward; dK/dV of what a rank read go home once.
     sent_rows = {0: slot // 2, 1: slot}
     read_rows = {0: slot, 1: slot // 2}
-    for ring_rank, rank_sent in run_distributed(_bytes_sent, 4):
+    for ring_rank, rank_sent in run_distributed(_bytes_sent, 4, kv_heads, head_chunks):
         ring = (2 * sent_rows[ring_rank] + read_rows[ring_rank]) * row
         assert rank_sent == {"all_to_all": all_to_all, "ring": ring}

@@ -155,7 +155,7 @@ def test_the_fingerprint_names_its_fields():
     zigzag = get_layout("zigzag")
     fingerprint = resolve.CallFingerprint.of(torch.zeros(2, 8, 4, 16), k, k[..., :12], CallSpec(), zigzag, None)
     assert fingerprint.batch == 2 and fingerprint.kv_heads == 2 and fingerprint.sliding_window == -1
-    assert tuple(fingerprint) == (2, 8, 4, 16, 2, 12, 2, 1, -1, 0, 0, -1, 0, 0, 0, 0)
+    assert tuple(fingerprint) == (2, 8, 4, 16, 2, 12, 2, 1, -1, 0, 0, -1, 0, 0, 0, 0, 1)
     capped = resolve.CallFingerprint.of(
         torch.zeros(2, 8, 4, 16), k, k, CallSpec(softcap=50.0), zigzag, None, torch.zeros(4, dtype=torch.bfloat16)
     )

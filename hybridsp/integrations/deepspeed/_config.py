@@ -10,6 +10,7 @@ The config section (everything else in the file is plain DeepSpeed)::
         "backend": "auto",            # local kernel: auto, torch, flash, reference
         "kv_comm": "ring",            # or "allgather" (how K/V travel inside the ring group)
         "kv_chunks": null,            # all-gather chunks per block (null: at most two blocks gathered)
+        "head_chunks": 1,             # G head groups each attention call runs in turn (int >= 1 or "auto")
         "tensor": 1,                  # T: tensor-parallel degree (innermost; hybridsp.integrations.deepspeed._tensor)
         "tensor_sequence_parallel": false,  # Megatron-style SP inside the tensor group (1/T of the tokens)
         "generation": "plain"         # GRPO/RLOO completions: "plain" (the unswitched model on every context
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from hybridsp._types import GENERATION_MODES, BackendName, GenerationMode, KVComm, LayoutName, MeshOrder
+from hybridsp._types import GENERATION_MODES, BackendName, GenerationMode, HeadChunks, KVComm, LayoutName, MeshOrder
 from hybridsp.integrations.deepspeed._compiling import without_compile_keys
 from hybridsp.integrations.deepspeed._tensor import autotp_size
 from hybridsp.kernels import BACKEND_NAMES
@@ -58,6 +59,7 @@ SECTION_KEYS = (
     "backend",
     "kv_comm",
     "kv_chunks",
+    "head_chunks",
     "tensor",
     "tensor_sequence_parallel",
     "generation",
@@ -77,6 +79,7 @@ class HybridConfig:
     backend: BackendName = "auto"
     kv_comm: KVComm = "ring"
     kv_chunks: int | None = None
+    head_chunks: HeadChunks = 1
     tensor: int = 1
     tensor_sequence_parallel: bool = False
     generation: GenerationMode = "plain"
@@ -96,6 +99,7 @@ class HybridConfig:
             self.kv_comm,
             self.kv_chunks,
             self.tensor,
+            head_chunks=self.head_chunks,
         )  # checks
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
@@ -145,7 +149,15 @@ class HybridConfig:
     def mesh_shape(self, world_size: int) -> MeshShape:
         """The mesh for ``world_size`` ranks; ValueError (no communication) when the sizes disagree."""
         shape = MeshShape(
-            world_size, self.ulysses, self.ring, self.order, self.layout, self.kv_comm, self.kv_chunks, self.tensor
+            world_size,
+            self.ulysses,
+            self.ring,
+            self.order,
+            self.layout,
+            self.kv_comm,
+            self.kv_chunks,
+            self.tensor,
+            head_chunks=self.head_chunks,
         )
         if self.data_parallel_size is not None and self.data_parallel_size != shape.dp:
             raise ValueError(

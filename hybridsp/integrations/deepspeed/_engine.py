@@ -91,6 +91,7 @@ def build_mesh(hybrid: HybridConfig) -> HybridMesh:
         kv_comm=shape.kv_comm,
         kv_chunks=shape.kv_chunks,
         tensor=shape.tensor,
+        head_chunks=shape.head_chunks,
     )
 
 

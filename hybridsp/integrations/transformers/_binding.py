@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from hybridsp._types import BackendName
+from hybridsp._types import BackendName, HeadChunks
 from hybridsp.kernels import AttentionKernel
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
@@ -22,6 +22,7 @@ class Binding:
 
     mesh: HybridMesh
     backend: BackendName | AttentionKernel
+    head_chunks: HeadChunks | None = None  # None: the mesh's (hybrid_attn_func's head_chunks)
 
 
 DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)

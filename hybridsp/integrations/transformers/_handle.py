@@ -57,13 +57,20 @@ class HybridAttentionHandle:
 
 
 def switch_modules(
-    model: nn.Module, modules: list[nn.Module], configs: list, mesh: HybridMesh, backend, hook, undo_linear=None
+    model: nn.Module,
+    modules: list[nn.Module],
+    configs: list,
+    mesh: HybridMesh,
+    backend,
+    hook,
+    undo_linear=None,
+    head_chunks=None,
 ):
     """Bind ``modules`` to ``mesh`` and name ``"hybridsp"`` in ``configs`` (no checks); the handle also
-    removes ``hook`` and calls ``undo_linear``. The step every adapter shares with
+    removes ``hook`` and calls ``undo_linear``; ``head_chunks`` goes to every call (None: the mesh's). The step every adapter shares with
     :func:`~hybridsp.integrations.transformers.apply`."""
     previous = [(config, config._attn_implementation) for config in configs]
-    binding = _Binding(mesh, backend)
+    binding = _Binding(mesh, backend, head_chunks)
     for module in modules:
         setattr(module, _BINDING_ATTR, binding)
     for config in configs:

@@ -93,7 +93,7 @@ import transformers
 from packaging.version import Version
 from torch import nn
 
-from hybridsp._types import BackendName
+from hybridsp._types import BackendName, HeadChunks
 from hybridsp.attention._api import hybrid_attn_func
 from hybridsp.integrations.transformers._adapters import ModelAdapter
 from hybridsp.integrations.transformers._binding import BINDING_ATTR as _BINDING_ATTR
@@ -194,6 +194,7 @@ def hybridsp_attention_forward(
         sliding_window=kwargs.get("sliding_window"),
         sinks=kwargs.get("s_aux"),
         softcap=kwargs.get("softcap"),
+        head_chunks=binding.head_chunks,
     )  # [B, S, H, Dv]
     return out, None
 
@@ -254,6 +255,7 @@ def apply(
     backend: BackendName | AttentionKernel = "auto",
     adapters: Sequence[ModelAdapter] | None = None,
     mixers: Sequence[MixerAdapter] | None = None,
+    head_chunks: HeadChunks | None = None,
 ) -> HybridAttentionHandle:
     """Switch one model instance to hybrid sequence-parallel attention over ``mesh``.
 
@@ -272,6 +274,8 @@ def apply(
         mixers: the :class:`MixerAdapter` s that switch token mixers other than attention (None:
             :func:`default_mixers`: Gated DeltaNet and Mamba-2); pass ``(*default_mixers(), MyMixer())`` to
             add one. Any other module that mixes tokens makes ``apply`` refuse.
+        head_chunks: every attention call's head groups (``hybrid_attn_func``'s ``head_chunks``; None:
+            ``mesh.head_chunks``, which the ``"hybridsp"`` config section sets; adapters use the mesh's).
 
     Returns:
         a :class:`HybridAttentionHandle`; ``handle.undo()`` restores the model exactly.
@@ -288,7 +292,7 @@ def apply(
     modules = decision.attention
     undo_linear = switch_claimed_mixers(decision.mixers, mesh)
     hook = install_input_check(model, mesh, layout_window(model))
-    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook, undo_linear)
+    return switch_modules(model, modules, _configs_of(model, modules), mesh, backend, hook, undo_linear, head_chunks)
 
 
 def _configs_of(model: nn.Module, modules: list[nn.Module]) -> list:
