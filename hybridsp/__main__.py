@@ -14,6 +14,7 @@ import sys
 COMMANDS = {  # name -> module implementing it
     "plan": "hybridsp.planner._cli",
     "check-mesh": "hybridsp._commands.check_mesh",
+    "verify": "hybridsp._commands.verify",
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from hybridsp._types import BackendName
 from hybridsp.kernels import AttentionKernel
@@ -22,6 +23,7 @@ class Binding:
 
     mesh: HybridMesh
     backend: BackendName | AttentionKernel
+    tap: Callable[..., Any] | None = None  # the exactness probe's recorder (hybridsp.monitor), set for one pass
 
 
 DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)
