@@ -149,3 +149,34 @@ def probe_cases(rank, world, ulysses, ring, family, dtype, seeds, faults, fields
 def _summary(report) -> tuple:
     worst = report.worst
     return (report.ok, worst.layer, worst.quantity, worst.rank, worst.rel_error, report.table())
+
+
+def health_steps(rank, world, ulysses, ring, layout, sleeper, nan_rank):
+    """Three training-like steps of a tiny switched model under :class:`hybridsp.monitor.RunMonitor`; rank
+    ``sleeper`` sleeps 0.3 s in each step, rank ``nan_rank`` puts a NaN into layer NAN_LAYER's attention output
+    in the last step (-1: nobody). Returns every step's metrics."""
+    import time
+
+    import hybridsp
+    from hybridsp.integrations import transformers as hf
+    from hybridsp.monitor import MonitorConfig, RunMonitor
+    from tests.helpers.models.switched import build, make_batch
+
+    mesh = hybridsp.init_mesh(ulysses, ring, layout=layout)
+    model = build("qwen2", num_hidden_layers=3)
+    hf.apply(model, mesh, backend="torch")
+    monitor = RunMonitor(model, mesh, MonitorConfig(parity_every=0))
+    found = []
+    for step in range(3):
+        local = hybridsp.shard_batch(make_batch(48, (48, 48), seed=step), mesh)
+        fault = _nan_on_rank(mesh, model) if step == 2 and rank == nan_rank else ExitStack()
+        monitor.begin_step()
+        with fault:
+            logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        hybridsp.sharded_cross_entropy(logits, local["shift_labels"], mesh).backward()
+        if rank == sleeper:
+            time.sleep(0.3)
+        metrics, _ = monitor.end_step(step, 1.0, position_ids=local["position_ids"])
+        found.append(metrics)
+    monitor.close()
+    return found
