@@ -59,9 +59,11 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": set(),  # finds its commands by name
     # the integrations: anything in the core, their shared helper, and each other as drawn here
     "integrations": {"_deprecated"},
-    "integrations.deepspeed": _CORE | {"integrations", "integrations.transformers"},  # _entry: the switch, lazily
-    "integrations.transformers": _CORE | {"integrations", "integrations.deepspeed"},  # the Trainer builds its engine
-    "integrations.trl": _CORE | {"integrations", "integrations.deepspeed", "integrations.transformers"},
+    "integrations.deepspeed": _CORE
+    | {"monitor", "integrations", "integrations.transformers"},  # _entry: the switch, lazily
+    "integrations.transformers": _CORE
+    | {"monitor", "integrations", "integrations.deepspeed"},  # the Trainer builds its engine
+    "integrations.trl": _CORE | {"monitor", "integrations", "integrations.deepspeed", "integrations.transformers"},
 }
 
 

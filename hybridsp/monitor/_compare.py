@@ -12,6 +12,7 @@ numbers), and the logits' gradient at each target from it. The per-rank maxima t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,9 +25,7 @@ from hybridsp.monitor._report import DLOGITS_TOLERANCE, LOSS_TOLERANCE, QUANTITI
 _STATS = 4  # per (layer, quantity): max |x - ref|, max |ref|, max |baseline - ref|, rank of the worst element
 
 
-def compare_pass(
-    record: dict, mesh: HybridMesh, *, factor: float = 2.0, rtol: float | None = None
-) -> ParityReport:
+def compare_pass(record: dict, mesh: HybridMesh, *, factor: float = 2.0, rtol: float | None = None) -> ParityReport:
     """The report for ``record`` (see the module docstring); a collective over the mesh's groups."""
     calls = record["calls"]
     if not calls:
@@ -79,7 +78,7 @@ def _layer_stats(call: dict, where: torch.Tensor, documents, mesh: HybridMesh) -
         q_heads = slice(j * group, (j + 1) * group)
         inputs = (full["q"][:, :, q_heads], full["k"][:, :, j], full["v"][:, :, j], full["dout"][:, :, q_heads])
         sinks = call.get("sinks")
-        settings = dict(
+        settings: dict[str, Any] = dict(
             scale=_scale(call, full["q"].shape[-1]),
             window=call.get("sliding_window"),
             chunk=call.get("chunk"),

@@ -41,7 +41,7 @@ class MonitorConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(block) - known)
         if unknown:
-            raise ValueError(f"unknown keys {unknown} in the hybridsp \"monitor\" block; it takes {sorted(known)}")
+            raise ValueError(f'unknown keys {unknown} in the hybridsp "monitor" block; it takes {sorted(known)}')
         config = cls(**block)
         config.check()
         return config
@@ -55,6 +55,10 @@ class MonitorConfig:
         for name in ("parity_every", "spike_window", "max_events_in_row"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "parity_every" else 1):
-                raise ValueError(f"monitor {name}={value!r}: give a whole number >= {0 if name == 'parity_every' else 1}")
+                raise ValueError(
+                    f"monitor {name}={value!r}: give a whole number >= {0 if name == 'parity_every' else 1}"
+                )
         if not self.spike_factor > 1.0:
-            raise ValueError(f"monitor spike_factor={self.spike_factor!r}: give a number > 1 (a multiple of the median)")
+            raise ValueError(
+                f"monitor spike_factor={self.spike_factor!r}: give a number > 1 (a multiple of the median)"
+            )

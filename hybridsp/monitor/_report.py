@@ -63,9 +63,7 @@ class ParityRow:
         return self.errors[quantity] <= self.tolerances[quantity]
 
     def entries(self) -> list[Worst]:
-        return [
-            Worst(self.layer, q, self.errors[q], self.tolerances[q], self.ranks.get(q, -1)) for q in self.errors
-        ]
+        return [Worst(self.layer, q, self.errors[q], self.tolerances[q], self.ranks.get(q, -1)) for q in self.errors]
 
 
 @dataclass(frozen=True)

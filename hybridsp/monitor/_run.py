@@ -17,8 +17,10 @@ import warnings
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from hybridsp._comm import CommCounter
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 from hybridsp.monitor._config import MonitorConfig
 from hybridsp.monitor._guard import LossGuard, Verdict
@@ -36,12 +38,22 @@ class RunMonitor:
 
     def __init__(self, model: nn.Module, mesh: HybridMesh, config: MonitorConfig | None = None, counter=None) -> None:
         self.model, self.mesh, self.config = model, mesh, config or MonitorConfig()
-        modules = [m for m in model.modules() if hasattr(m, "_hybridsp_binding")]
+        modules = [m for m in model.modules() if hasattr(m, "_hybridsp_binding")]  # what apply() switched, by its mark
+        self._own_counter = counter is None and mesh.comm_counter is None  # count bytes unless someone already does
+        if self._own_counter:
+            mesh.comm_counter = CommCounter()
         self.health = HealthProbe(mesh, modules, counter if counter is not None else mesh.comm_counter)
         self.guard = LossGuard(self.config)
         self.last_report: ParityReport | None = None
+        self.positions: torch.Tensor | None = None  # the step's first position_ids, for the imbalance
+        self._positions_hook = model.register_forward_pre_hook(self._remember_positions, with_kwargs=True)
+
+    def _remember_positions(self, module, args, kwargs) -> None:
+        if self.positions is None and torch.is_tensor(kwargs.get("position_ids")):
+            self.positions = kwargs["position_ids"].detach()
 
     def begin_step(self) -> None:
+        self.positions = None
         self.health.begin_step()
 
     def parity_due(self, step: int) -> bool:
@@ -75,9 +87,31 @@ class RunMonitor:
         position_ids: torch.Tensor | None = None,
         window: int | None = None,
     ) -> tuple[dict[str, float], Verdict]:
-        """The step's health metrics and the anomaly verdict (a collective over the data x context group)."""
-        metrics = self.health.end_step(position_ids, window)
+        """The step's health metrics and the anomaly verdict (a collective over the data x context group).
+
+        ``loss``: this replica's loss of the step (averaged over the data-parallel replicas here, so every
+        rank decides alike); ``position_ids``: default the ones the model's first forward of the step got."""
+        positions = position_ids if position_ids is not None else self.positions
+        metrics = self.health.end_step(positions, window)
+        if positions is None:
+            del metrics["hybridsp/imbalance"]
+        loss = _replica_mean(loss, self.mesh)
+        metrics["hybridsp/loss"] = loss
         return metrics, self.guard.judge(step, loss, grad_norm)
 
     def close(self) -> None:
+        """Take every hook off the model."""
         self.health.remove()
+        self._positions_hook.remove()
+        if self._own_counter:
+            self.mesh.comm_counter = None
+
+
+def _replica_mean(value: float, mesh: HybridMesh) -> float:
+    """``value`` averaged over the data-parallel replicas (one all_reduce; NaN and inf carry through)."""
+    if mesh.dp == 1:
+        return float(value)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, group=mesh.data_group)
+    return float(tensor.item()) / mesh.dp

@@ -53,7 +53,9 @@ def test_clean_bf16_on_an_odd_ring_with_gqa_and_a_window_passes():
 @pytest.mark.parametrize(("ulysses", "ring", "family"), [(2, 2, "qwen3"), (1, 4, "llama"), (2, 1, "qwen2")])
 def test_no_false_alarm_over_seeds(ulysses, ring, family, dtype):
     found = _same_on_every_rank(
-        run_distributed(probe_cases, ulysses * ring, ulysses, ring, family, dtype, (0, 1, 2, 3, 4), (), None, (64, (64, 37)))
+        run_distributed(
+            probe_cases, ulysses * ring, ulysses, ring, family, dtype, (0, 1, 2, 3, 4), (), None, (64, (64, 37))
+        )
     )
     for case, (ok, *_, table) in found.items():
         assert ok, f"{case}:\n{table}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, cast
 
 import torch
 from torch import nn
@@ -69,7 +69,7 @@ def probe_pass(model: nn.Module, mesh: HybridMesh, batch: Mapping[str, Any], pad
             hybridsp_documents=local["documents"],
             use_cache=False,
         ).logits  # [B, S/C, V]
-        shift_labels = local["shift_labels"].to(device)
+        shift_labels = cast(torch.Tensor, local["shift_labels"]).to(device)
         loss = sharded_cross_entropy(logits, shift_labels, mesh)
         tensors = [logits] + [c[name] for c in calls for name in ("q", "k", "v", "out")]
         grads = torch.autograd.grad(loss, tensors, allow_unused=True)

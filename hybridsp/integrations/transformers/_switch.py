@@ -83,7 +83,7 @@ them; the model's default 0..S/C-1 would be wrong RoPE), and ``labels`` must not
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import transformers
@@ -181,7 +181,7 @@ def hybridsp_attention_forward(
     if cu_seqlens is None:
         cu_seqlens = documents_from_kwargs(kwargs, batch, seq_len)
     cu_seqlens = layer_documents(cu_seqlens, chunk_size_of(module), batch, seq_len)
-    settings = dict(
+    settings: dict[str, Any] = dict(
         softmax_scale=_scale_of(module, scaling),
         sliding_window=kwargs.get("sliding_window"),
         sinks=kwargs.get("s_aux"),

@@ -51,7 +51,9 @@ def _wrong_kernel(mesh, model):
         for module in model.modules():
             binding = getattr(module, _binding.BINDING_ATTR, None)
             if binding is not None:
-                stack.enter_context(_patched(module, _binding.BINDING_ATTR, type(binding)(binding.mesh, _WrongKernel())))
+                stack.enter_context(
+                    _patched(module, _binding.BINDING_ATTR, type(binding)(binding.mesh, _WrongKernel()))
+                )
     return stack
 
 
