@@ -111,7 +111,10 @@ def _rank_main(rank: int, world: int, settings: dict) -> tuple[bool, str]:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(1, vocab, (settings["batch"], settings["seq_len"]), generator=generator).to(device)
     report = verify_parity(model, mesh, {"input_ids": ids, "labels": ids}, rtol=settings["rtol"])
-    return report.ok, f"{description}, batch {settings['batch']} x {settings['seq_len']} tokens\n{report.table()}"
+    layers = model.config.get_text_config().num_hidden_layers
+    unprobed = layers - len(report.rows)
+    note = f"\n({unprobed} of {layers} layers have no softmax attention and are not probed)" if unprobed else ""
+    return report.ok, f"{description}, batch {settings['batch']} x {settings['seq_len']} tokens\n{report.table()}{note}"
 
 
 def _model(settings: dict, dtype, device):
