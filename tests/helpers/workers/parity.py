@@ -155,7 +155,7 @@ def _summary(report) -> tuple:
 
 def health_steps(rank, world, ulysses, ring, layout, sleeper, nan_rank):
     """Three training-like steps of a tiny switched model under :class:`hybridsp.monitor.RunMonitor`; rank
-    ``sleeper`` sleeps 0.3 s in each step, rank ``nan_rank`` puts a NaN into layer NAN_LAYER's attention output
+    ``sleeper`` sleeps 2 s in each step, rank ``nan_rank`` puts a NaN into layer NAN_LAYER's attention output
     in the last step (-1: nobody). Returns every step's metrics."""
     import time
 
@@ -177,7 +177,7 @@ def health_steps(rank, world, ulysses, ring, layout, sleeper, nan_rank):
             logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
         hybridsp.sharded_cross_entropy(logits, local["shift_labels"], mesh).backward()
         if rank == sleeper:
-            time.sleep(0.3)
+            time.sleep(2.0)
         metrics, _ = monitor.end_step(step, 1.0, position_ids=local["position_ids"])
         found.append(metrics)
     monitor.close()
