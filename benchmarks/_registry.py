@@ -200,6 +200,12 @@ BENCHMARKS = (
         ("--stages", "1", "--out", "{tmp}/trainer_grad_scale.json"),
     ),
     Benchmark(
+        "e2e.monitor_cost",
+        "What do run health (every step) and the exactness probe (per interval) cost against no monitoring?",
+        "results/monitor",
+        ("--seq-len", "256", "--iters", "1", "--out", "{tmp}/monitor_cost"),
+    ),
+    Benchmark(
         "e2e.soak",
         "Soak: does memory stay flat over a long run of the main job?",
         "results/soak",

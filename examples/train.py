@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_mesh_arguments, add_model_arguments, add_overwrite_argument, add_step_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import end_rank_on_error, return_freed_memory_to_os, share_cpu_cores  # noqa: E402
+from monitoring import HEALTH_PANELS, draw_health, example_monitor  # noqa: E402
 from preflight import RunConfigError, RunPlan, announce, exit_once, load_ds_config, preflight, report_placement  # noqa: E402
 from text_data import TokenWindows, load_corpus, tokenize  # noqa: E402
 
@@ -168,7 +169,11 @@ class Metrics:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        figure, axis = plt.subplots(figsize=(6, 4))
+        health = any(key in row for row in self.history for key, _, _ in HEALTH_PANELS)  # the "monitor" block
+        figure, axes = plt.subplots(1, 4 if health else 1, figsize=(20 if health else 6, 4), squeeze=False)
+        axis = axes[0][0]
+        if health:
+            draw_health(axes[0][1:], self.history, axis)
         axis.plot([r["step"] for r in self.history], [r["loss"] for r in self.history])
         axis.set(xlabel="step", ylabel="loss (nats/token)", title="hybridsp example: training loss")
         axis.grid(alpha=0.3)
@@ -234,10 +239,12 @@ def train_step(
     separator: torch.Tensor | None = None,
     *,
     offload=None,
+    monitor=None,
 ) -> float:
     """One optimizer step over ``accumulation`` micro-batches; returns the mean loss.
     ``separator``: pack documents split at these token ids (``--pack``); ``offload``: a context
-    around each forward (:func:`activation_offload`)."""
+    around each forward (:func:`activation_offload`); ``monitor``: the "monitor" block's (monitoring.py), which may
+    drop a micro-batch before its backward."""
     import contextlib
 
     from hybridsp import shard_batch, sharded_cross_entropy
@@ -259,6 +266,8 @@ def train_step(
                 use_cache=False,
             ).logits
             loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
+        if monitor is not None and not monitor.admits(step, loss, batch):
+            return loss.item()  # dropped by the anomaly policy: no backward, no optimizer step, on every rank
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -340,12 +349,13 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     )
     offload = activation_offload(args, engine.module)
     report_placement(mesh, plan.save_dir)  # host, ranks, groups: before the first step
-    start_step = _load(engine, resume)
+    micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    monitor = example_monitor(engine, mesh, config, accumulation, plan.save_dir)  # None without a "monitor" block
+    start_step = _load(engine, resume, monitor)
     dist.barrier()  # Note [first step]: every rank has finished building before the first timed step
     rank0 = dist.get_rank() == 0
     save_dir = plan.save_dir
     metrics = Metrics(Path(args.metrics_out or save_dir / "metrics.jsonl"), start_step > 0, rank0)
-    micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     if rank0:
         origin = f", resumed from {resume.tag_dir} ({'universal' if resume.universal else 'direct'})" if resume else ""
         lr = config.get("optimizer", {}).get("params", {}).get("lr")
@@ -357,11 +367,20 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
     bar = tqdm(range(start_step, args.max_steps), disable=not rank0, desc="train", dynamic_ncols=True)
     for step in bar:
         started = time.perf_counter()
-        loss = _mean_over_replicas(
-            train_step(engine, mesh, windows, step, micro_batch, accumulation, separator, offload=offload), mesh
-        )
+
+        def one_step(index: int) -> float:
+            return train_step(
+                engine, mesh, windows, index, micro_batch, accumulation, separator, offload=offload, monitor=monitor
+            )
+
+        if monitor is not None:
+            monitor.begin_step()
+        loss = _mean_over_replicas(one_step(step), mesh)
+        if monitor is not None and monitor.rollback_pending:
+            monitor.rollback(one_step)  # the last checkpoint, then the steps after it, this one skipped
         seconds = time.perf_counter() - started
-        _check_finite(loss, step)
+        if monitor is None:
+            _check_finite(loss, step)
         tokens_per_s = args.seq_len * micro_batch * accumulation * mesh.dp / seconds
         rss = resident_bytes_per_rank()
         row = {
@@ -375,11 +394,20 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
             "rss_bytes_max": max(rss),
             "rss_bytes_per_rank": rss,
         }
+        if monitor is not None:
+            row.update(monitor.end_step(step, loss))
+            row.update(next((e for e in monitor.events if e["step"] == step + 1), {}))
         metrics.log(row)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
         if args.save_every and (step + 1) % args.save_every == 0:
-            ckpt.save_checkpoint(engine, mesh, save_dir, f"step{step + 1}", {"step": step + 1})
-    ckpt.save_checkpoint(engine, mesh, save_dir, f"step{args.max_steps}", {"step": args.max_steps})
+            tag = f"step{step + 1}"
+            ckpt.save_checkpoint(
+                engine, mesh, save_dir, tag, {"step": step + 1, **(monitor.state(tag) if monitor else {})}
+            )
+    tag = f"step{args.max_steps}"
+    ckpt.save_checkpoint(
+        engine, mesh, save_dir, tag, {"step": args.max_steps, **(monitor.state(tag) if monitor else {})}
+    )
     if args.export_hf:
         export_model(engine, args)
     if rank0:
@@ -470,13 +498,16 @@ def _plan_resume(args: argparse.Namespace, plan: RunPlan, config: dict):
         raise RunConfigError(str(error)) from None
 
 
-def _load(engine, resume) -> int:
-    """The step to start from: 0, or the one stored with the checkpoint that ``resume`` names."""
+def _load(engine, resume, monitor=None) -> int:
+    """The step to start from: 0, or the one stored with the checkpoint that ``resume`` names (and ``monitor``'s
+    state from it)."""
     if resume is None:
         return 0
     path, client_state = engine.load_checkpoint(str(resume.load_dir), tag=resume.load_tag)
     if path is None:
         raise RunConfigError(f"DeepSpeed could not load the checkpoint {resume.load_dir / resume.load_tag}")
+    if monitor is not None:
+        monitor.load_state(client_state)
     return int(client_state["step"])
 
 

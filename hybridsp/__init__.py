@@ -9,6 +9,7 @@ the whole public surface):
 - :mod:`hybridsp.data`: ``shard_batch``, ``ShardedDataLoader``, ``replica_sampler``
 - :mod:`hybridsp.losses`, :mod:`hybridsp.memory`, :mod:`hybridsp.layout`, :mod:`hybridsp.kernels`,
   :mod:`hybridsp.inference`, :mod:`hybridsp.tensor_parallel`, :mod:`hybridsp.planner`
+- :mod:`hybridsp.monitor`: ``verify_parity`` (the exactness probe), run health, rollback policies
 - :mod:`hybridsp.integrations`: DeepSpeed, transformers, TRL (none imported here)
 
 Modules whose names start with ``_`` are private: they may change without notice.
@@ -29,6 +30,7 @@ from hybridsp.layout import Documents
 from hybridsp.losses import fused_cross_entropy, real_token_mask, sharded_cross_entropy, sharded_load_balancing_loss
 from hybridsp.memory import ActivationOffload, apply_lean_norms, apply_tiled_mlp, offload_activations
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
+from hybridsp.monitor import verify_parity
 
 __all__ = [
     "ActivationOffload",
@@ -54,4 +56,5 @@ __all__ = [
     "shard_sequence",
     "sharded_cross_entropy",
     "sharded_load_balancing_loss",
+    "verify_parity",
 ]

@@ -15,6 +15,7 @@ COMMANDS = {  # name -> module implementing it
     "plan": "hybridsp.planner._cli",
     "check-mesh": "hybridsp._commands.check_mesh",
     "check-model": "hybridsp.integrations.transformers._check_model",
+    "verify": "hybridsp._commands.verify",
 }
 
 

@@ -52,14 +52,18 @@ ALLOWED: dict[str, set[str]] = {
     "tensor_parallel": _BASE | {"mesh"},
     "planner": _BASE | {"_deprecated", "layout", "linear_attention", "mesh"},
     "testing": set(),
-    "_commands": _BASE | {"launch", "mesh"},
-    "hybridsp": _CORE | {"_version"},  # the top-level face
+    "_commands": _BASE | {"launch", "mesh", "monitor", "testing", "integrations.transformers"},  # verify: lazily
+    # the probe and run health: the core, and the transformers switch's recorded pass (lazily, inside verify_parity)
+    "monitor": _CORE | {"integrations.transformers"},
+    "hybridsp": _CORE | {"_version", "monitor"},  # the top-level face
     "__main__": set(),  # finds its commands by name
     # the integrations: anything in the core, their shared helper, and each other as drawn here
     "integrations": {"_deprecated"},
-    "integrations.deepspeed": _CORE | {"integrations", "integrations.transformers"},  # _entry: the switch, lazily
-    "integrations.transformers": _CORE | {"integrations", "integrations.deepspeed"},  # the Trainer builds its engine
-    "integrations.trl": _CORE | {"integrations", "integrations.deepspeed", "integrations.transformers"},
+    "integrations.deepspeed": _CORE
+    | {"monitor", "integrations", "integrations.transformers"},  # _entry: the switch, lazily
+    "integrations.transformers": _CORE
+    | {"monitor", "integrations", "integrations.deepspeed"},  # the Trainer builds its engine
+    "integrations.trl": _CORE | {"monitor", "integrations", "integrations.deepspeed", "integrations.transformers"},
 }
 
 

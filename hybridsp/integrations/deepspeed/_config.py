@@ -63,6 +63,7 @@ SECTION_KEYS = (
     "tensor",
     "tensor_sequence_parallel",
     "generation",
+    "monitor",
 )
 OWNED_KEYS = (SECTION, "sequence_parallel_size", "data_parallel_size", "tensor_parallel")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -83,6 +84,7 @@ class HybridConfig:
     tensor: int = 1
     tensor_sequence_parallel: bool = False
     generation: GenerationMode = "plain"
+    monitor: dict | None = None  # the "monitor" block (hybridsp.monitor.MonitorConfig), checked here
     sequence_parallel_size: int | None = None
     data_parallel_size: int | None = None
 
@@ -108,6 +110,10 @@ class HybridConfig:
                 f"unknown generation {self.generation!r} in the {SECTION!r} section (how HybridGRPOTrainer / "
                 f"HybridRLOOTrainer make completions); choose one of {', '.join(map(repr, GENERATION_MODES))}"
             )
+        if self.monitor is not None:
+            from hybridsp.monitor import MonitorConfig
+
+            MonitorConfig.from_dict(self.monitor)  # ValueError naming the key or value
         for name in ("sequence_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):

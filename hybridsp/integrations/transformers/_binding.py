@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from hybridsp._types import BackendName, HeadChunks
 from hybridsp.kernels import AttentionKernel
@@ -23,6 +24,7 @@ class Binding:
     mesh: HybridMesh
     backend: BackendName | AttentionKernel
     head_chunks: HeadChunks | None = None  # None: the mesh's (hybrid_attn_func's head_chunks)
+    tap: Callable[..., Any] | None = None  # the exactness probe's recorder (hybridsp.monitor), set for one pass
 
 
 DOCUMENTS_KWARG = "hybridsp_documents"  # the model-call kwarg that carries the batch's Documents (shard_batch)

@@ -86,7 +86,7 @@ them; the model's default 0..S/C-1 would be wrong RoPE), and ``labels`` must not
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import transformers
@@ -182,6 +182,12 @@ def hybridsp_attention_forward(
     if cu_seqlens is None:
         cu_seqlens = documents_from_kwargs(kwargs, batch, seq_len)
     cu_seqlens = layer_documents(cu_seqlens, chunk_size_of(module), batch, seq_len)
+    settings: dict[str, Any] = dict(
+        softmax_scale=_scale_of(module, scaling),
+        sliding_window=kwargs.get("sliding_window"),
+        sinks=kwargs.get("s_aux"),
+        softcap=kwargs.get("softcap"),
+    )
     out = hybrid_attn_func(
         q,
         k,
@@ -189,13 +195,12 @@ def hybridsp_attention_forward(
         mesh=binding.mesh,
         causal=True,
         backend=binding.backend,
-        softmax_scale=_scale_of(module, scaling),
         cu_seqlens=cu_seqlens,
-        sliding_window=kwargs.get("sliding_window"),
-        sinks=kwargs.get("s_aux"),
-        softcap=kwargs.get("softcap"),
         head_chunks=binding.head_chunks,
+        **settings,
     )  # [B, S, H, Dv]
+    if binding.tap is not None:  # the exactness probe records this call (Note [probe tap] in hybridsp.monitor)
+        binding.tap(module, q, k, v, out, chunk=chunk_size_of(module), **settings)
     return out, None
 
 

@@ -95,6 +95,7 @@ from hybridsp.data._batch import prepare_batch, shard_batch
 from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
 from hybridsp.integrations.transformers._loss import RouterLoss, model_router_loss, share_of_loss
+from hybridsp.integrations.transformers._monitor_callback import monitor_callback
 from hybridsp.integrations.transformers._peft import switch_attention
 from hybridsp.integrations.transformers._trainer_data import gather_over_replicas, shard_loader_over_replicas
 from hybridsp.integrations.transformers._trainer_engine import (  # noqa: F401  engine_config: re-exported
@@ -140,6 +141,7 @@ class HybridSPMixin(_TrainerBase):
         self._refuse_unsupported()
         self._hybridsp_handle = switch_attention(self.model, self.hybrid_mesh, self.hybrid_config.backend)
         self._router_loss = self._checked_router_loss()  # Note [router loss]
+        self._hybridsp_monitor = monitor_callback(self, self.hybrid_config.monitor)  # the "monitor" block, or None
         if not self.is_deepspeed_enabled:  # DDP averages over DP x C
             self._scale_gradients(self.model)
 
@@ -322,6 +324,8 @@ class HybridSPMixin(_TrainerBase):
             loss = loss + self.hybrid_mesh.dp * self._router_loss.coefficient * aux
             if isinstance(outputs, dict):  # a ModelOutput: the whole sequence's value, not the shard's
                 outputs["aux_loss"] = aux.detach()
+        if self._hybridsp_monitor is not None and model.training:
+            self._hybridsp_monitor.remember(tensors, loss)
         return (loss, outputs) if return_outputs else loss
 
     # ---- evaluation and prediction -------------------------------------------------------
