@@ -60,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
     "integrations.deepspeed": _CORE | {"integrations", "integrations.transformers"},  # _entry: the switch, lazily
     "integrations.transformers": _CORE | {"integrations", "integrations.deepspeed"},  # the Trainer builds its engine
     "integrations.trl": _CORE | {"integrations", "integrations.deepspeed", "integrations.transformers"},
+    "integrations.diffusers": _CORE | {"integrations"},  # imports no diffusers module at all
 }
 
 

@@ -36,7 +36,9 @@ def _run(model: torch.nn.Module, inputs: dict, dtype: torch.dtype, weight: torch
 
 def _errors(out, grads, ref_out, ref_grads) -> dict[str, float]:
     """Max abs errors against float64, relative to the largest reference value (output; every gradient)."""
-    assert grads.keys() == ref_grads.keys(), f"gradients differ in which parameters get one: {grads.keys() ^ ref_grads.keys()}"
+    assert grads.keys() == ref_grads.keys(), (
+        f"gradients differ in which parameters get one: {grads.keys() ^ ref_grads.keys()}"
+    )
     grad_scale = max(float(g.abs().max()) for g in ref_grads.values())
     grad_err = max(float((grads[n] - ref_grads[n]).abs().max()) for n in ref_grads) / grad_scale
     return {"out": float((out - ref_out).abs().max() / ref_out.abs().max()), "grad": grad_err}
@@ -74,7 +76,10 @@ def parity(
     handle.undo()
     undone_out, _ = _run(switched, inputs, dtype, weight)
     assert torch.equal(undone_out, single_out), "undo() did not restore the unmodified model"
-    return {"single": _errors(single_out, single_grads, ref_out, ref_grads), "switched": _errors(out, grads, ref_out, ref_grads)}
+    return {
+        "single": _errors(single_out, single_grads, ref_out, ref_grads),
+        "switched": _errors(out, grads, ref_out, ref_grads),
+    }
 
 
 def parity_cases(rank: int, world: int, cases: list[tuple]) -> list[dict[str, dict[str, float]]]:

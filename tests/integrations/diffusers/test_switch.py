@@ -22,13 +22,17 @@ SLACK = {"float32": 1e-6, "bfloat16": 1e-3}  # relative to the largest reference
 
 
 def _check(cases: list[tuple], world: int) -> None:
-    preload("diffusers", "diffusers.models.transformers.transformer_wan", "diffusers.models.transformers.transformer_flux")
+    preload(
+        "diffusers", "diffusers.models.transformers.transformer_wan", "diffusers.models.transformers.transformer_flux"
+    )
     results = run_distributed(parity_cases, world, cases, timeout=800)[0]
     for case, errors in zip(cases, results):
         dtype = case[3]
         for what in ("out", "grad"):
             single, switched = errors["single"][what], errors["switched"][what]
-            assert switched <= 2 * single + SLACK[dtype], f"{case}: {what} error {switched:.3g} vs one process {single:.3g}"
+            assert switched <= 2 * single + SLACK[dtype], (
+                f"{case}: {what} error {switched:.3g} vs one process {single:.3g}"
+            )
 
 
 def test_wan_and_flux_switched_equal_the_unmodified_model():
