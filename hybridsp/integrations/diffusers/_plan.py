@@ -54,14 +54,14 @@ class TokenPlan:
     """One forward's placement: the streams in joint order, and this rank's attention reorder.
 
     ``order`` [Lj]: the slot (in ``[txt, img]`` order) that sits at each local attention position;
-    ``restore`` its inverse; ``cu_seqlens`` ``(0, M, N)`` when there are pads, else None.
+    ``restore`` its inverse; ``cu_seqlens`` [3] = ``(0, M, N)`` when there are pads, else None.
     """
 
     streams: tuple[StreamSlots, ...]
     rank: int
     order: torch.Tensor
     restore: torch.Tensor
-    cu_seqlens: tuple[int, ...] | None
+    cu_seqlens: torch.Tensor | None
 
     def stream(self, name: str) -> StreamSlots:
         for slots in self.streams:
@@ -158,4 +158,5 @@ def _plan(
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.numel())
     total = positions.numel()
-    return TokenPlan(tuple(streams), rank, order, restore, None if placed == total else (0, placed, total))
+    bounds = None if placed == total else torch.tensor([0, placed, total], dtype=torch.int32)
+    return TokenPlan(tuple(streams), rank, order, restore, bounds)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from hybridsp._types import BackendName
 from hybridsp.attention import hybrid_attn_func
 from hybridsp.integrations.diffusers._plan import TokenPlan
 from hybridsp.mesh import HybridMesh
@@ -40,7 +41,7 @@ class ForwardState:
 class Route:
     """What a switched processor passes as ``parallel_config``: the mesh, the backend, the forward's plan."""
 
-    def __init__(self, mesh: HybridMesh, backend: str, state: ForwardState) -> None:
+    def __init__(self, mesh: HybridMesh, backend: BackendName, state: ForwardState) -> None:
         self.mesh, self.backend, self.state = mesh, backend, state
 
     def attend(

@@ -33,7 +33,7 @@ class _GatherSlots(torch.autograd.Function):
     """[B, L, F] this rank's slots -> [B, T, F] the whole stream (real tokens only) on every rank."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, slots: StreamSlots, mesh: HybridMesh) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, local: torch.Tensor, slots: StreamSlots, mesh: HybridMesh) -> torch.Tensor:
         ctx.slots, ctx.rank = slots, mesh.context_rank
         pieces = _all_gather_in_shard_order(local.contiguous(), mesh)  # C x [B, L, F]
         stacked = torch.cat(pieces, dim=1)  # [B, C*L, F] in shard order
@@ -42,7 +42,7 @@ class _GatherSlots(torch.autograd.Function):
         return full[:, : slots.length]  # [B, T, F]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return take_slots(grad, ctx.slots, ctx.rank, dim=1), None, None
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from hybridsp._types import BackendName
 from hybridsp.integrations.diffusers._families import Cut, Family, bind, family_of
 from hybridsp.integrations.diffusers._plan import build_plan
 from hybridsp.integrations.diffusers._route import ForwardState, Route, install_router
@@ -55,7 +56,7 @@ class DiffusersHandle:
         self.undo()
 
 
-def apply(transformer: torch.nn.Module, mesh: HybridMesh, *, backend: str = "auto") -> DiffusersHandle:
+def apply(transformer: torch.nn.Module, mesh: HybridMesh, *, backend: BackendName = "auto") -> DiffusersHandle:
     """Switch ``transformer`` (Wan 2.x, Flux, Qwen-Image) to exact hybrid Ulysses x ring attention.
 
     The switched transformer is called as before, with the full inputs on every rank of a context

@@ -93,3 +93,40 @@ def sampling(rank: int, world: int, ulysses: int, ring: int, steps: int) -> tupl
     result = sample(switched)
     handle.undo()
     return plain, result
+
+
+def deepspeed_trajectory(
+    rank: int, world: int, stage: int, steps: int, scratch: str
+) -> tuple[list[float], torch.Tensor]:
+    """The same steps under ``hybridsp.integrations.deepspeed.initialize`` (ZeRO ``stage``, U = world) with
+    the diffusers switch as its attention switch; returns the losses and the final parameters (flat)."""
+    from hybridsp.integrations import deepspeed as hds
+    from tests.helpers.deepspeed_engines import forbid_jit_builds, full_params
+
+    forbid_jit_builds(scratch)
+    model = tiny_transformer("wan", layers=1)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+    }
+    engine, _, _, undo = hds.initialize(
+        model,
+        config,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        ulysses=world,
+        ring=1,
+        switch_attention=lambda m, mesh, backend: hybrid_diffusers.apply(m, mesh, backend=backend or "auto").undo,
+    )
+    losses = []
+    for step in range(steps):
+        batch = transformer_inputs("wan", batch=2, tokens=15, text=5, seed=step)
+        loss = flow_matching_loss(engine, batch, step)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    params = full_params(engine)
+    undo()
+    return losses, params
