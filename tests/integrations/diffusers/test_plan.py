@@ -8,7 +8,7 @@ import torch
 from hybridsp.integrations.diffusers._plan import build_plan, layout_positions
 from tests.helpers.mesh import mesh_at
 
-pytestmark = pytest.mark.fast
+pytestmark = pytest.mark.integration  # pure and quick (no model), but it lives under tests/integrations
 
 
 def _plans(ulysses, ring, layout, real):
