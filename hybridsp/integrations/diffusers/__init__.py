@@ -7,7 +7,7 @@
 Private modules: ``_switch`` (``apply`` and the handle), ``_families`` (where each model's token
 streams are cut), ``_plan`` (which tokens each rank holds; pads and masked text as a separate
 document), ``_sharding`` (cut and gather), ``_route`` (diffusers' dispatch routed to
-``hybrid_attn_func``), ``_training`` (the flow-matching loss of diffusers' training examples).
+``hybrid_attn_func``).
 diffusers is imported on first use of a name (``pip install -e ".[diffusers]"``), never here.
 """
 
