@@ -64,6 +64,7 @@ ALLOWED: dict[str, set[str]] = {
     "integrations.transformers": _CORE
     | {"monitor", "integrations", "integrations.deepspeed"},  # the Trainer builds its engine
     "integrations.trl": _CORE | {"monitor", "integrations", "integrations.deepspeed", "integrations.transformers"},
+    "integrations.diffusers": _CORE | {"integrations"},  # imports no diffusers module at all
 }
 
 

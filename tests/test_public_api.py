@@ -81,6 +81,7 @@ def test_lazy_faces_name_their_types_for_checkers():
         "hybridsp.integrations.deepspeed",
         "hybridsp.integrations.transformers",
         "hybridsp.integrations.trl",
+        "hybridsp.integrations.diffusers",
     ):
         module = importlib.import_module(package)
         tree = ast.parse((PACKAGE.parent / package.replace(".", "/") / "__init__.py").read_text())
@@ -98,7 +99,8 @@ def test_lazy_faces_name_their_types_for_checkers():
 def test_import_hybridsp_loads_no_training_framework():
     code = (
         "import sys, hybridsp, hybridsp.integrations.transformers, hybridsp.integrations.deepspeed, "
-        "hybridsp.integrations.trl; print(sorted(m for m in ('deepspeed', 'transformers', 'trl', 'peft') "
+        "hybridsp.integrations.trl, hybridsp.integrations.diffusers; "
+        "print(sorted(m for m in ('deepspeed', 'transformers', 'trl', 'peft', 'diffusers') "
         "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

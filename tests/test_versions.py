@@ -21,7 +21,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 # The packages whose installed versions must lie inside the declared ranges in every test environment.
-CHECKED = ("torch", "deepspeed", "transformers", "accelerate", "trl", "peft")
+CHECKED = ("torch", "deepspeed", "transformers", "accelerate", "trl", "peft", "diffusers")
 TABLE_ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*([^|]+?)\s*\|[^|]*\|\s*([^|]+?)\s*\|")
 
 
