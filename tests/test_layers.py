@@ -58,8 +58,9 @@ ALLOWED: dict[str, set[str]] = {
     # the integrations: anything in the core, their shared helper, and each other as drawn here
     "integrations": {"_deprecated"},
     "integrations.deepspeed": _CORE | {"integrations", "integrations.transformers"},  # _entry: the switch, lazily
-    "integrations.transformers": _CORE | {"integrations", "integrations.deepspeed"},  # the Trainer builds its engine
+    "integrations.transformers": _CORE | {"integrations", "integrations.deepspeed", "integrations.fsdp"},  # its engines
     "integrations.trl": _CORE | {"integrations", "integrations.deepspeed", "integrations.transformers"},
+    "integrations.fsdp": _CORE | {"integrations"},  # FSDP2 over the mesh; the Trainer's FSDP2 path imports it
 }
 
 
