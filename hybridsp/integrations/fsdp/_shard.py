@@ -72,7 +72,7 @@ def fully_shard_model(
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     check_fsdp2_mesh(mesh)
-    options = dict(
+    options: dict[str, Any] = dict(
         mesh=mesh.fsdp_mesh,
         mp_policy=mp_policy or MixedPrecisionPolicy(),
         offload_policy=offload_policy or OffloadPolicy(),
