@@ -7,9 +7,8 @@
     norm = clip_grad_norm_(model.parameters(), 1.0)
 
 Private modules: ``_shard`` (``fully_shard`` per decoder layer over ``mesh.fsdp_mesh``, the gradient
-divisor, clipping DTensor gradients, the refusals). The Trainer's FSDP2 path
-(``HybridSPTrainer(args=TrainingArguments(fsdp=True, fsdp_config={"fsdp_version": 2}))``) uses them;
-docs/fsdp2.md says what runs where.
+divisor, clipping DTensor gradients, the refusals), ``_requested`` (FSDP asked of ``HybridSPTrainer`` or
+the TRL trainers: a ValueError, never DDP in its place). docs/fsdp2.md says what runs where.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ import contextlib
 
 from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
-from hybridsp.integrations.transformers._trainer_fsdp import refuse_fsdp
+from hybridsp.integrations.fsdp._requested import refuse_fsdp
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 

@@ -51,3 +51,18 @@ def test_the_sft_trainer_refuses_it_too(tmp_path):
             processing_class=tokenizer(),
             hybridsp={"ring": 1},
         )
+
+
+def test_fully_shard_model_refuses_the_tensor_axis_and_models_without_layers():
+    import torch
+
+    from hybridsp.integrations.fsdp import decoder_layers, fully_shard_model
+    from hybridsp.mesh import HybridMesh, MeshShape
+
+    groups = dict.fromkeys(["ulysses", "ring", "context", "data", "data_context", "tensor"])
+    mesh = HybridMesh(MeshShape(4, 1, 2, tensor=2), 0, groups)  # no groups: the refusal comes first
+    with pytest.raises(ValueError, match=r"FSDP2 does not compose with hybridsp's tensor axis \(tensor=2\)"):
+        fully_shard_model(tiny_causal_lm("llama", **SMALL), mesh)
+    with pytest.raises(ValueError, match="names no decoder layer class in _no_split_modules"):
+        decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert len(decoder_layers(tiny_causal_lm("llama", **SMALL))) == 1
