@@ -32,6 +32,7 @@ def test_fsdp_from_accelerate_launch_is_refused(tmp_path, monkeypatch):
         )
 
 
+@pytest.mark.slow  # the same check as above through TRL (its import is the cost)
 def test_the_sft_trainer_refuses_it_too(tmp_path):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
