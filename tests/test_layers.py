@@ -62,9 +62,10 @@ ALLOWED: dict[str, set[str]] = {
     "integrations.deepspeed": _CORE
     | {"monitor", "integrations", "integrations.transformers"},  # _entry: the switch, lazily
     "integrations.transformers": _CORE
-    | {"monitor", "integrations", "integrations.deepspeed"},  # the Trainer builds its engine
+    | {"monitor", "integrations", "integrations.deepspeed", "integrations.fsdp"},  # the Trainer builds its engine
     "integrations.trl": _CORE | {"monitor", "integrations", "integrations.deepspeed", "integrations.transformers"},
     "integrations.diffusers": _CORE | {"integrations"},  # imports no diffusers module at all
+    "integrations.fsdp": _CORE | {"integrations"},  # FSDP2 over the mesh; the Trainer's FSDP2 path imports it
 }
 
 

@@ -4,7 +4,9 @@ Public: :func:`init_mesh`, :class:`HybridMesh`, :class:`MeshShape`, :func:`padde
 shortest length the mesh's layout splits evenly) and :func:`choose_degrees`
 (the ``"auto"`` rule), :func:`gather_placement` / :class:`Placement` (where the groups land on
 hosts). Where the ranks run (the launcher's environment, hosts, the gloo
-interface, the default process group) is :mod:`hybridsp.launch`.
+interface, the default process group) is :mod:`hybridsp.launch`. ``mesh.device_mesh`` /
+``mesh.fsdp_mesh`` and ``init_mesh(device_mesh=)`` / :meth:`HybridMesh.from_device_mesh` are the mesh as a
+PyTorch ``DeviceMesh``, both ways, over one set of process groups (``_device_mesh``).
 """
 
 from hybridsp._types import KVComm, MeshOrder

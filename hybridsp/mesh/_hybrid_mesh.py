@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 
@@ -40,7 +40,11 @@ from hybridsp._types import KV_COMMS, MESH_ORDERS, HeadChunks, KVComm, LayoutNam
 from hybridsp.launch._launcher import ranks_per_node
 from hybridsp.launch._timeouts import default_group_timeout
 from hybridsp.layout._layouts import TokenLayout, get_layout, required_multiple
+from hybridsp.mesh import _device_mesh
 from hybridsp.mesh._auto_degrees import choose_degrees
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -133,8 +137,12 @@ class HybridMesh:
     passes no counter of its own (the way to count bytes through a switched HF model).
     """
 
-    def __init__(self, shape: MeshShape, rank: int, groups: dict[str, dist.ProcessGroup]) -> None:
+    def __init__(
+        self, shape: MeshShape, rank: int, groups: dict[str, dist.ProcessGroup], device_type: str | None = None
+    ) -> None:
         self.shape = shape
+        self._device_type = device_type  # of device_mesh; None: the backend's (gloo: "cpu")
+        self._device_mesh: DeviceMesh | None = None
         # a hybridsp._comm.CommCounter or None; Any: the mesh sits below _comm in the layers (tests/test_layers.py)
         self.comm_counter: Any = None
         self.opaque = OpaqueRef(self)  # what a compiled graph hands the attention operator
@@ -210,6 +218,51 @@ class HybridMesh:
         """Global ranks of this rank's context group, ordered by shard index r * U + u."""
         dp, t = self.dp_rank, self.tensor_rank
         return [self.shape.rank_of(dp, r, u, t) for r in range(self.ring) for u in range(self.ulysses)]
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """This mesh as a ``torch.distributed.device_mesh.DeviceMesh`` over the same process groups.
+
+        Dims ``("dp", "ring", "ulysses")`` (``order="ring_inner"``: ``("dp", "ulysses", "ring")``; then
+        ``"tensor"`` when T > 1), with the flattened ``"cp"`` (ring x Ulysses) and ``"dp_cp"`` (data x
+        context: what FSDP2 shards over, :attr:`fsdp_mesh`) attached. Built on first use, no
+        communication (Note [one set of groups] in :mod:`hybridsp.mesh._device_mesh`).
+        """
+        if self._device_mesh is None:
+            device_type = self._device_type or _device_mesh.default_device_type()
+            self._device_mesh = _device_mesh.wrap_groups(self, device_type)
+        return self._device_mesh
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The 1-D ``"dp_cp"`` DeviceMesh (all ``DP x R x U`` ranks of this tensor rank): ``fully_shard(mesh=)``."""
+        return _device_mesh.flat_mesh(self.device_mesh, _device_mesh.FLAT_DATA_CONTEXT)
+
+    @classmethod
+    def from_device_mesh(
+        cls,
+        device_mesh: DeviceMesh,
+        ulysses: int | None = None,
+        ring: int | None = None,
+        *,
+        order: MeshOrder = "ulysses_inner",
+        layout: LayoutName = "zigzag",
+        kv_comm: KVComm = "ring",
+        kv_chunks: int | None = None,
+        sliding_window: int | None = None,
+    ) -> HybridMesh:
+        """Adopt a DeviceMesh over the whole world (a collective: creates only the groups it lacks).
+
+        Dims ``("dp", "ring", "ulysses")`` or ``("dp", "ulysses", "ring")`` (``"dp"`` optional; the
+        order of the two is the rank order, ``order`` is then ignored), or one context dim ``"cp"`` or
+        ``"sp"`` (after an optional ``"dp"``) that ``ulysses`` x ``ring`` splits (give either). ValueError,
+        before any collective, for other names or degrees that disagree with the dims' sizes.
+        """
+        dp, ulysses, ring, named = _device_mesh.adopted_degrees(device_mesh, ulysses, ring)
+        order = named or order
+        shape = MeshShape(dp * ulysses * ring, ulysses, ring, order, layout, kv_comm, kv_chunks, 1, sliding_window)
+        groups = _device_mesh.groups_of_device_mesh(device_mesh, shape)
+        return cls(shape, dist.get_rank(), groups, device_type=device_mesh.device_type)
 
     def __repr__(self) -> str:
         return (
@@ -300,6 +353,7 @@ def init_mesh(
     seq_len: int | None = None,
     context_size: int | None = None,
     local_world_size: int | None = None,
+    device_mesh: DeviceMesh | None = None,
 ) -> HybridMesh:
     """Build the DP x ring x Ulysses x tensor mesh over the initialised world (a collective on all ranks).
 
@@ -317,6 +371,7 @@ def init_mesh(
     ``sliding_window``: the model's window, for ``layout="balanced"`` to balance windowed work
     (the default of :func:`~hybridsp.shard_sequence`, :func:`~hybridsp.shard_batch` and the
     attention; Note [placement window] in :mod:`hybridsp.layout._layouts`); other layouts ignore it.
+    ``device_mesh``: adopt it and its groups (:meth:`HybridMesh.from_device_mesh`; no tensor axis).
     """
     if not dist.is_initialized():
         raise RuntimeError("init_mesh needs torch.distributed to be initialised first (init_process_group)")
@@ -325,6 +380,14 @@ def init_mesh(
     attention = dict(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, seq_len=seq_len, context_size=context_size
     )
+    if device_mesh is not None:  # "auto" splits its context dim by the rule below, over that dim's ranks
+        size = _device_mesh.context_size(device_mesh, tensor)
+        if "ring" in (device_mesh.mesh_dim_names or ()):  # named dims: their sizes are the degrees
+            ulysses, ring = (None if d == "auto" else d for d in (ulysses, ring))  # type: ignore[assignment]
+        else:
+            ulysses, ring = _resolve_degrees(ulysses, ring, size, min(local, size), attention | {"context_size": size})
+        settings = dict(layout=layout, kv_comm=kv_comm, kv_chunks=kv_chunks, sliding_window=sliding_window)
+        return HybridMesh.from_device_mesh(device_mesh, ulysses, ring, order=order, **settings)  # type: ignore[arg-type]
     MeshShape(world_size, 1, 1, tensor=tensor)  # the tensor degree alone must divide the world
     if num_heads is not None and tensor > 1:
         check_tensor_heads(num_heads, num_kv_heads, tensor)

@@ -34,6 +34,7 @@ import contextlib
 
 from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
+from hybridsp.integrations.fsdp._requested import refuse_fsdp
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 
@@ -51,6 +52,7 @@ def refuse_tensor_parallel(hybrid: ds_schema.HybridConfig) -> None:
 def hybrid_config(args, overrides: dict) -> ds_schema.HybridConfig:
     """The validated section of ``args``' DeepSpeed config (none without DeepSpeed) with ``overrides``;
     ValueError for tensor parallelism (Note [no tensor parallelism])."""
+    refuse_fsdp(args)  # Note [FSDP under the Trainer]: never DDP in its place
     deepspeed = getattr(args, "hf_deepspeed_config", None) if args.deepspeed else None
     hybrid = ds_schema.HybridConfig.from_ds_config(deepspeed.config if deepspeed else {}, **overrides)
     refuse_tensor_parallel(hybrid)
