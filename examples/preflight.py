@@ -90,9 +90,9 @@ def check_model_type(path: str, model_type) -> None:
         check_switchable(model)
     except ValueError as error:
         reason = str(error).splitlines()[0]  # transformers lists every causal LM class on the next line
+        where = "" if reason.endswith("(docs/model-support.md)") else " (docs/model-support.md)"
         raise RunConfigError(
-            f"--model-path {path} is a {model_type!r} model hybridsp's attention switch cannot "
-            f"take: {reason} (docs/model-support.md)"
+            f"--model-path {path} is a {model_type!r} model hybridsp's attention switch cannot take: {reason}{where}"
         ) from None
 
 

@@ -159,9 +159,11 @@ def _tiny_foreign_model(tmp_path: Path, kind: str) -> Path:
 
 
 REASONS = {
-    "mamba": "MambaForCausalLM has no attention module that calls transformers' attention interface "
-    "(ALL_ATTENTION_FUNCTIONS): hybridsp replaces that call, so a model whose attention bypasses it cannot be "
-    "switched",
+    "mamba": "MambaForCausalLM mixes tokens outside attention in modules hybridsp does not implement: MambaMixer in "
+    "layers 0 (its own parameter 'A_log', the mark of a state-space, decay or dynamic-mask mixer). Run per shard they "
+    "would restart at every shard boundary (silently wrong), so nothing was switched. Train this model without "
+    "sequence parallelism, or implement a MixerAdapter for them and pass apply(model, mesh, "
+    "mixers=(*default_mixers(), YourAdapter()))",
     "t5": "Unrecognized configuration class <class 'transformers.models.t5.configuration_t5.T5Config'> for this kind "
     "of AutoModel: AutoModelForCausalLM.",
 }

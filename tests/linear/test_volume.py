@@ -37,9 +37,9 @@ def test_bad_specs_are_refused():
 
 def test_planner_reports_the_linear_layers(capsys):
     common = ["plan", "--model", "llama3-8b", "--seq-len", "128k", "--zero", "3", "--top", "1"]
-    assert main([*common, "--ulysses", "2", "--ring", "4", "--linear", "delta_rule:36:16:32:128:128"]) == 0
+    assert main([*common, "--ulysses", "2", "--ring", "4", "--linear", "delta_rule:24:16:32:128:128"]) == 0
     out = capsys.readouterr().out
     # 2 runs x 16 of 32 value heads x 128 x (128 + 128) fp32 x 3 other ring ranks = 12 MiB
-    assert "Linear layers (36 x delta_rule, U=2 x R=4)" in out and "ring state pairs 12.00 MiB" in out
-    assert main([*common, "--ulysses", "8", "--ring", "1", "--linear", "mamba2:27:4:128:128:64"]) == 0
-    assert "4 groups are not divisible by Ulysses 8" in capsys.readouterr().out
+    assert "Linear layers (24 x delta_rule, U=2 x R=4)" in out and "ring state pairs 12.00 MiB" in out
+    assert main([*common, "--ulysses", "8", "--ring", "1", "--linear", "mamba2:27:4:128:128:64"]) == 1  # no valid mesh
+    assert "the linear layers' 4 groups are not divisible by U=8" in capsys.readouterr().out

@@ -92,17 +92,7 @@ class HybridConfig:
         for name in ("ulysses", "ring", "tensor"):
             if not _positive_int(getattr(self, name)):
                 raise ValueError(f"{name} degree must be a positive integer; got {getattr(self, name)!r}")
-        MeshShape(
-            self.context * self.tensor,
-            self.ulysses,
-            self.ring,
-            self.order,
-            self.layout,
-            self.kv_comm,
-            self.kv_chunks,
-            self.tensor,
-            head_chunks=self.head_chunks,
-        )  # checks
+        self._shape(self.context * self.tensor)  # checks the degrees and settings
         if self.backend not in BACKEND_NAMES:
             raise ValueError(f"unknown attention backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
         if self.generation not in GENERATION_MODES:
@@ -152,9 +142,8 @@ class HybridConfig:
             data_parallel_size=config.get("data_parallel_size"),
         )
 
-    def mesh_shape(self, world_size: int) -> MeshShape:
-        """The mesh for ``world_size`` ranks; ValueError (no communication) when the sizes disagree."""
-        shape = MeshShape(
+    def _shape(self, world_size: int) -> MeshShape:
+        return MeshShape(
             world_size,
             self.ulysses,
             self.ring,
@@ -165,6 +154,10 @@ class HybridConfig:
             self.tensor,
             head_chunks=self.head_chunks,
         )
+
+    def mesh_shape(self, world_size: int) -> MeshShape:
+        """The mesh for ``world_size`` ranks; ValueError (no communication) when the sizes disagree."""
+        shape = self._shape(world_size)
         if self.data_parallel_size is not None and self.data_parallel_size != shape.dp:
             raise ValueError(
                 f"data_parallel_size={self.data_parallel_size} disagrees with world size {world_size} / "

@@ -10,20 +10,10 @@ import torch
 from torch import nn
 
 from hybridsp.integrations import transformers as hf
+from tests.helpers.audit import TINY
 from tests.helpers.mesh import mesh_at
 
 pytestmark = pytest.mark.integration
-
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    pad_token_id=0,
-)
 
 
 def build(model_type: str, device: str = "meta", **fields):
