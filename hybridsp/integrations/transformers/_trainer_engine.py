@@ -34,7 +34,7 @@ import contextlib
 
 from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
-from hybridsp.integrations.fsdp._requested import refuse_fsdp
+from hybridsp.integrations.transformers._trainer_fsdp import prepare_sharded
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 
@@ -52,7 +52,6 @@ def refuse_tensor_parallel(hybrid: ds_schema.HybridConfig) -> None:
 def hybrid_config(args, overrides: dict) -> ds_schema.HybridConfig:
     """The validated section of ``args``' DeepSpeed config (none without DeepSpeed) with ``overrides``;
     ValueError for tensor parallelism (Note [no tensor parallelism])."""
-    refuse_fsdp(args)  # Note [FSDP under the Trainer]: never DDP in its place
     deepspeed = getattr(args, "hf_deepspeed_config", None) if args.deepspeed else None
     hybrid = ds_schema.HybridConfig.from_ds_config(deepspeed.config if deepspeed else {}, **overrides)
     refuse_tensor_parallel(hybrid)
@@ -61,6 +60,8 @@ def hybrid_config(args, overrides: dict) -> ds_schema.HybridConfig:
 
 def prepare_with_mesh(prepare, trainer, *args, **kwargs):
     """``accelerator.prepare`` with our ``deepspeed.initialize`` in place (Note [intercepting ...])."""
+    if trainer._hybridsp_fsdp2 is not None:  # Note [the Trainer's FSDP2 path]: no DDP around the shards
+        return prepare_sharded(prepare, trainer.accelerator, trainer.model, *args, **kwargs)
     if not trainer.is_deepspeed_enabled:
         return prepare(*args, **kwargs)
     with _deepspeed_initialize_with_mesh(trainer):

@@ -1,0 +1,151 @@
+"""FSDP2 inside :class:`~hybridsp.integrations.transformers._trainer.HybridSPTrainer`: the Trainer asks, hybridsp shards.
+
+Note [the Trainer's FSDP2 path] (Note [FSDP under the Trainer] in :mod:`hybridsp.integrations.fsdp._requested`
+says why accelerate must not see the request):
+
+==========================  ==========================================================================
+accelerator                 built with the FSDP request hidden (:func:`accelerator_without_fsdp`):
+                            a plain multi-process accelerator on CPU and GPU alike.
+sharding                    after the switch, :func:`shard_trainer_model` runs ``fully_shard`` per decoder
+                            layer and on the root over ``mesh.fsdp_mesh`` (all ``DP x U x R`` ranks),
+                            gradients divided by ``DP``; mixed precision from the Trainer's ``bf16`` /
+                            ``fp16`` (bf16 compute, fp32 gradient reduction), ``cpu_offload``,
+                            ``reshard_after_forward``, activation checkpointing (and its offload).
+prepare                     the sharded model skips accelerate's DDP wrap: ``prepare_model(...,
+                            evaluation_mode=True)`` adds only autocast and ``torch.compile``
+                            (:func:`prepare_sharded`); the optimizer is built over the DTensor shards.
+gradient norm               :func:`~hybridsp.integrations.fsdp.clip_grad_norm_` (one all-reduce, a plain
+                            tensor) in place of accelerate's, so clipping and the logged ``grad_norm`` are
+                            the whole model's.
+checkpoints                 sharded through DCP (:func:`save_trainer_state` / :func:`load_trainer_state`,
+                            the folder ``fsdp2_sharded`` in each checkpoint) for exact resume on any world
+                            size or U x R; the model itself consolidated on rank 0 with
+                            ``save_pretrained`` (loads into the unmodified model).
+==========================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hybridsp.integrations.fsdp._checkpoint import load_sharded, save_sharded
+from hybridsp.integrations.fsdp._requested import FSDP2Request
+from hybridsp.integrations.fsdp._shard import fully_shard_model
+from hybridsp.mesh._hybrid_mesh import HybridMesh
+
+SHARDED_FOLDER = "fsdp2_sharded"  # inside a Trainer checkpoint: model and optimizer shards (DCP)
+SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
+
+
+@contextlib.contextmanager
+def accelerator_without_fsdp(args) -> Iterator[None]:
+    """While the Trainer builds its accelerator: no FSDP plugin from ``args`` nor from accelerate's
+    launcher environment (restored on exit, also on error)."""
+    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    env = os.environ.get("ACCELERATE_USE_FSDP")
+    args.fsdp_plugin_args = None
+    os.environ["ACCELERATE_USE_FSDP"] = "false"
+    try:
+        yield
+    finally:
+        args.fsdp_plugin_args = plugin_args
+        if env is None:
+            os.environ.pop("ACCELERATE_USE_FSDP", None)
+        else:
+            os.environ["ACCELERATE_USE_FSDP"] = env
+
+
+def _mixed_precision(args) -> Any:
+    """bf16 / fp16 compute over fp32 parameters with fp32 gradient reduction, as the Trainer's flags ask."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype is not None else None
+
+
+def _layers(model: nn.Module, request: FSDP2Request) -> list[nn.Module] | None:
+    """The decoder layers named by the request's classes, or None (the model's ``_no_split_modules``)."""
+    if not request.layer_classes:
+        return None
+    layers = [m for m in model.modules() if type(m).__name__ in request.layer_classes]
+    if not layers:
+        raise ValueError(
+            f"the FSDP layer classes {list(request.layer_classes)} name no module of {type(model).__name__}: "
+            "fix transformer_layer_cls_to_wrap or leave it out (the model's _no_split_modules are used)"
+        )
+    return layers
+
+
+def shard_trainer_model(model: nn.Module, mesh: HybridMesh, request: FSDP2Request, args) -> nn.Module:
+    """Activation checkpointing when asked, then ``fully_shard_model`` with the Trainer's settings."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    if request.activation_checkpointing or request.activation_checkpointing_offload:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if request.cpu_offload else None
+    return fully_shard_model(
+        model,
+        mesh,
+        layers=_layers(model, request),
+        mp_policy=_mixed_precision(args),
+        offload_policy=offload,
+        reshard_after_forward=request.reshard_after_forward,
+    )
+
+
+def activation_offload(model: nn.Module, request: FSDP2Request):
+    """The checkpointed layers' inputs in host memory (:func:`hybridsp.offload_activations`), or None."""
+    if not request.activation_checkpointing_offload:
+        return None
+    from hybridsp.memory._offload import offload_activations
+
+    return offload_activations(model)
+
+
+def prepare_sharded(prepare, accelerator, model: nn.Module, *args, **kwargs):
+    """``accelerator.prepare`` with the sharded ``model`` kept out of accelerate's DDP wrap (autocast and
+    ``torch.compile`` still applied, by ``prepare_model(..., evaluation_mode=True)``)."""
+    if not any(obj is model for obj in args):
+        return prepare(*args, **kwargs)
+    prepared_model = accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+    others = [obj for obj in args if obj is not model]
+    prepared_others = iter(_as_tuple(prepare(*others, **kwargs)) if others else ())
+    result = tuple(prepared_model if obj is model else next(prepared_others) for obj in args)
+    return result[0] if len(result) == 1 else result
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def save_trainer_state(output_dir: str, model: nn.Module, optimizer, scheduler, should_save: bool) -> None:
+    """The model and optimizer shards (every rank, DCP) and the scheduler (the saving rank)."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    save_sharded(Path(output_dir) / SHARDED_FOLDER, model, optimizer)
+    if should_save and scheduler is not None:
+        torch.save(scheduler.state_dict(), Path(output_dir) / SCHEDULER_FILE)
+
+
+def has_sharded_state(checkpoint: str) -> bool:
+    return (Path(checkpoint) / SHARDED_FOLDER).is_dir()
+
+
+def load_trainer_weights(checkpoint: str, model: nn.Module) -> None:
+    """The model's weights from a checkpoint's shards (any world size, any U x R)."""
+    load_sharded(Path(checkpoint) / SHARDED_FOLDER, model)
+
+
+def load_trainer_state(checkpoint: str, model: nn.Module, optimizer, scheduler) -> None:
+    """The optimizer state (shards) and the scheduler of a checkpoint."""
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    load_sharded(Path(checkpoint) / SHARDED_FOLDER, model, optimizer, weights=False)
+    scheduler_file = Path(checkpoint) / SCHEDULER_FILE
+    if scheduler is not None and scheduler_file.is_file():
+        scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
