@@ -93,3 +93,13 @@ def resume_fsdp(rank: int, world_size: int, hybrid: dict, checkpoint: str, out: 
         trainer = make_trainer(out, hybrid, samples(40, seed=1), None, **fsdp_arguments())
         trainer.train(resume_from_checkpoint=checkpoint)
     return step_logs(trainer) if rank == 0 else None
+
+
+def train_plain(rank: int, world_size: int, overrides: dict) -> dict | None:
+    """The plain Trainer (no FSDP, no sequence parallelism) with TrainingArguments ``overrides``; rank 0's logs."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory() as out:
+        trainer = make_trainer(out, None, samples(40, seed=1), samples(5, seed=2), **overrides)
+        trainer.train()
+        metrics = trainer.evaluate()
+    return {**step_logs(trainer), "eval_loss": metrics["eval_loss"]} if rank == 0 else None
