@@ -114,6 +114,17 @@ class Prefill:
     real: torch.Tensor | None = None
 
 
+def no_grad_for(model: torch.nn.Module):
+    """``torch.inference_mode()``, or ``torch.no_grad()`` for a model with DTensor parameters: FSDP2 keeps the
+    unsharded parameters it gathers for a forward and reuses that storage in the next one, which a training
+    forward cannot write into once it was made an inference tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return torch.no_grad()
+    return torch.inference_mode()
+
+
 def prefill(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -139,7 +150,7 @@ def prefill(
     _check_inputs(model, input_ids, mesh, max_new_tokens)
     mask = _checked_mask(attention_mask, input_ids, mesh)
     refuse_generation(model, mask)
-    with torch.inference_mode():
+    with no_grad_for(model):
         return _prefill(model, input_ids, mesh, max_new_tokens, all_logits, mask)
 
 
@@ -240,7 +251,7 @@ def generate(
     refuse_generation(model, mask)
     eos = eos_ids(model, eos_token_id)
     pad = pad_id(model, pad_token_id, eos)
-    with torch.inference_mode():
+    with no_grad_for(model):
         ids, logits = _generate(
             model,
             input_ids,

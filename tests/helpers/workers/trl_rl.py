@@ -64,12 +64,27 @@ class Rewards:
         return [self.low_ids, self.near_five]  # TRL names the metrics after the functions
 
 
+def _fsdp2(case: dict) -> bool:
+    return case["hybrid"] is not None and case["hybrid"]["stage"] == "fsdp2"
+
+
+def _degrees(case: dict) -> dict:
+    """The ``hybridsp=`` keyword of an FSDP2 case (no DeepSpeed config carries the section), else nothing."""
+    if not _fsdp2(case):
+        return {}
+    return {"hybridsp": {k: v for k, v in case["hybrid"].items() if k in ("ulysses", "ring", "generation")}}
+
+
 def _settings(output_dir: str, case: dict) -> dict:
-    hybrid = case["hybrid"]
-    deepspeed = None if hybrid is None else ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], False)
-    if hybrid is not None and "generation" in hybrid:
-        deepspeed["hybridsp"]["generation"] = hybrid["generation"]
+    """The arguments every case shares: DeepSpeed at ``hybrid["stage"]`` (0-3), or FSDP2 (``"fsdp2"``)."""
+    hybrid, deepspeed = case["hybrid"], None
+    if hybrid is not None and not _fsdp2(case):
+        deepspeed = ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], False)
+        if "generation" in hybrid:
+            deepspeed["hybridsp"]["generation"] = hybrid["generation"]
+    sharding = dict(fsdp=True, fsdp_config={"fsdp_version": 2}) if _fsdp2(case) else {}
     return dict(
+        **sharding,
         output_dir=output_dir,
         per_device_train_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=case.get("accumulation", 1),
@@ -130,6 +145,7 @@ def _trainer(case: dict, output_dir: str, model_path: str, rewards: Rewards):
         args=args,
         train_dataset=data,
         processing_class=tokenizer(),
+        **_degrees(case),
     )
 
 
@@ -197,7 +213,14 @@ def run_case(rank: int, case: dict) -> dict:
             "completions": rewards.seen,
             "sharded_generations": sharded.calls,
             "seconds": time.perf_counter() - start,
+            "fully_sharded": _fsdp2(case) and _all_dtensor(trainer.model),
         }
+
+
+def _all_dtensor(model) -> bool:
+    from hybridsp.integrations.fsdp import is_fully_sharded
+
+    return is_fully_sharded(model)
 
 
 def several(rank: int, world_size: int, cases: list) -> list:

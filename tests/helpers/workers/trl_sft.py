@@ -59,8 +59,14 @@ def dpo_rows(count: int, seed: int) -> list[dict]:
 
 
 def _settings(output_dir: str, hybrid: dict | None) -> dict:
-    deepspeed = None if hybrid is None else ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], False)
+    """The arguments every case shares: DeepSpeed at ``hybrid["stage"]`` (0-3), or FSDP2 (``"fsdp2"``)."""
+    fsdp2 = hybrid is not None and hybrid["stage"] == "fsdp2"
+    deepspeed = None
+    if hybrid is not None and not fsdp2:
+        deepspeed = ds_config(hybrid["ulysses"], hybrid["ring"], hybrid["stage"], False)
+    sharding = dict(fsdp=True, fsdp_config={"fsdp_version": 2}) if fsdp2 else {}
     return dict(
+        **sharding,
         output_dir=output_dir,
         per_device_train_batch_size=MICRO_BATCH,
         per_device_eval_batch_size=MICRO_BATCH,
@@ -105,6 +111,8 @@ def _trainer(case: dict, output_dir: str):
 
     hybrid = case["hybrid"]
     settings, model = _settings(output_dir, hybrid), _model(case)
+    # FSDP2 has no DeepSpeed config to carry the "hybridsp" section: the degrees come as the keyword
+    degrees = {"hybridsp": {"ulysses": hybrid["ulysses"], "ring": hybrid["ring"]}} if settings.get("fsdp") else {}
     if case["item"] == "sft":
         from trl import SFTConfig, SFTTrainer
 
@@ -122,7 +130,9 @@ def _trainer(case: dict, output_dir: str):
         cls = SFTTrainer if hybrid is None else HybridSFTTrainer
         packing = case.get("packing", False)
         data, held_out = (Dataset.from_list(sft_rows(n, seed=seed, packing=packing)) for n, seed in ((32, 1), (5, 3)))
-        return cls(model=model, args=args, train_dataset=data, eval_dataset=held_out, processing_class=tokenizer())
+        return cls(
+            model=model, args=args, train_dataset=data, eval_dataset=held_out, processing_class=tokenizer(), **degrees
+        )
     if case["item"] == "dpo":
         from trl import DPOConfig, DPOTrainer
 
@@ -145,6 +155,7 @@ def _trainer(case: dict, output_dir: str):
             train_dataset=Dataset.from_list(dpo_rows(24, seed=2)),
             eval_dataset=Dataset.from_list(dpo_rows(5, seed=3)),
             processing_class=tokenizer(),
+            **degrees,
         )
     from transformers import Trainer, TrainingArguments
 
@@ -152,7 +163,7 @@ def _trainer(case: dict, output_dir: str):
 
     args = TrainingArguments(**settings, remove_unused_columns=False)
     cls = Trainer if hybrid is None else HybridSPTrainer
-    return cls(model=model, args=args, train_dataset=samples(24, seed=1), data_collator=collate)
+    return cls(model=model, args=args, train_dataset=samples(24, seed=1), data_collator=collate, **degrees)
 
 
 def _logs(trainer) -> dict:
@@ -186,6 +197,10 @@ def run_case(rank: int, case: dict) -> dict | None:
         before = _frozen_weights(peft_model) if peft_model is not None and case["hybrid"] is None else None
         trainer.train()
         result = {**_logs(trainer)}
+        if trainer.args.fsdp:  # FSDP2 asked of the trainer: every parameter a DTensor shard
+            from hybridsp.integrations.fsdp import is_fully_sharded
+
+            result["fully_sharded"] = is_fully_sharded(trainer.model)
         if case["item"] in ("sft", "dpo"):
             metrics = trainer.evaluate()
             result["eval"] = {k: v for k, v in metrics.items() if k in EVALUATED}

@@ -36,7 +36,11 @@ CASES = {  # the default run: one representative case, and the same with sharded
     "grpo-dapo-U2xR1-zero2": ({"item": "grpo"}, 2, U2R1, 1),
     "grpo-dapo-sharded-generation-U2xR1-zero2": ({"item": "grpo"}, 2, {**U2R1, "generation": "sharded"}, 1),
 }
+U1R2_FSDP2 = {"ulysses": 1, "ring": 2, "stage": "fsdp2"}  # FSDP2 asked of the trainer: it shards over the mesh
 SLOW_CASES = {
+    "grpo-dapo-U1xR2-fsdp2": ({"item": "grpo"}, 2, U1R2_FSDP2, 1),
+    "grpo-dapo-sharded-generation-U1xR2-fsdp2": ({"item": "grpo"}, 2, {**U1R2_FSDP2, "generation": "sharded"}, 1),
+    "rloo-U1xR2-fsdp2": ({"item": "rloo"}, 2, U1R2_FSDP2, 1),
     "rloo-U2xR1-zero2": ({"item": "rloo"}, 2, U2R1, 1),
     "grpo-grpo-U2xR2-zero2": ({"item": "grpo", "loss_type": "grpo"}, 4, U2R2, 1),
     "grpo-dr_grpo-U2xR2-zero2": ({"item": "grpo", "loss_type": "dr_grpo"}, 4, U2R2, 1),
@@ -113,6 +117,8 @@ def _check(name: str, ours: list, plain: list, cases: dict) -> None:
             assert _close(result[key], reference[key]), f"{name} rank {rank} {key}: {result[key]} vs {reference[key]}"
     sharded = degrees.get("generation") == "sharded"
     assert all((result["sharded_generations"] > 0) == sharded for result in ours), name  # the path under test ran
+    if degrees["stage"] == "fsdp2":
+        assert all(result["fully_sharded"] for result in ours), f"{name}: a parameter is not a DTensor shard"
     first = plain[0]
     assert first["grad_norm"][0] > 0 and first["kl"][2] != 0  # the runs did train, the KL term is live
 

@@ -31,6 +31,8 @@ preload("transformers.trainer", "accelerate", "trl", "datasets", "peft")
 RTOL = 1e-3
 U2R1 = {"ulysses": 2, "ring": 1, "stage": 2}
 U2R2 = {"ulysses": 2, "ring": 2, "stage": 3}
+U1R2_FSDP2 = {"ulysses": 1, "ring": 2, "stage": "fsdp2"}  # FSDP2 asked of the trainer: it shards over the mesh
+U2R2_FSDP2 = {"ulysses": 2, "ring": 2, "stage": "fsdp2"}
 # name -> (item options, world size of ours, degrees); each is compared with the plain run of its options
 CASES = {
     "sft-packed-U2xR1-zero2": ({"item": "sft", "packing": True}, 2, U2R1),
@@ -39,8 +41,12 @@ CASES = {
     "sft-lora-U2xR2-zero3": ({"item": "sft", "peft": True}, 4, U2R2),
     "dpo-U2xR2-zero3": ({"item": "dpo"}, 4, U2R2),
     "lora-U2xR2-zero3": ({"item": "lora", "peft": True}, 4, U2R2),
+    "sft-packed-U1xR2-fsdp2": ({"item": "sft", "packing": True}, 2, U1R2_FSDP2),
+    "dpo-U2xR2-fsdp2": ({"item": "dpo"}, 4, U2R2_FSDP2),
 }
 SLOW_CASES = {
+    "sft-lora-U2xR2-fsdp2": ({"item": "sft", "peft": True}, 4, U2R2_FSDP2),
+    "dpo-U1xR2-fsdp2": ({"item": "dpo"}, 2, U1R2_FSDP2),
     "sft-U2xR1-zero2": ({"item": "sft"}, 2, U2R1),
     "sft-dft-U2xR1-zero2": ({"item": "sft", "loss_type": "dft"}, 2, U2R1),
     "sft-lora-U2xR1-zero2": ({"item": "sft", "peft": True}, 2, U2R1),
@@ -98,6 +104,8 @@ def _check(name: str, ours: dict, plain: dict, cases: dict) -> None:
         for key, value in plain["adapter"].items():
             torch.testing.assert_close(torch.tensor(ours["adapter"][key]), torch.tensor(value), rtol=RTOL, atol=1e-6)
     assert plain["grad_norm"][0] > 0 and plain["loss"][0] != plain["loss"][1]  # the runs did train
+    if cases[name][2]["stage"] == "fsdp2":
+        assert ours["fully_sharded"], f"{name}: FSDP2 was asked for and a parameter is not a DTensor shard"
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,12 @@ from torch import nn
 
 from hybridsp.inference import ShardedKVCache
 from hybridsp.integrations.transformers._binding import DECODE_KWARG
-from hybridsp.integrations.transformers._generation import agree_across_context, cache_argument, choose_next_tokens
+from hybridsp.integrations.transformers._generation import (
+    agree_across_context,
+    cache_argument,
+    choose_next_tokens,
+    no_grad_for,
+)
 from hybridsp.integrations.transformers._hybrid_cache import DecodeStep, HybridCache
 from hybridsp.integrations.transformers._sampling import FROM_GENERATION_CONFIG, Default, eos_ids, pad_id
 from hybridsp.integrations.transformers._switch import NAME
@@ -75,7 +80,7 @@ def generate_vlm(
     input_ids = batch["input_ids"]
     if max_new_tokens == 0:
         return input_ids.clone()
-    with torch.inference_mode():
+    with no_grad_for(model):
         cache, logits, delta = _prefill(model, batch, mesh, max_new_tokens, vision)
         pieces, unfinished = [input_ids], torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         eos_tensor = torch.tensor(eos, dtype=torch.long, device=input_ids.device)
