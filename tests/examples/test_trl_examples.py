@@ -140,6 +140,7 @@ def _grpo_rows(out: Path) -> list[dict]:
     return [row for row in rows if "loss" in row and "train_loss" not in row]
 
 
+@pytest.mark.slow  # the SFT example's default test covers the examples' plumbing; GRPO itself: test_rl_trainers.py
 def test_grpo_example_trains_on_2_ranks(tmp_path):
     """GRPO under torchrun at U2 x R1, ZeRO-3: finite loss, grad_norm, reward and kl per step; the initial
     policy (TRL's reference is built from its path) and the final model written."""

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.netns import unavailable_reason
 from tests.helpers.paths import ROOT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # two torchrun launches of 4 ranks each
@@ -44,6 +45,10 @@ def _launch_node(node_rank: int, port: int, report_dir: Path) -> subprocess.Pope
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
+@pytest.mark.skipif(
+    unavailable_reason() is None,
+    reason="tests/mesh/test_two_hosts.py runs the same two-node check over real network namespaces here",
+)
 def test_two_node_launch_keeps_ulysses_inside_nodes_and_stays_exact(tmp_path):
     port = _free_port()
     nodes = [_launch_node(rank, port, tmp_path) for rank in (0, 1)]

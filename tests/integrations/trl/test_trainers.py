@@ -42,9 +42,9 @@ CASES = {
     "dpo-U2xR2-zero3": ({"item": "dpo"}, 4, U2R2),
     "lora-U2xR2-zero3": ({"item": "lora", "peft": True}, 4, U2R2),
     "sft-packed-U1xR2-fsdp2": ({"item": "sft", "packing": True}, 2, U1R2_FSDP2),
-    "dpo-U2xR2-fsdp2": ({"item": "dpo"}, 4, U2R2_FSDP2),
 }
 SLOW_CASES = {
+    "dpo-U2xR2-fsdp2": ({"item": "dpo"}, 4, U2R2_FSDP2),
     "sft-lora-U2xR2-fsdp2": ({"item": "sft", "peft": True}, 4, U2R2_FSDP2),
     "dpo-U1xR2-fsdp2": ({"item": "dpo"}, 2, U1R2_FSDP2),
     "sft-U2xR1-zero2": ({"item": "sft"}, 2, U2R1),
