@@ -3,6 +3,8 @@
     deepspeed [--num_gpus N] examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json [options]
     torchrun --nproc_per_node N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json [options]
     accelerate launch --use_deepspeed --num_processes N examples/train_hf_trainer.py --deepspeed ds_configs/cp8.json
+    accelerate launch --config_file examples/accelerate/fsdp2.yaml examples/train_hf_trainer.py --deepspeed ds_configs/cp4.json
+    torchrun --nproc_per_node N examples/train_hf_trainer.py --fsdp --deepspeed ds_configs/cp4.json   # FSDP2, no accelerate config
     python examples/train_hf_trainer.py --ulysses 1 --ring 1       # one process, no launcher (the reference)
 
 The same built-in data and model as examples/train.py (byte-level Python documentation, a
@@ -18,6 +20,13 @@ The dataset holds ``micro batch x accumulation x DP replicas x steps`` windows: 
 ranks, since the context ranks of a replica share its rows. So every mesh of the same DP degree
 (U2xR1, U1xR2, U1xR1 on one process) trains on the same rows in the same order, and their losses agree
 step by step.
+
+FSDP2 instead of DeepSpeed (``--fsdp``, or an accelerate config with ``distributed_type: FSDP`` and
+``fsdp_version: 2``, such as ``examples/accelerate/fsdp2.yaml``): the Trainer gets no DeepSpeed config;
+the JSON file is read only for its ``"hybridsp"`` section (passed as ``HybridSPTrainer(hybridsp=...)``: the
+degrees are written once, in the same section a DeepSpeed user writes) and its batch, clipping and optimizer
+values. ``HybridSPTrainer`` then shards every parameter, gradient and optimizer state over all ranks with
+FSDP2 (docs/fsdp2.md).
 """
 
 from __future__ import annotations
@@ -49,6 +58,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_overwrite_argument(parser)
     add_model_arguments(parser)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard with PyTorch FSDP2 instead of DeepSpeed (an accelerate config with distributed_type FSDP "
+        "does the same); only the JSON file's 'hybridsp' section and its batch and optimizer values are read",
+    )
     return parser.parse_args(argv)
 
 
@@ -112,15 +127,37 @@ def config_settings(args: argparse.Namespace, config: dict, micro_batch: int = 1
 
 
 def training_arguments(args: argparse.Namespace, config: dict):
-    """TrainingArguments that agree with the config's fixed values (the Trainer checks it)."""
+    """TrainingArguments that agree with the config's fixed values (the Trainer checks it); under FSDP2
+    (:func:`uses_fsdp`) no DeepSpeed config, and ``--fsdp`` asks for FSDP2 in the arguments."""
     from transformers import TrainingArguments
 
+    settings = config_settings(args, config)
+    if uses_fsdp(args):
+        settings.pop("deepspeed")
+    if args.fsdp:
+        settings.update(fsdp=True, fsdp_config={"fsdp_version": 2})
     return TrainingArguments(
-        **config_settings(args, config),
-        remove_unused_columns=False,
-        save_strategy="steps",
-        save_steps=args.save_steps or args.max_steps,
+        **settings, remove_unused_columns=False, save_strategy="steps", save_steps=args.save_steps or args.max_steps
     )
+
+
+def uses_fsdp(args: argparse.Namespace) -> bool:
+    """FSDP2 asked for: ``--fsdp``, or accelerate's launcher with ``distributed_type: FSDP``."""
+    return bool(args.fsdp) or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def hybrid_keywords(args: argparse.Namespace, config: dict) -> dict:
+    """``HybridSPTrainer(hybridsp=...)``: the command line's choices; under FSDP2 over the JSON file's
+    ``"hybridsp"`` section (no DeepSpeed config carries it to the Trainer)."""
+    chosen = (
+        ("ulysses", args.ulysses),
+        ("ring", args.ring),
+        ("backend", args.backend),
+        ("kv_comm", args.kv_comm),
+        ("layout", args.layout),
+    )
+    overrides = {k: v for k, v in chosen if v}
+    return {**config.get("hybridsp", {}), **overrides} if uses_fsdp(args) else overrides
 
 
 def learning_rate(args: argparse.Namespace, config: dict) -> float:
@@ -186,14 +223,7 @@ def run(args: argparse.Namespace, plan) -> None:
     from hybridsp.launch import init_process_group
 
     config = load_ds_config(args, plan.ds_config)
-    chosen = (
-        ("ulysses", args.ulysses),
-        ("ring", args.ring),
-        ("backend", args.backend),
-        ("kv_comm", args.kv_comm),
-        ("layout", args.layout),
-    )
-    overrides = {k: v for k, v in chosen if v}
+    overrides = hybrid_keywords(args, config)
     with without_cpu_shm_comm_build():  # on CPU, skip DeepSpeed's shm all-reduce build (gloo never uses it)
         init_process_group()  # `python examples/train_hf_trainer.py`: a world of one (no MPI discovery)
         _, vocab_size, windows = load_windows(args, args.seq_len)
@@ -207,7 +237,7 @@ def run(args: argparse.Namespace, plan) -> None:
         if trainer.is_world_process_zero():
             print(
                 f"hybridsp HF Trainer example: {trainer.hybrid_mesh!r}, seq_len={args.seq_len}, "
-                f"lr={training.learning_rate}",
+                f"lr={training.learning_rate}{sharding_note(trainer.model) if uses_fsdp(args) else ''}",
                 flush=True,
             )
         result = trainer.train(resume_from_checkpoint=True if args.resume else None)
@@ -217,6 +247,16 @@ def run(args: argparse.Namespace, plan) -> None:
             f"checkpoints and trainer_state.json in {args.output_dir}",
             flush=True,
         )
+
+
+def sharding_note(model) -> str:
+    """ ", FSDP2: every parameter a DTensor shard (N of M elements on this rank)" as the console says it."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+    every = all(isinstance(p, DTensor) for p in params)
+    return f", FSDP2: every parameter a DTensor shard: {every} ({local:,} of {sum(p.numel() for p in params):,} elements here)"
 
 
 if __name__ == "__main__":

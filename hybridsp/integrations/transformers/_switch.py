@@ -172,6 +172,7 @@ def hybridsp_attention_forward(
     binding = _binding_of(module)
     decode = kwargs.get(DECODE_KWARG)  # a decode step over a sharded K/V cache (hf_generate)
     _check_call(query, key, attention_mask, dropout, kwargs, cached=decode is not None)
+    query, key, value = _as_autocast(query, key, value)
     if decode is not None:
         _refuse_chunked_decode(module)
         return decode.attend(module, query, key, value, binding, _scale_of(module, scaling), kwargs)
@@ -202,6 +203,16 @@ def hybridsp_attention_forward(
     if binding.tap is not None:  # the exactness probe records this call (Note [probe tap] in hybridsp.monitor)
         binding.tap(module, q, k, v, out, chunk=chunk_size_of(module), **settings)
     return out, None
+
+
+def _as_autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, the tensors in its dtype, as SDPA takes them (autocast runs attention in lower
+    precision; RoPE's fp32 cos/sin would otherwise leave q and k in fp32 beside a bf16 v); else unchanged."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in tensors)
 
 
 def _refuse_chunked_decode(module: nn.Module) -> None:

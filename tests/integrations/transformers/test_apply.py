@@ -242,3 +242,24 @@ def test_calls_that_cannot_be_exact_are_refused():
         query, key = torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 10, 16)
         with pytest.raises(ValueError, match="2 queries but 10 keys per rank: a KV cache with earlier tokens"):
             hf.hybridsp_attention_forward(model.model.layers[0].self_attn, query, key, key, None)
+
+
+def _autocast_errors(rank, world):
+    """Under CPU autocast to bf16 (the HF Trainer's bf16=True without DeepSpeed): RoPE leaves q and k in fp32
+    beside a bf16 v, which the switch must take as SDPA does. {what: (ours, the unswitched model's)} errors
+    against the unswitched fp32 model."""
+    mesh = init_mesh(ulysses=1, ring=2)
+    model, batch = build("llama"), BATCHES["full"]
+    exact = reference(model, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unswitched = reference(model, batch)
+        hf.apply(model, mesh)
+        ours = case_errors(model, mesh, batch, exact)[0]
+    theirs = {"logits": rel_err(unswitched[0], exact[0]), "loss": rel_err(unswitched[1], exact[1])}
+    return {what: (ours[what], theirs[what]) for what in theirs}
+
+
+@pytest.mark.distributed
+def test_autocast_bf16_takes_q_k_v_as_sdpa_does():
+    for what, (ours, theirs) in run_distributed(_autocast_errors, 2, timeout=300)[0].items():
+        assert 0 < ours <= 2 * theirs + 1e-3, f"{what}: ours {ours:.2e} vs the unswitched model's {theirs:.2e}"
