@@ -95,8 +95,7 @@ from hybridsp.attention._api import gather_sequence
 from hybridsp.data._batch import prepare_batch, shard_batch
 from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
-from hybridsp.integrations.fsdp._checkpoint import full_state_dict
-from hybridsp.integrations.fsdp._requested import FSDP2Request, fsdp2_request
+from hybridsp.integrations.fsdp._requested import FSDP2Request
 from hybridsp.integrations.fsdp._shard import clip_grad_norm_
 from hybridsp.integrations.transformers import _trainer_fsdp as fsdp
 from hybridsp.integrations.transformers._loss import RouterLoss, model_router_loss, share_of_loss
@@ -125,7 +124,7 @@ else:
     _TrainerBase = object
 
 
-class HybridSPMixin(_TrainerBase):
+class HybridSPMixin(fsdp.FSDP2Checkpoints):
     """Hybrid sequence parallelism for a ``transformers.Trainer`` subclass (module docstring).
 
     Put it first in the bases. Extra keyword ``hybridsp``: a dict of ``"hybridsp"`` section
@@ -171,7 +170,7 @@ class HybridSPMixin(_TrainerBase):
         """The ``"hybridsp"`` section read and checked (before any collective), the Trainer's
         accelerator, the mesh, then our hook on DeepSpeed's engine creation."""
         self.hybrid_config = hybrid_config(self.args, self._hybridsp_overrides)
-        self._hybridsp_fsdp2 = _fsdp2_request(self.args)
+        self._hybridsp_fsdp2 = fsdp.fsdp2_request_of_trainer(self.args)
         hidden = fsdp.accelerator_without_fsdp(self.args) if self._hybridsp_fsdp2 else contextlib.nullcontext()
         with hds.without_cpu_shm_comm_build(), hidden:
             super().create_accelerator_and_postprocess()
@@ -180,7 +179,7 @@ class HybridSPMixin(_TrainerBase):
             remove_owned_keys(self.accelerator.state.deepspeed_plugin, self.args)
         self.accelerator.prepare = functools.partial(prepare_with_mesh, self.accelerator.prepare, self)
         if self._hybridsp_fsdp2 is not None:  # the whole model's norm over DTensor gradients, a plain tensor
-            self.accelerator.clip_grad_norm_ = clip_grad_norm_  # type: ignore[method-assign]
+            self.accelerator.clip_grad_norm_ = clip_grad_norm_
 
     def _refuse_unsupported(self) -> None:
         refused = {
@@ -344,34 +343,6 @@ class HybridSPMixin(_TrainerBase):
             self._hybridsp_monitor.remember(tensors, loss)
         return (loss, outputs) if return_outputs else loss
 
-    # ---- checkpoints under FSDP2 (Note [the Trainer's FSDP2 path]) -----------------------
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Under FSDP2: the whole model gathered (every rank) and saved by the saving rank with
-        ``save_pretrained``, loadable into the unmodified model; otherwise the Trainer's own."""
-        if self._hybridsp_fsdp2 is None:
-            return super().save_model(output_dir, _internal_call)
-        state = full_state_dict(self.model)  # a collective: every rank
-        if self.args.should_save:
-            self._save(output_dir or self.args.output_dir, state_dict=state)
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save")
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        if self._hybridsp_fsdp2 is None:
-            return super()._save_optimizer_and_scheduler(output_dir)
-        fsdp.save_trainer_state(output_dir, self.model, self.optimizer, self.lr_scheduler, self.args.should_save)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        if self._hybridsp_fsdp2 is None or not fsdp.has_sharded_state(resume_from_checkpoint):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        fsdp.load_trainer_weights(resume_from_checkpoint, model if model is not None else self.model)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if self._hybridsp_fsdp2 is None or checkpoint is None or not fsdp.has_sharded_state(checkpoint):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        fsdp.load_trainer_state(checkpoint, self.model, self.optimizer, self.lr_scheduler)
-
     # ---- evaluation and prediction -------------------------------------------------------
 
     def prediction_step(self, model, inputs, prediction_loss_only: bool, ignore_keys=None):
@@ -420,17 +391,6 @@ class HybridSPTrainer(HybridSPMixin, Trainer):
 def _batch_tensors(inputs) -> dict[str, torch.Tensor]:
     """The tensors of a collated batch (drops non-tensor values such as ``return_loss``)."""
     return {key: value for key, value in inputs.items() if torch.is_tensor(value)}
-
-
-def _fsdp2_request(args) -> FSDP2Request | None:
-    """FSDP2 asked of the Trainer (Note [FSDP under the Trainer]); ValueError for FSDP1 or FSDP with DeepSpeed."""
-    request = fsdp2_request(args)
-    if request is not None and args.deepspeed:
-        raise ValueError(
-            f"HybridSPTrainer got both DeepSpeed (deepspeed={args.deepspeed!r}) and FSDP ({request.asked}): choose one "
-            "(ZeRO-3 or FSDP2 both shard parameters, gradients and optimizer state over all ranks)"
-        )
-    return request
 
 
 def _mesh(hybrid: ds_schema.HybridConfig) -> HybridMesh:

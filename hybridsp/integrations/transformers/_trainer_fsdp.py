@@ -30,15 +30,22 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from hybridsp.integrations.fsdp._checkpoint import load_sharded, save_sharded
-from hybridsp.integrations.fsdp._requested import FSDP2Request
+from hybridsp.integrations.fsdp._checkpoint import full_state_dict, load_sharded, save_sharded
+from hybridsp.integrations.fsdp._requested import FSDP2Request, fsdp2_request
 from hybridsp.integrations.fsdp._shard import fully_shard_model
 from hybridsp.mesh._hybrid_mesh import HybridMesh
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    _TrainerBase = Trainer  # the type checker sees the Trainer the mixin is composed with
+else:
+    _TrainerBase = object
 
 SHARDED_FOLDER = "fsdp2_sharded"  # inside a Trainer checkpoint: model and optimizer shards (DCP)
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for it
@@ -149,3 +156,48 @@ def load_trainer_state(checkpoint: str, model: nn.Module, optimizer, scheduler) 
     scheduler_file = Path(checkpoint) / SCHEDULER_FILE
     if scheduler is not None and scheduler_file.is_file():
         scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+def fsdp2_request_of_trainer(args) -> FSDP2Request | None:
+    """FSDP2 asked of the Trainer (Note [FSDP under the Trainer]); ValueError for FSDP1 or FSDP with DeepSpeed."""
+    request = fsdp2_request(args)
+    if request is not None and args.deepspeed:
+        raise ValueError(
+            f"HybridSPTrainer got both DeepSpeed (deepspeed={args.deepspeed!r}) and FSDP ({request.asked}): choose one "
+            "(ZeRO-3 or FSDP2 both shard parameters, gradients and optimizer state over all ranks)"
+        )
+    return request
+
+
+class FSDP2Checkpoints(_TrainerBase):
+    """The Trainer's checkpoint hooks under FSDP2 (Note [the Trainer's FSDP2 path]); the Trainer's own otherwise.
+    A base of :class:`~hybridsp.integrations.transformers._trainer.HybridSPMixin`, which sets ``_hybridsp_fsdp2``."""
+
+    _hybridsp_fsdp2: FSDP2Request | None = None
+    model: nn.Module  # never None: HybridSPMixin refuses model_init
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Under FSDP2: the whole model gathered (every rank) and saved by the saving rank with
+        ``save_pretrained``, loadable into the unmodified model; otherwise the Trainer's own."""
+        if self._hybridsp_fsdp2 is None:
+            return super().save_model(output_dir, _internal_call)
+        state = full_state_dict(self.model)  # a collective: every rank
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir, state_dict=state)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._hybridsp_fsdp2 is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_trainer_state(output_dir, self.model, self.optimizer, self.lr_scheduler, self.args.should_save)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self._hybridsp_fsdp2 is None or not has_sharded_state(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_trainer_weights(resume_from_checkpoint, model if model is not None else self.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if self._hybridsp_fsdp2 is None or checkpoint is None or not has_sharded_state(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_trainer_state(checkpoint, self.model, self.optimizer, self.lr_scheduler)
