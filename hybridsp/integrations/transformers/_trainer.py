@@ -174,6 +174,7 @@ class HybridSPMixin(fsdp.FSDP2Checkpoints):
         hidden = fsdp.accelerator_without_fsdp(self.args) if self._hybridsp_fsdp2 else contextlib.nullcontext()
         with hds.without_cpu_shm_comm_build(), hidden:
             super().create_accelerator_and_postprocess()
+        fsdp.refuse_deepspeed_state(self._hybridsp_fsdp2, self.is_deepspeed_enabled)
         self.hybrid_mesh = _mesh(self.hybrid_config)
         if self.is_deepspeed_enabled:
             remove_owned_keys(self.accelerator.state.deepspeed_plugin, self.args)

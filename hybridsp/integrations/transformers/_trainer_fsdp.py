@@ -169,6 +169,16 @@ def fsdp2_request_of_trainer(args) -> FSDP2Request | None:
     return request
 
 
+def refuse_deepspeed_state(request: FSDP2Request | None, deepspeed_enabled: bool) -> None:
+    """ValueError when FSDP2 is asked for but accelerate's process-wide state already holds DeepSpeed (an
+    earlier DeepSpeed trainer in this process, or ``accelerate launch --use_deepspeed``); no communication."""
+    if request is not None and deepspeed_enabled:
+        raise ValueError(
+            f"HybridSPTrainer got FSDP ({request.asked}) but accelerate's state in this process already uses "
+            "DeepSpeed (an earlier DeepSpeed trainer here, or a DeepSpeed launch): run FSDP2 in a fresh process"
+        )
+
+
 class FSDP2Checkpoints(_TrainerBase):
     """The Trainer's checkpoint hooks under FSDP2 (Note [the Trainer's FSDP2 path]); the Trainer's own otherwise.
     A base of :class:`~hybridsp.integrations.transformers._trainer.HybridSPMixin`, which sets ``_hybridsp_fsdp2``."""

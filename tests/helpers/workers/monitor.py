@@ -9,16 +9,24 @@ import tempfile
 from tests.helpers.workers.trainer import _arguments, collate, ds_config, samples, step_logs, tiny_llama
 
 
-def train_with_monitor(rank: int, world_size: int, ulysses: int, ring: int, monitor: dict | None) -> dict | None:
+def train_with_monitor(
+    rank: int, world_size: int, ulysses: int, ring: int, monitor: dict | None, fsdp2: bool = False
+) -> dict | None:
+    """4 steps of HybridSPTrainer under ZeRO-1 (or FSDP2: ``fsdp2``) with the section's ``monitor`` block."""
     from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
     from hybridsp.integrations.transformers import HybridSPTrainer
 
     config = ds_config(ulysses, ring, 1, False)
     if monitor is not None:
         config["hybridsp"]["monitor"] = monitor
+    sharding = {"fsdp": True, "fsdp_config": {"fsdp_version": 2}} if fsdp2 else {}
     with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
         trainer = HybridSPTrainer(
-            model=tiny_llama(), args=_arguments(out, config), train_dataset=samples(40, seed=1), data_collator=collate
+            model=tiny_llama(),
+            args=_arguments(out, None if fsdp2 else config, **sharding),
+            train_dataset=samples(40, seed=1),
+            data_collator=collate,
+            hybridsp=config["hybridsp"] if fsdp2 else None,
         )
         trainer.train()
     if rank != 0:

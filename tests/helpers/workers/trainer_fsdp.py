@@ -103,3 +103,16 @@ def train_plain(rank: int, world_size: int, overrides: dict) -> dict | None:
         trainer.train()
         metrics = trainer.evaluate()
     return {**step_logs(trainer), "eval_loss": metrics["eval_loss"]} if rank == 0 else None
+
+
+def fsdp_after_deepspeed(rank: int, world_size: int) -> str:
+    """A DeepSpeed HybridSPTrainer, then one asking for FSDP2, in the same process: the second's error text."""
+    from hybridsp.integrations.deepspeed import without_cpu_shm_comm_build
+
+    with tempfile.TemporaryDirectory() as out, without_cpu_shm_comm_build():
+        make_trainer(out, dict(ulysses=1, ring=1, stage=1), samples(4, seed=1), None)
+        try:
+            make_trainer(out, dict(ulysses=1, ring=1, stage=None), samples(4, seed=1), None, **fsdp_arguments())
+        except ValueError as error:
+            return str(error)
+    return "no error"

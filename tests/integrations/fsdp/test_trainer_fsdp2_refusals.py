@@ -88,3 +88,13 @@ def test_fully_shard_model_refuses_the_tensor_axis_and_models_without_layers():
     with pytest.raises(ValueError, match="names no decoder layer class in _no_split_modules"):
         decoder_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     assert len(decoder_layers(tiny_causal_lm("llama", **SMALL))) == 1
+
+
+@pytest.mark.distributed
+def test_fsdp2_after_a_deepspeed_trainer_in_one_process_is_refused():
+    """accelerate's state is process-wide: FSDP2 after DeepSpeed in one process is one clear line."""
+    from hybridsp.testing import run_distributed
+    from tests.helpers.workers.trainer_fsdp import fsdp_after_deepspeed
+
+    message = run_distributed(fsdp_after_deepspeed, 1, timeout=300)[0]
+    assert "already uses DeepSpeed" in message and "run FSDP2 in a fresh process" in message, message

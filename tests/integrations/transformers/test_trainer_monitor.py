@@ -12,9 +12,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.distributed]
 
 
 @pytest.mark.slow
-def test_the_monitor_logs_health_and_parity_and_changes_no_loss():
-    watched = run_distributed(train_with_monitor, 2, 1, 2, {"parity_every": 2})[0]
-    plain = run_distributed(train_with_monitor, 2, 1, 2, None)[0]
+@pytest.mark.parametrize("fsdp2", [False, True], ids=["zero1", "fsdp2"])
+def test_the_monitor_logs_health_and_parity_and_changes_no_loss(fsdp2):
+    watched = run_distributed(train_with_monitor, 2, 1, 2, {"parity_every": 2}, fsdp2)[0]
+    plain = run_distributed(train_with_monitor, 2, 1, 2, None, fsdp2)[0]
     assert watched["loss"] == plain["loss"] and len(plain["loss"]) == 4
     rows = watched["hybridsp"]
     assert len(rows) == 4 and all("hybridsp/straggler_ratio" in r and r["hybridsp/bytes_sent"] > 0 for r in rows)

@@ -87,8 +87,10 @@ def _run(cases: dict) -> tuple[dict, dict]:
         results = run_distributed(several, world, [{**plain_runs[k][0], "hybrid": None} for k in keys], timeout=900)
         plain.update({key: [rank[i] for rank in results] for i, key in enumerate(keys)})
     ours = {}
-    for world in sorted({world for _, world, _, _ in cases.values()}):
-        names = [name for name, (_, w, _, _) in cases.items() if w == world]
+    # one launch per world size and sharding kind: accelerate's state outlives a trainer in its process
+    launches = sorted({(world, degrees["stage"] == "fsdp2") for _, world, degrees, _ in cases.values()})
+    for world, fsdp2 in launches:
+        names = [n for n, (_, w, d, _) in cases.items() if w == world and (d["stage"] == "fsdp2") == fsdp2]
         runs = [{**cases[name][0], "hybrid": cases[name][2]} for name in names]
         results = run_distributed(several, world, runs, timeout=900)
         ours.update({name: [rank[i] for rank in results] for i, name in enumerate(names)})

@@ -68,8 +68,10 @@ def _run(cases: dict) -> tuple[dict, dict]:
     plain_options = {_key(options): options for options, _, _ in cases.values()}
     plain_results = run_distributed(several, 1, [{**o, "hybrid": None} for o in plain_options.values()], timeout=600)[0]
     ours = {}
-    for world in sorted({world for _, world, _ in cases.values()}):
-        names = [name for name, (_, w, _) in cases.items() if w == world]
+    # one launch per world size and sharding kind: accelerate's state outlives a trainer in its process
+    launches = sorted({(world, degrees["stage"] == "fsdp2") for _, world, degrees in cases.values()})
+    for world, fsdp2 in launches:
+        names = [name for name, (_, w, d) in cases.items() if w == world and (d["stage"] == "fsdp2") == fsdp2]
         runs = [{**cases[name][0], "hybrid": cases[name][2]} for name in names]
         ours.update(zip(names, run_distributed(several, world, runs, timeout=900)[0]))
     return ours, dict(zip(plain_options, plain_results))
