@@ -139,3 +139,17 @@ def test_bf16_compute_and_torch_compile_under_fsdp2(plain):
         assert not torch.equal(got, want), "bf16 compute left the fp32 result unchanged: the policy did not apply"
         assert ((got - want).abs() / want.abs()).max() <= 1e-2, f"bf16 {key}: {got.tolist()} vs fp32 {want.tolist()}"
     _check_run(compiled, reference, "U1xR2-compile", 2)
+
+
+@pytest.mark.slow
+def test_checkpoints_resume_on_the_same_mesh_and_on_a_ring_of_three(plain):
+    """Saved on U1xR2 (2 ranks); resumed on the same mesh and on U1xR3 (3 ranks, an odd degree)."""
+    with tempfile.TemporaryDirectory() as fsdp_dir:
+        saved = run_distributed(save_fsdp, 2, dict(ulysses=1, ring=2, stage=None), fsdp_dir, timeout=600)[0]
+        checkpoint = os.path.join(fsdp_dir, "checkpoint-2")
+        for world, degrees in ((2, dict(ulysses=1, ring=2)), (3, dict(ulysses=1, ring=3))):
+            with tempfile.TemporaryDirectory() as resumed_dir:
+                hybrid = dict(degrees, stage=None)
+                resumed = run_distributed(resume_fsdp, world, hybrid, checkpoint, resumed_dir, timeout=600)[0]
+            _assert_close(resumed["loss"][2:], saved["loss"][2:], f"resumed on {degrees} loss")
+            _assert_close(resumed["grad_norm"][2:], saved["grad_norm"][2:], f"resumed on {degrees} grad_norm")
