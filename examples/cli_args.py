@@ -77,3 +77,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
+
+
+def mesh_overrides(args: argparse.Namespace) -> dict:
+    """``--ulysses``, ``--ring``, ``--backend``, ``--kv-comm``, ``--layout`` where given (the trainer's ``hybridsp=``)."""
+    chosen = (
+        ("ulysses", args.ulysses),
+        ("ring", args.ring),
+        ("backend", args.backend),
+        ("kv_comm", args.kv_comm),
+        ("layout", args.layout),
+    )
+    return {k: v for k, v in chosen if v}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl_common  # noqa: E402
+from cli_args import mesh_overrides  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None):
@@ -64,7 +65,7 @@ def build_trainer(args, plan, config):
         train_dataset=Dataset.from_list([{"text": t} for t in texts]),
         processing_class=tokenizer,
         peft_config=lora,
-        hybridsp=trl_common.mesh_overrides(args),
+        hybridsp=mesh_overrides(args),
     )
     sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in trainer.model.parameters()]  # ZeRO-3: full
     trainable, total = sum(n for n, grad in sizes if grad), sum(n for n, _ in sizes)

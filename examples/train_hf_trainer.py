@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import add_mesh_arguments, add_model_arguments, add_overwrite_argument, add_step_arguments  # noqa: E402
+from cli_args import add_mesh_arguments, add_model_arguments, add_overwrite_argument, add_step_arguments, mesh_overrides  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
 from host import share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, exit_once, preflight  # noqa: E402
@@ -149,14 +149,7 @@ def uses_fsdp(args: argparse.Namespace) -> bool:
 def hybrid_keywords(args: argparse.Namespace, config: dict) -> dict:
     """``HybridSPTrainer(hybridsp=...)``: the command line's choices; under FSDP2 over the JSON file's
     ``"hybridsp"`` section (no DeepSpeed config carries it to the Trainer)."""
-    chosen = (
-        ("ulysses", args.ulysses),
-        ("ring", args.ring),
-        ("backend", args.backend),
-        ("kv_comm", args.kv_comm),
-        ("layout", args.layout),
-    )
-    overrides = {k: v for k, v in chosen if v}
+    overrides = mesh_overrides(args)
     return {**config.get("hybridsp", {}), **overrides} if uses_fsdp(args) else overrides
 
 

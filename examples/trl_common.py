@@ -286,15 +286,3 @@ def build_model_for(args: argparse.Namespace, tokenizer, training):
         config.pad_token_id, config.bos_token_id = tokenizer.pad_token_id, tokenizer.bos_token_id
         config.eos_token_id = tokenizer.eos_token_id
     return model
-
-
-def mesh_overrides(args: argparse.Namespace) -> dict:
-    """``--ulysses``, ``--ring``, ``--backend``, ``--kv-comm``, ``--layout`` where given (the trainer's ``hybridsp=``)."""
-    chosen = (
-        ("ulysses", args.ulysses),
-        ("ring", args.ring),
-        ("backend", args.backend),
-        ("kv_comm", args.kv_comm),
-        ("layout", args.layout),
-    )
-    return {k: v for k, v in chosen if v}

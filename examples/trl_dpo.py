@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl_common  # noqa: E402
+from cli_args import mesh_overrides  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None):
@@ -77,7 +78,7 @@ def build_trainer(args, plan, config):
         args=dpo,
         train_dataset=Dataset.from_list(pairs),
         processing_class=tokenizer,
-        hybridsp=trl_common.mesh_overrides(args),
+        hybridsp=mesh_overrides(args),
     )
     return trainer, f"TRL DPO example (beta={args.beta})"
 

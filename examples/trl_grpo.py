@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl_common  # noqa: E402
+from cli_args import mesh_overrides  # noqa: E402
 
 LOSS_TYPES = ("grpo", "dr_grpo", "bnpo", "dapo")
 
@@ -136,7 +137,7 @@ def build_trainer(args, plan, config):
         args=rl,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
-        hybridsp={**trl_common.mesh_overrides(args), "generation": args.generation},
+        hybridsp={**mesh_overrides(args), "generation": args.generation},
     )
     loss = f", loss_type={args.loss_type}" if args.algorithm == "grpo" else ""
     return trainer, (

@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl_common  # noqa: E402
+from cli_args import mesh_overrides  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None):
@@ -50,7 +51,7 @@ def build_trainer(args, plan, config):
         args=sft,
         train_dataset=Dataset.from_list([{"text": t} for t in texts]),
         processing_class=tokenizer,
-        hybridsp=trl_common.mesh_overrides(args),
+        hybridsp=mesh_overrides(args),
     )
     return trainer, f"TRL SFT example (packing={args.packing_strategy})"
 

@@ -152,12 +152,15 @@ def train_and_evaluate(rank: int, world_size: int, hybrid: dict | None) -> dict 
         if hybrid is not None and hybrid.get("evaluate_first"):  # an inference engine first (ZeRO-3)
             trainer.evaluate()
         trainer.train()
-        metrics = trainer.evaluate()
-        predictions = trainer.predict(evaluation)
-    if rank != 0:
-        return None
+        evaluated = evaluate_and_predict(trainer, evaluation)
+    return {**step_logs(trainer), **evaluated} if rank == 0 else None
+
+
+def evaluate_and_predict(trainer, evaluation) -> dict:
+    """``evaluate()``'s loss and ``predict()``'s logits and labels of ``evaluation`` (every rank calls it)."""
+    metrics = trainer.evaluate()
+    predictions = trainer.predict(evaluation)
     return {
-        **step_logs(trainer),
         "eval_loss": metrics["eval_loss"],
         "predictions": torch.as_tensor(predictions.predictions).tolist(),
         "label_ids": torch.as_tensor(predictions.label_ids).tolist(),

@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-import torch
 import torch.distributed as dist
 
-from tests.helpers.workers.trainer import make_trainer, samples, step_logs
+from tests.helpers.workers.trainer import evaluate_and_predict, make_trainer, samples, step_logs
 
 
 def fsdp_arguments(**fsdp_config) -> dict:
@@ -56,17 +55,8 @@ def train_fsdp(rank: int, world_size: int, hybrid: dict, overrides: dict | None 
         trainer = make_trainer(out, hybrid, train, evaluation, **{**fsdp_arguments(), **(overrides or {})})
         shards = _gathered(sharding(trainer.model))
         trainer.train()
-        metrics = trainer.evaluate()
-        predictions = trainer.predict(evaluation)
-    if rank != 0:
-        return None
-    return {
-        **step_logs(trainer),
-        "eval_loss": metrics["eval_loss"],
-        "predictions": torch.as_tensor(predictions.predictions).tolist(),
-        "label_ids": torch.as_tensor(predictions.label_ids).tolist(),
-        "sharding": shards,
-    }
+        evaluated = evaluate_and_predict(trainer, evaluation)
+    return {**step_logs(trainer), **evaluated, "sharding": shards} if rank == 0 else None
 
 
 def save_fsdp(rank: int, world_size: int, hybrid: dict | None, out: str) -> dict | None:
