@@ -124,6 +124,13 @@ BENCHMARKS = (
         ("--frames", "16", "--size", "112", "--iters", "1", "--out", "{tmp}/vlm_memory"),
     ),
     Benchmark(
+        "memory.fsdp2",
+        "Under FSDP2, do parameters, gradients and optimizer state shard over all W = DP x U x R ranks, and what"
+        " does each rank hold against plain FSDP2 and hybridsp's ZeRO-3 path?",
+        "results/fsdp2",
+        ("--quick", "--out", "{tmp}/fsdp2_memory"),
+    ),
+    Benchmark(
         "memory.rl_scoring",
         "GRPO / RLOO scoring at a long completion: memory per rank?",
         "results/rl",

@@ -233,17 +233,17 @@ class Allocations:
 
 def live_tensor_bytes() -> int:
     """Bytes of the unique CPU storages of every tensor the garbage collector tracks (parameters,
-    ZeRO partitions and buffers, optimizer states). (Not profiled: the profiler's own event
+    ZeRO partitions and buffers, optimizer states; a DTensor's local shard). (Not profiled: the profiler's own event
     records would leave ~100 MiB of free glibc heap behind, which later tensors reuse.)"""
     storages = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            try:
+            try:  # a wrapper subclass (DTensor) has no valid storage: its local tensor is counted on its own
                 storage = obj.untyped_storage()
+                if storage.nbytes():
+                    storages[storage.data_ptr()] = storage.nbytes()
             except (RuntimeError, NotImplementedError):
                 continue
-            if storage.nbytes():
-                storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
 
 
