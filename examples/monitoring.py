@@ -52,7 +52,7 @@ class ExampleMonitor:
             self.batch = batch
         if step in self.skipped:  # replaying after a rollback: the offending step stays skipped
             return False
-        verdict = self.run.guard.judge(step, _replica_mean(float(loss.detach()), self.mesh))
+        verdict = self.run.admit(step, float(loss.detach()))
         if verdict.decision == "ok":
             return True
         self.events.append({"step": step + 1, "event": verdict.reason, "decision": verdict.decision})
@@ -67,7 +67,7 @@ class ExampleMonitor:
 
     def end_step(self, step: int, loss: float) -> dict:
         """The step's health metrics, and the probe's on its interval (a collective)."""
-        metrics, _ = self.run.end_step(step, loss if math.isfinite(loss) else 0.0)
+        metrics, _ = self.run.end_step(step, loss if math.isfinite(loss) else 0.0, judge=False)  # judged in admits
         metrics.pop("hybridsp/loss", None)
         if self.run.parity_due(step + 1) and self.batch is not None:
             metrics.update(self.run.probe(self.batch))
@@ -93,15 +93,6 @@ class ExampleMonitor:
         if saved:
             self.run.guard.load_state_dict(saved["guard"])
             self.skipped |= set(saved["skipped"])
-
-
-def _replica_mean(value: float, mesh) -> float:
-    import torch.distributed as dist
-
-    tensor = torch.tensor([value], dtype=torch.float64)
-    if mesh.dp > 1:
-        dist.all_reduce(tensor, group=mesh.data_group)
-    return tensor.item() / mesh.dp
 
 
 def example_monitor(engine, mesh, config: dict, accumulation: int, save_dir):

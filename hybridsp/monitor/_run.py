@@ -4,7 +4,8 @@
     monitor.begin_step()
     ...forward, backward...
     metrics, verdict = monitor.end_step(step, loss, grad_norm, position_ids=local["position_ids"])
-    if verdict.decision == "skip": optimizer.zero_grad()  # "rollback": reload the last checkpoint
+    if verdict.decision == "stop": raise ...          # "skip" / "rollback": monitor.admit(step, loss) before
+                                                      # the backward, then end_step(..., judge=False)
 
 ``end_step`` returns the health metrics (:mod:`._health`), ``hybridsp/parity_max_rel`` on the steps the
 probe ran (``parity_every``; call :meth:`RunMonitor.probe` with the step's full batch), and the
@@ -86,18 +87,27 @@ class RunMonitor:
         *,
         position_ids: torch.Tensor | None = None,
         window: int | None = None,
+        judge: bool = True,
     ) -> tuple[dict[str, float], Verdict]:
         """The step's health metrics and the anomaly verdict (a collective over the data x context group).
 
         ``loss``: this replica's loss of the step (averaged over the data-parallel replicas here, so every
-        rank decides alike); ``position_ids``: default the ones the model's first forward of the step got."""
+        rank decides alike); ``position_ids``: default the ones the model's first forward of the step got;
+        ``judge=False``: the loss was judged already (before the backward, :meth:`admit`), the verdict is "ok"
+        and the guard is left as it is."""
         positions = position_ids if position_ids is not None else self.positions
         metrics = self.health.end_step(positions, window)
         if positions is None:
             del metrics["hybridsp/imbalance"]
         loss = _replica_mean(loss, self.mesh)
         metrics["hybridsp/loss"] = loss
-        return metrics, self.guard.judge(step, loss, grad_norm)
+        return metrics, self.guard.judge(step, loss, grad_norm) if judge else Verdict("ok")
+
+    def admit(self, step: int, loss: float) -> Verdict:
+        """Judge a step's loss before its backward (``"skip"`` / ``"rollback"`` need that): this replica's
+        loss, averaged over the replicas here (a collective over the data group), so every rank decides alike.
+        The step's :meth:`end_step` then takes ``judge=False``."""
+        return self.guard.judge(step, _replica_mean(loss, self.mesh))
 
     def close(self) -> None:
         """Take every hook off the model."""

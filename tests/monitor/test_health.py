@@ -74,3 +74,27 @@ def test_the_sleeping_rank_the_nan_layer_and_the_imbalance_are_found():
 def test_a_contiguous_layout_shows_its_imbalance():
     steps = run_distributed(health_steps, 2, 1, 2, "contiguous", -1, -1)[0]
     assert all(1.4 < s["hybridsp/imbalance"] < 1.6 for s in steps)  # slots see S^2/8 and 3 S^2/8 keys
+
+
+def _events_in_a_row(rank, world):
+    """RunMonitor.admit then end_step(judge=False), as a loop that drops steps does: two spikes in a row."""
+    import torch
+
+    from hybridsp import init_mesh
+    from hybridsp.monitor import RunMonitor
+
+    monitor = RunMonitor(torch.nn.Linear(2, 2), init_mesh(1, 1), MonitorConfig(on_anomaly="skip", max_events_in_row=2))
+    decisions = []
+    for step, loss in enumerate([1.0] * 8 + [100.0, 100.0]):
+        monitor.begin_step()
+        decisions.append(monitor.admit(step, loss).decision)
+        monitor.end_step(step, 0.0 if decisions[-1] != "ok" else loss, judge=False)  # a dropped step logs 0
+    return decisions, list(monitor.guard.losses)
+
+
+def test_a_step_judged_before_its_backward_is_not_judged_again():
+    """end_step(judge=False) leaves the guard alone: the second spike in a row stops the run, and the window
+    holds each good loss once (judging again had reset the count and put the dropped step's 0 in the window)."""
+    decisions, window = run_distributed(_events_in_a_row, 1, timeout=120)[0]
+    assert decisions == ["ok"] * 8 + ["skip", "stop"], decisions
+    assert window == [1.0] * 8

@@ -155,6 +155,12 @@ class HybridSPMixin(fsdp.FSDP2Checkpoints):
         elif not self.is_deepspeed_enabled:  # DDP averages over DP x C
             self._scale_gradients(self.model)
 
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """The Trainer's ``train``; a resumed run's monitor first reads the checkpoint's guard window."""
+        if self._hybridsp_monitor is not None:
+            self._hybridsp_monitor.resume_from(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     def _scale_gradients(self, module) -> None:
         """Hooks multiplying ``module``'s incoming gradients by C; replaces earlier ones (one set per
         model, also when an evaluation engine is followed by a training engine)."""
