@@ -46,7 +46,9 @@ def _check_policies(runs: dict) -> None:
     assert all(math.isfinite(x) for x in skip["loss"][after])
 
 
-@pytest.mark.parametrize("sharding", ["ddp", pytest.param("zero1", marks=pytest.mark.slow), "fsdp2"])
+@pytest.mark.parametrize(
+    "sharding", ["ddp", pytest.param("zero1", marks=pytest.mark.slow), pytest.param("fsdp2", marks=pytest.mark.slow)]
+)
 def test_skip_and_rollback_drop_the_spike_and_resume_exactly(sharding, tmp_path):
     """A loss spike at step 5 (logits x 50): ``skip`` leaves the weights as after step 4, ``rollback`` reloads
     checkpoint-4 and reaches the same losses on steps 6-7, and a run resumed from checkpoint-5 (saved after
