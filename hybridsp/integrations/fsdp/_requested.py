@@ -8,7 +8,7 @@ the hybrid's gradient (Note [gradient scale under FSDP2] in :mod:`hybridsp.integ
 So the Trainer never lets accelerate see the request: :func:`fsdp2_request` reads it (from the
 Trainer's arguments or accelerate's launcher environment), the accelerator is built without it, and
 the Trainer shards the switched model itself with :func:`~hybridsp.integrations.fsdp.fully_shard_model`
-over the hybrid mesh, on CPU and GPU alike (:mod:`hybridsp.integrations.transformers._trainer_fsdp`).
+over the hybrid mesh, on CPU and GPU alike (:mod:`hybridsp.integrations.transformers._fsdp2_trainer`).
 FSDP version 1 is refused in one line (transformers deprecates it; the hybrid needs DTensor shards).
 """
 

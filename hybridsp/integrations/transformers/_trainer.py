@@ -97,7 +97,7 @@ from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
 from hybridsp.integrations.fsdp._requested import FSDP2Request
 from hybridsp.integrations.fsdp._shard import clip_grad_norm_
-from hybridsp.integrations.transformers import _trainer_fsdp as fsdp
+from hybridsp.integrations.transformers import _fsdp2_trainer as fsdp
 from hybridsp.integrations.transformers._loss import RouterLoss, model_router_loss, share_of_loss
 from hybridsp.integrations.transformers._monitor_callback import monitor_callback
 from hybridsp.integrations.transformers._peft import switch_attention

@@ -34,7 +34,7 @@ import contextlib
 
 from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
-from hybridsp.integrations.transformers._trainer_fsdp import prepare_sharded
+from hybridsp.integrations.transformers._fsdp2_trainer import prepare_sharded
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 
