@@ -213,6 +213,12 @@ BENCHMARKS = (
         ("--seq-len", "256", "--iters", "1", "--out", "{tmp}/monitor_cost"),
     ),
     Benchmark(
+        "e2e.diffusers_cp",
+        "Against diffusers' own context parallelism at the same degrees, what does hybridsp's switch cost per rank?",
+        "results/diffusers_cp",
+        ("--quick", "--out", "{tmp}/diffusers_cp"),
+    ),
+    Benchmark(
         "e2e.soak",
         "Soak: does memory stay flat over a long run of the main job?",
         "results/soak",
