@@ -7,7 +7,7 @@
 Private modules: ``_switch`` (``apply`` and the handle), ``_families`` (where each model's token
 streams are cut), ``_plan`` (which tokens each rank holds; pads and masked text as a separate
 document), ``_sharding`` (cut and gather), ``_route`` (diffusers' dispatch routed to
-``hybrid_attn_func``).
+``hybrid_attn_func``), ``_rows`` (rows with different text masks, run one by one).
 diffusers is imported on first use of a name (``pip install -e ".[diffusers]"``), never here.
 """
 

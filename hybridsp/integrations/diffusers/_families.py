@@ -43,6 +43,7 @@ class Family:
     processors: tuple[str, ...]
     tokens: Callable[[Any, Arguments], dict[str, torch.Tensor]]  # (model, args) -> {stream: [T] bool, True: place}
     check: Callable[[Any], None] = lambda model: None
+    mask_arg: str | None = None  # the forward's text-mask argument (rows may differ: Note [rows with different masks])
 
 
 def _all(count: int, like: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ def _text_mask(mask: torch.Tensor | None, count: int, like: torch.Tensor) -> tor
         return _all(count, like)
     rows = mask.bool()
     if not bool((rows == rows[:1]).all()):
-        raise ValueError("rows with different text masks are not supported yet; pad every prompt alike or run B = 1")
+        raise ValueError("rows with different text masks reached the token plan (the switch runs them row by row)")
     if not bool(rows[0].any()):
         raise ValueError("the text mask hides every text token; keep at least one")
     return rows[0]
@@ -125,6 +126,7 @@ FAMILIES = {
             processors=("QwenDoubleStreamAttnProcessor2_0",),
             tokens=_joint_tokens("encoder_hidden_states_mask"),
             check=_qwen_check,
+            mask_arg="encoder_hidden_states_mask",
         ),
     )
 }

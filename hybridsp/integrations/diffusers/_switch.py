@@ -26,6 +26,7 @@ from hybridsp._types import BackendName
 from hybridsp.integrations.diffusers._families import Cut, Family, bind, family_of
 from hybridsp.integrations.diffusers._plan import build_plan
 from hybridsp.integrations.diffusers._route import ForwardState, Route, install_router
+from hybridsp.integrations.diffusers._rows import install_row_split, rows_differ
 from hybridsp.integrations.diffusers._sharding import gather_slots, take_slots
 from hybridsp.mesh import HybridMesh
 
@@ -77,6 +78,8 @@ def apply(transformer: torch.nn.Module, mesh: HybridMesh, *, backend: BackendNam
     for module_name in sorted({type(p).__module__ for p in processors}):
         handle._undos.append(install_router(sys.modules[module_name]))
     handle._undos += _install_hooks(transformer, family, mesh, state)
+    if family.mask_arg is not None:  # Note [rows with different masks] in _rows
+        handle._undos.append(install_row_split(transformer, family))
     return handle
 
 
@@ -136,8 +139,11 @@ def _install_hooks(transformer: torch.nn.Module, family: Family, mesh: HybridMes
         by_module[cut.module].append(cut)
     top = by_module.pop("", [])
 
-    def plan_and_cut(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def plan_and_cut(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         bound = bind(module, args, kwargs)
+        if rows_differ(family, bound.arguments):  # the forward runs the rows one by one, each planned alone
+            state.plan = None
+            return None
         tokens = family.tokens(module, bound.arguments)
         state.plan = build_plan(mesh, {stream: tokens[stream] for stream in family.streams})
         _cut_inputs(bound.arguments, top, state, mesh)

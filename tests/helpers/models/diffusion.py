@@ -56,10 +56,12 @@ def transformer_inputs(
     seed: int = 1,
     dtype: torch.dtype = torch.float32,
     hidden_text: int = 0,
+    rows_differ: bool = False,
 ) -> dict[str, Any]:
     """Keyword inputs of ``family``'s forward: ``tokens`` image tokens, ``text`` text tokens, ``batch`` rows.
 
-    ``hidden_text``: Qwen-Image only, a text mask (every row alike) hiding the last that many text tokens.
+    ``hidden_text``: Qwen-Image only, a text mask hiding the last that many text tokens, in every row alike or,
+    with ``rows_differ``, ``hidden_text + i`` of them in row ``i`` (prompts of different lengths).
 
     Wan takes a video latent [B, 4, F, 2H', 2W'] with ``F * H' * W' = tokens`` (patch 1 x 2 x 2):
     ``tokens`` is factored as frames x height x 1.
@@ -93,6 +95,7 @@ def transformer_inputs(
             "img_shapes": [[(1, height, tokens // height)]] * batch,
         }
         if hidden_text:
-            inputs["encoder_hidden_states_mask"] = (torch.arange(text) < text - hidden_text).repeat(batch, 1)
+            hidden = hidden_text + (torch.arange(batch) if rows_differ else torch.zeros(batch, dtype=torch.long))
+            inputs["encoder_hidden_states_mask"] = torch.arange(text) < (text - hidden)[:, None]  # [B, T_txt]
         return inputs
     raise ValueError(f"unknown family {family!r}; one of {FAMILY_NAMES}")

@@ -61,6 +61,18 @@ def test_qwen_text_mask_and_odd_text():
     _check([("qwen", 2, 2, "float32", "zigzag", 2, 11, 7, 3), ("qwen", 1, 2, "bfloat16", "contiguous", 1, 9, 4, 1)], 4)
 
 
+def test_qwen_rows_with_different_text_masks():
+    """Prompts of different lengths in one batch (row i hides 1 + i of 7 text tokens): run row by row,
+    output and gradients as the unmodified model's, at U1 x R2 and U2 x R1 (fp32)."""
+    _check(
+        [
+            ("qwen", 1, 2, "float32", "contiguous", 3, 11, 7, 1, True),
+            ("qwen", 2, 1, "float32", "zigzag", 2, 9, 5, 1, True),
+        ],
+        2,
+    )
+
+
 def test_the_switch_refuses_what_it_cannot_make_exact():
     pytest.importorskip("diffusers")
     from hybridsp.integrations import diffusers as hybrid_diffusers
