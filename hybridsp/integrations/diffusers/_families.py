@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeGuard
 
 import torch
 
@@ -24,12 +24,17 @@ class Cut:
     """``module``'s input ``arg`` (a name) or output ``arg`` (an index) carries ``stream`` along ``dim``.
 
     ``module`` is a dotted path below the transformer (``""``: the transformer itself), and may end
-    in ``.*`` for every child of a list (``transformer_blocks.*``)."""
+    in ``.*`` for every child of a list (``transformer_blocks.*``). ``ndim``: cut only a tensor of that many
+    dimensions (Wan 2.2 TI2V's per-token time embeddings [B, L, D]; Wan 2.1's [B, D] is every token's)."""
 
     module: str
     arg: str | int
     stream: str
     dim: int
+    ndim: int | None = None
+
+    def applies(self, value: Any) -> TypeGuard[torch.Tensor]:
+        return isinstance(value, torch.Tensor) and (self.ndim is None or value.ndim == self.ndim)
 
 
 @dataclass(frozen=True)
@@ -51,11 +56,14 @@ def _all(count: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _wan_tokens(model: Any, args: Arguments) -> dict[str, torch.Tensor]:
-    hidden, timestep = args["hidden_states"], args["timestep"]  # [B, C, F, H, W], [B]
-    if timestep is not None and timestep.ndim == 2:
-        raise ValueError("per-token timesteps (Wan 2.2 TI2V) are not supported by the switch yet; pass [B] timesteps")
+    hidden, timestep = args["hidden_states"], args["timestep"]  # [B, C, F, H, W], [B] or [B, L] (Wan 2.2 TI2V)
     patch = model.config.patch_size
     count = (hidden.shape[2] // patch[0]) * (hidden.shape[3] // patch[1]) * (hidden.shape[4] // patch[2])
+    if timestep is not None and timestep.ndim == 2 and timestep.shape[1] != count:
+        raise ValueError(
+            f"per-token timesteps of {timestep.shape[1]} tokens for a latent of {count} tokens: pass one timestep "
+            "per latent token (Wan 2.2 TI2V) or one per row"
+        )
     return {"img": _all(count, hidden)}
 
 
@@ -83,18 +91,19 @@ def _joint_tokens(mask_arg: str | None) -> Callable[[Any, Arguments], dict[str, 
     return tokens
 
 
-def _qwen_check(model: Any) -> None:
-    if getattr(model, "zero_cond_t", False):
-        raise ValueError("Qwen-Image's zero_cond_t (per-token modulation) is not supported by the switch yet")
-
-
 FAMILIES = {
     family.model: family
     for family in (
         Family(
             model="WanTransformer3DModel",
             streams=("img",),
-            cuts=(Cut("rope", 0, "img", 1), Cut("rope", 1, "img", 1), Cut("blocks.0", "hidden_states", "img", 1)),
+            cuts=(
+                Cut("rope", 0, "img", 1),
+                Cut("rope", 1, "img", 1),
+                Cut("condition_embedder", 0, "img", 1, ndim=3),  # temb [B, L, D] of per-token timesteps
+                Cut("condition_embedder", 1, "img", 1, ndim=3),  # timestep_proj [B, L, 6 D]
+                Cut("blocks.0", "hidden_states", "img", 1),
+            ),
             gather="proj_out",
             processors=("WanAttnProcessor",),
             tokens=_wan_tokens,
@@ -119,13 +128,13 @@ FAMILIES = {
                 Cut("transformer_blocks.0", "hidden_states", "img", 1),
                 Cut("transformer_blocks.0", "encoder_hidden_states", "txt", 1),
                 Cut("transformer_blocks.*", "encoder_hidden_states_mask", "txt", 1),
+                Cut("transformer_blocks.*", "modulate_index", "img", 1),  # zero_cond_t: [B, L_img] per token
                 Cut("pos_embed", 0, "img", 0),
                 Cut("pos_embed", 1, "txt", 0),
             ),
             gather="proj_out",
             processors=("QwenDoubleStreamAttnProcessor2_0",),
             tokens=_joint_tokens("encoder_hidden_states_mask"),
-            check=_qwen_check,
             mask_arg="encoder_hidden_states_mask",
         ),
     )

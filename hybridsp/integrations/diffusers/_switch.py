@@ -188,7 +188,10 @@ def _cut_hooks(module: torch.nn.Module, cuts: list[Cut], state: ForwardState, me
             out = list(output)
             for cut in outputs:
                 assert isinstance(cut.arg, int)
-                out[cut.arg] = take_slots(out[cut.arg], state.current().stream(cut.stream), mesh.context_rank, cut.dim)
+                if cut.applies(out[cut.arg]):
+                    out[cut.arg] = take_slots(
+                        out[cut.arg], state.current().stream(cut.stream), mesh.context_rank, cut.dim
+                    )
             return type(output)(out) if isinstance(output, tuple) else tuple(out)
 
         hooks.append(module.register_forward_hook(cut_outputs))
@@ -201,5 +204,5 @@ def _cut_inputs(arguments: dict[str, Any], cuts: list[Cut], state: ForwardState,
     for cut in cuts:
         assert isinstance(cut.arg, str)
         value = arguments.get(cut.arg)
-        if isinstance(value, torch.Tensor):
+        if cut.applies(value):
             arguments[cut.arg] = take_slots(value, plan.stream(cut.stream), mesh.context_rank, cut.dim)

@@ -57,12 +57,12 @@ def parity(
     text: int = 5,
     hidden_text: int = 0,
     rows_differ: bool = False,
+    per_token_timesteps: bool = False,
 ) -> dict[str, dict[str, float]]:
     dtype = DTYPES[dtype_name]
     base = tiny_transformer(family)
-    inputs = transformer_inputs(
-        family, batch=batch, tokens=tokens, text=text, hidden_text=hidden_text, rows_differ=rows_differ
-    )
+    shape = dict(batch=batch, tokens=tokens, text=text, hidden_text=hidden_text, rows_differ=rows_differ)
+    inputs = transformer_inputs(family, **shape, per_token_timesteps=per_token_timesteps)
     reference = copy.deepcopy(base).double()
     ref_out, ref_grads = _run(reference, inputs, torch.float64, 1.0)
     weight = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
@@ -87,6 +87,6 @@ def parity(
 
 def parity_cases(rank: int, world: int, cases: list[tuple]) -> list[dict[str, dict[str, float]]]:
     """:func:`parity` of each case ``(family, ulysses, ring, dtype_name, layout, batch, tokens, text[, hidden_text,
-    rows_differ])`` in
+    rows_differ, per_token_timesteps])`` in
     one launch (a mesh smaller than the world runs with data-parallel replicas beside it)."""
     return [parity(rank, world, *case) for case in cases]

@@ -73,6 +73,25 @@ def test_qwen_rows_with_different_text_masks():
     )
 
 
+def test_wan_per_token_timesteps():
+    """Wan 2.2 TI2V's timestep per latent token ([B, L]): the time embeddings are cut with the tokens, output and
+    gradients as the unmodified model's (15 tokens, odd, at U1 x R2 and U2 x R1, fp32; bf16 in the slow set)."""
+    cases = [("wan", 1, 2, "float32", "contiguous", 2, 15, 5, 0, False, True)]
+    _check(cases + [("wan", 2, 1, "float32", "zigzag", 2, 15, 5, 0, False, True)], 2)
+
+
+@pytest.mark.slow
+def test_wan_per_token_timesteps_bf16_and_u2r2():
+    _check([("wan", 2, 2, "bfloat16", "zigzag", 2, 15, 5, 0, False, True)], 4)
+
+
+def test_qwen_image_edit_zero_cond_t():
+    """Qwen-Image edit models' ``zero_cond_t``: the condition image's tokens are modulated as at timestep 0 (a
+    per-token index cut with the tokens); output and gradients as the unmodified model's at U1 x R2 and U2 x R2."""
+    cases = [("qwen_edit", 1, 2, "float32", "contiguous", 2, 17, 5), ("qwen_edit", 2, 2, "float32", "zigzag", 1, 13, 4)]
+    _check(cases, 4)
+
+
 def test_the_switch_refuses_what_it_cannot_make_exact():
     pytest.importorskip("diffusers")
     from hybridsp.integrations import diffusers as hybrid_diffusers
