@@ -93,14 +93,18 @@ def _full_row_loss(model, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[0, :-1], ids[0, 1:])
 
 
-def _torch_setup(model, ids: torch.Tensor, shards_over: int) -> Setup:
-    """A model trained by plain torch autograd and AdamW on the whole row (one process, plain FSDP2)."""
+Losses = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # () -> (the loss to backpropagate, the loss to report)
+
+
+def _autograd_setup(model, loss_of_step: Losses, tokens: int, shards_over: int) -> Setup:
+    """A model trained by plain torch autograd and AdamW: ``loss_of_step()``'s first loss is backpropagated, its
+    second reported; parameters, gradients and state counted by their local shards."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
 
     def forward_backward() -> float:
-        loss = _full_row_loss(model, ids)
-        loss.backward()
-        return float(loss.detach())
+        backpropagated, reported = loss_of_step()
+        backpropagated.backward()
+        return float(reported.detach())
 
     def step() -> None:
         optimizer.step()
@@ -112,10 +116,20 @@ def _torch_setup(model, ids: torch.Tensor, shards_over: int) -> Setup:
         params=lambda: sum(local_bytes(p) for p in model.parameters()),
         grads=lambda: sum(local_bytes(p.grad) for p in model.parameters()),
         states=lambda: state_bytes(optimizer),
-        masters=lambda: 0,
-        tokens=int(ids.shape[1]),
+        masters=lambda: 0,  # AdamW updates the (DTensor) parameters in place
+        tokens=tokens,
         shards_over=shards_over,
     )
+
+
+def _torch_setup(model, ids: torch.Tensor, shards_over: int) -> Setup:
+    """The whole row on this rank (one process, plain FSDP2)."""
+
+    def loss_of_step() -> tuple[torch.Tensor, torch.Tensor]:
+        loss = _full_row_loss(model, ids)
+        return loss, loss
+
+    return _autograd_setup(model, loss_of_step, int(ids.shape[1]), shards_over)
 
 
 def one_process(world: int, seq: int) -> Setup:
@@ -153,12 +167,11 @@ def hybrid_fsdp2(world: int, seq: int, ulysses: int, ring: int) -> Setup:
     mesh = hybridsp.init_mesh(ulysses=ulysses, ring=ring)
     hf.apply(model, mesh)
     fully_shard_model(model, mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     ids = make_row(seq)  # the replica's rows [1, S]; DP = 1 here, so the global batch too
     local = hybridsp.shard_batch({"input_ids": ids, "labels": ids}, mesh)
     weight = 1.0  # the replica's targets / the global batch's: one replica (DP 1) holds the whole batch
 
-    def forward_backward() -> float:
+    def loss_of_step() -> tuple[torch.Tensor, torch.Tensor]:
         out = model(
             input_ids=local["input_ids"],
             position_ids=local["position_ids"],
@@ -166,23 +179,9 @@ def hybrid_fsdp2(world: int, seq: int, ulysses: int, ring: int) -> Setup:
             use_cache=False,
         )
         loss = hybridsp.sharded_cross_entropy(out.logits, local["shift_labels"], mesh)  # the replica's mean
-        (mesh.dp * weight * loss).backward()
-        return float(loss.detach())
+        return mesh.dp * weight * loss, loss
 
-    def step() -> None:
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return Setup(
-        forward_backward,
-        step,
-        params=lambda: sum(local_bytes(p) for p in model.parameters()),
-        grads=lambda: sum(local_bytes(p.grad) for p in model.parameters()),
-        states=lambda: state_bytes(optimizer),
-        masters=lambda: 0,  # AdamW updates the DTensor shards in place
-        tokens=int(local["input_ids"].numel()),
-        shards_over=mesh.fsdp_mesh.size(),
-    )
+    return _autograd_setup(model, loss_of_step, int(local["input_ids"].numel()), mesh.fsdp_mesh.size())
 
 
 def zero3_config(ulysses: int, ring: int) -> dict:
