@@ -5,13 +5,12 @@ as the one-process run, so their losses agree step by step (to 1e-4; the data us
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.example_runs import example_environment, free_port
+from tests.helpers.example_runs import free_port, run_example
 from tests.helpers.paths import ROOT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]
@@ -32,16 +31,7 @@ def _train(
     args = [SCRIPT, "--deepspeed", CP2, *TINY, "--max-steps", str(steps), "--output-dir", str(out), *extra]
     if launcher is None:
         launcher = ["torchrun", "--nproc_per_node", str(ranks), "--master_port", str(free_port())] if ranks > 1 else []
-    result = subprocess.run(
-        [*launcher, *([] if launcher else [sys.executable]), *args],
-        cwd=tmp_path,
-        env=example_environment(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=JOB_SECONDS,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0 and "Traceback" not in output, output[-4000:]
+    result = run_example([*launcher, *([] if launcher else [sys.executable]), *args], tmp_path, JOB_SECONDS)
     assert f"done: {steps} steps" in result.stdout, result.stdout[-2000:]
     if "--fsdp" in extra or (launcher and "--config_file" in launcher):
         assert "FSDP2: every parameter a DTensor shard: True" in result.stdout, result.stdout[-2000:]

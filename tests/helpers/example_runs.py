@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from pathlib import Path
 
 from tests.helpers.paths import ROOT
@@ -40,3 +41,14 @@ def example_environment(tmp_path: Path) -> dict:
         HF_HUB_OFFLINE="1",
     )
     return env
+
+
+def run_example(command: list[str], tmp_path: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``command`` run in ``tmp_path`` as a user runs it (:func:`example_environment`); asserts exit 0 and no
+    traceback in its output, and returns the finished process (stdout and stderr as text)."""
+    result = subprocess.run(
+        command, cwd=tmp_path, env=example_environment(tmp_path), capture_output=True, text=True, timeout=timeout
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in output, output[-4000:]
+    return result
