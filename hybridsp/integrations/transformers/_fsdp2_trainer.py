@@ -183,7 +183,7 @@ class FSDP2Checkpoints(_TrainerBase):
     """The Trainer's checkpoint hooks under FSDP2 (Note [the Trainer's FSDP2 path]); the Trainer's own otherwise.
     A base of :class:`~hybridsp.integrations.transformers._trainer.HybridSPMixin`, which sets ``_hybridsp_fsdp2``."""
 
-    _hybridsp_fsdp2: FSDP2Request | None = None
+    _hybridsp_fsdp2: FSDP2Request | None = None  # FSDP2 asked of the Trainer: set as its accelerator is built
     model: nn.Module  # never None: HybridSPMixin refuses model_init
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

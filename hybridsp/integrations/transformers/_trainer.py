@@ -95,7 +95,6 @@ from hybridsp.attention._api import gather_sequence
 from hybridsp.data._batch import prepare_batch, shard_batch
 from hybridsp.integrations.deepspeed import _config as ds_schema
 from hybridsp.integrations.deepspeed import _engine as hds
-from hybridsp.integrations.fsdp._requested import FSDP2Request
 from hybridsp.integrations.fsdp._shard import clip_grad_norm_
 from hybridsp.integrations.transformers import _fsdp2_trainer as fsdp
 from hybridsp.integrations.transformers._loss import RouterLoss, model_router_loss, share_of_loss
@@ -141,7 +140,6 @@ class HybridSPMixin(fsdp.FSDP2Checkpoints):
         self._hybridsp_overrides = dict(hybridsp or {})
         # removes the gradient-scale hooks (Note [gradient scale here])
         self._hybridsp_unhook: Callable[[], None] | None = None
-        self._hybridsp_fsdp2: FSDP2Request | None = None  # FSDP2 asked for (Note [the Trainer's FSDP2 path])
         self._hybridsp_offload = None  # activation-checkpoint offload, FSDP2's activation_checkpointing_offload
         super().__init__(*args, **kwargs)
         self._refuse_unsupported()
