@@ -31,6 +31,7 @@ class FSDP2Request:
     activation_checkpointing: bool = False
     activation_checkpointing_offload: bool = False  # the checkpointed layers' inputs in host memory
     layer_classes: tuple[str, ...] = ()  # decoder layer classes to shard one by one; () = _no_split_modules
+    wrap_policy: str = "TRANSFORMER_BASED_WRAP"  # or "NO_WRAP": the root alone (SIZE_BASED_WRAP is refused)
 
 
 def _flag(value: object) -> bool:
@@ -46,6 +47,8 @@ def _from_trainer_arguments(args) -> FSDP2Request | None:
     asked = f"TrainingArguments(fsdp={args.fsdp!r}) with FSDP version {version}"
     _refuse_version(version, asked)
     classes = plugin.get("transformer_cls_names_to_wrap") or ",".join(config.get("transformer_layer_cls_to_wrap") or ())
+    policy = str(plugin.get("auto_wrap_policy", config.get("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")))
+    _refuse_wrap_policy(policy, asked)
     return FSDP2Request(
         asked=asked,
         reshard_after_forward=_flag(plugin.get("reshard_after_forward", config.get("reshard_after_forward", True))),
@@ -53,6 +56,7 @@ def _from_trainer_arguments(args) -> FSDP2Request | None:
         activation_checkpointing=_flag(config.get("activation_checkpointing", False)),
         activation_checkpointing_offload=_flag(config.get("activation_checkpointing_offload", False)),
         layer_classes=tuple(name for name in str(classes).split(",") if name),
+        wrap_policy=policy,
     )
 
 
@@ -63,6 +67,8 @@ def _from_launcher() -> FSDP2Request | None:
     version = int(env.get("FSDP_VERSION", "1"))
     asked = f"accelerate's distributed_type FSDP (FSDP_VERSION={version})"
     _refuse_version(version, asked)
+    policy = env.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
+    _refuse_wrap_policy(policy, asked)
     return FSDP2Request(
         asked=asked,
         reshard_after_forward=_flag(env.get("FSDP_RESHARD_AFTER_FORWARD", "true")),
@@ -70,6 +76,7 @@ def _from_launcher() -> FSDP2Request | None:
         activation_checkpointing=_flag(env.get("FSDP_ACTIVATION_CHECKPOINTING", "false")),
         activation_checkpointing_offload=_flag(env.get("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "false")),
         layer_classes=tuple(name for name in env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "").split(",") if name),
+        wrap_policy=policy,
     )
 
 
@@ -78,6 +85,14 @@ def _refuse_version(version: int, asked: str) -> None:
         raise ValueError(
             f"HybridSPTrainer shards with FSDP2 only; {asked} asks for FSDP{version}: set fsdp_config "
             '{"fsdp_version": 2} (or fsdp_version: 2 in the accelerate config)'
+        )
+
+
+def _refuse_wrap_policy(policy: str, asked: str) -> None:
+    if policy not in ("TRANSFORMER_BASED_WRAP", "NO_WRAP"):
+        raise ValueError(
+            f"HybridSPTrainer shards FSDP2 by decoder layer; {asked} asks for the auto-wrap policy {policy!r}: use "
+            "TRANSFORMER_BASED_WRAP (each decoder layer, then the root) or NO_WRAP (the root alone)"
         )
 
 

@@ -69,16 +69,21 @@ def accelerator_without_fsdp(args) -> Iterator[None]:
             os.environ["ACCELERATE_USE_FSDP"] = env
 
 
-def _mixed_precision(args) -> Any:
-    """bf16 / fp16 compute over fp32 parameters with fp32 gradient reduction, as the Trainer's flags ask."""
+def mixed_precision_policy(mode: str) -> Any:
+    """bf16 / fp16 compute over fp32 parameters with fp32 gradient reduction for the accelerator's mixed
+    precision (``"bf16"`` / ``"fp16"``: the Trainer's ``bf16``/``fp16`` flags or accelerate's launcher); None
+    for ``"no"`` (and ``"fp8"``, which FSDP2's policy does not take)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mode))
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype is not None else None
 
 
 def _layers(model: nn.Module, request: FSDP2Request) -> list[nn.Module] | None:
-    """The decoder layers named by the request's classes, or None (the model's ``_no_split_modules``)."""
+    """The decoder layers named by the request's classes, none for ``NO_WRAP`` (the root alone), or None (the
+    model's ``_no_split_modules``)."""
+    if request.wrap_policy == "NO_WRAP":
+        return []
     if not request.layer_classes:
         return None
     layers = [m for m in model.modules() if type(m).__name__ in request.layer_classes]
@@ -90,8 +95,9 @@ def _layers(model: nn.Module, request: FSDP2Request) -> list[nn.Module] | None:
     return layers
 
 
-def shard_trainer_model(model: nn.Module, mesh: HybridMesh, request: FSDP2Request, args) -> nn.Module:
-    """Activation checkpointing when asked, then ``fully_shard_model`` with the Trainer's settings."""
+def shard_trainer_model(model: nn.Module, mesh: HybridMesh, request: FSDP2Request, mixed_precision: str) -> nn.Module:
+    """Activation checkpointing when asked, then ``fully_shard_model`` with the Trainer's settings
+    (``mixed_precision``: the accelerator's, ``"no"``, ``"bf16"`` or ``"fp16"``)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     if request.activation_checkpointing or request.activation_checkpointing_offload:
@@ -101,7 +107,7 @@ def shard_trainer_model(model: nn.Module, mesh: HybridMesh, request: FSDP2Reques
         model,
         mesh,
         layers=_layers(model, request),
-        mp_policy=_mixed_precision(args),
+        mp_policy=mixed_precision_policy(mixed_precision),
         offload_policy=offload,
         reshard_after_forward=request.reshard_after_forward,
     )

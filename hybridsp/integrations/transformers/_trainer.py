@@ -147,7 +147,9 @@ class HybridSPMixin(fsdp.FSDP2Checkpoints):
         self._router_loss = self._checked_router_loss()  # Note [router loss]
         self._hybridsp_monitor = monitor_callback(self, self.hybrid_config.monitor)  # the "monitor" block, or None
         if self._hybridsp_fsdp2 is not None:  # sharded over DP x C, gradients divided by DP
-            fsdp.shard_trainer_model(self.model, self.hybrid_mesh, self._hybridsp_fsdp2, self.args)
+            fsdp.shard_trainer_model(
+                self.model, self.hybrid_mesh, self._hybridsp_fsdp2, self.accelerator.mixed_precision
+            )
             self.model_wrapped = self.model
             self._hybridsp_offload = fsdp.activation_offload(self.model, self._hybridsp_fsdp2)
         elif not self.is_deepspeed_enabled:  # DDP averages over DP x C

@@ -45,13 +45,14 @@ def test_the_launcher_request_is_read_whole(monkeypatch):
         "FSDP_ACTIVATION_CHECKPOINTING": "true",
         "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true",
         "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer",
+        "FSDP_AUTO_WRAP_POLICY": "NO_WRAP",
     }.items():
         monkeypatch.setenv(key, value)
     request = fsdp2_request(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]))
     assert request is not None
     assert (request.reshard_after_forward, request.cpu_offload) == (False, True)
     assert request.activation_checkpointing and request.activation_checkpointing_offload
-    assert request.layer_classes == ("LlamaDecoderLayer",)
+    assert request.layer_classes == ("LlamaDecoderLayer",) and request.wrap_policy == "NO_WRAP"
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
     assert fsdp2_request(TrainingArguments(output_dir="unused", use_cpu=True, report_to=[])) is None
 
@@ -98,3 +99,35 @@ def test_fsdp2_after_a_deepspeed_trainer_in_one_process_is_refused():
 
     message = run_distributed(fsdp_after_deepspeed, 1, timeout=300)[0]
     assert "already uses DeepSpeed" in message and "run FSDP2 in a fresh process" in message, message
+
+
+def test_a_size_based_wrap_policy_is_refused(tmp_path, monkeypatch):
+    """The hybrid shards by decoder layer (or the root alone); a size-based policy would be silently ignored."""
+    from hybridsp.integrations.fsdp._requested import fsdp2_request
+
+    config = {"fsdp_version": 2, "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000}
+    with pytest.raises(ValueError, match="auto-wrap policy 'SIZE_BASED_WRAP': use TRANSFORMER_BASED_WRAP"):
+        fsdp2_request(_args(tmp_path, fsdp=True, fsdp_config=config))
+    for key, value in {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
+    }.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(
+        ValueError, match=r"accelerate's distributed_type FSDP \(FSDP_VERSION=2\) asks for the auto-wrap"
+    ):
+        fsdp2_request(TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+
+
+def test_the_accelerators_mixed_precision_sets_the_fsdp2_policy():
+    """bf16 / fp16 from the Trainer's flags or accelerate's launcher (the accelerator's mode) give bf16 / fp16
+    compute with fp32 reduction; "no" gives none."""
+    import torch
+
+    from hybridsp.integrations.transformers._fsdp2_trainer import mixed_precision_policy
+
+    for mode, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        policy = mixed_precision_policy(mode)
+        assert (policy.param_dtype, policy.reduce_dtype) == (dtype, torch.float32)
+    assert mixed_precision_policy("no") is None
