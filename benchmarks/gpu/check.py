@@ -36,43 +36,11 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import harness
+from benchmarks.gpu import _timing, head_chunks
 from hybridsp.attention._merge import merge_into
 from hybridsp.kernels import get_kernel
 from hybridsp.kernels._reference import attention_in_input_dtype
 from hybridsp.layout._block_plan import build_plan
-
-
-def _synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device, repeats: int) -> float:
-    """Median seconds of ``fn()`` after one warm-up call."""
-    fn()
-    _synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def _rel(actual, expected) -> float:
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
-
-
-def _inputs(batch, seq, heads, kv_heads, dim, dtype, device, seed=0):
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    shapes = [
-        (batch, seq, heads, dim),
-        (batch, seq, kv_heads, dim),
-        (batch, seq, kv_heads, dim),
-        (batch, seq, heads, dim),
-    ]
-    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
 
 
 def _fwd_bwd(kernel, q, k, v, dout, causal, scale):
@@ -87,15 +55,18 @@ def correctness(device, backends, quick: bool) -> list[dict]:
     seq = 128 if quick else 2048
     for dtype in (torch.bfloat16, torch.float16):
         for causal, kv_heads in ((False, 8), (True, 8), (True, 2)):
-            q, k, v, dout = _inputs(2, seq, 8, kv_heads, 128, dtype, device)
+            q, k, v, dout = _timing.inputs(2, seq, 8, kv_heads, 128, dtype, device)
             scale = 1 / math.sqrt(128)
             truth = _fwd_bwd(reference, *(t.float() for t in (q, k, v, dout)), causal, scale)
             floor = [
-                _rel(a, b)
+                _timing.relative_error(a, b)
                 for a, b in zip(attention_in_input_dtype(q, k, v, dout, causal=causal, softmax_scale=scale), truth)
             ]
             for name in backends:
-                errors = [_rel(a, b) for a, b in zip(_fwd_bwd(get_kernel(name), q, k, v, dout, causal, scale), truth)]
+                errors = [
+                    _timing.relative_error(a, b)
+                    for a, b in zip(_fwd_bwd(get_kernel(name), q, k, v, dout, causal, scale), truth)
+                ]
                 rows.append(
                     {
                         "backend": name,
@@ -157,14 +128,14 @@ def ring_blocking_cost(device, backend: str, quick: bool) -> list[dict]:
     rows = []
     lengths = (1024,) if quick else (8192, 32768, 131072)
     for seq in lengths:
-        q, k, v, dout = _inputs(
+        q, k, v, dout = _timing.inputs(
             1, seq, 32 if device.type == "cuda" else 4, 8 if device.type == "cuda" else 2, 128, dtype, device
         )
         scale = 1 / math.sqrt(128)
         repeats = 3 if quick else 5
-        single = _timed(lambda: _fwd_bwd(kernel, q, k, v, dout, True, scale), device, repeats)
+        single = _timing.timed(lambda: _fwd_bwd(kernel, q, k, v, dout, True, scale), device, repeats)
         for ring in (2, 4, 8):
-            blocked = _timed(lambda: _blocked_fwd_bwd(kernel, q, k, v, dout, ring, scale), device, repeats)
+            blocked = _timing.timed(lambda: _blocked_fwd_bwd(kernel, q, k, v, dout, ring, scale), device, repeats)
             rows.append(
                 {
                     "backend": backend,
@@ -214,7 +185,7 @@ def _step_with_peak(model, ids, device, forward_context=None):
     with forward_context if forward_context is not None else contextlib.nullcontext():
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
-    _synchronize(device)
+    _timing.synchronize(device)
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
     return loss.detach().float().item(), [p.grad.detach().clone() for p in model.parameters()], peak, seconds
@@ -334,6 +305,7 @@ def _markdown(report: dict) -> str:
             f"{n['max_grad_rel']:.1e} | {mib(n['peak_bytes'][0])} / {mib(n['peak_bytes'][1])} | "
             f"{n['seconds'][0]:.3f} / {n['seconds'][1]:.3f} | {n['ok']} |",
         ]
+    lines += head_chunks.markdown(report)
     return "\n".join(lines) + "\n"
 
 
@@ -356,11 +328,13 @@ def main(argv: list[str] | None = None) -> int:
         "blocking": ring_blocking_cost(device, backends[0], args.quick or device.type == "cpu"),
         "offload": activation_offload_check(device, args.quick),
         "lean_norms": lean_norms_check(device, args.quick),
+        "head_chunk_kernel": head_chunks.kernel_cost(device, backends[0], args.quick or device.type == "cpu"),
+        "head_chunk_call": head_chunks.hybrid_call(device, backends[0], args.quick),
     }
     if "flash" in backends:
         try:
             get_kernel("flash").forward(
-                *_inputs(1, 16, 2, 2, 64, torch.float32, device)[:3], causal=False, softmax_scale=0.1
+                *_timing.inputs(1, 16, 2, 2, 64, torch.float32, device)[:3], causal=False, softmax_scale=0.1
             )
             report["flash_fp32"] = "accepted (unexpected)"
         except ValueError as error:
@@ -373,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("a backend exceeded twice the same-dtype rounding error")
     if not report["offload"]["ok"]:
         raise SystemExit("activation offload changed the results or did not lower the peak memory")
+    if not all(r["ok"] for r in report["head_chunk_call"]):
+        raise SystemExit("hybrid_attn_func with head_chunks exceeded twice bf16 rounding of the kernel alone")
     if not report["lean_norms"]["ok"]:
         raise SystemExit("lean norms changed the loss, moved the gradients past rounding or raised the peak memory")
     return 0
