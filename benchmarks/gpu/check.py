@@ -13,8 +13,12 @@
    A ratio near 1 means blocking and merging cost nothing beyond the kernel itself.
 3. Activation-checkpoint offload (``hybridsp.offload_activations``): a Llama with HF
    activation checkpointing, one training forward + backward with and without offload: the
-   loss and gradients must be identical, and the peak memory must drop by about the bytes
-   offloaded (pinned host buffers, side stream); step times side by side (overlap).
+   loss must be identical and the gradients too (on CUDA within twice the run-to-run difference
+   of its non-deterministic backward kernels), every layer input but the newest must go to host,
+   and the peak memory must drop by about the bytes offloaded (pinned host buffers, side stream);
+   step times side by side (overlap).
+5. Head chunks (:mod:`benchmarks.gpu.head_chunks`): the kernel's share of ``head_chunks = G``, and
+   ``hybrid_attn_func`` at world size 1 for each G against fp32 reference math, with peaks.
 4. Lean norms (``hybridsp.apply_lean_norms``): the same checkpointed Llama, one forward + backward
    with HF's RMSNorms and with lean ones: the loss must be identical (the forward is bit-identical),
    the gradients equal to rounding, and the peak memory must not rise (the planner's term:
@@ -191,6 +195,10 @@ def _step_with_peak(model, ids, device, forward_context=None):
     return loss.detach().float().item(), [p.grad.detach().clone() for p in model.parameters()], peak, seconds
 
 
+def _max_grad_diff(grads, others) -> float:
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(grads, others))
+
+
 def activation_offload_check(device, quick: bool) -> dict:
     """Loss, gradients, peak memory and time of one fwd+bwd with and without activation offload."""
     from hybridsp import offload_activations
@@ -205,7 +213,8 @@ def activation_offload_check(device, quick: bool) -> dict:
     for name, use in (("checkpointing", False), ("offload", True), ("checkpointing ", False), ("offload ", True)):
         rows.setdefault(name.strip(), []).append(step(use))  # interleaved, twice each (the first warms up)
     plain, offloaded = rows["checkpointing"][-1], rows["offload"][-1]
-    grad_diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(plain[1], offloaded[1]))
+    grad_diff = _max_grad_diff(plain[1], offloaded[1])
+    noise = _max_grad_diff(plain[1], rows["checkpointing"][0][1])  # CUDA's backward kernels are not deterministic
     stats, layers = dict(vars(offload.stats)), len(offload.layers)
     saved = None if plain[2] is None else plain[2] - offloaded[2]
     offload.remove()
@@ -222,7 +231,11 @@ def activation_offload_check(device, quick: bool) -> dict:
         "peak_bytes": [plain[2], offloaded[2]],
         "peak_saved_bytes": saved,
         "seconds": [plain[3], offloaded[3]],
-        "ok": plain[0] == offloaded[0] and grad_diff == 0.0 and (saved is None or saved >= 0.8 * expected),
+        "run_to_run_grad_diff": noise,
+        "ok": plain[0] == offloaded[0]
+        and grad_diff <= 2 * noise
+        and stats["offloaded_tensors"] == layers - 1
+        and (saved is None or saved >= 0.8 * expected),
     }
 
 
@@ -285,11 +298,11 @@ def _markdown(report: dict) -> str:
             "",
             "## Activation-checkpoint offload (one fwd+bwd, HF Llama, checkpointing on)",
             "",
-            "| device | dtype | S | loss (ckpt / offload) | max grad diff | offloaded tensors / MiB | "
+            "| device | dtype | S | loss (ckpt / offload) | max grad diff (run to run) | offloaded tensors / MiB | "
             "peak MiB (ckpt / offload) | peak saved MiB | seconds (ckpt / offload) | ok |",
             "|---|---|---|---|---|---|---|---|---|---|",
             f"| {o['device']} | {o['dtype']} | {o['seq_len']} | {o['loss'][0]:.6f} / {o['loss'][1]:.6f} | "
-            f"{o['max_grad_diff']:.1e} | {o['stats']['offloaded_tensors']} / {mib(o['stats']['offloaded_bytes'])} | "
+            f"{o['max_grad_diff']:.1e} ({o['run_to_run_grad_diff']:.1e}) | {o['stats']['offloaded_tensors']} / {mib(o['stats']['offloaded_bytes'])} | "
             f"{mib(o['peak_bytes'][0])} / {mib(o['peak_bytes'][1])} | {mib(o['peak_saved_bytes'])} | "
             f"{o['seconds'][0]:.3f} / {o['seconds'][1]:.3f} | {o['ok']} |",
         ]

@@ -329,9 +329,10 @@ def cuda_backward(
     qh, kh, vh, outh, douth = _cuda_inputs(q, k, v, out, dout)
     douth = douth.contiguous()
     if cuda_variant(q.dtype, max(head_dim, v_head_dim)) == "flash":
-        unused = torch.empty(0, dtype=torch.int64, device=q.device)
+        # no packed sequences and no dropout: cumulative lengths and the RNG state stay undefined (None), as
+        # the forward returns them; a defined cum_seq tensor would select the varlen kernel
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
-            douth, qh, kh, vh, outh, lse, unused, unused, sq, sk, 0.0, causal, unused, unused, scale=scale
+            douth, qh, kh, vh, outh, lse, None, None, sq, sk, 0.0, causal, None, None, scale=scale
         )
     else:
         padded_rows = -(-sq // _EFFICIENT_LSE_ALIGN) * _EFFICIENT_LSE_ALIGN

@@ -19,10 +19,19 @@ own saved-tensor hooks, so an enclosing :class:`torch.autograd.graph.saved_tenso
 exactly those inputs, plus whatever is saved outside every checkpointed region (embedding,
 final norm, LM head, loss). A forward pre-hook on each checkpointed layer marks its first
 positional tensor (HF decoder layers take ``hidden_states`` first); the pack hook offloads
-a saved tensor only when it *is* that marked object and passes everything else through. So the
+a saved tensor only when it *is* that marked object (Note [hook order]) and leaves everything else on
+the device. So the
 LM head's input and the logits stay where they are (the backward needs them first), and
 nothing inside a layer is touched. The hooks are per model instance (``remove()`` takes them
 off); no class or module global is patched.
+
+Note [hook order]: transformers before 5.25 checkpoint a layer's ``__call__`` (its forward hooks run
+inside the checkpointed region: after a non-reentrant checkpoint saved the input, before a
+reentrant one does, with gradients off); later ones checkpoint ``forward`` (the hooks run first).
+Every order is met: a marked tensor is claimed when saved, and a tensor saved while nothing is
+marked gets a handle that stays on the device unless the next pre-hook names it (then it is claimed
+there). Each pre-hook drops the earlier marks and unclaimed handles: a layer's input is saved before
+the next layer starts. (Before this, the hooks-inside order offloaded nothing, silently.)
 
 Note [streams and the last layers]: on CUDA the device-to-host copy of layer ``i``'s input runs
 on a side stream when layer ``i + 1`` starts (into pinned memory from torch's caching host
@@ -87,9 +96,9 @@ class _Saved:
     prefetched: torch.Tensor | None
     previous: _Saved | None
 
-    def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor, previous: "_Saved | None") -> None:
-        self.owner, self.device_tensor, self.previous = owner, tensor, previous
-        self.host = self.event = self.prefetched = None
+    def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor) -> None:
+        self.owner, self.device_tensor = owner, tensor
+        self.host = self.event = self.prefetched = self.previous = None
 
     def offload(self) -> None:
         """Copy to host (side stream on CUDA) and drop the device reference."""
@@ -190,8 +199,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                 "(model.gradient_checkpointing_enable() on a Hugging Face model), or pass layers=[...]"
             )
         self._handles = [layer.register_forward_pre_hook(self._mark, with_kwargs=True) for layer in self.layers]
-        self._handles += [layer.register_forward_hook(self._unmark, with_kwargs=True) for layer in self.layers]
         self._marked: list[torch.Tensor] = []
+        self._unclaimed: list[_Saved] = []
         self._kept: list[_Saved] = []
         self._last_saved: _Saved | None = None
         self._active = False
@@ -223,31 +232,46 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     # ------------------------------------------------------------------ marking the inputs
 
     def _mark(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._active and torch.is_grad_enabled() and module.training:
+        """Mark this layer's input (or claim it, if the checkpoint saved it already); earlier marks and
+        unclaimed handles are dropped: each layer's input is saved before the next layer starts."""
+        self._marked, unclaimed, self._unclaimed = [], self._unclaimed, []
+        if self._active and module.training:
             first = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
             if isinstance(first, torch.Tensor) and first.is_floating_point() and _nbytes(first) >= self.min_bytes:
-                self._marked.append(first)
-        return None
-
-    def _unmark(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        self._marked.clear()  # a mark the checkpoint did not save (checkpointing off for this call)
+                saved_first = next((h for h in unclaimed if h.device_tensor is first), None)
+                if saved_first is not None:  # the checkpoint saved it before this hook ran (Note [hook order])
+                    self._claim(saved_first)
+                else:  # saved after this hook: on entering the checkpoint, or (reentrant) once it returns
+                    self._marked = [first]
         return None
 
     # ------------------------------------------------------------------ the hooks
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
-        if not self._active or not any(tensor is marked for marked in self._marked):
+        if not self._active:
             return tensor
-        self._marked = [marked for marked in self._marked if marked is not tensor]
+        if any(tensor is marked for marked in self._marked):
+            self._marked = [marked for marked in self._marked if marked is not tensor]
+            handle = _Saved(self, tensor)
+            self._claim(handle)
+            return handle
+        if tensor.is_floating_point() and _nbytes(tensor) >= self.min_bytes:
+            handle = _Saved(self, tensor)  # stays on the device unless the next layer's pre-hook claims it
+            self._unclaimed.append(handle)
+            return handle
+        return tensor
+
+    def _claim(self, handle: _Saved) -> None:
+        """``handle`` holds a checkpointed layer's input: keep it among the newest, offload the oldest."""
+        tensor = handle.device_tensor
+        assert tensor is not None  # claimed when saved, before any offload
         if tensor.device.type == "cuda" and self.stream is None:
-            self.stream, self.device = torch.cuda.Stream(tensor.device), tensor.device
+            self.stream = torch.cuda.Stream(tensor.device)
         self.device = tensor.device
-        handle = _Saved(self, tensor, self._last_saved)
-        self._last_saved = handle
+        handle.previous, self._last_saved = self._last_saved, handle
         self._kept.append(handle)
         while len(self._kept) > self.keep_last:
             self._kept.pop(0).offload()
-        return handle
 
     @staticmethod
     def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
@@ -260,7 +284,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if not self.enabled:
             return self
         self.stats = OffloadStats()
-        self._marked, self._kept, self._last_saved = [], [], None
+        self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
         self._active = True
         super().__enter__()
         return self
@@ -270,7 +294,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return False
         self._active = False
         self.stats.kept_tensors += len(self._kept)
-        self._marked, self._kept, self._last_saved = [], [], None
+        self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
         super().__exit__(*exc)
         return False
 
