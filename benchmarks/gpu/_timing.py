@@ -41,3 +41,8 @@ def inputs(batch, seq, heads, kv_heads, dim, dtype, device, seed=0) -> list[torc
         (batch, seq, heads, dim),
     ]
     return [torch.randn(s, generator=gen).to(device=device, dtype=dtype) for s in shapes]
+
+
+def scientific(values) -> str:
+    """``[1.2e-03, ...]`` as "1.2e-03, ..." (a table cell of errors)."""
+    return ", ".join(f"{value:.1e}" for value in values)

@@ -276,8 +276,8 @@ def _markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in report["correctness"]:
-        errors = ", ".join(f"{e:.1e}" for e in r["errors_out_dq_dk_dv"])
-        floor = ", ".join(f"{e:.1e}" for e in r["same_dtype_math"])
+        errors = _timing.scientific(r["errors_out_dq_dk_dv"])
+        floor = _timing.scientific(r["same_dtype_math"])
         lines.append(
             f"| {r['backend']} | {r['dtype']} | {r['causal']} | {r['kv_heads']} | {errors} | {floor} | {r['ok']} |"
         )

@@ -144,8 +144,8 @@ def markdown(report: dict) -> list[str]:
         "|---|---|---|---|---|---|---|",
     ]
     for r in report["head_chunk_call"]:
-        errors = ", ".join(f"{e:.1e}" for e in r["errors_out_dq_dk_dv"])
-        floor = ", ".join(f"{e:.1e}" for e in r["kernel_alone"])
+        errors = _timing.scientific(r["errors_out_dq_dk_dv"])
+        floor = _timing.scientific(r["kernel_alone"])
         peak = "-" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**20:,.0f}"
         lines.append(f"| {r['backend']} | {r['seq_len']} | {r['G']} | {errors} | {floor} | {peak} | {r['ok']} |")
     return lines
