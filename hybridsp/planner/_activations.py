@@ -19,17 +19,29 @@ def norm_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean: bool = False)
     return (FP32 + 2 * dtype_bytes) * model.hidden_size + FP32
 
 
-def attention_bytes_per_token(model: ModelSpec, ulysses: int, dtype_bytes: int, head_chunks: int = 1) -> int:
-    """q, k, v after the all-to-all, the kernel output, the o_proj input (U > 1), fp32 LSE
-    (v, the output and the o_proj input at the value head dim). Head-chunked (G > 1): the same
-    q/k/v/out bytes, kept before the all-to-all (a group's full-sequence copies live only while its
-    pass runs), so the o_proj input is the kept output itself: no second copy at U > 1. An output
-    gate (Qwen3-Next) keeps sigmoid(gate) and the gated product (the o_proj input) as well."""
+def o_proj_input_copied(model: ModelSpec, ulysses: int, ring: int, head_chunks: int = 1) -> bool:
+    """Whether the o_proj input is a tensor of its own rather than a view of the call's saved output:
+    HF attention's ``reshape(...).contiguous()`` copies an output that is not dense [B, S, H Dv],
+    and only the ring path at U = 1, G = 1 (R > 1) returns one (its accumulator,
+    ``hybridsp.attention._ring_function``); the Ulysses all-to-all, the head groups and a single
+    kernel call (R = 1) return views of heads-first storage. An output gate always makes its own
+    gated product."""
+    return model.attention_output_gate or not (ulysses == 1 and head_chunks == 1 and ring > 1)
+
+
+def attention_bytes_per_token(
+    model: ModelSpec, ulysses: int, dtype_bytes: int, head_chunks: int = 1, ring: int = 1
+) -> int:
+    """What one attention layer keeps for backward per local token: the call's q, k, v (the
+    caller's RoPE outputs at U = 1; the ring-slot copies after the all-to-all at U > 1, K/V heads
+    expanded: the same bytes per local token), its output and fp32 LSE (v, the output and the
+    o_proj input at the value head dim; head-chunked, G > 1: the same tensors in G pieces), and the
+    o_proj input when it is a copy (:func:`o_proj_input_copied`). An output gate (Qwen3-Next) keeps
+    sigmoid(gate) and the gated product (the o_proj input) as well."""
     hd, hdv = model.num_heads * model.head_dim, model.num_heads * model.value_head_dim
     kv_heads = expanded_kv_heads(model, ulysses)
-    o_proj_input = hdv * dtype_bytes if ulysses > 1 and head_chunks == 1 else 0
-    if model.attention_output_gate:
-        o_proj_input = 2 * hdv * dtype_bytes
+    copied = o_proj_input_copied(model, ulysses, ring, head_chunks)
+    o_proj_input = (2 if model.attention_output_gate else 1) * hdv * dtype_bytes if copied else 0
     return (
         dtype_bytes * (hd + hdv + kv_heads * (model.head_dim + model.value_head_dim))
         + o_proj_input
@@ -82,13 +94,14 @@ def layer_activation_bytes_per_token(
     lean_norms: bool = False,
     kind: str = "attention",
     head_chunks: int = 1,
+    ring: int = 1,
 ) -> int:
     """Saved tensors of one layer per local token: 2 norms + its mixer (``kind``: ``"attention"`` or
     ``"linear"``) + MLP."""
     if kind == "linear":
         mixer = linear_bytes_per_token(model, ulysses, dtype_bytes)
     else:
-        mixer = attention_bytes_per_token(model, ulysses, dtype_bytes, head_chunks)
+        mixer = attention_bytes_per_token(model, ulysses, dtype_bytes, head_chunks, ring)
     return (
         2 * norm_bytes_per_token(model, dtype_bytes, lean_norms)
         + mixer

@@ -34,7 +34,7 @@ def _layer_rows(model: ModelSpec, workload: Workload, config: MeshConfig, phase:
             k: (
                 linear_bytes_per_token(model, config.ulysses, e)
                 if k == "linear"
-                else attention_bytes_per_token(model, config.ulysses, e, chunks)
+                else attention_bytes_per_token(model, config.ulysses, e, chunks, config.ring)
             )
             for k in (("attention", "linear") if model.linear_layers else ("attention",))
         }
@@ -42,7 +42,7 @@ def _layer_rows(model: ModelSpec, workload: Workload, config: MeshConfig, phase:
     mixer = (
         linear_bytes_per_token(model, config.ulysses, e)
         if kind == "linear"
-        else attention_bytes_per_token(model, config.ulysses, e, chunks)
+        else attention_bytes_per_token(model, config.ulysses, e, chunks, config.ring)
     )
     norms = 1 if phase != "mlp backward" else 2
     norm = tokens * (
@@ -63,7 +63,7 @@ def _layer_rows(model: ModelSpec, workload: Workload, config: MeshConfig, phase:
     elif kind == "attention":
         rows.append(
             (
-                f"workspace: attention call (accumulators, all-to-all, ring blocks; / G={chunks})",
+                f"workspace: attention call (dout, accumulators, kernel, ring blocks; one of G={chunks} groups)",
                 attention_workspace_bytes(model, workload, config),
             )
         )

@@ -4,17 +4,18 @@ Each attention layer runs as G passes over groups of heads (grouped along K/V he
 head is sent twice): the all-to-all of one group's q/k/v, the ring over R for that group, the
 reverse all-to-all of its output; the backward likewise one group at a time. What G changes:
 
-Memory (per rank, :func:`hybridsp.planner._phase_terms.attention_workspace_bytes` and
+Memory (per rank, :mod:`hybridsp.planner._attention_workspace` and
 :func:`hybridsp.planner._activations.attention_bytes_per_token`)
-    divides by G: the attention call's transients, full-sequence for H/U heads: the fp32
-        out / dq accumulators and LSE, 4 T H (D + 1) / G; the ring's K/V receive blocks and fp32
-        dK/dV blocks / G; one group's q/k/v after the all-to-all (qkv / G) and, overlapped, the
-        next group's all-to-all send + receive (2 qkv / G): 3 qkv / G at U > 1, alive together
-        with the ring's blocks (G = 1: the larger of 2 qkv and the ring's blocks, never both).
+    divides by G: one head group's share of the backward's working set, full-sequence for its
+        H/(U G) heads: the fp32 dq/dk/dv accumulators, the kernel call's gradients and copies,
+        the ring's K/V blocks and dK/dV in flight, the slot dout (U > 1).
+    adds: the dq/dk/dv of every head, preallocated, T (H D + Hkv' (D + Dv)) e; the o_proj input's
+        gradient stays alive through the call at U > 1 too.
     stays: what a layer saves for its backward, q/k/v/out of all heads and the fp32 LSE (the same
-        bytes per local token before or after the all-to-all); only the o_proj input's second copy
-        (U > 1) goes, the saved output being the o_proj input itself. The layer's other terms
-        (norms, MLP, checkpoints, the loss, model states) do not see G.
+        bytes per local token before or after the all-to-all), and the o_proj input: the groups
+        write a heads-first output that HF's reshape copies (at U = 1 too, where G = 1 on a ring
+        hands o_proj a view of its dense output). The layer's other terms (norms, MLP,
+        checkpoints, the loss, model states) do not see G.
 
 Time (per layer and pass, :func:`hybridsp.planner._timing.all_to_all_seconds` and ``ring_timing``)
     all-to-all: A of one pass (q/k/v in and out back, or dout in and dq/dk/dv back) splits into G
@@ -41,7 +42,8 @@ def head_chunk_choices(model: ModelSpec, ulysses: int) -> tuple[int, ...]:
 
 
 def resolved_head_chunks(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """The workload's G for this mesh; ``"auto"`` counts as the largest choice (the least memory)."""
+    """The workload's G for this mesh; ``"auto"`` counts as the largest choice (the least memory of
+    G > 1; the plan search evaluates every G, :func:`hybridsp.planner._candidates.evaluate`)."""
     chunks = workload.techniques.head_chunks
     if chunks == "auto":
         return head_chunk_choices(model, config.ulysses)[-1]

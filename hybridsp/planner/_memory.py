@@ -17,9 +17,12 @@ of benchmarks/results/longest_context/longest_context.md, 82,356 B/token at U=1 
     one RMSNorm: (4 + 2e) h + 4 (x in fp32, the normalised x and the weighted output in e,
         which the next linear keeps, fp32 rstd); with lean norms (``hybridsp.apply_lean_norms``)
         2 e h + 4 (x itself, the weighted output, fp32 rstd)
-    attention: e (2 H D + 2 Hkv' D) + [U > 1] e H D + 4 H (q, k, v after the all-to-all, the
-        kernel output, the o_proj input after the reverse all-to-all (a view of the output at
-        U = 1), fp32 LSE)
+    attention: e (2 H D + 2 Hkv' D) + [copy] e H D + 4 H (the call's q, k, v: the caller's RoPE
+        outputs at U = 1, the ring-slot copies after the all-to-all at U > 1; its output, fp32 LSE;
+        the o_proj input when it is a copy: HF's ``reshape(...).contiguous()`` copies every output
+        but the ring's dense accumulator at U = 1, G = 1, R > 1,
+        :func:`hybridsp.planner._activations.o_proj_input_copied`; measured equal by
+        ``benchmarks.memory.layer_terms``)
     MLP: 4 I e (gate, SiLU(gate), up, their product); 0 with a tiled MLP (its input is the
         norm's output, already counted)
     layer A = 2 norms + attention + MLP; MLP region = 1 norm + MLP.
@@ -46,13 +49,19 @@ Loss
     forward-only: T V (e + 4), fused c V (4 + e if not fp32).
 
 Transients
-    attention workspace: 4 T H (D + 1) fp32 accumulators + the larger of 2 qkv all-to-all
-        buffers (U > 1) and 2 K/V receive blocks + 3 fp32 dK/dV blocks (R > 1) (the K/V mode's
-        term: ring only): the all-to-alls run before and after the ring call, each freeing its
-        buffers first, so the two never coexist (an earlier revision added them, 4 KB per
-        local token too much in the checkpointed CPU ablation rows).
-    MLP backward: t x 2 I e gradients (t = T untiled); tiled: t x 6 I e (the tile's recomputed
-        intermediate and its gradients), t = mlp_tile (default h tokens).
+    attention workspace: the attention backward's working set beyond the saved tensors, as the
+        code allocates it (:mod:`hybridsp.planner._attention_workspace`): the o_proj input's
+        gradient (less the o_proj input copy its backward frees), at G > 1 the preallocated
+        dq/dk/dv, and one head group's fp32 dq/dk/dv accumulators, kernel call (its gradients,
+        dout in its layout, the LSE, the CPU kernel's tiles) and K/V blocks and dK/dV in flight
+        at the worst ring step of the worst rank (measured equal on CPU by
+        ``benchmarks.memory.layer_terms``, U1 x R4 and U2 x R2, G = 1, 2, 4). Forward-only: the
+        fp32 out accumulator and LSE 4 T H (Dv + 1) + the larger of the all-to-all's 2 qkv and
+        the ring's 2 K/V blocks.
+    MLP backward: t x 2 I e (t = T untiled: with the 4 I e the MLP saved counted alive, the
+        peak of HF's backward, which frees the product's copy before SiLU's and up's gradients
+        appear; measured equal); tiled: t x 6 I e (the tile's recomputed intermediate and its
+        gradients), t = mlp_tile (default h tokens).
     gradient flowing between layers: T h e.
     gradients awaiting ZeRO's reduction (ZeRO >= 2, layer backward phases): e x min(V h + one
         layer, reduce_bucket) (the LM head's, held until the tied embedding's backward, and the
@@ -174,6 +183,7 @@ def _layer_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, kind:
         tech.lean_norms,
         kind,
         resolved_head_chunks(model, workload, config),
+        config.ring,
     )
     return local_tokens(workload, config) * per_token
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from hybridsp._formulas import CHUNK_LOGITS_BYTES, FP32, default_chunk_size
 from hybridsp.linear_attention import linear_layer_memory
 from hybridsp.planner._activations import linear_workspace_bytes_per_token
+from hybridsp.planner._attention_workspace import backward_workspace_bytes
 from hybridsp.planner._costs import comm_volume, local_tokens
 from hybridsp.planner._head_chunks import resolved_head_chunks
 from hybridsp.planner._kv_modes import kv_workspace_bytes, planner_chunks
@@ -39,16 +40,18 @@ def loss_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
 
 
 def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """Transient buffers of one attention call: the fp32 out (or dq) accumulator and LSE, plus
-    the larger of the all-to-all's send+receive of q/k/v and the K/V transport's buffers
-    (:func:`hybridsp.planner._kv_modes.kv_workspace_bytes`: ring or all-gather). Not their sum:
-    ``hybridsp.attention._ulysses`` reshards before the ring call (forward: q/k/v; backward: dout) and after
-    it (forward: out; backward: dq/dk/dv), and each side frees its buffers before the other
-    starts (``del send`` / ``received`` in ``_seq_to_heads`` / ``_heads_to_seq``; the ring's
-    receive and dK/dV blocks die with ``_ring_backward``). Head-chunked (G > 1,
-    :mod:`hybridsp.planner._head_chunks`): one group's accumulators and ring blocks, and at U > 1
-    its q/k/v after the all-to-all with the next group's all-to-all in flight (3 qkv / G), together."""
+    """Transient buffers of one attention call. Training: its backward's working set as the code
+    allocates it (:mod:`hybridsp.planner._attention_workspace`: dout, the fp32 dq/dk/dv
+    accumulators, the kernel call's gradients and copies, the K/V blocks and dK/dV in flight, the
+    worst ring step of the worst rank; measured term by term by ``benchmarks.memory.layer_terms``).
+    Forward-only (not measured): the fp32 out accumulator and LSE, 4 T H (Dv + 1), and the larger
+    of the all-to-all's send + receive of q/k/v (U > 1) and the K/V transport's blocks
+    (:func:`hybridsp.planner._kv_modes.kv_workspace_bytes`; ``_ulysses`` reshards before and after
+    the ring, each side freeing its buffers first); head-chunked, G > 1: one group's accumulators
+    and blocks, and at U > 1 its q/k/v after the all-to-all with the next group's in flight, / G."""
     volume = comm_volume(model, workload, config)
+    if not workload.forward_only:
+        return backward_workspace_bytes(model, workload, config, volume.kv_comm)
     tokens = local_tokens(workload, config)
     chunks = resolved_head_chunks(model, workload, config)
     accumulators = tokens * model.num_heads * (model.value_head_dim + 1) * FP32
@@ -60,10 +63,10 @@ def attention_workspace_bytes(model: ModelSpec, workload: Workload, config: Mesh
         workload.dtype_bytes,
         config.ring,
         planner_chunks(workload, config),
-        not workload.forward_only,
+        False,
     )
     if chunks == 1:
-        return accumulators + max(a2a, ring)  # one after the other, never both (docstring)
+        return accumulators + max(a2a, ring)  # one after the other, never both
     return -(-(accumulators + ring + 3 * a2a // 2) // chunks)
 
 

@@ -178,8 +178,11 @@ def test_activation_bytes_hand_computed():
     assert layer_activation_bytes_per_token(llama, 8, 2, tiled_mlp=True) == 2 * norm + attention
     # U=16 doubles K/V heads (8 -> 16): 2 more x 1024 x 2 bytes per K and V
     assert layer_activation_bytes_per_token(llama, 16, 2) - layer_activation_bytes_per_token(llama, 8, 2) == 2 * 2048
-    # U=1: the o_proj input is a view of the kernel output
-    assert layer_activation_bytes_per_token(llama, 8, 2) - layer_activation_bytes_per_token(llama, 1, 2) == 2 * 4096
+    # U=1 on a ring (R > 1): the o_proj input is a view of the ring's dense output; R = 1: HF copies the
+    # kernel's heads-first output, as at U > 1
+    ring_u1 = layer_activation_bytes_per_token(llama, 1, 2, ring=8)
+    assert layer_activation_bytes_per_token(llama, 8, 2) - ring_u1 == 2 * 4096
+    assert layer_activation_bytes_per_token(llama, 1, 2, ring=1) == layer_activation_bytes_per_token(llama, 8, 2)
     workload, config = Workload(4096), MeshConfig(1, 2, 2, zero_stage=3)
     layer, tokens = layer_activation_bytes_per_token(SMALL, 2, 2), 1024
     outside = (4 + 2 * 2) * 32 + 4 + 2 * 8 * 2 + 16  # final norm, RoPE cos/sin, ids + labels
@@ -191,7 +194,7 @@ def test_activation_bytes_hand_computed():
     assert ckpt.checkpoints == 2 * tokens * 32 * 2  # every layer's input [T, h]
     # nothing inside the layers yet; the LM head's weight gradient comes after the log-softmax's backward
     # freed two [T, V] tensors (calibrated at V = 32000, benchmarks/results_ablation_cpu.md)
-    assert dict(ckpt.phases)["loss"] == tokens * outside + ckpt.logits
+    assert dict(ckpt.phases)["loss"] == tokens * outside + memory.logits
     chunked = memory_use(SMALL, Workload(4096, chunked_loss=True), config)
     chunk = -(-tokens * 32 // 100)  # the library's default chunk: ceil(T h / V) rows
     # bf16: the chunk's fp32 logits + their bf16 copy, the fp32 accumulator + the bf16 product and its fp32 cast,
@@ -214,14 +217,16 @@ EXAMPLE = ModelSpec(
     tied_embeddings=True,
     name="examples/train.py default",
 )
-MEASURED_SAVED_PER_TOKEN = {1: 82_356, 2: 86_452}  # U=1 (w1), U=2 (cp4)
+# w1 (U = R = 1) ran a revision whose single kernel call returned a dense output (the o_proj input was a
+# view of it): the planner's count for such an output is U = 1 on a ring (R > 1), whose output is dense today.
+MEASURED_SAVED_PER_TOKEN = {(1, 2): 82_356, (2, 2): 86_452}  # (U, R): w1 as above, cp4
 
 
 def test_saved_activations_equal_the_measured_breakdown():
     from hybridsp.planner._activations import outside_layers_bytes_per_token
 
-    for ulysses, measured in MEASURED_SAVED_PER_TOKEN.items():
-        layers = EXAMPLE.num_layers * layer_activation_bytes_per_token(EXAMPLE, ulysses, 4)
+    for (ulysses, ring), measured in MEASURED_SAVED_PER_TOKEN.items():
+        layers = EXAMPLE.num_layers * layer_activation_bytes_per_token(EXAMPLE, ulysses, 4, ring=ring)
         log_softmax = EXAMPLE.vocab_size * 4  # saved by the loss (counted in the loss term)
         assert layers + outside_layers_bytes_per_token(EXAMPLE, 4) + log_softmax == measured
 
