@@ -32,9 +32,13 @@ tensors as soon as its backward ends, but the first group to run its backward fi
 alive either way, so the peak would not move, and the gradients of head slices of q/k/v would
 need an extra gather. Without Ulysses (U = 1) the groups are views of q/k/v and the output.
 
-Overlap: the groups run one after the other; the next group's all-to-all is not started during the
-current group's ring (on gloo over two CPU cores both are copies on the same cores, and a
-prefetch keeps two groups' buffers alive, which is the memory this mode exists to save).
+Note [overlap]: the next group's to-heads all-to-all (q/k/v forward, dout backward) is started
+(:mod:`hybridsp.attention._prefetch`, ``async_op=True``) before the current group's ring runs, so it
+proceeds during the ring's compute on any transport (NCCL on its own stream, gloo on its worker
+thread); the reverse all-to-all of a group's output (or dq/dk/dv) stays synchronous. Memory: the
+forward keeps every group's slot buffers for the backward anyway, so fetching one group early costs
+only its send buffers; the backward holds one more group's dout slot (1/G of dout) while the current
+group runs. Collectives on the Ulysses group are issued in the same order on every rank.
 
 Shapes: q [B, L, H, D], k [B, L, Hkv', D], v [B, L, Hkv', Dv] this rank's tokens (K/V already
 expanded for the head scatter); out [B, L, H, Dv]; sinks [H] or None.
@@ -48,9 +52,10 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 
+from hybridsp.attention._prefetch import PendingHeads, start_seq_to_heads_buffers
 from hybridsp.attention._ring_function import ring_backward, ring_forward
 from hybridsp.attention._sinks import sink_grad
-from hybridsp.attention._ulysses import expand_kv_heads_for, heads_to_seq_plain, seq_to_heads_buffers, split_heads
+from hybridsp.attention._ulysses import expand_kv_heads_for, heads_to_seq_plain, split_heads
 
 if TYPE_CHECKING:
     from hybridsp.attention._resolve import RingCall
@@ -82,15 +87,14 @@ class HeadGroups:
         per_group = sinks.shape[0] // (self.ulysses * self.groups)
         return sinks.narrow(0, (self.ulysses_rank * self.groups + g) * per_group, per_group)  # [h]
 
-    def to_slot(self, tensors: list[torch.Tensor], g: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(the ring-slot views of group g's ``tensors`` [B, S/R, h_i, D_i], the buffers they view): one
-        all-to-all per head dim (U > 1); the group views themselves for U = 1 (no buffers)."""
+    def start_slot(self, tensors: list[torch.Tensor], g: int) -> Slot:
+        """Start moving group g's ``tensors`` to the ring slot (Note [overlap]): one all-to-all per head
+        dim and sequence, in flight when this returns (U > 1); for U = 1 the group views themselves."""
         views = [self.of(t, g) for t in tensors]
         if self.ulysses == 1:
-            return views, []
+            return Slot(views, None)
         assert self.group is not None  # U > 1: the Ulysses group
-        buffers = seq_to_heads_buffers(views, self.group, self.call.counter)  # heads-first [B, sum h_i, S/R, D]
-        return slot_views(buffers, [v.shape[3] for v in views], [v.shape[-1] for v in views]), buffers
+        return Slot(views, start_seq_to_heads_buffers(views, self.group, self.call.counter))
 
     def to_seq(self, slot: list[torch.Tensor], into: list[torch.Tensor], g: int) -> None:
         """Each [B, S/R, h_i, D_i] ring-slot tensor of group g into group g's heads of ``into`` [B, L, H_i, D_i]."""
@@ -103,6 +107,23 @@ class HeadGroups:
             (moved,) = heads_to_seq_plain([source], self.group, self.call.counter)  # [B, L, U*h_i, D_i]
             self.of(target, g).copy_(moved.unflatten(2, (self.ulysses, -1)))  # [B, L, U, h_i, D_i]
             del moved
+
+
+@dataclass
+class Slot:
+    """A head group's tensors on their way to the ring slot; :meth:`wait` gives (the ring-slot views
+    [B, S/R, h_i, D_i], the heads-first buffers [B, sum h_i, S/R, D] they view; none for U = 1)."""
+
+    views: list[torch.Tensor]
+    pending: PendingHeads | None
+
+    def wait(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        if self.pending is None:
+            return self.views, []
+        buffers = self.pending.wait()
+        views = self.views
+        self.views, self.pending = [], None
+        return slot_views(buffers, [v.shape[3] for v in views], [v.shape[-1] for v in views]), buffers
 
 
 def slot_views(buffers: list[torch.Tensor], heads: list[int], widths: list[int]) -> list[torch.Tensor]:
@@ -127,8 +148,11 @@ class HeadChunkedAttention(torch.autograd.Function):
         out = q.new_empty(b, num_heads, length, v.shape[-1]).transpose(1, 2)  # [B, L, H, Dv], heads-first storage
         saved: list[torch.Tensor] = []
         counts: list[int] = []
+        arriving = heads.start_slot([q, k, v], 0)
         for g in range(heads.groups):
-            (q_s, k_s, v_s), buffers = heads.to_slot([q, k, v], g)  # each [B, S/R, h(kv), D(v)]
+            (q_s, k_s, v_s), buffers = arriving.wait()  # each [B, S/R, h(kv), D(v)]
+            if g + 1 < heads.groups:
+                arriving = heads.start_slot([q, k, v], g + 1)  # in flight during this group's ring
             out_s, lse = ring_forward(q_s, k_s, v_s, heads.sinks_of(sinks, g), heads.call)  # [B, S/R, h, Dv]
             heads.to_seq([out_s], [out], g)
             kept = [*buffers, lse] if heads.ulysses == 1 else [*buffers, out_s, lse]
@@ -152,18 +176,20 @@ class HeadChunkedAttention(torch.autograd.Function):
             q = k = v = out = None
         dq, dk, dv = _gradient_buffers(dout, ctx.widths[0], ctx.kv_heads)
         dsinks = None if sinks is None or not ctx.needs_input_grad[3] else torch.zeros_like(sinks)
+        arriving = heads.start_slot([dout], 0)
         for g, count in enumerate(ctx.counts):
             kept, saved = saved[:count], saved[count:]
+            (dout_s,), _ = arriving.wait()  # [B, S/R, h, Dv]
+            if g + 1 < len(ctx.counts):
+                arriving = heads.start_slot([dout], g + 1)  # in flight during this group's ring backward
             if heads.ulysses == 1:
                 assert q is not None and k is not None and v is not None and out is not None
                 q_s, k_s, v_s, out_s = (heads.of(t, g) for t in (q, k, v, out))
                 lse = kept[0]
-                (dout_s,), _ = heads.to_slot([dout], g)
             else:
                 *buffers, out_s, lse = kept
                 heads_q = out_s.shape[2]
                 q_s, k_s, v_s = slot_views(buffers, _slot_heads(buffers, heads_q), _slot_widths(ctx.widths))
-                (dout_s,), _ = heads.to_slot([dout], g)  # [B, S/R, h, Dv]
             grads = ring_backward(dout_s, q_s, k_s, v_s, out_s, lse, heads.call)
             if dsinks is not None:
                 group_sinks = heads.sinks_of(sinks, g)

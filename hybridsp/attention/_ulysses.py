@@ -82,10 +82,15 @@ def _all_to_all(
     ``send``); counts the bytes that leave this rank."""
     received = torch.empty_like(send) if out is None else out
     dist.all_to_all_single(received, send, group=group)
+    count_all_to_all(send, group, counter)
+    return received
+
+
+def count_all_to_all(send: torch.Tensor, group: dist.ProcessGroup, counter: CommCounter | None) -> None:
+    """Record the bytes of ``send`` that leave this rank in one all_to_all_single (all but its own slice)."""
     if counter is not None:
         size = dist.get_world_size(group)
         counter.record("all_to_all", tensor_bytes([send]) * (size - 1) // size)
-    return received
 
 
 def _seq_to_heads(
@@ -121,19 +126,34 @@ def _joined_heads(tensors: list[torch.Tensor], group: dist.ProcessGroup, counter
     # allocated once the first send buffer is freed: at most 2 of the 3 buffers live at once
     joined: torch.Tensor | None = None
     for row in range(b):  # one all-to-all per sequence
-        send = tensors[0].new_empty(size, packed, length, d)  # [U (dest), sum H_i/U, L, D]
-        offset = 0
-        for t, h in zip(tensors, per_rank):
-            send[:, offset : offset + h].copy_(t[row].permute(1, 2, 0, 3))  # [U, h, L, D]
-            offset += h
+        send = pack_row(tensors, row)
         received = _all_to_all(send, group, counter)  # [U (source = sequence piece), sum H_i/U, L, D]
         del send
         if joined is None:
             joined = received.new_empty(b, packed, size * length, d)  # [B, sum H_i/U, U*L, D]
-        joined[row].unflatten(1, (size, length)).copy_(received.transpose(0, 1))  # [sum H_i/U, U, L, D]
+        place_row(joined, row, received)
         del received
     assert joined is not None  # b >= 1 rows were received
     return joined
+
+
+def pack_row(tensors: list[torch.Tensor], row: int) -> torch.Tensor:
+    """Row ``row`` of each [B, L, U, h_i, D] tensor, packed per destination: the send buffer
+    [U (dest), sum h_i, L, D] of one to-heads all-to-all."""
+    size, length, d = tensors[0].shape[2], tensors[0].shape[1], tensors[0].shape[4]
+    per_rank = [t.shape[3] for t in tensors]
+    send = tensors[0].new_empty(size, sum(per_rank), length, d)  # [U (dest), sum H_i/U, L, D]
+    offset = 0
+    for t, h in zip(tensors, per_rank):
+        send[:, offset : offset + h].copy_(t[row].permute(1, 2, 0, 3))  # [U, h, L, D]
+        offset += h
+    return send
+
+
+def place_row(joined: torch.Tensor, row: int, received: torch.Tensor) -> None:
+    """A received [U (source), sum h_i, L, D] into row ``row`` of the heads-first [B, sum h_i, U*L, D]."""
+    size, _, length, _ = received.shape
+    joined[row].unflatten(1, (size, length)).copy_(received.transpose(0, 1))  # [sum H_i/U, U, L, D]
 
 
 def _heads_to_seq(
