@@ -36,6 +36,11 @@ Overlap: the groups run one after the other; the next group's all-to-all is not 
 current group's ring (on gloo over two CPU cores both are copies on the same cores, and a
 prefetch keeps two groups' buffers alive, which is the memory this mode exists to save).
 
+Note [token-major out]: the output is one contiguous [B, L, H, Dv] tensor (as G = 1 returns), so a
+model's ``out.reshape(B, L, H * Dv)`` before its output projection is a view. With U = 1 this function
+keeps ``out`` for backward and the projection keeps its input: token-major, both are one storage (a
+heads-first ``out`` made the model's reshape copy it, one more [B, L, H Dv] tensor kept per layer).
+
 Shapes: q [B, L, H, D], k [B, L, Hkv', D], v [B, L, Hkv', Dv] this rank's tokens (K/V already
 expanded for the head scatter); out [B, L, H, Dv]; sinks [H] or None.
 """
@@ -124,7 +129,7 @@ class HeadChunkedAttention(torch.autograd.Function):
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, heads: HeadGroups
     ) -> torch.Tensor:
         b, length, num_heads, _ = q.shape
-        out = q.new_empty(b, num_heads, length, v.shape[-1]).transpose(1, 2)  # [B, L, H, Dv], heads-first storage
+        out = q.new_empty(b, length, num_heads, v.shape[-1])  # [B, L, H, Dv] token-major: Note [token-major out]
         saved: list[torch.Tensor] = []
         counts: list[int] = []
         for g in range(heads.groups):
