@@ -112,6 +112,12 @@ BENCHMARKS = (
         ("--quick", "--part", "layer", "--out", "{tmp}"),
     ),
     Benchmark(
+        "memory.step_peak",
+        "What is live at the per-rank peak of one ALST-comparison step (best features), by who made it?",
+        "results/memory",
+        ("--seq-len", "2048", "--out", "{tmp}/step_peak"),
+    ),
+    Benchmark(
         "memory.tensor_parallel",
         "Tensor parallelism x hybrid SP: parameters and activations per rank?",
         "results/tensor_parallel",

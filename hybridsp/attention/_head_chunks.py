@@ -40,6 +40,11 @@ forward keeps every group's slot buffers for the backward anyway, so fetching on
 only its send buffers; the backward holds one more group's dout slot (1/G of dout) while the current
 group runs. Collectives on the Ulysses group are issued in the same order on every rank.
 
+Note [token-major out]: the output is one contiguous [B, L, H, Dv] tensor (as G = 1 returns), so a
+model's ``out.reshape(B, L, H * Dv)`` before its output projection is a view. With U = 1 this function
+keeps ``out`` for backward and the projection keeps its input: token-major, both are one storage (a
+heads-first ``out`` made the model's reshape copy it, one more [B, L, H Dv] tensor kept per layer).
+
 Shapes: q [B, L, H, D], k [B, L, Hkv', D], v [B, L, Hkv', Dv] this rank's tokens (K/V already
 expanded for the head scatter); out [B, L, H, Dv]; sinks [H] or None.
 """
@@ -145,7 +150,7 @@ class HeadChunkedAttention(torch.autograd.Function):
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, heads: HeadGroups
     ) -> torch.Tensor:
         b, length, num_heads, _ = q.shape
-        out = q.new_empty(b, num_heads, length, v.shape[-1]).transpose(1, 2)  # [B, L, H, Dv], heads-first storage
+        out = q.new_empty(b, length, num_heads, v.shape[-1])  # [B, L, H, Dv] token-major: Note [token-major out]
         saved: list[torch.Tensor] = []
         counts: list[int] = []
         arriving = heads.start_slot([q, k, v], 0)

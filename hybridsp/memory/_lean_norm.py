@@ -28,10 +28,19 @@ casts are left alone.
 Note [ZeRO-3]: the weight is read only inside the module's own call (forward, and the backward of
 its output), where DeepSpeed's module hooks have gathered it, exactly as for the original forward;
 the function returns the weight's gradient once, so DeepSpeed's gradient hook fires once.
+
+Note [norm source]: the output tensor carries how it was made (:class:`NormSource`: weak references to
+x and ``rstd``, the weight). A consumer that keeps its input for backward only to recompute from it
+(the tiled MLP after ``post_attention_layernorm``) can keep x and ``rstd`` instead, which this norm
+keeps anyway, and rebuild its input rows with :func:`normalize` (the same ops, so bit-identical rows):
+one [..., h] activation fewer per norm. The output's version is recorded: an output modified in
+place since is not rebuilt from its source (:func:`norm_source` says None).
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, cast
 
 import torch
@@ -52,20 +61,52 @@ LLAMA_STYLE_NORMS = frozenset(
     }
 )
 DEFAULT_TILE_TOKENS = 1024
+SOURCE_ATTR = "_hybridsp_norm_source"  # the attribute a lean norm's output carries (Note [norm source])
+
+
+def normalize(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The norm's output rows from its input x [..., h] and their ``rstd`` [..., 1]: [..., h]. The forward's
+    own ops, so rows recomputed from saved x and rstd equal the forward's bit for bit (Note [norm source])."""
+    return weight * (x.to(torch.float32) * rstd).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class NormSource:
+    """How a lean norm's output was made: ``normalize(x, weight, rstd)``; x and rstd held weakly (the
+    norm's autograd node keeps them while its graph lives). ``version``: the output's version then."""
+
+    x: weakref.ref[torch.Tensor]
+    weight: torch.Tensor
+    rstd: weakref.ref[torch.Tensor]
+    version: int
+
+
+def norm_source(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(x, weight, rstd) when ``out`` is a lean norm's output, unmodified since, whose input and rstd are
+    alive; else None (Note [norm source])."""
+    source = getattr(out, SOURCE_ATTR, None)
+    if not isinstance(source, NormSource) or out._version != source.version:
+        return None
+    x, rstd = source.x(), source.rstd()
+    return None if x is None or rstd is None else (x, source.weight, rstd)
 
 
 class _LeanRMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, tile: int) -> torch.Tensor:
-        wide = x.to(torch.float32)
-        rstd = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-        out = weight * (wide * rstd).to(x.dtype)  # [..., h]
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, tile: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        rstd = torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
+        out = normalize(x, weight, rstd)  # [..., h]
         ctx.save_for_backward(x, weight, rstd)
+        ctx.mark_non_differentiable(rstd)
         ctx.tile = tile
-        return out
+        return out, rstd
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor, _grad_rstd: None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight, rstd = ctx.saved_tensors
         width = x.shape[-1]
         rows, grads, scales = x.reshape(-1, width), grad_out.reshape(-1, width), rstd.reshape(-1, 1)  # [T, h], [T, 1]
@@ -100,8 +141,12 @@ def _tile_backward(
 def lean_rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, tile_tokens: int = DEFAULT_TILE_TOKENS
 ) -> torch.Tensor:
-    """Llama's RMSNorm of ``x`` [..., h] with ``weight`` [h] (module docstring); [..., h]."""
-    return cast(torch.Tensor, _LeanRMSNorm.apply(x, weight, eps, tile_tokens))
+    """Llama's RMSNorm of ``x`` [..., h] with ``weight`` [h] (module docstring); [..., h].
+
+    The output carries its :class:`NormSource` (Note [norm source])."""
+    out, rstd = cast("tuple[torch.Tensor, torch.Tensor]", _LeanRMSNorm.apply(x, weight, eps, tile_tokens))
+    setattr(out, SOURCE_ATTR, NormSource(weakref.ref(x), weight, weakref.ref(rstd), out._version))
+    return out
 
 
 LeanNormHandle = ForwardPatch  # what apply_lean_norms returns: ``undo()`` restores every norm

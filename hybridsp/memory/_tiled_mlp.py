@@ -21,6 +21,15 @@ cannot deadlock (DeepSpeed's own TiledMLP gathers per tile and must agree on the
 The linear submodules are not called as modules (their DeepSpeed hooks would gather and
 release around every tile); the weights are used functionally (``F.linear``).
 
+Note [input from its norm]: when the MLP's input is a lean norm's output
+(:mod:`hybridsp.memory._lean_norm`, Note [norm source]: Llama's ``post_attention_layernorm`` under
+``apply_lean_norms``), the function keeps the norm's input and ``rstd``, which the norm's own backward
+keeps anyway, instead of its input, and rebuilds each tile's input rows in backward with the norm's own
+ops: bit-identical rows, one [B, S_local, h] activation fewer per layer. The norm's weight is gathered
+with the MLP's for the backward. Not under DeepSpeed ZeRO-3 as it stands: its module hooks hand each
+module's output on as ``output.detach()`` (a new tensor without the norm's source), so the MLP keeps
+its input as before (found by ``benchmarks.memory.step_peak``; matching by storage would reach it).
+
 Note [compiled tiles]: ``torch.compile`` cannot trace this backward (``torch.autograd.grad`` per
 tile). While dynamo traces, each tile runs under non-reentrant activation checkpointing instead: the
 same memory contract (x kept, one tile's intermediates recomputed at a time in backward), the weight
@@ -43,6 +52,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hybridsp.memory._forward_patch import ForwardPatch, patch_forwards
+from hybridsp.memory._lean_norm import norm_source, normalize
 from hybridsp.memory._sharded_params import gathered
 
 _PARTS = ("gate_proj", "up_proj", "down_proj")
@@ -68,8 +78,9 @@ def tiled_mlp_forward(mlp: nn.Module, x: torch.Tensor, tile_tokens: int) -> torc
             )
         # act_fn: a dynamic attribute of the MLP (a callable: find_gated_mlps checked it)
         return _checkpointed_tiles(x, mlp.act_fn, tile_tokens, biased, params)  # type: ignore[arg-type]
+    source = norm_source(x) if torch.is_grad_enabled() else None  # Note [input from its norm]
     with gathered(params):
-        return cast(torch.Tensor, _TiledMLP.apply(x, mlp.act_fn, tile_tokens, biased, *params))
+        return cast(torch.Tensor, _TiledMLP.apply(x, mlp.act_fn, tile_tokens, biased, source, *params))
 
 
 def _checkpointed_tiles(
@@ -122,32 +133,41 @@ class _TiledMLP(torch.autograd.Function):
         act: Callable[[torch.Tensor], torch.Tensor],
         tile: int,
         biased: tuple[bool, ...],
+        source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         *params: torch.Tensor,
     ) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [T, h]
         out = torch.empty(flat.shape[0], params[2].shape[0], dtype=x.dtype, device=x.device)  # [T, h]
         for start in range(0, flat.shape[0], tile):
             out[start : start + tile] = _mlp_math(flat[start : start + tile], act, params, biased)
-        ctx.save_for_backward(x)
-        ctx.act, ctx.tile, ctx.biased, ctx.params = act, tile, biased, params
+        if source is None:
+            ctx.save_for_backward(x)
+            ctx.norm_weight = None
+        else:  # the norm's input and rstd, which the norm keeps too: x itself is rebuilt per tile
+            ctx.save_for_backward(source[0], source[2])
+            ctx.norm_weight = source[1]
+        ctx.act, ctx.tile, ctx.biased, ctx.params, ctx.x_shape = act, tile, biased, params, x.shape
         return out.reshape(*x.shape[:-1], out.shape[-1])  # [..., h]
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (x,) = ctx.saved_tensors
-        flat, grad_flat = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # [T, h]
-        wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[4 + i]]
-        with gathered(ctx.params):
+        rows_of = _input_rows(ctx.saved_tensors, ctx.norm_weight)
+        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])  # [T, h]
+        wanted = [i for i, p in enumerate(ctx.params) if ctx.needs_input_grad[5 + i]]
+        norm = [] if ctx.norm_weight is None else [ctx.norm_weight]
+        with gathered([*ctx.params, *norm]):
             leaves = [p.detach().requires_grad_(i in wanted) for i, p in enumerate(ctx.params)]
             sums = {
                 i: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
                 for i, p in enumerate(leaves)
                 if i in wanted
             }
-            grad_x = torch.empty_like(flat) if ctx.needs_input_grad[0] else None  # [T, h]
-            for start in range(0, flat.shape[0], ctx.tile):
+            grad_x = (
+                grad_flat.new_empty(grad_flat.shape[0], ctx.x_shape[-1]) if ctx.needs_input_grad[0] else None
+            )  # [T, h]
+            for start in range(0, grad_flat.shape[0], ctx.tile):
                 rows = slice(start, start + ctx.tile)
-                tile_x = flat[rows].detach().requires_grad_(grad_x is not None)
+                tile_x = rows_of(rows).detach().requires_grad_(grad_x is not None)
                 with torch.enable_grad():
                     tile_out = _mlp_math(tile_x, ctx.act, leaves, ctx.biased)
                 inputs = ([tile_x] if grad_x is not None else []) + [leaves[i] for i in wanted]
@@ -158,8 +178,20 @@ class _TiledMLP(torch.autograd.Function):
                 for i, grad in zip(wanted, grads):
                     sums[i] += grad
             grad_params = [sums[i].to(p.dtype) if i in sums else None for i, p in enumerate(leaves)]
-        grad_x = None if grad_x is None else grad_x.reshape(x.shape)
-        return (grad_x, None, None, None, *grad_params)
+        grad_x = None if grad_x is None else grad_x.reshape(ctx.x_shape)
+        return (grad_x, None, None, None, None, *grad_params)
+
+
+def _input_rows(saved: tuple[torch.Tensor, ...], norm_weight: torch.Tensor | None) -> Callable[[slice], torch.Tensor]:
+    """rows -> the MLP input's rows [t, h]: a view of the kept input, or rebuilt from the norm's kept input
+    and rstd (Note [input from its norm])."""
+    if norm_weight is None:
+        (x,) = saved
+        flat = x.reshape(-1, x.shape[-1])  # [T, h]
+        return lambda rows: flat[rows]
+    source, rstd = saved
+    source_flat, rstd_flat = source.reshape(-1, source.shape[-1]), rstd.reshape(-1, 1)  # [T, h], [T, 1]
+    return lambda rows: normalize(source_flat[rows], norm_weight, rstd_flat[rows])
 
 
 TiledMLPHandle = ForwardPatch  # what apply_tiled_mlp returns: ``undo()`` restores every MLP

@@ -280,3 +280,43 @@ def test_compiled_call_refuses_int_head_groups():
             softcap=None,
             head_chunks=2,
         )
+
+
+def _output_storage(rank, world):
+    """Per mesh (U x R over 2 ranks): is out token-major contiguous, is out's storage one the call keeps
+    for backward, and out / dq / dk / dv's largest error against the float64 reference."""
+    from tests.helpers.references.attention import reference_with_grads
+
+    answers = {}
+    for ulysses, ring in ((1, 2), (2, 1)):
+        mesh = init_mesh(ulysses=ulysses, ring=ring)
+        full = random_qkv(1, SEQ, 8, 4, 16, seed=3)
+        q, k, v, dout = (shard_sequence(t, mesh).clone() for t in full)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        kept = set()
+
+        def pack(tensor):
+            kept.add(tensor.untyped_storage().data_ptr())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = hybrid_attn_func(q, k, v, mesh=mesh, head_chunks=2)
+        flat = out.reshape(*out.shape[:2], -1)  # [B, L, H * Dv]: what a model hands its output projection
+        out.backward(dout)
+        expected = [shard_sequence(e, mesh) for e in reference_with_grads(*full, causal=True)]
+        errors = [rel_err(g, e) for g, e in zip((out.detach(), q.grad, k.grad, v.grad), expected)]
+        answers[(ulysses, ring)] = {
+            "contiguous": out.is_contiguous() and flat.data_ptr() == out.data_ptr(),
+            "kept": out.untyped_storage().data_ptr() in kept,
+            "error": max(errors),
+        }
+    return answers
+
+
+@pytest.mark.distributed
+def test_the_output_is_token_major_so_the_models_reshape_shares_what_the_call_keeps():
+    """Note [token-major out]: at U = 1 the call keeps out itself, and the model's [B, L, H Dv] view of it
+    (its output projection's input) is the same storage: no second copy kept per layer."""
+    for answers in run_distributed(_output_storage, 2):
+        assert all(a["contiguous"] and a["error"] < TOLERANCE for a in answers.values()), answers
+        assert answers[(1, 2)]["kept"], answers

@@ -99,6 +99,65 @@ def test_only_the_input_is_kept_for_backward():
     assert untiled >= 3 * 2 * SEQ * 80 * 4, untiled  # gate, up, act(gate) outputs at least
 
 
+def _norm_then_mlp(model, x, detach_source: bool):
+    """post_attention_layernorm (lean) then the tiled MLP of layer 0 on x; (out, unique saved storage bytes).
+    ``detach_source``: the MLP gets ``normed * 1`` (the same values, no norm source: it keeps its input)."""
+    layer = model.model.layers[0]
+    storages = {}
+
+    def pack(tensor):
+        if not isinstance(tensor, torch.nn.Parameter):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        normed = layer.post_attention_layernorm(x)
+        out = layer.mlp(normed * 1 if detach_source else normed)
+    return out, sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_after_a_lean_norm_the_mlp_keeps_the_norms_input_not_its_own(dtype):
+    """Norm -> tiled MLP: the MLP keeps what the norm keeps (x, rstd) and rebuilds its input rows per tile:
+    one [T, h] storage fewer, and the output and every gradient bit-identical to the MLP keeping its input."""
+    from hybridsp.memory._lean_norm import apply_lean_norms
+
+    model = _model(dtype=dtype)
+    apply_lean_norms(model, tile_tokens=16)
+    apply_tiled_mlp(model, tile_tokens=7)
+    x = (torch.randn(2, SEQ, 32, dtype=dtype) * 3).requires_grad_()
+    grad = torch.randn(2, SEQ, 32, dtype=dtype)
+    results, kept = [], []
+    for detach_source in (True, False):
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        out, saved = _norm_then_mlp(model, x, detach_source)
+        out.backward(grad)
+        results.append(
+            [out.detach(), x.grad] + [p.grad.clone() for p in model.model.layers[0].parameters() if p.grad is not None]
+        )
+        kept.append(saved)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert kept[0] - kept[1] == x.numel() * x.element_size(), kept  # the norm's output is no longer kept
+
+
+def test_an_input_modified_after_its_norm_is_kept_as_it_is():
+    """The norm's output changed in place before the MLP: the MLP keeps it (no rebuild from the norm)."""
+    from hybridsp.memory._lean_norm import apply_lean_norms, norm_source
+
+    model = _model()
+    apply_lean_norms(model)
+    apply_tiled_mlp(model, tile_tokens=7)
+    layer = model.model.layers[0]
+    x = torch.randn(2, SEQ, 32, requires_grad=True)
+    normed = layer.post_attention_layernorm(x)
+    assert norm_source(normed) is not None
+    normed.mul_(2.0)
+    assert norm_source(normed) is None
+    expected = layer.mlp(normed.detach().clone().requires_grad_())
+    assert torch.equal(layer.mlp(normed), expected)
+
+
 def test_bad_arguments_raise_value_errors():
     model = _model()
     with pytest.raises(ValueError, match="tile_tokens must be a positive"):
