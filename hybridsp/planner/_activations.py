@@ -21,12 +21,14 @@ def norm_bytes_per_token(model: ModelSpec, dtype_bytes: int, lean: bool = False)
 
 def o_proj_input_copied(model: ModelSpec, ulysses: int, ring: int, head_chunks: int = 1) -> bool:
     """Whether the o_proj input is a tensor of its own rather than a view of the call's saved output:
-    HF attention's ``reshape(...).contiguous()`` copies an output that is not dense [B, S, H Dv],
-    and only the ring path at U = 1, G = 1 (R > 1) returns one (its accumulator,
-    ``hybridsp.attention._ring_function``); the Ulysses all-to-all, the head groups and a single
-    kernel call (R = 1) return views of heads-first storage. An output gate always makes its own
-    gated product."""
-    return model.attention_output_gate or not (ulysses == 1 and head_chunks == 1 and ring > 1)
+    HF attention's ``reshape(...).contiguous()`` copies an output that is not dense [B, S, H Dv].
+    At U = 1 the ring path (R > 1; its accumulator, ``hybridsp.attention._ring_function``) and the head
+    groups (G > 1; token-major, Note [token-major out] in ``hybridsp.attention._head_chunks``) return
+    the dense tensor they keep, so the o_proj input is a view of it; a single kernel call (U = R = G = 1)
+    returns a view of heads-first storage (copied). At U > 1 the call keeps its ring-slot output, not
+    the one it returns, so the o_proj input is a tensor of its own either way. An output gate always
+    makes its own gated product."""
+    return model.attention_output_gate or not (ulysses == 1 and (head_chunks > 1 or ring > 1))
 
 
 def attention_bytes_per_token(

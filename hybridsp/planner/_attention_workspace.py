@@ -19,6 +19,8 @@ Call level (once)
         U > 1; less O when the o_proj input is a copy of the call's output
         (:func:`hybridsp.planner._activations.o_proj_input_copied`), freed by o_proj's backward.
     results (G > 1): dq/dk/dv of every head, preallocated, Q + KV.
+    the next group's dout in flight (U > 1, G > 1; Note [overlap] in ``hybridsp.attention._head_chunks``):
+        its send buffer and its receive buffer, 2 o, alive through the current group's ring.
 Group level (one group at a time; ``hybridsp.attention._ring_function.ring_backward``)
     accumulators (R > 1): fp32 dq/dk/dv, f (q + kv) (a ring of one that nothing masks calls the
         kernel once: none).
@@ -185,4 +187,5 @@ def backward_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshC
         steps = kernel_bytes(group, 2, 2) + blocks
     else:
         steps = worst_step_bytes(group, ring, workload.causal)
-    return call_bytes(model, workload, config) + accumulators + steps
+    prefetched = 2 * group.out if config.ulysses > 1 and resolved_head_chunks(model, workload, config) > 1 else 0
+    return call_bytes(model, workload, config) + accumulators + prefetched + steps

@@ -32,12 +32,13 @@ def _workspace(kv_heads, ulysses, ring, chunks, seq=4096):
 
 
 @pytest.mark.fast
-def test_o_proj_input_is_a_copy_unless_the_ring_returns_its_accumulator():
+def test_o_proj_input_is_a_view_of_the_kept_output_only_at_u1_with_a_ring_or_head_groups():
     model, e, hd = _layer(2), 2, 8 * 64
     base = e * (hd + hd + 2 * 128) + 4 * 8  # q, out, k + v, fp32 LSE
-    assert not o_proj_input_copied(model, 1, 4, 1)  # U = 1, G = 1, R > 1: out is the dense accumulator
-    assert attention_bytes_per_token(model, 1, e, 1, 4) == base
-    for ulysses, ring, chunks in ((1, 1, 1), (1, 4, 2), (2, 2, 1), (2, 1, 2)):  # heads-first views: HF copies
+    for ring, chunks in ((4, 1), (4, 2), (1, 2)):  # the ring's dense accumulator; head groups' token-major out
+        assert not o_proj_input_copied(model, 1, ring, chunks)
+        assert attention_bytes_per_token(model, 1, e, chunks, ring) == base
+    for ulysses, ring, chunks in ((1, 1, 1), (2, 2, 1), (2, 1, 2)):  # a heads-first view, or not the kept output
         assert attention_bytes_per_token(model, ulysses, e, chunks, ring) == base + hd * e
 
 
@@ -78,7 +79,7 @@ def test_head_groups_written_out():
     """U1 x R4, G = 2, Hkv = 4: the preallocated dq/dk/dv of all heads plus one group's step (rank 2, step 2);
     U4 x R1: one kernel call, no accumulators."""
     grouped = (
-        (2 - 2) * MIB  # dout, less the o_proj input copy
+        2 * MIB  # dout (the o_proj input is a view of the call's token-major output: nothing freed)
         + (2 + 1 + 1) * MIB  # dq/dk/dv of every head
         + (1 + 0.5 + 0.5) * MIB  # one group's fp32 accumulators
         + (1 + 0.25 + 0.25 + 1) * MIB  # kernel: dq, dk, dv (half the keys), dout copied out of the group view
@@ -150,6 +151,7 @@ def _measured_backward(rank, world, ulysses, ring, seq, chunks, kv_heads):
         q, k, v = (t.transpose(1, 2) for t in leaves)  # [B, T, h, D]
         out = hybrid_attn_func(q, k, v, mesh=mesh, backend="torch", head_chunks=chunks)  # [B, T, H, D]
         y = torch.nn.functional.linear(out.reshape(1, tokens, -1).contiguous(), o_proj)  # [B, T, h]
+        del out  # as in a model, whose forward has returned by then: o_proj's saved input alone keeps it
         with record_function("backward"):
             torch.autograd.grad(y, leaves, grad)
 

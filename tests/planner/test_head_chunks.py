@@ -50,12 +50,13 @@ def test_g_shrinks_one_groups_working_set_not_the_results(ulysses, ring):
     assert grouped[1:] == sorted(grouped[1:], reverse=True) and len(set(grouped[1:])) == len(grouped[1:])
 
 
-def test_saved_attention_keeps_the_o_proj_copy_of_a_heads_first_output():
-    """The o_proj input is its own tensor unless the ring path at U = 1, G = 1 returns its dense accumulator."""
+def test_saved_attention_keeps_the_o_proj_copy_unless_the_output_it_returns_is_kept():
+    """The o_proj input is its own tensor unless the call keeps the dense output it returns (U = 1: the
+    ring's accumulator, or the head groups' token-major output)."""
     e, hd = 2, 8 * 16
     base = e * (hd + hd + 4 * 32) + 4 * 8
     assert attention_bytes_per_token(SMALL, 1, e, 1, 4) == base
-    assert attention_bytes_per_token(SMALL, 1, e, 2, 4) == base + hd * e  # the groups write a heads-first output
+    assert attention_bytes_per_token(SMALL, 1, e, 2, 4) == base  # the groups write a token-major output
     assert attention_bytes_per_token(SMALL, 2, e, 1, 2) == attention_bytes_per_token(SMALL, 2, e, 2, 2) == base + hd * e
 
 
