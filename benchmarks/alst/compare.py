@@ -207,6 +207,29 @@ def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log
     return {"longest": good, "first_failure": bad, "attempts": attempts}
 
 
+def walk(run: alst_stacks.Run, budget: int, start: int, granularity: int, log, probe=None) -> dict:
+    """The boundary near a good guess: from ``start`` in steps of ``granularity``, up while a step fits,
+    down while it fails (cheaper than :func:`longest` when the guess is within a few steps; a rerun after
+    a change that moves the boundary a little). ``probe(run, S, budget)`` is :func:`fits` unless given."""
+    probe = probe or fits
+    attempts: list[dict] = []
+
+    def attempt(length: int) -> bool:
+        ok, why = probe(run, length, budget)
+        attempts.append({"seq_len": length, "ok": ok, "why": why})
+        log(f"    {run.name} S={length}: {'fits' if ok else 'fails: ' + why}")
+        return ok
+
+    length, step = start, granularity
+    if attempt(length):
+        while attempt(length + step):
+            length += step
+        return {"longest": length, "first_failure": length + step, "attempts": attempts}
+    while length - step > 0 and not attempt(length - step):
+        length -= step
+    return {"longest": max(length - step, 0), "first_failure": length, "attempts": attempts}
+
+
 def part_longest(
     base: alst_stacks.Run,
     world: int,

@@ -22,7 +22,9 @@ Parts (each writes ``results/head_chunks/<part>.{md,json}``, or under ``--out``)
 - ``longest``: the longest S (a multiple of ``--granularity``) one step of that job fits under a
   per-rank cap of ``--budget-mib`` (alst.compare's ``longest``: RLIMIT_DATA from after the engine
   build, tensors >= 256 KiB mmapped, doubling from ``--start`` then bisection, no attempt above
-  ``--max-seq-len``), for ALST and hybridsp at each G of ``--step-chunks``.
+  ``--max-seq-len``), for ALST and hybridsp at each G of ``--step-chunks``; ``--walk-from ALST=36864
+  G8=57344`` walks from a known neighbourhood instead (alst.compare's ``walk``: ``--granularity`` steps
+  up while a step fits, down while it fails).
 """
 
 from __future__ import annotations
@@ -203,15 +205,16 @@ def markdown_step(result: dict) -> str:
 
 def part_longest(args, base: alst_stacks.Run) -> dict:
     rows = {}
+    guesses = dict(pair.split("=") for pair in args.walk_from)
     for name, run in step_runs(args, base).items():
-        rows[name] = compare.longest(
-            run,
-            args.budget_mib * MIB,
-            args.start,
-            args.granularity,
-            lambda line: print(line, flush=True),
-            args.max_seq_len,
-        )
+        log = lambda line: print(line, flush=True)  # noqa: E731
+        key = name.removeprefix("hybridsp ")
+        if key in guesses:  # a step-wise walk from a known neighbourhood
+            rows[name] = compare.walk(run, args.budget_mib * MIB, int(guesses[key]), args.granularity, log)
+        else:
+            rows[name] = compare.longest(
+                run, args.budget_mib * MIB, args.start, args.granularity, log, args.max_seq_len
+            )
     return {"rows": rows, "budget_mib": args.budget_mib, "granularity": args.granularity, "mesh": args.mesh}
 
 
@@ -260,6 +263,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget-mib", type=int, default=200, help="longest: per-rank cap")
     parser.add_argument("--start", type=int, default=16384, help="longest: first S tried")
     parser.add_argument("--granularity", type=int, default=4096, help="longest: S step of the bisection")
+    parser.add_argument(
+        "--walk-from",
+        nargs="*",
+        default=[],
+        metavar="STACK=S",
+        help="longest: walk in --granularity steps from S for these stacks (ALST, G1, G8, ...) instead of "
+        "doubling and bisecting from --start",
+    )
     parser.add_argument("--max-seq-len", type=int, default=None, help="longest: no attempt beyond this S")
     parser.add_argument("--out", help="write <part>.{md,json} here instead of benchmarks/results/head_chunks/")
     args = parser.parse_args(argv)
