@@ -155,6 +155,12 @@ BENCHMARKS = (
         "results/longest_context",
         ("--rows", "none", "--vocab", "256", "--at", "1024", "--out", "{tmp}", "--fixture", ""),
     ),
+    Benchmark(
+        "longest.planner_ablation",
+        "What does the planner answer for Llama-3-8B on 8 / 32 / 64 H100, technique by technique, and where do the GiB go?",
+        "results/planner",
+        ("--nodes", "1", "--out", "{tmp}/ablation_planner"),
+    ),
     # packed documents
     Benchmark(
         "packed.layout",
