@@ -259,6 +259,18 @@ def run(args: argparse.Namespace, plan, build_trainer) -> None:
             f"done: {result.global_step} steps, {trained}; metrics.jsonl and the final model in {args.output_dir}",
             flush=True,
         )
+    close_process_group()
+
+
+def close_process_group() -> None:
+    """Every rank done, then the process group destroyed before the interpreter exits: left to exit-time
+    destructors, gloo's worker threads sometimes aborted a finished rank ("terminate called without an
+    active exception", exit 250, seen once in the suite after a complete SFT run)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def build_model_for(args: argparse.Namespace, tokenizer, training):
