@@ -185,25 +185,28 @@ def fits(run: alst_stacks.Run, seq_len: int, budget: int) -> tuple[bool, str]:
         return False, last if memory else "other: " + last
 
 
+def _attempt(run: alst_stacks.Run, length: int, budget: int, attempts: list[dict], log, probe=None) -> bool:
+    """One step at ``length`` through ``probe`` (:func:`fits` unless given), recorded in ``attempts`` and logged."""
+    ok, why = (probe or fits)(run, length, budget)
+    attempts.append({"seq_len": length, "ok": ok, "why": why})
+    log(f"    {run.name} S={length}: {'fits' if ok else 'fails: ' + why}")
+    return ok
+
+
 def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log, ceiling: int | None = None) -> dict:
     """Doubling from ``start`` until a step fails, then bisection to ``granularity``; no attempt beyond
     ``ceiling`` (then ``first_failure`` is None and the longest S is at least ``longest``)."""
-    attempts, good, bad = [], 0, None
+    attempts: list[dict] = []
+    good, bad = 0, None
     length = start
     while bad is None:
         if ceiling is not None and length > ceiling:
             return {"longest": good, "first_failure": None, "attempts": attempts, "ceiling": ceiling}
-        ok, why = fits(run, length, budget)
-        attempts.append({"seq_len": length, "ok": ok, "why": why})
-        log(f"    {run.name} S={length}: {'fits' if ok else 'fails: ' + why}")
-        good, bad = (length, None) if ok else (good, length)
+        good, bad = (length, None) if _attempt(run, length, budget, attempts, log) else (good, length)
         length *= 2
     while bad - good > granularity:
         middle = (good + bad) // 2 // granularity * granularity
-        ok, why = fits(run, middle, budget)
-        attempts.append({"seq_len": middle, "ok": ok, "why": why})
-        log(f"    {run.name} S={middle}: {'fits' if ok else 'fails: ' + why}")
-        good, bad = (middle, bad) if ok else (good, middle)
+        good, bad = (middle, bad) if _attempt(run, middle, budget, attempts, log) else (good, middle)
     return {"longest": good, "first_failure": bad, "attempts": attempts}
 
 
@@ -211,14 +214,10 @@ def walk(run: alst_stacks.Run, budget: int, start: int, granularity: int, log, p
     """The boundary near a good guess: from ``start`` in steps of ``granularity``, up while a step fits,
     down while it fails (cheaper than :func:`longest` when the guess is within a few steps; a rerun after
     a change that moves the boundary a little). ``probe(run, S, budget)`` is :func:`fits` unless given."""
-    probe = probe or fits
     attempts: list[dict] = []
 
     def attempt(length: int) -> bool:
-        ok, why = probe(run, length, budget)
-        attempts.append({"seq_len": length, "ok": ok, "why": why})
-        log(f"    {run.name} S={length}: {'fits' if ok else 'fails: ' + why}")
-        return ok
+        return _attempt(run, length, budget, attempts, log, probe)
 
     length, step = start, granularity
     if attempt(length):

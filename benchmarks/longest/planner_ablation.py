@@ -20,6 +20,8 @@ import datetime
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from benchmarks.common import harness
 
@@ -42,10 +44,11 @@ def plan(*options: str) -> str:
 
 
 def cluster_section(nodes: int) -> tuple[str, dict]:
-    """One cluster's ablation: (its markdown section, its JSON rows)."""
-    options = (*COMMON, "--nodes", str(nodes), "--ablation")
-    table = plan(*options).strip()
-    rows = json.loads(plan(*options, "--json"))["ablation"]
+    """One cluster's ablation, one planner run: (its markdown section, its JSON rows)."""
+    with tempfile.TemporaryDirectory() as folder:
+        written = Path(folder) / "ablation.json"
+        table = plan(*COMMON, "--nodes", str(nodes), "--ablation", "--out", str(written)).strip()
+        rows = json.loads(written.read_text())["ablation"]
     title = (
         f"## {8 * nodes} H100 ({nodes} node{'s' if nodes > 1 else ''}); Arctic/ALST measured: {ARCTIC.get(nodes, '-')}"
     )

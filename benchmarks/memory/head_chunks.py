@@ -206,8 +206,11 @@ def markdown_step(result: dict) -> str:
 def part_longest(args, base: alst_stacks.Run) -> dict:
     rows = {}
     guesses = dict(pair.split("=") for pair in args.walk_from)
+
+    def log(line: str) -> None:
+        print(line, flush=True)
+
     for name, run in step_runs(args, base).items():
-        log = lambda line: print(line, flush=True)  # noqa: E731
         key = name.removeprefix("hybridsp ")
         if key in guesses:  # a step-wise walk from a known neighbourhood
             rows[name] = compare.walk(run, args.budget_mib * MIB, int(guesses[key]), args.granularity, log)

@@ -161,18 +161,20 @@ def worst_step_bytes(group: GroupTensors, ring: int, causal: bool) -> int:
 
 
 def call_bytes(model: ModelSpec, workload: Workload, config: MeshConfig) -> int:
-    """The call-level terms (module docstring): dout and its slot copy, the preallocated results (G > 1)."""
+    """The call-level terms (module docstring): dout and its slot copy, the preallocated results and the
+    next group's dout in flight (G > 1)."""
     tokens, e, u = local_tokens(workload, config), workload.dtype_bytes, config.ulysses
     chunks = resolved_head_chunks(model, workload, config)
     dout = tokens * model.num_heads * model.value_head_dim * e
     kept = dout if u == 1 or chunks > 1 else 0
     slot = group_tensors(model, workload, config).out if u > 1 else 0
     freed = dout if o_proj_input_copied(model, u, config.ring, chunks) else 0
-    results = 0
+    results = prefetched = 0
     if chunks > 1:
         kv_heads = expanded_kv_heads(model, u)
         results = tokens * (model.num_heads * model.head_dim + kv_heads * (model.head_dim + model.value_head_dim)) * e
-    return kept + slot - freed + results
+        prefetched = 2 * slot  # the next group's dout: send and receive buffers (none at U = 1)
+    return kept + slot - freed + results + prefetched
 
 
 def backward_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, kv_mode: str) -> int:
@@ -187,5 +189,4 @@ def backward_workspace_bytes(model: ModelSpec, workload: Workload, config: MeshC
         steps = kernel_bytes(group, 2, 2) + blocks
     else:
         steps = worst_step_bytes(group, ring, workload.causal)
-    prefetched = 2 * group.out if config.ulysses > 1 and resolved_head_chunks(model, workload, config) > 1 else 0
-    return call_bytes(model, workload, config) + accumulators + prefetched + steps
+    return call_bytes(model, workload, config) + accumulators + steps

@@ -40,21 +40,19 @@ def run_ablation(
     techniques: Techniques,
     workload_args: dict,
 ) -> int:
-    """``--longest-context --ablation``: one row per technique added; JSON ``{"ablation": [...]}``."""
+    """``--longest-context --ablation``: one row per technique added; JSON ``{"ablation": [...]}`` (printed
+    with ``--json``, written to ``--out`` beside the table)."""
     rows = ablation(model, cluster, base=techniques, granularity=args.granularity, space=space, **workload_args)
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "ablation": [row.to_dict() for row in rows],
-                    "model": model.name,
-                    "cluster": cluster.name,
-                    "granularity": args.granularity,
-                }
-            )
-        )
-    else:
-        print(format_ablation(rows, model, cluster))
+    document = {
+        "ablation": [row.to_dict() for row in rows],
+        "model": model.name,
+        "cluster": cluster.name,
+        "granularity": args.granularity,
+    }
+    if args.out:
+        with open(args.out, "w") as sink:
+            sink.write(json.dumps(document, indent=1) + "\n")
+    print(json.dumps(document) if args.json else format_ablation(rows, model, cluster))
     return 0 if rows[-1].plan is not None else 1
 
 

@@ -254,7 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
     out.add_argument("--top", type=int, default=12, help="table rows (0: all)")
-    out.add_argument("--out", help="with --clusters: also write the rows and how they were made to this JSON file")
+    out.add_argument(
+        "--out", help="with --clusters or --ablation: also write the rows (and how they were made) to this JSON file"
+    )
 
 
 def _lengths(text: str) -> list[int]:

@@ -439,6 +439,16 @@ def test_ablation_honours_fixed_degrees_and_prints_a_table(capsys):
         main(["plan", "--model", "llama3-8b", "--ablation"])
 
 
+def test_ablation_out_writes_the_rows_json_prints(capsys, tmp_path):
+    fixed = ["--ulysses", "2", "--ring", "4"]
+    assert main(ABLATION_COMMAND + fixed) == 0
+    printed = json.loads(capsys.readouterr().out)
+    path = tmp_path / "ablation.json"
+    assert main(ABLATION_COMMAND[:-1] + fixed + ["--out", str(path)]) == 0
+    assert "| none |" in capsys.readouterr().out  # the table still printed
+    assert json.loads(path.read_text()) == printed
+
+
 # ----------------------------------------------------------------------------- links and timing
 
 
