@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import add_mesh_arguments, add_model_arguments, add_overwrite_argument, add_step_arguments, mesh_overrides  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
-from host import share_cpu_cores  # noqa: E402
+from host import close_process_group, share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, exit_once, preflight  # noqa: E402
 from text_data import TokenWindows  # noqa: E402
 from train import build_model, load_windows  # noqa: E402
@@ -240,6 +240,7 @@ def run(args: argparse.Namespace, plan) -> None:
             f"checkpoints and trainer_state.json in {args.output_dir}",
             flush=True,
         )
+    close_process_group()
 
 
 def sharding_note(model) -> str:

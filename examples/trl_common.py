@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cli_args import ROOT, add_mesh_arguments, add_model_arguments, add_overwrite_argument, add_step_arguments  # noqa: E402
 from console import name_cpu_accelerator, quiet_console  # noqa: E402
-from host import share_cpu_cores  # noqa: E402
+from host import close_process_group, share_cpu_cores  # noqa: E402
 from preflight import RunConfigError, exit_once, preflight  # noqa: E402
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -260,17 +260,6 @@ def run(args: argparse.Namespace, plan, build_trainer) -> None:
             flush=True,
         )
     close_process_group()
-
-
-def close_process_group() -> None:
-    """Every rank done, then the process group destroyed before the interpreter exits: left to exit-time
-    destructors, gloo's worker threads sometimes aborted a finished rank ("terminate called without an
-    active exception", exit 250, seen once in the suite after a complete SFT run)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def build_model_for(args: argparse.Namespace, tokenizer, training):
