@@ -55,6 +55,7 @@ from pathlib import Path
 
 from benchmarks.alst import _defects as alst_defects
 from benchmarks.alst import _ranks as alst_ranks
+from benchmarks.alst import _search
 from benchmarks.common import alst_stacks, harness
 from hybridsp._formulas import heads_divisible
 
@@ -185,50 +186,6 @@ def fits(run: alst_stacks.Run, seq_len: int, budget: int) -> tuple[bool, str]:
         return False, last if memory else "other: " + last
 
 
-def _attempt(run: alst_stacks.Run, length: int, budget: int, attempts: list[dict], log, probe=None) -> bool:
-    """One step at ``length`` through ``probe`` (:func:`fits` unless given), recorded in ``attempts`` and logged."""
-    ok, why = (probe or fits)(run, length, budget)
-    attempts.append({"seq_len": length, "ok": ok, "why": why})
-    log(f"    {run.name} S={length}: {'fits' if ok else 'fails: ' + why}")
-    return ok
-
-
-def longest(run: alst_stacks.Run, budget: int, start: int, granularity: int, log, ceiling: int | None = None) -> dict:
-    """Doubling from ``start`` until a step fails, then bisection to ``granularity``; no attempt beyond
-    ``ceiling`` (then ``first_failure`` is None and the longest S is at least ``longest``)."""
-    attempts: list[dict] = []
-    good, bad = 0, None
-    length = start
-    while bad is None:
-        if ceiling is not None and length > ceiling:
-            return {"longest": good, "first_failure": None, "attempts": attempts, "ceiling": ceiling}
-        good, bad = (length, None) if _attempt(run, length, budget, attempts, log) else (good, length)
-        length *= 2
-    while bad - good > granularity:
-        middle = (good + bad) // 2 // granularity * granularity
-        good, bad = (middle, bad) if _attempt(run, middle, budget, attempts, log) else (good, middle)
-    return {"longest": good, "first_failure": bad, "attempts": attempts}
-
-
-def walk(run: alst_stacks.Run, budget: int, start: int, granularity: int, log, probe=None) -> dict:
-    """The boundary near a good guess: from ``start`` in steps of ``granularity``, up while a step fits,
-    down while it fails (cheaper than :func:`longest` when the guess is within a few steps; a rerun after
-    a change that moves the boundary a little). ``probe(run, S, budget)`` is :func:`fits` unless given."""
-    attempts: list[dict] = []
-
-    def attempt(length: int) -> bool:
-        return _attempt(run, length, budget, attempts, log, probe)
-
-    length, step = start, granularity
-    if attempt(length):
-        while attempt(length + step):
-            length += step
-        return {"longest": length, "first_failure": length + step, "attempts": attempts}
-    while length - step > 0 and not attempt(length - step):
-        length -= step
-    return {"longest": max(length - step, 0), "first_failure": length, "attempts": attempts}
-
-
 def part_longest(
     base: alst_stacks.Run,
     world: int,
@@ -241,8 +198,8 @@ def part_longest(
     rows = {}
     for features in ("plain", "best"):
         for name, run in stack_runs(base, world, features, only).items():
-            rows[f"{name} {features}"] = longest(
-                run, budget_mib * MIB, start, granularity, lambda line: print(line, flush=True), ceiling
+            rows[f"{name} {features}"] = _search.longest(
+                run, budget_mib * MIB, start, granularity, lambda line: print(line, flush=True), fits, ceiling
             )
     return {"budget_mib": budget_mib, "granularity": granularity, "limit_from": base.limit_from, "rows": rows}
 

@@ -20,10 +20,10 @@ Parts (each writes ``results/head_chunks/<part>.{md,json}``, or under ``--out``)
   peak RSS (VmHWM), the step's own peak above the built engine, CPU and wall seconds per step (after a
   warm-up step), medians over ``--rounds`` launches with the order rotated.
 - ``longest``: the longest S (a multiple of ``--granularity``) one step of that job fits under a
-  per-rank cap of ``--budget-mib`` (alst.compare's ``longest``: RLIMIT_DATA from after the engine
+  per-rank cap of ``--budget-mib`` (alst._search's ``longest`` over alst.compare's ``fits``: RLIMIT_DATA from after the engine
   build, tensors >= 256 KiB mmapped, doubling from ``--start`` then bisection, no attempt above
   ``--max-seq-len``), for ALST and hybridsp at each G of ``--step-chunks``; ``--walk-from ALST=36864
-  G8=57344`` walks from a known neighbourhood instead (alst.compare's ``walk``: ``--granularity`` steps
+  G8=57344`` walks from a known neighbourhood instead (alst._search's ``walk``: ``--granularity`` steps
   up while a step fits, down while it fails).
 """
 
@@ -38,7 +38,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from benchmarks.alst import compare
+from benchmarks.alst import _search, compare
 from benchmarks.common import alst_stacks, harness
 
 MODULE = "benchmarks.memory.head_chunks"
@@ -213,10 +213,12 @@ def part_longest(args, base: alst_stacks.Run) -> dict:
     for name, run in step_runs(args, base).items():
         key = name.removeprefix("hybridsp ")
         if key in guesses:  # a step-wise walk from a known neighbourhood
-            rows[name] = compare.walk(run, args.budget_mib * MIB, int(guesses[key]), args.granularity, log)
+            rows[name] = _search.walk(
+                run, args.budget_mib * MIB, int(guesses[key]), args.granularity, log, compare.fits
+            )
         else:
-            rows[name] = compare.longest(
-                run, args.budget_mib * MIB, args.start, args.granularity, log, args.max_seq_len
+            rows[name] = _search.longest(
+                run, args.budget_mib * MIB, args.start, args.granularity, log, compare.fits, args.max_seq_len
             )
     return {"rows": rows, "budget_mib": args.budget_mib, "granularity": args.granularity, "mesh": args.mesh}
 

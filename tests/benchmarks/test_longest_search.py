@@ -1,8 +1,8 @@
-"""The longest-S searches of benchmarks.alst.compare against a plain rule (a step fits when S <= a limit)."""
+"""The longest-S searches of benchmarks.alst._search against a plain rule (a step fits when S <= a limit)."""
 
 import pytest
 
-from benchmarks.alst import compare
+from benchmarks.alst import _search
 from benchmarks.common.alst_stacks import Run
 
 
@@ -18,7 +18,7 @@ def _probe(limit: int, tried: list[int]):
 @pytest.mark.parametrize("limit", [38000, 40960, 4000])
 def test_walk_finds_the_boundary_from_either_side(start, limit):
     tried: list[int] = []
-    found = compare.walk(Run(seq_len=start), 1, start, 4096, lambda line: None, _probe(limit, tried))
+    found = _search.walk(Run(seq_len=start), 1, start, 4096, lambda line: None, _probe(limit, tried))
     best = limit // 4096 * 4096  # the largest multiple of the step that fits (0: none)
     assert found["longest"] == best and found["first_failure"] == best + 4096
     assert all(a["ok"] == (a["seq_len"] <= limit) for a in found["attempts"])
