@@ -28,7 +28,13 @@ from hybridsp.attention import (
 from hybridsp.data import ShardedDataLoader, replica_sampler, shard_batch
 from hybridsp.layout import Documents
 from hybridsp.losses import fused_cross_entropy, real_token_mask, sharded_cross_entropy, sharded_load_balancing_loss
-from hybridsp.memory import ActivationOffload, apply_lean_norms, apply_tiled_mlp, offload_activations
+from hybridsp.memory import (
+    ActivationOffload,
+    apply_lean_norms,
+    apply_split_checkpointing,
+    apply_tiled_mlp,
+    offload_activations,
+)
 from hybridsp.mesh import HybridMesh, MeshShape, init_mesh
 from hybridsp.monitor import verify_parity
 
@@ -43,6 +49,7 @@ __all__ = [
     "ShardedDataLoader",
     "__version__",
     "apply_lean_norms",
+    "apply_split_checkpointing",
     "apply_tiled_mlp",
     "fused_cross_entropy",
     "gather_sequence",

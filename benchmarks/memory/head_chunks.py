@@ -16,7 +16,8 @@ Parts (each writes ``results/head_chunks/<part>.{md,json}``, or under ``--out``)
   the profiler); every G's out and gradients against G = 1's (max relative error).
 - ``step``: the ALST comparison's job (:mod:`benchmarks.common.alst_stacks`, best features: checkpointing,
   fused loss, tiled MLP, lean norms, activation offload) at one S, ALST against hybridsp at ``--mesh``
-  with each G of ``--step-chunks`` (the ``"hybridsp"`` config section's ``head_chunks``): per rank the
+  with each G of ``--step-chunks`` (the ``"hybridsp"`` config section's ``head_chunks``; ``8+split``: G = 8
+  with ``apply_split_checkpointing``): per rank the
   peak RSS (VmHWM), the step's own peak above the built engine, CPU and wall seconds per step (after a
   warm-up step), medians over ``--rounds`` launches with the order rotated.
 - ``longest``: the longest S (a multiple of ``--granularity``) one step of that job fits under a
@@ -42,6 +43,7 @@ from benchmarks.alst import _search, compare
 from benchmarks.common import alst_stacks, harness
 
 MODULE = "benchmarks.memory.head_chunks"
+SPLIT = "+split"  # a --step-chunks value's suffix: that G with split checkpointing (apply_split_checkpointing)
 MIB = 2**20
 
 
@@ -154,9 +156,16 @@ def markdown_layer(result: dict) -> str:
 def step_runs(args, base: alst_stacks.Run) -> dict[str, alst_stacks.Run]:
     u, r = map(int, args.mesh.split("x"))
     runs = {"ALST": replace(base, stack="alst", ulysses=u * r, ring=1, features="best")}
-    for g in args.step_chunks:
-        runs[f"hybridsp G{g}"] = replace(
-            base, stack="hybridsp", ulysses=u, ring=r, features="best", head_chunks=g if g == "auto" else int(g)
+    for setting in args.step_chunks:
+        g, split = setting.removesuffix(SPLIT), setting.endswith(SPLIT)
+        runs[f"hybridsp G{setting}"] = replace(
+            base,
+            stack="hybridsp",
+            ulysses=u,
+            ring=r,
+            features="best",
+            head_chunks=g if g == "auto" else int(g),
+            split=split,
         )
     return runs
 
@@ -260,7 +269,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--chunks", nargs="+", type=int, default=[1, 2, 4, 8], help="layer: G values")
     parser.add_argument("--repeats", type=int, default=3, help="layer: timed rounds")
     parser.add_argument("--mesh", default="1x4", help="step / longest: hybridsp's U x R")
-    parser.add_argument("--step-chunks", nargs="+", default=["1", "2", "4", "8"], help="step / longest: G values")
+    parser.add_argument(
+        "--step-chunks",
+        nargs="+",
+        default=["1", "2", "4", "8"],
+        help="step / longest: G values (G+split: with split checkpointing)",
+    )
     parser.add_argument("--seq-len", type=int, default=16384, help="step: S")
     parser.add_argument("--kv-heads", type=int, default=8, help="step / longest: the job's K/V heads")
     parser.add_argument("--layers", type=int, default=4, help="step / longest: the job's layers")

@@ -1,6 +1,6 @@
 """Instance-level forwards put on a model's modules, and the handle that takes them off again.
 
-:func:`patch_forwards` is how the memory techniques switch modules (``tiled_mlp``, ``lean_norm``):
+:func:`patch_forwards` is how the memory techniques switch modules (``tiled_mlp``, ``lean_norm``, ``split_checkpoint``):
 each module gets an instance attribute ``forward`` (its class is untouched, other instances and
 other models are not affected); :class:`ForwardPatch` ``undo()`` deletes those attributes.
 """
@@ -18,11 +18,12 @@ from hybridsp._checks import check_positive
 
 @dataclass
 class ForwardPatch:
-    """What a technique changed: ``modules`` with an instance-level forward, the ``tile_tokens`` it uses;
+    """What a technique changed: ``modules`` with an instance-level forward, the ``tile_tokens`` it uses
+    (None: it does not tile);
     ``undo()`` restores every module (idempotent); a context manager that undoes at exit."""
 
     modules: list[nn.Module]
-    tile_tokens: int
+    tile_tokens: int | None
     active: bool = True
 
     def undo(self) -> None:
@@ -42,8 +43,8 @@ class ForwardPatch:
 
 def patch_forwards(
     modules: list[nn.Module],
-    make_forward: Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]],
-    tile_tokens: int,
+    make_forward: Callable[[nn.Module], Callable[..., torch.Tensor]],
+    tile_tokens: int | None,
     *,
     model: nn.Module,
     what: str,
@@ -51,13 +52,14 @@ def patch_forwards(
     """Give each of ``modules`` the forward ``make_forward(module)``; ``what`` names them in errors.
 
     Raises ValueError (nothing changed) when ``modules`` is empty, one already has an instance-level
-    forward, or ``tile_tokens`` is not a positive int.
+    forward, or ``tile_tokens`` is neither None (the technique does not tile) nor a positive int.
     """
     if not modules:
         raise ValueError(f"{type(model).__name__} has no {what}")
     if any("forward" in vars(m) for m in modules):
         raise ValueError(f"a module of {type(model).__name__} already has an instance-level forward (switched twice?)")
-    check_positive(tile_tokens, "tile_tokens", integer=True, unit="rows (tokens)")
+    if tile_tokens is not None:
+        check_positive(tile_tokens, "tile_tokens", integer=True, unit="rows (tokens)")
     for module in modules:
         module.forward = make_forward(module)
     return ForwardPatch(modules, tile_tokens)

@@ -33,6 +33,16 @@ marked gets a handle that stays on the device unless the next pre-hook names it 
 there). Each pre-hook drops the earlier marks and unclaimed handles: a layer's input is saved before
 the next layer starts. (Before this, the hooks-inside order offloaded nothing, silently.)
 
+Note [split layers]: under :func:`hybridsp.memory.apply_split_checkpointing` a layer is two
+checkpointed regions and keeps two inputs, ``x`` and the attention half's output ``h1``; the MLP
+half's first module (``post_attention_layernorm``) gets the same marking pre-hook, so ``h1`` goes to
+host like ``x`` (in the backward the MLP half needs ``h1`` first, then the attention half ``x``).
+
+Note [aliases]: a marked input is matched to a saved tensor by identity or as an alias of the same
+elements (same storage, offset, shape, strides, dtype): DeepSpeed ZeRO-3's module pre-hooks hand a
+module ``input.detach()`` (a new tensor object on the same storage), so the MLP half's entry module
+sees an alias of the ``h1`` that the checkpoint saved (found by ``benchmarks.memory.step_peak``).
+
 Note [streams and the last layers]: on CUDA the device-to-host copy of layer ``i``'s input runs
 on a side stream when layer ``i + 1`` starts (into pinned memory from torch's caching host
 allocator), so it overlaps layer ``i + 1``'s compute; ``record_stream`` keeps the device block
@@ -62,6 +72,8 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import nn
 
+from hybridsp.memory._split_checkpoint import second_half_entry
+
 HostAllocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
 
@@ -79,6 +91,21 @@ class OffloadStats:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or an alias of the same elements (Note [aliases])."""
+    if a is b:
+        return True
+    return (
+        a is not None
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.storage_offset() == b.storage_offset()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )
 
 
 class _Saved:
@@ -199,6 +226,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
                 "(model.gradient_checkpointing_enable() on a Hugging Face model), or pass layers=[...]"
             )
         self._handles = [layer.register_forward_pre_hook(self._mark, with_kwargs=True) for layer in self.layers]
+        self._entries: set[int] = set()  # the split layers' MLP-half entry modules already hooked
         self._marked: list[torch.Tensor] = []
         self._unclaimed: list[_Saved] = []
         self._kept: list[_Saved] = []
@@ -235,23 +263,32 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         """Mark this layer's input (or claim it, if the checkpoint saved it already); earlier marks and
         unclaimed handles are dropped: each layer's input is saved before the next layer starts."""
         self._marked, unclaimed, self._unclaimed = [], self._unclaimed, []
+        self._hook_second_half(module)
         if self._active and module.training:
             first = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
             if isinstance(first, torch.Tensor) and first.is_floating_point() and _nbytes(first) >= self.min_bytes:
-                saved_first = next((h for h in unclaimed if h.device_tensor is first), None)
+                saved_first = next((h for h in unclaimed if _same_tensor(h.device_tensor, first)), None)
                 if saved_first is not None:  # the checkpoint saved it before this hook ran (Note [hook order])
                     self._claim(saved_first)
                 else:  # saved after this hook: on entering the checkpoint, or (reentrant) once it returns
                     self._marked = [first]
         return None
 
+    def _hook_second_half(self, layer: nn.Module) -> None:
+        """A split-checkpointed layer (Note [split layers]) saves a second input, ``h1``, at its MLP
+        half's entry module: mark that one too (hooked on first sight, whenever the split was applied)."""
+        entry = second_half_entry(layer)
+        if entry is not None and id(entry) not in self._entries:
+            self._entries.add(id(entry))
+            self._handles.append(entry.register_forward_pre_hook(self._mark, with_kwargs=True))
+
     # ------------------------------------------------------------------ the hooks
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         if not self._active:
             return tensor
-        if any(tensor is marked for marked in self._marked):
-            self._marked = [marked for marked in self._marked if marked is not tensor]
+        if any(_same_tensor(tensor, marked) for marked in self._marked):
+            self._marked = [marked for marked in self._marked if not _same_tensor(tensor, marked)]
             handle = _Saved(self, tensor)
             self._claim(handle)
             return handle
@@ -302,7 +339,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         """Take the marking hooks off the layers (the object is unusable afterwards)."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self._entries = [], set()
         self.layers = []
 
 

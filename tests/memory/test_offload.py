@@ -6,7 +6,9 @@ One launch runs, from the same seed on the same two global batches (B=2, S=64, r
   on ZeRO-3 (``ds_configs/cp4.json``) without checkpointing, with HF activation checkpointing
   (non-reentrant), and with checkpointing + :func:`hybridsp.offload_activations`: the loss and
   every parameter's reduced gradient of two steps; offload must equal plain checkpointing
-  (to 1e-6; the copies are exact) and both the run without checkpointing (1e-5).
+  (to 1e-6; the copies are exact) and both the run without checkpointing (1e-5); and with
+  :func:`hybridsp.apply_split_checkpointing` as well (equal to plain checkpointing, both halves'
+  inputs offloaded).
 - ``examples/train.py`` with ``--deepspeed ds_configs/cp8_offload.json --activation-checkpointing
   --offload-activations`` against ``ds_configs/cp8.json`` with checkpointing only (2 steps, S=256).
 - ``ds_configs/cp8_offload.json`` (optimizer offloaded to CPU; the degrees overridden to U2 x R2
@@ -34,7 +36,7 @@ WORLD, BATCH, SEQ, VOCAB, LAYERS, STEPS, LR = 4, 2, 64, 128, 3, 2, 1e-3
 TOLERANCE = 1e-5
 
 
-def _model(checkpointing: bool):
+def _model(checkpointing: bool, split: bool = False):
     from tests.helpers.models.tiny import tiny_causal_lm
 
     model = tiny_causal_lm(
@@ -51,6 +53,10 @@ def _model(checkpointing: bool):
     )
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if split:
+        from hybridsp import apply_split_checkpointing
+
+        apply_split_checkpointing(model)
     return model
 
 
@@ -165,6 +171,7 @@ def _everything(rank, world, directory):
     plain = _train(_model(False), copy.deepcopy(cp4))
     ckpt = _train(_model(True), copy.deepcopy(cp4))
     offloaded = _train(_model(True), copy.deepcopy(cp4), offload=True)
+    split = _train(_model(True, split=True), copy.deepcopy(cp4), offload=True)
     no_offload = _train(_model(False), _offload_config(False, False))
     optimizer_offload = _train(_model(False), _offload_config(True, False))
     both_offload = _train(_model(False), _offload_config(True, True))
@@ -173,7 +180,9 @@ def _everything(rank, world, directory):
         "ckpt_vs_plain": _errors(ckpt, plain),
         "offload_vs_ckpt": _errors(offloaded, ckpt),
         "offload_vs_plain": _errors(offloaded, plain),
+        "split_vs_ckpt": _errors(split, ckpt),
         "stats": offloaded["stats"],
+        "split_stats": split["stats"],
         "ckpt_stats": ckpt["stats"],
         "optimizer_offload": _errors(optimizer_offload, no_offload),
         "both_offload": _errors(both_offload, no_offload),
@@ -207,6 +216,19 @@ def test_every_layer_input_but_the_last_went_to_host(runs):
             assert stats["restored_tensors"] == LAYERS - 1, stats
             assert stats["offloaded_bytes"] == (LAYERS - 1) * local_tokens * 64 * 4, stats  # [B, S/C, h] fp32
         assert all(s["offloaded_tensors"] == 0 for s in rank["ckpt_stats"])  # the switch off does nothing
+
+
+def test_split_checkpointing_offloads_both_halves_inputs_under_zero3(runs):
+    """apply_split_checkpointing + offload on the ZeRO-3 engine (whose module pre-hooks hand the MLP half's
+    norm a detached alias of h1): equal to layer-level checkpointing, and x and h1 of every layer but the
+    newest input went to host."""
+    local_tokens = BATCH * SEQ // WORLD
+    for rank in runs:
+        assert max(rank["split_vs_ckpt"].values()) < 1e-6, rank["split_vs_ckpt"]
+        for stats in rank["split_stats"]:
+            assert stats["offloaded_tensors"] == 2 * LAYERS - 1 and stats["kept_tensors"] == 1, stats
+            assert stats["restored_tensors"] == 2 * LAYERS - 1, stats
+            assert stats["offloaded_bytes"] == (2 * LAYERS - 1) * local_tokens * 64 * 4, stats
 
 
 def test_example_trains_with_the_offload_config_and_flag(runs):
