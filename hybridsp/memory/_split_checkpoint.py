@@ -113,7 +113,8 @@ def _split_forward(layer: Any) -> Callable[..., torch.Tensor]:
         if not (getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled()):
             return cast(torch.Tensor, original(hidden_states, *args, **kwargs))
         kwargs.update(zip(names, args))  # positional arguments by the layer's own names
-        kwargs.update({key: None for key in _CACHE_KEYS if kwargs.get(key) is not None})
+        if not getattr(layer, "_can_checkpoint_with_cache", False):  # HF keeps a read-only cache
+            kwargs.update({key: None for key in _CACHE_KEYS if kwargs.get(key) is not None})
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         checkpoint = layer._gradient_checkpointing_func  # HF's, with the user's checkpointing kwargs
