@@ -52,6 +52,7 @@ def hybrid_attn_func(
     sinks: torch.Tensor | None = None,
     softcap: float | None = None,
     head_chunks: HeadChunks | None = None,
+    donate_inputs: bool = False,
 ) -> torch.Tensor:
     """Exact attention over a sequence sharded across the mesh's context ranks.
 
@@ -105,6 +106,12 @@ def hybrid_attn_func(
             smallest such G whose groups keep at most 64 MiB of ring-slot q/k/v/out each
             (:func:`hybridsp._formulas.auto_head_chunks`). None: ``mesh.head_chunks`` (default 1).
             Under ``torch.compile`` the call runs all heads at once (an int G > 1 raises ValueError).
+        donate_inputs: the caller's promise that nothing reads q, k or v after this call (neither its
+            code nor another autograd node): the head-chunked backward without Ulysses (G > 1, U = 1)
+            then writes dq, dk, dv into q, k, v's storage instead of three new tensors, and returns
+            them as the gradients (Note [donated inputs] in :mod:`hybridsp.attention._head_chunks`;
+            version counters bumped, so autograd refuses a later use). Ignored elsewhere. The
+            transformers switch sets it where it can tell (:mod:`hybridsp.memory._qkv_donation`).
 
     Returns:
         out [B, S_local, H, Dv] in q's dtype, differentiable in q, k, v (and sinks).
@@ -160,7 +167,7 @@ def hybrid_attn_func(
         sinks=sinks,
     )
     if call.head_chunks > 1:
-        return head_chunked_attention(q, k, v, call, mesh, sinks)  # [B, S/C, H, Dv]
+        return head_chunked_attention(q, k, v, call, mesh, sinks, donate_inputs)  # [B, S/C, H, Dv]
     if mesh.ulysses == 1:
         return run_ring(q, k, v, call, sinks)  # [B, S/C, H, Dv]
     heads = q.shape[2]

@@ -40,6 +40,15 @@ forward keeps every group's slot buffers for the backward anyway, so fetching on
 only its send buffers; the backward holds one more group's dout slot (1/G of dout) while the current
 group runs. Collectives on the Ulysses group are issued in the same order on every rank.
 
+Note [donated inputs]: with ``donate_inputs=True`` and U = 1 the backward writes group g's dq, dk, dv
+into group g's heads of the saved q, k, v once that group's ring backward is done (no other group
+reads them) and returns q, k, v themselves as the gradients: three ``[B, L, H(kv), D]`` tensors fewer
+than preallocated gradients, at the attention backward's peak. A tensor whose storage another of the
+three shares (``k is v``, a fused projection's views) is not donated. The writes bump the version
+counters, so autograd refuses any later use of the overwritten values; when the caller may donate is
+:mod:`hybridsp.memory._qkv_donation`'s question. With U > 1 q, k, v are not kept (the ring-slot
+buffers are), so nothing is donated.
+
 Note [token-major out]: the output is one contiguous [B, L, H, Dv] tensor (as G = 1 returns), so a
 model's ``out.reshape(B, L, H * Dv)`` before its output projection is a view. With U = 1 this function
 keeps ``out`` for backward and the projection keeps its input: token-major, both are one storage (a
@@ -77,6 +86,7 @@ class HeadGroups:
     ulysses: int
     group: dist.ProcessGroup | None
     ulysses_rank: int
+    donate: bool = False  # backward may write dq, dk, dv into q, k, v (Note [donated inputs]; U = 1 only)
 
     def of(self, t: torch.Tensor, g: int) -> torch.Tensor:
         """Group g's heads of a [B, L, H_i, D] tensor: the view [B, L, U, H_i/(U G), D] (U > 1, split per
@@ -179,7 +189,7 @@ class HeadChunkedAttention(torch.autograd.Function):
             q, k, v, out, *saved = saved
         else:
             q = k = v = out = None
-        dq, dk, dv = _gradient_buffers(dout, ctx.widths[0], ctx.kv_heads)
+        dq, dk, dv = _gradient_buffers(dout, ctx.widths[0], ctx.kv_heads, _donated(heads, (q, k, v), ctx))
         dsinks = None if sinks is None or not ctx.needs_input_grad[3] else torch.zeros_like(sinks)
         arriving = heads.start_slot([dout], 0)
         for g, count in enumerate(ctx.counts):
@@ -206,16 +216,33 @@ class HeadChunkedAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None
 
 
-def _gradient_buffers(
-    dout: torch.Tensor, head_dim: int, kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Empty dq [B, L, H, D], dk [B, L, Hkv', D], dv [B, L, Hkv', Dv] that the groups fill (heads-first storage)."""
-    b, length, num_heads, v_head_dim = dout.shape
+def _donated(heads: HeadGroups, inputs: tuple[torch.Tensor | None, ...], ctx: Any) -> list[torch.Tensor | None]:
+    """Which of q, k, v hold their own gradients (Note [donated inputs]): each that needs a gradient and
+    shares its storage with neither other input; None for the rest."""
+    if not heads.donate or heads.ulysses > 1 or torch.is_grad_enabled():  # grad mode: a double backward
+        return [None, None, None]
+    storages = [t.untyped_storage().data_ptr() if t is not None else None for t in inputs]
+    return [
+        t if t is not None and ctx.needs_input_grad[i] and storages.count(storages[i]) == 1 else None
+        for i, t in enumerate(inputs)
+    ]
 
-    def empty(h: int, width: int) -> torch.Tensor:
+
+def _gradient_buffers(
+    dout: torch.Tensor, head_dim: int, kv_heads: int, donated: list[torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq [B, L, H, D], dk [B, L, Hkv', D], dv [B, L, Hkv', Dv] that the groups fill: the donated input
+    where there is one, else an empty tensor (heads-first storage)."""
+    b, length, num_heads, v_head_dim = dout.shape
+    shapes = [(num_heads, head_dim), (kv_heads, head_dim), (kv_heads, v_head_dim)]
+
+    def buffer(donor: torch.Tensor | None, h: int, width: int) -> torch.Tensor:
+        if donor is not None:
+            return donor  # [B, L, h, width]: Note [donated inputs]
         return dout.new_empty(b, h, length, width).transpose(1, 2)  # [B, L, h, width]
 
-    return empty(num_heads, head_dim), empty(kv_heads, head_dim), empty(kv_heads, v_head_dim)
+    dq, dk, dv = (buffer(donor, h, width) for donor, (h, width) in zip(donated, shapes))
+    return dq, dk, dv
 
 
 def _slot_heads(buffers: list[torch.Tensor], heads_q: int) -> list[int]:
@@ -230,10 +257,17 @@ def _slot_widths(widths: tuple[int, int]) -> list[int]:
 
 
 def head_chunked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: RingCall, mesh: HybridMesh, sinks: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: RingCall,
+    mesh: HybridMesh,
+    sinks: torch.Tensor | None,
+    donate: bool = False,
 ) -> torch.Tensor:
     """:func:`~hybridsp.attention._api.hybrid_attn_func` of a resolved call with ``call.head_chunks`` > 1:
-    q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] -> out [B, L, H, Dv] (differentiable in q, k, v, sinks)."""
+    q [B, L, H, D], k [B, L, Hkv, D], v [B, L, Hkv, Dv] -> out [B, L, H, Dv] (differentiable in q, k, v, sinks);
+    ``donate``: backward may write the gradients into q, k, v (Note [donated inputs])."""
     u = mesh.ulysses
     if u > 1:
         k, v = expand_kv_heads_for(k, q.shape[2], u), expand_kv_heads_for(v, q.shape[2], u)  # [B, L, Hkv', D(v)]
@@ -243,5 +277,6 @@ def head_chunked_attention(
         u,
         mesh.ulysses_group if u > 1 else None,
         dist.get_rank(mesh.ulysses_group) if u > 1 else 0,
+        donate,
     )
     return cast(torch.Tensor, HeadChunkedAttention.apply(q, k, v, sinks, heads))

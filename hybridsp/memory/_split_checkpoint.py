@@ -31,15 +31,14 @@ cache is dropped under checkpointing). Otherwise the layer runs its own forward 
 
 from __future__ import annotations
 
-import ast
 import inspect
-import textwrap
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any, Callable, cast
 
 import torch
 from torch import nn
 
+from hybridsp.memory._forward_form import has_forward_of
 from hybridsp.memory._forward_patch import ForwardPatch, patch_forwards
 
 SPLIT_AT = "post_attention_layernorm"  # the submodule that starts the MLP half
@@ -49,28 +48,10 @@ _CACHE_KEYS = ("cache", "past_key_values", "layer_past")
 SplitCheckpointHandle = ForwardPatch  # what apply_split_checkpointing returns: ``undo()`` restores every layer
 
 
-def _forward_body(cls: type) -> str | None:
-    """The syntax tree of ``cls.forward``'s body (under every ``functools.wraps`` wrapper), or None
-    when its source cannot be read."""
-    forward: Any = getattr(cls, "forward", None)
-    while hasattr(forward, "__wrapped__"):
-        forward = forward.__wrapped__
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    function = tree.body[0]
-    if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    return ast.dump(ast.Module(body=function.body, type_ignores=[]))
-
-
-@lru_cache(maxsize=None)
 def _is_llama_form(cls: type) -> bool:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    body = _forward_body(cls)
-    return body is not None and body == _forward_body(LlamaDecoderLayer)
+    return has_forward_of(cls, LlamaDecoderLayer)
 
 
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -106,6 +106,7 @@ from hybridsp.integrations.transformers._handle import HybridAttentionHandle, sw
 from hybridsp.integrations.transformers._linear_layers import switch_claimed_mixers
 from hybridsp.integrations.transformers._token_mixers import MixerAdapter
 from hybridsp.kernels import AttentionKernel
+from hybridsp.memory._qkv_donation import may_donate_qkv
 from hybridsp.mesh._hybrid_mesh import HybridMesh
 
 MIN_TRANSFORMERS_VERSION = "4.53.0"
@@ -198,11 +199,18 @@ def hybridsp_attention_forward(
         backend=binding.backend,
         cu_seqlens=cu_seqlens,
         head_chunks=binding.head_chunks,
+        donate_inputs=_donates(module, binding),
         **settings,
     )  # [B, S, H, Dv]
     if binding.tap is not None:  # the exactness probe records this call (Note [probe tap] in hybridsp.monitor)
         binding.tap(module, q, k, v, out, chunk=chunk_size_of(module), **settings)
     return out, None
+
+
+def _donates(module: nn.Module, binding: _Binding) -> bool:
+    """Whether this call's q, k, v may hold their gradients (Note [donated q/k/v] in
+    :mod:`hybridsp.memory._qkv_donation`); never while compiling (the compiled call does not donate)."""
+    return not torch.compiler.is_compiling() and may_donate_qkv(module, recording=binding.tap is not None)
 
 
 def _as_autocast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
