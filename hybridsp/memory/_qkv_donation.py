@@ -69,9 +69,6 @@ def hands_qkv_to_attention_alone(cls: type) -> bool:
 def may_donate_qkv(module: nn.Module, recording: bool) -> bool:
     """Whether the switch's attention call for ``module`` may donate q, k, v now (Note [donated q/k/v]);
     ``recording``: the exactness probe records this call."""
-    return (
-        not recording
-        and torch.is_grad_enabled()
-        and in_checkpointed_region()
-        and hands_qkv_to_attention_alone(type(module))
-    )
+    if recording or not torch.is_grad_enabled() or "forward" in vars(module):  # an instance forward was not read
+        return False
+    return in_checkpointed_region() and hands_qkv_to_attention_alone(type(module))

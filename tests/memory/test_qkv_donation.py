@@ -146,6 +146,27 @@ def test_only_the_forwards_read_hand_qkv_alone():
     assert not hands_qkv_to_attention_alone(Gemma2Attention)  # a forward not read for donation
 
 
+@pytest.mark.fast
+def test_no_donation_while_recording_or_with_an_instance_forward():
+    from torch.utils.checkpoint import checkpoint
+
+    from hybridsp.memory._qkv_donation import may_donate_qkv
+    from tests.helpers.models.switched import build
+
+    attention = build("llama").model.layers[0].self_attn
+    answers = []
+
+    def region(x):
+        answers.append((may_donate_qkv(attention, recording=False), may_donate_qkv(attention, recording=True)))
+        return x.sin()
+
+    x = torch.ones(2, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False)
+    attention.forward = attention.forward  # an instance-level forward: not the one read
+    checkpoint(region, x, use_reentrant=False)
+    assert answers == [(True, False), (False, False)]
+
+
 def _switched(rank, world, family, mode):
     """(largest error of loss and gradients against the unmodified model, q/k/v donated per backward call)."""
     import hybridsp
