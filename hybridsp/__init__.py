@@ -31,6 +31,7 @@ from hybridsp.losses import fused_cross_entropy, real_token_mask, sharded_cross_
 from hybridsp.memory import (
     ActivationOffload,
     apply_lean_norms,
+    apply_lean_rope,
     apply_split_checkpointing,
     apply_tiled_mlp,
     offload_activations,
@@ -49,6 +50,7 @@ __all__ = [
     "ShardedDataLoader",
     "__version__",
     "apply_lean_norms",
+    "apply_lean_rope",
     "apply_split_checkpointing",
     "apply_tiled_mlp",
     "fused_cross_entropy",

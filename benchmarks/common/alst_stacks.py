@@ -24,7 +24,7 @@ ZeRO ``stage``, clipping, micro batch 1, a client ``torch.optim.AdamW``) and the
 
 ``features="best"`` adds HF activation checkpointing to ``tiled`` on both stacks and, for hybridsp,
 ``apply_lean_norms`` and ``offload_activations`` (the benchmark passes a host allocator outside its
-memory cap), and with ``split`` ``apply_split_checkpointing``.
+memory cap), with ``split`` ``apply_split_checkpointing``, with ``rope`` ``apply_lean_rope``.
 ALST's own checkpoint offload cannot run on a CPU accelerator (DeepSpeed's skips CPU tensors).
 
 The data: step ``k`` trains window ``k`` (one sequence of ``seq_len`` tokens). The reference and
@@ -83,6 +83,7 @@ class Run:
     limit_from: str = "build"  # alst.compare: the cap counts from after the engine build or after the imports
     head_chunks: int | str = 1  # hybridsp: the "hybridsp" config section's head_chunks (head groups per attention call)
     split: bool = False  # hybridsp, features="best": apply_split_checkpointing (attention and MLP halves)
+    rope: bool = False  # hybridsp, features="best": apply_lean_rope (q and k rotated in place)
 
     @property
     def context(self) -> int:
@@ -94,6 +95,7 @@ class Run:
         loss = f" ({self.alst_loss})" if self.stack == "alst" and self.features != "plain" else ""
         chunks = f" G{self.head_chunks}" if self.stack == "hybridsp" and self.head_chunks != 1 else ""
         chunks += "+split" if self.stack == "hybridsp" and self.split else ""
+        chunks += "+rope" if self.stack == "hybridsp" and self.rope else ""
         return f"{self.stack}{mesh}{chunks} {self.features}{loss}"
 
     def check(self, world: int) -> None:
@@ -228,6 +230,8 @@ def hybridsp_stack(run: Run, host_allocator=None):
         apply_lean_norms(engine.module)
         if run.split:
             hybridsp.apply_split_checkpointing(engine.module)
+        if run.rope:
+            hybridsp.apply_lean_rope(engine.module)
     options = {} if host_allocator is None else {"host_allocator": host_allocator}
     offload = hybridsp.offload_activations(engine.module, enabled=run.features == "best", **options)
     data = windows(run)

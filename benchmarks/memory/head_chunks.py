@@ -44,6 +44,7 @@ from benchmarks.common import alst_stacks, harness
 
 MODULE = "benchmarks.memory.head_chunks"
 SPLIT = "+split"  # a --step-chunks value's suffix: that G with split checkpointing (apply_split_checkpointing)
+ROPE = "+rope"  # the last suffix: with lean RoPE as well (apply_lean_rope)
 MIB = 2**20
 
 
@@ -157,7 +158,8 @@ def step_runs(args, base: alst_stacks.Run) -> dict[str, alst_stacks.Run]:
     u, r = map(int, args.mesh.split("x"))
     runs = {"ALST": replace(base, stack="alst", ulysses=u * r, ring=1, features="best")}
     for setting in args.step_chunks:
-        g, split = setting.removesuffix(SPLIT), setting.endswith(SPLIT)
+        rope = setting.endswith(ROPE)
+        g, split = setting.removesuffix(ROPE).removesuffix(SPLIT), setting.removesuffix(ROPE).endswith(SPLIT)
         runs[f"hybridsp G{setting}"] = replace(
             base,
             stack="hybridsp",
@@ -166,6 +168,7 @@ def step_runs(args, base: alst_stacks.Run) -> dict[str, alst_stacks.Run]:
             features="best",
             head_chunks=g if g == "auto" else int(g),
             split=split,
+            rope=rope,
         )
     return runs
 
@@ -273,7 +276,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--step-chunks",
         nargs="+",
         default=["1", "2", "4", "8"],
-        help="step / longest: G values (G+split: with split checkpointing)",
+        help="step / longest: G values (G+split: with split checkpointing; G+split+rope: and lean RoPE)",
     )
     parser.add_argument("--seq-len", type=int, default=16384, help="step: S")
     parser.add_argument("--kv-heads", type=int, default=8, help="step / longest: the job's K/V heads")

@@ -67,7 +67,9 @@ def _chain(event) -> list[str]:
 
 
 def analyse(profiler, vector: int) -> dict:
-    """The peak of torch's CPU bytes in the profiled block and what is live then, grouped by site."""
+    """The peaks of torch's CPU bytes in the profiled block and what is live then, grouped by site: the
+    peak of every byte, and the peak of the bytes the per-rank cap counts (host copies made by
+    ``shared_host_tensor`` in ``/dev/shm`` are outside ``RLIMIT_DATA``)."""
     from torch._C._profiler import _EventType
 
     tree = profiler.profiler.kineto_results.experimental_event_tree()
@@ -76,9 +78,40 @@ def analyse(profiler, vector: int) -> dict:
         key=lambda e: e.start_time_ns,
     )
     start = allocs[0].typed[1].total_allocated - allocs[0].typed[1].alloc_size
+    capped = _capped_totals(allocs)
     peak_at = max(range(len(allocs)), key=lambda i: allocs[i].typed[1].total_allocated)
+    capped_at = max(range(len(allocs)), key=lambda i: capped[i])
+    peak = allocs[peak_at].typed[1].total_allocated
+    return {
+        "start": start,
+        "peak": peak,
+        "above": peak - start,
+        "at_peak": _site(allocs[peak_at]),
+        "rows": _live_rows(allocs[: peak_at + 1], vector),
+        "capped_above": capped[capped_at] - start,
+        "at_capped_peak": _site(allocs[capped_at]),
+        "capped_rows": _live_rows(allocs[: capped_at + 1], vector),
+    }
+
+
+def _capped_totals(allocs) -> list[int]:
+    """torch's live CPU bytes after each event, less the live host copies (``aten::from_file``)."""
+    host: dict[int, int] = {}
+    totals = []
+    for event in allocs:
+        fields = event.typed[1]
+        if fields.alloc_size > 0 and _site(event)[2] == "aten::from_file":
+            host[fields.ptr] = fields.alloc_size
+        elif fields.alloc_size < 0:
+            host.pop(fields.ptr, None)
+        totals.append(fields.total_allocated - sum(host.values()))
+    return totals
+
+
+def _live_rows(allocs, vector: int) -> list[dict]:
+    """The allocations among ``allocs`` not freed by its end, grouped by site, largest first."""
     live: dict[int, object] = {}
-    for event in allocs[: peak_at + 1]:
+    for event in allocs:
         fields = event.typed[1]
         if fields.alloc_size > 0:
             live[fields.ptr] = event
@@ -95,7 +128,6 @@ def analyse(profiler, vector: int) -> dict:
         group[2].append(size)
         if not group[3]:
             group[3] = _chain(event)
-    at_peak = _site(allocs[peak_at])
     rows = sorted(
         (
             {"phase": k[0], "frame": k[1], "op": k[2], "bytes": b, "count": n, "sizes": z, "chain": c}
@@ -105,8 +137,7 @@ def analyse(profiler, vector: int) -> dict:
     )
     for row in rows:
         row["vectors"] = row["bytes"] / vector
-    peak = allocs[peak_at].typed[1].total_allocated
-    return {"start": start, "peak": peak, "above": peak - start, "at_peak": at_peak, "rows": rows}
+    return rows
 
 
 def rank_main(rank: int, world: int, run: alst_stacks.Run, out_rank: int) -> dict:
@@ -154,21 +185,30 @@ def markdown(result: dict, run: alst_stacks.Run) -> str:
         "",
         f"- torch CPU bytes at the step's start {result['start'] / MIB:.1f} MiB, peak {result['peak'] / MIB:.1f} MiB: "
         f"**{result['above'] / MIB:.1f} MiB = {result['above'] / vector:.2f} vectors above the step's start**",
+        f"- without the host copies in /dev/shm (what the per-rank cap counts): **{result['capped_above'] / MIB:.1f} "
+        f"MiB = {result['capped_above'] / vector:.2f} vectors**, at {result['at_capped_peak']}",
         f"- VmHWM during the step minus VmRSS before it: {result['hwm_above_before'] / MIB:.1f} MiB "
         f"({result['hwm_above_before'] / vector:.2f} vectors)",
         f"- at the peak: {result['at_peak']}",
         "",
-        "| phase | made by (innermost frame) | op | count | MiB | vectors |",
-        "|---|---|---|---|---|---|",
+        *_table(result["rows"]),
+        "",
+        "What is live at the capped peak:",
+        "",
+        *_table(result["capped_rows"]),
     ]
-    for row in result["rows"]:
-        if row["vectors"] < 0.05:
-            continue
-        lines.append(
-            f"| {row['phase']} | {row['frame']} | {row['op']} | {row['count']} | {row['bytes'] / MIB:.1f} | "
-            f"{row['vectors']:.2f} |"
-        )
     return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[dict]) -> list[str]:
+    lines = ["| phase | made by (innermost frame) | op | count | MiB | vectors |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        if row["vectors"] >= 0.05:
+            lines.append(
+                f"| {row['phase']} | {row['frame']} | {row['op']} | {row['count']} | {row['bytes'] / MIB:.1f} | "
+                f"{row['vectors']:.2f} |"
+            )
+    return lines
 
 
 def main(argv=None) -> int:

@@ -8,9 +8,8 @@ other models are not affected); :class:`ForwardPatch` ``undo()`` deletes those a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from hybridsp._checks import check_positive
@@ -43,7 +42,7 @@ class ForwardPatch:
 
 def patch_forwards(
     modules: list[nn.Module],
-    make_forward: Callable[[nn.Module], Callable[..., torch.Tensor]],
+    make_forward: Callable[[nn.Module], Callable[..., Any]],
     tile_tokens: int | None,
     *,
     model: nn.Module,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridsp.memory._forward_form import has_forward_of
+from hybridsp.memory._attention_forms import HANDS_QKV_ALONE, read_form
 
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 
@@ -47,28 +47,21 @@ def in_checkpointed_region() -> bool:
     return getattr(pack, "__module__", None) == _CHECKPOINT_MODULE and "_checkpoint_hook" in pack.__qualname__
 
 
-_READ_FORMS = (  # attention forwards read to hand q, k, v to the attention function alone
-    ("llama", "LlamaAttention"),
-    ("mistral", "MistralAttention"),
-    ("qwen2", "Qwen2Attention"),
-    ("qwen3", "Qwen3Attention"),
-)
-
-
 def hands_qkv_to_attention_alone(cls: type) -> bool:
     """True when ``cls.forward`` is one of the forwards read for Note [donated q/k/v]."""
-    import importlib
+    return read_form(cls) is not None
 
-    for family, name in _READ_FORMS:
-        reference = getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), name)
-        if has_forward_of(cls, reference):
-            return True
-    return False
+
+def _runs_read_forward(module: nn.Module) -> bool:
+    """The class's forward runs (an instance-level forward was not read), or lean RoPE's, which hands q,
+    k, v to the attention function alone as the forms it replaces do (:mod:`hybridsp.memory._rope_attention`)."""
+    instance_forward = vars(module).get("forward")
+    return instance_forward is None or getattr(instance_forward, HANDS_QKV_ALONE, False)
 
 
 def may_donate_qkv(module: nn.Module, recording: bool) -> bool:
     """Whether the switch's attention call for ``module`` may donate q, k, v now (Note [donated q/k/v]);
     ``recording``: the exactness probe records this call."""
-    if recording or not torch.is_grad_enabled() or "forward" in vars(module):  # an instance forward was not read
+    if recording or not torch.is_grad_enabled() or not _runs_read_forward(module):
         return False
     return in_checkpointed_region() and hands_qkv_to_attention_alone(type(module))

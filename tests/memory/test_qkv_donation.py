@@ -6,7 +6,7 @@ bitwise equal and match float64 attention; the gradients autograd hands on *are*
 exactly where donated (q, k, v made as the model makes them: non-leaf, HF's heads-first layout seen
 through a transpose; GQA, odd groups, Dv != D, fp64, B = 2); ``k is v`` donates neither; U > 1 never
 donates; a later autograd use of a donated tensor raises. Switch: a tiny Llama under non-reentrant,
-reentrant and split checkpointing donates in every layer and matches the unmodified one-process model;
+reentrant and split checkpointing (with lean RoPE too) donates in every layer and matches the unmodified one-process model;
 without checkpointing nothing is donated, nor for a module whose forward was not read (DiffLlama reads
 q, k, v again after the call).
 """
@@ -179,7 +179,8 @@ def _switched(rank, world, family, mode):
     _, loss, grads = expected_of(model, batch)
     if mode != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
-    split = hybridsp.apply_split_checkpointing(model) if mode == "split" else None
+    split = hybridsp.apply_split_checkpointing(model) if mode.startswith("split") else None
+    rope = hybridsp.apply_lean_rope(model) if mode.endswith("+rope") else None
     hf.apply(model, mesh, backend="torch", head_chunks=2)
     counts = []
     original = _head_chunks._donated
@@ -196,14 +197,17 @@ def _switched(rank, world, family, mode):
         _head_chunks._donated = original
         if split is not None:
             split.undo()
+        if rope is not None:
+            rope.undo()
     errors = [rel_err(got_loss, loss)] + [rel_err(got_grads[name], grads[name]) for name in grads]
     return max(errors), counts
 
 
 @pytest.mark.integration
 @pytest.mark.distributed
-def test_switch_donates_under_split_checkpointing_and_matches_the_model():
-    for error, counts in run_distributed(_switched, 2, "llama", "split"):
+@pytest.mark.parametrize("mode", ["split", "split+rope"])  # lean RoPE's forward hands q, k, v on alone too
+def test_switch_donates_under_split_checkpointing_and_matches_the_model(mode):
+    for error, counts in run_distributed(_switched, 2, "llama", mode):
         assert error < 1e-4, error
         assert counts == [3, 3], counts  # both layers' q, k, v
 
