@@ -167,6 +167,11 @@ def test_composes_with_split_checkpointing_and_lean_norms_bitwise():
     _assert_bitwise(_step(prepared(True)), _step(prepared(False)))
 
 
+def _one_layer(family: str) -> nn.Module:
+    fields = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, head_dim=8)
+    return tiny_causal_lm(family, seed=0, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **fields)
+
+
 @pytest.mark.fast
 def test_undo_twice_and_other_forms():
     model = _model("llama", torch.float32, "sdpa", "none")
@@ -175,31 +180,9 @@ def test_undo_twice_and_other_forms():
         hybridsp.apply_lean_rope(model)
     handle.undo()
     assert not any("forward" in vars(m) for m in model.modules())
-    glm = tiny_causal_lm(
-        "glm4",
-        seed=0,
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        pad_token_id=0,
-    )  # a Llama-form forward with a partial, interleaved rotation
+    glm = _one_layer("glm4")  # a Llama-form forward with a partial, interleaved rotation
     with pytest.raises(ValueError, match="Glm4ForCausalLM has no attention module"):
         hybridsp.apply_lean_rope(glm)
-    gemma = tiny_causal_lm(
-        "gemma2",
-        seed=0,
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        pad_token_id=0,
-    )  # another attention forward
+    gemma = _one_layer("gemma2")  # another attention forward
     with pytest.raises(ValueError, match="Gemma2ForCausalLM has no attention module"):
         hybridsp.apply_lean_rope(gemma)
