@@ -219,6 +219,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--stack", default="hybridsp", choices=("hybridsp", "alst"))
     parser.add_argument("--split", action="store_true", help="hybridsp: split checkpointing (attention, MLP halves)")
+    parser.add_argument("--rope", action="store_true", help="hybridsp: lean RoPE (apply_lean_rope)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     u, r = map(int, args.mesh.split("x"))
@@ -233,6 +234,7 @@ def main(argv=None) -> int:
         features="best",
         head_chunks=chunks,
         split=args.split,
+        rope=args.rope,
         steps=2,
     )
     harness.warm_forkserver(compare.PRELOAD)
