@@ -158,8 +158,8 @@ def step_runs(args, base: alst_stacks.Run) -> dict[str, alst_stacks.Run]:
     u, r = map(int, args.mesh.split("x"))
     runs = {"ALST": replace(base, stack="alst", ulysses=u * r, ring=1, features="best")}
     for setting in args.step_chunks:
-        rope = setting.endswith(ROPE)
-        g, split = setting.removesuffix(ROPE).removesuffix(SPLIT), setting.removesuffix(ROPE).endswith(SPLIT)
+        rope, without_rope = setting.endswith(ROPE), setting.removesuffix(ROPE)
+        g, split = without_rope.removesuffix(SPLIT), without_rope.endswith(SPLIT)
         runs[f"hybridsp G{setting}"] = replace(
             base,
             stack="hybridsp",

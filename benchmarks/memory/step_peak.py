@@ -97,14 +97,15 @@ def analyse(profiler, vector: int) -> dict:
 def _capped_totals(allocs) -> list[int]:
     """torch's live CPU bytes after each event, less the live host copies (``aten::from_file``)."""
     host: dict[int, int] = {}
-    totals = []
+    host_bytes, totals = 0, []
     for event in allocs:
         fields = event.typed[1]
         if fields.alloc_size > 0 and _site(event)[2] == "aten::from_file":
             host[fields.ptr] = fields.alloc_size
+            host_bytes += fields.alloc_size
         elif fields.alloc_size < 0:
-            host.pop(fields.ptr, None)
-        totals.append(fields.total_allocated - sum(host.values()))
+            host_bytes -= host.pop(fields.ptr, 0)
+        totals.append(fields.total_allocated - host_bytes)
     return totals
 
 

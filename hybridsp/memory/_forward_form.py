@@ -58,5 +58,5 @@ def has_forward_of(cls: type, reference: type) -> bool:
 
 def same_function(function: Any, reference: Any) -> bool:
     """True when ``function``'s body is ``reference``'s (both readable; decorators unwrapped)."""
-    body = function_body(function) if function is not None else None
+    body = function_body(function)  # None for None or an unreadable function
     return body is not None and body == function_body(reference)
