@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from hybridsp.memory._attention_forms import HANDS_QKV_ALONE, read_form
+from hybridsp.memory._norm_rebuild import enclosing_hooks
 
 _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 
@@ -37,10 +38,11 @@ _CHECKPOINT_MODULE = "torch.utils.checkpoint"
 def in_checkpointed_region() -> bool:
     """True inside activation checkpointing whose backward recomputes what is computed now: the
     recompute of a reentrant checkpoint (a forward running during a backward pass), or the forward of
-    a non-reentrant one (torch's checkpoint saved-tensor hooks are the innermost)."""
+    a non-reentrant one (torch's checkpoint saved-tensor hooks are the innermost, but for a
+    :class:`~hybridsp.memory._norm_rebuild.NormInputKept`'s)."""
     if torch._C._current_graph_task_id() >= 0:
         return True
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    hooks = enclosing_hooks()  # through the attention half's NormInputKept
     if not hooks:
         return False
     pack = hooks[0]

@@ -17,6 +17,11 @@ price: every layer keeps ``h1`` as well as ``x`` (one more ``[B, S_local, h]`` p
 Outputs and gradients are bitwise those of layer-level checkpointing (the same ops in the same
 order; tested).
 
+Note [norm input kept]: inside the attention half the q/k/v projections keep the half's input x
+instead of the norm's output and rebuild it in their backward (:mod:`hybridsp.memory._norm_rebuild`):
+the norm's output is then not alive through the attention's backward, the step's peak. Bitwise the
+same rows (the norm's own forward on the same x), one norm forward more per layer.
+
 Note [which layers]: the split is the pre-norm decoder layer of Llama: a layer qualifies when its
 forward's body is, statement for statement, ``LlamaDecoderLayer.forward``'s (compared as syntax
 trees, so 66 transformers classes qualify: Mistral, Qwen2/3 and their MoE, Gemma, OLMo, DeepSeek-V2/3,
@@ -40,6 +45,7 @@ from torch import nn
 
 from hybridsp.memory._forward_form import has_forward_of
 from hybridsp.memory._forward_patch import ForwardPatch, patch_forwards
+from hybridsp.memory._norm_rebuild import NormInputKept
 
 SPLIT_AT = "post_attention_layernorm"  # the submodule that starts the MLP half
 _HALVES = ("input_layernorm", "self_attn", SPLIT_AT, "mlp")
@@ -76,8 +82,11 @@ def _check_splittable(layers: list[nn.Module], model: nn.Module) -> None:
 
 
 def attention_half(layer: Any, hidden_states: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """``x + self_attn(input_layernorm(x))``: [B, S_local, h] -> [B, S_local, h] (``kwargs``: the layer's)."""
-    attended, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
+    """``x + self_attn(input_layernorm(x))``: [B, S_local, h] -> [B, S_local, h] (``kwargs``: the layer's).
+
+    The projections keep x for the norm's output (Note [norm input kept])."""
+    with NormInputKept(layer.input_layernorm, hidden_states) as kept:
+        attended, _ = layer.self_attn(hidden_states=kept.normalized(), **kwargs)
     return cast(torch.Tensor, hidden_states + attended)  # [B, S_local, h]
 
 
@@ -115,12 +124,17 @@ def second_half_entry(layer: nn.Module) -> nn.Module | None:
 
 def apply_split_checkpointing(model: nn.Module) -> SplitCheckpointHandle:
     """Checkpoint each decoder layer of ``model`` as an attention half and an MLP half (module
-    docstring); returns the undo handle. Takes effect where HF checkpointing is on
-    (``model.gradient_checkpointing_enable()``, before or after this call).
+        docstring); returns the undo handle. Takes effect where HF checkpointing is on
+        (``model.gradient_checkpointing_enable()``, before or after this call).
 
-    Raises:
-        ValueError (nothing changed) when the model has no HF decoder layer, one is not of the
-        pre-norm attention + MLP form (Note [which layers]), or one is already switched.
+        Raises:
+            ValueError (nothing changed) when the model has no HF decoder layer, one is not of the
+            pre-norm attention + MLP form (Note [norm input kept]: inside the attention half the q/k/v projections keep the half's input x
+    instead of the norm's output and rebuild it in their backward (:mod:`hybridsp.memory._norm_rebuild`):
+    the norm's output is then not alive through the attention's backward, the step's peak. Bitwise the
+    same rows (the norm's own forward on the same x), one norm forward more per layer.
+
+    Note [which layers]), or one is already switched.
     """
     layers = find_decoder_layers(model)
     _check_splittable(layers, model)

@@ -6,7 +6,9 @@ through ``hybridsp.integrations.deepspeed.initialize``:
 - the reference: logits + ``sharded_cross_entropy`` (the path tests/integrations/deepspeed/test_engine.py checks
   against DeepSpeed without sequence parallelism);
 - ``causal_lm_loss`` (fused linear + cross-entropy through the lm_head call);
-- the same plus ``apply_tiled_mlp``; and plus HF activation checkpointing;
+- the same plus ``apply_tiled_mlp``; and plus HF activation checkpointing; and plus lean norms and split
+  checkpointing (the q/k/v projections keep the ZeRO-3 alias of the norm's input and rebuild its output,
+  the norm's weight gathered in their backward);
 - ``fused_cross_entropy`` called directly on the decoder's output and the *partitioned*
   ``lm_head`` weight (``model.lm_head.weight``, NOT_AVAILABLE at the call; untied and tied): it
   gathers the weight once for the call and its gradient reaches ZeRO-3's reduction once
@@ -16,6 +18,9 @@ through ``hybridsp.integrations.deepspeed.initialize``:
 Loss, every reduced gradient (as ZeRO-3 holds it) at each step and the final parameters must
 equal the reference's (relative 1e-5). One launch for every case.
 """
+
+import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -71,10 +76,11 @@ def _batch() -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
-def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool, direct: bool = False) -> dict:
-    from hybridsp import fused_cross_entropy, shard_batch, sharded_cross_entropy
+def _train(
+    tied: bool, fused: bool, tiled: bool, checkpointing: bool, direct: bool = False, split: bool = False
+) -> dict:
+    from hybridsp import apply_lean_norms, apply_split_checkpointing, shard_batch
     from hybridsp.integrations import deepspeed as hds
-    from hybridsp.integrations.transformers import causal_lm_loss
     from hybridsp.memory._tiled_mlp import apply_tiled_mlp
 
     model = _model(tied)
@@ -82,38 +88,64 @@ def _train(tied: bool, fused: bool, tiled: bool, checkpointing: bool, direct: bo
         model.gradient_checkpointing_enable()
     if tiled:
         apply_tiled_mlp(model, tile_tokens=5)
+    if split:  # the projections rebuild the lean norm's output from the ZeRO-3 input alias they keep
+        apply_lean_norms(model, tile_tokens=5)
+        apply_split_checkpointing(model)
     engine, _, mesh, _ = hds.initialize(model, _config(), optimizer=torch.optim.SGD(model.parameters(), lr=LR))
     engine.train()
     local = shard_batch(_batch(), mesh)
     trace = {"losses": [], "grads": []}
-    for _ in range(STEPS):
-        if direct:  # the decoder alone, then the loss on the partitioned lm_head weight, outside any module
-            hidden = engine.module.model(
-                input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
-            ).last_hidden_state
-            trace.setdefault("status", engine.module.lm_head.weight.ds_status.name)
-            loss = fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"], mesh, chunk_size=7)
-        elif fused:
-            loss = causal_lm_loss(engine, local, mesh, chunk_size=7)
-        else:
-            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
-            loss = sharded_cross_entropy(logits, local["shift_labels"], mesh)
-        engine.backward(loss)
-        trace["grads"].append(full_grads(engine))
-        engine.step()
-        trace["losses"].append(loss.item())
+    with _counted_rebuilds(trace):
+        for _ in range(STEPS):
+            loss = _loss(engine, local, mesh, fused, direct, trace)
+            engine.backward(loss)
+            trace["grads"].append(full_grads(engine))
+            engine.step()
+            trace["losses"].append(loss.item())
     trace["params"] = full_params(engine)
-    if direct:  # scoring: gathered once (GatheredParameters), the logits path's value
-        with torch.no_grad():
-            hidden = engine.module.model(
-                input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
-            ).last_hidden_state
-            trace["scored"] = fused_cross_entropy(
-                hidden, engine.module.lm_head.weight, local["shift_labels"], mesh, chunk_size=7
-            ).item()
-            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
-            trace["expected"] = sharded_cross_entropy(logits, local["shift_labels"], mesh).item()
+    if direct:
+        trace.update(_scoring(engine, local, mesh))
     return trace
+
+
+def _loss(engine, local: dict, mesh, fused: bool, direct: bool, trace: dict) -> torch.Tensor:
+    from hybridsp import fused_cross_entropy, sharded_cross_entropy
+    from hybridsp.integrations.transformers import causal_lm_loss
+
+    if direct:  # the decoder alone, then the loss on the partitioned lm_head weight, outside any module
+        hidden = engine.module.model(
+            input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
+        ).last_hidden_state
+        trace.setdefault("status", engine.module.lm_head.weight.ds_status.name)
+        return fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"], mesh, chunk_size=7)
+    if fused:
+        return causal_lm_loss(engine, local, mesh, chunk_size=7)
+    logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+    return sharded_cross_entropy(logits, local["shift_labels"], mesh)
+
+
+def _scoring(engine, local: dict, mesh) -> dict:
+    """Under no_grad: fused_cross_entropy gathers the weight once (GatheredParameters), the logits path's value."""
+    from hybridsp import fused_cross_entropy, sharded_cross_entropy
+
+    with torch.no_grad():
+        hidden = engine.module.model(
+            input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
+        ).last_hidden_state
+        scored = fused_cross_entropy(hidden, engine.module.lm_head.weight, local["shift_labels"], mesh, chunk_size=7)
+        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False).logits
+        expected = sharded_cross_entropy(logits, local["shift_labels"], mesh)
+    return {"scored": scored.item(), "expected": expected.item()}
+
+
+@contextlib.contextmanager
+def _counted_rebuilds(trace: dict):
+    """trace["rebuilds"]: how many times a norm's output was rebuilt (hybridsp.memory._norm_rebuild)."""
+    from hybridsp.memory._norm_rebuild import _SharedRebuild
+
+    with mock.patch.object(_SharedRebuild, "_rebuild", autospec=True, side_effect=_SharedRebuild._rebuild) as spy:
+        yield
+    trace["rebuilds"] = spy.call_count
 
 
 def _rel(a, b) -> float:
@@ -133,6 +165,7 @@ def _everything(rank, world, directory):
         }
         if tied:
             variants["fused+tiled+ckpt"] = (True, True, True)
+            variants["fused+tiled+ckpt split lean norms"] = (True, True, True, False, True)
         for name, flags in variants.items():
             run = _train(tied, *flags)
             out[f"tied={tied} {name}"] = {
@@ -140,8 +173,9 @@ def _everything(rank, world, directory):
                 "grad": max(_rel(a, b) for a, b in zip(run["grads"], reference["grads"])),
                 "params": _rel(run["params"], reference["params"]),
                 "grad_norm": reference["grads"][0].norm().item(),
+                "rebuilds": run["rebuilds"],
             }
-            if len(flags) == 4:
+            if name.startswith("direct"):
                 out[f"tied={tied} scoring"] = {key: run[key] for key in ("status", "scored", "expected")}
     return out
 
@@ -155,4 +189,5 @@ def test_fused_loss_and_tiled_mlp_under_zero3_equal_the_logits_path(tmp_path):
     for name, row in errors.items():
         assert row["grad_norm"] > 0, (name, row)
         assert max(row["loss"], row["grad"], row["params"]) < TOLERANCE, (name, row)
-    assert len(errors) == 7
+        assert row["rebuilds"] == (STEPS * 2 if "split" in name else 0), (name, row)  # once per layer and step
+    assert len(errors) == 8
