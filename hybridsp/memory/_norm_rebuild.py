@@ -102,7 +102,8 @@ class NormInputKept:
     """
 
     def __init__(self, norm: nn.Module, x: torch.Tensor) -> None:
-        self._norm, self._x = norm, x
+        self._norm = norm
+        self._x: torch.Tensor | None = x
         self._output: torch.Tensor | None = None
         self._version = 0
         self._outer: Hooks | None = None
@@ -119,13 +120,15 @@ class NormInputKept:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._output = None  # the graph keeps this object (its unpack hook), not the output
+        self._output = self._x = None  # the graph keeps this object (its unpack hook), not these
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
 
     def normalized(self) -> torch.Tensor:
         """``norm(x)`` (the module called, hooks and all); its views saved from now on are rebuilt."""
+        if self._x is None:
+            raise RuntimeError("NormInputKept.normalized() is called inside its with-block, once it has exited never")
         out = torch.as_tensor(self._norm(self._x))
         if self._hooks is not None and out.is_contiguous() and out.numel() > 0:
             self._output, self._version = out, out._version
@@ -148,6 +151,7 @@ class NormInputKept:
         if self._views_output(saved):
             assert self._shared is not None and self._output is not None  # set with _output
             self._shared.pending += 1
+            assert self._x is not None  # set while the hooks are on
             x = self._outer[0](self._x) if self._outer else self._x
             offset = int(saved.storage_offset() - self._output.storage_offset())
             return _Recipe(

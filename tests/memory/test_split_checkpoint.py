@@ -98,6 +98,29 @@ def test_split_composes_with_lean_norms_tiled_mlp_and_offload():
     assert offload.stats.restored_tensors == 2 * LAYERS - 1
 
 
+def test_offloaded_half_inputs_are_not_held_on_the_device_after_the_forward():
+    """Nothing in the halves (the attention half's NormInputKept included) holds an offloaded input."""
+    model = _model("llama", torch.float32)
+    hybridsp.apply_lean_norms(model)
+    hybridsp.apply_split_checkpointing(model)
+    offload = hybridsp.offload_activations(model)
+    inputs = []  # the storage of each half's input: layer i's x, then its h1
+    for layer in model.model.layers:
+        for entry in (layer, layer.post_attention_layernorm):
+            entry.register_forward_pre_hook(
+                lambda module, args, kwargs: inputs.append(
+                    (args[0] if args else kwargs["hidden_states"]).untyped_storage()
+                ),
+                with_kwargs=True,
+            )
+    batch = {key: value for key, value in _batch().items()}
+    with offload:
+        loss = model(**batch).loss
+    held = [torch._C._storage_Use_Count(storage._cdata) > 1 for storage in inputs]
+    assert held == [False] * (2 * LAYERS - 1) + [True], held  # the newest stays (keep_last=1)
+    loss.backward()
+
+
 def test_backward_recomputes_the_mlp_half_then_the_attention_half_once_each():
     model = _model("llama", torch.float32)
     hybridsp.apply_split_checkpointing(model)
