@@ -70,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="keep the checkpointed layers' inputs in host memory (needs --activation-checkpointing)",
     )
+    parser.add_argument(
+        "--lean-memory",
+        action="store_true",
+        help="the memory frontier's techniques: tiled MLP, lean norms, lean RoPE and, with "
+        "--activation-checkpointing, split checkpointing (docs/memory.md)",
+    )
     parser.add_argument("--no-plot", action="store_true", help="skip the loss-curve PNG")
     parser.add_argument(
         "--pack",
@@ -229,6 +235,26 @@ def activation_offload(args: argparse.Namespace, model: torch.nn.Module):
     return offload_activations(model, enabled=args.offload_activations)
 
 
+def lean_memory(args: argparse.Namespace, model: torch.nn.Module) -> None:
+    """``--lean-memory``: tiled MLP, lean norms, lean RoPE and (with --activation-checkpointing) split
+    checkpointing on the engine's model (the longest trainable step: benchmarks/RESULTS.md, Head-chunked
+    attention); nothing without the flag. A model none of them fits raises RunConfigError naming it."""
+    import hybridsp
+
+    if not args.lean_memory:
+        return
+    techniques = [hybridsp.apply_tiled_mlp, hybridsp.apply_lean_norms, hybridsp.apply_lean_rope]
+    if args.activation_checkpointing:
+        techniques.append(hybridsp.apply_split_checkpointing)
+    for apply in techniques:
+        try:
+            apply(model)
+        except ValueError as error:
+            raise RunConfigError(
+                f"--lean-memory: {apply.__name__}: {error}; drop --lean-memory for this model"
+            ) from error
+
+
 def train_step(
     engine,
     mesh,
@@ -347,6 +373,7 @@ def run(args: argparse.Namespace, plan: RunPlan) -> None:
         layout=args.layout,
         tensor=args.tensor,
     )
+    lean_memory(args, engine.module)
     offload = activation_offload(args, engine.module)
     report_placement(mesh, plan.save_dir)  # host, ranks, groups: before the first step
     micro_batch, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()

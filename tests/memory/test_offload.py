@@ -10,7 +10,8 @@ One launch runs, from the same seed on the same two global batches (B=2, S=64, r
   :func:`hybridsp.apply_split_checkpointing` as well (equal to plain checkpointing, both halves'
   inputs offloaded).
 - ``examples/train.py`` with ``--deepspeed ds_configs/cp8_offload.json --activation-checkpointing
-  --offload-activations`` against ``ds_configs/cp8.json`` with checkpointing only (2 steps, S=256).
+  --offload-activations`` against ``ds_configs/cp8.json`` with checkpointing only (2 steps, S=256), and
+  ``ds_configs/cp8.json --offload-activations --lean-memory`` against it too.
 - ``ds_configs/cp8_offload.json`` (optimizer offloaded to CPU; the degrees overridden to U2 x R2
   for 4 ranks), the same with ``offload_param`` on CPU as well, and the same config with both
   offload sections removed: losses, gradients and the final parameters of two AdamW steps agree
@@ -140,6 +141,13 @@ EXAMPLE_RUNS = {  # examples/train.py, 2 steps at S=256 on U2 x R2
         "--activation-checkpointing",
         "--offload-activations",
     ],
+    "lean": [  # every memory technique the flags reach
+        "--deepspeed",
+        str(ROOT / "ds_configs" / "cp8.json"),
+        "--activation-checkpointing",
+        "--offload-activations",
+        "--lean-memory",
+    ],
 }
 
 
@@ -232,11 +240,14 @@ def test_split_checkpointing_offloads_both_halves_inputs_under_zero3(runs):
 
 
 def test_example_trains_with_the_offload_config_and_flag(runs):
-    """examples/train.py --deepspeed ds_configs/cp8_offload.json --offload-activations equals the cp8.json run."""
+    """examples/train.py --deepspeed ds_configs/cp8_offload.json --offload-activations, and cp8.json with
+    --offload-activations --lean-memory (tiled MLP, lean norms, lean RoPE, split checkpointing), equal the
+    cp8.json run."""
     example = runs[0]["example"]
-    assert len(example["plain"]) == 2 and len(example["offload"]) == 2
-    for plain, offloaded in zip(example["plain"], example["offload"]):
+    assert [len(losses) for losses in example.values()] == [2, 2, 2], example
+    for plain, offloaded, lean in zip(example["plain"], example["offload"], example["lean"]):
         assert abs(plain - offloaded) <= TOLERANCE * abs(plain), example
+        assert abs(plain - lean) <= TOLERANCE * abs(plain), example
 
 
 def test_offload_config_matches_the_same_run_without_offload(runs):
