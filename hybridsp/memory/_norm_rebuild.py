@@ -18,13 +18,27 @@ goes to the enclosing hooks unchanged (torch's non-reentrant checkpoint keeps x 
 input; a reentrant checkpoint's recompute has no enclosing hooks and x is its input), so the
 checkpoint still sees the same saves in the same order in its forward and its recompute.
 
-Nothing is rebuilt while dynamo traces (the hooks stay off), for a norm output that is not contiguous,
-or for a saved tensor whose version moved since the norm made it.
+Note [when it rebuilds]: only where the rebuild is the forward's own result: the call's output is the
+norm's ``forward`` return unchanged (a forward hook that returns another tensor or writes into it, or any
+global module hook, turns it off; DeepSpeed ZeRO-3's ``detach()`` alias keeps it on) on the half's input
+itself; the output is contiguous; the autocast state can be read on its device; dynamo is not tracing.
+The rebuild gathers the norm's parameters (:func:`hybridsp.memory._sharded_params.gathered`, as the tiled
+MLP's backward does); a ZeRO-3 parameter that DeepSpeed's backward prefetch has in flight at that moment
+cannot be gathered (``GatheredParameters`` skips it too) and raises RuntimeError saying so, rather than
+reading its empty placeholder (not seen on CPU; the shipped configs keep norms persistent). The norm's forward must
+be a function of its input and parameters (every transformers norm is). Otherwise the half runs as
+before: the projections keep the output. Under autocast with fp32 weights the projections keep their own
+low-precision casts, not the output, so nothing is rebuilt there.
+
+Note [rebuild cache]: the rows are rebuilt once per backward (graph task) and shared by that backward's
+unpacks (the three projections'); the last one drops them. A save that a backward never unpacks keeps
+them until that backward's graph is freed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -33,6 +47,7 @@ from torch import nn
 from hybridsp.memory._sharded_params import gathered
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
+Autocast = tuple[str, bool, torch.dtype]  # (device type, enabled, dtype)
 
 
 def enclosing_hooks() -> Hooks | None:
@@ -47,29 +62,41 @@ def enclosing_hooks() -> Hooks | None:
 
 @dataclass
 class _SharedRebuild:
-    """One scope's rebuild of the norm's output, shared by its recipes (made once, dropped after the last)."""
+    """One scope's rebuild of the norm's output, shared by its recipes (Note [rebuild cache])."""
 
     norm: nn.Module
-    shape: tuple[int, ...]  # the output's, as the forward made it (contiguous)
-    autocast: tuple[str, bool, torch.dtype]  # (device type, enabled, dtype) when the norm ran
-    pending: int = 0  # recipes made and not yet unpacked
+    made: tuple[torch.Size, torch.dtype, torch.device]  # the output's shape, dtype, device
+    autocast: Autocast  # when the norm ran
+    recipes: int = 0  # made in the forward
+    task: int | None = None  # the backward the cache belongs to
+    remaining: int = 0  # its unpacks still to come
     rows: torch.Tensor | None = None
 
     def output(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm's output rebuilt from x (cached until every recipe has been unpacked)."""
+        """The norm's output rebuilt from x, once per backward."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task or (self.rows is None and self.remaining <= 0):
+            self.task, self.remaining, self.rows = task, self.recipes, None
         rows = self.rows if self.rows is not None else self._rebuild(x)
-        self.pending -= 1
-        self.rows = rows if self.pending > 0 else None
+        self.remaining -= 1
+        self.rows = rows if self.remaining > 0 else None
         return rows
 
     def _rebuild(self, x: torch.Tensor) -> torch.Tensor:
         device_type, enabled, dtype = self.autocast
         with torch.no_grad(), torch.autocast(device_type, dtype, enabled), gathered(self.norm.parameters()):
+            if any(p.numel() == 0 for p in self.norm.parameters()):  # Note [when it rebuilds]: ZeRO-3 in flight
+                raise RuntimeError(
+                    f"{type(self.norm).__name__}'s parameters are not gathered in the backward (a ZeRO-3 prefetch "
+                    "in flight): raise stage3_param_persistence_threshold above the norm's size, or leave split "
+                    "checkpointing off"
+                )
             rows = torch.as_tensor(self.norm.forward(x))
-        if tuple(rows.shape) != self.shape or not rows.is_contiguous():
+        if (rows.shape, rows.dtype, rows.device) != self.made or not rows.is_contiguous():
             raise RuntimeError(
-                f"the norm's rebuilt output is {tuple(rows.shape)} (contiguous: {rows.is_contiguous()}), its forward "
-                f"made {self.shape}: the norm is not a function of its input alone"
+                f"the norm's rebuilt output is {tuple(rows.shape)} {rows.dtype} on {rows.device} (contiguous: "
+                f"{rows.is_contiguous()}), its forward made {self.made}: "
+                f"{type(self.norm).__name__} is not a function of its input and parameters"
             )
         return rows
 
@@ -90,6 +117,37 @@ class _Recipe:
         x = self.x if self.unpack_x is None else self.unpack_x(self.x)
         rows = self.shared.output(x)
         return rows.as_strided(self.size, self.stride, rows.storage_offset() + self.offset)
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    """a and b are tensors viewing the same elements the same way (aliases, e.g. ``b.detach()``)."""
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return False
+    where = (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride(), a.dtype, a.device)
+    return where == (b.untyped_storage().data_ptr(), b.storage_offset(), b.shape, b.stride(), b.dtype, b.device)
+
+
+def _record_call(
+    seen: dict[str, Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> None:
+    """A forward hook (prepended): what the norm's forward received and returned, before other hooks."""
+    seen["input"] = args[0] if args else next(iter(kwargs.values()), None)
+    seen["output"] = output
+    seen["version"] = output._version if isinstance(output, torch.Tensor) else None
+
+
+def _autocast_state(device_type: str) -> Autocast | None:
+    """(device type, enabled, dtype) of autocast now; None where autocast knows no such device (meta, ...)."""
+    try:
+        return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except (RuntimeError, AssertionError, ValueError):
+        return None
+
+
+def _global_module_hooks() -> bool:
+    """Any forward (pre-)hook registered for every module (``torch.nn.modules.module``'s globals)."""
+    module = torch.nn.modules.module
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks)
 
 
 class NormInputKept:
@@ -126,16 +184,32 @@ class NormInputKept:
             self._hooks = None
 
     def normalized(self) -> torch.Tensor:
-        """``norm(x)`` (the module called, hooks and all); its views saved from now on are rebuilt."""
+        """``norm(x)`` (the module called, hooks and all); its views saved from now on are rebuilt where
+        Note [when it rebuilds] allows."""
         if self._x is None:
             raise RuntimeError("NormInputKept.normalized() is called inside its with-block, once it has exited never")
-        out = torch.as_tensor(self._norm(self._x))
-        if self._hooks is not None and out.is_contiguous() and out.numel() > 0:
+        seen: dict[str, Any] = {}
+        handle = self._norm.register_forward_hook(partial(_record_call, seen), prepend=True, with_kwargs=True)
+        try:
+            out = torch.as_tensor(self._norm(self._x))
+        finally:
+            handle.remove()
+        autocast = _autocast_state(out.device.type)
+        if self._hooks is not None and autocast is not None and self._rebuilds(out, seen):
             self._output, self._version = out, out._version
-            device_type = out.device.type
-            autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
-            self._shared = _SharedRebuild(self._norm, tuple(out.shape), autocast)
+            self._shared = _SharedRebuild(self._norm, (out.shape, out.dtype, out.device), autocast)
         return out
+
+    def _rebuilds(self, out: torch.Tensor, seen: dict[str, Any]) -> bool:
+        """Whether ``out`` is what ``norm.forward(x)`` makes again (Note [when it rebuilds])."""
+        forward_made = _same_view(seen.get("output"), out) and seen.get("version") == out._version
+        return (
+            forward_made
+            and _same_view(seen.get("input"), self._x)
+            and not _global_module_hooks()
+            and out.is_contiguous()
+            and out.numel() > 0
+        )
 
     def _views_output(self, saved: torch.Tensor) -> bool:
         out = self._output
@@ -149,9 +223,8 @@ class NormInputKept:
 
     def _pack(self, saved: torch.Tensor) -> Any:
         if self._views_output(saved):
-            assert self._shared is not None and self._output is not None  # set with _output
-            self._shared.pending += 1
-            assert self._x is not None  # set while the hooks are on
+            assert self._shared is not None and self._output is not None and self._x is not None  # set together
+            self._shared.recipes += 1
             x = self._outer[0](self._x) if self._outer else self._x
             offset = int(saved.storage_offset() - self._output.storage_offset())
             return _Recipe(

@@ -124,17 +124,12 @@ def second_half_entry(layer: nn.Module) -> nn.Module | None:
 
 def apply_split_checkpointing(model: nn.Module) -> SplitCheckpointHandle:
     """Checkpoint each decoder layer of ``model`` as an attention half and an MLP half (module
-        docstring); returns the undo handle. Takes effect where HF checkpointing is on
-        (``model.gradient_checkpointing_enable()``, before or after this call).
+    docstring); returns the undo handle. Takes effect where HF checkpointing is on
+    (``model.gradient_checkpointing_enable()``, before or after this call).
 
-        Raises:
-            ValueError (nothing changed) when the model has no HF decoder layer, one is not of the
-            pre-norm attention + MLP form (Note [norm input kept]: inside the attention half the q/k/v projections keep the half's input x
-    instead of the norm's output and rebuild it in their backward (:mod:`hybridsp.memory._norm_rebuild`):
-    the norm's output is then not alive through the attention's backward, the step's peak. Bitwise the
-    same rows (the norm's own forward on the same x), one norm forward more per layer.
-
-    Note [which layers]), or one is already switched.
+    Raises:
+        ValueError (nothing changed) when the model has no HF decoder layer, one is not of the
+        pre-norm attention + MLP form (Note [which layers]), or one is already switched.
     """
     layers = find_decoder_layers(model)
     _check_splittable(layers, model)

@@ -5,9 +5,11 @@ backward runs before the projections', as the attention's does in the half) is d
 the hooks: the output and every gradient bitwise equal, with HF's RMSNorm and the lean norm, fp32/fp64/bf16,
 B = 2 (3-D input: ``F.linear`` keeps a [T, h] view), the projections' input handed on as DeepSpeed ZeRO-3
 hands it (``input.detach()`` through an autograd function), without checkpointing, under non-reentrant and
-reentrant checkpointing, and under CPU autocast. While the stand-in attention's backward runs, no norm output
-is alive (with the hooks), where one is without them; the three projections share one rebuild. A norm output
-modified in place before it is saved is kept as is. The transformers path (split checkpointing) is
+reentrant checkpointing, under CPU autocast (bf16 weights), and two backwards through a retained graph.
+While the stand-in attention's backward runs, no norm output is alive (with the hooks), where one is without
+them; the three projections share one rebuild per backward. Kept as is, not rebuilt: a norm output changed
+by a forward hook (a new tensor, or in place), under a global module hook, not contiguous, or modified in
+place before it is saved. The transformers path (split checkpointing) is
 tests/memory/test_split_checkpoint.py's bitwise comparison, and DeepSpeed ZeRO-3 tests/memory/test_zero3.py's.
 """
 
@@ -107,6 +109,15 @@ def _assert_bitwise(got, want) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.fixture
+def rebuilds(monkeypatch) -> list[int]:
+    """One entry per rebuild of a norm's output."""
+    made: list[int] = []
+    original = _SharedRebuild._rebuild
+    monkeypatch.setattr(_SharedRebuild, "_rebuild", lambda self, x: made.append(1) or original(self, x))
+    return made
+
+
 @pytest.mark.parametrize("mode", ["none", "non-reentrant", "reentrant"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("lean", [False, True], ids=["hf-norm", "lean-norm"])
@@ -120,25 +131,75 @@ def test_kept_input_is_bitwise_and_frees_the_norm_output(mode, dtype, lean, alia
     assert got_block.alive_at_attention == [0]  # nothing holds it: rebuilt after
 
 
-def test_three_projections_share_one_rebuild(monkeypatch):
-    rebuilds = []
-    original = _SharedRebuild._rebuild
-    monkeypatch.setattr(_SharedRebuild, "_rebuild", lambda self, x: rebuilds.append(1) or original(self, x))
+def test_three_projections_share_one_rebuild(rebuilds):
     for mode in ("none", "non-reentrant"):
         rebuilds.clear()
         _run(_Block(torch.float32, lean=True, alias=True), _input(torch.float32), kept=True, mode=mode)
         assert rebuilds == [1]
 
 
-def test_under_autocast_the_rebuild_equals_the_forward():
+def test_under_autocast_the_rebuild_equals_the_forward(rebuilds):
+    """bf16 weights under CPU autocast: the projections keep the norm's bf16 output itself, rebuilt under
+    the forward's autocast state (with fp32 weights they keep their own casts: nothing to rebuild)."""
     runs = []
     for kept in (False, True):
-        block = _Block(torch.float32, lean=False, alias=False)
+        block = _Block(torch.bfloat16, lean=False, alias=False)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            runs.append(_run(block, _input(torch.float32), kept=kept, mode="non-reentrant"))
-    plain = _run(_Block(torch.float32, lean=False, alias=False), _input(torch.float32), kept=False, mode="none")
-    assert not torch.equal(runs[0][0], plain[0])  # autocast reached the projections
+            runs.append(_run(block, _input(torch.bfloat16), kept=kept, mode="non-reentrant"))
     _assert_bitwise(runs[1], runs[0])
+    assert rebuilds == [1]
+
+
+def test_retained_graph_backward_twice_rebuilds_once_each(rebuilds):
+    outs = []
+    for kept in (False, True):
+        block = _Block(torch.float64, lean=True, alias=True)
+        x = _input(torch.float64).requires_grad_()
+        out = block.half(x, kept=kept)
+        grads = [torch.autograd.grad(out.sum(), [x, *block.parameters()], retain_graph=True) for _ in range(2)]
+        outs.append(grads)
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert rebuilds == [1, 1]
+
+
+@pytest.mark.parametrize("hook", ["new tensor", "in place", "global"])
+def test_a_hooked_norm_output_is_kept_not_rebuilt(hook, rebuilds):
+    """A forward hook that returns another tensor or writes into the output (or any global module hook):
+    the rebuild would not be what the projections saw, so they keep the output as before."""
+
+    def scaled(module, args, out):
+        return out * 0.5 if hook != "in place" else out.mul_(0.5)
+
+    runs = []
+    for kept in (False, True):
+        block = _Block(torch.float64, lean=False, alias=False)
+        if hook == "global":
+            handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+        else:
+            handle = block.input_layernorm.register_forward_hook(scaled)
+        try:
+            runs.append(_run(block, _input(torch.float64), kept=kept, mode="non-reentrant"))
+        finally:
+            handle.remove()
+    _assert_bitwise(runs[1], runs[0])
+    assert rebuilds == []
+
+
+def test_a_non_contiguous_norm_output_is_kept_not_rebuilt(rebuilds):
+    class TransposedNorm(nn.Module):  # returns a non-contiguous view of a fresh tensor
+        def forward(self, x):
+            return (x * 2.0).transpose(0, 1).contiguous().transpose(0, 1)
+
+    x = _input(torch.float64).requires_grad_()
+    linear = nn.Linear(HIDDEN, HIDDEN, dtype=torch.float64)
+    with NormInputKept(TransposedNorm(), x) as scope:
+        normed = scope.normalized()
+        out = linear(normed)
+    assert not normed.is_contiguous()
+    out.sum().backward()
+    torch.testing.assert_close(linear.weight.grad, (2.0 * x).detach().sum((0, 1)).expand(HIDDEN, -1))
+    assert rebuilds == []
 
 
 def test_a_norm_output_changed_in_place_before_it_is_saved_is_kept_as_is():

@@ -6,9 +6,9 @@ through ``hybridsp.integrations.deepspeed.initialize``:
 - the reference: logits + ``sharded_cross_entropy`` (the path tests/integrations/deepspeed/test_engine.py checks
   against DeepSpeed without sequence parallelism);
 - ``causal_lm_loss`` (fused linear + cross-entropy through the lm_head call);
-- the same plus ``apply_tiled_mlp``; and plus HF activation checkpointing; and plus lean norms and split
-  checkpointing (the q/k/v projections keep the ZeRO-3 alias of the norm's input and rebuild its output,
-  the norm's weight gathered in their backward);
+- the same plus ``apply_tiled_mlp``; and plus HF activation checkpointing; and plus split checkpointing,
+  with lean norms and with HF's (the q/k/v projections keep the norm's input instead of the ZeRO-3 alias
+  of its output and rebuild it in their backward, the norm's partitioned weight gathered there);
 - ``fused_cross_entropy`` called directly on the decoder's output and the *partitioned*
   ``lm_head`` weight (``model.lm_head.weight``, NOT_AVAILABLE at the call; untied and tied): it
   gathers the weight once for the call and its gradient reaches ZeRO-3's reduction once
@@ -31,7 +31,7 @@ from tests.helpers.paths import ROOT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.integration]  # DeepSpeed ZeRO-3 engines
 
-WORLD, SEQ, VOCAB, STEPS, LR = 2, 48, 96, 2, 0.5
+WORLD, SEQ, VOCAB, STEPS, LR, HIDDEN = 2, 48, 96, 2, 0.5, 32
 TOLERANCE = 1e-5
 
 
@@ -42,7 +42,7 @@ def _model(tied: bool):
         "llama",
         seed=0,
         vocab_size=VOCAB,
-        hidden_size=32,
+        hidden_size=HIDDEN,
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -88,8 +88,9 @@ def _train(
         model.gradient_checkpointing_enable()
     if tiled:
         apply_tiled_mlp(model, tile_tokens=5)
-    if split:  # the projections rebuild the lean norm's output from the ZeRO-3 input alias they keep
+    if split == "lean":  # the projections rebuild the lean norm's output from the ZeRO-3 input alias they keep
         apply_lean_norms(model, tile_tokens=5)
+    if split:
         apply_split_checkpointing(model)
     engine, _, mesh, _ = hds.initialize(model, _config(), optimizer=torch.optim.SGD(model.parameters(), lr=LR))
     engine.train()
@@ -165,7 +166,8 @@ def _everything(rank, world, directory):
         }
         if tied:
             variants["fused+tiled+ckpt"] = (True, True, True)
-            variants["fused+tiled+ckpt split lean norms"] = (True, True, True, False, True)
+            variants["fused+tiled+ckpt split lean norms"] = (True, True, True, False, "lean")
+            variants["fused+tiled+ckpt split HF norms"] = (True, True, True, False, "hf")
         for name, flags in variants.items():
             run = _train(tied, *flags)
             out[f"tied={tied} {name}"] = {
@@ -190,4 +192,4 @@ def test_fused_loss_and_tiled_mlp_under_zero3_equal_the_logits_path(tmp_path):
         assert row["grad_norm"] > 0, (name, row)
         assert max(row["loss"], row["grad"], row["params"]) < TOLERANCE, (name, row)
         assert row["rebuilds"] == (STEPS * 2 if "split" in name else 0), (name, row)  # once per layer and step
-    assert len(errors) == 8
+    assert len(errors) == 9
