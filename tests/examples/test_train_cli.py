@@ -210,3 +210,38 @@ def test_a_rerun_into_a_named_run_directory_is_one_error_line_and_exit_2(tmp_pat
         f"pass --resume to continue it, --overwrite to write over it, or --save-dir DIR "
         f"for a new one"
     )
+
+
+def _lean_memory_args(*flags: str):
+    return train.parse_args(["--deepspeed", str(ROOT / "ds_configs" / "cp8.json"), *flags])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lean_memory_switches_every_technique_on_the_model(checkpointing):
+    from tests.helpers.models.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", seed=0, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    flags = ["--lean-memory"] + (["--activation-checkpointing"] if checkpointing else [])
+    train.lean_memory(_lean_memory_args(*flags), model)
+    layer = model.model.layers[0]
+    patched = {
+        name: "forward" in vars(module)
+        for name, module in [
+            ("mlp", layer.mlp),
+            ("norm", layer.input_layernorm),
+            ("attention", layer.self_attn),
+            ("layer", layer),
+        ]
+    }
+    assert patched == {"mlp": True, "norm": True, "attention": True, "layer": checkpointing}
+
+
+def test_without_the_flag_nothing_changes_and_a_model_it_cannot_take_is_one_error():
+    from tests.helpers.models.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", seed=0, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    train.lean_memory(_lean_memory_args(), model)
+    assert not any("forward" in vars(module) for module in model.modules())
+    neox = tiny_causal_lm("gpt_neox", seed=0)
+    with pytest.raises(preflight.RunConfigError, match="--lean-memory: apply_tiled_mlp: .*drop --lean-memory"):
+        train.lean_memory(_lean_memory_args("--lean-memory"), neox)
