@@ -242,6 +242,14 @@ def test_without_the_flag_nothing_changes_and_a_model_it_cannot_take_is_one_erro
     model = tiny_causal_lm("llama", seed=0, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
     train.lean_memory(_lean_memory_args(), model)
     assert not any("forward" in vars(module) for module in model.modules())
-    neox = tiny_causal_lm("gpt_neox", seed=0)
+    neox = tiny_causal_lm(
+        "gpt_neox",
+        seed=0,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=64,
+    )
     with pytest.raises(preflight.RunConfigError, match="--lean-memory: apply_tiled_mlp: .*drop --lean-memory"):
         train.lean_memory(_lean_memory_args("--lean-memory"), neox)
