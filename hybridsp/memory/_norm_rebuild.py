@@ -44,6 +44,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from hybridsp.memory._aliases import same_elements
 from hybridsp.memory._sharded_params import gathered
 
 Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]]
@@ -117,14 +118,6 @@ class _Recipe:
         x = self.x if self.unpack_x is None else self.unpack_x(self.x)
         rows = self.shared.output(x)
         return rows.as_strided(self.size, self.stride, rows.storage_offset() + self.offset)
-
-
-def _same_view(a: Any, b: Any) -> bool:
-    """a and b are tensors viewing the same elements the same way (aliases, e.g. ``b.detach()``)."""
-    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-        return False
-    where = (a.untyped_storage().data_ptr(), a.storage_offset(), a.shape, a.stride(), a.dtype, a.device)
-    return where == (b.untyped_storage().data_ptr(), b.storage_offset(), b.shape, b.stride(), b.dtype, b.device)
 
 
 def _record_call(
@@ -202,10 +195,11 @@ class NormInputKept:
 
     def _rebuilds(self, out: torch.Tensor, seen: dict[str, Any]) -> bool:
         """Whether ``out`` is what ``norm.forward(x)`` makes again (Note [when it rebuilds])."""
-        forward_made = _same_view(seen.get("output"), out) and seen.get("version") == out._version
+        forward_made = same_elements(seen.get("output"), out) and seen.get("version") == out._version
         return (
             forward_made
-            and _same_view(seen.get("input"), self._x)
+            and self._x is not None
+            and same_elements(seen.get("input"), self._x)
             and not _global_module_hooks()
             and out.is_contiguous()
             and out.numel() > 0

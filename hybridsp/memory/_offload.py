@@ -72,6 +72,7 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import nn
 
+from hybridsp.memory._aliases import same_elements
 from hybridsp.memory._split_checkpoint import second_half_entry
 
 HostAllocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
@@ -91,21 +92,6 @@ class OffloadStats:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    """``a`` is ``b``, or an alias of the same elements (Note [aliases])."""
-    if a is b:
-        return True
-    return (
-        a is not None
-        and a.device == b.device
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.storage_offset() == b.storage_offset()
-        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-    )
 
 
 class _Saved:
@@ -267,7 +253,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         if self._active and module.training:
             first = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
             if isinstance(first, torch.Tensor) and first.is_floating_point() and _nbytes(first) >= self.min_bytes:
-                saved_first = next((h for h in unclaimed if _same_tensor(h.device_tensor, first)), None)
+                saved_first = next((h for h in unclaimed if same_elements(h.device_tensor, first)), None)
                 if saved_first is not None:  # the checkpoint saved it before this hook ran (Note [hook order])
                     self._claim(saved_first)
                 else:  # saved after this hook: on entering the checkpoint, or (reentrant) once it returns
@@ -287,8 +273,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         if not self._active:
             return tensor
-        if any(_same_tensor(tensor, marked) for marked in self._marked):
-            self._marked = [marked for marked in self._marked if not _same_tensor(tensor, marked)]
+        if any(same_elements(tensor, marked) for marked in self._marked):
+            self._marked = [marked for marked in self._marked if not same_elements(tensor, marked)]
             handle = _Saved(self, tensor)
             self._claim(handle)
             return handle
