@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep the checkpointed layers' inputs in host memory (needs --activation-checkpointing)",
     )
     parser.add_argument(
+        "--offload-dir",
+        metavar="DIR",
+        help="with --offload-activations: write the offloaded inputs to unlinked files in DIR (a local "
+        "NVMe scratch directory) instead of keeping them in host memory",
+    )
+    parser.add_argument(
         "--lean-memory",
         action="store_true",
         help="the memory frontier's techniques: tiled MLP, lean norms, lean RoPE and, with "
@@ -225,14 +231,19 @@ def packed_position_ids(tokens: torch.Tensor, separator: torch.Tensor) -> torch.
 
 def activation_offload(args: argparse.Namespace, model: torch.nn.Module):
     """``--offload-activations``: hybridsp's offload hooks on the checkpointed layers (a no-op
-    context without the flag)."""
+    context without the flag); ``--offload-dir``: to files there instead of host memory."""
     from hybridsp import offload_activations
 
     if args.offload_activations and not args.activation_checkpointing:
         raise RunConfigError(
             "--offload-activations needs --activation-checkpointing (it offloads the checkpointed layers' inputs)"
         )
-    return offload_activations(model, enabled=args.offload_activations)
+    if args.offload_dir and not args.offload_activations:
+        raise RunConfigError("--offload-dir needs --offload-activations (it is where the offloaded inputs go)")
+    try:
+        return offload_activations(model, enabled=args.offload_activations, spill_dir=args.offload_dir)
+    except ValueError as error:  # a spill directory that is missing or not writable
+        raise RunConfigError(f"--offload-dir: {error}") from error
 
 
 def lean_memory(args: argparse.Namespace, model: torch.nn.Module) -> None:

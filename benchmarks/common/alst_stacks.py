@@ -24,7 +24,8 @@ ZeRO ``stage``, clipping, micro batch 1, a client ``torch.optim.AdamW``) and the
 
 ``features="best"`` adds HF activation checkpointing to ``tiled`` on both stacks and, for hybridsp,
 ``apply_lean_norms`` and ``offload_activations`` (the benchmark passes a host allocator outside its
-memory cap), with ``split`` ``apply_split_checkpointing``, with ``rope`` ``apply_lean_rope``.
+memory cap), with ``split`` ``apply_split_checkpointing``, with ``rope`` ``apply_lean_rope``, with
+``spill_dir`` the offload's disk tier writing there.
 ALST's own checkpoint offload cannot run on a CPU accelerator (DeepSpeed's skips CPU tensors).
 
 The data: step ``k`` trains window ``k`` (one sequence of ``seq_len`` tokens). The reference and
@@ -84,6 +85,7 @@ class Run:
     head_chunks: int | str = 1  # hybridsp: the "hybridsp" config section's head_chunks (head groups per attention call)
     split: bool = False  # hybridsp, features="best": apply_split_checkpointing (attention and MLP halves)
     rope: bool = False  # hybridsp, features="best": apply_lean_rope (q and k rotated in place)
+    spill_dir: str | None = None  # hybridsp, features="best": the offload's disk tier writes its files here
 
     @property
     def context(self) -> int:
@@ -96,6 +98,7 @@ class Run:
         chunks = f" G{self.head_chunks}" if self.stack == "hybridsp" and self.head_chunks != 1 else ""
         chunks += "+split" if self.stack == "hybridsp" and self.split else ""
         chunks += "+rope" if self.stack == "hybridsp" and self.rope else ""
+        chunks += "+disk" if self.stack == "hybridsp" and self.spill_dir else ""
         return f"{self.stack}{mesh}{chunks} {self.features}{loss}"
 
     def check(self, world: int) -> None:
@@ -233,6 +236,8 @@ def hybridsp_stack(run: Run, host_allocator=None):
         if run.rope:
             hybridsp.apply_lean_rope(engine.module)
     options = {} if host_allocator is None else {"host_allocator": host_allocator}
+    if run.spill_dir:  # the files are unlinked as they are made
+        options["spill_dir"] = run.spill_dir
     offload = hybridsp.offload_activations(engine.module, enabled=run.features == "best", **options)
     data = windows(run)
 

@@ -313,6 +313,17 @@ def shared_host_tensor(shape, dtype) -> torch.Tensor:
         os.unlink(path)
 
 
+def filesystem_of(path: str) -> str:
+    """The type of the file system ``path`` is on (the longest mount point of /proc/mounts above it)."""
+    path, best, kind = os.path.realpath(path), "", "unknown"
+    with open("/proc/mounts") as mounts:
+        for line in mounts:
+            _, point, fstype = line.split()[:3]
+            if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                best, kind = point, fstype
+    return kind
+
+
 def _noop() -> None:
     pass
 

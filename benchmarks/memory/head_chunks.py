@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, replace
 
@@ -43,8 +45,11 @@ from benchmarks.alst import _search, compare
 from benchmarks.common import alst_stacks, harness
 
 MODULE = "benchmarks.memory.head_chunks"
-SPLIT = "+split"  # a --step-chunks value's suffix: that G with split checkpointing (apply_split_checkpointing)
-ROPE = "+rope"  # the last suffix: with lean RoPE as well (apply_lean_rope)
+SUFFIXES = {  # a --step-chunks value is G and any of these, in this order (8+split+rope+disk)
+    "split": "split checkpointing (apply_split_checkpointing)",
+    "rope": "lean RoPE (apply_lean_rope)",
+    "disk": "the activation offload's disk tier (spill_dir: a temporary directory of the launcher's)",
+}
 MIB = 2**20
 
 
@@ -154,12 +159,15 @@ def markdown_layer(result: dict) -> str:
 # a training step
 
 
-def step_runs(args, base: alst_stacks.Run) -> dict[str, alst_stacks.Run]:
+def step_runs(args, base: alst_stacks.Run, spill_dir: str | None = None) -> dict[str, alst_stacks.Run]:
+    """ALST and hybridsp at each --step-chunks setting; ``spill_dir``: where ``+disk`` writes."""
     u, r = map(int, args.mesh.split("x"))
     runs = {"ALST": replace(base, stack="alst", ulysses=u * r, ring=1, features="best")}
     for setting in args.step_chunks:
-        rope, without_rope = setting.endswith(ROPE), setting.removesuffix(ROPE)
-        g, split = without_rope.removesuffix(SPLIT), without_rope.endswith(SPLIT)
+        g, *suffixes = setting.split("+")
+        unknown = [s for s in suffixes if s not in SUFFIXES]
+        if unknown:
+            raise ValueError(f"--step-chunks {setting!r}: unknown suffix {unknown}; choose from {list(SUFFIXES)}")
         runs[f"hybridsp G{setting}"] = replace(
             base,
             stack="hybridsp",
@@ -167,14 +175,20 @@ def step_runs(args, base: alst_stacks.Run) -> dict[str, alst_stacks.Run]:
             ring=r,
             features="best",
             head_chunks=g if g == "auto" else int(g),
-            split=split,
-            rope=rope,
+            split="split" in suffixes,
+            rope="rope" in suffixes,
+            spill_dir=spill_dir if "disk" in suffixes else None,
         )
     return runs
 
 
 def part_step(args, base: alst_stacks.Run) -> dict:
-    runs = step_runs(args, replace(base, steps=base.steps + 1, budget=compare.UNCAPPED))
+    with tempfile.TemporaryDirectory(prefix="hybridsp_spill_") as spill_dir:
+        return _step_rows(args, base, spill_dir)
+
+
+def _step_rows(args, base: alst_stacks.Run, spill_dir: str) -> dict:
+    runs = step_runs(args, replace(base, steps=base.steps + 1, budget=compare.UNCAPPED), spill_dir)
     names = list(runs)
     samples = {name: {"cpu": [], "wall": [], "peak_rss": [], "peak_above_build": []} for name in names}
     losses = {}
@@ -189,7 +203,15 @@ def part_step(args, base: alst_stacks.Run) -> dict:
             losses[name] = traces[0]["losses"]
             print(f"    {name}: {json.dumps({k: v[-1] for k, v in samples[name].items()})}", flush=True)
     rows = {name: {key: statistics.median(values) for key, values in samples[name].items()} for name in names}
-    return {"rows": rows, "samples": samples, "losses": losses, "seq_len": base.seq_len, "mesh": args.mesh}
+    spill_fs = f"{os.path.dirname(spill_dir)} ({harness.filesystem_of(spill_dir)})"
+    return {
+        "rows": rows,
+        "samples": samples,
+        "losses": losses,
+        "seq_len": base.seq_len,
+        "mesh": args.mesh,
+        "spill_fs": spill_fs,
+    }
 
 
 def markdown_step(result: dict) -> str:
@@ -209,6 +231,8 @@ def markdown_step(result: dict) -> str:
             f"{row['peak_above_build'] / MIB:.0f} | {row['peak_above_build'] / alst['peak_above_build']:.3f} | "
             f"{row['cpu']:.2f} | {row['wall']:.2f} | {ratio} |"
         )
+    if any("+disk" in name for name in rows):
+        lines += ["", f"+disk: the offloaded inputs in unlinked files under {result['spill_fs']}."]
     names = list(result["losses"])
     same = all(result["losses"][n] == result["losses"][names[1]] for n in names[1:]) if len(names) > 1 else True
     lines += ["", f"hybridsp losses identical across G: {same}."]
@@ -216,13 +240,18 @@ def markdown_step(result: dict) -> str:
 
 
 def part_longest(args, base: alst_stacks.Run) -> dict:
+    with tempfile.TemporaryDirectory(prefix="hybridsp_spill_") as spill_dir:
+        return _longest_rows(args, base, spill_dir)
+
+
+def _longest_rows(args, base: alst_stacks.Run, spill_dir: str) -> dict:
     rows = {}
     guesses = dict(pair.split("=") for pair in args.walk_from)
 
     def log(line: str) -> None:
         print(line, flush=True)
 
-    for name, run in step_runs(args, base).items():
+    for name, run in step_runs(args, base, spill_dir).items():
         key = name.removeprefix("hybridsp ")
         if key in guesses:  # a step-wise walk from a known neighbourhood
             rows[name] = _search.walk(
@@ -276,7 +305,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--step-chunks",
         nargs="+",
         default=["1", "2", "4", "8"],
-        help="step / longest: G values (G+split: with split checkpointing; G+split+rope: and lean RoPE)",
+        help="step / longest: G values (G+split: with split checkpointing; G+split+rope: and lean RoPE; "
+        "G+split+rope+disk: and the offload's disk tier)",
     )
     parser.add_argument("--seq-len", type=int, default=16384, help="step: S")
     parser.add_argument("--kv-heads", type=int, default=8, help="step / longest: the job's K/V heads")

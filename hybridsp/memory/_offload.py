@@ -54,6 +54,13 @@ before it reads a restored tensor. On CPU the same path runs synchronously: the 
 a fresh tensor (from ``host_allocator``, e.g. one outside a memory budget) and the restore
 copies it back, so results are bitwise those of plain checkpointing.
 
+Note [disk]: with ``spill_dir`` the offloaded inputs leave memory altogether
+(:class:`hybridsp.memory._spill.DiskTier`): on CPU the tensor itself is handed to a writer thread;
+on CUDA the pinned host copy is, once the side stream's event says it is filled. The backward's
+prefetch starts the read of the previous input (on CUDA; the host-to-device copy follows in its
+restore); a restore waits for its read. The host memory the offload fills drops to the copies in
+flight; the disk holds ``offloaded_bytes``.
+
 Why not DeepSpeed 0.19.8's ``CheckpointHiddenStatesOffload`` or torch's ``save_on_cpu``:
 DeepSpeed's skips every tensor on a CPU accelerator (so the path cannot run or be tested
 without a GPU), patches ``GradientCheckpointingLayer.__call__`` on the class while active,
@@ -65,7 +72,9 @@ each tensor only when autograd asks for it (no prefetch).
 
 from __future__ import annotations
 
+import os
 import sys
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
@@ -73,6 +82,7 @@ import torch
 from torch import nn
 
 from hybridsp.memory._aliases import same_elements
+from hybridsp.memory._spill import DiskTier, SpillFile
 from hybridsp.memory._split_checkpoint import second_half_entry
 
 HostAllocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
@@ -80,12 +90,14 @@ HostAllocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
 @dataclass
 class OffloadStats:
-    """Counts since the last ``__enter__``: tensors and bytes sent to host (``offloaded_bytes`` is
-    the host memory one forward fills; each copy is freed with its graph), kept on the device (the
-    newest ``keep_last``), restored in the backward."""
+    """Counts since the last ``__enter__``: tensors and bytes sent off the device (``offloaded_bytes``:
+    what one forward sends to host memory, or with ``spill_dir`` on to disk (``spilled_bytes``, then
+    equal); each copy is freed with its graph), kept on the device (the newest ``keep_last``), restored
+    in the backward."""
 
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
+    spilled_bytes: int = 0
     kept_tensors: int = 0
     restored_tensors: int = 0
 
@@ -95,28 +107,46 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 class _Saved:
-    """One marked input: on the device until offloaded, then on host until restored.
+    """One marked input: on the device until offloaded, then on host (or disk) until restored.
 
     ``previous`` is the marked input saved just before this one (the next one the backward
-    needs), for the prefetch; a handle owns its host copy, so a graph that is never backwarded frees
-    everything with its saved tensors."""
+    needs), for the prefetch; a handle owns its host copy (or its spill file), so a graph that is
+    never backwarded frees everything with its saved tensors."""
 
-    __slots__ = ("owner", "device_tensor", "host", "event", "prefetched", "previous", "__weakref__")
+    __slots__ = (
+        "owner",
+        "device_tensor",
+        "host",
+        "event",
+        "prefetched",
+        "previous",
+        "spilled",
+        "reading",
+        "__weakref__",
+    )
     owner: ActivationOffload
     device_tensor: torch.Tensor | None
     host: torch.Tensor | None
     event: torch.cuda.Event | None
     prefetched: torch.Tensor | None
     previous: _Saved | None
+    spilled: Future[SpillFile] | None
+    reading: Future[torch.Tensor] | None
 
     def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor) -> None:
         self.owner, self.device_tensor = owner, tensor
-        self.host = self.event = self.prefetched = self.previous = None
+        self.host = self.event = self.prefetched = self.previous = self.spilled = self.reading = None
 
     def offload(self) -> None:
-        """Copy to host (side stream on CUDA) and drop the device reference."""
+        """Copy to host (side stream on CUDA) or start writing it to disk; drop the device reference."""
         tensor, owner = self.device_tensor, self.owner
         assert tensor is not None  # offloaded once, from the device
+        owner.stats.offloaded_tensors += 1
+        owner.stats.offloaded_bytes += _nbytes(tensor)
+        if owner.disk is not None and owner.stream is None:  # CPU: the tensor itself is written (Note [disk])
+            self.spilled, self.device_tensor = owner.disk.write(tensor), None
+            owner.stats.spilled_bytes += _nbytes(tensor)
+            return
         self.host = owner.host_allocator(tensor.shape, tensor.dtype)
         if owner.stream is not None:
             owner.stream.wait_stream(torch.cuda.current_stream(tensor.device))
@@ -127,26 +157,46 @@ class _Saved:
         else:
             self.host.copy_(tensor)
         self.device_tensor = None
-        owner.stats.offloaded_tensors += 1
-        owner.stats.offloaded_bytes += _nbytes(self.host)
+        if owner.disk is not None:  # the pinned copy goes to disk once the copy's event is reached
+            self.spilled, self.host = owner.disk.write(self.host, self.event), None
+            owner.stats.spilled_bytes += _nbytes(tensor)
+
+    def _read_back(self) -> torch.Tensor:
+        """The spilled tensor in host memory (pinned on CUDA), waiting for a read already started."""
+        disk, spilled = self.owner.disk, self.spilled
+        assert disk is not None and spilled is not None  # spilled
+        reading, self.reading = self.reading, None
+        if reading is None:
+            reading = disk.read(spilled, pin=self.owner.stream is not None)
+        return disk.result(reading)
 
     def _copy_back(self, device: torch.device) -> torch.Tensor:
         owner = self.owner
-        assert self.host is not None  # offloaded
+        spilled = self.spilled is not None
+        host = self._read_back() if spilled else self.host
+        assert host is not None  # offloaded
         if owner.stream is None:
-            restored = torch.empty_like(self.host, device=device)
-            restored.copy_(self.host)
+            if spilled:  # read into a fresh tensor: it is the restored one
+                return host
+            restored = torch.empty_like(host, device=device)
+            restored.copy_(host)
             return restored
         with torch.cuda.stream(owner.stream):
-            assert self.event is not None  # recorded by the offload
-            owner.stream.wait_event(self.event)  # the offload copy has finished
-            restored = torch.empty_like(self.host, device=device)
-            restored.copy_(self.host, non_blocking=True)
+            if not spilled:
+                assert self.event is not None  # recorded by the offload
+                owner.stream.wait_event(self.event)  # the offload copy has finished
+            restored = torch.empty_like(host, device=device)
+            restored.copy_(host, non_blocking=True)
         self.event = owner.stream.record_event()
         return restored
 
     def prefetch(self) -> None:
-        if self.device_tensor is None and self.prefetched is None and self.host is not None:
+        if self.device_tensor is not None or self.prefetched is not None:
+            return
+        if self.spilled is not None and self.owner.disk is not None:  # only the read: restore copies it over
+            if self.reading is None:
+                self.reading = self.owner.disk.read(self.spilled, pin=True)
+        elif self.host is not None:
             self.prefetched = self._copy_back(self.owner.device)
 
     def restore(self) -> torch.Tensor:
@@ -181,6 +231,9 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         prefetch: restore the previous layer's input while the current one runs backward.
         host_allocator: ``(shape, dtype) -> CPU tensor`` for the host copies; default
             ``torch.empty`` (pinned when the inputs are on CUDA).
+        spill_dir: a directory on a local disk: the offloaded inputs are written to unlinked files
+            there instead of staying in host memory (:mod:`hybridsp.memory._spill`, Note [disk]);
+            ValueError when it is not a writable directory.
 
     Enter it around the forward (each ``with`` resets :attr:`stats`); the backward may run
     after the block. Outputs are bitwise those of the same checkpointed model without offload.
@@ -196,6 +249,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         min_bytes: int = 1024,
         prefetch: bool = True,
         host_allocator: HostAllocator | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
     ):
         if not isinstance(keep_last, int) or keep_last < 0:
             raise ValueError(f"keep_last must be an integer >= 0; got {keep_last!r}")
@@ -204,6 +258,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         super().__init__(self._pack, self._unpack)
         self.enabled, self.keep_last, self.min_bytes, self.prefetch = enabled, keep_last, min_bytes, prefetch
         self._custom_allocator = host_allocator
+        self.disk = DiskTier(spill_dir) if spill_dir is not None and enabled else None
         self.stats = OffloadStats()
         self.layers = list(layers) if layers is not None else self._checkpointed_layers(model)
         if enabled and not self.layers:
@@ -319,6 +374,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self.stats.kept_tensors += len(self._kept)
         self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
         super().__exit__(*exc)
+        if self.disk is not None and exc[0] is None:
+            self.disk.check()  # a write that already failed stops the step here
         return False
 
     def remove(self) -> None:
@@ -327,6 +384,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             handle.remove()
         self._handles, self._entries = [], set()
         self.layers = []
+        if self.disk is not None:
+            self.disk.close()
 
 
 def offload_activations(model: nn.Module, *, enabled: bool = True, **options: Any) -> ActivationOffload:

@@ -253,3 +253,19 @@ def test_without_the_flag_nothing_changes_and_a_model_it_cannot_take_is_one_erro
     )
     with pytest.raises(preflight.RunConfigError, match="--lean-memory: apply_tiled_mlp: .*drop --lean-memory"):
         train.lean_memory(_lean_memory_args("--lean-memory"), neox)
+
+
+def test_offload_dir_goes_to_the_offload_and_its_mistakes_are_one_error(tmp_path):
+    from tests.helpers.models.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm("llama", seed=0, hidden_size=32, num_attention_heads=4, num_key_value_heads=2)
+    model.gradient_checkpointing_enable()
+    both = ["--activation-checkpointing", "--offload-activations"]
+    offload = train.activation_offload(_lean_memory_args(*both, "--offload-dir", str(tmp_path)), model)
+    assert offload.disk is not None and offload.disk.directory == str(tmp_path)
+    offload.remove()
+    assert train.activation_offload(_lean_memory_args(*both), model).disk is None
+    with pytest.raises(preflight.RunConfigError, match="--offload-dir needs --offload-activations"):
+        train.activation_offload(_lean_memory_args("--offload-dir", str(tmp_path)), model)
+    with pytest.raises(preflight.RunConfigError, match=r"--offload-dir: spill_dir .*missing.* is not a directory"):
+        train.activation_offload(_lean_memory_args(*both, "--offload-dir", str(tmp_path / "missing")), model)

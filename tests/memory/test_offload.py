@@ -72,13 +72,14 @@ def _world_mean(value: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
-def _train(model, config: dict, offload: bool = False) -> dict:
-    """Two steps through ``initialize`` (U2 x R2); per step the loss and full gradient, then the params."""
+def _train(model, config: dict, offload: bool = False, spill_dir: str | None = None) -> dict:
+    """Two steps through ``initialize`` (U2 x R2); per step the loss and full gradient, then the params
+    (``spill_dir``: the offload's disk tier)."""
     from hybridsp import offload_activations, shard_batch, sharded_cross_entropy
     from hybridsp.integrations import deepspeed as hds
 
     engine, _, mesh, undo = hds.initialize(model, config, ulysses=2, ring=2)
-    hooks = offload_activations(engine.module, enabled=offload)
+    hooks = offload_activations(engine.module, enabled=offload, spill_dir=spill_dir)
     trace = {"loss": [], "grad": [], "stats": []}
     for tokens in _batches():
         local = shard_batch({"input_ids": tokens, "labels": tokens}, mesh)
@@ -179,11 +180,14 @@ def _everything(rank, world, directory):
     plain = _train(_model(False), copy.deepcopy(cp4))
     ckpt = _train(_model(True), copy.deepcopy(cp4))
     offloaded = _train(_model(True), copy.deepcopy(cp4), offload=True)
-    split = _train(_model(True, split=True), copy.deepcopy(cp4), offload=True)
+    spill = os.path.join(directory, f"spill{rank}")
+    os.makedirs(spill)
+    split = _train(_model(True, split=True), copy.deepcopy(cp4), offload=True, spill_dir=spill)
     no_offload = _train(_model(False), _offload_config(False, False))
     optimizer_offload = _train(_model(False), _offload_config(True, False))
     both_offload = _train(_model(False), _offload_config(True, True))
-    example = {name: _example(directory, name, flags) for name, flags in EXAMPLE_RUNS.items()}
+    flags = {name: flags + (["--offload-dir", spill] if name == "lean" else []) for name, flags in EXAMPLE_RUNS.items()}
+    example = {name: _example(directory, name, flags[name]) for name in EXAMPLE_RUNS}
     return {
         "ckpt_vs_plain": _errors(ckpt, plain),
         "offload_vs_ckpt": _errors(offloaded, ckpt),
@@ -191,6 +195,7 @@ def _everything(rank, world, directory):
         "split_vs_ckpt": _errors(split, ckpt),
         "stats": offloaded["stats"],
         "split_stats": split["stats"],
+        "spill_left": os.listdir(spill),
         "ckpt_stats": ckpt["stats"],
         "optimizer_offload": _errors(optimizer_offload, no_offload),
         "both_offload": _errors(both_offload, no_offload),
@@ -227,9 +232,9 @@ def test_every_layer_input_but_the_last_went_to_host(runs):
 
 
 def test_split_checkpointing_offloads_both_halves_inputs_under_zero3(runs):
-    """apply_split_checkpointing + offload on the ZeRO-3 engine (whose module pre-hooks hand the MLP half's
-    norm a detached alias of h1): equal to layer-level checkpointing, and x and h1 of every layer but the
-    newest input went to host."""
+    """apply_split_checkpointing + offload to disk (``spill_dir``) on the ZeRO-3 engine (whose module
+    pre-hooks hand the MLP half's norm a detached alias of h1): equal to layer-level checkpointing, and x
+    and h1 of every layer but the newest input went to disk, leaving no file behind."""
     local_tokens = BATCH * SEQ // WORLD
     for rank in runs:
         assert max(rank["split_vs_ckpt"].values()) < 1e-6, rank["split_vs_ckpt"]
@@ -237,12 +242,14 @@ def test_split_checkpointing_offloads_both_halves_inputs_under_zero3(runs):
             assert stats["offloaded_tensors"] == 2 * LAYERS - 1 and stats["kept_tensors"] == 1, stats
             assert stats["restored_tensors"] == 2 * LAYERS - 1, stats
             assert stats["offloaded_bytes"] == (2 * LAYERS - 1) * local_tokens * 64 * 4, stats
+            assert stats["spilled_bytes"] == stats["offloaded_bytes"], stats
+        assert rank["spill_left"] == []
 
 
 def test_example_trains_with_the_offload_config_and_flag(runs):
     """examples/train.py --deepspeed ds_configs/cp8_offload.json --offload-activations, and cp8.json with
-    --offload-activations --lean-memory (tiled MLP, lean norms, lean RoPE, split checkpointing), equal the
-    cp8.json run."""
+    --offload-activations --offload-dir DIR --lean-memory (tiled MLP, lean norms, lean RoPE, split
+    checkpointing, the inputs on disk), equal the cp8.json run."""
     example = runs[0]["example"]
     assert [len(losses) for losses in example.values()] == [2, 2, 2], example
     for plain, offloaded, lean in zip(example["plain"], example["offload"], example["lean"]):

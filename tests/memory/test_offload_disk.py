@@ -1,0 +1,178 @@
+"""The activation offload's disk tier (``spill_dir``): offloaded layer inputs in unlinked files.
+
+Single process, plain modules checkpointed with ``torch.utils.checkpoint`` (non-reentrant and
+reentrant), ``layers=`` given, B = 2. Against plain checkpointing and against the host-memory tier
+(the same run with ``host_allocator``): loss and gradients bitwise in fp32, fp64, bf16 and fp16, a
+non-contiguous first input, two backwards through a retained graph; what the disk holds (every
+input but the newest, their exact bytes), that the tensors leave memory, that nothing is left in the
+directory and every descriptor closes with the graph, bad directories and a failing disk.
+"""
+
+import errno
+import gc
+import os
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from hybridsp import offload_activations
+from hybridsp.memory import _spill
+
+LAYERS, BATCH, SEQ, HIDDEN = 4, 2, 16, 32
+
+
+class _Block(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.proj, self.reentrant = nn.Linear(HIDDEN, HIDDEN), reentrant
+
+    def forward(self, hidden):
+        return checkpoint(self._body, hidden, use_reentrant=self.reentrant)
+
+    def _body(self, hidden):
+        return hidden + torch.tanh(self.proj(hidden))
+
+
+def _model(reentrant: bool, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(_Block(reentrant) for _ in range(LAYERS))).to(dtype).train()
+
+
+def _batch(dtype: torch.dtype, contiguous: bool = True) -> torch.Tensor:
+    batch = torch.randn(BATCH, HIDDEN, SEQ, generator=torch.Generator().manual_seed(1)).to(dtype)
+    batch = batch.transpose(1, 2)  # [B, S, h], strided
+    return batch.contiguous() if contiguous else batch
+
+
+def _step(model: nn.Module, batch: torch.Tensor, offload=None, backwards: int = 1):
+    model.zero_grad(set_to_none=True)
+    inputs = batch.detach().requires_grad_()
+    if offload is None:
+        loss = model(inputs).square().mean()
+    else:
+        with offload:
+            loss = model(inputs).square().mean()
+    for i in range(backwards):
+        loss.backward(retain_graph=i + 1 < backwards)
+    return loss.detach(), [p.grad for p in model.parameters()] + [inputs.grad]
+
+
+def _equal(a, b) -> bool:
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    return torch.equal(loss_a, loss_b) and all(torch.equal(x, y) for x, y in zip(grads_a, grads_b, strict=True))
+
+
+def _open_fds() -> int:
+    gc.collect()  # what earlier tests left to the collector
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _no_host(shape, dtype):
+    raise AssertionError("the disk tier on CPU writes the tensor itself: no host copy")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_disk_tier_equals_plain_checkpointing_bitwise(tmp_path, reentrant, dtype):
+    model, batch = _model(reentrant, dtype), _batch(dtype)
+    plain = _step(model, batch)
+    offload = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path, host_allocator=_no_host)
+    spilled = _step(model, batch, offload)
+    assert _equal(spilled, plain)
+    stats = offload.stats
+    assert stats.offloaded_tensors == stats.restored_tensors == LAYERS - 1
+    assert stats.spilled_bytes == stats.offloaded_bytes == (LAYERS - 1) * batch.numel() * batch.element_size()
+    assert os.listdir(tmp_path) == []  # unlinked at once
+    offload.remove()
+
+
+def test_disk_tier_equals_the_host_tier_with_a_strided_input_and_a_retained_graph(tmp_path):
+    model, batch = _model(False, torch.float32), _batch(torch.float32, contiguous=False)
+    host = offload_activations(
+        model, layers=list(model), min_bytes=0, host_allocator=lambda shape, dtype: torch.empty(shape, dtype=dtype)
+    )
+    hosted = _step(model, batch, host, backwards=2)
+    host.remove()
+    disk = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
+    spilled = _step(model, batch, disk, backwards=2)
+    assert _equal(spilled, hosted)
+    assert disk.stats.restored_tensors == 2 * (LAYERS - 1)  # each read back once per backward
+    disk.remove()
+
+
+def test_the_inputs_leave_memory_and_the_files_hold_their_bytes(tmp_path, monkeypatch):
+    files = []
+
+    class _Recorded(_spill.SpillFile):
+        def __init__(self, *args):
+            super().__init__(*args)
+            files.append(weakref.ref(self))
+
+    monkeypatch.setattr(_spill, "SpillFile", _Recorded)
+    model, batch = _model(False, torch.float32), _batch(torch.float32)
+    inputs = []
+    for layer in model:
+        layer.register_forward_pre_hook(lambda module, args: inputs.append((weakref.ref(args[0]), args[0].clone())))
+    offload = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
+    fds, leaf = _open_fds(), batch.detach().requires_grad_()
+    with offload:
+        loss = model(leaf * 1.0).square().mean()  # the first input is not the leaf autograd keeps
+    assert offload.disk is not None
+    offload.disk.check(wait=True)
+    gc.collect()
+    alive = [ref() is not None for ref, _ in inputs]
+    assert alive == [False] * (LAYERS - 1) + [True]  # the newest stays (keep_last=1)
+    assert _open_fds() == fds + LAYERS - 1  # one unlinked file each
+    saved = [ref() for ref in files]
+    assert sorted(os.fstat(s.fd).st_size for s in saved) == [batch.numel() * 4] * (LAYERS - 1)
+    for spill in saved:
+        restored = spill.read(pin=False)
+        assert any(torch.equal(restored, copy) for _, copy in inputs[:-1])
+    del saved, spill, restored
+    loss.backward()
+    del loss
+    gc.collect()
+    assert _open_fds() == fds  # closed with the graph
+    offload.remove()
+
+
+def test_a_graph_never_backwarded_closes_its_files(tmp_path):
+    model, batch = _model(False, torch.float32), _batch(torch.float32)
+    offload = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
+    fds = _open_fds()
+    with offload:
+        loss = model(batch.detach().requires_grad_()).square().mean()
+    offload.disk.check(wait=True)
+    del loss
+    gc.collect()
+    assert _open_fds() == fds
+    offload.remove()
+
+
+def test_bad_directories_raise_before_anything_runs(tmp_path):
+    model = _model(False, torch.float32)
+    with pytest.raises(ValueError, match="is not a directory"):
+        offload_activations(model, layers=list(model), spill_dir=tmp_path / "missing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        offload_activations(model, layers=list(model), spill_dir=tmp_path / "file")
+    off = offload_activations(model, layers=list(model), spill_dir=tmp_path / "missing", enabled=False)
+    assert off.disk is None  # switched off: nothing checked, nothing written
+
+
+def test_a_full_disk_stops_the_step_with_the_directory_named(tmp_path, monkeypatch):
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_spill.os, "pwrite", full)
+    model, batch = _model(False, torch.float32), _batch(torch.float32)
+    offload = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
+    fds = _open_fds()
+    with pytest.raises(RuntimeError, match=r"spill_dir .* No space left on device"):
+        _step(model, batch, offload)
+    gc.collect()
+    assert _open_fds() == fds  # the failed files closed too
+    offload.remove()
