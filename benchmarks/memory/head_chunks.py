@@ -51,6 +51,7 @@ SUFFIXES = {  # a --step-chunks value is G and any of these, in this order (8+sp
     "disk": "the activation offload's disk tier (spill_dir: a temporary directory of the launcher's)",
 }
 MIB = 2**20
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")  # +disk refuses these: the files would stay in memory
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,6 +169,11 @@ def step_runs(args, base: alst_stacks.Run, spill_dir: str | None = None) -> dict
         unknown = [s for s in suffixes if s not in SUFFIXES]
         if unknown:
             raise ValueError(f"--step-chunks {setting!r}: unknown suffix {unknown}; choose from {list(SUFFIXES)}")
+        if "disk" in suffixes and harness.filesystem_of(spill_dir or "/") in MEMORY_FILESYSTEMS:
+            raise ValueError(
+                f"+disk: {spill_dir} is on {harness.filesystem_of(spill_dir or '/')}, which keeps the files in memory; "
+                "set TMPDIR to a directory on a disk"
+            )
         runs[f"hybridsp G{setting}"] = replace(
             base,
             stack="hybridsp",

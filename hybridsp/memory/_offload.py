@@ -54,6 +54,12 @@ before it reads a restored tensor. On CPU the same path runs synchronously: the 
 a fresh tensor (from ``host_allocator``, e.g. one outside a memory budget) and the restore
 copies it back, so results are bitwise those of plain checkpointing.
 
+Note [strides]: a restored input has the saved one's strides (``empty_like``'s, kept as they are
+for a dense tensor such as a transposed one), not the host copy's contiguous ones: the checkpoint
+recomputes the layer from it, and a kernel that takes another path for other strides (``linear``
+on a transposed input) saves other tensors of the same shapes, which the non-reentrant checkpoint
+would pair with the forward's without noticing (wrong gradients, found in review).
+
 Note [disk]: with ``spill_dir`` the offloaded inputs leave memory altogether
 (:class:`hybridsp.memory._spill.DiskTier`): on CPU the tensor itself is handed to a writer thread;
 on CUDA the pinned host copy is, once the side stream's event says it is filled. The backward's
@@ -122,6 +128,7 @@ class _Saved:
         "previous",
         "spilled",
         "reading",
+        "stride",
         "__weakref__",
     )
     owner: ActivationOffload
@@ -132,6 +139,7 @@ class _Saved:
     previous: _Saved | None
     spilled: Future[SpillFile] | None
     reading: Future[torch.Tensor] | None
+    stride: tuple[int, ...]
 
     def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor) -> None:
         self.owner, self.device_tensor = owner, tensor
@@ -141,10 +149,11 @@ class _Saved:
         """Copy to host (side stream on CUDA) or start writing it to disk; drop the device reference."""
         tensor, owner = self.device_tensor, self.owner
         assert tensor is not None  # offloaded once, from the device
+        self.stride = torch.empty_like(tensor, device="meta").stride()  # Note [strides]
         owner.stats.offloaded_tensors += 1
         owner.stats.offloaded_bytes += _nbytes(tensor)
         if owner.disk is not None and owner.stream is None:  # CPU: the tensor itself is written (Note [disk])
-            self.spilled, self.device_tensor = owner.disk.write(tensor), None
+            self.spilled, self.device_tensor = owner.disk.write(tensor, device=tensor.device), None
             owner.stats.spilled_bytes += _nbytes(tensor)
             return
         self.host = owner.host_allocator(tensor.shape, tensor.dtype)
@@ -158,7 +167,7 @@ class _Saved:
             self.host.copy_(tensor)
         self.device_tensor = None
         if owner.disk is not None:  # the pinned copy goes to disk once the copy's event is reached
-            self.spilled, self.host = owner.disk.write(self.host, self.event), None
+            self.spilled, self.host = owner.disk.write(self.host, self.event, tensor.device), None
             owner.stats.spilled_bytes += _nbytes(tensor)
 
     def _read_back(self) -> torch.Tensor:
@@ -170,22 +179,26 @@ class _Saved:
             reading = disk.read(spilled, pin=self.owner.stream is not None)
         return disk.result(reading)
 
+    def _empty(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A tensor for the restored values with the saved tensor's strides (Note [strides])."""
+        return torch.empty_strided(host.shape, self.stride, dtype=host.dtype, device=device)
+
     def _copy_back(self, device: torch.device) -> torch.Tensor:
         owner = self.owner
         spilled = self.spilled is not None
         host = self._read_back() if spilled else self.host
         assert host is not None  # offloaded
         if owner.stream is None:
-            if spilled:  # read into a fresh tensor: it is the restored one
+            if spilled and host.stride() == self.stride:  # read into a fresh tensor: it is the restored one
                 return host
-            restored = torch.empty_like(host, device=device)
+            restored = self._empty(host, device)
             restored.copy_(host)
             return restored
         with torch.cuda.stream(owner.stream):
             if not spilled:
                 assert self.event is not None  # recorded by the offload
                 owner.stream.wait_event(self.event)  # the offload copy has finished
-            restored = torch.empty_like(host, device=device)
+            restored = self._empty(host, device)
             restored.copy_(host, non_blocking=True)
         self.event = owner.stream.record_event()
         return restored
@@ -230,7 +243,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         min_bytes: smaller inputs are not offloaded.
         prefetch: restore the previous layer's input while the current one runs backward.
         host_allocator: ``(shape, dtype) -> CPU tensor`` for the host copies; default
-            ``torch.empty`` (pinned when the inputs are on CUDA).
+            ``torch.empty`` (pinned when the inputs are on CUDA). With ``spill_dir`` only CUDA uses
+            it (the staging copy a write starts from); on CPU the tensor itself is written.
         spill_dir: a directory on a local disk: the offloaded inputs are written to unlinked files
             there instead of staying in host memory (:mod:`hybridsp.memory._spill`, Note [disk]);
             ValueError when it is not a writable directory.

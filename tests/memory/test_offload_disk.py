@@ -3,14 +3,17 @@
 Single process, plain modules checkpointed with ``torch.utils.checkpoint`` (non-reentrant and
 reentrant), ``layers=`` given, B = 2. Against plain checkpointing and against the host-memory tier
 (the same run with ``host_allocator``): loss and gradients bitwise in fp32, fp64, bf16 and fp16, a
-non-contiguous first input, two backwards through a retained graph; what the disk holds (every
-input but the newest, their exact bytes), that the tensors leave memory, that nothing is left in the
-directory and every descriptor closes with the graph, bad directories and a failing disk.
+non-contiguous first input (both tiers against plain checkpointing), two backwards through a
+retained graph, short writes and reads; what the disk holds (every input but the newest, their exact
+bytes), that the tensors leave memory, that nothing is left in the directory and every descriptor
+closes with the graph, the bound on writes in flight, an input changed in place before it was
+written, bad directories, a full disk and too many open files.
 """
 
 import errno
 import gc
 import os
+import threading
 import weakref
 
 import pytest
@@ -89,18 +92,99 @@ def test_disk_tier_equals_plain_checkpointing_bitwise(tmp_path, reentrant, dtype
     offload.remove()
 
 
-def test_disk_tier_equals_the_host_tier_with_a_strided_input_and_a_retained_graph(tmp_path):
-    model, batch = _model(False, torch.float32), _batch(torch.float32, contiguous=False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_both_tiers_equal_plain_checkpointing_with_a_strided_input_and_a_retained_graph(tmp_path, reentrant, dtype):
+    """The first layer's input is a transposed view: restored with other strides, ``linear`` took
+    another path in the recompute and the non-reentrant checkpoint paired its saved tensors with the
+    forward's (gradients off by 1e0 to 1e2, found in review; Note [strides])."""
+    model, batch = _model(reentrant, dtype), _batch(dtype, contiguous=False)
+    plain = _step(model, batch, backwards=2)
     host = offload_activations(
         model, layers=list(model), min_bytes=0, host_allocator=lambda shape, dtype: torch.empty(shape, dtype=dtype)
     )
-    hosted = _step(model, batch, host, backwards=2)
+    assert _equal(_step(model, batch, host, backwards=2), plain)
     host.remove()
     disk = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
-    spilled = _step(model, batch, disk, backwards=2)
-    assert _equal(spilled, hosted)
+    assert _equal(_step(model, batch, disk, backwards=2), plain)
     assert disk.stats.restored_tensors == 2 * (LAYERS - 1)  # each read back once per backward
     disk.remove()
+
+
+def test_descriptors_close_with_the_graph_without_waiting_for_the_writes(tmp_path):
+    model, batch = _model(False, torch.float32), _batch(torch.float32)
+    offload = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
+    fds = _open_fds()
+    _step(model, batch, offload)
+    assert _open_fds() == fds
+    offload.remove()
+    assert _open_fds() == fds
+
+
+def test_short_writes_and_reads_are_continued(tmp_path, monkeypatch):
+    pwrite, preadv = os.pwrite, os.preadv
+    monkeypatch.setattr(_spill.os, "pwrite", lambda fd, data, offset: pwrite(fd, data[:1000], offset))
+    monkeypatch.setattr(_spill.os, "preadv", lambda fd, buffers, offset: preadv(fd, [buffers[0][:1000]], offset))
+    model, batch = _model(False, torch.bfloat16), _batch(torch.bfloat16)
+    plain = _step(model, batch)
+    offload = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
+    assert _equal(_step(model, batch, offload), plain)
+    offload.remove()
+
+
+def test_an_input_modified_in_place_before_it_was_written_raises(tmp_path, monkeypatch):
+    release, pwrite = threading.Event(), os.pwrite
+
+    def slow(fd, data, offset):
+        release.wait(10)
+        return pwrite(fd, data, offset)
+
+    monkeypatch.setattr(_spill.os, "pwrite", slow)
+    model, batch = _model(False, torch.float32), _batch(torch.float32)
+    inputs = []
+    model[1].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    offload = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
+    with offload:
+        loss = model(batch.detach().requires_grad_()).square().mean()
+    with torch.no_grad():
+        inputs[0].add_(1.0)  # layer 1's input, saved by its checkpoint and waiting to be written
+    release.set()
+    with pytest.raises(RuntimeError, match="modified in place after it was saved"):
+        loss.backward()
+    offload.remove()
+
+
+def test_writes_in_flight_are_bounded(tmp_path, monkeypatch):
+    release, pwrite = threading.Event(), os.pwrite
+    monkeypatch.setattr(_spill.os, "pwrite", lambda fd, data, offset: release.wait(10) and pwrite(fd, data, offset))
+    disk = _spill.DiskTier(tmp_path, max_writes_in_flight=1)
+    first = disk.write(torch.ones(4))
+    second_started = []
+    writer = threading.Thread(target=lambda: second_started.append(disk.write(torch.full((), 2.0))))
+    writer.start()
+    writer.join(0.3)
+    assert second_started == []  # waits for the first write
+    release.set()
+    writer.join(10)
+    assert torch.equal(disk.result(disk.read(first)), torch.ones(4))
+    assert torch.equal(disk.result(disk.read(second_started[0])), torch.full((), 2.0))  # a 0-dim tensor too
+    disk.close()
+    with pytest.raises(ValueError, match="max_writes_in_flight must be an integer >= 1"):
+        _spill.DiskTier(tmp_path, max_writes_in_flight=0)
+
+
+def test_too_many_open_files_names_its_remedy(tmp_path, monkeypatch):
+    def no_fd(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(_spill.tempfile, "mkstemp", no_fd)
+    disk = _spill.DiskTier(tmp_path)
+    written = disk.write(torch.ones(4))
+    with pytest.raises(RuntimeError, match=r"Too many open files; raise the open-file limit \(ulimit -n"):
+        disk.check(wait=True)
+    with pytest.raises(RuntimeError, match="ulimit -n"):
+        disk.result(written)
+    disk.close()
 
 
 def test_the_inputs_leave_memory_and_the_files_hold_their_bytes(tmp_path, monkeypatch):
