@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from typing import overload
 
+SPILL_WRITES_IN_FLIGHT = 2  # the offload's disk tier: writes queued before the forward waits (its staging copies)
 FP32 = 4  # bytes of one float32
 CHUNK_LOGITS_BYTES = 64 * 2**20  # default fused-loss chunk: its fp32 logits take at most 64 MiB
 

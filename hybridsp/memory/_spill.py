@@ -44,6 +44,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from hybridsp._formulas import SPILL_WRITES_IN_FLIGHT
+
 _PREFIX = "hybridsp_spill_"
 _Done = TypeVar("_Done")
 _REMEDY = {
@@ -109,7 +111,7 @@ class DiskTier:
         max_writes_in_flight: writes queued before :meth:`write` waits for the oldest (Note [in flight]).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_writes_in_flight: int = 2) -> None:
+    def __init__(self, directory: str | os.PathLike[str], max_writes_in_flight: int = SPILL_WRITES_IN_FLIGHT) -> None:
         path = os.fspath(directory)
         if not os.path.isdir(path):
             raise ValueError(f"spill_dir {path!r} is not a directory: create it, or pass an existing one")

@@ -4,7 +4,7 @@ checkpointed layers' inputs (device and host)."""
 
 from __future__ import annotations
 
-from hybridsp._formulas import FP32
+from hybridsp._formulas import FP32, SPILL_WRITES_IN_FLIGHT
 from hybridsp.planner._costs import expanded_kv_heads, local_tokens
 from hybridsp.planner._specs import MeshConfig, ModelSpec, Workload
 
@@ -136,7 +136,9 @@ def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, p
     the newest ``keep_last`` and ``offload_in_flight`` more whose copies to host may still run; in a
     layer's backward (``phase="backward"``), the input the recompute runs from (the newest
     ``keep_last`` at the last layer's backward) and the previous layer's, prefetched when copies are
-    asynchronous (``offload_in_flight`` > 0: CUDA; the backward copies one way only)."""
+    asynchronous (``offload_in_flight`` > 0: CUDA; the backward copies one way only). The host holds
+    the other L - ``keep_last``, or with ``spill_activations`` (the disk tier) at most
+    ``SPILL_WRITES_IN_FLIGHT`` of them: the staging copies of the writes in flight."""
     if not config.checkpointing or workload.forward_only:
         return 0, 0
     one = local_tokens(workload, config) * model.hidden_size * workload.dtype_bytes
@@ -144,8 +146,9 @@ def checkpoint_bytes(model: ModelSpec, workload: Workload, config: MeshConfig, p
     if not tech.activation_offload:
         return layers * one, 0
     kept = min(layers, tech.keep_last)
+    host = min(layers - kept, SPILL_WRITES_IN_FLIGHT) if tech.spill_activations else layers - kept
     if phase == "loss":
         device = min(layers, kept + tech.offload_in_flight)
     else:
         device = min(layers, max(kept, 1) + min(1, tech.offload_in_flight))
-    return device * one, (layers - kept) * one
+    return device * one, host * one

@@ -173,6 +173,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="checkpointed layers' inputs in host memory (needs activation checkpointing)",
     )
     tech.add_argument(
+        "--spill-activations",
+        action="store_true",
+        help="with --offload-activations: the offloaded inputs in files on a local disk "
+        "(offload_activations(spill_dir=...)); host memory holds only the writes in flight",
+    )
+    tech.add_argument(
         "--keep-last",
         type=_COUNT,
         default=Techniques.keep_last,
@@ -321,6 +327,7 @@ def techniques_from_args(args: argparse.Namespace) -> Techniques:
         lean_norms=args.lean_norms,
         activation_offload=args.offload_activations,
         keep_last=args.keep_last,
+        spill_activations=args.spill_activations,
         optimizer_offload=args.offload_optimizer,
         param_offload=args.offload_params,
         kv_mode=args.kv_mode,

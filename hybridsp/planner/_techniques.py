@@ -31,6 +31,10 @@ class Techniques:
         host memory (``hybridsp.offload_activations``); the newest ``keep_last`` stay, and
         ``offload_in_flight`` more are on the device while copied (2 on CUDA: one each way;
         0 on CPU, where the copies are synchronous).
+    spill_activations: with ``activation_offload``, the offloaded inputs go on to files on a local
+        disk (``offload_activations(spill_dir=...)``): host memory holds only the writes in flight
+        (at most ``hybridsp._formulas.SPILL_WRITES_IN_FLIGHT`` inputs' staging copies). The disk's bandwidth is not modelled (a
+        local NVMe's few GB/s per GPU against the PCIe copies, which are timed as without it).
     optimizer_offload / param_offload: DeepSpeed ``offload_optimizer`` / ``offload_param`` to
         CPU (``ds_configs/cp8_offload.json``); the optimizer needs ZeRO >= 1, parameters ZeRO-3.
     kv_mode: how K/V blocks travel inside the ring group: ``"ring"``, ``"allgather"``, or
@@ -55,6 +59,7 @@ class Techniques:
     activation_offload: bool = False
     keep_last: int = 1
     offload_in_flight: int = 2
+    spill_activations: bool = False
     optimizer_offload: bool = False
     param_offload: bool = False
     kv_mode: str = "auto"

@@ -1,6 +1,7 @@
 """Head chunks, linear-attention and MoE layers, the backward's offload count and the peak breakdown,
 against hand-computed formulas on small configs (pure arithmetic)."""
 
+import inspect
 from dataclasses import replace
 
 import pytest
@@ -74,6 +75,31 @@ def test_offload_backward_holds_the_restored_and_the_prefetched_input():
     assert checkpoint_bytes(SMALL, w, config, "backward") == (2 * one, 3 * one)
     cpu = replace(w, techniques=replace(w.techniques, offload_in_flight=0))
     assert checkpoint_bytes(SMALL, cpu, config, "backward")[0] == one
+
+
+def test_the_disk_tier_leaves_the_host_only_the_writes_in_flight():
+    """--spill-activations: the device terms as with the host tier, the host's L - keep_last inputs down to
+    the runtime's bound on writes in flight (DiskTier's default, one constant for both)."""
+    from hybridsp._formulas import SPILL_WRITES_IN_FLIGHT
+    from hybridsp.memory._spill import DiskTier
+
+    config = MeshConfig(1, 1, 4, checkpointing=True)
+    one = 1024 * 128 * 2
+    deep = replace(SMALL, num_layers=10)
+    host = Workload(4096, techniques=Techniques(activation_offload=True))
+    disk = replace(host, techniques=replace(host.techniques, spill_activations=True))
+    for phase in ("loss", "backward"):
+        assert checkpoint_bytes(deep, disk, config, phase)[0] == checkpoint_bytes(deep, host, config, phase)[0]
+        assert checkpoint_bytes(deep, host, config, phase)[1] == 9 * one
+        assert checkpoint_bytes(deep, disk, config, phase)[1] == SPILL_WRITES_IN_FLIGHT * one == 2 * one
+        assert checkpoint_bytes(replace(SMALL, num_layers=2), disk, config, phase)[1] == 1 * one  # under the bound
+    assert inspect.signature(DiskTier).parameters["max_writes_in_flight"].default == SPILL_WRITES_IN_FLIGHT
+    llama = MODELS["llama3-8b"]
+    tech = Techniques(fused_loss=True, tiled_mlp=True, activation_offload=True)
+    mesh = MeshConfig(1, 1, 8, zero_stage=3, checkpointing=True)
+    plain = memory_use(llama, Workload(1 << 20, techniques=tech), mesh)
+    spilled = memory_use(llama, Workload(1 << 20, techniques=replace(tech, spill_activations=True)), mesh)
+    assert spilled.total == plain.total and spilled.host < plain.host
 
 
 def test_breakdown_sums_to_the_total():
