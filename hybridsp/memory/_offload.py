@@ -54,11 +54,19 @@ before it reads a restored tensor. On CPU the same path runs synchronously: the 
 a fresh tensor (from ``host_allocator``, e.g. one outside a memory budget) and the restore
 copies it back, so results are bitwise those of plain checkpointing.
 
-Note [strides]: a restored input has the saved one's strides (``empty_like``'s, kept as they are
-for a dense tensor such as a transposed one), not the host copy's contiguous ones: the checkpoint
-recomputes the layer from it, and a kernel that takes another path for other strides (``linear``
-on a transposed input) saves other tensors of the same shapes, which the non-reentrant checkpoint
-would pair with the forward's without noticing (wrong gradients, found in review).
+Note [strides]: a restored input has exactly the saved one's strides: the checkpoint recomputes the
+layer from it, and a kernel that takes another path for other strides (``linear`` on a transposed
+input) saves other tensors of the same shapes, which the non-reentrant checkpoint would pair with
+the forward's without noticing (wrong gradients, found in review, for a transposed input and then
+for a slice and an expanded one). So the offload moves the stretch of storage the tensor reaches
+(``_aliases.storage_span``: a dense tensor's elements in storage order, a slice's with its gaps, an
+expanded one's without the repeats) and restores it into ``empty_strided`` of the saved shape and
+strides.
+
+Note [in-place changes]: with saved-tensor hooks autograd no longer checks that a saved tensor was
+left unchanged; the offload does: a marked input whose version counter moved between its save and
+its offload (or its write to disk, or, kept on the device, its restore) raises in the backward, as
+plain checkpointing does.
 
 Note [disk]: with ``spill_dir`` the offloaded inputs leave memory altogether
 (:class:`hybridsp.memory._spill.DiskTier`): on CPU the tensor itself is handed to a writer thread;
@@ -87,8 +95,8 @@ from typing import Any, Callable, Iterable, Literal
 import torch
 from torch import nn
 
-from hybridsp.memory._aliases import same_elements
-from hybridsp.memory._spill import DiskTier, SpillFile
+from hybridsp.memory._aliases import same_elements, storage_span
+from hybridsp.memory._spill import DiskTier, SpillFile, modified_in_place
 from hybridsp.memory._split_checkpoint import second_half_entry
 
 HostAllocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
@@ -128,7 +136,9 @@ class _Saved:
         "previous",
         "spilled",
         "reading",
-        "stride",
+        "layout",
+        "version",
+        "changed",
         "__weakref__",
     )
     owner: ActivationOffload
@@ -139,36 +149,47 @@ class _Saved:
     previous: _Saved | None
     spilled: Future[SpillFile] | None
     reading: Future[torch.Tensor] | None
-    stride: tuple[int, ...]
+    layout: tuple[torch.Size, tuple[int, ...]]
+    version: int
+    changed: bool
 
     def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor) -> None:
         self.owner, self.device_tensor = owner, tensor
         self.host = self.event = self.prefetched = self.previous = self.spilled = self.reading = None
+        self.layout, self.version, self.changed = (tensor.shape, tensor.stride()), tensor._version, False
 
     def offload(self) -> None:
         """Copy to host (side stream on CUDA) or start writing it to disk; drop the device reference."""
-        tensor, owner = self.device_tensor, self.owner
+        tensor, owner, disk = self.device_tensor, self.owner, self.owner.disk
         assert tensor is not None  # offloaded once, from the device
-        self.stride = torch.empty_like(tensor, device="meta").stride()  # Note [strides]
+        self.changed = tensor._version != self.version  # Note [in-place changes]
+        span = storage_span(tensor.detach())  # [n], Note [strides]
         owner.stats.offloaded_tensors += 1
-        owner.stats.offloaded_bytes += _nbytes(tensor)
-        if owner.disk is not None and owner.stream is None:  # CPU: the tensor itself is written (Note [disk])
-            self.spilled, self.device_tensor = owner.disk.write(tensor, device=tensor.device), None
-            owner.stats.spilled_bytes += _nbytes(tensor)
+        owner.stats.offloaded_bytes += _nbytes(span)
+        if disk is not None:
+            owner.stats.spilled_bytes += _nbytes(span)
+        if disk is not None and owner.stream is None:  # CPU: the tensor itself is written (Note [disk])
+            self.spilled, self.device_tensor = disk.write(span, device=tensor.device, version=self.version), None
             return
-        self.host = owner.host_allocator(tensor.shape, tensor.dtype)
+        if disk is not None:
+            disk.reserve()  # the staging copy exists only once its write has a slot
+        try:
+            self.host = owner.host_allocator(span.shape, span.dtype)
+        except BaseException:
+            if disk is not None:
+                disk.release()
+            raise
         if owner.stream is not None:
             owner.stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(owner.stream):
-                self.host.copy_(tensor, non_blocking=True)
+                self.host.copy_(span, non_blocking=True)
             tensor.record_stream(owner.stream)  # the block is not reused before the copy is done
             self.event = owner.stream.record_event()
         else:
-            self.host.copy_(tensor)
+            self.host.copy_(span)
         self.device_tensor = None
-        if owner.disk is not None:  # the pinned copy goes to disk once the copy's event is reached
-            self.spilled, self.host = owner.disk.write(self.host, self.event, tensor.device), None
-            owner.stats.spilled_bytes += _nbytes(tensor)
+        if disk is not None:  # the pinned copy goes to disk once the copy's event is reached
+            self.spilled, self.host = disk.write(self.host, self.event, tensor.device, reserved=True), None
 
     def _read_back(self) -> torch.Tensor:
         """The spilled tensor in host memory (pinned on CUDA), waiting for a read already started."""
@@ -176,30 +197,29 @@ class _Saved:
         assert disk is not None and spilled is not None  # spilled
         reading, self.reading = self.reading, None
         if reading is None:
-            reading = disk.read(spilled, pin=self.owner.stream is not None)
+            reading = disk.read(spilled, pin=self.owner.stream is not None, like=self.layout)
         return disk.result(reading)
 
-    def _empty(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A tensor for the restored values with the saved tensor's strides (Note [strides])."""
-        return torch.empty_strided(host.shape, self.stride, dtype=host.dtype, device=device)
-
     def _copy_back(self, device: torch.device) -> torch.Tensor:
+        """The saved tensor on ``device`` with its shape and strides (Note [strides])."""
         owner = self.owner
-        spilled = self.spilled is not None
-        host = self._read_back() if spilled else self.host
-        assert host is not None  # offloaded
-        if owner.stream is None:
-            if spilled and host.stride() == self.stride:  # read into a fresh tensor: it is the restored one
+        if self.spilled is not None:  # read into a tensor with the saved layout
+            host = self._read_back()
+            if owner.stream is None:
                 return host
-            restored = self._empty(host, device)
-            restored.copy_(host)
+            span = storage_span(host)  # [n]
+        else:
+            assert self.host is not None  # offloaded
+            span = self.host  # [n]
+        restored = torch.empty_strided(*self.layout, dtype=span.dtype, device=device)
+        if owner.stream is None:
+            storage_span(restored).copy_(span)
             return restored
         with torch.cuda.stream(owner.stream):
-            if not spilled:
+            if self.spilled is None:
                 assert self.event is not None  # recorded by the offload
                 owner.stream.wait_event(self.event)  # the offload copy has finished
-            restored = self._empty(host, device)
-            restored.copy_(host, non_blocking=True)
+            storage_span(restored).copy_(span, non_blocking=True)
         self.event = owner.stream.record_event()
         return restored
 
@@ -208,14 +228,18 @@ class _Saved:
             return
         if self.spilled is not None and self.owner.disk is not None:  # only the read: restore copies it over
             if self.reading is None:
-                self.reading = self.owner.disk.read(self.spilled, pin=True)
+                self.reading = self.owner.disk.read(self.spilled, pin=True, like=self.layout)
         elif self.host is not None:
             self.prefetched = self._copy_back(self.owner.device)
 
     def restore(self) -> torch.Tensor:
         """The tensor on its device again; starts the prefetch of the previous one."""
         if self.device_tensor is not None:  # kept on the device (the newest inputs)
+            if self.device_tensor._version != self.version:
+                raise modified_in_place()  # Note [in-place changes]
             return self.device_tensor
+        if self.changed:
+            raise modified_in_place()
         restored, self.prefetched = self.prefetched, None
         if restored is None:
             restored = self._copy_back(self.owner.device)
@@ -377,6 +401,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return self
         self.stats = OffloadStats()
         self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
+        if self.disk is not None:
+            self.disk.clear_failures()  # of a step that stopped before its backward
         self._active = True
         super().__enter__()
         return self

@@ -13,16 +13,19 @@ Note [what stays in memory]: the process keeps a file descriptor per tensor. The
 the kernel's page cache, which the kernel writes back and may evict (it is not the process's resident
 memory, but in a container it is charged to the cgroup until evicted). Writes and reads are plain
 ``pwrite``/``preadv`` of the tensor's bytes (short counts continued), so every dtype round-trips
-bitwise; the caller keeps the tensor's strides (the offload's ``_Saved``).
+bitwise; the offload writes a saved tensor's storage span and reads it back into a tensor with the
+saved strides (``_aliases.storage_span``).
 
 Note [in flight]: at most ``max_writes_in_flight`` writes are queued (default 2): a forward that
 outruns the disk waits for the oldest instead of holding every not-yet-written tensor (on CPU the
-tensor itself, on CUDA its pinned staging copy). The one worker runs jobs in order, so the backward's
+tensor itself, on CUDA its pinned staging copy, which the offload allocates only after
+:meth:`DiskTier.reserve` has a slot for it). The one worker runs jobs in order, so the backward's
 first read waits for every earlier write. On CUDA the worker sets the tensors' device first (no
 context on device 0 from every rank).
 
 Note [in-place changes]: a tensor changed in place after it was saved (autograd's version counter
-moved) while it waits to be written raises when read back, as autograd would.
+moved from the ``version`` its writer recorded when it saved it) while it waits to be written raises
+when read back, as autograd does without saved-tensor hooks (with hooks it checks nothing).
 
 Note [failures]: a write that fails (disk full, too many open files, I/O error) is raised, with the
 directory named and the remedy for its errno, when
@@ -45,6 +48,7 @@ from typing import Any, TypeVar
 import torch
 
 from hybridsp._formulas import SPILL_WRITES_IN_FLIGHT
+from hybridsp.memory._aliases import storage_span
 
 _PREFIX = "hybridsp_spill_"
 _Done = TypeVar("_Done")
@@ -57,6 +61,15 @@ _REMEDY = {
 }
 
 
+def modified_in_place() -> RuntimeError:
+    """The error for a saved tensor changed in place before it was kept (Note [in-place changes])."""
+    return RuntimeError(
+        "an offloaded activation was modified in place after it was saved for the backward (autograd's "
+        "version counter moved): the step's gradients would be wrong; do not modify a checkpointed "
+        "layer's input in place"
+    )
+
+
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy: [numel * itemsize] uint8."""
     return tensor.reshape(-1).view(torch.uint8).numpy().data  # [N] bytes
@@ -66,9 +79,9 @@ class SpillFile:
     """One tensor's bytes in an unlinked file; the descriptor closes with this object (or at once
     when the write fails)."""
 
-    def __init__(self, directory: str, tensor: torch.Tensor) -> None:
+    def __init__(self, directory: str, tensor: torch.Tensor, version: int) -> None:
         self.shape, self.dtype, self.nbytes = tensor.shape, tensor.dtype, tensor.numel() * tensor.element_size()
-        version, data = tensor._version, _bytes_of(tensor.contiguous())
+        data = _bytes_of(tensor.contiguous())
         handle, path = tempfile.mkstemp(dir=directory, prefix=_PREFIX)
         os.unlink(path)
         self._closer = weakref.finalize(self, os.close, handle)
@@ -81,16 +94,16 @@ class SpillFile:
             raise
         self.changed = tensor._version != version  # Note [in-place changes]
 
-    def read(self, pin: bool) -> torch.Tensor:
-        """The tensor again, contiguous, on the host (pinned when ``pin``)."""
+    def read(self, pin: bool, like: tuple[torch.Size, tuple[int, ...]] | None = None) -> torch.Tensor:
+        """The tensor again on the host (pinned when ``pin``): contiguous, or with ``like``'s shape and
+        strides (the bytes are their storage span, ``_aliases.storage_span``)."""
         if self.changed:
-            raise RuntimeError(
-                "an offloaded activation was modified in place after it was saved for the backward (autograd's "
-                "version counter moved): the step's gradients would be wrong; do not modify a checkpointed "
-                "layer's input in place"
-            )
-        restored = torch.empty(self.shape, dtype=self.dtype, pin_memory=pin)
-        data, done = _bytes_of(restored), 0
+            raise modified_in_place()
+        shape, stride = like if like is not None else (self.shape, torch.empty(self.shape, device="meta").stride())
+        restored = torch.empty_strided(shape, stride, dtype=self.dtype, pin_memory=pin)
+        data, done = _bytes_of(storage_span(restored)), 0
+        if len(data) != self.nbytes:
+            raise ValueError(f"a layout reaching {len(data)} bytes cannot hold the {self.nbytes} bytes written")
         while done < self.nbytes:
             got = os.preadv(self.fd, [data[done:]], done)
             if got == 0:
@@ -132,32 +145,61 @@ class DiskTier:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridsp-spill", initializer=on_device)
         return self._pool
 
-    def write(self, tensor: torch.Tensor, ready: Any = None, device: torch.device | None = None) -> Future[SpillFile]:
-        """Start writing ``tensor`` (a CPU tensor; kept alive until written). ``ready``: an event the
-        writer waits on first (the copy from ``device`` that fills ``tensor``)."""
+    def reserve(self) -> None:
+        """Wait for a free slot among the writes in flight and take it (Note [in flight]); a
+        :meth:`write` with ``reserved=True`` uses it, :meth:`release` gives it back unused."""
         with self._writes:
             self._writes.wait_for(lambda: self._in_flight < self.max_writes_in_flight)
             self._in_flight += 1
 
+    def release(self) -> None:
+        """Give back a slot (a reserved one unused, or a finished write's)."""
+        with self._writes:
+            self._in_flight -= 1
+            self._writes.notify_all()
+
+    def write(
+        self,
+        tensor: torch.Tensor,
+        ready: Any = None,
+        device: torch.device | None = None,
+        *,
+        version: int | None = None,
+        reserved: bool = False,
+    ) -> Future[SpillFile]:
+        """Start writing ``tensor`` (a CPU tensor; kept alive until written). ``ready``: an event the
+        writer waits on first (the copy from ``device`` that fills ``tensor``). ``version``: the
+        version counter's value when it was saved (default: now); the read raises if it has moved by
+        the time the bytes are written (Note [in-place changes]). ``reserved``: a slot is already
+        taken (:meth:`reserve`)."""
+        if not reserved:
+            self.reserve()
+        saved_version = tensor._version if version is None else version
+
         def job() -> SpillFile:
             if ready is not None:
                 ready.synchronize()
-            return SpillFile(self.directory, tensor)
+            return SpillFile(self.directory, tensor, saved_version)
 
-        future = self._executor(device).submit(job)
+        try:
+            future = self._executor(device).submit(job)
+        except BaseException:
+            self.release()  # nothing will finish it
+            raise
         future.add_done_callback(self._written)
         return future
 
     def _written(self, future: Future[SpillFile]) -> None:
         with self._writes:
-            self._in_flight -= 1
             if self._failure is None and not future.cancelled() and future.exception() is not None:
                 self._failure = future.exception()
-            self._writes.notify_all()
+        self.release()
 
-    def read(self, spilled: Future[SpillFile], pin: bool = False) -> Future[torch.Tensor]:
-        """Start reading a written tensor back into host memory."""
-        return self._executor().submit(lambda: self.result(spilled).read(pin))
+    def read(
+        self, spilled: Future[SpillFile], pin: bool = False, like: tuple[torch.Size, tuple[int, ...]] | None = None
+    ) -> Future[torch.Tensor]:
+        """Start reading a written tensor back into host memory (``like``: :meth:`SpillFile.read`)."""
+        return self._executor().submit(lambda: self.result(spilled).read(pin, like))
 
     def result(self, job: Future[_Done]) -> _Done:
         """What a write or read made; a failed one raises naming the directory and the remedy."""
@@ -174,11 +216,17 @@ class DiskTier:
         otherwise the unfinished ones are checked when read back)."""
         if wait and self._pool is not None:
             self._pool.submit(lambda: None).result()  # the one worker runs jobs in order
-        failure, self._failure = self._failure, None
+        with self._writes:
+            failure, self._failure = self._failure, None
         if failure is not None:
             failed: Future[None] = Future()
             failed.set_exception(failure)
             self.result(failed)
+
+    def clear_failures(self) -> None:
+        """Forget the failures not raised yet (a step that stopped early left them; the next starts clean)."""
+        with self._writes:
+            self._failure = None
 
     def close(self) -> None:
         """Stop the thread (after the queued work)."""

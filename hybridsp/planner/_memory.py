@@ -33,7 +33,9 @@ of benchmarks/results/longest_context/longest_context.md, 82,356 B/token at U=1 
     checkpoints (activation checkpointing): the layers' inputs, L T h e; with activation
         offload min(L, keep_last + in_flight) T h e stay on the device (the newest
         ``keep_last``, ``offload_in_flight`` = 2 copies in flight on CUDA, one each way) and
-        (L - keep_last) T h e live in host memory.
+        (L - keep_last) T h e live in host memory; with ``spill_activations`` (the disk tier) only
+        min(L - keep_last, ``SPILL_WRITES_IN_FLIGHT`` = 2) of them, the writes in flight (the rest
+        is on disk).
 
 Loss
     logits path: T V (e + 12): the logits (e), the fp32 log-softmax the loss saves, and two

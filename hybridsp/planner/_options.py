@@ -319,6 +319,11 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 
 def techniques_from_args(args: argparse.Namespace) -> Techniques:
+    if args.spill_activations and not args.offload_activations:
+        raise ValueError(
+            "--spill-activations needs --offload-activations (the disk tier holds what the offload sends off "
+            "the device): add it, or drop --spill-activations"
+        )
     return Techniques(
         fused_loss=args.fused_loss,
         loss_chunk=args.loss_chunk,

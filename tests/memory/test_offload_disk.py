@@ -3,11 +3,13 @@
 Single process, plain modules checkpointed with ``torch.utils.checkpoint`` (non-reentrant and
 reentrant), ``layers=`` given, B = 2. Against plain checkpointing and against the host-memory tier
 (the same run with ``host_allocator``): loss and gradients bitwise in fp32, fp64, bf16 and fp16, a
-non-contiguous first input (both tiers against plain checkpointing), two backwards through a
-retained graph, short writes and reads; what the disk holds (every input but the newest, their exact
-bytes), that the tensors leave memory, that nothing is left in the directory and every descriptor
-closes with the graph, the bound on writes in flight, an input changed in place before it was
-written, bad directories, a full disk and too many open files.
+transposed, sliced or expanded first input (both tiers against plain checkpointing), two backwards
+through a retained graph, short writes and reads; what the disk holds (every input but the newest,
+their exact bytes), that the tensors leave memory, that nothing is left in the directory and every
+descriptor closes with the graph, the bound on writes in flight (a reserved slot included, and a
+write that cannot start giving its slot back), an input changed in place while its write waits, before
+its offload or while kept on the device (both tiers, as plain checkpointing raises), bad directories,
+a full disk and too many open files.
 """
 
 import errno
@@ -44,10 +46,15 @@ def _model(reentrant: bool, dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(*(_Block(reentrant) for _ in range(LAYERS))).to(dtype).train()
 
 
-def _batch(dtype: torch.dtype, contiguous: bool = True) -> torch.Tensor:
-    batch = torch.randn(BATCH, HIDDEN, SEQ, generator=torch.Generator().manual_seed(1)).to(dtype)
-    batch = batch.transpose(1, 2)  # [B, S, h], strided
-    return batch.contiguous() if contiguous else batch
+def _batch(dtype: torch.dtype, layout: str = "contiguous") -> torch.Tensor:
+    """[B, S, h] as a user may hand it: contiguous, transposed, a slice of a wider tensor, or expanded."""
+    generator = torch.Generator().manual_seed(1)
+    if layout == "sliced":
+        return torch.randn(BATCH, SEQ, 3 * HIDDEN, generator=generator).to(dtype)[..., HIDDEN : 2 * HIDDEN]  # [B, S, h]
+    if layout == "expanded":
+        return torch.randn(BATCH, 1, HIDDEN, generator=generator).to(dtype).expand(BATCH, SEQ, HIDDEN)  # [B, S, h]
+    batch = torch.randn(BATCH, HIDDEN, SEQ, generator=generator).to(dtype).transpose(1, 2)  # [B, S, h], strided
+    return batch if layout == "transposed" else batch.contiguous()
 
 
 def _step(model: nn.Module, batch: torch.Tensor, offload=None, backwards: int = 1):
@@ -92,13 +99,17 @@ def test_disk_tier_equals_plain_checkpointing_bitwise(tmp_path, reentrant, dtype
     offload.remove()
 
 
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_both_tiers_equal_plain_checkpointing_with_a_strided_input_and_a_retained_graph(tmp_path, reentrant, dtype):
-    """The first layer's input is a transposed view: restored with other strides, ``linear`` took
-    another path in the recompute and the non-reentrant checkpoint paired its saved tensors with the
-    forward's (gradients off by 1e0 to 1e2, found in review; Note [strides])."""
-    model, batch = _model(reentrant, dtype), _batch(dtype, contiguous=False)
+def test_both_tiers_equal_plain_checkpointing_with_a_strided_input_and_a_retained_graph(
+    tmp_path, reentrant, dtype, layout
+):
+    """The first layer's input is a transposed view, a slice or an expansion: restored with other
+    strides, ``linear`` took another path in the recompute and the non-reentrant checkpoint paired its
+    saved tensors with the forward's (gradients off by 1e0 to 1e2 transposed, 0.13 sliced or expanded;
+    found in two reviews; Note [strides])."""
+    model, batch = _model(reentrant, dtype), _batch(dtype, layout)
     plain = _step(model, batch, backwards=2)
     host = offload_activations(
         model, layers=list(model), min_bytes=0, host_allocator=lambda shape, dtype: torch.empty(shape, dtype=dtype)
@@ -132,11 +143,11 @@ def test_short_writes_and_reads_are_continued(tmp_path, monkeypatch):
     offload.remove()
 
 
-def test_an_input_modified_in_place_before_it_was_written_raises(tmp_path, monkeypatch):
+def test_an_input_modified_in_place_while_its_write_waits_raises(tmp_path, monkeypatch):
     release, pwrite = threading.Event(), os.pwrite
 
     def slow(fd, data, offset):
-        release.wait(10)
+        release.wait(30)  # the safety net only: released below
         return pwrite(fd, data, offset)
 
     monkeypatch.setattr(_spill.os, "pwrite", slow)
@@ -144,20 +155,82 @@ def test_an_input_modified_in_place_before_it_was_written_raises(tmp_path, monke
     inputs = []
     model[1].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
     offload = offload_activations(model, layers=list(model), min_bytes=0, spill_dir=tmp_path)
+    assert offload.disk is not None
+    offload.disk.max_writes_in_flight = LAYERS  # the forward queues every write behind the blocked first
     with offload:
         loss = model(batch.detach().requires_grad_()).square().mean()
     with torch.no_grad():
-        inputs[0].add_(1.0)  # layer 1's input, saved by its checkpoint and waiting to be written
+        inputs[0].add_(1.0)  # layer 1's input: saved, offloaded, its write queued behind layer 0's
     release.set()
     with pytest.raises(RuntimeError, match="modified in place after it was saved"):
         loss.backward()
     offload.remove()
 
 
+def _modify_after_forward(layer: nn.Module):
+    """A forward hook that changes ``layer``'s input in place once the layer has saved it."""
+
+    def hook(module, args, output):
+        with torch.no_grad():
+            args[0].add_(1.0)
+
+    return layer.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("layer", [0, LAYERS - 1])
+def test_an_input_modified_in_place_before_its_offload_raises_as_plain_checkpointing_does(tmp_path, tier, layer):
+    """Layer 0's input is changed before the next layer offloads it, the last layer's while it stays on
+    the device: plain checkpointing raises (autograd's version check), and so does the offload, whose
+    saved-tensor hooks turn autograd's check off (Note [in-place changes])."""
+    model, batch = _model(False, torch.float32), _batch(torch.float32)
+    hook = _modify_after_forward(model[layer])
+    leaf = batch.detach().requires_grad_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(leaf * 1.0).square().mean().backward()
+    options = {"spill_dir": tmp_path} if tier == "disk" else {"host_allocator": lambda shape, dtype: torch.empty(shape)}
+    offload = offload_activations(model, layers=list(model), min_bytes=0, **options)
+    with offload:
+        loss = model(leaf * 1.0).square().mean()
+    with pytest.raises(RuntimeError, match="modified in place after it was saved"):
+        loss.backward()
+    hook.remove()
+    offload.remove()
+
+
+def test_a_write_that_cannot_start_gives_its_slot_back(tmp_path, monkeypatch):
+    disk = _spill.DiskTier(tmp_path, max_writes_in_flight=1)
+
+    class _Refusing:
+        def submit(self, job):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(disk, "_executor", lambda device=None: _Refusing())
+    with pytest.raises(RuntimeError, match="cannot schedule"):
+        disk.write(torch.ones(4))
+    monkeypatch.undo()
+    written = []
+    writer = threading.Thread(target=lambda: written.append(disk.result(disk.write(torch.ones(4)))))
+    writer.start()
+    writer.join(10)
+    assert written, "the refused write kept its slot: the next one waited forever"
+    disk.close()
+
+
 def test_writes_in_flight_are_bounded(tmp_path, monkeypatch):
     release, pwrite = threading.Event(), os.pwrite
     monkeypatch.setattr(_spill.os, "pwrite", lambda fd, data, offset: release.wait(10) and pwrite(fd, data, offset))
     disk = _spill.DiskTier(tmp_path, max_writes_in_flight=1)
+    disk.reserve()  # a staging copy's slot, taken before its copy exists
+    blocked = threading.Thread(target=lambda: disk.write(torch.ones(1)))
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive()  # waits for the reserved slot
+    disk.release()
+    blocked.join(10)
+    release.set()
+    disk.check(wait=True)
+    release.clear()
     first = disk.write(torch.ones(4))
     second_started = []
     writer = threading.Thread(target=lambda: second_started.append(disk.write(torch.full((), 2.0))))
@@ -213,7 +286,7 @@ def test_the_inputs_leave_memory_and_the_files_hold_their_bytes(tmp_path, monkey
     saved = [ref() for ref in files]
     assert sorted(os.fstat(s.fd).st_size for s in saved) == [batch.numel() * 4] * (LAYERS - 1)
     for spill in saved:
-        restored = spill.read(pin=False)
+        restored = spill.read(pin=False, like=(batch.shape, batch.stride()))  # the span of a contiguous input
         assert any(torch.equal(restored, copy) for _, copy in inputs[:-1])
     del saved, spill, restored
     loss.backward()

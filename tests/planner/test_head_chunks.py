@@ -1,11 +1,13 @@
 """Head chunks, linear-attention and MoE layers, the backward's offload count and the peak breakdown,
 against hand-computed formulas on small configs (pure arithmetic)."""
 
+import argparse
 import inspect
 from dataclasses import replace
 
 import pytest
 
+from hybridsp.__main__ import main
 from hybridsp.linear_attention import LinearLayerSpec
 from hybridsp.planner import (
     MODELS,
@@ -19,7 +21,9 @@ from hybridsp.planner import (
 )
 from hybridsp.planner._activations import attention_bytes_per_token, checkpoint_bytes, linear_bytes_per_token
 from hybridsp.planner._breakdown import peak_breakdown
+from hybridsp.planner._cli import add_arguments
 from hybridsp.planner._head_chunks import chunked_exposed, head_chunk_choices
+from hybridsp.planner._options import techniques_from_args
 from hybridsp.planner._phase_terms import attention_workspace_bytes
 
 pytestmark = pytest.mark.fast
@@ -100,6 +104,18 @@ def test_the_disk_tier_leaves_the_host_only_the_writes_in_flight():
     plain = memory_use(llama, Workload(1 << 20, techniques=tech), mesh)
     spilled = memory_use(llama, Workload(1 << 20, techniques=replace(tech, spill_activations=True)), mesh)
     assert spilled.total == plain.total and spilled.host < plain.host
+
+
+def test_the_spill_flag_reaches_the_techniques_and_needs_the_offload():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    both = parser.parse_args(["--model", "llama3-8b", "--offload-activations", "--spill-activations"])
+    assert techniques_from_args(both).spill_activations and techniques_from_args(both).activation_offload
+    assert not techniques_from_args(parser.parse_args(["--model", "llama3-8b"])).spill_activations
+    with pytest.raises(ValueError, match="--spill-activations needs --offload-activations"):
+        techniques_from_args(parser.parse_args(["--model", "llama3-8b", "--spill-activations"]))
+    with pytest.raises(SystemExit, match="--spill-activations needs --offload-activations"):
+        main(["plan", "--model", "llama3-8b", "--seq-len", "1M", "--spill-activations"])
 
 
 def test_breakdown_sums_to_the_total():
