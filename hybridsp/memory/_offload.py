@@ -54,26 +54,10 @@ before it reads a restored tensor. On CPU the same path runs synchronously: the 
 a fresh tensor (from ``host_allocator``, e.g. one outside a memory budget) and the restore
 copies it back, so results are bitwise those of plain checkpointing.
 
-Note [strides]: a restored input has exactly the saved one's strides: the checkpoint recomputes the
-layer from it, and a kernel that takes another path for other strides (``linear`` on a transposed
-input) saves other tensors of the same shapes, which the non-reentrant checkpoint would pair with
-the forward's without noticing (wrong gradients, found in review, for a transposed input and then
-for a slice and an expanded one). So the offload moves the stretch of storage the tensor reaches
-(``_aliases.storage_span``: a dense tensor's elements in storage order, a slice's with its gaps, an
-expanded one's without the repeats) and restores it into ``empty_strided`` of the saved shape and
-strides.
-
-Note [in-place changes]: with saved-tensor hooks autograd no longer checks that a saved tensor was
-left unchanged; the offload does: a marked input whose version counter moved between its save and
-its offload (or its write to disk, or, kept on the device, its restore) raises in the backward, as
-plain checkpointing does.
-
-Note [disk]: with ``spill_dir`` the offloaded inputs leave memory altogether
-(:class:`hybridsp.memory._spill.DiskTier`): on CPU the tensor itself is handed to a writer thread;
-on CUDA the pinned host copy is, once the side stream's event says it is filled. The backward's
-prefetch starts the read of the previous input (on CUDA; the host-to-device copy follows in its
-restore); a restore waits for its read. The host memory the offload fills drops to the copies in
-flight; the disk holds ``offloaded_bytes``.
+Note [strides], Note [in-place changes] and Note [disk] are in :mod:`hybridsp.memory._saved` (the
+handle each offloaded input gets): restored inputs keep the saved strides and alignment, an input
+changed in place before its offload raises in the backward, and with ``spill_dir`` the inputs go to
+unlinked files on a local disk.
 
 Why not DeepSpeed 0.19.8's ``CheckpointHiddenStatesOffload`` or torch's ``save_on_cpu``:
 DeepSpeed's skips every tensor on a CPU accelerator (so the path cannot run or be tested
@@ -88,15 +72,15 @@ from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
 
 import torch
 from torch import nn
 
-from hybridsp.memory._aliases import same_elements, storage_span
-from hybridsp.memory._spill import DiskTier, SpillFile, modified_in_place
+from hybridsp.memory._aliases import same_elements
+from hybridsp.memory._saved import SavedInput, nbytes
+from hybridsp.memory._spill import DiskTier
 from hybridsp.memory._split_checkpoint import second_half_entry
 
 HostAllocator = Callable[[torch.Size, torch.dtype], torch.Tensor]
@@ -116,144 +100,6 @@ class OffloadStats:
     restored_tensors: int = 0
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
-class _Saved:
-    """One marked input: on the device until offloaded, then on host (or disk) until restored.
-
-    ``previous`` is the marked input saved just before this one (the next one the backward
-    needs), for the prefetch; a handle owns its host copy (or its spill file), so a graph that is
-    never backwarded frees everything with its saved tensors."""
-
-    __slots__ = (
-        "owner",
-        "device_tensor",
-        "host",
-        "event",
-        "prefetched",
-        "previous",
-        "spilled",
-        "reading",
-        "layout",
-        "version",
-        "changed",
-        "__weakref__",
-    )
-    owner: ActivationOffload
-    device_tensor: torch.Tensor | None
-    host: torch.Tensor | None
-    event: torch.cuda.Event | None
-    prefetched: torch.Tensor | None
-    previous: _Saved | None
-    spilled: Future[SpillFile] | None
-    reading: Future[torch.Tensor] | None
-    layout: tuple[torch.Size, tuple[int, ...]]
-    version: int
-    changed: bool
-
-    def __init__(self, owner: "ActivationOffload", tensor: torch.Tensor) -> None:
-        self.owner, self.device_tensor = owner, tensor
-        self.host = self.event = self.prefetched = self.previous = self.spilled = self.reading = None
-        self.layout, self.version, self.changed = (tensor.shape, tensor.stride()), tensor._version, False
-
-    def offload(self) -> None:
-        """Copy to host (side stream on CUDA) or start writing it to disk; drop the device reference."""
-        tensor, owner, disk = self.device_tensor, self.owner, self.owner.disk
-        assert tensor is not None  # offloaded once, from the device
-        self.changed = tensor._version != self.version  # Note [in-place changes]
-        span = storage_span(tensor.detach())  # [n], Note [strides]
-        owner.stats.offloaded_tensors += 1
-        owner.stats.offloaded_bytes += _nbytes(span)
-        if disk is not None:
-            owner.stats.spilled_bytes += _nbytes(span)
-        if disk is not None and owner.stream is None:  # CPU: the tensor itself is written (Note [disk])
-            self.spilled, self.device_tensor = disk.write(span, device=tensor.device, version=self.version), None
-            return
-        if disk is not None:
-            disk.reserve()  # the staging copy exists only once its write has a slot
-        try:
-            self.host = owner.host_allocator(span.shape, span.dtype)
-        except BaseException:
-            if disk is not None:
-                disk.release()
-            raise
-        if owner.stream is not None:
-            owner.stream.wait_stream(torch.cuda.current_stream(tensor.device))
-            with torch.cuda.stream(owner.stream):
-                self.host.copy_(span, non_blocking=True)
-            tensor.record_stream(owner.stream)  # the block is not reused before the copy is done
-            self.event = owner.stream.record_event()
-        else:
-            self.host.copy_(span)
-        self.device_tensor = None
-        if disk is not None:  # the pinned copy goes to disk once the copy's event is reached
-            self.spilled, self.host = disk.write(self.host, self.event, tensor.device, reserved=True), None
-
-    def _read_back(self) -> torch.Tensor:
-        """The spilled tensor in host memory (pinned on CUDA), waiting for a read already started."""
-        disk, spilled = self.owner.disk, self.spilled
-        assert disk is not None and spilled is not None  # spilled
-        reading, self.reading = self.reading, None
-        if reading is None:
-            reading = disk.read(spilled, pin=self.owner.stream is not None, like=self.layout)
-        return disk.result(reading)
-
-    def _copy_back(self, device: torch.device) -> torch.Tensor:
-        """The saved tensor on ``device`` with its shape and strides (Note [strides])."""
-        owner = self.owner
-        if self.spilled is not None:  # read into a tensor with the saved layout
-            host = self._read_back()
-            if owner.stream is None:
-                return host
-            span = storage_span(host)  # [n]
-        else:
-            assert self.host is not None  # offloaded
-            span = self.host  # [n]
-        restored = torch.empty_strided(*self.layout, dtype=span.dtype, device=device)
-        if owner.stream is None:
-            storage_span(restored).copy_(span)
-            return restored
-        with torch.cuda.stream(owner.stream):
-            if self.spilled is None:
-                assert self.event is not None  # recorded by the offload
-                owner.stream.wait_event(self.event)  # the offload copy has finished
-            storage_span(restored).copy_(span, non_blocking=True)
-        self.event = owner.stream.record_event()
-        return restored
-
-    def prefetch(self) -> None:
-        if self.device_tensor is not None or self.prefetched is not None:
-            return
-        if self.spilled is not None and self.owner.disk is not None:  # only the read: restore copies it over
-            if self.reading is None:
-                self.reading = self.owner.disk.read(self.spilled, pin=True, like=self.layout)
-        elif self.host is not None:
-            self.prefetched = self._copy_back(self.owner.device)
-
-    def restore(self) -> torch.Tensor:
-        """The tensor on its device again; starts the prefetch of the previous one."""
-        if self.device_tensor is not None:  # kept on the device (the newest inputs)
-            if self.device_tensor._version != self.version:
-                raise modified_in_place()  # Note [in-place changes]
-            return self.device_tensor
-        if self.changed:
-            raise modified_in_place()
-        restored, self.prefetched = self.prefetched, None
-        if restored is None:
-            restored = self._copy_back(self.owner.device)
-        if self.owner.stream is not None:
-            current = torch.cuda.current_stream(restored.device)
-            assert self.event is not None  # recorded by the copy back
-            current.wait_event(self.event)
-            restored.record_stream(current)
-        self.owner.stats.restored_tensors += 1
-        if self.previous is not None and self.owner.prefetch and self.owner.stream is not None:
-            self.previous.prefetch()  # on CPU the copy is synchronous: prefetching would only hold memory
-        return restored
-
-
 class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
     """Saved-tensor hooks that keep checkpointed layers' inputs in host memory (module docstring).
 
@@ -270,7 +116,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             ``torch.empty`` (pinned when the inputs are on CUDA). With ``spill_dir`` only CUDA uses
             it (the staging copy a write starts from); on CPU the tensor itself is written.
         spill_dir: a directory on a local disk: the offloaded inputs are written to unlinked files
-            there instead of staying in host memory (:mod:`hybridsp.memory._spill`, Note [disk]);
+            there instead of staying in host memory (:mod:`hybridsp.memory._spill`, Note [disk] in
+            :mod:`hybridsp.memory._saved`);
             ValueError when it is not a writable directory.
 
     Enter it around the forward (each ``with`` resets :attr:`stats`); the backward may run
@@ -307,9 +154,9 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._handles = [layer.register_forward_pre_hook(self._mark, with_kwargs=True) for layer in self.layers]
         self._entries: set[int] = set()  # the split layers' MLP-half entry modules already hooked
         self._marked: list[torch.Tensor] = []
-        self._unclaimed: list[_Saved] = []
-        self._kept: list[_Saved] = []
-        self._last_saved: _Saved | None = None
+        self._unclaimed: list[SavedInput] = []
+        self._kept: list[SavedInput] = []
+        self._last_saved: SavedInput | None = None
         self._active = False
         self.stream: torch.cuda.Stream | None = None
         self.device = torch.device("cpu")
@@ -345,7 +192,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._hook_second_half(module)
         if self._active and module.training:
             first = next((a for a in args if isinstance(a, torch.Tensor)), kwargs.get("hidden_states"))
-            if isinstance(first, torch.Tensor) and first.is_floating_point() and _nbytes(first) >= self.min_bytes:
+            if isinstance(first, torch.Tensor) and first.is_floating_point() and nbytes(first) >= self.min_bytes:
                 saved_first = next((h for h in unclaimed if same_elements(h.device_tensor, first)), None)
                 if saved_first is not None:  # the checkpoint saved it before this hook ran (Note [hook order])
                     self._claim(saved_first)
@@ -363,21 +210,21 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
 
     # ------------------------------------------------------------------ the hooks
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | SavedInput:
         if not self._active:
             return tensor
         if any(same_elements(tensor, marked) for marked in self._marked):
             self._marked = [marked for marked in self._marked if not same_elements(tensor, marked)]
-            handle = _Saved(self, tensor)
+            handle = SavedInput(self, tensor)
             self._claim(handle)
             return handle
-        if tensor.is_floating_point() and _nbytes(tensor) >= self.min_bytes:
-            handle = _Saved(self, tensor)  # stays on the device unless the next layer's pre-hook claims it
+        if tensor.is_floating_point() and nbytes(tensor) >= self.min_bytes:
+            handle = SavedInput(self, tensor)  # stays on the device unless the next layer's pre-hook claims it
             self._unclaimed.append(handle)
             return handle
         return tensor
 
-    def _claim(self, handle: _Saved) -> None:
+    def _claim(self, handle: SavedInput) -> None:
         """``handle`` holds a checkpointed layer's input: keep it among the newest, offload the oldest."""
         tensor = handle.device_tensor
         assert tensor is not None  # claimed when saved, before any offload
@@ -390,8 +237,8 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             self._kept.pop(0).offload()
 
     @staticmethod
-    def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
-        return saved.restore() if isinstance(saved, _Saved) else saved
+    def _unpack(saved: torch.Tensor | SavedInput) -> torch.Tensor:
+        return saved.restore() if isinstance(saved, SavedInput) else saved
 
     # ------------------------------------------------------------------ context and undo
 

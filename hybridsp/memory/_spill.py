@@ -14,7 +14,7 @@ the kernel's page cache, which the kernel writes back and may evict (it is not t
 memory, but in a container it is charged to the cgroup until evicted). Writes and reads are plain
 ``pwrite``/``preadv`` of the tensor's bytes (short counts continued), so every dtype round-trips
 bitwise; the offload writes a saved tensor's storage span and reads it back into a tensor with the
-saved strides (``_aliases.storage_span``).
+saved layout (``_aliases.storage_span``, ``_aliases.empty_with``).
 
 Note [in flight]: at most ``max_writes_in_flight`` writes are queued (default 2): a forward that
 outruns the disk waits for the oldest instead of holding every not-yet-written tensor (on CPU the
@@ -25,7 +25,8 @@ context on device 0 from every rank).
 
 Note [in-place changes]: a tensor changed in place after it was saved (autograd's version counter
 moved from the ``version`` its writer recorded when it saved it) while it waits to be written raises
-when read back, as autograd does without saved-tensor hooks (with hooks it checks nothing).
+when read back, as autograd does without saved-tensor hooks (with hooks it checks nothing). A change
+after the write is not seen and does no harm: the read returns the bytes written.
 
 Note [failures]: a write that fails (disk full, too many open files, I/O error) is raised, with the
 directory named and the remedy for its errno, when
@@ -48,7 +49,7 @@ from typing import Any, TypeVar
 import torch
 
 from hybridsp._formulas import SPILL_WRITES_IN_FLIGHT
-from hybridsp.memory._aliases import storage_span
+from hybridsp.memory._aliases import Layout, dense_layout, empty_with, storage_span
 
 _PREFIX = "hybridsp_spill_"
 _Done = TypeVar("_Done")
@@ -94,13 +95,12 @@ class SpillFile:
             raise
         self.changed = tensor._version != version  # Note [in-place changes]
 
-    def read(self, pin: bool, like: tuple[torch.Size, tuple[int, ...]] | None = None) -> torch.Tensor:
-        """The tensor again on the host (pinned when ``pin``): contiguous, or with ``like``'s shape and
-        strides (the bytes are their storage span, ``_aliases.storage_span``)."""
+    def read(self, pin: bool, layout: Layout | None = None) -> torch.Tensor:
+        """The tensor again on the host (pinned when ``pin``): contiguous, or with ``layout`` (the bytes
+        are its storage span, ``_aliases.storage_span``)."""
         if self.changed:
             raise modified_in_place()
-        shape, stride = like if like is not None else (self.shape, torch.empty(self.shape, device="meta").stride())
-        restored = torch.empty_strided(shape, stride, dtype=self.dtype, pin_memory=pin)
+        restored = empty_with(layout if layout is not None else dense_layout(self.shape), self.dtype, pin=pin)
         data, done = _bytes_of(storage_span(restored)), 0
         if len(data) != self.nbytes:
             raise ValueError(f"a layout reaching {len(data)} bytes cannot hold the {self.nbytes} bytes written")
@@ -195,11 +195,9 @@ class DiskTier:
                 self._failure = future.exception()
         self.release()
 
-    def read(
-        self, spilled: Future[SpillFile], pin: bool = False, like: tuple[torch.Size, tuple[int, ...]] | None = None
-    ) -> Future[torch.Tensor]:
-        """Start reading a written tensor back into host memory (``like``: :meth:`SpillFile.read`)."""
-        return self._executor().submit(lambda: self.result(spilled).read(pin, like))
+    def read(self, spilled: Future[SpillFile], pin: bool = False, layout: Layout | None = None) -> Future[torch.Tensor]:
+        """Start reading a written tensor back into host memory (``layout``: :meth:`SpillFile.read`)."""
+        return self._executor().submit(lambda: self.result(spilled).read(pin, layout))
 
     def result(self, job: Future[_Done]) -> _Done:
         """What a write or read made; a failed one raises naming the directory and the remedy."""
