@@ -35,43 +35,48 @@ def same_elements(a: object, b: torch.Tensor) -> bool:
 def storage_span(tensor: torch.Tensor) -> torch.Tensor:
     """The stretch of ``tensor``'s storage its elements reach, as one contiguous 1-D view: ``[n]``, with
     ``n = 1 + sum((size - 1) * stride)`` (``numel`` for a dense tensor in any order; more for a slice,
-    less for an expanded one; 0 for an empty one). ``empty_strided(shape, stride)`` has exactly ``n``
-    elements of storage, so copying a span into its span restores the tensor with the same strides."""
+    less for an expanded one; 0 for an empty one). ``empty_with(layout_of(tensor))``'s span has exactly
+    ``n`` elements, so copying a span into it restores the tensor with the same strides."""
     reach = 0 if tensor.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
     return tensor.as_strided((reach,), (1,))  # [n]
 
 
-ALIGNMENT_BYTES = 64
-"""The address alignment a restored tensor keeps (torch's CPU allocator guarantees 64 bytes, CUDA's more)."""
+ALIGNMENT_BYTES = 256
+"""The address alignment a restored tensor keeps: cuBLASLt picks its algorithm by pointer alignment up to
+256 bytes; torch's CPU kernels split their vectorized loops at 64."""
 
 
 class Layout(NamedTuple):
-    """How a tensor sees its storage: ``shape``, ``stride``, and ``offset``, its storage offset modulo
-    :data:`ALIGNMENT_BYTES` (in elements): a restored tensor starts at the same address alignment, so a
-    vectorized kernel splits it the same way and rounds the same (a slice one fp64 element in otherwise
-    came back 64-byte aligned and gave gradients 1e-14 off plain checkpointing's)."""
+    """How a tensor sees its storage: ``shape``, ``stride``, and ``align``, its address modulo
+    :data:`ALIGNMENT_BYTES`: a restored tensor starts at the same alignment, so a vectorized kernel (or
+    cuBLASLt's algorithm choice) splits it the same way and rounds the same (a slice one fp64 element in
+    came back aligned and gave gradients 1e-14 off plain checkpointing's)."""
 
     shape: torch.Size
     stride: tuple[int, ...]
-    offset: int
+    align: int
 
 
 def layout_of(tensor: torch.Tensor) -> Layout:
-    """``tensor``'s :class:`Layout`."""
-    per_alignment = max(1, ALIGNMENT_BYTES // tensor.element_size())
-    return Layout(tensor.shape, tensor.stride(), int(tensor.storage_offset()) % per_alignment)
+    """``tensor``'s :class:`Layout` (from its address: a storage need not start aligned, e.g. ``frombuffer``)."""
+    return Layout(tensor.shape, tensor.stride(), tensor.data_ptr() % ALIGNMENT_BYTES)
 
 
 def dense_layout(shape: torch.Size) -> Layout:
-    """The :class:`Layout` of a contiguous tensor of ``shape``."""
+    """The :class:`Layout` of a contiguous tensor of ``shape``, aligned."""
     return Layout(shape, torch.empty(shape, device="meta").stride(), 0)
 
 
 def empty_with(
     layout: Layout, dtype: torch.dtype, device: torch.device | str = "cpu", pin: bool = False
 ) -> torch.Tensor:
-    """An uninitialized tensor with ``layout`` (its :func:`storage_span` as long as the saved one's)."""
-    shape, stride, offset = layout
+    """An uninitialized tensor with ``layout``: its shape and strides, its :func:`storage_span` as long
+    as the saved one's, starting at the saved alignment (an address that is not a whole number of
+    elements from an aligned one, which no allocator hands out, starts aligned instead)."""
+    shape, stride, align = layout
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
     reach = 0 if any(n == 0 for n in shape) else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
-    storage = torch.empty(offset + reach, dtype=dtype, device=device, pin_memory=pin)  # [offset + n]
-    return storage.as_strided(shape, stride, offset)  # the saved [shape] and strides
+    storage = torch.empty(ALIGNMENT_BYTES // itemsize + reach, dtype=dtype, device=device, pin_memory=pin)  # [A + n]
+    shift = (align - storage.data_ptr()) % ALIGNMENT_BYTES
+    start = shift // itemsize if shift % itemsize == 0 else 0
+    return storage.as_strided(shape, stride, start)  # the saved [shape] and strides

@@ -52,7 +52,9 @@ device: the backward needs them before a copy could return. In the backward, res
 copy overlaps layer ``i``'s recompute and backward; the compute stream waits on an event
 before it reads a restored tensor. On CPU the same path runs synchronously: the "host" copy is
 a fresh tensor (from ``host_allocator``, e.g. one outside a memory budget) and the restore
-copies it back, so results are bitwise those of plain checkpointing.
+copies it back, so results are bitwise those of plain checkpointing. A tensor restored on CUDA is
+allocated on the side stream that fills it, so its block goes back to that stream's pool of torch's
+caching allocator: reserved (not allocated) device memory may grow by a layer input or two.
 
 Note [strides], Note [in-place changes] and Note [disk] are in :mod:`hybridsp.memory._saved` (the
 handle each offloaded input gets): restored inputs keep the saved strides and alignment, an input
@@ -156,6 +158,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._marked: list[torch.Tensor] = []
         self._unclaimed: list[SavedInput] = []
         self._kept: list[SavedInput] = []
+        self._copying: list[SavedInput] = []  # offloaded, their copies maybe still running
         self._last_saved: SavedInput | None = None
         self._active = False
         self.stream: torch.cuda.Stream | None = None
@@ -234,7 +237,15 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         handle.previous, self._last_saved = self._last_saved, handle
         self._kept.append(handle)
         while len(self._kept) > self.keep_last:
-            self._kept.pop(0).offload()
+            oldest = self._kept.pop(0)
+            oldest.offload()
+            self._copying.append(oldest)
+        self.settle_copies()
+
+    def settle_copies(self, wait: bool = False) -> None:
+        """Let go of the device inputs whose copies to host are done (CUDA; Note [in-place changes] in
+        :mod:`hybridsp.memory._saved`); ``wait``: of all of them."""
+        self._copying = [handle for handle in self._copying if not handle.settle(wait)]
 
     @staticmethod
     def _unpack(saved: torch.Tensor | SavedInput) -> torch.Tensor:
@@ -248,6 +259,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return self
         self.stats = OffloadStats()
         self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
+        self.settle_copies(wait=True)  # a step never backwarded left them
         if self.disk is not None:
             self.disk.clear_failures()  # of a step that stopped before its backward
         self._active = True
@@ -260,6 +272,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._active = False
         self.stats.kept_tensors += len(self._kept)
         self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
+        self.settle_copies()
         super().__exit__(*exc)
         if self.disk is not None and exc[0] is None:
             self.disk.check()  # a write that already failed stops the step here

@@ -14,10 +14,13 @@ misaligned tensor differently, which changes rounding). A slice with gaps moves 
 
 Note [in-place changes]: with saved-tensor hooks autograd no longer checks that a saved tensor was
 left unchanged; the offload does, from the save on: a marked input whose version counter moved between
-its save and its offload (kept on the device: its restore; on CPU's disk tier: its write) raises in
-the backward, as plain checkpointing does. A change after that is not seen, and does no harm: the
-backward uses the copy taken before it. (On CUDA's host tier the side-stream copy may still be running
-when a later kernel writes the tensor; nothing orders the two. Found in review, left to a GPU run.)
+its save and the moment its copy is taken raises in the backward, as plain checkpointing does. That
+moment is its offload on CPU (the copy is synchronous), its write on CPU's disk tier, its restore when
+kept on the device, and on CUDA the completion of the side-stream copy: the handle holds the device
+tensor (``copying``) until the copy's event is reached (polled at each layer's claim and each restore;
+a restore waits for it) and then compares the version. An in-place kernel launched before that moment
+bumped the version on launch, so a copy it may have torn is caught; one launched later runs after the
+copy. A change after the copy is not seen and does no harm: the backward uses the copy.
 
 Note [disk]: with a disk tier (``spill_dir``) the offloaded inputs leave memory altogether
 (:class:`hybridsp.memory._spill.DiskTier`): on CPU the tensor's span itself is handed to the writer
@@ -66,6 +69,7 @@ class SavedInput:
         "layout",
         "version",
         "changed",
+        "copying",
         "__weakref__",
     )
     owner: ActivationOffload
@@ -79,10 +83,12 @@ class SavedInput:
     layout: Layout
     version: int
     changed: bool
+    copying: torch.Tensor | None
 
     def __init__(self, owner: ActivationOffload, tensor: torch.Tensor) -> None:
         self.owner, self.device_tensor = owner, tensor
         self.host = self.event = self.prefetched = self.previous = self.spilled = self.reading = None
+        self.copying = None
         self.layout, self.version, self.changed = layout_of(tensor), tensor._version, False
 
     def offload(self) -> None:
@@ -91,22 +97,28 @@ class SavedInput:
         assert tensor is not None  # offloaded once, from the device
         self.changed = tensor._version != self.version  # Note [in-place changes]
         span = storage_span(tensor.detach())  # [n], Note [strides]
+        if disk is not None and owner.stream is None:  # CPU: the span itself is written (Note [disk])
+            self.spilled = disk.write(span, device=tensor.device, version=self.version)
+        else:
+            self._stage(tensor, span)
+        self.device_tensor = None
         owner.stats.offloaded_tensors += 1
         owner.stats.offloaded_bytes += nbytes(span)
         if disk is not None:
             owner.stats.spilled_bytes += nbytes(span)
-        if disk is not None and owner.stream is None:  # CPU: the span itself is written (Note [disk])
-            self.spilled, self.device_tensor = disk.write(span, device=tensor.device, version=self.version), None
-            return
+
+    def _stage(self, tensor: torch.Tensor, span: torch.Tensor) -> None:
+        """``span`` to host memory, and with a disk tier on from there to disk (CUDA's staging copy,
+        made only once its write has a slot; the slot is given back if anything before the write fails)."""
+        disk = self.owner.disk
         if disk is not None:
-            disk.reserve()  # the staging copy exists only once its write has a slot
+            disk.reserve()
         try:
             host = self._copy_to_host(tensor, span)
         except BaseException:
             if disk is not None:
                 disk.release()
             raise
-        self.device_tensor = None
         if disk is None:
             self.host = host
         else:  # the pinned copy goes to disk once the copy's event is reached
@@ -123,7 +135,22 @@ class SavedInput:
             host.copy_(span, non_blocking=True)
         tensor.record_stream(owner.stream)  # the block is not reused before the copy is done
         self.event = owner.stream.record_event()
+        self.copying = tensor  # until the copy is done (Note [in-place changes])
         return host
+
+    def settle(self, wait: bool = False) -> bool:
+        """Whether the side-stream copy is done (``wait``: wait for it); once done, the device tensor is
+        dropped and its version compared (Note [in-place changes])."""
+        if self.copying is None:
+            return True
+        assert self.event is not None  # recorded with the copy
+        if wait:
+            self.event.synchronize()
+        elif not self.event.query():
+            return False
+        self.changed = self.changed or self.copying._version != self.version
+        self.copying = None
+        return True
 
     def _read_back(self) -> torch.Tensor:
         """The spilled tensor in host memory (pinned on CUDA), waiting for a read already started."""
@@ -174,6 +201,8 @@ class SavedInput:
             if self.device_tensor._version != self.version:
                 raise modified_in_place()  # Note [in-place changes]
             return self.device_tensor
+        self.settle(wait=True)
+        self.owner.settle_copies()
         if self.changed:
             raise modified_in_place()
         restored, self.prefetched = self.prefetched, None
