@@ -72,10 +72,15 @@ def empty_with(
 ) -> torch.Tensor:
     """An uninitialized tensor with ``layout``: its shape and strides, its :func:`storage_span` as long
     as the saved one's, starting at the saved alignment (an address that is not a whole number of
-    elements from an aligned one, which no allocator hands out, starts aligned instead)."""
+    elements from an aligned one, which no allocator hands out, starts at the allocator's alignment).
+    Only a storage that does not start at the alignment wanted gets ``ALIGNMENT_BYTES`` more (pinned
+    blocks round up to a power of two)."""
     shape, stride, align = layout
     itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
     reach = 0 if any(n == 0 for n in shape) else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    storage = torch.empty(reach, dtype=dtype, device=device, pin_memory=pin)  # [n]
+    if storage.data_ptr() % ALIGNMENT_BYTES == align:
+        return storage.as_strided(shape, stride, 0)  # the saved [shape] and strides
     storage = torch.empty(ALIGNMENT_BYTES // itemsize + reach, dtype=dtype, device=device, pin_memory=pin)  # [A + n]
     shift = (align - storage.data_ptr()) % ALIGNMENT_BYTES
     start = shift // itemsize if shift % itemsize == 0 else 0

@@ -58,7 +58,7 @@ caching allocator: reserved (not allocated) device memory may grow by a layer in
 
 Note [strides], Note [in-place changes] and Note [disk] are in :mod:`hybridsp.memory._saved` (the
 handle each offloaded input gets): restored inputs keep the saved strides and alignment, an input
-changed in place before its offload raises in the backward, and with ``spill_dir`` the inputs go to
+changed in place before its copy is taken raises in the backward, and with ``spill_dir`` the inputs go to
 unlinked files on a local disk.
 
 Why not DeepSpeed 0.19.8's ``CheckpointHiddenStatesOffload`` or torch's ``save_on_cpu``:
@@ -272,7 +272,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._active = False
         self.stats.kept_tensors += len(self._kept)
         self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
-        self.settle_copies()
+        self.settle_copies(wait=True)  # the last copy began a layer and the loss ago; nothing held past here
         super().__exit__(*exc)
         if self.disk is not None and exc[0] is None:
             self.disk.check()  # a write that already failed stops the step here
@@ -284,6 +284,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             handle.remove()
         self._handles, self._entries = [], set()
         self.layers = []
+        self.settle_copies(wait=True)
         if self.disk is not None:
             self.disk.close()
 

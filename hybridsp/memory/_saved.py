@@ -17,10 +17,11 @@ left unchanged; the offload does, from the save on: a marked input whose version
 its save and the moment its copy is taken raises in the backward, as plain checkpointing does. That
 moment is its offload on CPU (the copy is synchronous), its write on CPU's disk tier, its restore when
 kept on the device, and on CUDA the completion of the side-stream copy: the handle holds the device
-tensor (``copying``) until the copy's event is reached (polled at each layer's claim and each restore;
-a restore waits for it) and then compares the version. An in-place kernel launched before that moment
+tensor (``copying``, detached: the version counter, not the graph) until the copy's event is seen
+reached (polled at each layer's claim, waited for at the forward's end and by a restore) and then
+compares the version. An in-place kernel launched before that moment
 bumped the version on launch, so a copy it may have torn is caught; one launched later runs after the
-copy. A change after the copy is not seen and does no harm: the backward uses the copy.
+copy. A change after the copy is seen done is not seen and does no harm: the backward uses the copy.
 
 Note [disk]: with a disk tier (``spill_dir``) the offloaded inputs leave memory altogether
 (:class:`hybridsp.memory._spill.DiskTier`): on CPU the tensor's span itself is handed to the writer
@@ -135,20 +136,21 @@ class SavedInput:
             host.copy_(span, non_blocking=True)
         tensor.record_stream(owner.stream)  # the block is not reused before the copy is done
         self.event = owner.stream.record_event()
-        self.copying = tensor  # until the copy is done (Note [in-place changes])
+        self.copying = tensor.detach()  # its version counter, not its graph, until the copy is done
         return host
 
     def settle(self, wait: bool = False) -> bool:
         """Whether the side-stream copy is done (``wait``: wait for it); once done, the device tensor is
         dropped and its version compared (Note [in-place changes])."""
-        if self.copying is None:
+        copying, event = self.copying, self.event
+        if copying is None:
             return True
-        assert self.event is not None  # recorded with the copy
+        assert event is not None  # recorded with the copy
         if wait:
-            self.event.synchronize()
-        elif not self.event.query():
+            event.synchronize()
+        elif not event.query():
             return False
-        self.changed = self.changed or self.copying._version != self.version
+        self.changed = self.changed or copying._version != self.version
         self.copying = None
         return True
 
@@ -202,7 +204,6 @@ class SavedInput:
                 raise modified_in_place()  # Note [in-place changes]
             return self.device_tensor
         self.settle(wait=True)
-        self.owner.settle_copies()
         if self.changed:
             raise modified_in_place()
         restored, self.prefetched = self.prefetched, None

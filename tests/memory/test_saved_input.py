@@ -86,3 +86,11 @@ def test_a_staging_copy_that_fails_gives_its_slot_back_and_counts_nothing(tmp_pa
     assert offload.disk is not None and offload.disk._in_flight == 0
     assert handle.device_tensor is tensor and offload.stats.offloaded_tensors == offload.stats.spilled_bytes == 0
     offload.remove()
+
+
+def test_the_forward_s_end_waits_for_the_copies_so_nothing_is_held_past_it():
+    """A step that stops (an error, or no backward) leaves no device input or graph on the offload."""
+    offload, tensor = _offload(), torch.randn(3, 4)
+    with offload:
+        handle, event = _copy_in_flight(offload, tensor)
+    assert event.done and handle.copying is None and offload._copying == [] and not handle.changed
