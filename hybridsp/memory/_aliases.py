@@ -37,8 +37,12 @@ def storage_span(tensor: torch.Tensor) -> torch.Tensor:
     ``n = 1 + sum((size - 1) * stride)`` (``numel`` for a dense tensor in any order; more for a slice,
     less for an expanded one; 0 for an empty one). ``empty_with(layout_of(tensor))``'s span has exactly
     ``n`` elements, so copying a span into it restores the tensor with the same strides."""
-    reach = 0 if tensor.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
-    return tensor.as_strided((reach,), (1,))  # [n]
+    return tensor.as_strided((_reach(tensor.shape, tensor.stride()),), (1,))  # [n]
+
+
+def _reach(shape: torch.Size, stride: tuple[int, ...]) -> int:
+    """The elements of storage a view of ``shape`` and ``stride`` reaches from its first one (0 when empty)."""
+    return 0 if any(n == 0 for n in shape) else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
 
 
 ALIGNMENT_BYTES = 256
@@ -76,12 +80,13 @@ def empty_with(
     Only a storage that does not start at the alignment wanted gets ``ALIGNMENT_BYTES`` more (pinned
     blocks round up to a power of two)."""
     shape, stride, align = layout
-    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
-    reach = 0 if any(n == 0 for n in shape) else 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+    reach = _reach(shape, stride)
     storage = torch.empty(reach, dtype=dtype, device=device, pin_memory=pin)  # [n]
     if storage.data_ptr() % ALIGNMENT_BYTES == align:
         return storage.as_strided(shape, stride, 0)  # the saved [shape] and strides
-    storage = torch.empty(ALIGNMENT_BYTES // itemsize + reach, dtype=dtype, device=device, pin_memory=pin)  # [A + n]
+    storage = torch.empty(
+        ALIGNMENT_BYTES // dtype.itemsize + reach, dtype=dtype, device=device, pin_memory=pin
+    )  # [A + n]
     shift = (align - storage.data_ptr()) % ALIGNMENT_BYTES
-    start = shift // itemsize if shift % itemsize == 0 else 0
+    start = shift // dtype.itemsize if shift % dtype.itemsize == 0 else 0
     return storage.as_strided(shape, stride, start)  # the saved [shape] and strides

@@ -259,7 +259,6 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             return self
         self.stats = OffloadStats()
         self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
-        self.settle_copies(wait=True)  # a step never backwarded left them
         if self.disk is not None:
             self.disk.clear_failures()  # of a step that stopped before its backward
         self._active = True
@@ -284,7 +283,6 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             handle.remove()
         self._handles, self._entries = [], set()
         self.layers = []
-        self.settle_copies(wait=True)
         if self.disk is not None:
             self.disk.close()
 
