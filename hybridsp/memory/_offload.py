@@ -240,9 +240,9 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
             oldest = self._kept.pop(0)
             oldest.offload()
             self._copying.append(oldest)
-        self.settle_copies()
+        self._settle_copies()
 
-    def settle_copies(self, wait: bool = False) -> None:
+    def _settle_copies(self, wait: bool = False) -> None:
         """Let go of the device inputs whose copies to host are done (CUDA; Note [in-place changes] in
         :mod:`hybridsp.memory._saved`); ``wait``: of all of them."""
         self._copying = [handle for handle in self._copying if not handle.settle(wait)]
@@ -271,7 +271,7 @@ class ActivationOffload(torch.autograd.graph.saved_tensors_hooks):
         self._active = False
         self.stats.kept_tensors += len(self._kept)
         self._marked, self._unclaimed, self._kept, self._last_saved = [], [], [], None
-        self.settle_copies(wait=True)  # the last copy began a layer and the loss ago; nothing held past here
+        self._settle_copies(wait=True)  # the last copy began a layer and the loss ago; nothing held past here
         super().__exit__(*exc)
         if self.disk is not None and exc[0] is None:
             self.disk.check()  # a write that already failed stops the step here

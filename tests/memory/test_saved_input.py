@@ -41,10 +41,10 @@ def _offload(**options):
 def test_a_copy_not_yet_done_holds_the_device_tensor_until_its_event():
     offload, tensor = _offload(), torch.randn(3, 4)
     handle, event = _copy_in_flight(offload, tensor)
-    offload.settle_copies()
+    offload._settle_copies()
     assert handle.copying is tensor and offload._copying == [handle]
     event.done = True
-    offload.settle_copies()
+    offload._settle_copies()
     assert handle.copying is None and offload._copying == [] and not handle.changed
     assert torch.equal(handle.restore(), tensor)
 
@@ -58,7 +58,7 @@ def test_an_in_place_change_while_the_copy_runs_raises_in_the_backward(waited):
     tensor.mul_(2)
     if not waited:
         event.done = True
-        offload.settle_copies()
+        offload._settle_copies()
         assert handle.changed
     with pytest.raises(RuntimeError, match="modified in place"):
         handle.restore()
@@ -69,7 +69,7 @@ def test_a_change_after_the_copy_is_done_does_no_harm():
     handle, event = _copy_in_flight(offload, tensor)
     saved = tensor.clone()
     event.done = True
-    offload.settle_copies()
+    offload._settle_copies()
     tensor.mul_(2)
     assert torch.equal(handle.restore(), saved)
 
